@@ -1,0 +1,607 @@
+"""``GracefulExitBridge``: the callback that connects a trainer to Rankwatch.
+
+It lives inside someone else's training loop, so it is built around three
+rules:
+
+* **The step hook is cheap.** ``on_train_step_end`` reads the clock, appends
+  to a deque and compares two integers. Files, psutil and the flag are
+  handled by one daemon thread (``_Reporter``).
+* **Agreement is amortised.** Ranks agree on "stop now?" with one float32 SUM
+  AllReduce (the one collective MindSpore's CPU backend has for this) every
+  *K* steps, at global step numbers every rank computes alike. *K* is
+  recomputed at each agreement from the *reduced* mean step time, which is
+  the same float on every rank, so every rank picks the same next step:
+  ``K = clamp(sync_interval_s / mean_step_s, 1, max_sync_every)``.
+* **Nothing the dashboard does can hurt training.** A bad flag is logged once
+  and ignored, a full disk is logged once and reported, a reporter bug is
+  logged and the reporter carries on. Only a stop request stops training.
+
+On Ascend with ``MS_ENABLE_GRACEFUL_EXIT=1`` MindSpore's in-graph exit works,
+so the bridge only reports there and leaves stopping to ``OnRequestExit``.
+"""
+from __future__ import annotations
+
+import atexit
+import collections
+import json
+import logging
+import math
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import mindspore as ms
+from mindspore import Tensor, nn, ops
+from mindspore.train import Callback
+
+from trainer_bridge import runfiles
+from trainer_bridge.ckptindex import newest_complete_set
+from trainer_bridge.device import DeviceProbe
+
+__all__ = ["GracefulExitBridge", "ResumePoint", "find_resume_point"]
+
+log = logging.getLogger("trainer_bridge")
+
+# The heartbeat carries each step's time since the previous heartbeat; this
+# bounds that list (and the deque behind it) for very fast steps.
+MAX_STEP_TIMES = 64
+
+
+class _SumAllReduce(nn.Cell):
+    """float32 SUM AllReduce over the world group: the vote carrier."""
+
+    def __init__(self):
+        super().__init__()
+        self.all_reduce = ops.AllReduce()
+
+    def construct(self, x):
+        return self.all_reduce(x)
+
+
+class ResumePoint:
+    """The checkpoint set a job resumes from: its global step and this rank's file."""
+
+    def __init__(self, global_step: int, epoch: int | None, path: Path, request_id: str | None,
+                 saved_at: float):
+        self.global_step = global_step
+        self.epoch = epoch
+        self.path = path
+        self.request_id = request_id
+        self.saved_at = saved_at
+
+    def __repr__(self) -> str:
+        return f"ResumePoint(global_step={self.global_step}, path={str(self.path)!r})"
+
+
+def find_resume_point(run_dir: str | os.PathLike, rank: int, world_size: int) -> ResumePoint | None:
+    """The newest bridge checkpoint set complete across ``world_size`` ranks, or None."""
+    cset = newest_complete_set(run_dir, world_size)
+    if cset is None:
+        return None
+    mine = cset.file_for(rank)
+    request_id = mine.meta.extras.get("rankwatch_request_id")
+    return ResumePoint(global_step=cset.global_step, epoch=cset.epoch, path=Path(mine.abspath),
+                       request_id=request_id if isinstance(request_id, str) else None,
+                       saved_at=mine.meta.mtime)
+
+
+def _world() -> tuple[int, int]:
+    """(rank, world size); (0, 1) when the communication layer is not initialised."""
+    try:
+        from mindspore.communication import get_group_size, get_rank
+        return get_rank(), get_group_size()
+    except (RuntimeError, ValueError):
+        return 0, 1
+
+
+class GracefulExitBridge(Callback):
+    """Reports this rank to Rankwatch and stops it gracefully on request.
+
+    Args:
+        run_dir: the run directory shared with the dashboard.
+        sync_interval_s: target seconds between stop agreements. It bounds the
+            stop latency from the flag being seen to every rank agreeing.
+        heartbeat_interval_s: seconds between heartbeat writes.
+        poll_interval_s: seconds between ``os.stat`` calls on the flag.
+        max_sync_every: the most steps between agreements, whatever the step time.
+        resume: load the newest complete checkpoint set at train begin.
+        save_checkpoint: save a checkpoint when stopping.
+        handle_sigterm: treat SIGTERM as a stop request (ModelArts sends it on
+            faults); a second SIGTERM terminates at once.
+    """
+
+    def __init__(self, run_dir, *, sync_interval_s: float = 0.5, heartbeat_interval_s: float = 1.0,
+                 poll_interval_s: float = 0.2, max_sync_every: int = 1000, resume: bool = True,
+                 save_checkpoint: bool = True, handle_sigterm: bool = True):
+        super().__init__()
+        for name, value in (("sync_interval_s", sync_interval_s),
+                            ("heartbeat_interval_s", heartbeat_interval_s),
+                            ("poll_interval_s", poll_interval_s)):
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"GracefulExitBridge: {name} must be a positive number, got {value!r}")
+        if not (isinstance(max_sync_every, int) and max_sync_every >= 1):
+            raise ValueError(f"GracefulExitBridge: max_sync_every must be an int >= 1, got {max_sync_every!r}")
+        self.run_dir = Path(run_dir)
+        self.sync_interval_s = float(sync_interval_s)
+        self.heartbeat_interval_s = float(heartbeat_interval_s)
+        self.poll_interval_s = float(poll_interval_s)
+        self.max_sync_every = max_sync_every
+        self.resume_enabled = resume
+        self.save_checkpoint = save_checkpoint
+        self.handle_sigterm = handle_sigterm
+        self._resume_point: ResumePoint | None = None
+        self._resume_checked = False
+        self._data_aligned = False
+        self._reporter: _Reporter | None = None
+
+    # ----------------------------------------------------------------- resume
+    def resume(self, dataset=None) -> int:
+        """Find the set to resume from; return the ``initial_epoch`` for ``Model.train``.
+
+        Pass the training dataset so it starts at the step after the
+        checkpoint (``Dataset.set_init_step`` skips the finished part of that
+        epoch). Call it before ``model.train(..., initial_epoch=...)``.
+        """
+        self._find_resume()
+        point = self._resume_point
+        if point is None or dataset is None:
+            return 0
+        per_epoch = dataset.get_dataset_size()
+        initial_epoch, skip = divmod(point.global_step, per_epoch)
+        if skip:
+            dataset.set_init_step(skip)
+        self._data_aligned = True
+        return initial_epoch
+
+    def _find_resume(self) -> None:
+        if self._resume_checked or not self.resume_enabled:
+            return
+        self._resume_checked = True
+        rank, world = _world()
+        self._resume_point = find_resume_point(self.run_dir, rank, world)
+
+    # ----------------------------------------------------------------- hooks
+    def on_train_begin(self, run_context):
+        cb = run_context.original_args()
+        self._rank, self._world = _world()
+        self._find_resume()
+        self._native = (os.environ.get("MS_ENABLE_GRACEFUL_EXIT") == "1"
+                        and ms.get_context("device_target") == "Ascend")
+        self._vote_op = None
+        if self._world > 1 and not self._native:
+            cell = _SumAllReduce()
+            self._vote_op = ms.jit(cell.construct) if ms.get_context("mode") == ms.PYNATIVE_MODE else cell
+
+        self._stop_source: str | None = None  # "flag" or "sigterm" once this rank saw a request
+        self._stopping = False
+        self._sigterm_count = 0
+        self._step_times: collections.deque = collections.deque(maxlen=MAX_STEP_TIMES)
+        self._interval_time = 0.0
+        self._interval_steps = 0
+        # cb_params is a dict whose missing attributes raise KeyError.
+        self._epoch = cb.get("cur_epoch_num") or 1
+        self._batch_num = cb.get("batch_num")
+        self._global_step = cb.get("cur_step_num") or 0
+
+        point = self._resume_point
+        if point is not None:
+            self._agree_on_resume(point)
+            ms.load_checkpoint(str(point.path), net=cb.train_network)
+            cb.cur_step_num = point.global_step
+            self._global_step = point.global_step
+            if not self._data_aligned:
+                log.warning("rankwatch: resumed weights from global step %d, but the dataset was not "
+                            "aligned; call initial_epoch=bridge.resume(dataset) before model.train",
+                            point.global_step)
+        # Agree after the first step (it includes graph compilation), then every K.
+        self._next_sync = self._global_step + 1
+        self._sync_every = 1
+
+        dataset = cb.get("train_dataset")
+        batch_size = dataset.get_batch_size() if hasattr(dataset, "get_batch_size") else None
+        self._last_step_end = time.perf_counter()
+        self._reporter = _Reporter(self, batch_size, point)
+        self._reporter.start()
+        if self.handle_sigterm and threading.current_thread() is threading.main_thread():
+            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def on_train_epoch_begin(self, run_context):
+        self._epoch = run_context.original_args().cur_epoch_num
+
+    def on_train_step_end(self, run_context):
+        now = time.perf_counter()
+        dt = now - self._last_step_end
+        self._last_step_end = now
+        self._global_step += 1
+        self._step_times.append(dt)
+        self._interval_time += dt
+        self._interval_steps += 1
+        if now >= self._reporter.loss_due:
+            self._reporter.take_loss(run_context.original_args().net_outputs)
+        if self._global_step >= self._next_sync:
+            self._agree(run_context)
+
+    def on_train_end(self, run_context):
+        self._restore_sigterm()
+        reporter = self._reporter
+        if reporter is None:
+            return
+        if self._stopping:
+            reporter.set_stage("exited")
+            reporter.state = "exited"
+        else:
+            reporter.state = "finished"
+        reporter.close()
+
+    # ------------------------------------------------------------- agreement
+    def _agree(self, run_context) -> None:
+        """Vote at an agreed step: stop if any rank saw a request; pick the next step."""
+        votes, mean_step_s = self._vote()
+        self._sync_every = self._next_interval(mean_step_s)
+        self._next_sync = self._global_step + self._sync_every
+        self._reporter.sync_every = self._sync_every
+        if self._reporter.state == "starting":
+            self._reporter.state = "training"
+        if votes > 0 and not self._stopping:
+            self._stop(run_context)
+
+    def _vote(self) -> tuple[float, float]:
+        mine = 1.0 if self._reporter.request is not None or self._sigterm_count else 0.0
+        mean = self._interval_time / self._interval_steps if self._interval_steps else 0.0
+        self._interval_time, self._interval_steps = 0.0, 0
+        if self._vote_op is None:
+            return mine, mean
+        out = self._vote_op(Tensor(np.array([mine, mean], np.float32))).asnumpy()
+        return float(out[0]), float(out[1]) / self._world
+
+    def _next_interval(self, mean_step_s: float) -> int:
+        if mean_step_s <= 0:
+            return 1
+        return max(1, min(self.max_sync_every, int(self.sync_interval_s / mean_step_s)))
+
+    def _agree_on_resume(self, point: ResumePoint) -> None:
+        """Fail fast, on every rank together, if ranks found different resume sets."""
+        if self._vote_op is None:
+            return
+        out = self._vote_op(Tensor(np.array([point.global_step, 1.0], np.float32))).asnumpy()
+        if abs(float(out[0]) - point.global_step * self._world) > 0.5:
+            raise RuntimeError(f"GracefulExitBridge: rank {self._rank} would resume from global step "
+                               f"{point.global_step}, but the ranks disagree (sum {out[0]:.0f}); "
+                               f"check that every rank sees the same {self.run_dir}/checkpoints")
+
+    def _stop(self, run_context) -> None:
+        cb = run_context.original_args()
+        self._stopping = True
+        reporter = self._reporter
+        request = reporter.request
+        if request is None and not self._sigterm_count:
+            # Another rank saw the flag first: read it now for its request id.
+            request = reporter.read_flag_now()
+        if request is not None:
+            request_id, source = request.request_id or "native-flag", "flag"
+        else:
+            request_id, source = f"sigterm-{int(time.time())}", "sigterm"
+        reporter.begin_stop(request_id, source, stop_step=self._global_step)
+        if self.save_checkpoint and not self._native:
+            self._save(cb, request_id)
+        run_context.request_stop()
+
+    def _save(self, cb, request_id: str) -> None:
+        per_epoch = self._batch_num or 1
+        step_in_epoch = (self._global_step - 1) % per_epoch + 1
+        path = runfiles.checkpoint_path(self.run_dir, self._rank, self._epoch, step_in_epoch)
+        append = {
+            "epoch_num": self._epoch,
+            "step_num": self._global_step,
+            "batch_num": per_epoch,
+            "rankwatch_request_id": request_id,
+            "rankwatch_rank": self._rank,
+            "rankwatch_world_size": self._world,
+        }
+        # MindSpore optimizers keep a `global_step` Parameter, saved with the
+        # network. Adding the key again (as OnRequestExit does) replaces that
+        # shape-(1,) tensor with a scalar, and the file no longer loads.
+        if "global_step" not in {p.name for p in cb.train_network.get_parameters()}:
+            append["global_step"] = self._global_step
+        self._reporter.set_stage("saving")
+        self._reporter.state = "saving"
+        started = time.perf_counter()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            ms.save_checkpoint(cb.train_network, str(path), append_dict=append)
+            seconds = time.perf_counter() - started
+            self._reporter.saved(path, path.stat().st_size, seconds)
+        except (OSError, RuntimeError, ValueError) as e:
+            log.error("rankwatch: rank %d could not save its checkpoint to %s: %s", self._rank, path, e)
+            self._reporter.save_failed(f"{type(e).__name__}: {e}")
+
+    # --------------------------------------------------------------- signals
+    def _on_sigterm(self, signum, frame):
+        self._sigterm_count += 1
+        if self._sigterm_count == 1:
+            self._reporter.saw_request(None, "sigterm", self._global_step)
+            return
+        # A second SIGTERM means "now": hand over to the previous behaviour.
+        self._restore_sigterm()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def _restore_sigterm(self):
+        previous = getattr(self, "_previous_sigterm", None)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+            self._previous_sigterm = None
+
+
+class _Reporter:
+    """The bridge's one background thread: flag watcher and heartbeat writer.
+
+    The training thread only sets attributes here; this thread turns them
+    into files. ``close()`` writes the last heartbeat and is safe to call twice.
+    """
+
+    def __init__(self, bridge: GracefulExitBridge, batch_size: int | None, resumed: ResumePoint | None):
+        self.bridge = bridge
+        self.run_dir = bridge.run_dir
+        self.rank, self.world = bridge._rank, bridge._world
+        self.batch_size = batch_size
+        self.state = "starting"
+        self.sync_every = 1
+        self.loss: float | None = None
+        self.loss_due = 0.0
+        self.request: runfiles.Flag | None = None
+        self.stop: dict | None = None
+        self.error: str | None = None
+        self.warnings: list[str] = []
+        self.resumed_from = None
+        if resumed is not None:
+            self.resumed_from = {"global_step": resumed.global_step, "epoch": resumed.epoch,
+                                 "path": os.path.relpath(resumed.path, self.run_dir)}
+        self._resumed = resumed
+        self._flag_sig = None
+        self._bad_flag_logged: set = set()
+        self._logged: set[str] = set()
+        self._seq = 0
+        self._started_at = time.time()
+        self._wake = threading.Event()
+        self._closed = threading.Event()
+        self._lock = threading.Lock()  # one writer at a time: the thread, or close()
+        self._thread = threading.Thread(target=self._run, name="rankwatch-reporter", daemon=True)
+        self._device = DeviceProbe()
+        self._process = None
+        self._host = socket.gethostname()
+
+    # ------------------------------------------------ training-thread side
+    def take_loss(self, outputs) -> None:
+        """Convert the loss about once a heartbeat; every step would cost a device sync."""
+        self.loss_due = time.perf_counter() + self.bridge.heartbeat_interval_s
+        try:
+            value = outputs[0] if isinstance(outputs, (tuple, list)) else outputs
+            self.loss = float(value.asnumpy().reshape(-1)[0])
+        except (AttributeError, IndexError, TypeError, ValueError, RuntimeError):
+            self.loss = None
+
+    def saw_request(self, flag: runfiles.Flag | None, source: str, step: int) -> None:
+        if self.stop is None:
+            self.stop = {"request_id": flag.request_id if flag else None, "source": source,
+                         "stage": "seen", "seen_step": step, "stop_step": None,
+                         "checkpoint": None, "at": {"seen": time.time()}}
+            self.state = "stopping"
+            self._wake.set()
+
+    def begin_stop(self, request_id: str, source: str, stop_step: int) -> None:
+        if self.stop is None:
+            self.stop = {"request_id": request_id, "source": source, "stage": "agreed",
+                         "seen_step": None, "stop_step": stop_step, "checkpoint": None, "at": {}}
+        self.stop.update(request_id=request_id, stop_step=stop_step)
+        self.state = "stopping"
+        self.set_stage("agreed")
+
+    def set_stage(self, stage: str) -> None:
+        if self.stop is not None:
+            self.stop["stage"] = stage
+            self.stop["at"][stage] = time.time()
+            self.write_now()
+
+    def saved(self, path: Path, size: int, seconds: float) -> None:
+        self.stop["checkpoint"] = {"path": os.path.relpath(path, self.run_dir), "bytes": size,
+                                   "seconds": round(seconds, 4)}
+        self.state = "stopping"
+        self.set_stage("saved")
+
+    def save_failed(self, message: str) -> None:
+        self.stop["error"] = message
+        self.warnings.append(f"checkpoint save failed: {message}")
+        self.write_now()
+
+    def write_now(self) -> None:
+        """Write a heartbeat synchronously: stop stages must not wait for the next tick."""
+        self._write_heartbeat()
+
+    def read_flag_now(self) -> runfiles.Flag | None:
+        self._poll_flag(force=True)
+        return self.request
+
+    # ------------------------------------------------------ thread side
+    def start(self) -> None:
+        runfiles.state_dir(self.run_dir).mkdir(parents=True, exist_ok=True)
+        if self.rank == 0:
+            self._write_job()
+        self._write_heartbeat()
+        self._thread.start()
+        atexit.register(self.close)
+        self._chain_excepthook()
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._wake.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+        self._write_heartbeat()
+
+    def _run(self) -> None:
+        next_beat = 0.0
+        while not self._closed.is_set():
+            try:
+                self._poll_flag()
+                now = time.monotonic()
+                if now >= next_beat:
+                    next_beat = now + self.bridge.heartbeat_interval_s
+                    self._write_heartbeat(history=True)
+            except Exception as e:  # the reporter must never die: log once per kind
+                self._log_once(f"reporter:{type(e).__name__}", "rankwatch: reporter error (training "
+                               "continues): %s", e, exc_info=True)
+            self._wake.wait(self.bridge.poll_interval_s)
+            self._wake.clear()
+
+    def _poll_flag(self, force: bool = False) -> None:
+        path = runfiles.flag_path(self.run_dir)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            self._flag_sig = None
+            return
+        except OSError as e:
+            self._log_once(f"flagstat:{e.errno}", "rankwatch: cannot stat %s: %s", path, e)
+            return
+        sig = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if sig == self._flag_sig and not force:
+            return
+        self._flag_sig = sig
+        try:
+            flag = runfiles.parse_flag(path.read_bytes())
+        except (OSError, runfiles.FlagError) as e:
+            # Garbage or a torn write: log it once per distinct file, keep training.
+            if sig not in self._bad_flag_logged:
+                self._bad_flag_logged.add(sig)
+                log.warning("rankwatch: ignoring unreadable stop flag %s: %s", path, e)
+            return
+        if not flag.exit or self._is_stale(flag, st.st_mtime):
+            return
+        if self.request is None:
+            self.request = flag
+            self.saw_request(flag, "flag", self.bridge._global_step)
+
+    def _is_stale(self, flag: runfiles.Flag, mtime: float) -> bool:
+        """A flag that already stopped the run we resumed from must not stop it again.
+
+        This is the stale-flag trap of llnl/scr#13: the same request id as the
+        resumed checkpoint, or a bare native flag older than that checkpoint.
+        """
+        point = self._resumed
+        if point is None:
+            return False
+        if flag.request_id is not None:
+            return flag.request_id == point.request_id
+        return mtime <= point.saved_at
+
+    def _heartbeat(self) -> dict:
+        bridge = self.bridge
+        times = []
+        while True:
+            try:
+                times.append(bridge._step_times.popleft())
+            except IndexError:
+                break
+        times_ms = [round(t * 1000.0, 3) for t in times]
+        mean_ms = sum(times_ms) / len(times_ms) if times_ms else None
+        per_epoch = bridge._batch_num or 0
+        gstep = bridge._global_step
+        cpu, rss = self._process_stats()
+        samples_per_s = None
+        if mean_ms and self.batch_size:
+            samples_per_s = round(self.batch_size * 1000.0 / mean_ms, 2)
+        self._seq += 1
+        return {
+            "schema": runfiles.HEARTBEAT_SCHEMA, "rank": self.rank, "world_size": self.world,
+            "host": self._host, "pid": os.getpid(), "state": self.state,
+            "epoch": bridge._epoch, "step": (gstep - 1) % per_epoch + 1 if per_epoch and gstep else 0,
+            "global_step": gstep, "loss": self.loss,
+            "step_time_ms": times_ms[-1] if times_ms else None,
+            "step_time_mean_ms": round(mean_ms, 3) if mean_ms is not None else None,
+            "step_times_ms": times_ms, "samples_per_s": samples_per_s, "batch_size": self.batch_size,
+            "cpu_percent": cpu, "rss_bytes": rss, "device": self._device.sample(),
+            "time": time.time(), "last_step_at": self._last_step_at(), "started_at": self._started_at,
+            "seq": self._seq, "sync_every": self.sync_every, "stop": self.stop,
+            "resumed_from": self.resumed_from, "error": self.error, "warnings": self.warnings[-10:],
+        }
+
+    def _last_step_at(self) -> float | None:
+        """Wall time of the last step end, from the perf_counter the step hook already read."""
+        if not self.bridge._global_step:
+            return None
+        return time.time() - (time.perf_counter() - self.bridge._last_step_end)
+
+    def _process_stats(self):
+        import psutil
+        try:
+            if self._process is None:
+                self._process = psutil.Process()
+                self._process.cpu_percent(None)  # the first call only primes the counter
+            return self._process.cpu_percent(None), self._process.memory_info().rss
+        except psutil.Error:
+            return None, None
+
+    def _write_heartbeat(self, history: bool = False) -> None:
+        with self._lock:
+            beat = self._heartbeat()
+            try:
+                # No fsync: os.replace already keeps readers from torn files,
+                # and a heartbeat lost to a power cut is replaced a second later.
+                runfiles.atomic_write_json(runfiles.heartbeat_path(self.run_dir, self.rank), beat,
+                                           fsync=False)
+                if history:
+                    self._append_history(beat)
+            except OSError as e:
+                self._report_io_error(e)
+
+    def _append_history(self, beat: dict) -> None:
+        path = runfiles.history_path(self.run_dir, self.rank)
+        line = json.dumps({k: beat[k] for k in ("time", "global_step", "loss", "step_time_ms",
+                                                "step_time_mean_ms", "cpu_percent", "rss_bytes")},
+                          separators=(",", ":")) + "\n"
+        try:
+            if path.stat().st_size + len(line) > runfiles.HISTORY_SEGMENT_BYTES:
+                os.replace(path, f"{path}.1")
+        except FileNotFoundError:
+            pass
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(line)
+
+    def _report_io_error(self, e: OSError) -> None:
+        message = f"cannot write to {runfiles.state_dir(self.run_dir)}: {e.strerror or e}"
+        if message not in self.warnings:
+            self.warnings.append(message)
+        self._log_once(f"io:{e.errno}", "rankwatch: %s (training continues)", message)
+
+    def _write_job(self) -> None:
+        job = {"world_size": self.world, "started_at": self._started_at, "host": self._host,
+               "pid": os.getpid(), "argv": sys.argv,
+               "checkpoint_dir": runfiles.CHECKPOINT_DIR, "sync_interval_s": self.bridge.sync_interval_s}
+        try:
+            runfiles.atomic_write_json(runfiles.job_path(self.run_dir), job)
+        except OSError as e:
+            self._report_io_error(e)
+
+    def _chain_excepthook(self) -> None:
+        """Mark the rank failed if the script dies of an exception, then defer to the old hook."""
+        previous = sys.excepthook
+
+        def hook(kind, value, tb):
+            if not self._closed.is_set():
+                self.state = "failed"
+                self.error = f"{kind.__name__}: {value}"
+                self.close()
+            previous(kind, value, tb)
+        sys.excepthook = hook
+
+    def _log_once(self, key: str, msg: str, *args, **kwargs) -> None:
+        if key not in self._logged:
+            self._logged.add(key)
+            log.warning(msg, *args, **kwargs)

@@ -1,0 +1,172 @@
+"""The run directory: the only channel between the trainers and the dashboard.
+
+Both sides import this module, so the layout and the file rules live in one
+place. It must not import mindspore: the dashboard never loads it.
+
+Layout (``RUN`` is the directory given to ``--run-dir``)::
+
+    RUN/graceful_exit.json                 the stop flag (MindSpore's format)
+    RUN/rankwatch/job.json                 job facts, written by rank 0 at start
+    RUN/rankwatch/rank_{r}.json            rank r's heartbeat, rewritten ~1 Hz
+    RUN/rankwatch/rank_{r}.history.jsonl   rank r's chart history, bounded
+    RUN/rankwatch/rank_{r}.history.jsonl.1 the previous history segment
+    RUN/rankwatch/audit.sqlite3            the dashboard's audit trail
+    RUN/checkpoints/rank_{r}/rankwatch-{epoch}_{step}.ckpt
+                                           checkpoints saved by the bridge
+
+Every JSON file is written atomically (temporary file in the same directory,
+fsync, ``os.replace``), so a reader sees the old file or the new one, never
+half of one. Readers still treat a bad file as "no data" rather than crashing,
+because other tools (or a full disk) can leave anything behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HEARTBEAT_SCHEMA = 1
+FLAG_NAME = "graceful_exit.json"
+FLAG_KEY = "GracefulExit"
+STATE_DIR = "rankwatch"
+CHECKPOINT_DIR = "checkpoints"
+CHECKPOINT_PREFIX = "rankwatch"
+# A history segment is rotated once it passes this size; with one previous
+# segment kept, a rank's history never takes more than twice this on disk.
+HISTORY_SEGMENT_BYTES = 256 * 1024
+
+# Rank lifecycle states, in the order a healthy run passes through them.
+STATES = ("starting", "training", "stopping", "saving", "exited", "finished", "failed")
+# Stop stages a rank reports under "stop": {"stage": ...}.
+STOP_STAGES = ("seen", "agreed", "saving", "saved", "exited")
+
+
+class FlagError(ValueError):
+    """The flag file exists but is not a JSON object (torn write, garbage)."""
+
+
+def flag_path(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / FLAG_NAME
+
+
+def state_dir(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / STATE_DIR
+
+
+def heartbeat_path(run_dir: str | os.PathLike, rank: int) -> Path:
+    return state_dir(run_dir) / f"rank_{rank}.json"
+
+
+def history_path(run_dir: str | os.PathLike, rank: int) -> Path:
+    return state_dir(run_dir) / f"rank_{rank}.history.jsonl"
+
+
+def job_path(run_dir: str | os.PathLike) -> Path:
+    return state_dir(run_dir) / "job.json"
+
+
+def checkpoint_path(run_dir: str | os.PathLike, rank: int, epoch: int, step_in_epoch: int) -> Path:
+    """Where the bridge saves rank ``rank``'s checkpoint.
+
+    The name follows ``ModelCheckpoint``'s ``{prefix}-{epoch}_{step}.ckpt`` so
+    any tool that knows MindSpore's convention reads it; the global step and
+    the stop request's id are inside the file (``append_dict``).
+    """
+    return (Path(run_dir) / CHECKPOINT_DIR / f"rank_{rank}"
+            / f"{CHECKPOINT_PREFIX}-{epoch}_{step_in_epoch}.ckpt")
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, fsync: bool = True) -> None:
+    """Replace ``path`` with ``data`` so readers never see a partial file.
+
+    The temporary file lives in the target's directory because ``os.replace``
+    is only atomic within one file system.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any, fsync: bool = True) -> None:
+    atomic_write_bytes(path, json.dumps(obj, separators=(",", ":")).encode(), fsync=fsync)
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """Read a JSON file; raises OSError or ValueError (json errors are ValueError)."""
+    with open(path, "rb") as f:
+        return json.loads(f.read())
+
+
+def read_json_or_none(path: str | os.PathLike) -> Any | None:
+    """Read a JSON file, or None if it is missing, unreadable or not JSON."""
+    try:
+        return read_json(path)
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class Flag:
+    """The stop flag as read from ``graceful_exit.json``."""
+    exit: bool
+    request_id: str | None
+    raw: dict
+
+
+def parse_flag(data: bytes) -> Flag:
+    """Parse the flag file's bytes; raises FlagError for anything not a JSON object.
+
+    ``GracefulExit`` keeps MindSpore's meaning: exactly 1 means stop. A missing
+    key or any other value means "do not stop", as in ``OnRequestExit``.
+    """
+    try:
+        obj = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise FlagError(f"flag file is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise FlagError(f"flag file must hold a JSON object, not {type(obj).__name__}")
+    value = obj.get(FLAG_KEY)
+    exit_ = value == 1 and not isinstance(value, bool)
+    rid = obj.get("request_id")
+    return Flag(exit=exit_, request_id=rid if isinstance(rid, str) else None, raw=obj)
+
+
+def read_flag(run_dir: str | os.PathLike) -> Flag | None:
+    """Read the flag; None if there is none. Raises FlagError if it is garbage."""
+    try:
+        data = flag_path(run_dir).read_bytes()
+    except FileNotFoundError:
+        return None
+    return parse_flag(data)
+
+
+def write_flag(run_dir: str | os.PathLike, exit: bool, **extra: Any) -> dict:
+    """Write the flag atomically in MindSpore's format and return what was written.
+
+    Extra keys (request id, time, who, reason) are allowed: native
+    ``OnRequestExit`` only looks at ``GracefulExit``.
+    """
+    obj = {FLAG_KEY: 1 if exit else 0, **extra}
+    atomic_write_json(flag_path(run_dir), obj)
+    return obj
+
+
+def new_request_id() -> str:
+    return time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
