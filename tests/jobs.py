@@ -1,0 +1,121 @@
+"""Drive real demo jobs (``python -m trainer_bridge.demo``) from tests and benchmarks.
+
+Waiting is always "poll the run directory until a condition holds or the
+process died", never a fixed sleep; the timeouts are generous upper bounds for
+a shared 2-core machine, not assertions about speed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from trainer_bridge import runfiles
+
+# Upper bounds only: a job that takes longer is broken, not slow.
+JOB_TIMEOUT_S = 300
+
+
+class JobFailed(AssertionError):
+    pass
+
+
+class DemoJob:
+    """One ``msrun`` demo job writing into ``run_dir``."""
+
+    def __init__(self, run_dir: Path, ranks: int = 2, epochs: int = 2, samples: int = 2000,
+                 step_delay: float = 0.0, extra: list[str] | None = None, env: dict | None = None):
+        self.run_dir = Path(run_dir)
+        self.ranks = ranks
+        self.cmd = [sys.executable, "-m", "trainer_bridge.demo", "--run-dir", str(self.run_dir),
+                    "--ranks", str(ranks), "--epochs", str(epochs), "--samples", str(samples),
+                    "--step-delay", str(step_delay), "--step-log", *(extra or [])]
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+        self.output_path = self.run_dir.parent / f"{self.run_dir.name}.launcher.log"
+
+    def start(self) -> "DemoJob":
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._out = open(self.output_path, "ab")
+        # A new session, so a test can signal the whole job without hitting pytest.
+        self.proc = subprocess.Popen(self.cmd, stdout=self._out, stderr=subprocess.STDOUT,
+                                     env=self.env, start_new_session=True)
+        return self
+
+    def __enter__(self) -> "DemoJob":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.kill()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        if getattr(self, "_out", None):
+            self._out.close()
+
+    def wait(self, timeout: float = JOB_TIMEOUT_S) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise JobFailed(f"job did not finish within {timeout} s\n{self.logs()}") from None
+
+    # ---------------------------------------------------------------- state
+    def heartbeat(self, rank: int) -> dict | None:
+        return runfiles.read_json_or_none(runfiles.heartbeat_path(self.run_dir, rank))
+
+    def heartbeats(self) -> list[dict | None]:
+        return [self.heartbeat(r) for r in range(self.ranks)]
+
+    def wait_until(self, predicate, what: str, timeout: float = JOB_TIMEOUT_S, poll: float = 0.1):
+        """Poll ``predicate(heartbeats)`` until truthy; fail early if the job died."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate(self.heartbeats())
+            if value:
+                return value
+            if self.proc.poll() is not None:
+                value = predicate(self.heartbeats())
+                if value:
+                    return value
+                raise JobFailed(f"job exited ({self.proc.returncode}) before {what}\n{self.logs()}")
+            time.sleep(poll)
+        raise JobFailed(f"timed out waiting for {what}\n{self.logs()}")
+
+    def wait_for_step(self, step: int) -> list[dict]:
+        return self.wait_until(
+            lambda hbs: hbs if all(h and h["global_step"] >= step for h in hbs) else None,
+            f"every rank past step {step}")
+
+    def steps_logged(self, rank: int) -> list[int]:
+        """Global steps rank ``rank`` printed (``--step-log``), in order."""
+        text = self.worker_log(rank)
+        return [int(m) for m in re.findall(r"^step (\d+) epoch", text, re.M)]
+
+    def worker_log(self, rank: int) -> str:
+        path = self.run_dir / "msrun_logs" / f"worker_{rank}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def logs(self, tail: int = 40) -> str:
+        parts = []
+        for path in [self.output_path, *sorted((self.run_dir / "msrun_logs").glob("worker_*.log"))]:
+            if path.exists():
+                lines = [ln for ln in path.read_text(errors="replace").splitlines()
+                         if not ln.startswith(("[WARNING]", "[INFO]"))]
+                parts.append(f"--- {path.name}\n" + "\n".join(lines[-tail:]))
+        return "\n".join(parts)
+
+
+def write_flag(run_dir: Path, request_id: str = "req-test", **extra) -> dict:
+    return runfiles.write_flag(run_dir, True, request_id=request_id, requested_at=time.time(), **extra)
+
+
+def dump(obj) -> str:
+    return json.dumps(obj, indent=1, default=str)

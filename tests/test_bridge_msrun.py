@@ -1,0 +1,106 @@
+"""The bridge under real ``msrun`` with 2 ranks: stop, agree, save, exit, resume."""
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from tests.jobs import DemoJob, dump, write_flag
+from trainer_bridge import runfiles
+from trainer_bridge.ckptmeta import read_meta
+
+pytestmark = pytest.mark.msrun
+
+
+def _stopped(hbs):
+    return hbs if all(h and h["state"] == "exited" for h in hbs) else None
+
+
+def test_flag_stops_every_rank_at_one_step_then_resume_ignores_the_served_flag(tmp_path):
+    import mindspore as ms
+
+    run = tmp_path / "run"
+    job = DemoJob(run, epochs=3).start()
+    try:
+        job.wait_for_step(4)
+        write_flag(run, request_id="req-stop-1", reason="test")
+        assert job.wait() == 0, job.logs()
+    finally:
+        job.kill()
+
+    hbs = job.heartbeats()
+    stops = [h["stop"] for h in hbs]
+    assert all(h["state"] == "exited" for h in hbs), dump(hbs)
+    stop_step = stops[0]["stop_step"]
+    assert stop_step >= 4 and all(s["stop_step"] == stop_step for s in stops), dump(stops)
+    assert all(s["request_id"] == "req-stop-1" and s["stage"] == "exited" for s in stops), dump(stops)
+    assert all(set(s["at"]) >= {"agreed", "saving", "saved", "exited"} for s in stops), dump(stops)
+    # Each rank ran exactly up to the agreed step, no further.
+    assert [job.steps_logged(r)[-1] for r in range(2)] == [stop_step, stop_step]
+
+    paths = [run / s["checkpoint"]["path"] for s in stops]
+    metas = [read_meta(p) for p in paths]
+    assert all(m.ok for m in metas), [m.reason for m in metas]
+    assert [m.extras["step_num"] for m in metas] == [stop_step, stop_step]
+    assert [m.global_step for m in metas] == [stop_step, stop_step]
+    assert [m.extras["rankwatch_request_id"] for m in metas] == ["req-stop-1"] * 2
+    # Data parallelism: after the same steps, every rank holds the same weights.
+    p0, p1 = (ms.load_checkpoint(str(p)) for p in paths)
+    weights = [k for k in p0 if k.startswith(("conv", "fc"))]
+    assert weights
+    for k in weights:
+        np.testing.assert_array_equal(p0[k].asnumpy(), p1[k].asnumpy(), err_msg=k)
+
+    # Relaunch with the same flag still saying GracefulExit 1: resume at the
+    # next step and run to the end, because that request was already served.
+    assert runfiles.read_flag(run).exit
+    again = DemoJob(run, epochs=3).start()
+    try:
+        assert again.wait() == 0, again.logs()
+    finally:
+        again.kill()
+    for r in range(2):
+        resumed = again.steps_logged(r)  # msrun rewrote the worker logs
+        assert resumed[0] == stop_step + 1, resumed
+        hb = again.heartbeat(r)
+        assert hb["state"] == "finished" and hb["stop"] is None, dump(hb)
+        assert hb["resumed_from"]["global_step"] == stop_step
+        assert hb["global_step"] == resumed[-1] > stop_step
+
+
+def test_sigterm_to_one_rank_stops_every_rank_gracefully(tmp_path):
+    run = tmp_path / "run"
+    job = DemoJob(run, epochs=3).start()
+    try:
+        hbs = job.wait_for_step(4)
+        os.kill(hbs[1]["pid"], signal.SIGTERM)
+        assert job.wait() == 0, job.logs()
+    finally:
+        job.kill()
+    hbs = job.heartbeats()
+    assert _stopped(hbs), dump(hbs)
+    stops = [h["stop"] for h in hbs]
+    assert stops[0]["stop_step"] == stops[1]["stop_step"], dump(stops)
+    assert stops[1]["source"] == "sigterm" and stops[1]["seen_step"] is not None
+    assert stops[0]["seen_step"] is None  # rank 0 learnt of it only through the vote
+    for s in stops:
+        assert read_meta(run / s["checkpoint"]["path"]).global_step == s["stop_step"]
+
+
+def test_corrupt_flag_neither_stops_nor_crashes_training(tmp_path):
+    run = tmp_path / "run"
+    job = DemoJob(run, epochs=1).start()
+    try:
+        job.wait_for_step(2)
+        runfiles.flag_path(run).write_bytes(b'{"GracefulExit": 1, "req')  # a torn write
+        job.wait_for_step(6)
+        runfiles.flag_path(run).write_bytes(os.urandom(64))  # garbage from another tool
+        assert job.wait() == 0, job.logs()
+    finally:
+        job.kill()
+    hbs = job.heartbeats()
+    assert all(h["state"] == "finished" and h["stop"] is None for h in hbs), dump(hbs)
+    assert not (run / runfiles.CHECKPOINT_DIR).exists()
+    assert "ignoring unreadable stop flag" in job.worker_log(0)

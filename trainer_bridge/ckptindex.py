@@ -1,0 +1,361 @@
+"""Find the checkpoints under a run directory and group them into sets.
+
+A *set* is the checkpoints the ranks of one job saved at one step; it is
+*complete* when every rank 0..world_size-1 has a readable file in it, which
+is what a resume needs. The dashboard lists sets (``GET /api/checkpoints``)
+and the bridge resumes from the newest complete one. Like ``ckptmeta``, this
+module must not import mindspore.
+
+Layouts recognised, by where the file lies relative to the run directory:
+
+=====================  =================================================================
+origin                 layout
+=====================  =================================================================
+``graceful stop``      ``checkpoints/rank_{r}/rankwatch-{E}_{S}.ckpt`` (``runfiles.checkpoint_path``)
+``TTP``                ``.../tft_saved_checkpoints-step_{G}/rank_{r}/ttp_rank_{r}-{E}_{S}.ckpt``
+``native OnRequestExit`` ``.../rank_{id}/{name}_train.ckpt`` (and ``_eval``, ``.mindir``)
+``periodic``           anything else with a rank in its path: ``rank_3``, ``rank3``,
+                       ``device_3``, or a bare number under a directory whose name
+                       mentions ckpt, checkpoint or rank (``ckpt_of_rank/3/``)
+=====================  =================================================================
+
+A file with no rank in its path is taken as rank 0 of a single-process job.
+Files are grouped first by *layout*: the path with its rank, step and epoch
+replaced by placeholders, so two ModelCheckpoint series in one directory
+(``train-…`` and ``train_1-…``) stay apart. Within a layout, files with the
+same global step form a set; without a global step, the same ``(epoch,
+step)`` from the name; without either, the layout alone. A file whose
+contents cannot be read borrows the global step of its readable peers with
+the same name, so a corrupt rank shows up in the set it belongs to.
+
+``.mindir`` files are listed in ``other_files`` but never make up sets. The
+walk skips the ``rankwatch/`` state directory, hidden and ``*.tmp`` files,
+TTP's ``…-step_{G}_tmp`` directories (a save in progress or abandoned),
+MindSpore's parallel strategy files (``*strategy*.ckpt``, not checkpoints),
+symlinks (see ``_walk``), and anything deeper than ``MAX_DEPTH`` directories.
+"""
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer_bridge import runfiles
+from trainer_bridge.ckptmeta import FORMATS, TTP_STEP_DIR_RE, CheckpointMeta, MetaCache, steps_from_name
+
+ORIGIN_BRIDGE = "graceful stop"
+ORIGIN_TTP = "TTP"
+ORIGIN_NATIVE = "native OnRequestExit"
+ORIGIN_PERIODIC = "periodic"
+ORIGINS = (ORIGIN_BRIDGE, ORIGIN_TTP, ORIGIN_NATIVE, ORIGIN_PERIODIC)
+
+MAX_DEPTH = 8
+SET_FORMATS = ("ckpt", "safetensors")
+
+_RANK_DIR_RE = re.compile(r"(?i)(?:rank|device)[_-]?(\d+)")
+_CKPT_PARENT_RE = re.compile(r"(?i)ckpt|checkpoint|rank")
+_NAME_RANK_RE = re.compile(r"(?i)(?<![a-z0-9])rank_?(\d+)")
+_NAME_STEP_RE = re.compile(r"-\d+_\d+(\.[a-z]+)$")
+_TTP_TMP_DIR_RE = re.compile(r"^(?:tft|ttp)_saved_checkpoints-step_\d+_tmp$")
+_NATIVE_NAME_RE = re.compile(r"_(?:train|eval)\.(?:ckpt|mindir)$")
+_BRIDGE_NAME_RE = re.compile(rf"^{re.escape(runfiles.CHECKPOINT_PREFIX)}-\d+_\d+\.(?:ckpt|safetensors)$")
+
+
+@dataclass(frozen=True)
+class CheckpointFile:
+    """One checkpoint file: where it is, which rank saved it, what it holds."""
+    path: str  # relative to the run directory, with "/" separators
+    abspath: str
+    rank: int
+    origin: str
+    layout: str
+    meta: CheckpointMeta
+
+    @property
+    def ok(self) -> bool:
+        return self.meta.ok
+
+    def to_dict(self) -> dict:
+        m = self.meta
+        return {"path": self.path, "rank": self.rank, "bytes": m.bytes, "format": m.format,
+                "mtime": m.mtime, "epoch": m.epoch, "step": m.step, "global_step": m.global_step,
+                "status": m.status, "reason": m.reason, "step_source": m.step_source}
+
+
+@dataclass(frozen=True)
+class CheckpointSet:
+    """The files the ranks of one layout saved at one step.
+
+    ``ranks_missing`` lists every rank below ``world_size`` without a
+    readable file, including those whose file is corrupt (``ranks_corrupt``).
+    ``epoch``/``step``/``global_step`` are None when no file told them.
+    """
+    id: str
+    origin: str
+    layout: str
+    epoch: int | None
+    step: int | None
+    global_step: int | None
+    world_size: int
+    files: tuple[CheckpointFile, ...]
+    ranks_present: tuple[int, ...]
+    ranks_missing: tuple[int, ...]
+    ranks_corrupt: tuple[int, ...]
+    bytes: int
+    mtime: float
+
+    @property
+    def complete(self) -> bool:
+        return not self.ranks_missing
+
+    def file_for(self, rank: int) -> CheckpointFile | None:
+        """Rank ``rank``'s readable file in this set (the newest, if several)."""
+        ok = [f for f in self.files if f.rank == rank and f.ok]
+        return max(ok, key=lambda f: f.meta.mtime) if ok else None
+
+    def to_dict(self, now: float | None = None) -> dict:
+        now = time.time() if now is None else now
+        return {"id": self.id, "origin": self.origin, "layout": self.layout,
+                "epoch": self.epoch, "step": self.step, "global_step": self.global_step,
+                "world_size": self.world_size, "complete": self.complete,
+                "ranks_present": list(self.ranks_present), "ranks_missing": list(self.ranks_missing),
+                "ranks_corrupt": list(self.ranks_corrupt), "bytes": self.bytes, "mtime": self.mtime,
+                "age_s": round(max(0.0, now - self.mtime), 3),
+                "files": [f.to_dict() for f in self.files]}
+
+
+@dataclass(frozen=True)
+class Index:
+    """The result of one ``scan``: sets newest step first, plus everything else seen."""
+    run_dir: str
+    scanned_at: float
+    world_size: int | None
+    sets: tuple[CheckpointSet, ...]
+    other_files: tuple[CheckpointFile, ...]
+    errors: tuple[str, ...]
+
+    @property
+    def newest_complete(self) -> CheckpointSet | None:
+        return next((s for s in self.sets if s.complete), None)
+
+    @property
+    def file_count(self) -> int:
+        return sum(len(s.files) for s in self.sets) + len(self.other_files)
+
+    def to_dict(self) -> dict:
+        """The body of ``GET /api/checkpoints``."""
+        newest = self.newest_complete
+        return {"run_dir": self.run_dir, "scanned_at": self.scanned_at, "world_size": self.world_size,
+                "file_count": self.file_count,
+                "newest_complete": newest.id if newest else None,
+                "sets": [s.to_dict(self.scanned_at) for s in self.sets],
+                "other_files": [f.to_dict() | {"origin": f.origin} for f in self.other_files],
+                "errors": list(self.errors)}
+
+
+def scan(run_dir: str | os.PathLike, world_size: int | None = None,
+         cache: MetaCache | None = None) -> Index:
+    """Index every checkpoint under ``run_dir``; never raises for bad files or directories.
+
+    ``world_size`` sets how many ranks a complete set needs; without it each
+    layout uses its highest rank + 1. Pass the same ``cache`` to repeated
+    scans so unchanged files are only stat'ed.
+    """
+    if world_size is not None and world_size < 1:
+        raise ValueError(f"scan: world_size must be at least 1, got {world_size}")
+    cache = cache if cache is not None else MetaCache()
+    scanned_at = time.time()
+    root = os.path.realpath(run_dir)
+    errors: list[str] = []
+    if not os.path.isdir(root):
+        errors.append(f"run directory {os.fspath(run_dir)!r} does not exist or is not a directory")
+        return Index(os.fspath(run_dir), scanned_at, world_size, (), (), tuple(errors))
+    files = []
+    for rel_parts, abspath, st in _walk(root, errors):
+        meta = cache.read(abspath, st)
+        origin, rank, layout = classify(rel_parts)
+        files.append(CheckpointFile("/".join(rel_parts), abspath, rank, origin, layout, meta))
+    in_sets = [f for f in files if f.meta.format in SET_FORMATS]
+    others = sorted((f for f in files if f.meta.format not in SET_FORMATS), key=lambda f: f.path)
+    sets = _group(in_sets, world_size)
+    return Index(os.fspath(run_dir), scanned_at, world_size, tuple(sets), tuple(others), tuple(errors))
+
+
+def _walk(root: str, errors: list[str]):
+    """Yield ``(relative parts, path, stat)`` for each checkpoint-like file under ``root``.
+
+    Symlinks are never followed: one that stays inside the run directory
+    points at files the walk reaches by their own path (following it would
+    list them twice), and one that leaves it must not be exposed. Skipping
+    them also rules out loops.
+    """
+    stack: list[tuple[str, tuple[str, ...]]] = [(root, ())]
+    while stack:
+        dirpath, rel = stack.pop()
+        try:
+            with os.scandir(dirpath) as it:
+                entries = list(it)
+        except OSError as e:
+            errors.append(f"cannot list {'/'.join(rel) or '.'}: {(e.strerror or str(e)).lower()}")
+            continue
+        for entry in entries:
+            name = entry.name
+            if name.startswith(".") or name.endswith(".tmp") or (not rel and name == runfiles.STATE_DIR):
+                continue
+            try:
+                if entry.is_symlink():
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    if len(rel) < MAX_DEPTH and not _TTP_TMP_DIR_RE.match(name):
+                        stack.append((entry.path, rel + (name,)))
+                    continue
+                ext = os.path.splitext(name)[1].lower()
+                if (ext not in FORMATS or (ext == ".ckpt" and "strategy" in name.lower())
+                        or not entry.is_file(follow_symlinks=False)):
+                    continue
+                yield rel + (name,), entry.path, entry.stat(follow_symlinks=False)
+            except OSError as e:
+                errors.append(f"cannot stat {'/'.join(rel + (name,))}: {(e.strerror or str(e)).lower()}")
+
+
+def _inside(root: str, path: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def classify(rel_parts: tuple[str, ...] | list[str]) -> tuple[str, int, str]:
+    """``(origin, rank, layout)`` of a file from its path relative to the run directory.
+
+    ``layout`` is the path with the rank, TTP step directory and
+    ``-{epoch}_{step}`` suffix replaced by placeholders: the same string for
+    every file of one series on every rank.
+    """
+    *dirs, name = rel_parts
+    dirs_tpl = list(dirs)
+    rank = None
+    for i in range(len(dirs) - 1, -1, -1):
+        m = _RANK_DIR_RE.fullmatch(dirs[i])
+        if m or (dirs[i].isdigit() and i > 0 and _CKPT_PARENT_RE.search(dirs[i - 1])):
+            rank = int(m[1]) if m else int(dirs[i])
+            dirs_tpl[i] = dirs[i][:m.start(1)] + "{rank}" if m else "{rank}"
+            break
+    ttp = False
+    for i, d in enumerate(dirs):
+        m = TTP_STEP_DIR_RE.match(d)
+        if m:
+            ttp = True
+            dirs_tpl[i] = d[:m.start("global_step")] + "{G}"
+    name_rank = _NAME_RANK_RE.search(name)
+    name_tpl = name
+    if name_rank and (rank is None or int(name_rank[1]) == rank):
+        rank = int(name_rank[1])
+        name_tpl = name[:name_rank.start(1)] + "{rank}" + name[name_rank.end(1):]
+    name_tpl = _NAME_STEP_RE.sub(r"-{E}_{S}\1", name_tpl)
+    layout = "/".join(dirs_tpl + [name_tpl])
+    parent_is_rank = bool(dirs) and _RANK_DIR_RE.fullmatch(dirs[-1]) is not None
+    if ttp:
+        origin = ORIGIN_TTP
+    elif (len(dirs) == 2 and dirs[0] == runfiles.CHECKPOINT_DIR and re.fullmatch(r"rank_\d+", dirs[1])
+          and _BRIDGE_NAME_RE.match(name)):
+        origin = ORIGIN_BRIDGE
+    elif parent_is_rank and _NATIVE_NAME_RE.search(name):
+        origin = ORIGIN_NATIVE
+    else:
+        origin = ORIGIN_PERIODIC
+    return origin, rank if rank is not None else 0, layout
+
+
+def _group(files: list[CheckpointFile], world_size: int | None) -> list[CheckpointSet]:
+    by_layout: dict[tuple[str, str], list[CheckpointFile]] = defaultdict(list)
+    for f in files:
+        by_layout[(f.origin, f.layout)].append(f)
+    sets = []
+    for (origin, layout), group in by_layout.items():
+        world = world_size or max(f.rank for f in group) + 1
+        # The global step each file name stands for, learnt from readable files,
+        # so a corrupt file joins its peers' set.
+        name_to_global = {}
+        for f in group:
+            name_steps = steps_from_name(f.path)[:2]
+            if f.ok and f.meta.global_step is not None and None not in name_steps:
+                name_to_global.setdefault(name_steps, f.meta.global_step)
+        members: dict[tuple, list[CheckpointFile]] = defaultdict(list)
+        for f in group:
+            g = f.meta.global_step
+            if g is None:
+                g = name_to_global.get(steps_from_name(f.path)[:2])
+            if g is not None:
+                key = ("g", g)
+            elif f.meta.epoch is not None or f.meta.step is not None:
+                key = ("e", f.meta.epoch, f.meta.step)
+            else:
+                key = ("?",)
+            members[key].append(f)
+        sets.extend(_make_set(origin, layout, key, fs, world) for key, fs in members.items())
+    sets.sort(key=_order, reverse=True)
+    return sets
+
+
+def _make_set(origin: str, layout: str, key: tuple, files: list[CheckpointFile], world: int) -> CheckpointSet:
+    files = sorted(files, key=lambda f: (f.rank, f.path))
+    informed = [f for f in files if f.ok and (f.meta.epoch is not None or f.meta.step is not None)]
+    source = informed[0].meta if informed else files[0].meta
+    global_step = key[1] if key[0] == "g" else None
+    if key[0] == "g":
+        set_id = f"{layout}#g{global_step}"
+    elif key[0] == "e":
+        set_id = f"{layout}#e{key[1]}s{key[2]}"
+    else:
+        set_id = f"{layout}#unknown"
+    ok_ranks = {f.rank for f in files if f.ok}
+    return CheckpointSet(
+        id=set_id, origin=origin, layout=layout, epoch=source.epoch, step=source.step,
+        global_step=global_step, world_size=world, files=tuple(files),
+        ranks_present=tuple(sorted(ok_ranks)),
+        ranks_missing=tuple(r for r in range(world) if r not in ok_ranks),
+        ranks_corrupt=tuple(sorted({f.rank for f in files} - ok_ranks)),
+        bytes=sum(f.meta.bytes for f in files), mtime=max(f.meta.mtime for f in files))
+
+
+def _order(s: CheckpointSet) -> tuple:
+    """Newest step first; sets without any step go last, newest file first."""
+    known = s.global_step is not None or s.epoch is not None or s.step is not None
+    return (known, _or(s.global_step), _or(s.epoch), _or(s.step), s.mtime)
+
+
+def _or(v: int | None) -> int:
+    return -1 if v is None else v
+
+
+def newest_complete_set(run_dir: str | os.PathLike, world_size: int,
+                        origin: str | None = ORIGIN_BRIDGE,
+                        cache: MetaCache | None = None) -> CheckpointSet | None:
+    """The newest set every rank below ``world_size`` can resume from, or None.
+
+    ``origin`` limits the choice (the bridge resumes from its own saves by
+    default); None accepts any origin.
+    """
+    index = scan(run_dir, world_size=world_size, cache=cache)
+    return next((s for s in index.sets if s.complete and (origin is None or s.origin == origin)), None)
+
+
+def safe_path(run_dir: str | os.PathLike, rel: str) -> Path:
+    """Resolve a user-given path relative to ``run_dir``, refusing any way out of it.
+
+    Raises ValueError for an empty or absolute path, a ``..`` component, or a
+    path that resolves (through symlinks) outside the run directory. The file
+    need not exist; the resolved path is returned.
+    """
+    if not isinstance(rel, str) or not rel or "\0" in rel:
+        raise ValueError("safe_path: the path must be a non-empty string")
+    if os.path.isabs(rel) or rel.startswith(("/", "\\")):
+        raise ValueError(f"safe_path: {rel!r} is absolute; give a path relative to the run directory")
+    if ".." in re.split(r"[/\\]", rel):
+        raise ValueError(f"safe_path: {rel!r} contains '..'; paths must stay inside the run directory")
+    root = os.path.realpath(run_dir)
+    resolved = os.path.realpath(os.path.join(root, rel))
+    if not _inside(root, resolved):
+        raise ValueError(f"safe_path: {rel!r} leads outside the run directory (through a symlink)")
+    return Path(resolved)
