@@ -428,7 +428,10 @@ class _Reporter:
 
     # ------------------------------------------------------ thread side
     def start(self) -> None:
-        runfiles.state_dir(self.run_dir).mkdir(parents=True, exist_ok=True)
+        try:
+            runfiles.state_dir(self.run_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            self._report_io_error(e)
         if self.rank == 0:
             self._write_job()
         self._write_heartbeat()

@@ -1,0 +1,122 @@
+"""The bridge in one process: a tiny real training run, asserting on what it wrote."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+ms = pytest.importorskip("mindspore")
+import mindspore.dataset as ds  # noqa: E402
+from mindspore import nn  # noqa: E402
+from mindspore.train import Callback, Model  # noqa: E402
+
+from trainer_bridge import GracefulExitBridge, runfiles  # noqa: E402
+from trainer_bridge.ckptmeta import read_meta  # noqa: E402
+
+STEPS_PER_EPOCH = 8
+
+
+class _Source:
+    def __getitem__(self, i):
+        x = np.full((4,), i % 3, np.float32)
+        return x, np.array(i % 2, np.int32)
+
+    def __len__(self):
+        return STEPS_PER_EPOCH * 4
+
+
+class _Steps(Callback):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_step_end(self, run_context):
+        self.seen.append(run_context.original_args().cur_step_num)
+
+
+def _train(run_dir, epochs=2, **bridge_kwargs):
+    """Train a 2-layer net; return (bridge, steps seen)."""
+    ms.set_seed(0)
+    data = ds.GeneratorDataset(_Source(), ["x", "y"], shuffle=False).batch(4)
+    net = nn.SequentialCell(nn.Dense(4, 8), nn.ReLU(), nn.Dense(8, 2))
+    model = Model(net, nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"),
+                  nn.Momentum(net.trainable_params(), 0.01, 0.9))
+    bridge = GracefulExitBridge(run_dir, heartbeat_interval_s=0.05, **bridge_kwargs)
+    steps = _Steps()
+    initial_epoch = bridge.resume(data)
+    model.train(epochs, data, callbacks=[bridge, steps], dataset_sink_mode=False,
+                initial_epoch=initial_epoch)
+    return bridge, steps.seen
+
+
+def test_heartbeat_after_a_finished_run(tmp_path):
+    _, seen = _train(tmp_path)
+    hb = runfiles.read_json(runfiles.heartbeat_path(tmp_path, 0))
+    assert hb["schema"] == runfiles.HEARTBEAT_SCHEMA
+    assert hb["state"] == "finished" and hb["stop"] is None
+    assert hb["global_step"] == seen[-1] == 2 * STEPS_PER_EPOCH
+    assert (hb["epoch"], hb["step"]) == (2, STEPS_PER_EPOCH)
+    assert isinstance(hb["loss"], float) and hb["batch_size"] == 4
+    assert hb["rss_bytes"] > 0 and hb["world_size"] == 1
+    job = runfiles.read_json(runfiles.job_path(tmp_path))
+    assert job["world_size"] == 1
+    history = runfiles.history_path(tmp_path, 0).read_text().splitlines()
+    assert history and all("global_step" in json.loads(line) for line in history)
+
+
+def test_flag_stops_saves_and_the_served_flag_does_not_stop_the_resume(tmp_path):
+    runfiles.write_flag(tmp_path, True, request_id="req-a")
+    _, seen = _train(tmp_path)
+    hb = runfiles.read_json(runfiles.heartbeat_path(tmp_path, 0))
+    stop = hb["stop"]
+    assert hb["state"] == "exited" and stop["stage"] == "exited"
+    assert stop["request_id"] == "req-a" and seen[-1] == stop["stop_step"]
+    meta = read_meta(tmp_path / stop["checkpoint"]["path"])
+    assert meta.ok and meta.extras["step_num"] == stop["stop_step"]
+    assert meta.extras["rankwatch_request_id"] == "req-a"
+
+    _, seen2 = _train(tmp_path)  # the flag still says 1, for the served request
+    assert seen2[0] == stop["stop_step"] + 1 and seen2[-1] == 2 * STEPS_PER_EPOCH
+    hb = runfiles.read_json(runfiles.heartbeat_path(tmp_path, 0))
+    assert hb["state"] == "finished" and hb["resumed_from"]["global_step"] == stop["stop_step"]
+
+    # A new request does stop it. The finished run saved nothing, so this
+    # launch, too, resumes from the newest complete set: the first stop's.
+    runfiles.write_flag(tmp_path, True, request_id="req-b")
+    _, seen3 = _train(tmp_path)
+    hb = runfiles.read_json(runfiles.heartbeat_path(tmp_path, 0))
+    assert hb["state"] == "exited" and hb["stop"]["request_id"] == "req-b"
+    assert seen3[0] == stop["stop_step"] + 1 and seen3[-1] == hb["stop"]["stop_step"]
+
+
+def test_unwritable_state_dir_never_stops_training(tmp_path, caplog):
+    (tmp_path / runfiles.STATE_DIR).write_text("not a directory")  # every write fails
+    _, seen = _train(tmp_path)
+    assert seen[-1] == 2 * STEPS_PER_EPOCH
+    assert "training continues" in caplog.text
+
+
+def test_garbage_flag_is_ignored(tmp_path, caplog):
+    runfiles.flag_path(tmp_path).write_bytes(b'{"GracefulExit": 1')
+    _, seen = _train(tmp_path)
+    assert seen[-1] == 2 * STEPS_PER_EPOCH
+    assert "ignoring unreadable stop flag" in caplog.text
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"sync_interval_s": 0}, "sync_interval_s"),
+    ({"heartbeat_interval_s": -1}, "heartbeat_interval_s"),
+    ({"max_sync_every": 0}, "max_sync_every"),
+])
+def test_bad_arguments_fail_fast_naming_class_and_argument(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=f"GracefulExitBridge: {message}"):
+        GracefulExitBridge(tmp_path, **kwargs)
+
+
+def test_next_interval_is_clamped():
+    bridge = GracefulExitBridge("unused", sync_interval_s=0.5, max_sync_every=100)
+    assert bridge._next_interval(0.0) == 1
+    assert bridge._next_interval(0.01) == 50
+    assert bridge._next_interval(10.0) == 1
+    assert bridge._next_interval(1e-6) == 100
