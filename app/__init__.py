@@ -1,0 +1,66 @@
+"""Rankwatch's dashboard: a Flask + Flask-SocketIO application factory.
+
+Nothing happens at import time. ``create_app`` builds the app, its
+``RunState`` and its (not yet started) ``Watcher``; the first Socket.IO
+client starts the watcher.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flask import Flask, current_app
+from flask_socketio import SocketIO
+
+from app.config import coerce_all, from_env
+from app.state import RunState
+from app.watcher import Watcher
+
+# static/ and templates/ live at the top of the repository (DESIGN.md).
+ROOT = Path(__file__).resolve().parent.parent
+
+socketio = SocketIO()
+
+
+@dataclass
+class Rankwatch:
+    """The app's per-instance objects, kept in ``app.extensions["rankwatch"]``."""
+    state: RunState
+    watcher: Watcher
+    # (endpoint, label) per top-level page; each blueprint adds its own when
+    # registered, and base.html draws the nav from this list.
+    nav: list[tuple[str, str]] = field(default_factory=list)
+
+
+def create_app(config: Mapping[str, Any] | None = None) -> Flask:
+    """Build the dashboard. ``config`` overrides the settings read from the environment."""
+    app = Flask(__name__, static_folder=str(ROOT / "static"),
+                template_folder=str(ROOT / "templates"))
+    app.config.update(from_env())
+    app.config.update(coerce_all(config or {}))
+
+    from app import errors
+    errors.register(app)
+
+    state = RunState(app.config["RUN_DIR"] or None, app.config)
+    rw = app.extensions["rankwatch"] = Rankwatch(
+        state=state, watcher=Watcher(socketio, state, app.config["TICK_S"]))
+    app.context_processor(lambda: {"nav_links": rw.nav})
+
+    # Blueprints before init_app: importing one registers its Socket.IO
+    # handlers, which Flask-SocketIO carries over to every later init_app only
+    # while no server exists yet (one app per test relies on that).
+    from app.main import bp as main_bp
+    app.register_blueprint(main_bp)
+
+    # Threading, not eventlet/gevent: the watcher does blocking file I/O and
+    # the werkzeug server with simple-websocket needs no monkey-patching.
+    socketio.init_app(app, async_mode="threading")
+    return app
+
+
+def rankwatch() -> Rankwatch:
+    """The current app's state, watcher and nav."""
+    return current_app.extensions["rankwatch"]

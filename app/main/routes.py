@@ -1,0 +1,105 @@
+"""The page, the JSON API (README, "JSON API") and the local Plotly.js.
+
+Reads refresh the view first when it is older than a tick, so the API
+answers from the files even when no browser has started the watcher.
+"""
+from __future__ import annotations
+
+import time
+from functools import cache
+from importlib import metadata, resources
+
+from flask import current_app, jsonify, render_template, request, send_file, url_for
+
+from app import rankwatch
+from app.errors import ApiError
+from app.health import VERDICT_HELP, VERDICTS
+from app.main import bp
+from app.metrics import as_json as metrics_json
+
+
+@cache
+def plotly_js_path():
+    """plotly.min.js as shipped inside the installed plotly package: no CDN needed."""
+    return resources.files("plotly") / "package_data" / "plotly.min.js"
+
+
+def fresh_state(now: float):
+    rw = rankwatch()
+    rw.state.refresh(now, rw.watcher.tick_s)
+    return rw.state
+
+
+def page_config() -> dict:
+    """What the page's scripts need, passed as JSON in the page."""
+    cfg = current_app.config
+    return {
+        "metrics": metrics_json(),
+        "verdicts": [{"name": v, "help": VERDICT_HELP[v]} for v in VERDICTS],
+        "settings": {k.lower(): cfg[k] for k in (
+            "TICK_S", "HISTORY_POINTS", "CHART_BUCKET_S", "CHART_REFRESH_S",
+            "CHART_LINES_MAX_RANKS", "PAGE_SIZE", "STRAGGLER_RATIO")},
+        "urls": {"history": url_for("main.api_history")},
+    }
+
+
+def positive_int_arg(name: str) -> int | None:
+    raw = request.args.get(name)
+    if raw is None:
+        return None
+    if not raw.isdigit() or int(raw) <= 0:
+        raise ApiError(400, f"query parameter {name!r} must be a positive integer, not {raw!r}")
+    return int(raw)
+
+
+@bp.get("/")
+def index():
+    return render_template("index.html", page_config=page_config(),
+                           plotly_version=metadata.version("plotly"))
+
+
+@bp.get("/vendor/plotly.min.js")
+def plotly_js():
+    return send_file(plotly_js_path(), mimetype="text/javascript", max_age=24 * 3600)
+
+
+@bp.get("/api/ranks")
+def api_ranks():
+    """Every rank's row; ``?health=dead,stalled`` keeps only those verdicts."""
+    wanted = [h for h in request.args.get("health", "").split(",") if h]
+    unknown = sorted(set(wanted) - set(VERDICTS))
+    if unknown:
+        raise ApiError(400, f"unknown verdict {', '.join(unknown)}; "
+                            f"expected some of {', '.join(VERDICTS)}")
+    now = time.time()
+    return jsonify(fresh_state(now).snapshot(now, wanted))
+
+
+@bp.get("/api/ranks/<int:rank>")
+def api_rank(rank: int):
+    """One rank's row and its chart history."""
+    now = time.time()
+    found = fresh_state(now).rank(rank, now)
+    if found is None:
+        raise ApiError(404, f"rank {rank} is not part of this job")
+    return jsonify(found)
+
+
+@bp.get("/api/summary")
+def api_summary():
+    now = time.time()
+    return jsonify(fresh_state(now).summary(now))
+
+
+@bp.get("/api/history")
+def api_history():
+    """Chart history as a ranks x time-bucket matrix; ``?points=N`` keeps the newest N buckets."""
+    points = positive_int_arg("points")
+    return jsonify(fresh_state(time.time()).history(points))
+
+
+@bp.get("/api/metrics")
+def api_metrics():
+    """What each field means (name, label, unit, description) and each verdict."""
+    cfg = page_config()
+    return jsonify({"metrics": cfg["metrics"], "verdicts": cfg["verdicts"]})

@@ -1,0 +1,77 @@
+"""The one background loop: scan the run directory, push what changed.
+
+It is started lazily, once, under a lock, by the first Socket.IO client
+(nothing runs at import time or in ``create_app``), and it uses
+``socketio.sleep`` so that it follows whatever async mode Flask-SocketIO runs.
+Each tick sends at most one event to all clients: a ``ranks_delta`` with the
+changed fields of the changed rows, or a ``ranks_snapshot`` when ranks
+disappeared.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from flask_socketio import SocketIO
+
+from app.state import RunState
+
+log = logging.getLogger(__name__)
+
+
+class Watcher:
+    """Scans ``state`` every ``tick_s`` seconds and emits what changed to all clients."""
+
+    def __init__(self, socketio: SocketIO, state: RunState, tick_s: float,
+                 clock: Callable[[], float] = time.time):
+        self.socketio = socketio
+        self.state = state
+        self.tick_s = tick_s
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._task = None
+        self._stopping = threading.Event()
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._stopping.is_set()
+
+    def ensure_started(self) -> None:
+        """Start the loop unless it runs already; safe to call from every connect."""
+        with self._lock:
+            if self._task is None:
+                self._task = self.socketio.start_background_task(self._run)
+
+    def tick(self) -> tuple[str, dict] | None:
+        """Scan once and push the result; returns what was pushed."""
+        now = self.clock()
+        self.state.scan(now)
+        out = self.state.take_delta(now)
+        if out:
+            self.socketio.emit(*out)
+        return out
+
+    def _run(self) -> None:
+        deadline = self.clock()
+        while not self._stopping.is_set():
+            try:
+                self.tick()
+            except Exception:
+                # A bug in one tick must not end live updates for everyone;
+                # the next tick starts from the files again.
+                log.exception("watcher tick failed")
+            # Keep a steady rate (the scan's own time counts against the tick),
+            # but after an overlong scan rest half a tick rather than scan
+            # back to back on an overloaded machine.
+            deadline = max(deadline + self.tick_s, self.clock() + self.tick_s / 2)
+            self.socketio.sleep(max(0.0, deadline - self.clock()))
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """End the loop (tests and shutdown); waits up to ``timeout`` for it."""
+        self._stopping.set()
+        with self._lock:
+            task = self._task
+        if task is not None and task.is_alive():
+            task.join(timeout)

@@ -1,0 +1,50 @@
+// The live console's entry point: wires the Socket.IO stream to the store,
+// the summary, the table and the charts.
+
+import { SEL, $ } from "./dom.js";
+import { RankStore } from "./store.js";
+import { RankTable } from "./table.js";
+import { SummaryStrip } from "./summary.js";
+import { Charts } from "./charts.js";
+
+const config = JSON.parse($(SEL.config).textContent);
+const store = new RankStore();
+const table = new RankTable(store, config);
+const summary = new SummaryStrip(store, config, (verdict) => table.setFilter(verdict));
+const charts = new Charts(store, config);
+
+function redraw() {
+  summary.render();
+  table.invalidate();
+}
+
+// io comes from the vendored socket.io client loaded before this module.
+// WebSocket first (lowest latency); long-polling if a proxy refuses it.
+const socket = io({ transports: ["websocket", "polling"], tryAllTransports: true });
+socket.on("connect", () => summary.setConnection("live", "live"));
+socket.on("disconnect", () => summary.setConnection("down", "reconnecting…"));
+socket.on("ranks_snapshot", (msg) => {
+  charts.addRows(store.applySnapshot(msg));
+  redraw();
+});
+socket.on("ranks_delta", (msg) => {
+  charts.addRows(store.applyDelta(msg));
+  redraw();
+});
+
+fetch(config.urls.history)
+  .then((r) => (r.ok ? r.json() : Promise.reject(new Error(`HTTP ${r.status}`))))
+  .then((data) => charts.seed(data))
+  .catch((err) => {
+    console.error("rankwatch: chart history unavailable, starting empty:", err);
+    charts.seed(null);
+  });
+
+// Ages move with the clock even when no data arrives.
+setInterval(() => {
+  summary.renderAges();
+  table.invalidate();
+}, 1000);
+
+// For the scale benchmark and for looking around from the browser console.
+window.rankwatch = { store, table, charts, socket };

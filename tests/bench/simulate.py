@@ -1,0 +1,190 @@
+"""A fake job: N ranks writing heartbeats in the bridge's format, without MindSpore.
+
+``python -m tests.bench.simulate --run-dir RUN --ranks N [--seconds S]``
+
+Each rank writes its heartbeat (and history line) once per period, at its
+own offset within the period, as real ranks do: rank r of N at r/N of the
+second. Used by the scale benchmark and by the browser tests, which can
+``silence`` a rank to watch it turn stalled, then dead.
+
+Creating a file costs the kernel about half a millisecond here, so one
+process cannot write 1024 heartbeats a second on a busy machine; large jobs
+are split over ``--workers`` processes (real ranks are separate processes too).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+
+from tests.heartbeats import heartbeat, write_heartbeat, write_job
+from trainer_bridge import runfiles
+
+
+class Simulator:
+    def __init__(self, run_dir: str | Path, ranks: int, *, period_s: float = 1.0,
+                 step_ms: float = 50.0, slow: dict[int, float] | None = None,
+                 jitter: float = 0.05, seed: int = 0, only: range | None = None):
+        self.run_dir = Path(run_dir)
+        self.ranks = ranks
+        # The ranks this simulator writes (a worker's share of the job).
+        self.mine = list(only if only is not None else range(ranks))
+        self.period_s = period_s
+        self.step_ms = step_ms
+        self.slow = dict(slow or {})
+        self.jitter = jitter
+        self.random = random.Random(seed)
+        self.seq = [0] * ranks
+        self.gstep = [0] * ranks
+        self.silenced: set[int] = set()
+        self.beats = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def rank_step_ms(self, rank: int) -> float:
+        return self.step_ms * self.slow.get(rank, 1.0)
+
+    def steps_per_beat(self, rank: int) -> int:
+        """Steps a rank makes in one period (the bridge reports at most 64 of their times)."""
+        return min(64, max(1, round(self.period_s * 1000.0 / self.rank_step_ms(rank))))
+
+    def step_times(self, rank: int) -> list[float]:
+        """One period's step times, jittered."""
+        base = self.rank_step_ms(rank)
+        return [round(base * (1 + self.jitter * self.random.uniform(-1, 1)), 3)
+                for _ in range(self.steps_per_beat(rank))]
+
+    def skip(self, seconds: int) -> None:
+        """Continue from where ``prefill_history(seconds)`` left the global steps."""
+        for rank in self.mine:
+            self.gstep[rank] += seconds * self.steps_per_beat(rank)
+
+    def write_job(self) -> None:
+        write_job(self.run_dir, self.ranks)
+
+    def prefill_history(self, seconds: int) -> None:
+        """Write ``seconds`` of past history lines per rank, for the dashboard to seed from."""
+        runfiles.state_dir(self.run_dir).mkdir(parents=True, exist_ok=True)
+        now = time.time()
+        for rank in range(self.ranks):
+            lines = []
+            for i in range(seconds, 0, -1):
+                times = self.step_times(rank)
+                self.gstep[rank] += len(times)
+                mean = sum(times) / len(times)
+                lines.append(json.dumps({
+                    "time": now - i * self.period_s, "global_step": self.gstep[rank],
+                    "loss": round(2.3 / (1 + self.gstep[rank] / 500), 6),
+                    "step_time_ms": times[-1], "step_time_mean_ms": round(mean, 3),
+                    "cpu_percent": 98.5, "rss_bytes": 512 * 1024 * 1024}))
+            runfiles.history_path(self.run_dir, rank).write_text("\n".join(lines) + "\n")
+
+    def beat(self, rank: int) -> None:
+        times = self.step_times(rank)
+        self.seq[rank] += 1
+        self.gstep[rank] += len(times)
+        mean = sum(times) / len(times)
+        hb = heartbeat(rank, self.ranks, seq=self.seq[rank], now=time.time(), step_ms=mean,
+                       steps=len(times), global_step=self.gstep[rank],
+                       step_time_ms=times[-1], step_times_ms=times,
+                       step_time_mean_ms=round(mean, 3))
+        write_heartbeat(self.run_dir, hb)
+        self.beats += 1
+
+    def silence(self, rank: int) -> None:
+        """Stop writing ``rank``'s heartbeats, as if it hung or died."""
+        self.silenced.add(rank)
+
+    def run(self, seconds: float | None = None, start: float | None = None) -> None:
+        """Write heartbeats until ``stop()`` or ``seconds`` elapse.
+
+        Rank r writes at ``start + (k + r / N) * period`` for k = 0, 1, ...;
+        workers given the same ``start`` interleave as one job.
+        """
+        start = time.time() if start is None else start
+        k = 0  # the k-th write of this simulator: its rank k % len(mine), period k // len(mine)
+        while not self._stop.is_set():
+            period, i = divmod(k, len(self.mine))
+            rank = self.mine[i]
+            due = start + (period + rank / self.ranks) * self.period_s
+            now = time.time()
+            if seconds is not None and now - start >= seconds:
+                break
+            if due > now:
+                self._stop.wait(due - now)
+                continue
+            if rank not in self.silenced:
+                self.beat(rank)
+            k += 1
+
+    def start(self) -> Simulator:
+        self.write_job()
+        self._thread = threading.Thread(target=self.run, name="simulator", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+def parse_slow(text: str) -> tuple[int, float]:
+    rank, _, factor = text.partition(":")
+    return int(rank), float(factor or 2.0)
+
+
+def work(args: argparse.Namespace, worker: int, workers: int, start: float) -> None:
+    """One worker process: every ``workers``-th rank, from ``worker`` on."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    sim = Simulator(args.run_dir, args.ranks, period_s=args.period_s, step_ms=args.step_ms,
+                    slow=dict(args.slow), seed=worker, only=range(worker, args.ranks, workers))
+    sim.skip(args.history_seconds)
+    sim.run(args.seconds, start=start)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tests.bench.simulate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--ranks", type=int, required=True)
+    parser.add_argument("--seconds", type=float, default=None, help="stop after this long")
+    parser.add_argument("--period-s", type=float, default=1.0, help="heartbeat period per rank")
+    parser.add_argument("--step-ms", type=float, default=50.0, help="simulated step time")
+    parser.add_argument("--slow", type=parse_slow, action="append", default=[],
+                        metavar="RANK:FACTOR", help="make RANK step FACTOR times slower")
+    parser.add_argument("--history-seconds", type=int, default=0,
+                        help="prefill this much chart history per rank before starting")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="writer processes (default: one per 256 ranks)")
+    args = parser.parse_args(argv)
+    workers = args.workers or max(1, -(-args.ranks // 256))
+    sim = Simulator(args.run_dir, args.ranks, period_s=args.period_s, step_ms=args.step_ms,
+                    slow=dict(args.slow))
+    sim.write_job()
+    if args.history_seconds:
+        sim.prefill_history(args.history_seconds)
+    print(f"simulating {args.ranks} ranks in {args.run_dir} with {workers} writer(s)", flush=True)
+    start = time.time()
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=work, args=(args, w, workers, start), daemon=True)
+             for w in range(workers)]
+    done = threading.Event()
+    # Ctrl-C or a terminate from the benchmark stops the workers.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    for proc in procs:
+        proc.start()
+    done.wait(args.seconds)
+    for proc in procs:
+        proc.terminate()
+        proc.join()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""The verdict rules, driven by heartbeat sequences and an explicit ``now`` (no sleeping)."""
+from __future__ import annotations
+
+import math
+import statistics
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from app.health import (VERDICTS, StepWindow, Thresholds, judge, judge_sequences, peer_median,
+                        score)
+from tests.heartbeats import heartbeat
+
+TH = Thresholds()
+T0 = 1_800_000_000.0
+
+
+def beats(rank: int, world: int, count: int, step_ms: float, start: float = T0, **kw) -> list[dict]:
+    """``count`` heartbeats one second apart, the last one written at ``start + count - 1``."""
+    return [heartbeat(rank, world, seq=i + 1, now=start + i, step_ms=step_ms, **kw)
+            for i in range(count)]
+
+
+def job(world: int, step_ms: dict[int, float], count: int = 5, default_ms: float = 50.0):
+    return {r: beats(r, world, count, step_ms.get(r, default_ms)) for r in range(world)}
+
+
+def last_time(count: int = 5) -> float:
+    return T0 + count - 1
+
+
+def test_steady_job_is_healthy_with_full_scores():
+    verdicts = judge_sequences(job(4, {}), last_time() + 0.5, TH)
+    assert {v.health for v in verdicts.values()} == {"healthy"}
+    assert all(v.score == 1.0 for v in verdicts.values())
+    assert "within 1.5x" in verdicts[0].reason
+
+
+def test_slow_rank_is_a_straggler_with_its_score_and_reason():
+    verdicts = judge_sequences(job(8, {5: 100.0}), last_time() + 0.5, TH)
+    assert verdicts[5].health == "straggler"
+    assert verdicts[5].score == 0.5
+    assert "100 ms is 2x the peer median 50 ms" in verdicts[5].reason
+    assert all(verdicts[r].health == "healthy" for r in range(8) if r != 5)
+
+
+def test_just_below_the_ratio_is_not_a_straggler():
+    verdicts = judge_sequences(job(4, {1: 74.0}), last_time() + 0.5, TH)
+    assert verdicts[1].health == "healthy"
+    assert verdicts[1].score == round(50 / 74, 2)
+
+
+def test_tiny_steps_need_an_absolute_gap_too():
+    # 4 ms against 2 ms is 2x, but 2 ms of difference is scheduler noise.
+    verdicts = judge_sequences(job(4, {2: 4.0}, default_ms=2.0), last_time() + 0.5, TH)
+    assert verdicts[2].health == "healthy"
+    lenient = Thresholds(straggler_min_gap_ms=1.0)
+    assert judge_sequences(job(4, {2: 4.0}, default_ms=2.0), last_time() + 0.5,
+                           lenient)[2].health == "straggler"
+
+
+def test_one_slow_step_does_not_flag_a_rank_but_a_slow_streak_does():
+    fast = beats(0, 2, 4, 50.0, steps=8)
+    hiccup = heartbeat(0, 2, seq=5, now=T0 + 4, steps=1, step_ms=400.0)
+    peer = beats(1, 2, 5, 50.0, steps=8)
+    assert judge_sequences({0: fast + [hiccup], 1: peer}, T0 + 4.5, TH)[0].health == "healthy"
+    streak = [heartbeat(0, 2, seq=5 + i, now=T0 + 4 + i, steps=8, step_ms=400.0)
+              for i in range(4)]
+    assert judge_sequences({0: fast + streak, 1: peer}, T0 + 8, TH)[0].health == "straggler"
+
+
+def test_a_straggler_recovers_once_its_window_is_fast_again():
+    slow = beats(0, 2, 3, 200.0, steps=32)
+    recovered = [heartbeat(0, 2, seq=4 + i, now=T0 + 3 + i, steps=32, step_ms=50.0)
+                 for i in range(2)]
+    peer = beats(1, 2, 5, 50.0)
+    assert judge_sequences({0: slow, 1: peer}, T0 + 3, TH)[0].health == "straggler"
+    assert judge_sequences({0: slow + recovered, 1: peer}, T0 + 5, TH)[0].health == "healthy"
+
+
+def test_the_same_heartbeat_read_twice_counts_once():
+    window = StepWindow(4)
+    hb = heartbeat(0, 1, seq=1, steps=2, step_ms=10.0)
+    window.add(hb)
+    window.add(hb)
+    window.add(heartbeat(0, 1, seq=2, steps=2, step_ms=30.0))
+    assert window.median_ms == 20.0
+
+
+def test_silent_rank_turns_stalled_then_dead():
+    seq = job(2, {}, count=3)
+    written = last_time(3)
+    assert judge_sequences(seq, written + 1.0, TH)[0].health == "healthy"
+    stalled = judge_sequences(seq, written + TH.stall_min_s + 0.1, TH)[0]
+    assert stalled.health == "stalled"
+    assert "no step finished for over 5 s" in stalled.reason
+    dead = judge_sequences(seq, written + TH.dead_after_s + 0.1, TH)[0]
+    assert dead.health == "dead"
+    assert "no heartbeat for over 30 s" in dead.reason
+
+
+def test_alive_but_not_stepping_is_stalled():
+    # The heartbeat thread still writes, the training loop is stuck.
+    stuck = [heartbeat(0, 1, seq=i + 1, now=T0 + i, global_step=100, last_step_at=T0)
+             for i in range(8)]
+    verdict = judge_sequences({0: stuck}, T0 + 7.2, TH)[0]
+    assert verdict.health == "stalled"
+    assert "global step 100" in verdict.reason
+
+
+def test_stall_limit_scales_with_slow_steps():
+    slow = beats(0, 1, 3, 2000.0)  # 2 s steps: limit is 5 x 2 s = 10 s
+    written = last_time(3)
+    assert judge_sequences({0: slow}, written + 8, TH)[0].health == "healthy"
+    assert judge_sequences({0: slow}, written + 10.5, TH)[0].health == "stalled"
+
+
+def test_starting_and_saving_are_never_stalled():
+    starting = [heartbeat(0, 1, seq=1, now=T0, state="starting", global_step=0,
+                          step_times_ms=[], step_time_ms=None, step_time_mean_ms=None,
+                          last_step_at=None, started_at=T0 - 600)]
+    assert judge_sequences({0: starting}, T0 + 1, TH)[0].reason.startswith("starting")
+    saving = [heartbeat(0, 1, seq=1, now=T0, state="saving", last_step_at=T0 - 60)]
+    assert judge_sequences({0: saving}, T0 + 1, TH)[0].health == "healthy"
+
+
+def test_process_gone_is_dead_at_once():
+    seq = job(2, {})
+    gone = {1: "process 4242 is gone (host a)"}
+    verdicts = judge_sequences(seq, last_time() + 0.5, TH, process_gone=gone)
+    assert verdicts[1].health == "dead"
+    assert verdicts[1].reason == "process 4242 is gone (host a)"
+    assert verdicts[0].health == "healthy"
+
+
+def test_lifecycle_states_keep_their_own_verdict_however_old():
+    old = T0 - 3600
+    failed = heartbeat(0, 3, now=old, state="failed", error="RuntimeError: NPU 3 ECC")
+    finished = heartbeat(1, 3, now=old, state="finished", global_step=1000)
+    exited = heartbeat(2, 3, now=old, state="exited", global_step=48, stop={
+        "request_id": "r", "source": "flag", "stage": "exited",
+        "checkpoint": {"path": "checkpoints/rank_2/rankwatch-1_48.ckpt"}})
+    verdicts = judge_sequences({0: [failed], 1: [finished], 2: [exited]}, T0, TH,
+                               process_gone={0: "gone", 1: "gone", 2: "gone"})
+    assert verdicts[0].health == "failed" and "NPU 3 ECC" in verdicts[0].reason
+    assert verdicts[1].health == "finished" and "1000" in verdicts[1].reason
+    assert verdicts[2].health == "exited"
+    assert "rankwatch-1_48.ckpt" in verdicts[2].reason
+
+
+def test_no_heartbeat_is_pending():
+    assert judge(None, T0, TH).health == "pending"
+
+
+def test_finished_peers_do_not_count_as_peers():
+    world = {0: beats(0, 3, 5, 100.0), 1: beats(1, 3, 5, 100.0),
+             2: beats(2, 3, 5, 10.0, state="finished")}
+    verdicts = judge_sequences(world, last_time() + 0.5, TH)
+    assert verdicts[0].health == verdicts[1].health == "healthy"
+
+
+def test_score_is_capped_at_one():
+    assert score(25.0, 50.0) == 1.0
+    assert score(100.0, 50.0) == 0.5
+    assert score(None, 50.0) is None
+
+
+def test_thresholds_come_from_settings_names():
+    th = Thresholds.from_config({"STRAGGLER_RATIO": 2.0, "DEAD_AFTER_S": 9.0, "TICK_S": 1.0})
+    assert th.straggler_ratio == 2.0 and th.dead_after_s == 9.0
+    assert th.stall_min_s == Thresholds().stall_min_s
+
+
+@settings(deadline=None)
+@given(st.lists(st.floats(0, 1e6, allow_nan=False), min_size=1, max_size=40), st.data())
+def test_peer_median_is_the_median_without_one_copy_of_own(values, data):
+    own = data.draw(st.sampled_from(values))
+    rest = list(values)
+    rest.remove(own)
+    expected = statistics.median(rest) if rest else None
+    got = peer_median(sorted(values), own)
+    assert got == expected or math.isclose(got, expected)
+
+
+ANY_VALUE = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=5),
+                      st.lists(st.one_of(st.floats(), st.text(max_size=2)), max_size=4),
+                      st.dictionaries(st.text(max_size=4), st.integers(), max_size=2))
+FIELDS = ["state", "time", "last_step_at", "started_at", "global_step", "step_times_ms",
+          "step_time_ms", "seq", "error", "stop", "host", "pid"]
+
+
+# The machine is shared with training jobs: generation speed is not the point here.
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(st.sampled_from(FIELDS), ANY_VALUE), st.floats(0, 2e9))
+def test_any_heartbeat_gets_a_verdict_and_a_reason(hb, now):
+    window = StepWindow(8)
+    window.add(hb)
+    verdict = judge(hb, now, TH, own_ms=window.median_ms, peer_ms=50.0)
+    assert verdict.health in VERDICTS
+    assert isinstance(verdict.reason, str) and verdict.reason
