@@ -14,9 +14,13 @@ from typing import Any
 from flask import Flask, current_app
 from flask_socketio import SocketIO
 
+from app.audit import AuditLog
+from app.auth import ensure_token
 from app.config import coerce_all, from_env
 from app.state import RunState
+from app.stop_service import StopService
 from app.watcher import Watcher
+from trainer_bridge import runfiles
 
 # static/ and templates/ live at the top of the repository (DESIGN.md).
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,6 +33,7 @@ class Rankwatch:
     """The app's per-instance objects, kept in ``app.extensions["rankwatch"]``."""
     state: RunState
     watcher: Watcher
+    stop: StopService
     # (endpoint, label) per top-level page; each blueprint adds its own when
     # registered, and base.html draws the nav from this list.
     nav: list[tuple[str, str]] = field(default_factory=list)
@@ -40,13 +45,19 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
                 template_folder=str(ROOT / "templates"))
     app.config.update(from_env())
     app.config.update(coerce_all(config or {}))
+    app.config["TOKEN_GENERATED"] = ensure_token(app.config)
+    app.config["MAX_CONTENT_LENGTH"] = app.config["MAX_BODY_BYTES"]
 
     from app import errors
     errors.register(app)
 
-    state = RunState(app.config["RUN_DIR"] or None, app.config)
+    run_dir = app.config["RUN_DIR"] or None
+    state = RunState(run_dir, app.config)
+    audit = AuditLog(app.config["AUDIT_DB"] or runfiles.state_dir(run_dir or ".") / "audit.sqlite3")
+    stop = StopService(run_dir or ".", audit, deadline_s=app.config["STOP_DEADLINE_S"],
+                       auto_rearm=app.config["AUTO_REARM"])
     rw = app.extensions["rankwatch"] = Rankwatch(
-        state=state, watcher=Watcher(socketio, state, app.config["TICK_S"]))
+        state=state, watcher=Watcher(socketio, state, app.config["TICK_S"], stop=stop), stop=stop)
     app.context_processor(lambda: {"nav_links": rw.nav})
 
     # Blueprints before init_app: importing one registers its Socket.IO
@@ -54,6 +65,8 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     # while no server exists yet (one app per test relies on that).
     from app.main import bp as main_bp
     app.register_blueprint(main_bp)
+    from app.stop import bp as stop_bp
+    app.register_blueprint(stop_bp)
 
     # Threading, not eventlet/gevent: the watcher does blocking file I/O and
     # the werkzeug server with simple-websocket needs no monkey-patching.

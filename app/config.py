@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 ENV_PREFIX = "RANKWATCH_"
+BOOLEANS = {"1": True, "true": True, "yes": True, "on": True,
+            "0": False, "false": False, "no": False, "off": False}
 
 
 class Setting(NamedTuple):
@@ -35,6 +37,11 @@ class Setting(NamedTuple):
         variable fails at start with a message that says which one.
         """
         kind = type(self.default)
+        if kind is bool and isinstance(value, str):
+            if value.strip().lower() not in BOOLEANS:
+                raise ValueError(f"setting {self.name} ({self.env}) must be one of "
+                                 f"{', '.join(BOOLEANS)}, not {value!r}")
+            return BOOLEANS[value.strip().lower()]
         try:
             typed = kind(value)
         except (TypeError, ValueError):
@@ -101,6 +108,24 @@ SETTINGS: list[Setting] = [
             "Up to this many ranks the step-time and loss charts draw one line per rank; "
             "above it they draw the median and the slowest rank, and a heat map of ranks x "
             "time shows the rest."),
+    Setting("TOKEN", "",
+            "The operator token that stop, cancel, re-arm and delete require (as "
+            "`Authorization: Bearer <token>`, or typed once into the page). When unset, one is "
+            "generated at start and printed once, as Jupyter does. Prefer the environment "
+            "variable to the flag: command lines are visible to every user of the host."),
+    Setting("AUDIT_DB", "",
+            "The audit trail's SQLite file. Empty means `RUN/rankwatch/audit.sqlite3`, so the "
+            "trail stays with the run it describes and survives a dashboard restart."),
+    Setting("STOP_DEADLINE_S", 900.0,
+            "A rank that stays in one stop stage (requested, seen, agreed, saving, saved) longer "
+            "than this is flagged late. 900 s is MindCluster's default for a graceful exit."),
+    Setting("AUTO_REARM", True,
+            "After every rank has exited for a stop, return the flag to `{\"GracefulExit\": 0}` "
+            "so that relaunching the same command trains instead of stopping at once "
+            "(the stale-flag trap of llnl/scr#13). The bridge's request-id check is the second guard."),
+    Setting("MAX_BODY_BYTES", 65536,
+            "Largest request body accepted; larger ones get a 413. The API's bodies are a few "
+            "short strings."),
     Setting("PAGE_SIZE", 100,
             "Table rows per page. Larger jobs are paged so that the browser redraws at most "
             "this many rows per update."),

@@ -459,6 +459,12 @@ class RunState:
                 if wanted is None or self._rows[r]["health"] in wanted]
         return {**self._head(now), "ranks": rows}
 
+    def heartbeats(self) -> tuple[dict[int, dict | None], int]:
+        """(each rank's newest heartbeat, or None if it has not reported; the world size)."""
+        with self._lock:
+            view = set(range(self._world)) | set(self._slots)
+            return {r: (self._slots[r].hb if r in self._slots else None) for r in view}, self._world
+
     def rank(self, rank: int, now: float) -> dict | None:
         with self._lock:
             row = self._rows.get(rank)

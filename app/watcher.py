@@ -3,9 +3,11 @@
 It is started lazily, once, under a lock, by the first Socket.IO client
 (nothing runs at import time or in ``create_app``), and it uses
 ``socketio.sleep`` so that it follows whatever async mode Flask-SocketIO runs.
-Each tick sends at most one event to all clients: a ``ranks_delta`` with the
-changed fields of the changed rows, or a ``ranks_snapshot`` when ranks
-disappeared.
+Each tick sends at most one rank event to all clients: a ``ranks_delta``
+with the changed fields of the changed rows, or a ``ranks_snapshot`` when
+ranks disappeared; and a ``stop_status`` when the stop lifecycle changed.
+The tick also lets the stop service record a completed stop and re-arm the
+flag, so that happens even with no browser open... once one has connected.
 """
 from __future__ import annotations
 
@@ -17,6 +19,9 @@ from collections.abc import Callable
 from flask_socketio import SocketIO
 
 from app.state import RunState
+from app.stop_service import StopService
+
+STOP_EVENT = "stop_status"
 
 log = logging.getLogger(__name__)
 
@@ -25,9 +30,11 @@ class Watcher:
     """Scans ``state`` every ``tick_s`` seconds and emits what changed to all clients."""
 
     def __init__(self, socketio: SocketIO, state: RunState, tick_s: float,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, stop: StopService | None = None):
         self.socketio = socketio
         self.state = state
+        self.stop_service = stop
+        self._sent_stop: dict | None = None
         self.tick_s = tick_s
         self.clock = clock
         self._lock = threading.Lock()
@@ -51,7 +58,24 @@ class Watcher:
         out = self.state.take_delta(now)
         if out:
             self.socketio.emit(*out)
+        if self.stop_service is not None:
+            self._tick_stop(now)
         return out
+
+    def _tick_stop(self, now: float) -> None:
+        ranks, world = self.state.heartbeats()
+        self.stop_service.tick(ranks, world)
+        status = self.stop_service.status(ranks, world, now)
+        if status != self._sent_stop:
+            self._sent_stop = status
+            self.socketio.emit(STOP_EVENT, status)
+
+    def stop_status(self, now: float) -> dict | None:
+        """The stop lifecycle as pushed (for a client that just connected)."""
+        if self.stop_service is None:
+            return None
+        ranks, world = self.state.heartbeats()
+        return self.stop_service.status(ranks, world, now)
 
     def _run(self) -> None:
         deadline = self.clock()

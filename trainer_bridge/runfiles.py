@@ -140,6 +140,11 @@ def parse_flag(data: bytes) -> Flag:
         obj = json.loads(data)
     except (ValueError, UnicodeDecodeError) as e:
         raise FlagError(f"flag file is not valid JSON: {e}") from None
+    return flag_from_obj(obj)
+
+
+def flag_from_obj(obj: Any) -> Flag:
+    """The ``Flag`` a parsed JSON value stands for; FlagError unless it is an object."""
     if not isinstance(obj, dict):
         raise FlagError(f"flag file must hold a JSON object, not {type(obj).__name__}")
     value = obj.get(FLAG_KEY)

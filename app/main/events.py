@@ -13,12 +13,15 @@ from flask_socketio import emit
 
 from app import rankwatch, socketio
 from app.state import DELTA_EVENT, SNAPSHOT_EVENT
+from app.watcher import STOP_EVENT
 
 EVENTS = {
     SNAPSHOT_EVENT: "server to client: the whole view, as GET /api/ranks; to a client when it "
                     "connects, and to everyone when the watcher starts or ranks disappeared",
     DELTA_EVENT: "server to client, at most once per tick: the changed fields of the changed "
                  "rows, plus the summary and the run status when they changed",
+    STOP_EVENT: "server to client: the stop lifecycle, as GET /api/exit without the estimate; "
+                "to a client when it connects, and to everyone when it changed",
 }
 
 
@@ -30,3 +33,4 @@ def on_connect(auth=None):
     now = time.time()
     rw.state.refresh(now, rw.watcher.tick_s)
     emit(SNAPSHOT_EVENT, rw.state.snapshot(now))
+    emit(STOP_EVENT, rw.watcher.stop_status(now))
