@@ -29,8 +29,13 @@ def parse_args(argv: list[str] | None = None) -> dict:
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
     app = create_app(config)
-    print(f"Rankwatch: watching {config['RUN_DIR']} on "
-          f"http://{config['HOST']}:{config['PORT']}/", file=sys.stderr, flush=True)
+    url = f"http://{config['HOST']}:{config['PORT']}/"
+    print(f"Rankwatch: watching {config['RUN_DIR']} on {url}", file=sys.stderr, flush=True)
+    if app.config["TOKEN_GENERATED"]:
+        # Printed once, as Jupyter does; the #fragment never reaches a server log.
+        print(f"Rankwatch: operator token (set RANKWATCH_TOKEN to choose your own): "
+              f"{app.config['TOKEN']}\n    or open {url}#token={app.config['TOKEN']}",
+              file=sys.stderr, flush=True)
     socketio.run(app, host=config["HOST"], port=config["PORT"], allow_unsafe_werkzeug=True)
 
 

@@ -18,13 +18,16 @@ WHO_DEFAULT = "operator"
 
 
 def _live():
-    """(heartbeats by rank, world size) from a fresh-enough view of the run."""
+    """(heartbeats by rank, world size), read from the files now.
+
+    Not the watcher's view, which may be a tick old: cancel and re-arm decide
+    on where the ranks are, and a rank may have agreed a moment ago.
+    """
     if not current_app.config["RUN_DIR"]:
         raise ApiError(409, "the dashboard was started without a run directory (--run-dir)")
-    rw = rankwatch()
-    now = time.time()
-    rw.state.refresh(now, rw.watcher.tick_s)
-    return rw.state.heartbeats()
+    state = rankwatch().state
+    state.scan(time.time())
+    return state.heartbeats()
 
 
 def _who(body: dict) -> str:

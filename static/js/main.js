@@ -6,6 +6,7 @@ import { RankStore } from "./store.js";
 import { RankTable } from "./table.js";
 import { SummaryStrip } from "./summary.js";
 import { Charts } from "./charts.js";
+import { StopControls } from "./stop.js";
 
 const config = JSON.parse($(SEL.config).textContent);
 const store = new RankStore();
@@ -27,6 +28,7 @@ socket.on("ranks_snapshot", (msg) => {
   charts.addRows(store.applySnapshot(msg));
   redraw();
 });
+const stop = new StopControls(socket);
 socket.on("ranks_delta", (msg) => {
   charts.addRows(store.applyDelta(msg));
   redraw();
@@ -47,4 +49,4 @@ setInterval(() => {
 }, 1000);
 
 // For the scale benchmark and for looking around from the browser console.
-window.rankwatch = { store, table, charts, socket };
+window.rankwatch = { store, table, charts, socket, stop };

@@ -1,0 +1,324 @@
+// The Stop gracefully button, its dialog, the per-rank lifecycle and the
+// audit trail. The server pushes `stop_status` (README, "Socket.IO events");
+// actions go through operatorFetch with the token.
+
+import { SEL, $ } from "./dom.js";
+import { formatBytes, formatSeconds } from "./format.js";
+import { token, checkToken, operatorFetch } from "./token.js";
+
+const STAGES = ["requested", "seen", "agreed", "saving", "saved", "exited"];
+// Above this many ranks the table lists only the ranks still on their way.
+const MAX_RANK_ROWS = 64;
+
+const HEADLINE = {
+  idle: () => "No stop requested. The job trains until it ends or you press Stop gracefully.",
+  requested: () => "Stop requested: waiting for the ranks to read the flag.",
+  stopping: (s) => (s.stop_step != null
+    ? `Stopping after step ${s.stop_step}: ranks are saving and exiting.`
+    : "Stopping: the ranks are agreeing on the step to stop after."),
+  completed: (s) => `Stopped: ${s.summary}.`,
+  cancelled: () => "The stop request was cancelled before any rank agreed; training goes on.",
+  rearmed: (s) => (s.summary
+    ? `Last stop: ${s.summary}. The flag is re-armed ({"GracefulExit": 0}), so relaunching the job trains.`
+    : 'The flag is re-armed ({"GracefulExit": 0}); relaunching the job trains.'),
+};
+
+function text(el, value) {
+  el.textContent = value;
+}
+
+function when(t) {
+  return t ? new Date(t * 1000).toLocaleTimeString() : "–";
+}
+
+function cell(row, value, cls) {
+  const td = row.insertCell();
+  td.textContent = value ?? "–";
+  if (cls) td.className = cls;
+  return td;
+}
+
+export class StopControls {
+  constructor(socket) {
+    this.status = null;
+    this.busy = false;
+    token.adoptFromUrl();
+    this.bind();
+    socket.on("stop_status", (status) => {
+      this.status = status;
+      this.render();
+      this.loadAudit();
+    });
+    window.addEventListener("rankwatch-token", () => this.renderOperator());
+    this.renderOperator();
+    this.loadAudit();
+    setInterval(() => this.renderTimes(), 1000);
+  }
+
+  bind() {
+    $(SEL.tokenOpen).addEventListener("click", () => this.openToken());
+    $(SEL.tokenDismiss).addEventListener("click", () => $(SEL.tokenDialog).close());
+    $(SEL.tokenForget).addEventListener("click", () => {
+      token.clear();
+      $(SEL.tokenDialog).close();
+    });
+    $(SEL.tokenForm).addEventListener("submit", (e) => {
+      e.preventDefault();
+      this.saveToken();
+    });
+    $(SEL.stopOpen).addEventListener("click", () => this.openStop());
+    $(SEL.stopDismiss).addEventListener("click", () => $(SEL.stopDialog).close());
+    $(SEL.stopReason).addEventListener("input", () => this.renderConfirm());
+    $(SEL.stopForm).addEventListener("submit", (e) => {
+      e.preventDefault();
+      this.confirmStop();
+    });
+    $(SEL.stopCancel).addEventListener("click", () => this.act("/api/exit/cancel", "Cancel the stop request?"));
+    $(SEL.stopRearm).addEventListener("click", () => this.rearm());
+  }
+
+  // -- the token ---------------------------------------------------------------
+  renderOperator() {
+    const has = Boolean(token.get());
+    const state = $(SEL.operatorState);
+    state.dataset.state = has ? "operator" : "read-only";
+    text(state, has ? "operator" : "read-only");
+    text($(SEL.tokenOpen), has ? "Token…" : "Enter operator token");
+    const stop = $(SEL.stopOpen);
+    stop.disabled = !has;
+    stop.title = has ? "Every rank saves a checkpoint at the same step, then exits"
+      : "Read-only: enter the operator token to stop the job";
+    $(SEL.tokenForget).hidden = !has;
+    this.renderButtons();
+  }
+
+  openToken() {
+    $(SEL.tokenError).hidden = true;
+    $(SEL.tokenInput).value = "";
+    $(SEL.tokenDialog).showModal();
+    $(SEL.tokenInput).focus();
+  }
+
+  async saveToken() {
+    const value = $(SEL.tokenInput).value.trim();
+    const error = $(SEL.tokenError);
+    try {
+      if (!(await checkToken(value))) {
+        error.hidden = false;
+        text(error, "That is not the operator token.");
+        return;
+      }
+    } catch (err) {
+      error.hidden = false;
+      text(error, `Could not check the token: ${err.message}`);
+      return;
+    }
+    token.set(value);
+    $(SEL.tokenDialog).close();
+  }
+
+  // -- the stop dialog ---------------------------------------------------------
+  async openStop() {
+    $(SEL.stopError).hidden = true;
+    $(SEL.stopReason).value = "";
+    this.busy = false;
+    this.renderConfirm();
+    $(SEL.stopDialog).showModal();
+    $(SEL.stopReason).focus();
+    try {
+      const r = await fetch("/api/exit");
+      const s = await r.json();
+      const est = s.estimate || {};
+      text($(SEL.estimateRanks), est.ranks ?? "–");
+      text($(SEL.estimateSeconds), est.seconds != null ? `about ${formatSeconds(est.seconds)}` : "unknown (no rank reports yet)");
+      text($(SEL.estimateDir), `${est.checkpoint_dir || "?"} in the run directory`);
+      text($(SEL.estimateBasis), est.basis ? `Estimate: ${est.basis}.` : "");
+    } catch (err) {
+      text($(SEL.estimateBasis), `No estimate: ${err.message}`);
+    }
+  }
+
+  renderConfirm() {
+    $(SEL.stopConfirm).disabled = this.busy || !$(SEL.stopReason).value.trim();
+  }
+
+  async confirmStop() {
+    if (this.busy) return; // a double click sends one request
+    this.busy = true;
+    this.renderConfirm();
+    const body = { reason: $(SEL.stopReason).value.trim() };
+    const who = $(SEL.stopWho).value.trim();
+    if (who) body.who = who;
+    const res = await operatorFetch("/api/exit", body);
+    if (res.ok) {
+      $(SEL.stopDialog).close();
+      this.loadAudit();
+      return;
+    }
+    this.busy = false;
+    this.renderConfirm();
+    const error = $(SEL.stopError);
+    error.hidden = false;
+    text(error, res.status === 401 ? "The operator token was refused; enter it again." : res.body.error);
+  }
+
+  async act(url, question, extra = {}) {
+    if (!window.confirm(question)) return;
+    const res = await operatorFetch(url, { ...extra });
+    if (!res.ok) window.alert(res.body.error);
+    this.loadAudit();
+  }
+
+  rearm() {
+    const s = this.status || {};
+    const force = s.state !== "completed";
+    const question = force
+      ? "Not every rank has exited. Re-arm anyway? Ranks that have not stopped will run on."
+      : 'Return the flag to {"GracefulExit": 0}?';
+    this.act("/api/exit/rearm", question, force ? { force: true } : {});
+  }
+
+  // -- the lifecycle -------------------------------------------------------------
+  render() {
+    const s = this.status;
+    if (!s) return;
+    $(SEL.stopPanel).dataset.state = s.state;
+    text($(SEL.stopHeadline), (HEADLINE[s.state] || HEADLINE.idle)(s));
+    this.renderNote(s);
+    this.renderRequest(s.request);
+    this.renderStages(s);
+    this.renderRanks(s);
+    this.renderButtons();
+  }
+
+  renderNote(s) {
+    const notes = [];
+    if (s.flag_error) notes.push(`The flag file is unreadable (${s.flag_error}); no rank will stop because of it.`);
+    if (s.request && !s.bridge_seen) {
+      notes.push("No rank of this run reports through the Rankwatch bridge. The flag is in MindSpore's "
+        + "own format, so a script using OnRequestExit(config_file=RUN/graceful_exit.json) with "
+        + "MS_ENABLE_GRACEFUL_EXIT=1 stops on it, but Rankwatch cannot see when it stops or what it "
+        + "saves: look for rank_*/<name>_train.ckpt in the checkpoint browser.");
+    }
+    if (s.late && s.late.length) {
+      notes.push(`Late: rank ${s.late.join(", ")} has been in one stage longer than ${formatSeconds(s.deadline_s)}.`);
+    }
+    const note = $(SEL.stopNote);
+    note.hidden = !notes.length;
+    text(note, notes.join(" "));
+  }
+
+  renderRequest(req) {
+    $(SEL.stopRequest).hidden = !req;
+    if (!req) return;
+    text($(SEL.stopRequestId), req.request_id || "(no id: a bare native flag)");
+    text($(SEL.stopRequestBy), req.requested_by || "–");
+    text($(SEL.stopRequestReason), req.reason || "–");
+    text($(SEL.stopRequestAt), when(req.requested_at));
+  }
+
+  renderStages(s) {
+    const list = $(SEL.stopStages);
+    list.hidden = !s.ranks.length || !s.request;
+    list.replaceChildren();
+    const counts = Object.fromEntries(STAGES.map((st) => [st, 0]));
+    for (const r of s.ranks) counts[r.stage] += 1;
+    for (const stage of STAGES) {
+      const li = document.createElement("li");
+      li.className = "stage";
+      li.dataset.stage = stage;
+      li.dataset.count = counts[stage];
+      li.textContent = `${stage} ${counts[stage]}`;
+      list.append(li);
+    }
+    const holding = $(SEL.stopHolding);
+    const waiting = s.holding_up || [];
+    holding.hidden = !waiting.length;
+    if (waiting.length) {
+      const stage = s.ranks.find((r) => r.rank === waiting[0])?.stage;
+      const names = waiting.slice(0, 20).join(", ") + (waiting.length > 20 ? ` and ${waiting.length - 20} more` : "");
+      text(holding, `Holding the others up: rank ${names} (still at "${stage}").`);
+    }
+  }
+
+  renderRanks(s) {
+    const wrap = $(SEL.stopRanksWrap);
+    wrap.hidden = !s.ranks.length || !s.request;
+    const order = Object.fromEntries(STAGES.map((st, i) => [st, i]));
+    const rows = [...s.ranks].sort((a, b) => order[a.stage] - order[b.stage] || a.rank - b.rank);
+    const shown = rows.length > MAX_RANK_ROWS ? rows.filter((r) => r.stage !== "exited").slice(0, MAX_RANK_ROWS) : rows;
+    const requestedAt = s.request?.requested_at;
+    const body = $(SEL.stopRanksBody);
+    body.replaceChildren();
+    for (const r of shown) {
+      const tr = body.insertRow();
+      tr.dataset.rank = r.rank;
+      tr.dataset.stage = r.stage;
+      if (r.late) tr.classList.add("late");
+      cell(tr, r.rank);
+      cell(tr, r.late ? `${r.stage} (late)` : r.stage, `stage-cell stage-${r.stage}`);
+      const since = cell(tr, "", "in-stage");
+      since.dataset.since = r.stage === "exited" ? "" : r.stage_since;
+      for (const stage of STAGES.slice(1)) {
+        const t = r.at[stage];
+        // A rank told by the vote never "saw" the flag itself: say so.
+        const fallback = stage === "seen" && r.at.agreed ? "via vote" : null;
+        cell(tr, t != null && requestedAt ? `+${(t - requestedAt).toFixed(2)}` : fallback,
+          `at-${stage}`).dataset.stage = stage;
+      }
+      cell(tr, r.seen_step);
+      cell(tr, r.stop_step);
+      cell(tr, r.checkpoint?.path || r.error);
+      cell(tr, r.checkpoint ? formatBytes(r.checkpoint.bytes) : null);
+      cell(tr, r.checkpoint ? r.checkpoint.seconds.toFixed(2) : null);
+    }
+    const more = $(SEL.stopRanksMore);
+    more.hidden = shown.length === rows.length;
+    text(more, `Showing ${shown.length} of ${rows.length} ranks: those not yet exited.`);
+    this.renderTimes();
+  }
+
+  renderTimes() {
+    const now = Date.now() / 1000;
+    for (const td of document.querySelectorAll(`${SEL.stopRanksBody} td.in-stage`)) {
+      const since = Number(td.dataset.since);
+      td.textContent = td.dataset.since ? formatSeconds(Math.max(0, now - since)) : "–";
+    }
+  }
+
+  renderButtons() {
+    const s = this.status || {};
+    const has = Boolean(token.get());
+    $(SEL.stopCancel).hidden = !(has && s.can_cancel);
+    $(SEL.stopRearm).hidden = !(has && s.can_rearm && ["completed", "stopping"].includes(s.state));
+  }
+
+  // -- the audit trail -----------------------------------------------------------
+  async loadAudit() {
+    let rows;
+    try {
+      const r = await fetch("/api/audit?limit=20");
+      rows = (await r.json()).rows;
+    } catch (err) {
+      console.error("rankwatch: audit trail unavailable:", err);
+      return;
+    }
+    const body = $(SEL.auditBody);
+    body.replaceChildren();
+    if (!rows.length) {
+      cell(body.insertRow(), "No entries yet.", "muted").colSpan = 7;
+      return;
+    }
+    for (const a of rows) {
+      const tr = body.insertRow();
+      tr.dataset.action = a.action;
+      cell(tr, new Date(a.at * 1000).toLocaleString());
+      cell(tr, a.action);
+      cell(tr, a.who);
+      cell(tr, a.remote_addr);
+      cell(tr, a.reason);
+      cell(tr, a.outcome);
+      cell(tr, a.request_id);
+    }
+  }
+}
