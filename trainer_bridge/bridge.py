@@ -3,8 +3,9 @@
 It lives inside someone else's training loop, so it is built around three
 rules:
 
-* **The step hook is cheap.** ``on_train_step_end`` reads the clock, appends
-  to a deque and compares two integers. Files, psutil and the flag are
+* **The step hooks are cheap.** ``on_train_step_begin`` and ``_end`` read
+  the clock, add to running totals, append to a deque and compare two
+  integers. Files, psutil and the flag are
   handled by one daemon thread (``_Reporter``).
 * **Agreement is amortised.** Ranks agree on "stop now?" with one float32 SUM
   AllReduce (the one collective MindSpore's CPU backend has for this) every
@@ -183,6 +184,14 @@ class GracefulExitBridge(Callback):
         self._step_times: collections.deque = collections.deque(maxlen=MAX_STEP_TIMES)
         self._interval_time = 0.0
         self._interval_steps = 0
+        # Running totals, never reset, so the reporter thread can take deltas
+        # without racing the training thread: time inside steps (from begin to
+        # end: compute and waiting for peers in the gradient AllReduce) and
+        # between them (data loading, other callbacks, host work).
+        self._in_total = 0.0
+        self._out_total = 0.0
+        self._steps_total = 0
+        self._step_began = 0.0
         # cb_params is a dict whose missing attributes raise KeyError.
         self._epoch = cb.get("cur_epoch_num") or 1
         self._batch_num = cb.get("batch_num")
@@ -213,10 +222,17 @@ class GracefulExitBridge(Callback):
     def on_train_epoch_begin(self, run_context):
         self._epoch = run_context.original_args().cur_epoch_num
 
+    def on_train_step_begin(self, run_context):
+        now = time.perf_counter()
+        self._out_total += now - self._last_step_end
+        self._step_began = now
+
     def on_train_step_end(self, run_context):
         now = time.perf_counter()
         dt = now - self._last_step_end
         self._last_step_end = now
+        self._in_total += now - self._step_began
+        self._steps_total += 1
         self._global_step += 1
         self._step_times.append(dt)
         self._interval_time += dt
@@ -362,6 +378,10 @@ class _Reporter:
             self.resumed_from = {"global_step": resumed.global_step, "epoch": resumed.epoch,
                                  "path": os.path.relpath(resumed.path, self.run_dir)}
         self._resumed = resumed
+        self._totals = (0.0, 0.0, 0)  # (in, out, steps) at the previous heartbeat
+        self._last_step_ms = None
+        self._window = {"step_time_mean_ms": None, "step_in_ms": None, "step_out_ms": None,
+                        "samples_per_s": None}
         self._flag_sig = None
         self._bad_flag_logged: set = set()
         self._logged: set[str] = set()
@@ -513,22 +533,33 @@ class _Reporter:
             except IndexError:
                 break
         times_ms = [round(t * 1000.0, 3) for t in times]
-        mean_ms = sum(times_ms) / len(times_ms) if times_ms else None
+        if times_ms:
+            self._last_step_ms = times_ms[-1]
         per_epoch = bridge._batch_num or 0
         gstep = bridge._global_step
         cpu, rss = self._process_stats()
-        samples_per_s = None
-        if mean_ms and self.batch_size:
-            samples_per_s = round(self.batch_size * 1000.0 / mean_ms, 2)
+        totals = (bridge._in_total, bridge._out_total, bridge._steps_total)
+        steps = totals[2] - self._totals[2]
+        if steps:
+            # A heartbeat with no step since the last one (the final one, a
+            # stall) keeps the last window's figures instead of blanking them.
+            self._window = {
+                "step_time_mean_ms": round(sum(times_ms) / len(times_ms), 3) if times_ms else None,
+                "step_in_ms": round((totals[0] - self._totals[0]) / steps * 1e3, 3),
+                "step_out_ms": round((totals[1] - self._totals[1]) / steps * 1e3, 3),
+            }
+            mean_ms = self._window["step_time_mean_ms"]
+            self._window["samples_per_s"] = (round(self.batch_size * 1000.0 / mean_ms, 2)
+                                             if mean_ms and self.batch_size else None)
+        self._totals = totals
         self._seq += 1
         return {
             "schema": runfiles.HEARTBEAT_SCHEMA, "rank": self.rank, "world_size": self.world,
             "host": self._host, "pid": os.getpid(), "state": self.state,
             "epoch": bridge._epoch, "step": (gstep - 1) % per_epoch + 1 if per_epoch and gstep else 0,
             "global_step": gstep, "loss": self.loss,
-            "step_time_ms": times_ms[-1] if times_ms else None,
-            "step_time_mean_ms": round(mean_ms, 3) if mean_ms is not None else None,
-            "step_times_ms": times_ms, "samples_per_s": samples_per_s, "batch_size": self.batch_size,
+            "step_time_ms": self._last_step_ms,
+            **self._window, "step_times_ms": times_ms, "batch_size": self.batch_size,
             "cpu_percent": cpu, "rss_bytes": rss, "device": self._device.sample(),
             "time": time.time(), "last_step_at": self._last_step_at(), "started_at": self._started_at,
             "seq": self._seq, "sync_every": self.sync_every, "stop": self.stop,
