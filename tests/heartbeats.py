@@ -56,6 +56,9 @@ def heartbeat(rank: int, world_size: int, *, seq: int = 1, now: float | None = N
         "step_time_ms": times[-1] if times else None,
         "step_time_mean_ms": round(step_ms, 3) if times else None,
         "step_times_ms": times,
+        # Unknown, as from a non-synchronous simulated rank: health falls back
+        # to the wall step time. Tests of synchronous jobs pass them in.
+        "step_in_ms": None, "step_out_ms": None,
         "samples_per_s": round(batch_size * 1000.0 / step_ms, 2) if times else None,
         "batch_size": batch_size, "cpu_percent": 98.5, "rss_bytes": 512 * 1024 * 1024,
         "device": None, "time": now, "last_step_at": now if gstep else None,
