@@ -120,3 +120,40 @@ def test_next_interval_is_clamped():
     assert bridge._next_interval(0.01) == 50
     assert bridge._next_interval(10.0) == 1
     assert bridge._next_interval(1e-6) == 100
+
+
+class _FlagScript(Callback):
+    """Writes the flag at given steps; after a write it makes the bridge read it at once."""
+
+    def __init__(self, run_dir, bridge_holder, script):
+        super().__init__()
+        self.run_dir, self.holder, self.script = run_dir, bridge_holder, script
+
+    def on_train_step_end(self, run_context):
+        step = run_context.original_args().cur_step_num
+        if step in self.script:
+            runfiles.write_flag(self.run_dir, **self.script[step])
+            self.holder[0]._reporter.read_flag_now()
+
+
+def test_cancel_before_the_agreement_withdraws_the_request(tmp_path):
+    ms.set_seed(0)
+    data = ds.GeneratorDataset(_Source(), ["x", "y"], shuffle=False).batch(4)
+    net = nn.SequentialCell(nn.Dense(4, 8), nn.ReLU(), nn.Dense(8, 2))
+    model = Model(net, nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"),
+                  nn.Momentum(net.trainable_params(), 0.01, 0.9))
+    # Agreements at steps 1, 5, 9, ...: the request is seen at 2 and cancelled at 3.
+    bridge = GracefulExitBridge(tmp_path, sync_interval_s=1000, max_sync_every=4)
+    script = _FlagScript(tmp_path, [bridge], {2: {"exit": True, "request_id": "req-c"},
+                                              3: {"exit": False, "cancelled": "req-c"}})
+    seen = []
+
+    class Watch(Callback):
+        def on_train_step_end(self, run_context):
+            seen.append(bridge._reporter.request is not None)
+
+    model.train(2, data, callbacks=[bridge, script, Watch()], dataset_sink_mode=False)
+    hb = runfiles.read_json(runfiles.heartbeat_path(tmp_path, 0))
+    assert seen[1] is True and seen[2] is False  # seen at step 2, withdrawn at step 3
+    assert hb["state"] == "finished" and hb["stop"] is None
+    assert hb["global_step"] == 2 * STEPS_PER_EPOCH

@@ -267,6 +267,10 @@ class GracefulExitBridge(Callback):
             self._stop(run_context)
 
     def _vote(self) -> tuple[float, float]:
+        if self._reporter.request is not None:
+            # Re-read before voting stop: a cancel written since the last
+            # poll then wins, unless the vote has already begun elsewhere.
+            self._reporter.read_flag_now()
         mine = 1.0 if self._reporter.request is not None or self._sigterm_count else 0.0
         mean = self._interval_time / self._interval_steps if self._interval_steps else 0.0
         self._interval_time, self._interval_steps = 0.0, 0
@@ -390,6 +394,7 @@ class _Reporter:
         self._wake = threading.Event()
         self._closed = threading.Event()
         self._lock = threading.Lock()  # one writer at a time: the thread, or close()
+        self._flag_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="rankwatch-reporter", daemon=True)
         self._device = DeviceProbe()
         self._process = None
@@ -484,11 +489,18 @@ class _Reporter:
             self._wake.clear()
 
     def _poll_flag(self, force: bool = False) -> None:
+        # The reporter thread polls; the training thread forces a read before
+        # it votes with a pending request. One at a time.
+        with self._flag_lock:
+            self._poll_flag_locked(force)
+
+    def _poll_flag_locked(self, force: bool) -> None:
         path = runfiles.flag_path(self.run_dir)
         try:
             st = os.stat(path)
         except FileNotFoundError:
             self._flag_sig = None
+            self._withdraw("the flag file was removed")
             return
         except OSError as e:
             self._log_once(f"flagstat:{e.errno}", "rankwatch: cannot stat %s: %s", path, e)
@@ -506,10 +518,22 @@ class _Reporter:
                 log.warning("rankwatch: ignoring unreadable stop flag %s: %s", path, e)
             return
         if not flag.exit or self._is_stale(flag, st.st_mtime):
+            self._withdraw("the flag no longer says stop (cancelled)")
             return
         if self.request is None:
             self.request = flag
             self.saw_request(flag, "flag", self.bridge._global_step)
+
+    def _withdraw(self, why: str) -> None:
+        """Drop a request this rank saw but has not voted through: the operator cancelled it."""
+        if self.request is None or self.bridge._stopping:
+            return
+        log.warning("rankwatch: stop request %s withdrawn: %s", self.request.request_id, why)
+        self.request = None
+        if self.stop is not None and self.stop.get("source") == "flag":
+            self.stop = None
+            self.state = "training"
+            self._wake.set()
 
     def _is_stale(self, flag: runfiles.Flag, mtime: float) -> bool:
         """A flag that already stopped the run we resumed from must not stop it again.
