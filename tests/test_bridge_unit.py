@@ -157,3 +157,13 @@ def test_cancel_before_the_agreement_withdraws_the_request(tmp_path):
     assert seen[1] is True and seen[2] is False  # seen at step 2, withdrawn at step 3
     assert hb["state"] == "finished" and hb["stop"] is None
     assert hb["global_step"] == 2 * STEPS_PER_EPOCH
+
+
+def test_bare_native_flag_stops_once_and_is_stale_for_the_resume(tmp_path):
+    runfiles.flag_path(tmp_path).write_text('{"GracefulExit": 1}')  # no request id, as a human writes it
+    _, seen = _train(tmp_path)
+    hb = runfiles.read_json(runfiles.heartbeat_path(tmp_path, 0))
+    assert hb["state"] == "exited" and hb["stop"]["request_id"] == "native-flag"
+    _, seen2 = _train(tmp_path)  # the same file, older than the checkpoint: served
+    hb = runfiles.read_json(runfiles.heartbeat_path(tmp_path, 0))
+    assert hb["state"] == "finished" and seen2[0] == seen[-1] + 1
