@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flask import Flask, current_app
 from flask_socketio import SocketIO
@@ -21,6 +21,9 @@ from app.state import RunState
 from app.stop_service import StopService
 from app.watcher import Watcher
 from trainer_bridge import runfiles
+
+if TYPE_CHECKING:
+    from app.checkpoints.service import CheckpointService
 
 # static/ and templates/ live at the top of the repository (DESIGN.md).
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,6 +40,8 @@ class Rankwatch:
     # (endpoint, label) per top-level page; each blueprint adds its own when
     # registered, and base.html draws the nav from this list.
     nav: list[tuple[str, str]] = field(default_factory=list)
+    # The checkpoint browser's index and actions (app/checkpoints/service.py).
+    checkpoints: CheckpointService | None = None
 
 
 def create_app(config: Mapping[str, Any] | None = None) -> Flask:
@@ -56,8 +61,15 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     audit = AuditLog(app.config["AUDIT_DB"] or runfiles.state_dir(run_dir or ".") / "audit.sqlite3")
     stop = StopService(run_dir or ".", audit, deadline_s=app.config["STOP_DEADLINE_S"],
                        auto_rearm=app.config["AUTO_REARM"])
+    # Imported here, not at the top: the package's routes import this module.
+    from app.checkpoints.service import CheckpointService
+    from app.checkpoints.verify import Verifier
+    checkpoints = CheckpointService(run_dir, audit, scan_s=app.config["CHECKPOINT_SCAN_S"],
+                                    verifier=Verifier(socketio.start_background_task, socketio.emit))
     rw = app.extensions["rankwatch"] = Rankwatch(
-        state=state, watcher=Watcher(socketio, state, app.config["TICK_S"], stop=stop), stop=stop)
+        state=state, watcher=Watcher(socketio, state, app.config["TICK_S"], stop=stop,
+                                     checkpoints=checkpoints),
+        stop=stop, checkpoints=checkpoints)
     app.context_processor(lambda: {"nav_links": rw.nav})
 
     # Blueprints before init_app: importing one registers its Socket.IO
@@ -67,6 +79,8 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     app.register_blueprint(main_bp)
     from app.stop import bp as stop_bp
     app.register_blueprint(stop_bp)
+    from app.checkpoints import bp as checkpoints_bp
+    app.register_blueprint(checkpoints_bp)
 
     # Threading, not eventlet/gevent: the watcher does blocking file I/O and
     # the werkzeug server with simple-websocket needs no monkey-patching.

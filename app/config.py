@@ -126,6 +126,11 @@ SETTINGS: list[Setting] = [
     Setting("MAX_BODY_BYTES", 65536,
             "Largest request body accepted; larger ones get a 413. The API's bodies are a few "
             "short strings."),
+    Setting("CHECKPOINT_SCAN_S", 2.0,
+            "The checkpoint browser re-walks the run directory at most this often. A walk "
+            "stats every file under it (only new or changed checkpoints are opened), which "
+            "costs more than the heartbeat scan; a save takes seconds, so 2 s still shows a "
+            "new set while the operator watches, and keeps a large shared file system quiet."),
     Setting("PAGE_SIZE", 100,
             "Table rows per page. Larger jobs are paged so that the browser redraws at most "
             "this many rows per update."),

@@ -8,6 +8,8 @@ with the changed fields of the changed rows, or a ``ranks_snapshot`` when
 ranks disappeared; and a ``stop_status`` when the stop lifecycle changed.
 The tick also lets the stop service record a completed stop and re-arm the
 flag, so that happens even with no browser open... once one has connected.
+Last, it asks the checkpoint service (which re-scans at most every
+``CHECKPOINT_SCAN_S``) and sends ``checkpoints`` when the index changed.
 """
 from __future__ import annotations
 
@@ -15,13 +17,18 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from flask_socketio import SocketIO
 
 from app.state import RunState
 from app.stop_service import StopService
 
+if TYPE_CHECKING:
+    from app.checkpoints.service import CheckpointService
+
 STOP_EVENT = "stop_status"
+CHECKPOINTS_EVENT = "checkpoints"
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +37,12 @@ class Watcher:
     """Scans ``state`` every ``tick_s`` seconds and emits what changed to all clients."""
 
     def __init__(self, socketio: SocketIO, state: RunState, tick_s: float,
-                 clock: Callable[[], float] = time.time, stop: StopService | None = None):
+                 clock: Callable[[], float] = time.time, stop: StopService | None = None,
+                 checkpoints: CheckpointService | None = None):
         self.socketio = socketio
         self.state = state
         self.stop_service = stop
+        self.checkpoints = checkpoints
         self._sent_stop: dict | None = None
         self.tick_s = tick_s
         self.clock = clock
@@ -60,6 +69,8 @@ class Watcher:
             self.socketio.emit(*out)
         if self.stop_service is not None:
             self._tick_stop(now)
+        if self.checkpoints is not None:
+            self._tick_checkpoints()
         return out
 
     def _tick_stop(self, now: float) -> None:
@@ -69,6 +80,11 @@ class Watcher:
         if status != self._sent_stop:
             self._sent_stop = status
             self.socketio.emit(STOP_EVENT, status)
+
+    def _tick_checkpoints(self) -> None:
+        body = self.checkpoints.poll(self.state.heartbeats()[1])
+        if body is not None:
+            self.socketio.emit(CHECKPOINTS_EVENT, body)
 
     def stop_status(self, now: float) -> dict | None:
         """The stop lifecycle as pushed (for a client that just connected)."""

@@ -42,7 +42,11 @@ def test_headline_stop_from_the_browser_then_resume(tmp_path, browser, console_e
     try:
         job.wait_for_step(3)
         page.goto(server.url)
+        # Issue 3: the real job's ranks appear, healthy and training.
         expect(page.locator("#rank-table tbody tr")).to_have_count(2, timeout=UI_TIMEOUT_MS)
+        expect(page.locator("#rank-table tbody tr[data-health='healthy']")).to_have_count(2, timeout=UI_TIMEOUT_MS)
+        for i in range(2):
+            expect(page.locator("#rank-table tbody td[data-col='state']").nth(i)).to_have_text("training")
         stop_button = page.locator("#stop-open")
         expect(stop_button).to_be_disabled()  # read-only until the token is entered
         expect(page.locator("#operator-state")).to_have_text("read-only")

@@ -1,0 +1,110 @@
+"""The checkpoint browser's page and API (README, "Checkpoint browser" and "JSON API").
+
+Reads need no token. Delete changes state, so it needs the operator token
+and a JSON body (``app.auth``). Deep verify only reads the files, so it needs
+no token; it still starts work, so it takes a JSON body like every action
+(a cross-site form cannot send one).
+"""
+from __future__ import annotations
+
+import time
+
+from flask import current_app, jsonify, render_template, request, send_file, url_for
+
+from app import rankwatch, socketio
+from app.auth import json_body, require_operator
+from app.checkpoints import bp
+from app.checkpoints.verify import VERIFY_EVENT
+from app.errors import ApiError
+from app.watcher import CHECKPOINTS_EVENT
+
+WHO_DEFAULT = "operator"
+
+
+def _world() -> int:
+    """The job's world size (0 when unknown) from a fresh-enough view of the run."""
+    rw = rankwatch()
+    rw.state.refresh(time.time(), rw.watcher.tick_s)
+    return rw.state.heartbeats()[1]
+
+
+def _arg(name: str) -> str:
+    value = request.args.get(name, "")
+    if not value:
+        raise ApiError(400, f"query parameter {name!r} is required")
+    return value
+
+
+@bp.get("/checkpoints")
+def page():
+    config = {
+        "events": {"checkpoints": CHECKPOINTS_EVENT, "verify": VERIFY_EVENT},
+        "urls": {name: url_for(f"checkpoints.{endpoint}") for name, endpoint in (
+            ("list", "api_checkpoints"), ("file", "api_file"), ("resume", "api_resume"),
+            ("delete", "api_delete"), ("verify", "api_verify_start"))},
+        "scan_s": current_app.config["CHECKPOINT_SCAN_S"],
+    }
+    return render_template("checkpoints.html", page_config=config)
+
+
+@bp.get("/api/checkpoints")
+def api_checkpoints():
+    return jsonify(rankwatch().checkpoints.body(_world()))
+
+
+@bp.get("/api/checkpoints/file")
+def api_file():
+    """Download one checkpoint file the index lists (``?path=`` relative to the run directory)."""
+    f, name, size = rankwatch().checkpoints.open_file(_arg("path"), _world())
+    # Sent from the descriptor opened after the checks (not re-opened by path),
+    # so werkzeug cannot stat it: give the length, and no ranges without it.
+    response = send_file(f, as_attachment=True, download_name=name,
+                         mimetype="application/octet-stream", conditional=False)
+    response.content_length = size
+    return response
+
+
+@bp.get("/api/checkpoints/resume")
+def api_resume():
+    """The relaunch command and the code that loads the set ``?set=ID``."""
+    world = _world()
+    heartbeats, _ = rankwatch().state.heartbeats()
+    return jsonify(rankwatch().checkpoints.resume(_arg("set"), world, heartbeats))
+
+
+@bp.post("/api/checkpoints/delete")
+def api_delete():
+    require_operator()
+    body = json_body({"set": (str, True), "reason": (str, True), "who": (str, False),
+                      "force": (bool, False)})
+    service = rankwatch().checkpoints
+    world = _world()
+    result = service.delete(body["set"], world, who=body.get("who") or WHO_DEFAULT,
+                            remote_addr=request.remote_addr, reason=body["reason"],
+                            force=body.get("force", False))
+    # Every page shows the change now rather than at the watcher's next scan.
+    pushed = service.poll(world)
+    if pushed is not None:
+        socketio.emit(CHECKPOINTS_EVENT, pushed)
+    return jsonify(result)
+
+
+@bp.post("/api/checkpoints/verify")
+def api_verify_start():
+    """Start a deep verify of ``{"set": ID}``; progress arrives as ``checkpoint_verify`` events."""
+    body = json_body({"set": (str, True)})
+    service = rankwatch().checkpoints
+    _, cset = service.find(body["set"], _world())
+    return jsonify(service.verifier.start(cset.id, cset.files)), 202
+
+
+@bp.get("/api/checkpoints/verify")
+def api_verify_status():
+    """The latest deep verify of ``?set=ID``, with every file's result."""
+    set_id = _arg("set")
+    service = rankwatch().checkpoints
+    status = service.verifier.status(set_id)
+    if status is None:
+        service.find(set_id, _world())  # an unknown set is a 404 that says so
+        raise ApiError(404, "no deep verify of this set has run since the dashboard started")
+    return jsonify(status)

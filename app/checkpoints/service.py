@@ -1,0 +1,440 @@
+"""The checkpoint browser's model: index the run directory, and act on one set.
+
+``CheckpointService`` owns one ``MetaCache`` for the dashboard's life, so a
+re-scan opens only new or changed files and costs a ``stat`` for the rest.
+It re-scans at most every ``CHECKPOINT_SCAN_S`` seconds, whoever asks (the
+watcher's tick, an API read, a connecting client), and remembers the
+fingerprint of the index it last pushed so that the watcher sends the
+``checkpoints`` event only when a file appeared, changed or went away.
+
+World size: a set is complete when every rank of the *job* has a readable
+file in it, so the job's world size (``job.json``, else the heartbeats) is
+used when known; without a job, each layout counts up to its highest rank.
+
+Indexing and the layouts are ``trainer_bridge.ckptindex``'s; this module adds
+what the dashboard needs around them: the API body, which sets are
+protected from deletion, how to resume from a set, the download check and
+the delete itself. It never imports mindspore (``verify`` loads files in a
+subprocess).
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shlex
+import stat
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import BinaryIO
+
+from trainer_bridge import ckptindex, runfiles
+from trainer_bridge.ckptindex import (ORIGIN_BRIDGE, ORIGIN_NATIVE, ORIGIN_TTP, CheckpointFile,
+                                      CheckpointSet, Index)
+from trainer_bridge.ckptmeta import MetaCache
+
+from app.audit import AuditLog
+from app.checkpoints.verify import Verifier
+from app.errors import ApiError
+
+NO_RUN_DIR = "the dashboard was started without a run directory (--run-dir)"
+TTP_NOTE = ("TTP saves one copy per replica group, not one per rank, so a TTP set can list "
+            "missing ranks and still be resumable: a missing rank loads the copy of a rank "
+            "in its replica group.")
+BRIDGE_DEFAULT_NOTE = ("The bridge resumes from this set when the job is relaunched unchanged "
+                       "(the newest complete graceful-stop set).")
+
+
+def _fingerprint(index: Index) -> tuple:
+    """What the page shows that can change: every file's identity, size and status."""
+    def files(fs):
+        return tuple((f.path, f.meta.bytes, f.meta.mtime, f.meta.status, f.meta.reason) for f in fs)
+    return (index.world_size, index.errors, files(index.other_files),
+            tuple((s.id, files(s.files)) for s in index.sets))
+
+
+def bridge_default(index: Index) -> CheckpointSet | None:
+    """The set the bridge loads on an unchanged relaunch (``ckptindex.newest_complete_set``)."""
+    return next((s for s in index.sets if s.complete and s.origin == ORIGIN_BRIDGE), None)
+
+
+class CheckpointService:
+    """The run directory's checkpoint index, kept fresh, plus the actions on a set.
+
+    ``world`` arguments are the job's world size as ``RunState.heartbeats``
+    gives it (0 when unknown). Methods are safe to call from the watcher's
+    thread and request threads at once.
+    """
+
+    def __init__(self, run_dir: str | None, audit: AuditLog, *, scan_s: float, verifier: Verifier,
+                 clock: Callable[[], float] = time.monotonic):
+        self.run_dir = run_dir
+        self.audit = audit
+        self.scan_s = scan_s
+        self.verifier = verifier
+        self.cache = MetaCache()
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._delete_lock = threading.Lock()
+        self._index: Index | None = None
+        self._scanned: tuple[float, int] | None = None  # (monotonic time, world) of the scan
+        self._pushed: tuple | None = None
+
+    # -- the index -------------------------------------------------------------------
+
+    def index(self, world: int, force: bool = False) -> Index:
+        """The index, re-scanned first if it is older than ``scan_s``, the world changed, or ``force``."""
+        with self._lock:
+            now = self._clock()
+            if (force or self._index is None or self._scanned[1] != world
+                    or now - self._scanned[0] >= self.scan_s):
+                self._index = self._scan(world)
+                self._scanned = (now, world)
+            return self._index
+
+    def _scan(self, world: int) -> Index:
+        if self.run_dir is None:
+            return Index("", time.time(), None, (), (), (NO_RUN_DIR,))
+        return ckptindex.scan(self.run_dir, world or None, self.cache)
+
+    def body(self, world: int) -> dict:
+        """The body of ``GET /api/checkpoints`` (and of the ``checkpoints`` event)."""
+        return self._body(self.index(world), world)
+
+    def poll(self, world: int) -> dict | None:
+        """The body if the index changed since the last poll that returned one, else None.
+
+        The watcher calls this every tick and pushes what it returns; a route
+        that changed the files (delete) calls it to push at once.
+        """
+        index = self.index(world)
+        fingerprint = _fingerprint(index)
+        with self._lock:
+            if fingerprint == self._pushed:
+                return None
+            self._pushed = fingerprint
+        return self._body(index, world)
+
+    def _body(self, index: Index, world: int) -> dict:
+        now = time.time()
+        body = index.to_dict()
+        default = bridge_default(index)
+        for s in body["sets"]:
+            # The cached index may be a scan old; ages are as of this answer.
+            s["age_s"] = round(max(0.0, now - s["mtime"]), 3)
+            s["notes"] = self._notes(s, default)
+            s["verify"] = self.verifier.status(s["id"])
+        body.update(now=now, bridge_resume=default.id if default else None,
+                    total_bytes=sum(s.bytes for s in index.sets),
+                    world_size_source="job" if world else "layout")
+        return body
+
+    @staticmethod
+    def _notes(s: dict, default: CheckpointSet | None) -> list[str]:
+        notes = []
+        if default is not None and s["id"] == default.id:
+            notes.append(BRIDGE_DEFAULT_NOTE)
+        if s["origin"] == ORIGIN_TTP:
+            notes.append(TTP_NOTE)
+        if s["ranks_corrupt"]:
+            notes.append(f"unreadable file on rank(s) {_ranks(s['ranks_corrupt'])}: see each file's reason")
+        if s["ranks_missing"]:
+            notes.append(f"no readable file for rank(s) {_ranks(s['ranks_missing'])}: "
+                         "those ranks cannot resume from this set")
+        return notes
+
+    def find(self, set_id: str, world: int, force: bool = False) -> tuple[Index, CheckpointSet]:
+        if self.run_dir is None:
+            raise ApiError(409, NO_RUN_DIR)
+        index = self.index(world, force)
+        found = next((s for s in index.sets if s.id == set_id), None)
+        if found is None:
+            raise ApiError(404, f"no checkpoint set {set_id!r} in the run directory "
+                                "(GET /api/checkpoints lists the sets' ids)")
+        return index, found
+
+    # -- download --------------------------------------------------------------------
+
+    def open_file(self, rel: str, world: int) -> tuple[BinaryIO, str, int]:
+        """Open a checkpoint file the index lists, by its path relative to the run directory.
+
+        Only listed files are served, so nothing else in the run directory
+        (the audit database, the job's data) can be fetched. ``safe_path``
+        refuses ``..``, absolute paths and symlinks that leave the run
+        directory; ``O_NOFOLLOW`` keeps a symlink swapped in since the scan
+        from being followed. Returns (the open file, its name for the download, its size).
+        """
+        if self.run_dir is None:
+            raise ApiError(409, NO_RUN_DIR)
+        try:
+            resolved = os.fspath(ckptindex.safe_path(self.run_dir, rel))
+        except ValueError as e:
+            raise ApiError(400, str(e).removeprefix("safe_path: ")) from None
+        index = self.index(world)
+        known = {f.abspath for s in index.sets for f in s.files} | {f.abspath for f in index.other_files}
+        if resolved not in known:
+            raise ApiError(404, f"{rel!r} is not a checkpoint file of this run "
+                                "(only the files GET /api/checkpoints lists can be downloaded)")
+        try:
+            fd = os.open(resolved, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError as e:
+            raise ApiError(403 if e.errno in (errno.EPERM, errno.EACCES) else 404,
+                           f"cannot open {rel!r}: {(e.strerror or str(e)).lower()}") from None
+        f = os.fdopen(fd, "rb")
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            f.close()
+            raise ApiError(404, f"{rel!r} is no longer a regular file")
+        return f, os.path.basename(resolved), st.st_size
+
+    # -- delete ----------------------------------------------------------------------
+
+    def delete(self, set_id: str, world: int, *, who: str, remote_addr: str | None, reason: str,
+               force: bool) -> dict:
+        """Delete every file of a set and the rank directories it leaves empty; audit it.
+
+        The newest complete set, and the set the bridge would resume from,
+        are refused (409) unless ``force``: deleting them changes where the
+        job can resume. A set being verified is refused too. Files are
+        removed by their directory entry, so MindSpore's read-only (0400)
+        files go as well. A file that cannot be removed is reported, and
+        the others are still removed.
+        """
+        with self._delete_lock:
+            index, cset = self.find(set_id, world, force=True)
+            detail = {"set": cset.id, "origin": cset.origin, "global_step": cset.global_step,
+                      "files": [f.path for f in cset.files], "force": force}
+            protected = self._protection(index, cset)
+            if protected and not force:
+                why = f"{protected}; send \"force\": true to delete it anyway"
+                self.audit.record("delete", who=who, remote_addr=remote_addr, reason=reason,
+                                  outcome=f"refused: {protected}", detail=detail)
+                raise ApiError(409, why)
+            if self.verifier.running(cset.id):
+                raise ApiError(409, "a deep verify of this set is running; delete it when it ends")
+            deleted, failed, dirs = self._remove(cset)
+            self.verifier.forget(cset.id)
+            outcome = (f"deleted: {len(deleted)} file(s)" if not failed else
+                       f"partial: deleted {len(deleted)} of {len(cset.files)} file(s)")
+            self.audit.record("delete", who=who, remote_addr=remote_addr, reason=reason, outcome=outcome,
+                              detail=detail | {"failed": failed, "removed_dirs": dirs})
+            self.index(world, force=True)
+        return {"set": cset.id, "deleted": deleted, "failed": failed, "removed_dirs": dirs}
+
+    @staticmethod
+    def _protection(index: Index, cset: CheckpointSet) -> str | None:
+        newest = index.newest_complete
+        if newest is not None and cset.id == newest.id:
+            return "this is the newest complete set: the newest step every rank can resume from"
+        default = bridge_default(index)
+        if default is not None and cset.id == default.id:
+            return "the bridge resumes from this set on an unchanged relaunch"
+        return None
+
+    def _remove(self, cset: CheckpointSet) -> tuple[list[str], list[dict], list[str]]:
+        root = os.path.realpath(self.run_dir)
+        deleted, failed, dirs = [], [], set()
+        for f in cset.files:
+            # A directory swapped for a symlink since the scan must not redirect the unlink.
+            if os.path.realpath(os.path.dirname(f.abspath)) != os.path.dirname(f.abspath):
+                failed.append({"path": f.path, "error": "its directory moved since the scan"})
+                continue
+            try:
+                os.unlink(f.abspath)
+            except OSError as e:
+                if e.errno != errno.ENOENT:  # a file already gone is what a delete wants
+                    failed.append({"path": f.path, "error": (e.strerror or str(e)).lower()})
+                    continue
+            deleted.append(f.path)
+            dirs.update(self._prune_dirs(root, f, cset.layout))
+        return deleted, failed, sorted(dirs)
+
+    @staticmethod
+    def _prune_dirs(root: str, f: CheckpointFile, layout: str) -> list[str]:
+        """Remove the file's per-rank and per-step directories if they are now empty.
+
+        Only directories that the layout names with a placeholder (``rank_{rank}``,
+        TTP's ``…-step_{G}``) are candidates: a series' own directory
+        (``checkpoints/``) stays. ``rmdir`` removes only empty directories,
+        so a concurrent save into one is never lost.
+        """
+        removed = []
+        parts = f.path.split("/")[:-1]
+        templates = layout.split("/")[:-1]
+        for depth in range(len(parts), 0, -1):
+            if "{" not in templates[depth - 1]:
+                break
+            path = os.path.join(root, *parts[:depth])
+            try:
+                os.rmdir(path)
+            except OSError:
+                break  # not empty (or gone): leave it and everything above
+            removed.append("/".join(parts[:depth]))
+        return removed
+
+    # -- resume ----------------------------------------------------------------------
+
+    def resume(self, set_id: str, world: int, heartbeats: Mapping[int, dict | None]) -> dict:
+        """How to resume from a set: the relaunch command and the code that loads it."""
+        index, cset = self.find(set_id, world)
+        default = bridge_default(index)
+        job = runfiles.read_json_or_none(runfiles.job_path(self.run_dir))
+        job = job if isinstance(job, dict) else {}
+        command, command_notes = relaunch_command(job, cset.world_size, heartbeats)
+        position = _position(cset)
+        is_default = default is not None and default.id == cset.id
+        if is_default:
+            how = ("Relaunch the job unchanged: the bridge loads this set on every rank at train "
+                   "begin and continues with the next step. The code below is what it does, for a "
+                   "script without the bridge.")
+        elif cset.origin == ORIGIN_BRIDGE:
+            how = (f"The bridge would resume from {_describe(default)} instead, and it has no option "
+                   "to pin a set: construct it with GracefulExitBridge(run_dir, resume=False) and "
+                   "load this set with the code below, then relaunch.")
+        else:
+            how = ("Load this set with the code below before model.train, then relaunch."
+                   + (f" With the bridge attached, construct it with resume=False, or it loads "
+                      f"{_describe(default)} over this set." if default is not None else ""))
+        warnings = []
+        if not cset.complete:
+            warnings.append(f"this set is incomplete: rank(s) {_ranks(cset.ranks_missing)} have no "
+                            "readable file" + (f". {TTP_NOTE}" if cset.origin == ORIGIN_TTP else
+                                               ", so those ranks cannot load it"))
+        return {"set": cset.id, "origin": cset.origin, "complete": cset.complete,
+                "epoch": cset.epoch, "step": cset.step, "global_step": cset.global_step,
+                "world_size": cset.world_size, "ranks_missing": list(cset.ranks_missing),
+                "bridge_default": is_default, "bridge_resume": default.id if default else None,
+                "how": how, "command": command, "command_notes": command_notes,
+                **position, "code": load_code(self.run_dir, cset, position), "warnings": warnings}
+
+
+def _ranks(ranks) -> str:
+    ranks = list(ranks)
+    shown = ", ".join(map(str, ranks[:12]))
+    return shown + (f" and {len(ranks) - 12} more" if len(ranks) > 12 else "")
+
+
+def _describe(cset: CheckpointSet | None) -> str:
+    if cset is None:
+        return "no set"
+    where = f"global step {cset.global_step}" if cset.global_step is not None else cset.id
+    return f"the {cset.origin} set at {where}"
+
+
+def _position(cset: CheckpointSet) -> dict:
+    """Where training restarts: ``initial_epoch`` and the batches to skip in that epoch.
+
+    Steps per epoch come from the files (``batch_num``, which ModelCheckpoint,
+    OnRequestExit and the bridge store), else from the epoch, step and global
+    step together; when neither tells, the code asks the dataset.
+    """
+    per_epoch = next((f.meta.extras.get("batch_num") for f in cset.files
+                      if f.ok and isinstance(f.meta.extras.get("batch_num"), int)
+                      and f.meta.extras["batch_num"] > 0), None)
+    g, epoch, step = cset.global_step, cset.epoch, cset.step
+    if per_epoch is None and None not in (g, epoch, step) and epoch > 1 and (g - step) % (epoch - 1) == 0:
+        per_epoch = (g - step) // (epoch - 1) or None
+    initial_epoch = skip = None
+    if g is not None and per_epoch:
+        initial_epoch, skip = divmod(g, per_epoch)
+    elif g is None and epoch is not None and step is not None:
+        initial_epoch, skip = epoch - 1, step
+    return {"steps_per_epoch": per_epoch, "initial_epoch": initial_epoch, "skip_steps": skip}
+
+
+def _literal(text: str) -> str:
+    """``text`` as the inside of a double-quoted Python f-string."""
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("{", "{{").replace("}", "}}")
+
+
+def _rank_template(f: CheckpointFile, layout: str) -> str:
+    """``f``'s path as f-string text with its rank number replaced by ``{rank}``."""
+    out = []
+    for part, tpl in zip(f.path.split("/"), layout.split("/")):
+        at = tpl.find("{rank}")
+        digits = re.match(r"\d+", part[at:]) if at >= 0 and part[:at] == tpl[:at] else None
+        out.append(_literal(part[:at]) + "{rank}" + _literal(part[at + digits.end():]) if digits
+                   else _literal(part))
+    return "/".join(out)
+
+
+def load_code(run_dir: str, cset: CheckpointSet, position: Mapping) -> str:
+    """Python that loads ``cset`` on every rank and starts training where it stopped."""
+    files = {r: cset.file_for(r) for r in range(cset.world_size)}
+    files = {r: f for r, f in files.items() if f is not None}
+    templates = {_rank_template(f, cset.layout) for f in files.values()}
+    fmt = next((f.meta.format for f in files.values()), "ckpt")
+    extra = ', format="safetensors"' if fmt == "safetensors" else ""
+    lines = ["import mindspore as ms",
+             "from mindspore.communication import get_rank", "",
+             f"run = {json.dumps(os.path.realpath(run_dir))}  # the run directory",
+             "rank = get_rank()"]
+    if not files:
+        return "# no rank has a readable file in this set: there is nothing to load\n"
+    if len(templates) == 1:
+        path_expr = f'f"{{run}}/{templates.pop()}"'
+    else:
+        # The names differ beyond the rank (rare): list each rank's file.
+        lines.append("paths = {" + ", ".join(f"{r}: {json.dumps(f.path)}" for r, f in files.items()) + "}")
+        path_expr = 'f"{run}/{paths[rank]}"'
+    if cset.ranks_missing:
+        lines.append(f"# no readable file for rank(s) {_ranks(cset.ranks_missing)} in this set"
+                     + (" (TTP: load a replica's copy)" if cset.origin == ORIGIN_TTP else ""))
+    lines += ["# train_net: the cell being trained, optimizer included (the bridge loads Model's",
+              "# train network), so the optimizer state resumes too",
+              f"ms.load_checkpoint({path_expr}, net=train_net{extra})", ""]
+    where = (f"global step {cset.global_step}" if cset.global_step is not None
+             else f"epoch {cset.epoch}, step {cset.step}")
+    per_epoch, initial_epoch, skip = (position["steps_per_epoch"], position["initial_epoch"],
+                                      position["skip_steps"])
+    if initial_epoch is not None:
+        basis = f", {per_epoch} steps per epoch" if per_epoch else ""
+        lines.append(f"# saved at {where}{basis}: {initial_epoch} epoch(s) done, "
+                     f"{skip} batch(es) into the next")
+        if skip:
+            lines.append(f"dataset.set_init_step({skip})  # skips {skip} batches, in the first epoch only")
+        lines.append(f"model.train(epochs, dataset, callbacks=callbacks, initial_epoch={initial_epoch})")
+    elif cset.global_step is not None:
+        lines += [f"# saved at {where}; the steps per epoch are not in the files, so ask the dataset",
+                  f"initial_epoch, skip = divmod({cset.global_step}, dataset.get_dataset_size())",
+                  "if skip:",
+                  "    dataset.set_init_step(skip)  # skips that many batches, in the first epoch only",
+                  "model.train(epochs, dataset, callbacks=callbacks, initial_epoch=initial_epoch)"]
+    else:
+        lines += ["# the files do not say at which step they were saved: train from the start of",
+                  "# the data, with the weights loaded",
+                  "model.train(epochs, dataset, callbacks=callbacks)"]
+    if cset.origin == ORIGIN_NATIVE:
+        lines.insert(0, "# OnRequestExit saved this set; MindSpore has no automatic resume from it")
+    return "\n".join(lines) + "\n"
+
+
+def relaunch_command(job: Mapping, world: int, heartbeats: Mapping[int, dict | None]) -> tuple[str | None, list[str]]:
+    """The ``msrun`` command that starts the job again, from ``job.json``'s ``argv``.
+
+    msrun runs ``python <script> <args>`` on every worker, so the script's
+    own argv follows msrun's options. The node count comes from the hosts
+    the heartbeats name; on several nodes the same command runs on each,
+    with its ``--node_rank``. Returns (command or None, notes).
+    """
+    argv = job.get("argv")
+    if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)):
+        return None, ["rankwatch/job.json has no argv (the bridge writes it at start), so the "
+                      "job's command is unknown: relaunch it as you launched it"]
+    world = job.get("world_size") if isinstance(job.get("world_size"), int) else world
+    by_rank = sorted((r, hb.get("host")) for r, hb in heartbeats.items() if hb and hb.get("host"))
+    hosts = list(dict.fromkeys(h for _, h in by_rank))
+    notes = []
+    if len(hosts) > 1:
+        local = str(world // len(hosts)) if world % len(hosts) == 0 else "<ranks on this node>"
+        opts = (f"--worker_num={world} --local_worker_num={local} --master_addr={hosts[0]} "
+                "--node_rank=<this node's index>")
+        notes.append(f"run it on each of the {len(hosts)} nodes ({', '.join(hosts)}), "
+                     f"node_rank 0 on {hosts[0]}")
+    else:
+        opts = f"--worker_num={world} --local_worker_num={world}"
+    if not os.path.isabs(argv[0]):
+        notes.append(f"{argv[0]} is a relative path: run from the directory the job was launched in")
+    return f"msrun {opts} --join=True {shlex.join(argv)}", notes

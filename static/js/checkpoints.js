@@ -1,0 +1,112 @@
+// The checkpoint browser's entry point: the answer line ("resume from here"),
+// the set table, the dialogs, and the Socket.IO stream that keeps them live.
+
+import { $ } from "./dom.js";
+import { CKPT, el } from "./checkpoints_dom.js";
+import { SetTable, epochLabel, rankList } from "./checkpoints_table.js";
+import { DeleteDialog, ResumeDialog, api } from "./checkpoints_dialogs.js";
+import { formatBytes, formatSeconds } from "./format.js";
+import { token } from "./token.js";
+
+token.adoptFromUrl();
+const config = JSON.parse($(CKPT.config).textContent);
+// Server time minus this tab's clock, so ages agree with the server.
+let clockOffset = 0;
+const serverNow = () => Date.now() / 1000 + clockOffset;
+let index = null;
+
+function flash(text, kind = "info") {
+  const p = $(CKPT.flash);
+  p.textContent = text;
+  p.dataset.kind = kind;
+  p.hidden = false;
+}
+
+function byId(id) {
+  return index.sets.find((s) => s.id === id);
+}
+
+async function resume(set) {
+  const error = await resumeDialog.open(set);
+  if (error) flash(error, "error");
+}
+
+async function verify(set) {
+  const r = await api(config.urls.verify, { method: "POST", body: { set: set.id } });
+  if (!r.ok) flash(r.body.error, "error");
+}
+
+const table = new SetTable(config, {
+  resume: (set) => resume(set).catch((err) => flash(err.message, "error")),
+  verify: (set) => verify(set).catch((err) => flash(err.message, "error")),
+  remove: (set) => deleteDialog.open(set, index),
+}, serverNow);
+const resumeDialog = new ResumeDialog(config);
+const deleteDialog = new DeleteDialog(config, (result, set) => {
+  const failed = result.failed.map((f) => `${f.path}: ${f.error}`);
+  flash(`Deleted ${result.deleted.length} file(s) of global step ${set.global_step ?? "?"}`
+    + (failed.length ? `; could not delete ${failed.join("; ")}` : "."), failed.length ? "error" : "info");
+});
+
+function renderAnswer() {
+  const answer = $(CKPT.answer);
+  const headline = $(CKPT.headline);
+  const button = $(CKPT.headlineResume);
+  const newest = index.newest_complete ? byId(index.newest_complete) : null;
+  headline.replaceChildren();
+  if (newest) {
+    answer.dataset.status = "running";
+    const age = el("span");
+    age.dataset.mtime = newest.mtime;
+    headline.append(
+      "Resume from ", el("strong", "", `global step ${newest.global_step ?? "?"}`),
+      ` (epoch / step ${epochLabel(newest)}): complete on all ${newest.world_size} rank(s), `
+      + `${formatBytes(newest.bytes)}, ${newest.origin}, saved `, age, ".");
+    const bridge = index.bridge_resume ? byId(index.bridge_resume) : null;
+    if (bridge && bridge.id !== newest.id) {
+      headline.append(` An unchanged relaunch with the bridge resumes from global step ${bridge.global_step}`
+        + " (its newest complete graceful-stop set).");
+    }
+  } else if (index.sets.length) {
+    const last = index.sets[0];
+    answer.dataset.status = "waiting";
+    headline.textContent = "No complete set: every set lacks a readable file for at least one rank. "
+      + `The newest, global step ${last.global_step ?? "?"}, lacks rank(s) ${rankList(last.ranks_missing)}.`;
+  } else {
+    answer.dataset.status = index.errors.length ? "missing" : "waiting";
+    headline.textContent = index.errors.length ? index.errors[0] : "No checkpoints in the run directory yet.";
+  }
+  button.hidden = !newest;
+  button.onclick = newest ? () => table.actions.resume(newest) : null;
+  const source = index.world_size_source === "job" ? "from the job" : "per layout: highest rank + 1";
+  $(CKPT.meta).textContent = `${index.sets.length} set(s), ${formatBytes(index.total_bytes)} in `
+    + `${index.run_dir}; world size ${index.world_size ?? "unknown"} (${source}); `
+    + `new files show within ${formatSeconds(config.scan_s)}.`;
+  const errors = $(CKPT.errors);
+  errors.replaceChildren(...index.errors.map((e) => el("li", "", e)));
+  errors.hidden = index.errors.length === 0;
+}
+
+// io comes from the vendored socket.io client loaded before this module.
+const socket = io({ transports: ["websocket", "polling"], tryAllTransports: true });
+const connection = $(CKPT.connection);
+socket.on("connect", () => {
+  connection.dataset.state = "live";
+  connection.textContent = "live";
+});
+socket.on("disconnect", () => {
+  connection.dataset.state = "down";
+  connection.textContent = "reconnecting…";
+});
+socket.on(config.events.checkpoints, (msg) => {
+  clockOffset = msg.now - Date.now() / 1000;
+  index = msg;
+  renderAnswer();
+  table.render(msg);
+});
+socket.on(config.events.verify, (msg) => table.applyVerify(msg));
+
+setInterval(() => table.renderAges(), 1000);
+
+// For looking around from the browser console.
+window.rankwatchCheckpoints = { socket, table, get index() { return index; } };
