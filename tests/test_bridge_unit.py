@@ -35,8 +35,8 @@ class _Steps(Callback):
         self.seen.append(run_context.original_args().cur_step_num)
 
 
-def _train(run_dir, epochs=2, **bridge_kwargs):
-    """Train a 2-layer net; return (bridge, steps seen)."""
+def _train(run_dir, epochs=2, flag_script=None, **bridge_kwargs):
+    """Train a 2-layer net; return (bridge, steps seen). ``flag_script``: see _FlagScript."""
     ms.set_seed(0)
     data = ds.GeneratorDataset(_Source(), ["x", "y"], shuffle=False).batch(4)
     net = nn.SequentialCell(nn.Dense(4, 8), nn.ReLU(), nn.Dense(8, 2))
@@ -44,8 +44,11 @@ def _train(run_dir, epochs=2, **bridge_kwargs):
                   nn.Momentum(net.trainable_params(), 0.01, 0.9))
     bridge = GracefulExitBridge(run_dir, heartbeat_interval_s=0.05, **bridge_kwargs)
     steps = _Steps()
+    callbacks = [bridge, steps]
+    if flag_script:
+        callbacks.append(_FlagScript(run_dir, [bridge], flag_script))
     initial_epoch = bridge.resume(data)
-    model.train(epochs, data, callbacks=[bridge, steps], dataset_sink_mode=False,
+    model.train(epochs, data, callbacks=callbacks, dataset_sink_mode=False,
                 initial_epoch=initial_epoch)
     return bridge, steps.seen
 
@@ -167,3 +170,25 @@ def test_bare_native_flag_stops_once_and_is_stale_for_the_resume(tmp_path):
     _, seen2 = _train(tmp_path)  # the same file, older than the checkpoint: served
     hb = runfiles.read_json(runfiles.heartbeat_path(tmp_path, 0))
     assert hb["state"] == "finished" and seen2[0] == seen[-1] + 1
+
+
+def test_resume_step_pins_an_older_set_and_a_served_flag_stays_served(tmp_path, monkeypatch):
+    runfiles.write_flag(tmp_path, True, request_id="req-1")
+    _, first = _train(tmp_path)  # stops at the first agreement
+    # Relaunch: resumes from the first set, and a new request stops it again later.
+    _, second = _train(tmp_path, max_sync_every=2,
+                       flag_script={first[-1] + 3: {"exit": True, "request_id": "req-2"}})
+    hb = runfiles.read_json(runfiles.heartbeat_path(tmp_path, 0))
+    assert hb["stop"]["request_id"] == "req-2" and second[-1] > first[-1] + 3
+
+    # Pin the older set; the flag still says req-2, which the ranks saved for.
+    monkeypatch.setenv("RANKWATCH_RESUME_STEP", str(first[-1]))
+    _, third = _train(tmp_path)
+    hb = runfiles.read_json(runfiles.heartbeat_path(tmp_path, 0))
+    assert third[0] == first[-1] + 1 and hb["state"] == "finished"
+    assert hb["resumed_from"]["global_step"] == first[-1]
+
+    monkeypatch.setenv("RANKWATCH_RESUME_STEP", "999")
+    with pytest.raises(ValueError, match=r"resume_step=999, .* no checkpoint set complete .* "
+                                         rf"\(complete sets: \[{first[-1]}, {second[-1]}\]\)"):
+        _train(tmp_path)

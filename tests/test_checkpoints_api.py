@@ -332,7 +332,7 @@ def test_resume_from_the_bridge_default_set(client, run_dir):
 def test_resume_from_an_older_bridge_set_says_how_to_pin_it(client):
     info = client.get("/api/checkpoints/resume", query_string={"set": bridge_id(10)}).get_json()
     assert info["bridge_default"] is False
-    assert "resume=False" in info["how"] and "global step 20" in info["how"]
+    assert "RANKWATCH_RESUME_STEP=10" in info["how"] and "global step 20" in info["how"]
     assert (info["initial_epoch"], info["skip_steps"]) == (1, 2)
     assert info["command"] is None and "job.json" in info["command_notes"][0]
 
@@ -341,7 +341,7 @@ def test_resume_code_for_modelcheckpoint_and_safetensors_loads_the_files(client,
     periodic = client.get("/api/checkpoints/resume", query_string={"set": f"{MODELCKPT}#g8"}).get_json()
     assert (periodic["initial_epoch"], periodic["skip_steps"]) == (2, 0)
     assert "set_init_step" not in periodic["code"] and "initial_epoch=2" in periodic["code"]
-    assert "resume=False" in periodic["how"]  # the bridge would load its own set over it
+    assert "RANKWATCH_RESUME_STEP=8" in periodic["how"]  # else the bridge loads its own set over it
     net = Small()
     exec_load(periodic["code"], 0, net)
     assert_loaded(net, run_dir / "ckpt/rank_0/train-2_4.ckpt")

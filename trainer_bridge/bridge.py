@@ -26,13 +26,13 @@ import atexit
 import collections
 import json
 import logging
-import math
 import os
 import signal
 import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -41,10 +41,10 @@ from mindspore import Tensor, nn, ops
 from mindspore.train import Callback
 
 from trainer_bridge import runfiles
-from trainer_bridge.ckptindex import newest_complete_set
+from trainer_bridge.ckptindex import ORIGIN_BRIDGE, Index, scan
 from trainer_bridge.device import DeviceProbe
 
-__all__ = ["GracefulExitBridge", "ResumePoint", "find_resume_point"]
+__all__ = ["GracefulExitBridge", "ResumePoint", "Served", "find_resume_point", "served_requests"]
 
 log = logging.getLogger("trainer_bridge")
 
@@ -64,31 +64,62 @@ class _SumAllReduce(nn.Cell):
         return self.all_reduce(x)
 
 
+@dataclass(frozen=True)
 class ResumePoint:
     """The checkpoint set a job resumes from: its global step and this rank's file."""
-
-    def __init__(self, global_step: int, epoch: int | None, path: Path, request_id: str | None,
-                 saved_at: float):
-        self.global_step = global_step
-        self.epoch = epoch
-        self.path = path
-        self.request_id = request_id
-        self.saved_at = saved_at
-
-    def __repr__(self) -> str:
-        return f"ResumePoint(global_step={self.global_step}, path={str(self.path)!r})"
+    global_step: int
+    epoch: int | None
+    path: Path
 
 
-def find_resume_point(run_dir: str | os.PathLike, rank: int, world_size: int) -> ResumePoint | None:
-    """The newest bridge checkpoint set complete across ``world_size`` ranks, or None."""
-    cset = newest_complete_set(run_dir, world_size)
+@dataclass(frozen=True)
+class Served:
+    """Stop requests the run directory shows were already served (llnl/scr#13).
+
+    ``request_ids``: every request id stored in a bridge checkpoint (the ranks
+    saved for it, so it must not stop a relaunch). ``last_saved_at``: when the
+    newest bridge checkpoint was written; a bare ``{"GracefulExit": 1}``
+    without an id that is older than it was served too.
+    """
+    request_ids: frozenset
+    last_saved_at: float | None
+
+    def covers(self, flag: runfiles.Flag, flag_mtime: float) -> bool:
+        if flag.request_id is not None:
+            return flag.request_id in self.request_ids
+        return self.last_saved_at is not None and flag_mtime <= self.last_saved_at
+
+
+def served_requests(index: Index) -> Served:
+    files = [f for s in index.sets if s.origin == ORIGIN_BRIDGE for f in s.files if f.ok]
+    ids = {f.meta.extras.get("rankwatch_request_id") for f in files}
+    return Served(frozenset(i for i in ids if isinstance(i, str)),
+                  max((f.meta.mtime for f in files), default=None))
+
+
+def find_resume_point(index: Index, rank: int, step: int | None = None) -> ResumePoint | None:
+    """The set to resume from: the newest complete bridge set, or the one pinned at ``step``.
+
+    ``index`` is a ``ckptindex.scan`` of the run directory with the job's
+    world size. A pinned step must name a complete set (any layout, the
+    bridge's own first); anything else is a ValueError, raised alike on every
+    rank before any collective, because all read the same files.
+    """
+    complete = [s for s in index.sets if s.complete]
+    if step is None:
+        cset = next((s for s in complete if s.origin == ORIGIN_BRIDGE), None)
+    else:
+        matches = sorted((s for s in complete if s.global_step == step),
+                         key=lambda s: s.origin != ORIGIN_BRIDGE)
+        if not matches:
+            have = sorted({s.global_step for s in complete if s.global_step is not None})
+            raise ValueError(f"GracefulExitBridge: resume_step={step}, but {index.run_dir} has no "
+                             f"checkpoint set complete across {index.world_size} ranks at that global step "
+                             f"(complete sets: {have or 'none'})")
+        cset = matches[0]
     if cset is None:
         return None
-    mine = cset.file_for(rank)
-    request_id = mine.meta.extras.get("rankwatch_request_id")
-    return ResumePoint(global_step=cset.global_step, epoch=cset.epoch, path=Path(mine.abspath),
-                       request_id=request_id if isinstance(request_id, str) else None,
-                       saved_at=mine.meta.mtime)
+    return ResumePoint(cset.global_step, cset.epoch, Path(cset.file_for(rank).abspath))
 
 
 def _world() -> tuple[int, int]:
@@ -111,6 +142,9 @@ class GracefulExitBridge(Callback):
         poll_interval_s: seconds between ``os.stat`` calls on the flag.
         max_sync_every: the most steps between agreements, whatever the step time.
         resume: load the newest complete checkpoint set at train begin.
+        resume_step: pin the set to resume from by its global step instead of
+            the newest; ``RANKWATCH_RESUME_STEP`` in the environment does the
+            same without editing the script.
         save_checkpoint: save a checkpoint when stopping.
         handle_sigterm: treat SIGTERM as a stop request (ModelArts sends it on
             faults); a second SIGTERM terminates at once.
@@ -118,7 +152,8 @@ class GracefulExitBridge(Callback):
 
     def __init__(self, run_dir, *, sync_interval_s: float = 0.5, heartbeat_interval_s: float = 1.0,
                  poll_interval_s: float = 0.2, max_sync_every: int = 1000, resume: bool = True,
-                 save_checkpoint: bool = True, handle_sigterm: bool = True):
+                 resume_step: int | None = None, save_checkpoint: bool = True,
+                 handle_sigterm: bool = True):
         super().__init__()
         for name, value in (("sync_interval_s", sync_interval_s),
                             ("heartbeat_interval_s", heartbeat_interval_s),
@@ -127,15 +162,26 @@ class GracefulExitBridge(Callback):
                 raise ValueError(f"GracefulExitBridge: {name} must be a positive number, got {value!r}")
         if not (isinstance(max_sync_every, int) and max_sync_every >= 1):
             raise ValueError(f"GracefulExitBridge: max_sync_every must be an int >= 1, got {max_sync_every!r}")
+        env_step = os.environ.get(runfiles.RESUME_STEP_ENV)
+        if resume_step is None and env_step:
+            resume_step = env_step
+            if not resume_step.isdigit():
+                raise ValueError(f"GracefulExitBridge: {runfiles.RESUME_STEP_ENV} must be a global step number, "
+                                 f"got {resume_step!r}")
+            resume_step = int(resume_step)
+        if resume_step is not None and not (isinstance(resume_step, int) and resume_step >= 1):
+            raise ValueError(f"GracefulExitBridge: resume_step must be an int >= 1, got {resume_step!r}")
         self.run_dir = Path(run_dir)
         self.sync_interval_s = float(sync_interval_s)
         self.heartbeat_interval_s = float(heartbeat_interval_s)
         self.poll_interval_s = float(poll_interval_s)
         self.max_sync_every = max_sync_every
         self.resume_enabled = resume
+        self.resume_step = resume_step
         self.save_checkpoint = save_checkpoint
         self.handle_sigterm = handle_sigterm
         self._resume_point: ResumePoint | None = None
+        self._served = Served(frozenset(), None)
         self._resume_checked = False
         self._data_aligned = False
         self._reporter: _Reporter | None = None
@@ -160,11 +206,15 @@ class GracefulExitBridge(Callback):
         return initial_epoch
 
     def _find_resume(self) -> None:
-        if self._resume_checked or not self.resume_enabled:
+        """One scan of the run directory: the set to resume from and the requests already served."""
+        if self._resume_checked:
             return
         self._resume_checked = True
         rank, world = _world()
-        self._resume_point = find_resume_point(self.run_dir, rank, world)
+        index = scan(self.run_dir, world_size=world)
+        self._served = served_requests(index)
+        if self.resume_enabled:
+            self._resume_point = find_resume_point(index, rank, self.resume_step)
 
     # ----------------------------------------------------------------- hooks
     def on_train_begin(self, run_context):
@@ -381,7 +431,6 @@ class _Reporter:
         if resumed is not None:
             self.resumed_from = {"global_step": resumed.global_step, "epoch": resumed.epoch,
                                  "path": os.path.relpath(resumed.path, self.run_dir)}
-        self._resumed = resumed
         self._totals = (0.0, 0.0, 0)  # (in, out, steps) at the previous heartbeat
         self._last_step_ms = None
         self._window = {"step_time_mean_ms": None, "step_in_ms": None, "step_out_ms": None,
@@ -517,7 +566,9 @@ class _Reporter:
                 self._bad_flag_logged.add(sig)
                 log.warning("rankwatch: ignoring unreadable stop flag %s: %s", path, e)
             return
-        if not flag.exit or self._is_stale(flag, st.st_mtime):
+        # A request the ranks already saved for is stale (llnl/scr#13): it
+        # must not stop the relaunch.
+        if not flag.exit or self.bridge._served.covers(flag, st.st_mtime):
             self._withdraw("the flag no longer says stop (cancelled)")
             return
         if self.request is None:
@@ -534,19 +585,6 @@ class _Reporter:
             self.stop = None
             self.state = "training"
             self._wake.set()
-
-    def _is_stale(self, flag: runfiles.Flag, mtime: float) -> bool:
-        """A flag that already stopped the run we resumed from must not stop it again.
-
-        This is the stale-flag trap of llnl/scr#13: the same request id as the
-        resumed checkpoint, or a bare native flag older than that checkpoint.
-        """
-        point = self._resumed
-        if point is None:
-            return False
-        if flag.request_id is not None:
-            return flag.request_id == point.request_id
-        return mtime <= point.saved_at
 
     def _heartbeat(self) -> dict:
         bridge = self.bridge

@@ -40,6 +40,10 @@ CHECKPOINT_PREFIX = "rankwatch"
 # segment kept, a rank's history never takes more than twice this on disk.
 HISTORY_SEGMENT_BYTES = 256 * 1024
 
+# Pins the checkpoint set the bridge resumes from, by global step, without
+# editing the training script (GracefulExitBridge's resume_step).
+RESUME_STEP_ENV = "RANKWATCH_RESUME_STEP"
+
 # Rank lifecycle states, in the order a healthy run passes through them.
 STATES = ("starting", "training", "stopping", "saving", "exited", "finished", "failed")
 # Stop stages a rank reports under "stop": {"stage": ...}.

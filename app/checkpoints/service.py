@@ -289,14 +289,19 @@ class CheckpointService:
             how = ("Relaunch the job unchanged: the bridge loads this set on every rank at train "
                    "begin and continues with the next step. The code below is what it does, for a "
                    "script without the bridge.")
-        elif cset.origin == ORIGIN_BRIDGE:
-            how = (f"The bridge would resume from {_describe(default)} instead, and it has no option "
-                   "to pin a set: construct it with GracefulExitBridge(run_dir, resume=False) and "
-                   "load this set with the code below, then relaunch.")
+        elif cset.complete and cset.global_step is not None:
+            how = (f"The bridge would resume from {_describe(default)}; pin this set instead by "
+                   f"relaunching with {runfiles.RESUME_STEP_ENV}={cset.global_step} in the environment (or "
+                   f"GracefulExitBridge(run_dir, resume_step={cset.global_step})). For a script "
+                   "without the bridge, the code below loads the set.")
+            if command:
+                command = f"{runfiles.RESUME_STEP_ENV}={cset.global_step} {command}"
         else:
             how = ("Load this set with the code below before model.train, then relaunch."
                    + (f" With the bridge attached, construct it with resume=False, or it loads "
-                      f"{_describe(default)} over this set." if default is not None else ""))
+                      f"{_describe(default)} over this set." if default is not None else "")
+                   + (" The bridge cannot pin it: it is incomplete or its global step is unknown."
+                      if cset.origin == ORIGIN_BRIDGE else ""))
         warnings = []
         if not cset.complete:
             warnings.append(f"this set is incomplete: rank(s) {_ranks(cset.ranks_missing)} have no "

@@ -3,8 +3,10 @@
 Prints three figures, each against a baseline measured in the same run:
 
 1. Throughput of the 2-rank demo job under msrun with the bridge / without it
-   (target >= 0.99). Runs alternate (A B A B ...) so machine noise hits both
-   sides alike; the ratio is the median of per-pair ratios of median step times.
+   (target >= 0.99). One warm-up run is discarded (the first job after a
+   while pays for cold caches), then pairs alternate their order (AB BA AB
+   ...) so drift and noise hit both sides alike; the ratio is the median of
+   per-pair ratios of median step times.
 2. Per-step cost of the bridge's hooks / native ``OnRequestExit``'s hooks
    (target <= 1.0), timed inside one real single-process training run each,
    with ``MS_ENABLE_GRACEFUL_EXIT=1`` and a ``{"GracefulExit": 0}`` flag that
@@ -43,10 +45,12 @@ def _median_step_s(job: DemoJob, rank: int = 0, warmup: int = 5) -> float:
 
 
 def throughput(pairs: int, samples: int, root: Path) -> dict:
+    DemoJob(root / "tp-warmup", epochs=1, samples=samples).start().wait()
     ratios, with_s, without_s = [], [], []
+    sides = [("bridge", []), ("baseline", ["--no-bridge"])]
     for i in range(pairs):
         result = {}
-        for label, extra in (("bridge", []), ("baseline", ["--no-bridge"])):
+        for label, extra in (sides if i % 2 == 0 else sides[::-1]):
             job = DemoJob(root / f"tp-{i}-{label}", epochs=2, samples=samples, extra=extra).start()
             code = job.wait()
             if code != 0:
