@@ -62,7 +62,10 @@ def heartbeat(rank: int, world_size: int, *, seq: int = 1, now: float | None = N
         "samples_per_s": round(batch_size * 1000.0 / step_ms, 2) if times else None,
         "batch_size": batch_size, "cpu_percent": 98.5, "rss_bytes": 512 * 1024 * 1024,
         "device": None, "time": now, "last_step_at": now if gstep else None,
-        "started_at": process_started(), "seq": seq, "sync_every": 16, "stop": None,
+        "started_at": process_started(), "seq": seq, "sync_every": 16,
+        "bridge_cost": {"agreements": seq, "agree_ms": 1.5 * seq, "first_agree_ms": 300.0,
+                        "reporter_cpu_ms": 2.0 * seq},
+        "stop": None,
         "resumed_from": None, "error": None, "warnings": [],
     }
     hb.update(overrides)

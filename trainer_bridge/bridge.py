@@ -307,7 +307,14 @@ class GracefulExitBridge(Callback):
     # ------------------------------------------------------------- agreement
     def _agree(self, run_context) -> None:
         """Vote at an agreed step: stop if any rank saw a request; pick the next step."""
+        started = time.perf_counter()
         votes, mean_step_s = self._vote()
+        cost = self._reporter.cost
+        if cost["agreements"]:
+            cost["agree_ms"] += (time.perf_counter() - started) * 1e3
+        else:  # the first one compiles the AllReduce graph: a one-off, kept apart
+            cost["first_agree_ms"] = round((time.perf_counter() - started) * 1e3, 3)
+        cost["agreements"] += 1
         self._sync_every = self._next_interval(mean_step_s)
         self._next_sync = self._global_step + self._sync_every
         self._reporter.sync_every = self._sync_every
@@ -421,6 +428,8 @@ class _Reporter:
         self.batch_size = batch_size
         self.state = "starting"
         self.sync_every = 1
+        # What the bridge itself costs this rank (README, heartbeat "bridge_cost").
+        self.cost = {"agreements": 0, "agree_ms": 0.0, "first_agree_ms": None, "reporter_cpu_ms": 0.0}
         self.loss: float | None = None
         self.loss_due = 0.0
         self.request: runfiles.Flag | None = None
@@ -525,6 +534,7 @@ class _Reporter:
     def _run(self) -> None:
         next_beat = 0.0
         while not self._closed.is_set():
+            cpu = time.thread_time()
             try:
                 self._poll_flag()
                 now = time.monotonic()
@@ -534,6 +544,7 @@ class _Reporter:
             except Exception as e:  # the reporter must never die: log once per kind
                 self._log_once(f"reporter:{type(e).__name__}", "rankwatch: reporter error (training "
                                "continues): %s", e, exc_info=True)
+            self.cost["reporter_cpu_ms"] += (time.thread_time() - cpu) * 1e3
             self._wake.wait(self.bridge.poll_interval_s)
             self._wake.clear()
 
@@ -624,7 +635,9 @@ class _Reporter:
             **self._window, "step_times_ms": times_ms, "batch_size": self.batch_size,
             "cpu_percent": cpu, "rss_bytes": rss, "device": self._device.sample(),
             "time": time.time(), "last_step_at": self._last_step_at(), "started_at": self._started_at,
-            "seq": self._seq, "sync_every": self.sync_every, "stop": self.stop,
+            "seq": self._seq, "sync_every": self.sync_every,
+            "bridge_cost": {k: round(v, 3) if isinstance(v, float) else v for k, v in self.cost.items()},
+            "stop": self.stop,
             "resumed_from": self.resumed_from, "error": self.error, "warnings": self.warnings[-10:],
         }
 
