@@ -96,15 +96,21 @@ class StopService:
                               request_id=rid, outcome="accepted")
             return rid, True
 
+    def _pending_or_refuse(self, action: str, who: str, remote_addr: str | None,
+                           reason: str | None, refusal: str) -> dict:
+        """The pending request in the flag; if there is none, audit the refusal and answer 409."""
+        active = self._active(self.read_flag()[0])
+        if active is None:
+            self.audit.record(action, who=who, remote_addr=remote_addr, reason=reason,
+                              outcome=f"refused: {refusal}")
+            raise ApiError(409, refusal)
+        return active
+
     def cancel(self, ranks: Mapping[int, dict | None], who: str, remote_addr: str | None,
                reason: str | None) -> str:
         with self._flag_lock():
-            flag, _ = self.read_flag()
-            active = self._active(flag)
-            if active is None:
-                self.audit.record("cancel", who=who, remote_addr=remote_addr, reason=reason,
-                                  outcome="refused: no stop request is pending")
-                raise ApiError(409, "no stop request is pending")
+            active = self._pending_or_refuse("cancel", who, remote_addr, reason,
+                                             "no stop request is pending")
             rid = active.get("request_id")
             committed = sorted(r for r, s in self._stages(rid, ranks).items() if s["stage"] in COMMITTED)
             if committed:
@@ -122,12 +128,8 @@ class StopService:
               remote_addr: str | None, reason: str | None, force: bool = False) -> str:
         """Return the flag to ``{"GracefulExit": 0}`` after a stop, so a relaunch runs."""
         with self._flag_lock():
-            flag, _ = self.read_flag()
-            active = self._active(flag)
-            if active is None:
-                self.audit.record("rearm", who=who, remote_addr=remote_addr, reason=reason,
-                                  outcome="refused: the flag does not say stop")
-                raise ApiError(409, "nothing to re-arm: the flag does not say stop")
+            active = self._pending_or_refuse("rearm", who, remote_addr, reason,
+                                             "nothing to re-arm: the flag does not say stop")
             rid = active.get("request_id")
             done = self._completed(rid, ranks, world_size)
             if not done and not force:

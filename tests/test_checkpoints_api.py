@@ -27,6 +27,7 @@ from mindspore.train import CheckpointConfig, Model, ModelCheckpoint
 from app import create_app
 from tests.conftest import FAST_SETTINGS, wait_for_event
 from tests.heartbeats import heartbeat, write_heartbeat, write_job
+from tests.test_ckptindex import _Samples
 from tests.test_ckptmeta import Small, save_small
 from trainer_bridge import runfiles
 
@@ -58,19 +59,6 @@ def save_bridge_set(run: Path, global_step: int, ranks=(0, 1)) -> list[Path]:
              "global_step": global_step, "rankwatch_request_id": f"req-{global_step}",
              "rankwatch_rank": r, "rankwatch_world_size": len(ranks)}))
     return paths
-
-
-class _Samples:
-    def __init__(self):
-        rng = np.random.default_rng(0)
-        self.x = rng.normal(size=(16, 16)).astype(np.float32)
-        self.y = rng.integers(0, 3, 16).astype(np.int32)
-
-    def __getitem__(self, i):
-        return self.x[i], np.asarray(self.y[i])
-
-    def __len__(self):
-        return len(self.x)
 
 
 def _train_with_modelcheckpoint(run: Path) -> None:
