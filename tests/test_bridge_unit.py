@@ -123,6 +123,11 @@ def test_next_interval_is_clamped():
     assert bridge._next_interval(0.01) == 50
     assert bridge._next_interval(10.0) == 1
     assert bridge._next_interval(1e-6) == 100
+    # An agreement costing 2 ms at 100 ms steps: 0.5% allows one every 4 steps,
+    # fewer than the 5 the latency target asks for, so latency decides...
+    assert bridge._next_interval(0.1, 0.002) == 5
+    # ...but at 20 ms each, agreeing every 5 steps would take 4%: stretch to 40.
+    assert bridge._next_interval(0.1, 0.020) == 40
 
 
 class _FlagScript(Callback):

@@ -10,9 +10,13 @@ rules:
 * **Agreement is amortised.** Ranks agree on "stop now?" with one float32 SUM
   AllReduce (the one collective MindSpore's CPU backend has for this) every
   *K* steps, at global step numbers every rank computes alike. *K* is
-  recomputed at each agreement from the *reduced* mean step time, which is
-  the same float on every rank, so every rank picks the same next step:
-  ``K = clamp(sync_interval_s / mean_step_s, 1, max_sync_every)``.
+  recomputed at each agreement from *reduced* values (the mean step time and
+  the mean cost of an agreement), the same floats on every rank, so every
+  rank picks the same next step: ``K = clamp(max(sync_interval_s / step,
+  agree_cost / (max_overhead * step)), 1, max_sync_every)``. When
+  agreements are cheap, the stop latency decides K; when the machine is so
+  loaded that one costs more, K stretches so that agreeing never takes more
+  than ``max_overhead`` of the training time.
 * **Nothing the dashboard does can hurt training.** A bad flag is logged once
   and ignored, a full disk is logged once and reported, a reporter bug is
   logged and the reporter carries on. Only a stop request stops training.
@@ -26,6 +30,7 @@ import atexit
 import collections
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -141,6 +146,8 @@ class GracefulExitBridge(Callback):
         heartbeat_interval_s: seconds between heartbeat writes.
         poll_interval_s: seconds between ``os.stat`` calls on the flag.
         max_sync_every: the most steps between agreements, whatever the step time.
+        max_overhead: the largest share of training time agreements may take;
+            above it the interval stretches beyond ``sync_interval_s``.
         resume: load the newest complete checkpoint set at train begin.
         resume_step: pin the set to resume from by its global step instead of
             the newest; ``RANKWATCH_RESUME_STEP`` in the environment does the
@@ -151,7 +158,8 @@ class GracefulExitBridge(Callback):
     """
 
     def __init__(self, run_dir, *, sync_interval_s: float = 0.5, heartbeat_interval_s: float = 1.0,
-                 poll_interval_s: float = 0.2, max_sync_every: int = 1000, resume: bool = True,
+                 poll_interval_s: float = 0.2, max_sync_every: int = 1000,
+                 max_overhead: float = 0.005, resume: bool = True,
                  resume_step: int | None = None, save_checkpoint: bool = True,
                  handle_sigterm: bool = True):
         super().__init__()
@@ -160,6 +168,9 @@ class GracefulExitBridge(Callback):
                             ("poll_interval_s", poll_interval_s)):
             if not (isinstance(value, (int, float)) and value > 0):
                 raise ValueError(f"GracefulExitBridge: {name} must be a positive number, got {value!r}")
+        if not (isinstance(max_overhead, (int, float)) and 0 < max_overhead < 1):
+            raise ValueError(f"GracefulExitBridge: max_overhead must be a fraction in (0, 1), "
+                             f"got {max_overhead!r}")
         if not (isinstance(max_sync_every, int) and max_sync_every >= 1):
             raise ValueError(f"GracefulExitBridge: max_sync_every must be an int >= 1, got {max_sync_every!r}")
         env_step = os.environ.get(runfiles.RESUME_STEP_ENV)
@@ -176,6 +187,7 @@ class GracefulExitBridge(Callback):
         self.heartbeat_interval_s = float(heartbeat_interval_s)
         self.poll_interval_s = float(poll_interval_s)
         self.max_sync_every = max_sync_every
+        self.max_overhead = float(max_overhead)
         self.resume_enabled = resume
         self.resume_step = resume_step
         self.save_checkpoint = save_checkpoint
@@ -234,6 +246,7 @@ class GracefulExitBridge(Callback):
         self._step_times: collections.deque = collections.deque(maxlen=MAX_STEP_TIMES)
         self._interval_time = 0.0
         self._interval_steps = 0
+        self._agree_cost_s = 0.0  # moving average of this rank's agreements, the first excluded
         # Running totals, never reset, so the reporter thread can take deltas
         # without racing the training thread: time inside steps (from begin to
         # end: compute and waiting for peers in the gradient AllReduce) and
@@ -308,14 +321,18 @@ class GracefulExitBridge(Callback):
     def _agree(self, run_context) -> None:
         """Vote at an agreed step: stop if any rank saw a request; pick the next step."""
         started = time.perf_counter()
-        votes, mean_step_s = self._vote()
+        votes, mean_step_s, agree_cost_s = self._vote()
+        took = time.perf_counter() - started
         cost = self._reporter.cost
         if cost["agreements"]:
-            cost["agree_ms"] += (time.perf_counter() - started) * 1e3
+            cost["agree_ms"] += took * 1e3
+            # A moving average: one agreement that waited out a peer's hiccup
+            # should not stretch the interval for long.
+            self._agree_cost_s += 0.3 * (took - self._agree_cost_s) if cost["agreements"] > 1 else took
         else:  # the first one compiles the AllReduce graph: a one-off, kept apart
-            cost["first_agree_ms"] = round((time.perf_counter() - started) * 1e3, 3)
+            cost["first_agree_ms"] = round(took * 1e3, 3)
         cost["agreements"] += 1
-        self._sync_every = self._next_interval(mean_step_s)
+        self._sync_every = self._next_interval(mean_step_s, agree_cost_s)
         self._next_sync = self._global_step + self._sync_every
         self._reporter.sync_every = self._sync_every
         if self._reporter.state == "starting":
@@ -323,7 +340,8 @@ class GracefulExitBridge(Callback):
         if votes > 0 and not self._stopping:
             self._stop(run_context)
 
-    def _vote(self) -> tuple[float, float]:
+    def _vote(self) -> tuple[float, float, float]:
+        """(ranks voting stop, mean step time, mean agreement cost), the same on every rank."""
         if self._reporter.request is not None:
             # Re-read before voting stop: a cancel written since the last
             # poll then wins, unless the vote has already begun elsewhere.
@@ -332,20 +350,23 @@ class GracefulExitBridge(Callback):
         mean = self._interval_time / self._interval_steps if self._interval_steps else 0.0
         self._interval_time, self._interval_steps = 0.0, 0
         if self._vote_op is None:
-            return mine, mean
-        out = self._vote_op(Tensor(np.array([mine, mean], np.float32))).asnumpy()
-        return float(out[0]), float(out[1]) / self._world
+            return mine, mean, self._agree_cost_s
+        out = self._vote_op(Tensor(np.array([mine, mean, self._agree_cost_s], np.float32))).asnumpy()
+        return float(out[0]), float(out[1]) / self._world, float(out[2]) / self._world
 
-    def _next_interval(self, mean_step_s: float) -> int:
+    def _next_interval(self, mean_step_s: float, agree_cost_s: float = 0.0) -> int:
         if mean_step_s <= 0:
             return 1
-        return max(1, min(self.max_sync_every, int(self.sync_interval_s / mean_step_s)))
+        for_latency = int(self.sync_interval_s / mean_step_s)
+        for_cost = math.ceil(agree_cost_s / (self.max_overhead * mean_step_s))
+        return max(1, min(self.max_sync_every, max(for_latency, for_cost)))
 
     def _agree_on_resume(self, point: ResumePoint) -> None:
         """Fail fast, on every rank together, if ranks found different resume sets."""
         if self._vote_op is None:
             return
-        out = self._vote_op(Tensor(np.array([point.global_step, 1.0], np.float32))).asnumpy()
+        # The same shape as a vote, so the graph compiled here serves the votes.
+        out = self._vote_op(Tensor(np.array([point.global_step, 0.0, 0.0], np.float32))).asnumpy()
         if abs(float(out[0]) - point.global_step * self._world) > 0.5:
             raise RuntimeError(f"GracefulExitBridge: rank {self._rank} would resume from global step "
                                f"{point.global_step}, but the ranks disagree (sum {out[0]:.0f}); "
