@@ -118,7 +118,7 @@ def test_bad_arguments_fail_fast_naming_class_and_argument(tmp_path, kwargs, mes
 
 
 def test_next_interval_is_clamped():
-    bridge = GracefulExitBridge("unused", sync_interval_s=0.5, max_sync_every=100)
+    bridge = GracefulExitBridge("unused", sync_interval_s=0.5, max_sync_every=100, max_overhead=0.005)
     assert bridge._next_interval(0.0) == 1
     assert bridge._next_interval(0.01) == 50
     assert bridge._next_interval(10.0) == 1

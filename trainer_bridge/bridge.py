@@ -159,7 +159,7 @@ class GracefulExitBridge(Callback):
 
     def __init__(self, run_dir, *, sync_interval_s: float = 0.5, heartbeat_interval_s: float = 1.0,
                  poll_interval_s: float = 0.2, max_sync_every: int = 1000,
-                 max_overhead: float = 0.005, resume: bool = True,
+                 max_overhead: float = 0.003, resume: bool = True,
                  resume_step: int | None = None, save_checkpoint: bool = True,
                  handle_sigterm: bool = True):
         super().__init__()
