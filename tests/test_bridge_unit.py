@@ -111,6 +111,8 @@ def test_garbage_flag_is_ignored(tmp_path, caplog):
     ({"sync_interval_s": 0}, "sync_interval_s"),
     ({"heartbeat_interval_s": -1}, "heartbeat_interval_s"),
     ({"max_sync_every": 0}, "max_sync_every"),
+    ({"max_overhead": 1.5}, "max_overhead"),
+    ({"resume_step": 0}, "resume_step"),
 ])
 def test_bad_arguments_fail_fast_naming_class_and_argument(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=f"GracefulExitBridge: {message}"):
