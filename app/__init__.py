@@ -85,6 +85,9 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     # Threading, not eventlet/gevent: the watcher does blocking file I/O and
     # the werkzeug server with simple-websocket needs no monkey-patching.
     socketio.init_app(app, async_mode="threading")
+    # In front of Engine.IO: malformed long-polling POSTs get a 400 (app/sockguard.py).
+    from app.sockguard import SocketGuard
+    app.wsgi_app = SocketGuard(app.wsgi_app)
     return app
 
 

@@ -11,14 +11,31 @@ The verdicts, in the order the rules are tried:
 * **failed / finished / exited** - the rank said so in ``state``; these end a
   rank's life, so no later rule overrides them.
 * **dead** - the process is gone (a probe on this host says so) or the
-  heartbeats stopped for longer than ``dead_after_s``.
-* **stalled** - no step for max(``stall_min_s``, ``stall_factor`` x the rank's
-  median step time). Not applied while starting (graph compilation can take
-  minutes) or saving a checkpoint.
-* **straggler** - the rank's median step time over its window is at least
-  ``straggler_ratio`` x the median of its peers (and ``straggler_min_gap_ms``
-  slower in absolute terms).
+  heartbeats stopped for longer than ``dead_after_s`` (the reason says when
+  the probe finds the process still running: stuck, or unable to write).
+* **stalled** - the process is stopped (a probe on this host says so); or no
+  heartbeat for ``stall_min_s`` (the heartbeat thread writes about once a
+  second whatever the step time, so the process is stuck, or cannot write);
+  or no step for max(``stall_min_s``, ``stall_factor`` x the rank's median
+  step time), which is not applied while starting (graph compilation can
+  take minutes) or saving a checkpoint. A rank stalled while its
+  heartbeats still arrive is likely blocked in a collective: its reason
+  names the ranks that are dead, stopped or silent.
+* **straggler** - the rank's cost per step is at least ``straggler_ratio`` x
+  the median of its peers' (and ``straggler_min_gap_ms`` more in absolute
+  terms). The cost is the rank's own *work* per step when every stepping rank
+  reports ``step_in_ms`` and ``step_out_ms`` (see ``compare_costs``), else its
+  median wall step time.
 * **healthy** - none of the above.
+
+Why work and not the wall step time: in synchronous data parallelism every
+rank's wall step time is the same, because the fast ranks wait inside the
+gradient AllReduce for the slow one. What differs is where the time goes.
+A rank's time between steps (``step_out_ms``: data loading, callbacks, host
+work) is its own; its time inside a step (``step_in_ms``) is compute plus
+waiting for peers, and the slowest rank waits for nobody, so the fastest
+in-step time of the job is about the pure compute. ``work = step_out_ms +
+min over ranks of step_in_ms`` is then what the rank would cost alone.
 
 The score is nvidia-resiliency-ext's relative performance score with the
 peer median as the reference instead of the fastest rank (one unusually fast
@@ -75,6 +92,10 @@ class Verdict:
     health: str
     reason: str
     score: float | None = None
+    # Why a dead or stalled rank is so, as one word, for its peers' reasons:
+    # "gone" (process gone), "silent" (no heartbeats), "stopped" (SIGSTOP),
+    # "hung" (heartbeats but no steps); None otherwise.
+    cause: str | None = None
 
 
 def number(value: Any) -> float | None:
@@ -117,13 +138,22 @@ class StepWindow:
     Heartbeats carry each step's time since the previous heartbeat
     (``step_times_ms``); the window keeps the newest ``size`` of them. A
     heartbeat seen twice (same ``seq``) is counted once.
+
+    It also keeps the per-heartbeat means of the time inside and between
+    steps (``step_in_ms``, ``step_out_ms``) of the heartbeats that cover the
+    newest ``size`` steps; ``split_ms`` is their medians, or None when the
+    newest heartbeat with steps lacks either figure.
     """
-    __slots__ = ("_times", "_seq", "median_ms")
+    __slots__ = ("_times", "_seq", "median_ms", "_size", "_split", "split_ms")
 
     def __init__(self, size: int):
         self._times: deque[float] = deque(maxlen=size)
         self._seq: Any = None
         self.median_ms: float | None = None
+        self._size = size
+        # (steps, in ms, out ms) per heartbeat that saw steps, oldest first.
+        self._split: deque[tuple[int, float, float]] = deque()
+        self.split_ms: tuple[float, float] | None = None
 
     def add(self, hb: Mapping[str, Any]) -> None:
         seq = hb.get("seq")
@@ -139,6 +169,22 @@ class StepWindow:
         if fresh:
             self._times.extend(fresh)
             self.median_ms = median(sorted(self._times))
+            steps = len(times) if isinstance(times, list) and times else len(fresh)
+            self._add_split(steps, number(hb.get("step_in_ms")), number(hb.get("step_out_ms")))
+
+    def _add_split(self, steps: int, in_ms: float | None, out_ms: float | None) -> None:
+        if in_ms is None or out_ms is None or in_ms < 0 or out_ms < 0:
+            # One heartbeat without the figures (an older bridge, a simulator):
+            # the rank falls back to wall step times until it reports them again.
+            self._split.clear()
+            self.split_ms = None
+            return
+        self._split.append((steps, in_ms, out_ms))
+        covered = sum(n for n, _, _ in self._split)
+        while len(self._split) > 1 and covered - self._split[0][0] >= self._size:
+            covered -= self._split.popleft()[0]
+        self.split_ms = (median(sorted(i for _, i, _ in self._split)),
+                         median(sorted(o for _, _, o in self._split)))
 
 
 def score(own_ms: float | None, peer_ms: float | None) -> float | None:
@@ -154,15 +200,44 @@ def _ms(value: float) -> str:
     return f"{value:.3g} ms" if value < 100 else f"{value:.0f} ms"
 
 
+def compare_costs(latest: Mapping[int, Mapping[str, Any] | None],
+                  own_ms: Mapping[int, float | None],
+                  split: Mapping[int, tuple[float, float] | None] | None = None,
+                  ) -> tuple[str, dict[int, float | None], float | None]:
+    """What straggler detection compares: ``(basis, cost per rank, fastest in-step ms)``.
+
+    ``basis`` is ``"work"`` when every stepping rank has ``split`` figures
+    (``(step_in_ms, step_out_ms)`` medians, from ``StepWindow.split_ms``);
+    then a rank's cost is ``step_out_ms + min over stepping ranks of
+    step_in_ms`` (the module docstring says why). Otherwise it is ``"step"``
+    and the cost is the median wall step time ``own_ms``.
+    """
+    split = split or {}
+    stepping = [r for r, hb in latest.items() if hb and hb.get("state") in STEPPING_STATES]
+    if stepping and all(split.get(r) is not None for r in stepping):
+        fastest = min(split[r][0] for r in stepping)
+        costs = {r: (split[r][1] + fastest if split.get(r) is not None else None) for r in latest}
+        return "work", costs, fastest
+    return "step", {r: own_ms.get(r) for r in latest}, None
+
+
 def judge(hb: Mapping[str, Any] | None, now: float, th: Thresholds, *,
           own_ms: float | None = None, peer_ms: float | None = None,
-          process_gone: str | None = None) -> Verdict:
+          process_gone: str | None = None, wall_ms: float | None = None,
+          work: tuple[float, float] | None = None, process_stopped: str | None = None,
+          process_alive: bool = False) -> Verdict:
     """One rank's verdict at time ``now``.
 
-    ``own_ms`` is the median of the rank's step window, ``peer_ms`` the median
-    of its stepping peers' (None when there is nothing to compare with).
+    ``own_ms`` is the rank's cost per step, ``peer_ms`` the median of its
+    stepping peers' (None when there is nothing to compare with). The cost
+    is the median of the rank's wall step window, or, when ``work`` is given
+    as ``(step_out_ms, fastest step_in_ms)``, the rank's own work per step
+    (their sum; see ``compare_costs``). ``wall_ms`` is the wall median, for the
+    stall limit (default: ``own_ms``).
     ``process_gone`` is a sentence saying why the rank's process is known to be
     gone, from a probe done by the caller; None means alive or unknown.
+    ``process_stopped`` is a sentence saying that the probe found the process
+    stopped (SIGSTOP, a debugger); ``process_alive`` that it found it running.
     """
     if not hb:
         return Verdict("pending", "has not written a heartbeat yet")
@@ -181,12 +256,26 @@ def judge(hb: Mapping[str, Any] | None, now: float, th: Thresholds, *,
         return Verdict("exited", f"stopped gracefully at global step {gstep}{saved}", rel)
 
     if process_gone:
-        return Verdict("dead", process_gone)
+        return Verdict("dead", process_gone, cause="gone")
     written = number(hb.get("time"))
     age = now - written if written is not None else math.inf
+    if process_stopped:
+        return Verdict("stalled", f"{process_stopped} (last: global step {gstep})", rel,
+                       cause="stopped")
+    # Heartbeats come about once a second whatever the step time, so
+    # STALL_MIN_S without one means the writer is stuck, not a slow step.
+    silent = age > th.stall_min_s
+    why_silent = (f"; its process {hb.get('pid')} still runs, so it is stuck, or training but "
+                  "unable to write its heartbeat (disk full? read-only run directory?)"
+                  if process_alive else ": the process is gone, stuck or stopped, or cannot write "
+                  "to the run directory (disk full? read-only?)")
     if age > th.dead_after_s:
         return Verdict("dead", f"no heartbeat for over {th.dead_after_s:g} s "
-                               f"(last from {hb.get('host')} pid {hb.get('pid')})")
+                               f"(last from {hb.get('host')} pid {hb.get('pid')}){why_silent}",
+                       cause="silent")
+    if silent:
+        return Verdict("stalled", f"no heartbeat for over {th.stall_min_s:g} s "
+                                  f"(last: global step {gstep}){why_silent}", rel, cause="silent")
 
     if state == "starting":
         return Verdict("healthy", "starting: waiting for the first step (compiling)")
@@ -196,44 +285,99 @@ def judge(hb: Mapping[str, Any] | None, now: float, th: Thresholds, *,
     last_step = number(hb.get("last_step_at"))
     if last_step is None:
         last_step = number(hb.get("started_at"))
-    limit = max(th.stall_min_s, th.stall_factor * (own_ms or 0.0) / 1000.0)
+    pace_ms = own_ms if wall_ms is None else wall_ms
+    limit = max(th.stall_min_s, th.stall_factor * (pace_ms or 0.0) / 1000.0)
     if last_step is not None and now - last_step > limit:
         return Verdict("stalled", f"no step finished for over {limit:.3g} s "
-                                  f"(last: global step {gstep})", rel)
+                                  f"(last: global step {gstep})", rel, cause="hung")
 
     if own_ms is not None and peer_ms is not None and own_ms >= th.straggler_ratio * peer_ms \
             and own_ms - peer_ms >= th.straggler_min_gap_ms:
+        if work is not None:
+            out_ms, fastest_ms = work
+            return Verdict("straggler", f"own work {_ms(own_ms)} vs peer median {_ms(peer_ms)} "
+                                        f"({own_ms / peer_ms:.2g}x): {_ms(out_ms)} between steps "
+                                        f"+ {_ms(fastest_ms)} fastest in-step time", rel)
         return Verdict("straggler", f"median step {_ms(own_ms)} is {own_ms / peer_ms:.2g}x "
                                     f"the peer median {_ms(peer_ms)}", rel)
     if state == "stopping":
         return Verdict("healthy", "stopping gracefully", rel)
     if peer_ms is None:
         return Verdict("healthy", "training (no peers to compare with)", rel)
-    return Verdict("healthy", f"training within {th.straggler_ratio:g}x of the peer median", rel)
+    # No numbers here: they move with every heartbeat of every rank, and a
+    # changed reason is a changed row to push (1024 of them per tick).
+    what = "work per step" if work is not None else ""
+    return Verdict("healthy", f"training within {th.straggler_ratio:g}x of the peer median"
+                              f"{' ' + what if what else ''}", rel)
 
 
 def judge_all(latest: Mapping[int, Mapping[str, Any] | None], own_ms: Mapping[int, float | None],
               now: float, th: Thresholds,
-              process_gone: Mapping[int, str] | None = None) -> dict[int, Verdict]:
+              process_gone: Mapping[int, str] | None = None,
+              split: Mapping[int, tuple[float, float] | None] | None = None, *,
+              process_stopped: Mapping[int, str] | None = None,
+              process_alive: set[int] | frozenset[int] = frozenset()) -> dict[int, Verdict]:
     """Every rank's verdict: peers are the other ranks that are stepping.
 
+    ``own_ms`` is each rank's median wall step time, ``split`` its
+    ``StepWindow.split_ms`` (see ``compare_costs`` for which one is compared).
     O(n log n) for the one sort, then O(log n) per rank.
     """
     process_gone = process_gone or {}
+    process_stopped = process_stopped or {}
+    basis, costs, fastest = compare_costs(latest, own_ms, split)
     stepping = {r for r, hb in latest.items() if hb and hb.get("state") in STEPPING_STATES}
-    times = sorted(own_ms[r] for r in stepping if own_ms.get(r) is not None)
+    times = sorted(costs[r] for r in stepping if costs.get(r) is not None)
     whole = median(times)
     out = {}
     for r, hb in latest.items():
-        own = own_ms.get(r)
+        own = costs.get(r)
         if own is None:
             peer = whole
         elif r in stepping:
             peer = peer_median(times, own)
         else:
             peer = whole
-        out[r] = judge(hb, now, th, own_ms=own, peer_ms=peer, process_gone=process_gone.get(r))
-    return out
+        work = (split[r][1], fastest) if basis == "work" and own is not None else None
+        out[r] = judge(hb, now, th, own_ms=own, peer_ms=peer, process_gone=process_gone.get(r),
+                       wall_ms=own_ms.get(r), work=work, process_stopped=process_stopped.get(r),
+                       process_alive=r in process_alive)
+    return _with_blockers(latest, out)
+
+
+# How a rank that holds the others up is named in their reasons.
+BLOCKER_WORDS = {"gone": ("is dead", "are dead"), "silent": ("sends no heartbeats", "send no heartbeats"),
+                 "stopped": ("is stopped", "are stopped")}
+
+
+def _with_blockers(latest: Mapping[int, Mapping[str, Any] | None],
+                   verdicts: dict[int, Verdict]) -> dict[int, Verdict]:
+    """Name the ranks a hung rank is likely waiting for.
+
+    In synchronous training a rank that dies, stops or hangs leaves its
+    peers blocked in the next collective: alive, writing heartbeats, but not
+    stepping. Their own reason ("no step for 5 s") does not say why, so each
+    hung rank's reason names the ranks that were training and are now dead,
+    stopped or silent.
+    """
+    blockers: dict[str, list[int]] = {}
+    for r, v in verdicts.items():
+        hb = latest.get(r) or {}
+        if v.cause in BLOCKER_WORDS and hb.get("state") in STEPPING_STATES:
+            blockers.setdefault(v.cause, []).append(r)
+    if not blockers:
+        return verdicts
+    parts = []
+    for cause in BLOCKER_WORDS:
+        ranks = sorted(blockers.get(cause, ()))
+        if ranks:
+            one, many = BLOCKER_WORDS[cause]
+            named = ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+            parts.append(f"rank {named} {one}" if len(ranks) == 1 else f"ranks {named} {many}")
+    them = "it" if sum(map(len, blockers.values())) == 1 else "them"
+    note = f"; {' and '.join(parts)}: this rank is likely blocked in a collective with {them}"
+    return {r: (Verdict(v.health, v.reason + note, v.score, v.cause) if v.cause == "hung" else v)
+            for r, v in verdicts.items()}
 
 
 def judge_sequences(heartbeats: Mapping[int, Iterable[Mapping[str, Any]]], now: float,
@@ -244,7 +388,7 @@ def judge_sequences(heartbeats: Mapping[int, Iterable[Mapping[str, Any]]], now: 
     The same fold ``app.state`` does incrementally, in one call: the way the
     rules are meant to be read and tested.
     """
-    latest, own = {}, {}
+    latest, own, split = {}, {}, {}
     for r, seq in heartbeats.items():
         window = StepWindow(th.straggler_window)
         hb = None
@@ -252,4 +396,5 @@ def judge_sequences(heartbeats: Mapping[int, Iterable[Mapping[str, Any]]], now: 
             window.add(hb)
         latest[r] = hb
         own[r] = window.median_ms
-    return judge_all(latest, own, now, th, process_gone)
+        split[r] = window.split_ms
+    return judge_all(latest, own, now, th, process_gone, split)

@@ -35,7 +35,8 @@ METRICS: list[Metric] = [
     Metric("step_time_mean_ms", "Step mean", "ms",
            "Mean step time over the steps since the rank's previous heartbeat."),
     Metric("score", "Score", "",
-           "Relative performance: peer median step time / own (1 = as fast as peers)."),
+           "Relative performance: peer median / own, of the work per step in a synchronous "
+           "job, else of the step time (1 = as fast as peers)."),
     Metric("samples_per_s", "Throughput", "samples/s", "Samples per second on this rank."),
     Metric("heartbeat_age_s", "Heartbeat", "s", "Time since the rank last wrote a heartbeat."),
     Metric("cpu_percent", "CPU", "%", "CPU use of the rank's process (100% = one core)."),

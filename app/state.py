@@ -35,7 +35,7 @@ from typing import Any
 import psutil
 
 from app.health import (STEPPING_STATES, TERMINAL_STATES, VERDICTS, StepWindow, Thresholds,
-                        Verdict, judge_all, median, number)
+                        Verdict, compare_costs, judge_all, median, number)
 from trainer_bridge import runfiles
 
 # The two events the view produces (documented in app/main/events.py).
@@ -52,11 +52,16 @@ NAMED_RANKS = 8
 ProcessProbe = Callable[[int, "float | None"], "str | None"]
 
 
+class Stopped(str):
+    """A probe's answer for a process that exists but is stopped (SIGSTOP, a debugger)."""
+
+
 def probe_process(pid: int, started_at: float | None) -> str | None:
     """Why the process ``pid`` is known to be gone, or None if it runs (or cannot be told).
 
     A pid can be reused after the rank dies, so a process created after the
-    rank's bridge started is not the rank.
+    rank's bridge started is not the rank. A stopped process is not gone: the
+    answer is then a ``Stopped`` sentence.
     """
     try:
         proc = psutil.Process(pid)
@@ -71,6 +76,9 @@ def probe_process(pid: int, started_at: float | None) -> str | None:
     # create_time is rounded to clock ticks: allow a second of slack.
     if started_at is not None and created > started_at + 1.0:
         return f"pid {pid} now belongs to a newer process; the rank's process is gone"
+    if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+        return Stopped(f"process {pid} is stopped (SIGSTOP or a debugger; "
+                       f"kill -CONT {pid} resumes it)")
     return None
 
 
@@ -223,6 +231,9 @@ class RunState:
         self._hostname = hostname or socket.gethostname()
         self._lock = threading.Lock()
         self.scanned_at: float | None = None
+        # Why RUN/rankwatch/ (or job.json) cannot be read right now, for the status line.
+        self._read_error: str | None = None
+        self._job_error: str | None = None
         self._clear()
 
     def _clear(self) -> None:
@@ -271,13 +282,16 @@ class RunState:
         self._world = world
         latest = {r: (self._slots[r].hb if r in self._slots else None) for r in view}
         own = {r: (self._slots[r].window.median_ms if r in self._slots else None) for r in view}
-        verdicts = judge_all(latest, own, now, self.thresholds, self._probe_late(latest, now))
+        split = {r: (self._slots[r].window.split_ms if r in self._slots else None) for r in view}
+        gone, stopped, alive = self._probe_late(latest, now)
+        verdicts = judge_all(latest, own, now, self.thresholds, gone, split,
+                             process_stopped=stopped, process_alive=alive)
         for r, verdict in verdicts.items():
             if r in changed or self._verdicts.get(r) != verdict:
                 self._rows[r] = make_row(r, latest[r], verdict)
                 self._dirty.add(r)
         self._verdicts = verdicts
-        self._summary = self._make_summary(latest, own, verdicts)
+        self._summary = self._make_summary(latest, own, verdicts, split)
         self._run = self._make_run_status(latest)
 
     def _read_files(self) -> set[int]:
@@ -287,10 +301,18 @@ class RunState:
         sdir = runfiles.state_dir(self.run_dir)
         try:
             entries = list(os.scandir(sdir))
-        except OSError:
+        except FileNotFoundError:
+            # Gone (deleted, or not created yet): whatever was shown is over.
+            self._read_error = None
             if self._slots or self._job:
                 self._clear()
             return set()
+        except OSError as e:
+            # There but unreadable (not a directory, permissions, I/O error):
+            # keep the last view, whose heartbeats now age, and say why.
+            self._read_error = f"{e.strerror or e}"
+            return set()
+        self._read_error = None
         self._read_job()
         changed, present = set(), set()
         for entry in entries:
@@ -330,13 +352,15 @@ class RunState:
         try:
             st = path.stat()
         except OSError:
-            self._job, self._job_key = None, None
+            self._job, self._job_key, self._job_error = None, None, None
             return
         key = (st.st_ino, st.st_mtime_ns, st.st_size)
         if key != self._job_key:
             self._job_key = key
             job = runfiles.read_json_or_none(path)
             self._job = job if isinstance(job, dict) else None
+            # Written atomically by rank 0, so a bad one is another tool's (or a disk's).
+            self._job_error = None if self._job else "not a JSON object"
 
     def _world_size(self) -> int:
         declared = _int((self._job or {}).get("world_size"))
@@ -345,13 +369,16 @@ class RunState:
         sizes = [_int(s.hb.get("world_size")) or 0 for s in self._slots.values() if s.hb]
         return max([*sizes, max(self._slots, default=-1) + 1])
 
-    def _probe_late(self, latest: Mapping[int, dict | None], now: float) -> dict[int, str]:
+    def _probe_late(self, latest: Mapping[int, dict | None],
+                    now: float) -> tuple[dict[int, str], dict[int, str], set[int]]:
         """Probe the processes of this host's ranks whose heartbeat is late.
 
-        Each late rank is probed at most once per ``PROCESS_CHECK_AFTER_S``, and a
-        process found gone stays gone, so a hung 1024-rank job costs few probes.
+        Returns (gone: rank -> why, stopped: rank -> sentence, alive: ranks
+        whose process runs). Each late rank is probed at most once per
+        ``PROCESS_CHECK_AFTER_S``, and a process found gone stays gone, so a
+        hung 1024-rank job costs few probes.
         """
-        gone = {}
+        gone, stopped, alive = {}, {}, set()
         for r, hb in latest.items():
             if not hb or hb.get("state") in TERMINAL_STATES or hb.get("host") != self._hostname:
                 continue
@@ -360,29 +387,37 @@ class RunState:
                 continue
             started = number(hb.get("started_at"))
             who, checked_at, why = self._probes.get(r, (None, None, None))
-            if who != (pid, started) or (why is None and now - checked_at >= self.check_after_s):
+            if who != (pid, started) or ((why is None or isinstance(why, Stopped))
+                                         and now - checked_at >= self.check_after_s):
                 why = self._probe(pid, started)
                 self._probes[r] = ((pid, started), now, why)
-            if why:
+            if isinstance(why, Stopped):
+                stopped[r] = f"{why} (host {self._hostname})"
+            elif why:
                 gone[r] = f"{why} (host {self._hostname})"
-        return gone
+            else:
+                alive.add(r)
+        return gone, stopped, alive
 
     # -- derived views --------------------------------------------------------------
 
-    def _make_summary(self, latest, own, verdicts) -> dict:
+    def _make_summary(self, latest, own, verdicts, split=None) -> dict:
         counts = dict.fromkeys(VERDICTS, 0)
         for v in verdicts.values():
             counts[v.health] += 1
         alive = [r for r, v in verdicts.items() if v.health in ("healthy", "straggler", "stalled")]
-        stepping = [(own[r], r) for r in alive
-                    if own[r] is not None and latest[r].get("state") in STEPPING_STATES]
+        # The same cost the straggler rule compares: own work per step in a
+        # synchronous job (whose wall step times are all equal), else wall time.
+        basis, costs, _ = compare_costs(latest, own, split)
+        stepping = [(costs[r], r) for r in alive
+                    if costs[r] is not None and latest[r].get("state") in STEPPING_STATES]
         slowest = None
         if stepping:
             mid = median(sorted(t for t, _ in stepping))
             worst, rank = max(stepping)
             slowest = {"rank": rank, "step_time_ms": round(worst, 2), "median_ms": round(mid, 2),
                        "gap_ms": round(worst - mid, 2),
-                       "ratio": round(worst / mid, 2) if mid > 0 else None}
+                       "ratio": round(worst / mid, 2) if mid > 0 else None, "basis": basis}
         rates = [number(latest[r].get("samples_per_s")) for r in alive
                  if latest[r].get("state") in STEPPING_STATES]
         steps_at = [t for t in (number(hb.get("last_step_at")) for hb in latest.values() if hb)
@@ -413,12 +448,28 @@ class RunState:
                                      "starts; check the path if this persists.")
         sdir = runfiles.state_dir(self.run_dir)
         reported = sum(1 for hb in latest.values() if hb)
+        if self._read_error:
+            shown = (f" The table shows what was read last ({reported} rank"
+                     f"{'' if reported == 1 else 's'}); their heartbeats age until it is readable."
+                     if reported else "")
+            return status("unreadable", f"Cannot read {sdir}: {self._read_error}. The ranks write "
+                                        "their heartbeats there, so they cannot report either; check "
+                                        "that it is a directory this user can read (and that the disk "
+                                        f"is healthy).{shown}")
+        if not reported and not self._job and self._job_error:
+            return status("waiting", f"{runfiles.job_path(self.run_dir)} is unreadable "
+                                     f"({self._job_error}) and no rank has written a heartbeat "
+                                     "yet: the job has not started, or another tool wrote that "
+                                     "file. The dashboard picks the job up when rank 0 rewrites "
+                                     "it at start.")
         if not reported and not self._job:
             return status("waiting", f"The job has not started: {sdir} holds no job.json and no "
                                      "heartbeats yet. Rank 0 writes job.json when the bridge "
                                      "starts; each rank then writes rank_N.json about once a "
                                      "second.")
         note = ("" if self._job else
+                f" (job.json is unreadable: {self._job_error}; the world size comes from the "
+                "heartbeats)" if self._job_error else
                 " (job.json is missing, so the world size comes from the heartbeats)")
         missing = sorted(r for r, hb in latest.items() if hb is None)
         if not reported:

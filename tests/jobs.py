@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 from trainer_bridge import runfiles
 
 # Upper bounds only: a job that takes longer is broken, not slow.
@@ -55,7 +57,19 @@ class DemoJob:
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            # msrun starts each worker in a process group of its own (it kills
+            # them with killpg), so the launcher's group does not hold them:
+            # without this they trained on, orphaned, after a test ended.
+            try:
+                workers = psutil.Process(self.proc.pid).children(recursive=True)
+            except psutil.Error:
+                workers = []
             os.killpg(self.proc.pid, signal.SIGKILL)
+            for worker in workers:
+                try:
+                    worker.kill()
+                except psutil.Error:
+                    pass
             self.proc.wait()
         if getattr(self, "_out", None):
             self._out.close()

@@ -90,16 +90,30 @@ def test_sigterm_to_one_rank_stops_every_rank_gracefully(tmp_path):
 
 
 def test_corrupt_flag_neither_stops_nor_crashes_training(tmp_path):
+    from tests.faults import Dashboard
+
     run = tmp_path / "run"
     job = DemoJob(run, epochs=1).start()
+    dash = Dashboard(run, tmp_path / "dashboard.log")
+    errors = []
     try:
         job.wait_for_step(2)
         runfiles.flag_path(run).write_bytes(b'{"GracefulExit": 1, "req')  # a torn write
+        # The dashboard says the flag is unreadable (and does not call it a request).
+        errors.append(dash.wait(lambda body: body if body["flag_error"] else None,
+                                "GET /api/exit to report the torn flag", path="/api/exit"))
         job.wait_for_step(6)
-        runfiles.flag_path(run).write_bytes(os.urandom(64))  # garbage from another tool
+        runfiles.flag_path(run).write_bytes(b"\xff\xfe" + os.urandom(62))  # garbage from another tool
+        errors.append(dash.wait(lambda body: body if body["flag_error"]
+                                and body["flag_error"] != errors[0]["flag_error"] else None,
+                                "GET /api/exit to report the garbage flag", path="/api/exit"))
         assert job.wait() == 0, job.logs()
     finally:
         job.kill()
+        dash.stop()
+    for body in errors:
+        assert body["flag_error"].startswith("flag file is not valid JSON"), body
+        assert body["flag"] is None and body["state"] == "idle" and body["request"] is None, body
     hbs = job.heartbeats()
     assert all(h["state"] == "finished" and h["stop"] is None for h in hbs), dump(hbs)
     assert not (run / runfiles.CHECKPOINT_DIR).exists()

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.health import (VERDICTS, StepWindow, Thresholds, judge, judge_sequences, peer_median,
+from app.health import (VERDICTS, StepWindow, Thresholds, judge, judge_all, judge_sequences, peer_median,
                         score)
 from tests.heartbeats import heartbeat
 
@@ -78,6 +79,107 @@ def test_a_straggler_recovers_once_its_window_is_fast_again():
     assert judge_sequences({0: slow + recovered, 1: peer}, T0 + 5, TH)[0].health == "healthy"
 
 
+# -- synchronous jobs: every rank's wall step time is the same ------------------
+
+def sync_beats(rank: int, world: int, count: int, in_ms: float, out_ms: float,
+               wall_ms: float, **kw) -> list[dict]:
+    """Heartbeats of a rank of a synchronous job: equal walls, its own in/out split."""
+    return beats(rank, world, count, wall_ms, step_in_ms=in_ms, step_out_ms=out_ms, **kw)
+
+
+def test_sync_job_finds_the_rank_slow_outside_the_step_by_its_own_work():
+    # Measured on the real demo: rank 1 sleeps 0.2 s per step outside the step,
+    # rank 0 waits for it inside the gradient AllReduce. Both walls are 340 ms.
+    world = {0: sync_beats(0, 2, 5, in_ms=339.0, out_ms=1.3, wall_ms=340.0),
+             1: sync_beats(1, 2, 5, in_ms=141.0, out_ms=204.0, wall_ms=340.0)}
+    verdicts = judge_sequences(world, last_time() + 0.5, TH)
+    assert verdicts[0].health == "healthy" and verdicts[0].score == 1.0
+    slow = verdicts[1]
+    assert slow.health == "straggler"
+    # work: 204 + 141 = 345 ms against 1.3 + 141 = 142.3 ms
+    assert slow.score == round(142.3 / 345.0, 2)
+    assert "own work 345 ms vs peer median 142 ms (2.4x)" in slow.reason
+    assert "204 ms between steps + 141 ms fastest in-step time" in slow.reason
+
+
+def test_sync_job_with_many_ranks_scores_by_the_peer_median_work():
+    world = {r: sync_beats(r, 8, 5, in_ms=400.0 + r, out_ms=2.0, wall_ms=402.0) for r in range(8)}
+    world[5] = sync_beats(5, 8, 5, in_ms=100.0, out_ms=300.0, wall_ms=402.0)
+    verdicts = judge_sequences(world, last_time() + 0.5, TH)
+    assert [r for r, v in verdicts.items() if v.health == "straggler"] == [5]
+    assert verdicts[5].score == round(102.0 / 400.0, 2)
+    assert all(v.health == "healthy" for r, v in verdicts.items() if r != 5)
+
+
+def test_sync_job_in_step_and_between_step_jitter_is_healthy():
+    world = {r: sync_beats(r, 4, 6, in_ms=170.0 + 7 * r, out_ms=1.0 + r, wall_ms=180.0)
+             for r in range(4)}
+    verdicts = judge_sequences(world, last_time(6) + 0.5, TH)
+    assert {v.health for v in verdicts.values()} == {"healthy"}
+    assert all(v.score == 1.0 or v.score > 0.9 for v in verdicts.values())
+    assert verdicts[0].reason == "training within 1.5x of the peer median work per step"
+
+
+def test_equal_walls_without_the_split_cannot_tell_the_slow_rank():
+    # The simulator's heartbeats (step_in_ms/step_out_ms null): the wall rule,
+    # which in a real synchronous job sees only equal times.
+    world = {r: beats(r, 2, 5, 340.0) for r in range(2)}
+    verdicts = judge_sequences(world, last_time() + 0.5, TH)
+    assert {v.health for v in verdicts.values()} == {"healthy"}
+    assert verdicts[0].reason == "training within 1.5x of the peer median"
+
+
+def test_work_needs_the_split_from_every_stepping_rank():
+    world = {0: sync_beats(0, 3, 5, in_ms=300.0, out_ms=1.0, wall_ms=100.0),
+             1: sync_beats(1, 3, 5, in_ms=100.0, out_ms=200.0, wall_ms=100.0),
+             2: beats(2, 3, 5, 300.0)}  # no split: everyone falls back to wall times
+    verdicts = judge_sequences(world, last_time() + 0.5, TH)
+    assert verdicts[1].health == "healthy"
+    assert verdicts[2].health == "straggler" and "median step 300 ms" in verdicts[2].reason
+    # A finished rank without the split is not a stepping peer: work applies.
+    world[2] = beats(2, 3, 5, 300.0, state="finished")
+    verdicts = judge_sequences(world, last_time() + 0.5, TH)
+    assert verdicts[1].health == "straggler" and "own work" in verdicts[1].reason
+
+
+def test_split_window_medians_ride_out_one_odd_heartbeat_and_stalls_keep_the_last():
+    window = StepWindow(8)
+    for seq, (in_ms, out_ms) in enumerate([(100, 2), (100, 2), (100, 500), (100, 2)], start=1):
+        window.add(heartbeat(0, 1, seq=seq, steps=2, step_ms=102.0,
+                             step_in_ms=in_ms, step_out_ms=out_ms))
+    assert window.split_ms == (100.0, 2.0)
+    # A heartbeat that saw no step (a stall) repeats its figures: not counted again.
+    window.add(heartbeat(0, 1, seq=5, steps=0, step_ms=102.0, step_times_ms=[],
+                         step_in_ms=999.0, step_out_ms=999.0))
+    assert window.split_ms == (100.0, 2.0)
+    # Only the heartbeats that cover the newest 8 steps count.
+    for seq in range(6, 10):
+        window.add(heartbeat(0, 1, seq=seq, steps=2, step_ms=102.0,
+                             step_in_ms=50.0, step_out_ms=60.0))
+    assert window.split_ms == (50.0, 60.0)
+    window.add(heartbeat(0, 1, seq=10, steps=2, step_in_ms=None, step_out_ms=None))
+    assert window.split_ms is None
+
+
+def test_summary_slowest_rank_uses_the_same_work(run_dir):
+    from app.config import from_env
+    from app.state import RunState
+    from tests.heartbeats import write_heartbeat, write_job
+
+    write_job(run_dir, 2)
+    now = time.time()
+    for hb in (sync_beats(0, 2, 3, in_ms=339.0, out_ms=1.3, wall_ms=340.0, start=now - 2)
+               + sync_beats(1, 2, 3, in_ms=141.0, out_ms=204.0, wall_ms=340.0, start=now - 2)):
+        write_heartbeat(run_dir, hb)
+    state = RunState(run_dir, from_env({}))
+    state.scan(now)
+    snap = state.snapshot(now)
+    assert snap["summary"]["slowest"]["rank"] == 1
+    assert snap["summary"]["slowest"]["basis"] == "work"
+    assert snap["summary"]["slowest"]["step_time_ms"] == 345.0
+    assert snap["ranks"][1]["health"] == "straggler"
+
+
 def test_the_same_heartbeat_read_twice_counts_once():
     window = StepWindow(4)
     hb = heartbeat(0, 1, seq=1, steps=2, step_ms=10.0)
@@ -93,10 +195,68 @@ def test_silent_rank_turns_stalled_then_dead():
     assert judge_sequences(seq, written + 1.0, TH)[0].health == "healthy"
     stalled = judge_sequences(seq, written + TH.stall_min_s + 0.1, TH)[0]
     assert stalled.health == "stalled"
-    assert "no step finished for over 5 s" in stalled.reason
+    # The page must say that heartbeats stopped, not only steps: a rank that
+    # cannot write (disk full) may well be training.
+    assert "no heartbeat for over 5 s (last: global step 60)" in stalled.reason
+    assert "cannot write to the run directory (disk full? read-only?)" in stalled.reason
     dead = judge_sequences(seq, written + TH.dead_after_s + 0.1, TH)[0]
     assert dead.health == "dead"
     assert "no heartbeat for over 30 s" in dead.reason
+    assert "disk full" in dead.reason
+
+
+def test_silent_rank_whose_process_runs_on_this_host_says_so():
+    seq = job(2, {}, count=3)
+    written = last_time(3)
+    for age, health in ((TH.stall_min_s + 0.1, "stalled"), (TH.dead_after_s + 10, "dead")):
+        verdict = judge_all_at(seq, written + age, process_alive={0})[0]
+        assert verdict.health == health
+        assert ("its process 4242 still runs, so it is stuck, or training but unable to write "
+                "its heartbeat") in verdict.reason.replace(str(seq[0][-1]["pid"]), "4242")
+
+
+def judge_all_at(world, now, **kw):
+    latest = {r: hbs[-1] for r, hbs in world.items()}
+    own = {r: 50.0 for r in world}
+    return judge_all(latest, own, now, TH, **kw)
+
+
+def test_stopped_process_is_stalled_not_dead_and_its_peers_wait_for_it():
+    written = last_time(3)
+    world = job(3, {}, count=3)
+    # Ranks 0 and 2 keep writing heartbeats but step no more: blocked in the AllReduce.
+    for r in (0, 2):
+        world[r] = world[r] + [heartbeat(r, 3, seq=4 + i, now=written + 1 + i, global_step=60,
+                                         last_step_at=written) for i in range(40)]
+    now = written + 40.5
+    stopped = {1: "process 4242 is stopped (SIGSTOP or a debugger; kill -CONT 4242 resumes it)"}
+    verdicts = judge_all_at(world, now, process_stopped=stopped)
+    assert verdicts[1].health == "stalled"
+    assert verdicts[1].reason.startswith("process 4242 is stopped")
+    for r in (0, 2):
+        assert verdicts[r].health == "stalled", verdicts[r]
+        assert verdicts[r].reason == ("no step finished for over 5 s (last: global step 60); rank 1 "
+                                      "is stopped: this rank is likely blocked in a collective with it")
+
+
+def test_peers_of_a_dead_rank_name_it():
+    written = last_time(3)
+    world = job(4, {}, count=3)
+    for r in (0, 2):
+        world[r] = world[r] + [heartbeat(r, 4, seq=4 + i, now=written + 1 + i, global_step=60,
+                                         last_step_at=written) for i in range(12)]
+    now = written + 12.5
+    verdicts = judge_all_at(world, now, process_gone={1: "process 11 is gone (host a)"})
+    assert verdicts[1].health == "dead" and verdicts[1].cause == "gone"
+    assert verdicts[3].health == "stalled" and verdicts[3].cause == "silent"
+    assert verdicts[0].reason == ("no step finished for over 5 s (last: global step 60); rank 1 is "
+                                  "dead and rank 3 sends no heartbeats: this rank is likely "
+                                  "blocked in a collective with them")
+    # Ranks that ended (a finished rank) hold nobody up.
+    world[1] = [heartbeat(1, 4, seq=3, now=written, state="finished")]
+    world[3] = [heartbeat(3, 4, seq=3, now=written, state="finished")]
+    verdicts = judge_all_at(world, now)
+    assert verdicts[0].reason == "no step finished for over 5 s (last: global step 60)"
 
 
 def test_alive_but_not_stepping_is_stalled():
@@ -111,8 +271,12 @@ def test_alive_but_not_stepping_is_stalled():
 def test_stall_limit_scales_with_slow_steps():
     slow = beats(0, 1, 3, 2000.0)  # 2 s steps: limit is 5 x 2 s = 10 s
     written = last_time(3)
-    assert judge_sequences({0: slow}, written + 8, TH)[0].health == "healthy"
-    assert judge_sequences({0: slow}, written + 10.5, TH)[0].health == "stalled"
+    # Heartbeats keep coming (about 1 Hz, whatever the step time); steps do not.
+    waiting = [heartbeat(0, 1, seq=4 + i, now=written + 1 + i, step_ms=2000.0, steps=0,
+                         step_times_ms=[], global_step=slow[-1]["global_step"], last_step_at=written)
+               for i in range(10)]
+    assert judge_sequences({0: slow + waiting[:8]}, written + 8, TH)[0].health == "healthy"
+    assert judge_sequences({0: slow + waiting}, written + 10.5, TH)[0].health == "stalled"
 
 
 def test_starting_and_saving_are_never_stalled():

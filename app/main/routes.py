@@ -47,7 +47,9 @@ def positive_int_arg(name: str) -> int | None:
     raw = request.args.get(name)
     if raw is None:
         return None
-    if not raw.isdigit() or int(raw) <= 0:
+    # isascii: str.isdigit() also accepts "²", which int() refuses; and int()
+    # refuses more than 4300 digits. Either was a 500.
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 18 or int(raw) <= 0:
         raise ApiError(400, f"query parameter {name!r} must be a positive integer, not {raw!r}")
     return int(raw)
 

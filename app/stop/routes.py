@@ -81,7 +81,8 @@ def api_exit_rearm():
 @bp.get("/api/audit")
 def api_audit():
     raw = request.args.get("limit", "200")
-    if not raw.isdigit() or not 0 < int(raw) <= 10000:
+    # isascii: str.isdigit() also accepts "²", which int() refuses (a 500).
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 5 or not 0 < int(raw) <= 10000:
         raise ApiError(400, f"query parameter 'limit' must be an integer from 1 to 10000, not {raw!r}")
     return jsonify({"rows": rankwatch().stop.audit.rows(limit=int(raw))})
 

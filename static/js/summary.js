@@ -56,7 +56,8 @@ export class SummaryStrip {
     }
     const slow = s.slowest;
     this.set("slowest", slow
-      ? `rank ${slow.rank}: ${formatNumber(slow.step_time_ms)} ms, +${formatNumber(slow.gap_ms)} ms`
+      ? `rank ${slow.rank}: ${formatNumber(slow.step_time_ms)} ms`
+        + (slow.basis === "work" ? " own work" : "") + `, +${formatNumber(slow.gap_ms)} ms`
         + ` over the median ${formatNumber(slow.median_ms)} ms`
         + (slow.ratio ? ` (${slow.ratio}×)` : "")
       : "–");

@@ -193,6 +193,14 @@ export class RankTable {
       case "heartbeat_age_s":
         return row.time === null || row.time === undefined
           ? "–" : formatValue(m, Math.max(0, now - row.time));
+      case "reason": {
+        // Problems the bridge met and survived (a full disk) ride along with
+        // the verdict's reason: warnings have no column of their own.
+        const warnings = row.warnings || [];
+        if (!warnings.length) return row.reason ?? "–";
+        const more = warnings.length > 1 ? ` (+${warnings.length - 1} more)` : "";
+        return `${row.reason} ⚠ ${warnings[warnings.length - 1]}${more}`;
+      }
       default: return formatValue(m, row[m.name]);
     }
   }

@@ -10,6 +10,12 @@ second. Used by the scale benchmark and by the browser tests, which can
 Creating a file costs the kernel about half a millisecond here, so one
 process cannot write 1024 heartbeats a second on a busy machine; large jobs
 are split over ``--workers`` processes (real ranks are separate processes too).
+
+``--churn-every S`` makes ranks die and revive, as crashed ranks restarted by
+a supervisor do: every S seconds (job-wide) one rank goes silent for
+``--down-s`` seconds (long enough by default for the dashboard to call it
+dead), then comes back as a restarted process: ``seq`` from 1 again, a new
+``started_at``, its global step where it left off.
 """
 from __future__ import annotations
 
@@ -29,7 +35,8 @@ from trainer_bridge import runfiles
 class Simulator:
     def __init__(self, run_dir: str | Path, ranks: int, *, period_s: float = 1.0,
                  step_ms: float = 50.0, slow: dict[int, float] | None = None,
-                 jitter: float = 0.05, seed: int = 0, only: range | None = None):
+                 jitter: float = 0.05, seed: int = 0, only: range | None = None,
+                 churn_every: float = 0.0, down_s: float = 40.0):
         self.run_dir = Path(run_dir)
         self.ranks = ranks
         # The ranks this simulator writes (a worker's share of the job).
@@ -42,6 +49,14 @@ class Simulator:
         self.seq = [0] * ranks
         self.gstep = [0] * ranks
         self.silenced: set[int] = set()
+        # Churn: every churn_every seconds one of this simulator's ranks goes
+        # down for down_s seconds (rank -> when it revives), then restarts.
+        self.churn_every = churn_every
+        self.down_s = down_s
+        self.down: dict[int, float] = {}
+        self.started: dict[int, float] = {}  # a revived rank's new started_at
+        self.deaths = self.revivals = 0
+        self._next_churn: float | None = None
         self.beats = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -89,16 +104,37 @@ class Simulator:
         self.seq[rank] += 1
         self.gstep[rank] += len(times)
         mean = sum(times) / len(times)
+        extra = {"started_at": self.started[rank]} if rank in self.started else {}
         hb = heartbeat(rank, self.ranks, seq=self.seq[rank], now=time.time(), step_ms=mean,
                        steps=len(times), global_step=self.gstep[rank],
                        step_time_ms=times[-1], step_times_ms=times,
-                       step_time_mean_ms=round(mean, 3))
+                       step_time_mean_ms=round(mean, 3), **extra)
         write_heartbeat(self.run_dir, hb)
         self.beats += 1
 
     def silence(self, rank: int) -> None:
         """Stop writing ``rank``'s heartbeats, as if it hung or died."""
         self.silenced.add(rank)
+
+    def churn(self, now: float) -> None:
+        """Take one rank down when due; bring back the ranks whose time is up."""
+        for rank, until in list(self.down.items()):
+            if now >= until:
+                # A restarted process: new start time, heartbeat counter from 1.
+                del self.down[rank]
+                self.seq[rank] = 0
+                self.started[rank] = now
+                self.revivals += 1
+        if self.churn_every <= 0:
+            return
+        if self._next_churn is None:
+            self._next_churn = now + self.random.uniform(0, self.churn_every)
+        if now >= self._next_churn:
+            self._next_churn += self.churn_every
+            alive = [r for r in self.mine if r not in self.down and r not in self.silenced]
+            if alive:
+                self.down[self.random.choice(alive)] = now + self.down_s
+                self.deaths += 1
 
     def run(self, seconds: float | None = None, start: float | None = None) -> None:
         """Write heartbeats until ``stop()`` or ``seconds`` elapse.
@@ -118,7 +154,9 @@ class Simulator:
             if due > now:
                 self._stop.wait(due - now)
                 continue
-            if rank not in self.silenced:
+            if self.churn_every > 0 or self.down:
+                self.churn(now)
+            if rank not in self.silenced and rank not in self.down:
                 self.beat(rank)
             k += 1
 
@@ -143,7 +181,8 @@ def work(args: argparse.Namespace, worker: int, workers: int, start: float) -> N
     """One worker process: every ``workers``-th rank, from ``worker`` on."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     sim = Simulator(args.run_dir, args.ranks, period_s=args.period_s, step_ms=args.step_ms,
-                    slow=dict(args.slow), seed=worker, only=range(worker, args.ranks, workers))
+                    slow=dict(args.slow), seed=worker, only=range(worker, args.ranks, workers),
+                    churn_every=args.churn_every * workers, down_s=args.down_s)
     sim.skip(args.history_seconds)
     sim.run(args.seconds, start=start)
 
@@ -162,6 +201,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="prefill this much chart history per rank before starting")
     parser.add_argument("--workers", type=int, default=None,
                         help="writer processes (default: one per 256 ranks)")
+    parser.add_argument("--churn-every", type=float, default=0.0, metavar="S",
+                        help="every S seconds (job-wide) one rank dies, i.e. goes silent, "
+                             "and revives --down-s later as a restarted process (default: off)")
+    parser.add_argument("--down-s", type=float, default=40.0,
+                        help="how long a churned rank stays down (default 40: past DEAD_AFTER_S)")
     args = parser.parse_args(argv)
     workers = args.workers or max(1, -(-args.ranks // 256))
     sim = Simulator(args.run_dir, args.ranks, period_s=args.period_s, step_ms=args.step_ms,

@@ -19,7 +19,7 @@ import mindspore.dataset.transforms as transforms
 import mindspore.dataset.vision as vision
 from mindspore import nn
 from mindspore.common.initializer import TruncatedNormal
-from mindspore.train import Callback, Model, OnRequestExit
+from mindspore.train import CheckpointConfig, Callback, Model, ModelCheckpoint, OnRequestExit
 
 from trainer_bridge import GracefulExitBridge
 from trainer_bridge.runfiles import flag_path
@@ -67,16 +67,33 @@ class LeNet5(nn.Cell):
 class Pacer(Callback):
     """Sleeps after each step so a human can watch a small job (``--step-delay``).
 
-    A rank can be slowed alone (``RANKWATCH_DEMO_SLOW_RANK``) to show a
-    straggler; its peers then wait for it in the gradient AllReduce.
+    A rank can be slowed alone (``--slow-rank``) to show a straggler: by
+    ``--slow-delay`` seconds more per step, or, with ``--slow-factor F``, by F
+    times its own median wall step time, measured over its first
+    ``--slow-after`` steps (the first, which compiles, left out) and applied
+    from then on. Its peers then wait for it in the gradient AllReduce.
     """
 
-    def __init__(self, delay_s: float):
+    def __init__(self, delay_s: float, factor: float = 0.0, after: int = 10):
         super().__init__()
         self.delay_s = delay_s
+        self.factor = factor
+        self.after = max(3, after)
+        self._ends: list[float] = []
 
     def on_train_step_end(self, run_context):
-        time.sleep(self.delay_s)
+        if self.factor and self._ends is not None:
+            self._ends.append(time.perf_counter())
+            if len(self._ends) == self.after:
+                steps = sorted(b - a for a, b in zip(self._ends[1:], self._ends[2:]))
+                measured = steps[len(steps) // 2]
+                extra = self.factor * measured
+                self.delay_s += extra
+                self._ends = None
+                print(f"slow rank: median step {measured * 1e3:.1f} ms over steps 3-{self.after}; "
+                      f"sleeping {extra * 1e3:.1f} ms more per step from now on", flush=True)
+        if self.delay_s > 0:
+            time.sleep(self.delay_s)
 
 
 class StepLog(Callback):
@@ -96,12 +113,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--step-delay", type=float, default=0.0, help="seconds to sleep after each step")
     p.add_argument("--slow-rank", type=int, default=-1, help="this rank sleeps --slow-delay more per step")
     p.add_argument("--slow-delay", type=float, default=0.0)
+    p.add_argument("--slow-factor", type=float, default=0.0,
+                   help="the slow rank sleeps this many times its own measured step time more "
+                        "per step, after --slow-after steps (instead of a fixed --slow-delay)")
+    p.add_argument("--slow-after", type=int, default=10,
+                   help="steps the slow rank measures before --slow-factor applies (default 10)")
     p.add_argument("--mode", choices=["graph", "pynative"], default="graph")
     p.add_argument("--no-bridge", action="store_true", help="train without the bridge (baseline)")
     p.add_argument("--native-exit", action="store_true",
                    help="attach mindspore's OnRequestExit on RUN/graceful_exit.json instead")
     p.add_argument("--sync-interval", type=float, default=0.5, help="bridge: seconds between agreements")
     p.add_argument("--step-log", action="store_true", help="print one line per step")
+    p.add_argument("--ckpt-every", type=int, default=0, metavar="N",
+                   help="also save a periodic checkpoint every N steps, per rank, into "
+                        "RUN/ckpt_of_rank/{rank}/lenet-{epoch}_{step}.ckpt (ModelCheckpoint, as "
+                        "in MindSpore's disaster-recovery sample; keeps the newest 5)")
     p.add_argument("--seed", type=int, default=1)
     return p.parse_args(argv)
 
@@ -135,11 +161,17 @@ def main(argv=None) -> None:
         bridge = GracefulExitBridge(args.run_dir, sync_interval_s=args.sync_interval)  # bridge
         initial_epoch = bridge.resume(dataset)                                        # bridge
         callbacks.append(bridge)
-    delay = args.step_delay + (args.slow_delay if rank == args.slow_rank else 0.0)
-    if delay > 0:
-        callbacks.append(Pacer(delay))
+    slow = rank == args.slow_rank
+    delay = args.step_delay + (args.slow_delay if slow else 0.0)
+    factor = args.slow_factor if slow else 0.0
+    if delay > 0 or factor > 0:
+        callbacks.append(Pacer(delay, factor, args.slow_after))
     if args.step_log:
         callbacks.append(StepLog())
+    if args.ckpt_every > 0:
+        config = CheckpointConfig(save_checkpoint_steps=args.ckpt_every, keep_checkpoint_max=5)
+        callbacks.append(ModelCheckpoint(prefix="lenet", config=config,
+                                         directory=os.path.join(args.run_dir, "ckpt_of_rank", str(rank))))
     model.train(args.epochs, dataset, callbacks=callbacks, dataset_sink_mode=False,
                 initial_epoch=initial_epoch)
 
