@@ -235,6 +235,9 @@ class RunState:
         self._read_error: str | None = None
         self._job_error: str | None = None
         self._clear()
+        # Nobody has seen anything yet, and each client gets a snapshot when it
+        # connects: the first tick's changes can go out as a plain delta.
+        self._needs_snapshot = False
 
     def _clear(self) -> None:
         self._slots: dict[int, RankSlot] = {}

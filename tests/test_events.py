@@ -105,7 +105,9 @@ def test_each_tick_emits_at_most_one_event(run_dir, app):
     for r in range(50):
         write_heartbeat(run_dir, heartbeat(r, 50, seq=1, now=now[0]))
     watcher.tick()
-    assert [e for e, _ in fake.emits] == ["ranks_snapshot"]
+    # Clients took a snapshot when they connected: the first tick is a delta too.
+    assert [e for e, _ in fake.emits] == ["ranks_delta"]
+    assert len(fake.emits[0][1]["rows"]) == 50
     watcher.tick()
     assert len(fake.emits) == 1, "nothing changed, nothing sent"
     for r in range(0, 50, 10):

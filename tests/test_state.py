@@ -54,7 +54,7 @@ def test_only_changed_heartbeat_files_are_read(run_dir, reads):
     assert reads == ["rank_2.json"]
 
 
-def test_first_push_is_a_snapshot_then_deltas_carry_only_changed_fields(run_dir):
+def test_first_push_carries_every_row_then_deltas_only_changed_fields(run_dir):
     write_job(run_dir, 2)
     now = time.time()
     beat(run_dir, 0, 2, seq=1, now=now)
@@ -62,8 +62,9 @@ def test_first_push_is_a_snapshot_then_deltas_carry_only_changed_fields(run_dir)
     st = make_state(run_dir)
     st.scan(now)
     event, payload = st.take_delta(now)
-    assert event == "ranks_snapshot"
-    assert [r["rank"] for r in payload["ranks"]] == [0, 1]
+    assert event == "ranks_delta"
+    assert [r["rank"] for r in payload["rows"]] == [0, 1]
+    assert {"host", "pid", "health"} <= set(payload["rows"][0])
     assert st.take_delta(now) is None
 
     beat(run_dir, 1, 2, seq=2, now=now + 1)

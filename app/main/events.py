@@ -18,7 +18,7 @@ from app.watcher import CHECKPOINTS_EVENT, STOP_EVENT
 
 EVENTS = {
     SNAPSHOT_EVENT: "server to client: the whole view, as GET /api/ranks; to a client when it "
-                    "connects, and to everyone when the watcher starts or ranks disappeared",
+                    "connects, and to everyone when ranks disappeared",
     DELTA_EVENT: "server to client, at most once per tick: the changed fields of the changed "
                  "rows, plus the summary and the run status when they changed",
     STOP_EVENT: "server to client: the stop lifecycle, as GET /api/exit without the estimate; "
