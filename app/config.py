@@ -78,6 +78,10 @@ SETTINGS: list[Setting] = [
             "How many recent step times make a rank's own median. Long enough that one "
             "slow step (a checkpoint, a garbage collection) does not flag a rank, short "
             "enough that a rank that stays slow is flagged within seconds."),
+    Setting("STRAGGLER_MIN_STEPS", 16,
+            "A rank is not compared until its window holds this many step times. The first "
+            "steps carry graph compilation, data pipeline warm-up and the other ranks' start-up "
+            "competing for the cores; a median of three of them flagged healthy ranks in tests."),
     Setting("STALL_MIN_S", 5.0,
             "A training rank is stalled when it has not finished a step for "
             "max(STALL_MIN_S, STALL_FACTOR x its median step time). Five seconds is five "

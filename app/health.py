@@ -77,6 +77,7 @@ class Thresholds:
     straggler_ratio: float = 1.5
     straggler_min_gap_ms: float = 5.0
     straggler_window: int = 32
+    straggler_min_steps: int = 16
     stall_min_s: float = 5.0
     stall_factor: float = 5.0
     dead_after_s: float = 30.0
@@ -145,6 +146,11 @@ class StepWindow:
     newest heartbeat with steps lacks either figure.
     """
     __slots__ = ("_times", "_seq", "median_ms", "_size", "_split", "split_ms")
+
+    @property
+    def steps(self) -> int:
+        """How many step times the window holds (at most its size)."""
+        return len(self._times)
 
     def __init__(self, size: int):
         self._times: deque[float] = deque(maxlen=size)
@@ -225,7 +231,7 @@ def judge(hb: Mapping[str, Any] | None, now: float, th: Thresholds, *,
           own_ms: float | None = None, peer_ms: float | None = None,
           process_gone: str | None = None, wall_ms: float | None = None,
           work: tuple[float, float] | None = None, process_stopped: str | None = None,
-          process_alive: bool = False) -> Verdict:
+          process_alive: bool = False, warming: bool = False) -> Verdict:
     """One rank's verdict at time ``now``.
 
     ``own_ms`` is the rank's cost per step, ``peer_ms`` the median of its
@@ -238,6 +244,7 @@ def judge(hb: Mapping[str, Any] | None, now: float, th: Thresholds, *,
     gone, from a probe done by the caller; None means alive or unknown.
     ``process_stopped`` is a sentence saying that the probe found the process
     stopped (SIGSTOP, a debugger); ``process_alive`` that it found it running.
+    ``warming``: the rank has peers but too few steps yet to be compared.
     """
     if not hb:
         return Verdict("pending", "has not written a heartbeat yet")
@@ -302,6 +309,8 @@ def judge(hb: Mapping[str, Any] | None, now: float, th: Thresholds, *,
                                     f"the peer median {_ms(peer_ms)}", rel)
     if state == "stopping":
         return Verdict("healthy", "stopping gracefully", rel)
+    if warming:
+        return Verdict("healthy", "training (too few steps yet to compare with its peers)")
     if peer_ms is None:
         return Verdict("healthy", "training (no peers to compare with)", rel)
     # No numbers here: they move with every heartbeat of every rank, and a
@@ -316,17 +325,27 @@ def judge_all(latest: Mapping[int, Mapping[str, Any] | None], own_ms: Mapping[in
               process_gone: Mapping[int, str] | None = None,
               split: Mapping[int, tuple[float, float] | None] | None = None, *,
               process_stopped: Mapping[int, str] | None = None,
-              process_alive: set[int] | frozenset[int] = frozenset()) -> dict[int, Verdict]:
+              process_alive: set[int] | frozenset[int] = frozenset(),
+              steps: Mapping[int, int] | None = None) -> dict[int, Verdict]:
     """Every rank's verdict: peers are the other ranks that are stepping.
 
     ``own_ms`` is each rank's median wall step time, ``split`` its
     ``StepWindow.split_ms`` (see ``compare_costs`` for which one is compared).
+    ``steps`` is how many step times each rank's window holds: a rank with
+    fewer than ``straggler_min_steps`` is neither judged nor a peer yet
+    (None: every rank is).
     O(n log n) for the one sort, then O(log n) per rank.
     """
     process_gone = process_gone or {}
     process_stopped = process_stopped or {}
     basis, costs, fastest = compare_costs(latest, own_ms, split)
     stepping = {r for r, hb in latest.items() if hb and hb.get("state") in STEPPING_STATES}
+    warming = set()
+    if steps is not None:
+        warming = {r for r in latest if steps.get(r, 0) < th.straggler_min_steps}
+        costs = {r: (None if r in warming else c) for r, c in costs.items()}
+        if len(stepping) < 2:
+            warming.clear()  # nobody to compare with anyway
     times = sorted(costs[r] for r in stepping if costs.get(r) is not None)
     whole = median(times)
     out = {}
@@ -341,7 +360,7 @@ def judge_all(latest: Mapping[int, Mapping[str, Any] | None], own_ms: Mapping[in
         work = (split[r][1], fastest) if basis == "work" and own is not None else None
         out[r] = judge(hb, now, th, own_ms=own, peer_ms=peer, process_gone=process_gone.get(r),
                        wall_ms=own_ms.get(r), work=work, process_stopped=process_stopped.get(r),
-                       process_alive=r in process_alive)
+                       process_alive=r in process_alive, warming=r in warming)
     return _with_blockers(latest, out)
 
 
@@ -388,7 +407,7 @@ def judge_sequences(heartbeats: Mapping[int, Iterable[Mapping[str, Any]]], now: 
     The same fold ``app.state`` does incrementally, in one call: the way the
     rules are meant to be read and tested.
     """
-    latest, own, split = {}, {}, {}
+    latest, own, split, steps = {}, {}, {}, {}
     for r, seq in heartbeats.items():
         window = StepWindow(th.straggler_window)
         hb = None
@@ -397,4 +416,5 @@ def judge_sequences(heartbeats: Mapping[int, Iterable[Mapping[str, Any]]], now: 
         latest[r] = hb
         own[r] = window.median_ms
         split[r] = window.split_ms
-    return judge_all(latest, own, now, th, process_gone, split)
+        steps[r] = window.steps
+    return judge_all(latest, own, now, th, process_gone, split, steps=steps)

@@ -286,9 +286,10 @@ class RunState:
         latest = {r: (self._slots[r].hb if r in self._slots else None) for r in view}
         own = {r: (self._slots[r].window.median_ms if r in self._slots else None) for r in view}
         split = {r: (self._slots[r].window.split_ms if r in self._slots else None) for r in view}
+        steps = {r: self._slots[r].window.steps for r in view if r in self._slots}
         gone, stopped, alive = self._probe_late(latest, now)
         verdicts = judge_all(latest, own, now, self.thresholds, gone, split,
-                             process_stopped=stopped, process_alive=alive)
+                             process_stopped=stopped, process_alive=alive, steps=steps)
         for r, verdict in verdicts.items():
             if r in changed or self._verdicts.get(r) != verdict:
                 self._rows[r] = make_row(r, latest[r], verdict)

@@ -90,9 +90,9 @@ def sync_beats(rank: int, world: int, count: int, in_ms: float, out_ms: float,
 def test_sync_job_finds_the_rank_slow_outside_the_step_by_its_own_work():
     # Measured on the real demo: rank 1 sleeps 0.2 s per step outside the step,
     # rank 0 waits for it inside the gradient AllReduce. Both walls are 340 ms.
-    world = {0: sync_beats(0, 2, 5, in_ms=339.0, out_ms=1.3, wall_ms=340.0),
-             1: sync_beats(1, 2, 5, in_ms=141.0, out_ms=204.0, wall_ms=340.0)}
-    verdicts = judge_sequences(world, last_time() + 0.5, TH)
+    world = {0: sync_beats(0, 2, 8, in_ms=339.0, out_ms=1.3, wall_ms=340.0),
+             1: sync_beats(1, 2, 8, in_ms=141.0, out_ms=204.0, wall_ms=340.0)}
+    verdicts = judge_sequences(world, last_time(8) + 0.5, TH)
     assert verdicts[0].health == "healthy" and verdicts[0].score == 1.0
     slow = verdicts[1]
     assert slow.health == "straggler"
@@ -102,10 +102,25 @@ def test_sync_job_finds_the_rank_slow_outside_the_step_by_its_own_work():
     assert "204 ms between steps + 141 ms fastest in-step time" in slow.reason
 
 
+def test_a_rank_is_compared_only_once_its_window_holds_enough_steps():
+    # Healthy ranks of a job starting on busy cores: three steps each, one of
+    # them 1.6x the other (measured in CI). Too few to call a straggler.
+    world = {0: sync_beats(0, 2, 1, in_ms=595.0, out_ms=347.0, wall_ms=340.0, steps=3),
+             1: sync_beats(1, 2, 1, in_ms=598.0, out_ms=6.0, wall_ms=340.0, steps=3)}
+    verdicts = judge_sequences(world, last_time(1) + 0.5, TH)
+    assert {v.health for v in verdicts.values()} == {"healthy"}
+    assert verdicts[0].reason == "training (too few steps yet to compare with its peers)"
+    # The same split over the minimum number of steps: a straggler.
+    steps = TH.straggler_min_steps
+    world = {0: sync_beats(0, 2, 1, in_ms=595.0, out_ms=347.0, wall_ms=340.0, steps=steps),
+             1: sync_beats(1, 2, 1, in_ms=598.0, out_ms=6.0, wall_ms=340.0, steps=steps)}
+    assert judge_sequences(world, last_time(1) + 0.5, TH)[0].health == "straggler"
+
+
 def test_sync_job_with_many_ranks_scores_by_the_peer_median_work():
-    world = {r: sync_beats(r, 8, 5, in_ms=400.0 + r, out_ms=2.0, wall_ms=402.0) for r in range(8)}
-    world[5] = sync_beats(5, 8, 5, in_ms=100.0, out_ms=300.0, wall_ms=402.0)
-    verdicts = judge_sequences(world, last_time() + 0.5, TH)
+    world = {r: sync_beats(r, 8, 8, in_ms=400.0 + r, out_ms=2.0, wall_ms=402.0) for r in range(8)}
+    world[5] = sync_beats(5, 8, 8, in_ms=100.0, out_ms=300.0, wall_ms=402.0)
+    verdicts = judge_sequences(world, last_time(8) + 0.5, TH)
     assert [r for r, v in verdicts.items() if v.health == "straggler"] == [5]
     assert verdicts[5].score == round(102.0 / 400.0, 2)
     assert all(v.health == "healthy" for r, v in verdicts.items() if r != 5)
@@ -123,22 +138,22 @@ def test_sync_job_in_step_and_between_step_jitter_is_healthy():
 def test_equal_walls_without_the_split_cannot_tell_the_slow_rank():
     # The simulator's heartbeats (step_in_ms/step_out_ms null): the wall rule,
     # which in a real synchronous job sees only equal times.
-    world = {r: beats(r, 2, 5, 340.0) for r in range(2)}
-    verdicts = judge_sequences(world, last_time() + 0.5, TH)
+    world = {r: beats(r, 2, 8, 340.0) for r in range(2)}
+    verdicts = judge_sequences(world, last_time(8) + 0.5, TH)
     assert {v.health for v in verdicts.values()} == {"healthy"}
     assert verdicts[0].reason == "training within 1.5x of the peer median"
 
 
 def test_work_needs_the_split_from_every_stepping_rank():
-    world = {0: sync_beats(0, 3, 5, in_ms=300.0, out_ms=1.0, wall_ms=100.0),
-             1: sync_beats(1, 3, 5, in_ms=100.0, out_ms=200.0, wall_ms=100.0),
-             2: beats(2, 3, 5, 300.0)}  # no split: everyone falls back to wall times
-    verdicts = judge_sequences(world, last_time() + 0.5, TH)
+    world = {0: sync_beats(0, 3, 8, in_ms=300.0, out_ms=1.0, wall_ms=100.0),
+             1: sync_beats(1, 3, 8, in_ms=100.0, out_ms=200.0, wall_ms=100.0),
+             2: beats(2, 3, 8, 300.0)}  # no split: everyone falls back to wall times
+    verdicts = judge_sequences(world, last_time(8) + 0.5, TH)
     assert verdicts[1].health == "healthy"
     assert verdicts[2].health == "straggler" and "median step 300 ms" in verdicts[2].reason
     # A finished rank without the split is not a stepping peer: work applies.
-    world[2] = beats(2, 3, 5, 300.0, state="finished")
-    verdicts = judge_sequences(world, last_time() + 0.5, TH)
+    world[2] = beats(2, 3, 8, 300.0, state="finished")
+    verdicts = judge_sequences(world, last_time(8) + 0.5, TH)
     assert verdicts[1].health == "straggler" and "own work" in verdicts[1].reason
 
 
@@ -168,10 +183,13 @@ def test_summary_slowest_rank_uses_the_same_work(run_dir):
 
     write_job(run_dir, 2)
     now = time.time()
-    for hb in (sync_beats(0, 2, 3, in_ms=339.0, out_ms=1.3, wall_ms=340.0, start=now - 2)
-               + sync_beats(1, 2, 3, in_ms=141.0, out_ms=204.0, wall_ms=340.0, start=now - 2)):
-        write_heartbeat(run_dir, hb)
     state = RunState(run_dir, from_env({}))
+    # The dashboard sees each heartbeat as it is written: 6 of 3 steps each.
+    for hb0, hb1 in zip(sync_beats(0, 2, 6, in_ms=339.0, out_ms=1.3, wall_ms=340.0, start=now - 5),
+                        sync_beats(1, 2, 6, in_ms=141.0, out_ms=204.0, wall_ms=340.0, start=now - 5)):
+        write_heartbeat(run_dir, hb0)
+        write_heartbeat(run_dir, hb1)
+        state.scan(hb0["time"])
     state.scan(now)
     snap = state.snapshot(now)
     assert snap["summary"]["slowest"]["rank"] == 1
