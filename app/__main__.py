@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"Rankwatch: operator token (set RANKWATCH_TOKEN to choose your own): "
               f"{app.config['TOKEN']}\n    or open {url}#token={app.config['TOKEN']}",
               file=sys.stderr, flush=True)
+    # The watcher also records a completed stop and re-arms the flag: that
+    # must not wait for a browser to connect.
+    app.extensions["rankwatch"].watcher.ensure_started()
     socketio.run(app, host=config["HOST"], port=config["PORT"], allow_unsafe_werkzeug=True)
 
 

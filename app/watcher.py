@@ -1,13 +1,14 @@
 """The one background loop: scan the run directory, push what changed.
 
-It is started lazily, once, under a lock, by the first Socket.IO client
-(nothing runs at import time or in ``create_app``), and it uses
+It is started once, under a lock, by ``python -m app`` before it serves, or
+else by the first Socket.IO client (nothing runs at import time or in
+``create_app``, so tests choose), and it uses
 ``socketio.sleep`` so that it follows whatever async mode Flask-SocketIO runs.
 Each tick sends at most one rank event to all clients: a ``ranks_delta``
 with the changed fields of the changed rows, or a ``ranks_snapshot`` when
 ranks disappeared; and a ``stop_status`` when the stop lifecycle changed.
 The tick also lets the stop service record a completed stop and re-arm the
-flag, so that happens even with no browser open... once one has connected.
+flag, so that happens even with no browser open.
 Last, it asks the checkpoint service (which re-scans at most every
 ``CHECKPOINT_SCAN_S``) and sends ``checkpoints`` when the index changed.
 """

@@ -1,7 +1,8 @@
 """The page, the JSON API (README, "JSON API") and the local Plotly.js.
 
 Reads refresh the view first when it is older than a tick, so the API
-answers from the files even when no browser has started the watcher.
+answers from the files even when the watcher has not started (the app made
+by ``create_app`` alone, as in tests).
 """
 from __future__ import annotations
 
