@@ -25,7 +25,8 @@ The verdicts, in the order the rules are tried:
   the median of its peers' (and ``straggler_min_gap_ms`` more in absolute
   terms). The cost is the rank's own *work* per step when every stepping rank
   reports ``step_in_ms`` and ``step_out_ms`` (see ``compare_costs``), else its
-  median wall step time.
+  median wall step time. A rank is compared only once its window holds
+  ``straggler_min_steps`` step times (start-up steps are noise).
 * **healthy** - none of the above.
 
 Why work and not the wall step time: in synchronous data parallelism every
