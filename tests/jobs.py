@@ -108,6 +108,20 @@ class DemoJob:
             lambda hbs: hbs if all(h and h["global_step"] >= step for h in hbs) else None,
             f"every rank past step {step}")
 
+    def stopped_together(self) -> tuple[int, list[dict]]:
+        """Assert the graceful stop's promise; return ``(stop step, each rank's stop record)``.
+
+        Every rank exited for the same stop, at the same stop step, and none
+        ran a step past it (``--step-log``).
+        """
+        hbs = self.heartbeats()
+        assert all(h and h["state"] == "exited" for h in hbs), dump(hbs)
+        stops = [h["stop"] for h in hbs]
+        stop_step = stops[0]["stop_step"]
+        assert all(s["stop_step"] == stop_step and s["stage"] == "exited" for s in stops), dump(stops)
+        assert [self.steps_logged(r)[-1] for r in range(self.ranks)] == [stop_step] * self.ranks
+        return stop_step, stops
+
     def steps_logged(self, rank: int) -> list[int]:
         """Global steps rank ``rank`` printed (``--step-log``), in order."""
         text = self.worker_log(rank)

@@ -38,15 +38,10 @@ def test_flag_written_during_a_periodic_checkpoint_save(tmp_path):
     finally:
         job.kill()
 
-    hbs = job.heartbeats()
-    stops = [h["stop"] for h in hbs]
-    assert all(h["state"] == "exited" for h in hbs), dump(hbs)
-    stop_step = stops[0]["stop_step"]
-    assert all(s["stop_step"] == stop_step and s["stage"] == "exited" for s in stops), dump(stops)
+    # One stop step, and each rank ran exactly up to it.
+    stop_step, _ = job.stopped_together()
     measure("flag_during_save.stop_step_after_save_step", stop_step - target, unit="steps",
             save_step=target, stop_step=stop_step)
-    # Each rank ran exactly up to the agreed step.
-    assert [job.steps_logged(r)[-1] for r in (0, 1)] == [stop_step] * 2
     # ModelCheckpoint saved on both ranks, including the save the flag met.
     names = [sorted(p.name for p in d.glob("*.ckpt")) for d in periodic]
     assert names[0] == names[1] and names[0], names

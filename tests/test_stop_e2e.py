@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import expect
 
-from tests.jobs import JOB_TIMEOUT_S, DemoJob, dump
+from tests.jobs import JOB_TIMEOUT_S, DemoJob
 from tests.liveserver import start_dashboard
 from trainer_bridge import runfiles
 from trainer_bridge.ckptmeta import read_meta
@@ -91,10 +91,7 @@ def test_headline_stop_from_the_browser_then_resume(tmp_path, browser, console_e
         job.kill()
         server.stop()
 
-    hbs = job.heartbeats()
-    stops = [h["stop"] for h in hbs]
-    stop_step = stops[0]["stop_step"]
-    assert all(s["stop_step"] == stop_step and s["stage"] == "exited" for s in stops), dump(stops)
+    stop_step, stops = job.stopped_together()
     headline_text = f"all 2 ranks stopped after step {stop_step}"
     assert headline_text in page.locator("#stop-headline").text_content()
     for s in stops:
