@@ -8,12 +8,15 @@ for a poll that never comes, so the request's thread blocks for good; and a
 POST that races the session's close gets a 500 (``KeyError: Session is
 disconnected``). This middleware answers those requests with a 400 before
 engineio sees them, and turns any exception escaping engineio into a 400,
-so malformed Socket.IO traffic is refused like malformed API requests.
+so malformed Socket.IO traffic is refused like malformed API requests, in
+the same ``{"error", "status"}`` shape (``app.errors``; this runs outside
+Flask's request context, so it builds the body itself).
 Everything else passes through untouched.
 """
 from __future__ import annotations
 
 import io
+import json
 import logging
 
 log = logging.getLogger(__name__)
@@ -66,7 +69,7 @@ class SocketGuard:
 
 
 def _refuse(start_response, status: str, message: str):
-    body = message.encode()
-    start_response(status, [("Content-Type", "text/plain; charset=utf-8"),
+    body = json.dumps({"error": message, "status": int(status.split()[0])}).encode()
+    start_response(status, [("Content-Type", "application/json"),
                              ("Content-Length", str(len(body)))])
     return [body]

@@ -362,6 +362,15 @@ eio_body = st.one_of(
     st.binary(max_size=60))
 
 
+def test_engineio_polling_refusal_has_the_error_shape(fuzz_app):
+    client = fuzz_app.test_client()
+    sid = polling_session(client)
+    r = client.post(f"/socket.io/?EIO=4&transport=polling&sid={sid}", data="2",
+                    content_type="text/plain;charset=UTF-8")
+    assert r.status_code == 400
+    assert r.get_json() == {"error": "unexpected Engine.IO packet type", "status": 400}
+
+
 def test_engineio_polling_garbage_is_refused_without_500_or_hang(fuzz_app, fuzz_run):
     """Raw long-polling traffic below the Socket.IO test client: python-engineio hung a
     request thread for good on a POSTed PING/NOOP/unknown packet (app/sockguard.py)."""
