@@ -1,25 +1,56 @@
-# The README's two commands: `make demo` and `make test`.
+# The README's commands: `make demo` and `make test`; `make lint`, the fast and
+# the slow halves of the suite, and the benchmarks (run by hand, not in CI).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 RUN    ?= runs/demo
 RANKS  ?= 2
+# The fast half: no msrun job, no browser, no fresh venv (about a minute).
+FAST   := not msrun and not browser and not slow
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test test-fast test-slow lint format bench bench-soak wheel clean
 
 venv: $(VENV)/.installed
 
+# The development venv: editable, with MindSpore (the trainer extra), the
+# test tools and ruff.
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 
 demo: venv
-	$(PY) -m trainer_bridge.demo --run-dir $(RUN) --ranks $(RANKS) --dashboard
+	$(VENV)/bin/rankwatch demo --run-dir $(RUN) --ranks $(RANKS)
 
 test: venv
 	$(PY) -m pytest -ra
 
+test-fast: venv
+	$(PY) -m pytest -ra -m "$(FAST)"
+
+test-slow: venv
+	$(PY) -m pytest -ra -m "not ($(FAST))"
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: venv
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+# Each prints its figures against a baseline measured in the same run.
+bench: venv
+	$(PY) -m tests.bench.scale --ranks 64 256 1024
+	$(PY) -m tests.bench.bridge
+	$(PY) -m tests.bench.ckpt_meta
+
+bench-soak: venv
+	$(PY) -m tests.bench.soak
+
+wheel: venv
+	$(PY) -m pip wheel --no-deps -w dist .
+
 clean:
-	rm -rf runs .pytest_cache
+	rm -rf runs dist build .pytest_cache

@@ -1,9 +1,11 @@
 """Rankwatch's dashboard: a Flask + Flask-SocketIO application factory.
 
 Nothing happens at import time. ``create_app`` builds the app, its
-``RunState`` and its (not yet started) ``Watcher``; the first Socket.IO
-client starts the watcher.
+``RunState`` and its (not yet started) ``Watcher``; the server
+(``app/server.py``) starts the watcher in its worker, or else the first
+Socket.IO client does.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -14,19 +16,33 @@ from typing import TYPE_CHECKING, Any
 from flask import Flask, current_app
 from flask_socketio import SocketIO
 
-from app.audit import AuditLog
-from app.auth import ensure_token
+from app.auth import BoundedJSONProvider, Limits, ensure_token, token_weakness
 from app.config import coerce_all, from_env
+from app.login import LoginCodes
+from app.services import open_run
 from app.state import RunState
 from app.stop_service import StopService
 from app.watcher import Watcher
-from trainer_bridge import runfiles
 
 if TYPE_CHECKING:
     from app.checkpoints.service import CheckpointService
+    from app.incidents.monitor import Incidents
+    from app.incidents.stacks import StackService
 
-# static/ and templates/ live at the top of the repository (DESIGN.md).
-ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+# In a checkout (and an editable install) static/ and templates/ sit at the
+# top of the repository, beside app/; that layout is fixed, because tests and
+# users rely on it. A wheel carries them inside the package, as app/static
+# and app/templates (pyproject.toml maps them there).
+ROOT = HERE.parent
+
+
+def asset_dirs() -> tuple[Path, Path]:
+    """(static, templates): inside the installed package if there, else the checkout's."""
+    if (HERE / "templates").is_dir():
+        return HERE / "static", HERE / "templates"
+    return ROOT / "static", ROOT / "templates"
+
 
 socketio = SocketIO()
 
@@ -34,6 +50,7 @@ socketio = SocketIO()
 @dataclass
 class Rankwatch:
     """The app's per-instance objects, kept in ``app.extensions["rankwatch"]``."""
+
     state: RunState
     watcher: Watcher
     stop: StopService
@@ -42,52 +59,89 @@ class Rankwatch:
     nav: list[tuple[str, str]] = field(default_factory=list)
     # The checkpoint browser's index and actions (app/checkpoints/service.py).
     checkpoints: CheckpointService | None = None
+    # Stack captures, alerts and the stop policy (app/incidents/).
+    stacks: StackService | None = None
+    incidents: Incidents | None = None
 
 
 def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     """Build the dashboard. ``config`` overrides the settings read from the environment."""
-    app = Flask(__name__, static_folder=str(ROOT / "static"),
-                template_folder=str(ROOT / "templates"))
+    static, templates = asset_dirs()
+    app = Flask(__name__, static_folder=str(static), template_folder=str(templates))
+    app.json = BoundedJSONProvider(app)
     app.config.update(from_env())
     app.config.update(coerce_all(config or {}))
     app.config["TOKEN_GENERATED"] = ensure_token(app.config)
+    app.extensions["rankwatch_limits"] = Limits.from_config(app.config)
+    app.extensions["rankwatch_login"] = LoginCodes()
+    weakness = None if app.config["TOKEN_GENERATED"] else token_weakness(app.config["TOKEN"])
+    if weakness:
+        app.logger.warning(
+            "RANKWATCH_TOKEN is weak (%s): anyone who can reach the port may guess it; "
+            "use a long random one, e.g. python -c 'import secrets; print(secrets.token_urlsafe(24))'",
+            weakness,
+        )
     app.config["MAX_CONTENT_LENGTH"] = app.config["MAX_BODY_BYTES"]
 
     from app import errors
+
     errors.register(app)
 
-    run_dir = app.config["RUN_DIR"] or None
-    state = RunState(run_dir, app.config)
-    audit = AuditLog(app.config["AUDIT_DB"] or runfiles.state_dir(run_dir or ".") / "audit.sqlite3")
-    stop = StopService(run_dir or ".", audit, deadline_s=app.config["STOP_DEADLINE_S"],
-                       auto_rearm=app.config["AUTO_REARM"])
-    # Imported here, not at the top: the package's routes import this module.
-    from app.checkpoints.service import CheckpointService
-    from app.checkpoints.verify import Verifier
-    checkpoints = CheckpointService(run_dir, audit, scan_s=app.config["CHECKPOINT_SCAN_S"],
-                                    verifier=Verifier(socketio.start_background_task, socketio.emit))
+    run = open_run(
+        app.config["RUN_DIR"] or None,
+        app.config,
+        start_task=socketio.start_background_task,
+        emit=socketio.emit,
+    )
+    state, stop, checkpoints = run.state, run.stop, run.checkpoints
+    from app.incidents.monitor import Incidents
+    from app.incidents.stacks import StackService
+
+    incidents = Incidents.from_config(app.config, state, stop, run.audit, socketio.start_background_task)
     rw = app.extensions["rankwatch"] = Rankwatch(
-        state=state, watcher=Watcher(socketio, state, app.config["TICK_S"], stop=stop,
-                                     checkpoints=checkpoints),
-        stop=stop, checkpoints=checkpoints)
+        state=state,
+        watcher=Watcher(
+            socketio, state, app.config["TICK_S"], stop=stop, checkpoints=checkpoints, incidents=incidents
+        ),
+        stop=stop,
+        checkpoints=checkpoints,
+        stacks=StackService(app.config["RUN_DIR"] or None, state, start_task=socketio.start_background_task),
+        incidents=incidents,
+    )
     app.context_processor(lambda: {"nav_links": rw.nav})
 
     # Blueprints before init_app: importing one registers its Socket.IO
     # handlers, which Flask-SocketIO carries over to every later init_app only
     # while no server exists yet (one app per test relies on that).
     from app.main import bp as main_bp
+
     app.register_blueprint(main_bp)
     from app.stop import bp as stop_bp
+
     app.register_blueprint(stop_bp)
     from app.checkpoints import bp as checkpoints_bp
-    app.register_blueprint(checkpoints_bp)
 
-    # Threading, not eventlet/gevent: the watcher does blocking file I/O and
-    # the werkzeug server with simple-websocket needs no monkey-patching.
+    app.register_blueprint(checkpoints_bp)
+    from app.incidents import bp as incidents_bp
+
+    app.register_blueprint(incidents_bp)
+
+    # Threading, not eventlet/gevent: the watcher does blocking file I/O, and
+    # gunicorn's threaded worker with simple-websocket (app/server.py) needs
+    # no monkey-patching.
     socketio.init_app(app, async_mode="threading")
     # In front of Engine.IO: malformed long-polling POSTs get a 400 (app/sockguard.py).
     from app.sockguard import SocketGuard
+
     app.wsgi_app = SocketGuard(app.wsgi_app)
+    # Outermost: a request for a host this dashboard is not (DNS rebinding) reaches nothing.
+    from app.hostguard import HostAllowlist, HostGuard
+
+    app.wsgi_app = HostGuard(app.wsgi_app, HostAllowlist(app.config["HOST"], app.config["ALLOWED_HOSTS"]))
+    from app.main.plotly_csp import style_attribute_hashes
+    from app.secheaders import SecurityHeaders, content_security_policy
+
+    app.wsgi_app = SecurityHeaders(app.wsgi_app, content_security_policy(style_attribute_hashes()))
     return app
 
 

@@ -7,19 +7,29 @@ dashboard restart. Schema (one table, append-only)::
     CREATE TABLE audit (
         id          INTEGER PRIMARY KEY AUTOINCREMENT,
         at          REAL NOT NULL,  -- Unix seconds
-        action      TEXT NOT NULL,  -- request | cancel | rearm | delete | complete
+        action      TEXT NOT NULL,  -- request | cancel | rearm | delete | complete | policy
         request_id  TEXT,           -- the stop request it concerns, if any
         who         TEXT NOT NULL,  -- the operator's name (typed in the page) or "rankwatch"
         remote_addr TEXT,           -- where the HTTP request came from
         reason      TEXT,           -- the operator's reason
         outcome     TEXT NOT NULL,  -- accepted | duplicate | refused: ... | completed: ...
-        detail      TEXT            -- JSON with anything else worth keeping
+        detail      TEXT,           -- JSON with anything else worth keeping
+        basis       TEXT NOT NULL DEFAULT 'authenticated'  -- authenticated | observed
     )
+
+``basis`` says what a row rests on. ``authenticated``: a request that
+carried the operator token did it. ``observed``: the dashboard inferred it
+from files in the run directory (the watcher's ``complete`` and automatic
+``rearm`` rows, from the flag and the heartbeats), which any rank, or anyone
+else who can write there, can forge. A trail written before the column
+existed (``PRAGMA user_version`` 0) is migrated when first opened: its rows by
+"rankwatch" become ``observed``, the others ``authenticated``.
 
 Each write opens its own connection (threads and processes may share the
 file) in WAL mode with a busy timeout, so two dashboards, or two operators,
 never lose a row.
 """
+
 from __future__ import annotations
 
 import csv
@@ -27,6 +37,7 @@ import io
 import json
 import sqlite3
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 SCHEMA = """
@@ -39,12 +50,35 @@ CREATE TABLE IF NOT EXISTS audit (
     remote_addr TEXT,
     reason      TEXT,
     outcome     TEXT NOT NULL,
-    detail      TEXT
+    detail      TEXT,
+    basis       TEXT NOT NULL DEFAULT 'authenticated'
 );
 CREATE INDEX IF NOT EXISTS audit_request ON audit (request_id);
 """
-COLUMNS = ("id", "at", "action", "request_id", "who", "remote_addr", "reason", "outcome", "detail")
-ACTIONS = ("request", "cancel", "rearm", "delete", "complete")
+SCHEMA_VERSION = 2  # 2: the basis column
+COLUMNS = ("id", "at", "action", "request_id", "who", "remote_addr", "reason", "outcome", "detail", "basis")
+ACTIONS = ("request", "cancel", "rearm", "delete", "complete", "policy")
+AUTHENTICATED = "authenticated"
+OBSERVED = "observed"
+BASES = (AUTHENTICATED, OBSERVED)
+# The watcher's name in the ``who`` column (rows it writes are observed).
+SYSTEM = "rankwatch"
+_SELECT = "SELECT " + ", ".join(COLUMNS) + " FROM audit"
+# A spreadsheet evaluates a cell that starts with one of these (OWASP, "CSV Injection").
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+_CSV_BATCH = 500
+
+
+def csv_cell(value):
+    """A value for the CSV export: text that a spreadsheet would run as a formula gets a
+    leading ``'``, which makes it text (OWASP's advice); numbers pass unchanged."""
+    if isinstance(value, str) and value.startswith(FORMULA_START):
+        return "'" + value
+    return value
+
+
+class AuditError(Exception):
+    """The trail cannot be read or written (a corrupt, locked or unwritable database)."""
 
 
 class AuditLog:
@@ -52,26 +86,78 @@ class AuditLog:
         self.path = Path(path)
 
     def _connect(self) -> sqlite3.Connection:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        conn = sqlite3.connect(self.path, timeout=10.0, isolation_level=None)
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.executescript(SCHEMA)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            conn = sqlite3.connect(self.path, timeout=10.0, isolation_level=None)
+        except (OSError, sqlite3.Error) as e:
+            raise AuditError(f"cannot open the audit trail {self.path}: {e}") from None
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.executescript(SCHEMA)
+            self._migrate(conn)
+        except sqlite3.Error as e:
+            conn.close()
+            raise AuditError(f"cannot use the audit trail {self.path}: {e}") from None
         return conn
 
-    def record(self, action: str, *, who: str, outcome: str, request_id: str | None = None,
-               remote_addr: str | None = None, reason: str | None = None,
-               detail: dict | None = None) -> int:
-        """Append one row and return its id."""
+    @staticmethod
+    def _migrate(conn: sqlite3.Connection) -> None:
+        """Bring a trail written by an older dashboard to ``SCHEMA_VERSION``, once, under a write lock."""
+        if conn.execute("PRAGMA user_version").fetchone()[0] >= SCHEMA_VERSION:
+            return
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            columns = {row[1] for row in conn.execute("PRAGMA table_info(audit)")}
+            if "basis" not in columns:
+                conn.execute(f"ALTER TABLE audit ADD COLUMN basis TEXT NOT NULL DEFAULT '{AUTHENTICATED}'")
+                conn.execute("UPDATE audit SET basis = ? WHERE who = ?", (OBSERVED, SYSTEM))
+            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+
+    def record(
+        self,
+        action: str,
+        *,
+        who: str,
+        outcome: str,
+        request_id: str | None = None,
+        remote_addr: str | None = None,
+        reason: str | None = None,
+        detail: dict | None = None,
+        basis: str = AUTHENTICATED,
+    ) -> int:
+        """Append one row and return its id; AuditError if the trail cannot take it.
+
+        ``basis`` is ``observed`` for rows the dashboard derives from the run
+        directory's files rather than from a request that carried the token.
+        """
         if action not in ACTIONS:
             raise ValueError(f"AuditLog.record: unknown action {action!r}")
+        if basis not in BASES:
+            raise ValueError(f"AuditLog.record: basis must be one of {BASES}, not {basis!r}")
         conn = self._connect()
         try:
             cur = conn.execute(
-                "INSERT INTO audit (at, action, request_id, who, remote_addr, reason, outcome, detail)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (time.time(), action, request_id, who, remote_addr, reason, outcome,
-                 json.dumps(detail, sort_keys=True) if detail else None))
+                "INSERT INTO audit (at, action, request_id, who, remote_addr, reason, outcome, detail, basis)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    time.time(),
+                    action,
+                    request_id,
+                    who,
+                    remote_addr,
+                    reason,
+                    outcome,
+                    json.dumps(detail, sort_keys=True) if detail else None,
+                    basis,
+                ),
+            )
             return cur.lastrowid
+        except sqlite3.Error as e:
+            raise AuditError(f"cannot write to the audit trail {self.path}: {e}") from None
         finally:
             conn.close()
 
@@ -81,7 +167,7 @@ class AuditLog:
             return []
         conn = self._connect()
         try:
-            sql, args = "SELECT * FROM audit", []
+            sql, args = _SELECT, []
             if request_id is not None:
                 sql += " WHERE request_id = ?"
                 args.append(request_id)
@@ -89,17 +175,52 @@ class AuditLog:
             if limit is not None:
                 sql += " LIMIT ?"
                 args.append(limit)
-            return [dict(zip(COLUMNS, r)) for r in conn.execute(sql, args)]
+            return [dict(zip(COLUMNS, r, strict=True)) for r in conn.execute(sql, args)]
+        except (sqlite3.Error, ValueError) as e:  # ValueError: rows of another shape
+            raise AuditError(f"cannot read the audit trail {self.path}: {e}") from None
+        finally:
+            conn.close()
+
+    def last_id(self) -> int | None:
+        """The newest row's id (None for an empty or absent trail): cheap enough for every tick."""
+        if not self.path.exists():
+            return None
+        conn = self._connect()
+        try:
+            return conn.execute("SELECT max(id) FROM audit").fetchone()[0]
         finally:
             conn.close()
 
     def has(self, action: str, request_id: str) -> bool:
         return any(r["action"] == action for r in self.rows(request_id=request_id))
 
-    def to_csv(self) -> str:
+    def iter_csv(self) -> Iterator[str]:
+        """The whole trail as CSV, oldest first, in chunks of a few hundred rows.
+
+        Streamed: memory stays that of one chunk however long the trail. Cells
+        that would start a spreadsheet formula are neutralised (``csv_cell``).
+        The database is opened now (AuditError if it cannot be), read as the
+        chunks are taken.
+        """
+        return self._csv_chunks(self._connect() if self.path.exists() else None)
+
+    @staticmethod
+    def _csv_chunks(conn: sqlite3.Connection | None) -> Iterator[str]:
         out = io.StringIO()
         writer = csv.writer(out)
         writer.writerow(COLUMNS)
-        for row in reversed(self.rows()):
-            writer.writerow([row[c] for c in COLUMNS])
-        return out.getvalue()
+        yield out.getvalue()
+        if conn is None:
+            return
+        try:
+            cursor = conn.execute(_SELECT + " ORDER BY id")
+            while batch := cursor.fetchmany(_CSV_BATCH):
+                out.seek(0)
+                out.truncate()
+                writer.writerows([csv_cell(v) for v in row] for row in batch)
+                yield out.getvalue()
+        except sqlite3.Error as e:
+            # Headers are gone by now: say so in the file rather than end it silently.
+            yield f"# the audit trail could not be read to its end: {e}\n"
+        finally:
+            conn.close()

@@ -1,8 +1,10 @@
 """Who may change state, and how a state-changing request must look.
 
 Reading needs nothing. Stop, cancel, re-arm and delete need the operator token
-(setting ``TOKEN``, i.e. ``RANKWATCH_TOKEN``; generated and printed once at
-start when unset) as ``Authorization: Bearer <token>``. The page keeps the
+(setting ``TOKEN``, i.e. ``RANKWATCH_TOKEN``; generated at start when unset,
+and handed to the page through a single-use login link, ``app.login``) as
+``Authorization: Bearer <token>``. Every token check backs off after wrong
+guesses, and each client's changes are rate-limited (``app.ratelimit``). The page keeps the
 token in the tab's ``sessionStorage`` and sends that header itself, so no
 cookie ever authorises a request: a cross-site form or script cannot ride on
 the operator's session (CSRF). As a second guard, a request whose ``Origin``
@@ -10,19 +12,37 @@ or ``Sec-Fetch-Site`` says it came from another site is refused, and bodies
 must be ``application/json``, which a cross-site form cannot send without a
 CORS preflight that this app never grants.
 """
+
 from __future__ import annotations
 
 import hmac
+import math
 import secrets
+from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 from flask import current_app, request
+from flask.json.provider import DefaultJSONProvider
 
 from app.errors import ApiError
+from app.ratelimit import Backoff, Bucket, retry_after
 
 # Longest accepted free text (reason, operator name): an audit row, not an essay.
 MAX_TEXT = 500
+
+
+@dataclass
+class Limits:
+    """The app's rate limits (``app.extensions["rankwatch_limits"]``)."""
+
+    backoff: Backoff
+    writes: Bucket
+
+    @classmethod
+    def from_config(cls, config) -> Limits:
+        return cls(backoff=Backoff(), writes=Bucket(config["OPERATOR_WRITES_PER_MIN"]))
 
 
 def ensure_token(config: dict) -> bool:
@@ -33,13 +53,74 @@ def ensure_token(config: dict) -> bool:
     return True
 
 
+# A token shorter than this, or with less entropy (bits, judged from how
+# often each character repeats), is easy to guess: warned about at start.
+MIN_TOKEN_LENGTH = 16
+MIN_TOKEN_BITS = 60
+
+
+def token_weakness(token: str) -> str | None:
+    """Why ``token`` is weak, or None. Never repeats the token itself (it goes to a log)."""
+    if len(token) < MIN_TOKEN_LENGTH:
+        return f"{len(token)} characters, fewer than {MIN_TOKEN_LENGTH}"
+    counts = Counter(token)
+    bits = -sum(n * math.log2(n / len(token)) for n in counts.values())
+    if bits < MIN_TOKEN_BITS:
+        return f"about {bits:.0f} bits of entropy, fewer than {MIN_TOKEN_BITS}: too few distinct characters"
+    return None
+
+
 def check_token(token: str | None) -> bool:
+    """Whether ``token`` is the operator token; 429 while this client must back off.
+
+    Every check goes through here (``/api/session`` and every Bearer
+    header), so wrong guesses from one address slow down exponentially
+    (``app.ratelimit.Backoff``) and a right one clears its record.
+    """
+    backoff = current_app.extensions["rankwatch_limits"].backoff
+    key = request.remote_addr or "?"
+    wait = backoff.wait_s(key)
+    if wait > 0:
+        raise ApiError(
+            429,
+            f"too many wrong operator tokens from {key}: try again in {max(1, round(wait))} s",
+            headers=retry_after(wait),
+        )
     expected = current_app.config["TOKEN"]
-    return bool(token) and hmac.compare_digest(token.encode(), expected.encode())
+    ok = bool(token) and hmac.compare_digest(token.encode(), expected.encode())
+    if ok:
+        backoff.succeeded(key)
+    else:
+        backoff.failed(key)
+    return ok
 
 
-def require_operator() -> None:
-    """Refuse (403 or 401) unless this request is same-site and carries the token."""
+def over_write_budget() -> float:
+    """Spend one of this client's operator writes (``OPERATOR_WRITES_PER_MIN``).
+
+    0 if it had one left, else the seconds until it will.
+    """
+    return current_app.extensions["rankwatch_limits"].writes.take(request.remote_addr or "?")
+
+
+def count_write() -> None:
+    """``over_write_budget``, with a 429 when none is left."""
+    key = request.remote_addr or "?"
+    wait = over_write_budget()
+    if wait > 0:
+        raise ApiError(
+            429,
+            f"too many changes from {key} in a short time: try again in {max(1, round(wait))} s",
+            headers=retry_after(wait),
+        )
+
+
+def require_operator(count: bool = True) -> None:
+    """Refuse (403 or 401) unless this request is same-site and carries the token.
+
+    ``count``: spend one of the client's writes, 429 when none is left. The
+    stop request does its own accounting: a stop is never refused for it.
+    """
     site = request.headers.get("Sec-Fetch-Site")
     if site not in (None, "same-origin", "none"):
         raise ApiError(403, f"cross-site request refused (Sec-Fetch-Site: {site})")
@@ -48,10 +129,29 @@ def require_operator() -> None:
         raise ApiError(403, f"cross-origin request refused (Origin: {origin})")
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
-        raise ApiError(401, "operator token required: send 'Authorization: Bearer <token>' "
-                            "(the token is RANKWATCH_TOKEN, or the one printed at start)")
+        raise ApiError(
+            401,
+            "operator token required: send 'Authorization: Bearer <token>' "
+            "(RANKWATCH_TOKEN, or open the login link the dashboard printed; python -m app.login prints a new one)",
+        )
     if not check_token(token.strip()):
         raise ApiError(401, "wrong operator token")
+    if count:
+        count_write()
+
+
+class BoundedJSONProvider(DefaultJSONProvider):
+    """Flask's JSON, except that absurd nesting is invalid JSON (a 400), not a RecursionError (a 500).
+
+    ``[`` x 1000 in a body overflowed the decoder's recursion limit, which
+    Flask does not treat as a decoding error.
+    """
+
+    def loads(self, s, **kwargs):
+        try:
+            return super().loads(s, **kwargs)
+        except RecursionError:
+            raise ValueError("nested too deeply") from None
 
 
 def json_body(fields: dict[str, tuple[type, bool]]) -> dict[str, Any]:
@@ -62,16 +162,17 @@ def json_body(fields: dict[str, tuple[type, bool]]) -> dict[str, Any]:
     """
     if not request.is_json:
         raise ApiError(415, "send a JSON body with 'Content-Type: application/json'")
-    body = request.get_json(silent=True)
-    if body is None and request.get_data():
-        raise ApiError(400, "the body is not valid JSON")
+    data = request.get_data()
+    try:
+        body = current_app.json.loads(data) if data else None
+    except ValueError as e:  # UnicodeDecodeError is one too
+        raise ApiError(400, f"the body is not valid JSON: {str(e)[:200]}") from None
     body = {} if body is None else body
     if not isinstance(body, dict):
         raise ApiError(400, f"the body must be a JSON object, not {type(body).__name__}")
     unknown = sorted(set(body) - set(fields))
     if unknown:
-        raise ApiError(400, f"unknown field(s): {', '.join(unknown)}; "
-                            f"expected {', '.join(fields) or 'none'}")
+        raise ApiError(400, f"unknown field(s): {', '.join(unknown)}; expected {', '.join(fields) or 'none'}")
     out = {}
     for name, (kind, required) in fields.items():
         if name not in body or body[name] is None:

@@ -6,6 +6,7 @@ environment variable ``RANKWATCH_<NAME>`` and can be overridden by a
 ``--<name>`` flag or by the dict passed to ``create_app``. The type of a
 setting is the type of its default.
 """
+
 from __future__ import annotations
 
 import os
@@ -13,8 +14,16 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 ENV_PREFIX = "RANKWATCH_"
-BOOLEANS = {"1": True, "true": True, "yes": True, "on": True,
-            "0": False, "false": False, "no": False, "off": False}
+BOOLEANS = {
+    "1": True,
+    "true": True,
+    "yes": True,
+    "on": True,
+    "0": False,
+    "false": False,
+    "no": False,
+    "off": False,
+}
 
 
 class Setting(NamedTuple):
@@ -39,118 +48,311 @@ class Setting(NamedTuple):
         kind = type(self.default)
         if kind is bool and isinstance(value, str):
             if value.strip().lower() not in BOOLEANS:
-                raise ValueError(f"setting {self.name} ({self.env}) must be one of "
-                                 f"{', '.join(BOOLEANS)}, not {value!r}")
+                raise ValueError(
+                    f"setting {self.name} ({self.env}) must be one of {', '.join(BOOLEANS)}, not {value!r}"
+                )
             return BOOLEANS[value.strip().lower()]
         try:
             typed = kind(value)
         except (TypeError, ValueError):
-            raise ValueError(f"setting {self.name} ({self.env}) must be {kind.__name__}, "
-                             f"not {value!r}") from None
+            raise ValueError(
+                f"setting {self.name} ({self.env}) must be {kind.__name__}, not {value!r}"
+            ) from None
         if kind in (int, float) and self.name != "PORT" and typed <= 0:
             raise ValueError(f"setting {self.name} ({self.env}) must be positive, not {typed}")
         return typed
 
 
 SETTINGS: list[Setting] = [
-    Setting("RUN_DIR", "",
-            "The run directory the job writes (the trainers' `run_dir`). The dashboard "
-            "reads only `RUN/rankwatch/`; it keeps watching a directory that does not "
-            "exist yet and says so on the page."),
-    Setting("HOST", "127.0.0.1",
-            "Interface to listen on. Loopback by default so that the console is private "
-            "to the machine unless you choose otherwise."),
+    Setting(
+        "RUN_DIR",
+        "",
+        "The run directory the job writes (the trainers' `run_dir`). The dashboard "
+        "reads `RUN/rankwatch/` (and msrun's worker logs, see LOG_DIR); it keeps watching "
+        "a directory that does not exist yet and says so on the page.",
+    ),
+    Setting(
+        "LOG_DIR",
+        "",
+        "Where msrun writes the worker logs (its `--log_dir`), read to show ranks whose script "
+        "runs without the bridge (`worker_N.log`, `scheduler.log`). Empty means `RUN/msrun_logs`; "
+        "a relative path is taken from the run directory. Only new bytes are read each tick.",
+    ),
+    Setting(
+        "HOST",
+        "127.0.0.1",
+        "Interface to listen on. Loopback by default so that the console is private "
+        "to the machine unless you choose otherwise.",
+    ),
     Setting("PORT", 5000, "Port to listen on; 0 picks a free one."),
-    Setting("TICK_S", 0.5,
-            "Seconds between two scans of the run directory. Each tick stats every "
-            "heartbeat file, reads only the changed ones and pushes at most one delta, so "
-            "2 Hz keeps a 1 Hz heartbeat on screen within about a second at little cost."),
-    Setting("STRAGGLER_RATIO", 1.5,
-            "A rank is a straggler when its median step time is at least this many times "
-            "the median of its peers (score = peer median / own, at most "
-            "1 / this ratio). 1.5 flags a rank that costs the job a third of its speed while "
-            "ignoring ordinary jitter."),
-    Setting("STRAGGLER_MIN_GAP_MS", 5.0,
-            "...and at least this many milliseconds slower than that median. Tiny models on "
-            "CPU step in a few milliseconds, where scheduler jitter alone reaches 1.5x; a gap "
-            "below this is noise, not a slow device."),
-    Setting("STRAGGLER_WINDOW", 32,
-            "How many recent step times make a rank's own median. Long enough that one "
-            "slow step (a checkpoint, a garbage collection) does not flag a rank, short "
-            "enough that a rank that stays slow is flagged within seconds."),
-    Setting("STRAGGLER_MIN_STEPS", 16,
-            "A rank is not compared until its window holds this many step times. The first "
-            "steps carry graph compilation, data pipeline warm-up and the other ranks' start-up "
-            "competing for the cores; a median of three of them flagged healthy ranks in tests."),
-    Setting("STALL_MIN_S", 5.0,
-            "A training rank is stalled when it has not finished a step for "
-            "max(STALL_MIN_S, STALL_FACTOR x its median step time). Five seconds is five "
-            "missed heartbeats: longer than a hiccup, shorter than an operator's patience."),
-    Setting("STALL_FACTOR", 5.0,
-            "See STALL_MIN_S: slow models (steps of seconds) get a limit that scales with "
-            "their own pace instead of a fixed one."),
-    Setting("DEAD_AFTER_S", 30.0,
-            "A rank whose newest heartbeat is older than this is dead (heartbeats lost). "
-            "Thirty missed 1 Hz heartbeats rides out a busy host or a shared file system's "
-            "attribute cache; a rank on this host is found dead sooner by its process check."),
-    Setting("PROCESS_CHECK_AFTER_S", 3.0,
-            "When a rank on this host has not written a heartbeat for this long, the "
-            "dashboard asks psutil whether its process still exists (and is the same process: "
-            "create time before the bridge started). A fresh heartbeat already proves life, "
-            "so only late ranks cost a probe."),
-    Setting("HISTORY_POINTS", 300,
-            "Chart history kept per rank, on the server and in the browser, in time buckets "
-            "of CHART_BUCKET_S: 300 one-second buckets are five minutes, and bound memory at "
-            "1024 ranks."),
-    Setting("CHART_BUCKET_S", 1.0,
-            "Time resolution of the charts in seconds; the heartbeat rate, so one bucket "
-            "holds about one heartbeat per rank."),
-    Setting("CHART_REFRESH_S", 1.0,
-            "The browser redraws the charts at most this often, however many deltas arrive, "
-            "so a 1024-rank heat map does not starve the table."),
-    Setting("CHART_LINES_MAX_RANKS", 16,
-            "Up to this many ranks the step-time and loss charts draw one line per rank; "
-            "above it they draw the median and the slowest rank, and a heat map of ranks x "
-            "time shows the rest."),
-    Setting("TOKEN", "",
-            "The operator token that stop, cancel, re-arm and delete require (as "
-            "`Authorization: Bearer <token>`, or typed once into the page). When unset, one is "
-            "generated at start and printed once, as Jupyter does. Prefer the environment "
-            "variable to the flag: command lines are visible to every user of the host."),
-    Setting("AUDIT_DB", "",
-            "The audit trail's SQLite file. Empty means `RUN/rankwatch/audit.sqlite3`, so the "
-            "trail stays with the run it describes and survives a dashboard restart."),
-    Setting("STOP_DEADLINE_S", 900.0,
-            "A rank that stays in one stop stage (requested, seen, agreed, saving, saved) longer "
-            "than this is flagged late. 900 s is MindCluster's default for a graceful exit."),
-    Setting("AUTO_REARM", True,
-            "After every rank has exited for a stop, return the flag to `{\"GracefulExit\": 0}` "
-            "so that relaunching the same command trains instead of stopping at once "
-            "(the stale-flag trap of llnl/scr#13). The bridge's request-id check is the second guard."),
-    Setting("MAX_BODY_BYTES", 65536,
-            "Largest request body accepted; larger ones get a 413. The API's bodies are a few "
-            "short strings."),
-    Setting("CHECKPOINT_SCAN_S", 2.0,
-            "The checkpoint browser re-walks the run directory at most this often. A walk "
-            "stats every file under it (only new or changed checkpoints are opened), which "
-            "costs more than the heartbeat scan; a save takes seconds, so 2 s still shows a "
-            "new set while the operator watches, and keeps a large shared file system quiet."),
-    Setting("PAGE_SIZE", 100,
-            "Table rows per page. Larger jobs are paged so that the browser redraws at most "
-            "this many rows per update."),
+    Setting(
+        "ALLOWED_HOSTS",
+        "",
+        "Host names, besides `localhost`, `127.0.0.1`, `::1` and the bound address (all of this "
+        "machine's names and addresses when bound to 0.0.0.0), that requests may carry in their "
+        "`Host` header; comma-separated, `*.example.com` for subdomains, `*` for any. Others get a "
+        "400: this is what stops a web page that rebinds its own name to 127.0.0.1 (DNS rebinding) "
+        "from reading the dashboard. Behind a reverse proxy, add the name users type.",
+    ),
+    Setting(
+        "SERVER_THREADS",
+        64,
+        "Requests the server works on at once (gunicorn's threaded worker, one process). "
+        "Each open page holds one for its WebSocket; API calls and page loads take one "
+        "for a few milliseconds. Slow or idle connections hold none (HEADER_TIMEOUT_S).",
+    ),
+    Setting(
+        "HEADER_TIMEOUT_S",
+        10.0,
+        "A connection must send a complete request head (request line and headers) "
+        "within this many seconds, or it is closed. Heads are read without a thread, so "
+        "hundreds of slow or idle connections (slowloris) cannot starve the page; a browser "
+        "sends its head at once.",
+    ),
+    Setting(
+        "READ_TIMEOUT_S",
+        60.0,
+        "Once a request's head is in, a read of its body or a write of its answer that "
+        "waits longer than this fails and frees the thread; an open page's WebSocket hears "
+        "Engine.IO's ping every 25 s, so this must be longer than that.",
+    ),
+    Setting(
+        "TICK_S",
+        0.5,
+        "Seconds between two scans of the run directory. Each tick stats every "
+        "heartbeat file, reads only the changed ones and pushes at most one delta, so "
+        "2 Hz keeps a 1 Hz heartbeat on screen within about a second at little cost.",
+    ),
+    Setting(
+        "STRAGGLER_RATIO",
+        1.5,
+        "A rank is a straggler when its median step time is at least this many times "
+        "the median of its peers (score = peer median / own, at most "
+        "1 / this ratio). 1.5 flags a rank that costs the job a third of its speed while "
+        "ignoring ordinary jitter.",
+    ),
+    Setting(
+        "STRAGGLER_MIN_GAP_MS",
+        5.0,
+        "...and at least this many milliseconds slower than that median. Tiny models on "
+        "CPU step in a few milliseconds, where scheduler jitter alone reaches 1.5x; a gap "
+        "below this is noise, not a slow device.",
+    ),
+    Setting(
+        "STRAGGLER_WINDOW",
+        32,
+        "How many recent step times make a rank's own median. Long enough that one "
+        "slow step (a checkpoint, a garbage collection) does not flag a rank, short "
+        "enough that a rank that stays slow is flagged within seconds.",
+    ),
+    Setting(
+        "STRAGGLER_MIN_STEPS",
+        16,
+        "A rank is not compared until its window holds this many step times. The first "
+        "steps carry graph compilation, data pipeline warm-up and the other ranks' start-up "
+        "competing for the cores; a median of three of them flagged healthy ranks in tests.",
+    ),
+    Setting(
+        "STALL_MIN_S",
+        5.0,
+        "A training rank is stalled when it has not finished a step for "
+        "max(STALL_MIN_S, STALL_FACTOR x its median step time). Five seconds is five "
+        "missed heartbeats: longer than a hiccup, shorter than an operator's patience.",
+    ),
+    Setting(
+        "STALL_FACTOR",
+        5.0,
+        "See STALL_MIN_S: slow models (steps of seconds) get a limit that scales with "
+        "their own pace instead of a fixed one.",
+    ),
+    Setting(
+        "DEAD_AFTER_S",
+        30.0,
+        "A rank whose newest heartbeat is older than this is dead (heartbeats lost). "
+        "Thirty missed 1 Hz heartbeats rides out a busy host or a shared file system's "
+        "attribute cache; a rank on this host is found dead sooner by its process check.",
+    ),
+    Setting(
+        "PROCESS_CHECK_AFTER_S",
+        3.0,
+        "When a rank on this host has not written a heartbeat for this long, the "
+        "dashboard asks psutil whether its process still exists (and is the same process: "
+        "create time before the bridge started). A fresh heartbeat already proves life, "
+        "so only late ranks cost a probe.",
+    ),
+    Setting(
+        "HISTORY_POINTS",
+        300,
+        "Chart history kept per rank, on the server and in the browser, in time buckets "
+        "of CHART_BUCKET_S: 300 one-second buckets are five minutes, and bound memory at "
+        "1024 ranks.",
+    ),
+    Setting(
+        "CHART_BUCKET_S",
+        1.0,
+        "Time resolution of the charts in seconds; the heartbeat rate, so one bucket "
+        "holds about one heartbeat per rank.",
+    ),
+    Setting(
+        "CHART_REFRESH_S",
+        1.0,
+        "The browser redraws the charts at most this often, however many deltas arrive, "
+        "so a 1024-rank heat map does not starve the table.",
+    ),
+    Setting(
+        "CHART_LINES_MAX_RANKS",
+        16,
+        "Up to this many ranks the step-time and loss charts draw one line per rank; "
+        "above it they draw the median and the slowest rank, and a heat map of ranks x "
+        "time shows the rest.",
+    ),
+    Setting(
+        "TOKEN",
+        "",
+        "The operator token that stop, cancel, re-arm and delete require (as "
+        "`Authorization: Bearer <token>`, or typed once into the page). When unset, one is "
+        "generated at start. It is never printed: the dashboard prints a single-use login link "
+        "instead (`python -m app.login` mints another). Prefer the environment variable to the "
+        "flag: command lines are visible to every user of the host. A token shorter than 16 "
+        "characters, or with little entropy, is warned about at start.",
+    ),
+    Setting(
+        "AUDIT_DB",
+        "",
+        "The audit trail's SQLite file. Empty means `RUN/rankwatch/audit.sqlite3`, so the "
+        "trail stays with the run it describes and survives a dashboard restart.",
+    ),
+    Setting(
+        "STOP_DEADLINE_S",
+        900.0,
+        "A rank that stays in one stop stage (requested, seen, agreed, saving, saved) longer "
+        "than this is flagged late. 900 s is MindCluster's default for a graceful exit.",
+    ),
+    Setting(
+        "AUTO_REARM",
+        True,
+        'After every rank has exited for a stop, return the flag to `{"GracefulExit": 0}` '
+        "so that relaunching the same command trains instead of stopping at once "
+        "(the stale-flag trap of llnl/scr#13). The bridge's request-id check is the second guard.",
+    ),
+    Setting(
+        "MAX_BODY_BYTES",
+        65536,
+        "Largest request body accepted; larger ones get a 413. The API's bodies are a few short strings.",
+    ),
+    Setting(
+        "OPERATOR_WRITES_PER_MIN",
+        30,
+        "Changes (stop, cancel, re-arm, delete, verify) one client address may make per minute, "
+        "in a burst or spread out; more get a 429 with Retry-After, except a stop request, which "
+        "always goes through (past the budget a press that joins a pending stop is not audited). "
+        "A person clicks a few; this stops a script with the token from filling the audit trail "
+        "without bound.",
+    ),
+    Setting(
+        "CHECKPOINT_SCAN_S",
+        2.0,
+        "The checkpoint browser re-walks the run directory at most this often. A walk "
+        "stats every file under it (only new or changed checkpoints are opened), which "
+        "costs more than the heartbeat scan; a save takes seconds, so 2 s still shows a "
+        "new set while the operator watches, and keeps a large shared file system quiet.",
+    ),
+    Setting(
+        "PAGE_SIZE",
+        100,
+        "Table rows per page. Larger jobs are paged so that the browser redraws at most "
+        "this many rows per update.",
+    ),
+    Setting(
+        "WEBHOOK_URL",
+        "",
+        "Where alerts go: one URL, or several separated by commas, each receiving a JSON POST "
+        '(`event`, `text`, `job`, `at`; see "When a job hangs"). Empty: no alerts. The page and '
+        "the delivery log show only each URL's host, since incoming-webhook URLs carry their secret "
+        "in the path.",
+    ),
+    Setting(
+        "WEBHOOK_TIMEOUT_S",
+        5.0,
+        "Seconds one delivery attempt may take. Deliveries run on a thread per URL, so a slow "
+        "receiver delays only its own alerts, never the watcher.",
+    ),
+    Setting(
+        "WEBHOOK_RETRY_MAX_S",
+        30.0,
+        "A failed delivery is retried after 1, 2, 4, 8, 16 s, then at most this far apart: a "
+        "receiver back after a restart gets its alerts within seconds, a long outage costs two "
+        "attempts a minute.",
+    ),
+    Setting(
+        "WEBHOOK_GIVE_UP_S",
+        900.0,
+        "An alert not delivered this long after it was raised is given up (and the delivery log "
+        "says so): a stall alert an hour late misleads more than it helps.",
+    ),
+    Setting(
+        "ALERT_GROUP_S",
+        2.0,
+        "Verdict changes are held this long and sent together. A job-wide hang turns ranks "
+        "stalled over a second or two, not in one tick; two seconds gathers them into one "
+        "alert for a small delay.",
+    ),
+    Setting(
+        "ALERT_SUMMARY_OVER",
+        5,
+        "Up to this many verdict changes in one group are sent one alert each; more become one "
+        'summary alert ("1024 ranks changed verdict: 1024 stalled (ranks 0-1023)").',
+    ),
+    Setting(
+        "ALERT_RATE_PER_MIN",
+        20,
+        "At most this many verdict alerts a minute; past it, changes wait and go out as one summary. "
+        "Stop and policy alerts are never held back.",
+    ),
+    Setting(
+        "POLICY_MODE",
+        "off",
+        "The automatic stop policy: `off` (default), `dry_run` (log, audit and alert what it would do, "
+        "stop nothing) or `on` (stop gracefully, as the button does, with who = `policy`).",
+    ),
+    Setting(
+        "POLICY_RULES",
+        "device_unhealthy:60",
+        "The policy's rules as `kind:seconds`, comma-separated; kinds `device_unhealthy` (npu-smi "
+        "health not OK), `straggler`, `stalled`, `node_lost`. A rule fires when one rank (or host) "
+        "has been in that state for that long, at most once per job run. Checked at start whatever the "
+        "mode (a typo fails at once); acted on only when POLICY_MODE is not `off`.",
+    ),
+    Setting(
+        "REDIS_URL",
+        "",
+        "Opt-in, for jobs of thousands of ranks: a Redis URL (`redis://host:6379/0`) set on the "
+        "trainers and the dashboard alike. Ranks then publish heartbeats to it and the dashboard "
+        "reads only the new ones instead of stat'ing every heartbeat file; several dashboard "
+        "processes share it as Flask-SocketIO's message queue. The flag and checkpoints stay in "
+        "the run directory. Needs `pip install 'rankwatch[redis]'`.",
+    ),
+    Setting(
+        "REDIS_JOB",
+        "",
+        "The job's name in Redis. Empty: a digest of the run directory's real path, which is "
+        "right when every node mounts it at the same path; set the same name on every node and "
+        "the dashboard otherwise.",
+    ),
 ]
 
 SETTINGS_BY_NAME = {s.name: s for s in SETTINGS}
+# Engine.IO's default ping interval (Flask-SocketIO passes it through): a live
+# WebSocket hears from its page at least this often (see READ_TIMEOUT_S).
+PING_INTERVAL_S = 25
 
 
 def from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Every setting's value: from ``RANKWATCH_<NAME>`` if set, else its default."""
     environ = os.environ if environ is None else environ
-    return {s.name: s.coerce(environ[s.env]) if s.env in environ else s.default
-            for s in SETTINGS}
+    return {s.name: s.coerce(environ[s.env]) if s.env in environ else s.default for s in SETTINGS}
 
 
 def coerce_all(config: Mapping[str, Any]) -> dict[str, Any]:
     """Coerce the known settings in ``config``; other keys (Flask's own) pass through."""
-    return {k: SETTINGS_BY_NAME[k].coerce(v) if k in SETTINGS_BY_NAME else v
-            for k, v in config.items()}
+    return {k: SETTINGS_BY_NAME[k].coerce(v) if k in SETTINGS_BY_NAME else v for k, v in config.items()}

@@ -5,6 +5,7 @@ errors); a single handler answers ``{"error": str, "status": int}`` under
 ``/api/`` and an HTML page elsewhere. Anything else that escapes a view is a
 bug: it is logged with its traceback and answered as a 500 in the same shape.
 """
+
 from __future__ import annotations
 
 from flask import Flask, current_app, jsonify, render_template, request
@@ -14,22 +15,23 @@ from werkzeug.exceptions import HTTPException
 class ApiError(Exception):
     """A request the dashboard refuses, with the HTTP status to answer."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
+        self.headers = headers or {}
 
 
-def error_response(status: int, message: str):
+def error_response(status: int, message: str, headers: dict[str, str] | None = None):
     """The one error shape, as JSON for ``/api/`` and as a page for browsers."""
     if request.path.startswith("/api/"):
-        return jsonify({"error": message, "status": status}), status
-    return render_template("error.html", status=status, message=message), status
+        return jsonify({"error": message, "status": status}), status, headers or {}
+    return render_template("error.html", status=status, message=message), status, headers or {}
 
 
 def handle_exception(exc: Exception):
     if isinstance(exc, ApiError):
-        return error_response(exc.status, exc.message)
+        return error_response(exc.status, exc.message, exc.headers)
     if isinstance(exc, HTTPException):
         return error_response(exc.code or 500, exc.description or exc.name)
     current_app.logger.exception("unhandled error on %s %s", request.method, request.path)

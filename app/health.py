@@ -29,6 +29,21 @@ The verdicts, in the order the rules are tried:
   ``straggler_min_steps`` step times (start-up steps are noise).
 * **healthy** - none of the above.
 
+A rank read from msrun's worker log (``from_log``; see ``app.logmode``) has
+no heartbeat thread: its log grows only when the script prints. So the
+heartbeat-silence rules do not apply to it; it is stalled when its log shows
+no step for max(``stall_min_s``, ``stall_factor`` x the median time between
+its step lines), and dead only when its process is known to be gone (a probe
+on this host, or msrun's own words, which ``app.state`` hands in as
+``process_gone``); it is never ``node_lost``, for the same reason.
+
+``app.judging`` adds two after these rules: **node_lost**, for every rank of
+a host that went silent as one while other hosts still report (a machine or
+network failure, named within ``stall_min_s`` instead of ``dead_after_s``),
+and **corrupt**, for a rank whose heartbeat file does not validate against
+``trainer_bridge.schema`` (the reason names the field, and the row keeps the
+last valid heartbeat's figures).
+
 Why work and not the wall step time: in synchronous data parallelism every
 rank's wall step time is the same, because the fast ranks wait inside the
 gradient AllReduce for the slow one. What differs is where the time goes.
@@ -43,6 +58,7 @@ peer median as the reference instead of the fastest rank (one unusually fast
 rank should not make everyone look slow): ``min(1, peer median / own)``, so
 1.0 is "as fast as its peers" and 0.5 "twice as slow".
 """
+
 from __future__ import annotations
 
 import math
@@ -52,7 +68,18 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-VERDICTS = ("healthy", "straggler", "stalled", "dead", "exited", "finished", "failed", "pending")
+VERDICTS = (
+    "healthy",
+    "straggler",
+    "stalled",
+    "dead",
+    "node_lost",
+    "exited",
+    "finished",
+    "failed",
+    "pending",
+    "corrupt",
+)
 
 # One line per verdict, for the page's legend and the README.
 VERDICT_HELP = {
@@ -64,6 +91,23 @@ VERDICT_HELP = {
     "finished": "completed its training",
     "failed": "the process ended with an error",
     "pending": "has not written a heartbeat yet",
+    "corrupt": "its heartbeat file is invalid (too large, not JSON, or a field out of bounds)",
+    "node_lost": "every rank of its host went silent together while other hosts report: a machine or network failure",
+}
+
+# A shape per verdict, so that colour is never the only cue (the page's
+# static/js/format.js GLYPH holds the same; tests/test_cli.py checks they agree).
+VERDICT_GLYPH = {
+    "healthy": "✓",
+    "straggler": "▲",
+    "stalled": "‖",
+    "dead": "✕",
+    "exited": "■",
+    "finished": "★",
+    "failed": "!",
+    "pending": "…",
+    "node_lost": "⨯",
+    "corrupt": "?",
 }
 
 # States that end a rank's life; their verdict is the state itself.
@@ -75,6 +119,7 @@ STEPPING_STATES = ("training", "stopping")
 @dataclass(frozen=True)
 class Thresholds:
     """The health settings (see ``app.config.SETTINGS`` for each one's reason)."""
+
     straggler_ratio: float = 1.5
     straggler_min_gap_ms: float = 5.0
     straggler_window: int = 32
@@ -85,8 +130,7 @@ class Thresholds:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> Thresholds:
-        return cls(**{f: config[f.upper()] for f in cls.__dataclass_fields__
-                      if f.upper() in config})
+        return cls(**{f: config[f.upper()] for f in cls.__dataclass_fields__ if f.upper() in config})
 
 
 @dataclass(frozen=True)
@@ -146,6 +190,7 @@ class StepWindow:
     newest ``size`` steps; ``split_ms`` is their medians, or None when the
     newest heartbeat with steps lacks either figure.
     """
+
     __slots__ = ("_times", "_seq", "median_ms", "_size", "_split", "split_ms")
 
     @property
@@ -162,13 +207,18 @@ class StepWindow:
         self._split: deque[tuple[int, float, float]] = deque()
         self.split_ms: tuple[float, float] | None = None
 
-    def add(self, hb: Mapping[str, Any]) -> None:
+    def add(self, hb: Mapping[str, Any], trusted: bool = False) -> None:
+        """Take in one heartbeat. ``trusted``: validated by ``trainer_bridge.schema``
+        (finite, non-negative step times), so they need no check, which matters
+        at thousands of heartbeats a second."""
         seq = hb.get("seq")
         if seq is not None and seq == self._seq:
             return
         self._seq = seq
         times = hb.get("step_times_ms")
-        if isinstance(times, list) and times:
+        if trusted and times:
+            fresh = times
+        elif isinstance(times, list) and times:
             fresh = [t for t in map(number, times) if t is not None and t >= 0]
         else:
             last = number(hb.get("step_time_ms"))
@@ -190,8 +240,10 @@ class StepWindow:
         covered = sum(n for n, _, _ in self._split)
         while len(self._split) > 1 and covered - self._split[0][0] >= self._size:
             covered -= self._split.popleft()[0]
-        self.split_ms = (median(sorted(i for _, i, _ in self._split)),
-                         median(sorted(o for _, _, o in self._split)))
+        self.split_ms = (
+            median(sorted(i for _, i, _ in self._split)),
+            median(sorted(o for _, _, o in self._split)),
+        )
 
 
 def score(own_ms: float | None, peer_ms: float | None) -> float | None:
@@ -207,10 +259,11 @@ def _ms(value: float) -> str:
     return f"{value:.3g} ms" if value < 100 else f"{value:.0f} ms"
 
 
-def compare_costs(latest: Mapping[int, Mapping[str, Any] | None],
-                  own_ms: Mapping[int, float | None],
-                  split: Mapping[int, tuple[float, float] | None] | None = None,
-                  ) -> tuple[str, dict[int, float | None], float | None]:
+def compare_costs(
+    latest: Mapping[int, Mapping[str, Any] | None],
+    own_ms: Mapping[int, float | None],
+    split: Mapping[int, tuple[float, float] | None] | None = None,
+) -> tuple[str, dict[int, float | None], float | None]:
     """What straggler detection compares: ``(basis, cost per rank, fastest in-step ms)``.
 
     ``basis`` is ``"work"`` when every stepping rank has ``split`` figures
@@ -228,11 +281,30 @@ def compare_costs(latest: Mapping[int, Mapping[str, Any] | None],
     return "step", {r: own_ms.get(r) for r in latest}, None
 
 
-def judge(hb: Mapping[str, Any] | None, now: float, th: Thresholds, *,
-          own_ms: float | None = None, peer_ms: float | None = None,
-          process_gone: str | None = None, wall_ms: float | None = None,
-          work: tuple[float, float] | None = None, process_stopped: str | None = None,
-          process_alive: bool = False, warming: bool = False) -> Verdict:
+def where(hb: Mapping[str, Any]) -> str:
+    """Where a rank was, for a reason: its global step, or its epoch and step when only those are known."""
+    gstep = hb.get("global_step")
+    if gstep is not None:
+        return f"global step {gstep}"
+    return f"epoch {hb.get('epoch')} step {hb.get('step')}"
+
+
+def judge(
+    hb: Mapping[str, Any] | None,
+    now: float,
+    th: Thresholds,
+    *,
+    own_ms: float | None = None,
+    peer_ms: float | None = None,
+    process_gone: str | None = None,
+    wall_ms: float | None = None,
+    work: tuple[float, float] | None = None,
+    process_stopped: str | None = None,
+    process_alive: bool = False,
+    warming: bool = False,
+    from_log: bool = False,
+    log_pace_ms: float | None = None,
+) -> Verdict:
     """One rank's verdict at time ``now``.
 
     ``own_ms`` is the rank's cost per step, ``peer_ms`` the median of its
@@ -246,46 +318,60 @@ def judge(hb: Mapping[str, Any] | None, now: float, th: Thresholds, *,
     ``process_stopped`` is a sentence saying that the probe found the process
     stopped (SIGSTOP, a debugger); ``process_alive`` that it found it running.
     ``warming``: the rank has peers but too few steps yet to be compared.
+    ``from_log``: ``hb`` was read from the rank's worker log, whose step lines
+    come every ``log_pace_ms`` (median; None: not known yet).
     """
     if not hb:
         return Verdict("pending", "has not written a heartbeat yet")
     state = hb.get("state")
-    gstep = hb.get("global_step")
+    at = where(hb)
     rel = score(own_ms, peer_ms)
     if state == "failed":
         error = hb.get("error")
         return Verdict("failed", f"failed: {error}" if error else "failed without an error message")
     if state == "finished":
-        return Verdict("finished", f"finished training at global step {gstep}", rel)
+        return Verdict("finished", f"finished training at {at}", rel)
     if state == "exited":
         stop = hb.get("stop") if isinstance(hb.get("stop"), dict) else {}
         ckpt = stop.get("checkpoint") if isinstance(stop.get("checkpoint"), dict) else {}
         saved = f", checkpoint {ckpt['path']}" if ckpt.get("path") else ""
-        return Verdict("exited", f"stopped gracefully at global step {gstep}{saved}", rel)
+        return Verdict("exited", f"stopped gracefully at {at}{saved}", rel)
 
     if process_gone:
         return Verdict("dead", process_gone, cause="gone")
     written = number(hb.get("time"))
     age = now - written if written is not None else math.inf
     if process_stopped:
-        return Verdict("stalled", f"{process_stopped} (last: global step {gstep})", rel,
-                       cause="stopped")
+        return Verdict("stalled", f"{process_stopped} (last: {at})", rel, cause="stopped")
     # Heartbeats come about once a second whatever the step time, so
     # STALL_MIN_S without one means the writer is stuck, not a slow step.
-    silent = age > th.stall_min_s
-    why_silent = (f"; its process {hb.get('pid')} still runs, so it is stuck, or training but "
-                  "unable to write its heartbeat (disk full? read-only run directory?)"
-                  if process_alive else ": the process is gone, stuck or stopped, or cannot write "
-                  "to the run directory (disk full? read-only?)")
-    if age > th.dead_after_s:
-        return Verdict("dead", f"no heartbeat for over {th.dead_after_s:g} s "
-                               f"(last from {hb.get('host')} pid {hb.get('pid')}){why_silent}",
-                       cause="silent")
+    # A worker log has no such beat: its silence is judged by the step rule.
+    silent = not from_log and age > th.stall_min_s
+    why_silent = (
+        f"; its process {hb.get('pid')} still runs, so it is stuck, or training but "
+        "unable to write its heartbeat (disk full? read-only run directory?)"
+        if process_alive
+        else ": the process is gone, stuck or stopped, or cannot write "
+        "to the run directory (disk full? read-only?)"
+    )
+    if not from_log and age > th.dead_after_s:
+        return Verdict(
+            "dead",
+            f"no heartbeat for over {th.dead_after_s:g} s "
+            f"(last from {hb.get('host')} pid {hb.get('pid')}){why_silent}",
+            cause="silent",
+        )
     if silent:
-        return Verdict("stalled", f"no heartbeat for over {th.stall_min_s:g} s "
-                                  f"(last: global step {gstep}){why_silent}", rel, cause="silent")
+        return Verdict(
+            "stalled",
+            f"no heartbeat for over {th.stall_min_s:g} s (last: {at}){why_silent}",
+            rel,
+            cause="silent",
+        )
 
     if state == "starting":
+        if from_log:
+            return Verdict("healthy", "starting: no step in its log yet (compiling?)")
         return Verdict("healthy", "starting: waiting for the first step (compiling)")
     if state == "saving":
         return Verdict("healthy", "saving a checkpoint", rel)
@@ -294,20 +380,46 @@ def judge(hb: Mapping[str, Any] | None, now: float, th: Thresholds, *,
     if last_step is None:
         last_step = number(hb.get("started_at"))
     pace_ms = own_ms if wall_ms is None else wall_ms
+    if from_log and log_pace_ms is not None:
+        pace_ms = max(pace_ms or 0.0, log_pace_ms)  # a log printed every N steps
     limit = max(th.stall_min_s, th.stall_factor * (pace_ms or 0.0) / 1000.0)
     if last_step is not None and now - last_step > limit:
-        return Verdict("stalled", f"no step finished for over {limit:.3g} s "
-                                  f"(last: global step {gstep})", rel, cause="hung")
+        if from_log:
+            alive = (
+                f"; its process {hb.get('pid')} still runs (hung, or a step longer than that)"
+                if process_alive
+                else "; its process cannot be checked from this host (it may be hung or dead)"
+            )
+            return Verdict(
+                "stalled", f"no step in its log for over {limit:.3g} s (last: {at}){alive}", rel, cause="hung"
+            )
+        return Verdict(
+            "stalled",
+            f"no step finished for over {limit:.3g} s (last: {at})",
+            rel,
+            cause="hung",
+        )
 
-    if own_ms is not None and peer_ms is not None and own_ms >= th.straggler_ratio * peer_ms \
-            and own_ms - peer_ms >= th.straggler_min_gap_ms:
+    if (
+        own_ms is not None
+        and peer_ms is not None
+        and own_ms >= th.straggler_ratio * peer_ms
+        and own_ms - peer_ms >= th.straggler_min_gap_ms
+    ):
         if work is not None:
             out_ms, fastest_ms = work
-            return Verdict("straggler", f"own work {_ms(own_ms)} vs peer median {_ms(peer_ms)} "
-                                        f"({own_ms / peer_ms:.2g}x): {_ms(out_ms)} between steps "
-                                        f"+ {_ms(fastest_ms)} fastest in-step time", rel)
-        return Verdict("straggler", f"median step {_ms(own_ms)} is {own_ms / peer_ms:.2g}x "
-                                    f"the peer median {_ms(peer_ms)}", rel)
+            return Verdict(
+                "straggler",
+                f"own work {_ms(own_ms)} vs peer median {_ms(peer_ms)} "
+                f"({own_ms / peer_ms:.2g}x): {_ms(out_ms)} between steps "
+                f"+ {_ms(fastest_ms)} fastest in-step time",
+                rel,
+            )
+        return Verdict(
+            "straggler",
+            f"median step {_ms(own_ms)} is {own_ms / peer_ms:.2g}x the peer median {_ms(peer_ms)}",
+            rel,
+        )
     if state == "stopping":
         return Verdict("healthy", "stopping gracefully", rel)
     if warming:
@@ -317,26 +429,37 @@ def judge(hb: Mapping[str, Any] | None, now: float, th: Thresholds, *,
     # No numbers here: they move with every heartbeat of every rank, and a
     # changed reason is a changed row to push (1024 of them per tick).
     what = "work per step" if work is not None else ""
-    return Verdict("healthy", f"training within {th.straggler_ratio:g}x of the peer median"
-                              f"{' ' + what if what else ''}", rel)
+    return Verdict(
+        "healthy",
+        f"training within {th.straggler_ratio:g}x of the peer median{' ' + what if what else ''}",
+        rel,
+    )
 
 
-def judge_all(latest: Mapping[int, Mapping[str, Any] | None], own_ms: Mapping[int, float | None],
-              now: float, th: Thresholds,
-              process_gone: Mapping[int, str] | None = None,
-              split: Mapping[int, tuple[float, float] | None] | None = None, *,
-              process_stopped: Mapping[int, str] | None = None,
-              process_alive: set[int] | frozenset[int] = frozenset(),
-              steps: Mapping[int, int] | None = None) -> dict[int, Verdict]:
+def judge_all(
+    latest: Mapping[int, Mapping[str, Any] | None],
+    own_ms: Mapping[int, float | None],
+    now: float,
+    th: Thresholds,
+    process_gone: Mapping[int, str] | None = None,
+    split: Mapping[int, tuple[float, float] | None] | None = None,
+    *,
+    process_stopped: Mapping[int, str] | None = None,
+    process_alive: set[int] | frozenset[int] = frozenset(),
+    steps: Mapping[int, int] | None = None,
+    log_pace: Mapping[int, float | None] | None = None,
+) -> dict[int, Verdict]:
     """Every rank's verdict: peers are the other ranks that are stepping.
 
     ``own_ms`` is each rank's median wall step time, ``split`` its
     ``StepWindow.split_ms`` (see ``compare_costs`` for which one is compared).
     ``steps`` is how many step times each rank's window holds: a rank with
     fewer than ``straggler_min_steps`` is neither judged nor a peer yet
-    (None: every rank is).
+    (None: every rank is). The ranks in ``log_pace`` were read from their
+    worker logs, with the median ms between their step lines (or None).
     O(n log n) for the one sort, then O(log n) per rank.
     """
+    log_pace = log_pace or {}
     process_gone = process_gone or {}
     process_stopped = process_stopped or {}
     basis, costs, fastest = compare_costs(latest, own_ms, split)
@@ -359,19 +482,35 @@ def judge_all(latest: Mapping[int, Mapping[str, Any] | None], own_ms: Mapping[in
         else:
             peer = whole
         work = (split[r][1], fastest) if basis == "work" and own is not None else None
-        out[r] = judge(hb, now, th, own_ms=own, peer_ms=peer, process_gone=process_gone.get(r),
-                       wall_ms=own_ms.get(r), work=work, process_stopped=process_stopped.get(r),
-                       process_alive=r in process_alive, warming=r in warming)
+        out[r] = judge(
+            hb,
+            now,
+            th,
+            own_ms=own,
+            peer_ms=peer,
+            process_gone=process_gone.get(r),
+            wall_ms=own_ms.get(r),
+            work=work,
+            process_stopped=process_stopped.get(r),
+            process_alive=r in process_alive,
+            warming=r in warming,
+            from_log=r in log_pace,
+            log_pace_ms=log_pace.get(r),
+        )
     return _with_blockers(latest, out)
 
 
 # How a rank that holds the others up is named in their reasons.
-BLOCKER_WORDS = {"gone": ("is dead", "are dead"), "silent": ("sends no heartbeats", "send no heartbeats"),
-                 "stopped": ("is stopped", "are stopped")}
+BLOCKER_WORDS = {
+    "gone": ("is dead", "are dead"),
+    "silent": ("sends no heartbeats", "send no heartbeats"),
+    "stopped": ("is stopped", "are stopped"),
+}
 
 
-def _with_blockers(latest: Mapping[int, Mapping[str, Any] | None],
-                   verdicts: dict[int, Verdict]) -> dict[int, Verdict]:
+def _with_blockers(
+    latest: Mapping[int, Mapping[str, Any] | None], verdicts: dict[int, Verdict]
+) -> dict[int, Verdict]:
     """Name the ranks a hung rank is likely waiting for.
 
     In synchronous training a rank that dies, stops or hangs leaves its
@@ -385,24 +524,39 @@ def _with_blockers(latest: Mapping[int, Mapping[str, Any] | None],
         hb = latest.get(r) or {}
         if v.cause in BLOCKER_WORDS and hb.get("state") in STEPPING_STATES:
             blockers.setdefault(v.cause, []).append(r)
-    if not blockers:
+    note = blocker_note(blockers)
+    if note is None:
         return verdicts
+    return {r: (with_note(v, note) if v.cause == "hung" else v) for r, v in verdicts.items()}
+
+
+def blocker_note(blockers: Mapping[str, Iterable[int]]) -> str | None:
+    """The sentence a hung rank's reason gets, naming ``{cause: ranks}`` that block it; None if none."""
     parts = []
+    total = 0
     for cause in BLOCKER_WORDS:
         ranks = sorted(blockers.get(cause, ()))
+        total += len(ranks)
         if ranks:
             one, many = BLOCKER_WORDS[cause]
             named = ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
             parts.append(f"rank {named} {one}" if len(ranks) == 1 else f"ranks {named} {many}")
-    them = "it" if sum(map(len, blockers.values())) == 1 else "them"
-    note = f"; {' and '.join(parts)}: this rank is likely blocked in a collective with {them}"
-    return {r: (Verdict(v.health, v.reason + note, v.score, v.cause) if v.cause == "hung" else v)
-            for r, v in verdicts.items()}
+    if not parts:
+        return None
+    them = "it" if total == 1 else "them"
+    return f"; {' and '.join(parts)}: this rank is likely blocked in a collective with {them}"
 
 
-def judge_sequences(heartbeats: Mapping[int, Iterable[Mapping[str, Any]]], now: float,
-                    th: Thresholds, process_gone: Mapping[int, str] | None = None,
-                    ) -> dict[int, Verdict]:
+def with_note(verdict: Verdict, note: str) -> Verdict:
+    return Verdict(verdict.health, verdict.reason + note, verdict.score, verdict.cause)
+
+
+def judge_sequences(
+    heartbeats: Mapping[int, Iterable[Mapping[str, Any]]],
+    now: float,
+    th: Thresholds,
+    process_gone: Mapping[int, str] | None = None,
+) -> dict[int, Verdict]:
     """Verdicts for ranks given each one's heartbeats in the order they were written.
 
     The same fold ``app.state`` does incrementally, in one call: the way the

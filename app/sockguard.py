@@ -13,11 +13,13 @@ the same ``{"error", "status"}`` shape (``app.errors``; this runs outside
 Flask's request context, so it builds the body itself).
 Everything else passes through untouched.
 """
+
 from __future__ import annotations
 
 import io
 import json
 import logging
+import re
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +27,10 @@ log = logging.getLogger(__name__)
 # PONG, MESSAGE, UPGRADE; "b" starts a base64 binary MESSAGE.
 CLIENT_POLLING_TYPES = frozenset("1345b")
 SEPARATOR = "\x1e"  # Engine.IO v4 record separator between packets in one payload
+# A Socket.IO EVENT ("4" MESSAGE + "2" EVENT, an optional namespace and ack id)
+# named like a lifecycle event: python-socketio would run the connect handler
+# again for it (app/main/events.py refuses that too, for WebSocket frames).
+RESERVED_EVENT = re.compile(r'^42(?:/[^,]*,)?\d*\s*\[\s*"(?:connect|disconnect|connect_error)"')
 
 
 class SocketGuard:
@@ -44,6 +50,10 @@ class SocketGuard:
                 return _refuse(start_response, *refused)
         try:
             return self.wsgi_app(environ, start_response)
+        except StopIteration:
+            # How engineio ends a WebSocket under gunicorn (the socket is closed
+            # already): the server must see it, not a 400 written after the close.
+            raise
         except Exception:  # engineio raised instead of answering: a client error, not ours
             log.info("socket.io request refused after an engineio error", exc_info=True)
             return _refuse(start_response, "400 BAD REQUEST", "bad Socket.IO request")
@@ -62,14 +72,15 @@ class SocketGuard:
             text = body.decode("utf-8")
         except UnicodeDecodeError:
             return "400 BAD REQUEST", "Socket.IO payload is not UTF-8"
-        kinds = {packet[:1] for packet in text.split(SEPARATOR) if packet}
-        if not kinds <= CLIENT_POLLING_TYPES:
+        packets = [packet for packet in text.split(SEPARATOR) if packet]
+        if not {packet[:1] for packet in packets} <= CLIENT_POLLING_TYPES:
             return "400 BAD REQUEST", "unexpected Engine.IO packet type"
+        if any(RESERVED_EVENT.match(packet) for packet in packets):
+            return "400 BAD REQUEST", "a client may not send an event named connect or disconnect"
         return None
 
 
 def _refuse(start_response, status: str, message: str):
     body = json.dumps({"error": message, "status": int(status.split()[0])}).encode()
-    start_response(status, [("Content-Type", "application/json"),
-                             ("Content-Length", str(len(body)))])
+    start_response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
     return [body]

@@ -13,25 +13,30 @@ Stages per rank, in order: ``requested`` (flag written, rank has not seen it)
 is flagged late; the ranks at the lowest stage are the ones holding the
 others up.
 """
+
 from __future__ import annotations
 
 import fcntl
 import json
+import logging
+import math
+import os
 import threading
 import time
 from collections.abc import Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from trainer_bridge import runfiles
-
-from app.audit import AuditLog
+from app.audit import OBSERVED, SYSTEM, AuditError, AuditLog
+from app.auth import MAX_TEXT
 from app.errors import ApiError
+from trainer_bridge import runfiles
 
 STAGES = ("requested", "seen", "agreed", "saving", "saved", "exited")
 # Once a rank has agreed, its stop step is fixed everywhere: too late to cancel.
 COMMITTED = frozenset(STAGES[2:])
-SYSTEM = "rankwatch"
+
+log = logging.getLogger(__name__)
 
 
 class StopService:
@@ -45,16 +50,45 @@ class StopService:
     # ------------------------------------------------------------ the flag
     @contextmanager
     def _flag_lock(self):
-        """Serialise read-modify-write of the flag across threads and processes."""
+        """Serialise read-modify-write of the flag across threads and processes.
+
+        The lock file lives in the run directory, which any rank can write: it
+        is opened without following a symlink, and if it cannot be had at all
+        (a directory in its place, a read-only ``rankwatch/``) the stop goes
+        on under the in-process lock alone, because a stop must never wait on
+        the state of a file.
+        """
         with self._lock:
-            lock_path = runfiles.state_dir(self.run_dir) / ".flag.lock"
-            lock_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(lock_path, "a") as f:
-                fcntl.flock(f, fcntl.LOCK_EX)
-                try:
-                    yield
-                finally:
-                    fcntl.flock(f, fcntl.LOCK_UN)
+            fd = None
+            try:
+                lock_path = runfiles.state_dir(self.run_dir) / ".flag.lock"
+                lock_path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as e:
+                if fd is not None:
+                    os.close(fd)
+                    fd = None
+                log.warning("stop: no lock file in the run directory (%s); locking this process only", e)
+            try:
+                yield
+            finally:
+                if fd is not None:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                    os.close(fd)
+
+    def _audit(self, action: str, **fields) -> str | None:
+        """Record an audit row; a trail that cannot be written is reported, never fatal.
+
+        The trail lives in the run directory too: a corrupt or locked database
+        must not stop the stop. Returns the problem, or None when recorded.
+        """
+        try:
+            self.audit.record(action, **fields)
+        except AuditError as e:
+            log.error("stop: %s not audited: %s", action, e)
+            return str(e)
+        return None
 
     def read_flag(self) -> tuple[dict | None, str | None]:
         """(the flag's JSON object or None, an error sentence if it is unreadable)."""
@@ -68,83 +102,163 @@ class StopService:
 
     @staticmethod
     def _active(flag: dict | None) -> dict | None:
-        """The pending request in the flag, or None if the flag does not say stop."""
+        """The pending request in the flag as checked facts, or None if the flag does not say stop.
+
+        Only ``_request_facts`` of the flag is ever used: its other keys are
+        whatever the last writer left, and any rank can be that writer.
+        """
         if flag and runfiles.flag_from_obj(flag).exit:
-            return flag
+            return _request_facts(flag)
         return None
 
     # ------------------------------------------------------------- actions
-    def request(self, reason: str, who: str, remote_addr: str | None) -> tuple[str, bool]:
-        """Ask every rank to stop. Returns (request id, created); a second press joins the first."""
+    def request(
+        self, reason: str, who: str, remote_addr: str | None, audit_duplicate: bool = True
+    ) -> tuple[str, bool, str | None]:
+        """Ask every rank to stop; a second press joins the first.
+
+        Returns (request id, created, why it was not audited or None). Nothing
+        here reads a heartbeat, and a flag that cannot be parsed is simply
+        replaced: a stop depends on writing one file, nothing else. With
+        ``audit_duplicate`` False (a client past its write budget), a press
+        that joins is not recorded.
+        """
         with self._flag_lock():
             flag, _ = self.read_flag()
             active = self._active(flag)
             if active is not None:
-                rid = active.get("request_id") or "native-flag"
-                self.audit.record("request", who=who, remote_addr=remote_addr, reason=reason,
-                                  request_id=rid, outcome=f"duplicate: joined request {rid}")
-                return rid, False
+                rid = active["request_id"] or "native-flag"
+                if not audit_duplicate:
+                    return rid, False, "not recorded: too many requests from this address in the last minute"
+                problem = self._audit(
+                    "request",
+                    who=who,
+                    remote_addr=remote_addr,
+                    reason=reason,
+                    request_id=rid,
+                    outcome=f"duplicate: joined request {rid}",
+                )
+                return rid, False, problem
             rid = runfiles.new_request_id()
             try:
-                runfiles.write_flag(self.run_dir, True, request_id=rid, requested_at=time.time(),
-                                    requested_by=who, reason=reason)
+                runfiles.write_flag(
+                    self.run_dir,
+                    True,
+                    request_id=rid,
+                    requested_at=time.time(),
+                    requested_by=who,
+                    reason=reason,
+                )
             except OSError as e:
-                self.audit.record("request", who=who, remote_addr=remote_addr, reason=reason,
-                                  request_id=rid, outcome=f"failed: {e.strerror or e}")
+                self._audit(
+                    "request",
+                    who=who,
+                    remote_addr=remote_addr,
+                    reason=reason,
+                    request_id=rid,
+                    outcome=f"failed: {e.strerror or e}",
+                )
                 raise ApiError(507, f"could not write the stop flag: {e.strerror or e}") from None
-            self.audit.record("request", who=who, remote_addr=remote_addr, reason=reason,
-                              request_id=rid, outcome="accepted")
-            return rid, True
+            problem = self._audit(
+                "request", who=who, remote_addr=remote_addr, reason=reason, request_id=rid, outcome="accepted"
+            )
+            return rid, True, problem
 
-    def _pending_or_refuse(self, action: str, who: str, remote_addr: str | None,
-                           reason: str | None, refusal: str) -> dict:
+    def _pending_or_refuse(
+        self, action: str, who: str, remote_addr: str | None, reason: str | None, refusal: str
+    ) -> dict:
         """The pending request in the flag; if there is none, audit the refusal and answer 409."""
         active = self._active(self.read_flag()[0])
         if active is None:
-            self.audit.record(action, who=who, remote_addr=remote_addr, reason=reason,
-                              outcome=f"refused: {refusal}")
+            self._audit(
+                action, who=who, remote_addr=remote_addr, reason=reason, outcome=f"refused: {refusal}"
+            )
             raise ApiError(409, refusal)
         return active
 
-    def cancel(self, ranks: Mapping[int, dict | None], who: str, remote_addr: str | None,
-               reason: str | None) -> str:
+    def cancel(
+        self, ranks: Mapping[int, dict | None], who: str, remote_addr: str | None, reason: str | None
+    ) -> str:
         with self._flag_lock():
-            active = self._pending_or_refuse("cancel", who, remote_addr, reason,
-                                             "no stop request is pending")
-            rid = active.get("request_id")
+            active = self._pending_or_refuse("cancel", who, remote_addr, reason, "no stop request is pending")
+            rid = active["request_id"]
             committed = sorted(r for r, s in self._stages(rid, ranks).items() if s["stage"] in COMMITTED)
             if committed:
-                self.audit.record("cancel", who=who, remote_addr=remote_addr, reason=reason,
-                                  request_id=rid, outcome=f"refused: ranks {committed} already agreed")
-                raise ApiError(409, f"too late to cancel: rank(s) {_ranks_text(committed)} already "
-                                    "agreed on the stop step")
-            runfiles.write_flag(self.run_dir, False, cancelled=rid, cancelled_at=time.time(),
-                                cancelled_by=who, last_request=_request_facts(active))
-            self.audit.record("cancel", who=who, remote_addr=remote_addr, reason=reason,
-                              request_id=rid, outcome="accepted")
+                self._audit(
+                    "cancel",
+                    who=who,
+                    remote_addr=remote_addr,
+                    reason=reason,
+                    request_id=rid,
+                    outcome=f"refused: ranks {committed} already agreed",
+                )
+                raise ApiError(
+                    409,
+                    f"too late to cancel: rank(s) {_ranks_text(committed)} already agreed on the stop step",
+                )
+            runfiles.write_flag(
+                self.run_dir,
+                False,
+                cancelled=rid,
+                cancelled_at=time.time(),
+                cancelled_by=who,
+                last_request=active,
+            )
+            self._audit(
+                "cancel", who=who, remote_addr=remote_addr, reason=reason, request_id=rid, outcome="accepted"
+            )
             return rid
 
-    def rearm(self, ranks: Mapping[int, dict | None], world_size: int, who: str,
-              remote_addr: str | None, reason: str | None, force: bool = False) -> str:
+    def rearm(
+        self,
+        ranks: Mapping[int, dict | None],
+        world_size: int,
+        who: str,
+        remote_addr: str | None,
+        reason: str | None,
+        force: bool = False,
+    ) -> str:
         """Return the flag to ``{"GracefulExit": 0}`` after a stop, so a relaunch runs."""
         with self._flag_lock():
-            active = self._pending_or_refuse("rearm", who, remote_addr, reason,
-                                             "nothing to re-arm: the flag does not say stop")
-            rid = active.get("request_id")
+            active = self._pending_or_refuse(
+                "rearm", who, remote_addr, reason, "nothing to re-arm: the flag does not say stop"
+            )
+            rid = active["request_id"]
             done = self._completed(rid, ranks, world_size)
             if not done and not force:
-                self.audit.record("rearm", who=who, remote_addr=remote_addr, reason=reason,
-                                  request_id=rid, outcome="refused: the stop has not completed")
-                raise ApiError(409, "the stop has not completed on every rank; re-arming now lets "
-                                    "ranks that have not stopped run on (send force: true to do it anyway)")
+                self._audit(
+                    "rearm",
+                    who=who,
+                    remote_addr=remote_addr,
+                    reason=reason,
+                    request_id=rid,
+                    outcome="refused: the stop has not completed",
+                )
+                raise ApiError(
+                    409,
+                    "the stop has not completed on every rank; re-arming now lets "
+                    "ranks that have not stopped run on (send force: true to do it anyway)",
+                )
             self._write_rearmed(active, who)
-            self.audit.record("rearm", who=who, remote_addr=remote_addr, reason=reason, request_id=rid,
-                              outcome="accepted" if done else "accepted (forced before completion)")
+            self._audit(
+                "rearm",
+                who=who,
+                remote_addr=remote_addr,
+                reason=reason,
+                request_id=rid,
+                outcome="accepted" if done else "accepted (forced before completion)",
+            )
             return rid
 
     def _write_rearmed(self, active: dict, who: str) -> None:
-        runfiles.write_flag(self.run_dir, False, rearmed_after=active.get("request_id"),
-                            rearmed_at=time.time(), rearmed_by=who, last_request=_request_facts(active))
+        runfiles.write_flag(
+            self.run_dir,
+            False,
+            rearmed_after=active["request_id"],
+            rearmed_at=time.time(),
+            rearmed_by=who,
+            last_request=active,
+        )
 
     def tick(self, ranks: Mapping[int, dict | None], world_size: int) -> None:
         """Called by the watcher: record a completed stop once, and re-arm if configured."""
@@ -152,58 +266,135 @@ class StopService:
         active = self._active(flag)
         if active is None:
             return
-        rid = active.get("request_id")
+        rid = active["request_id"]
         if rid is None or not self._completed(rid, ranks, world_size):
             return
         with self._flag_lock():
-            current, _ = self.read_flag()
-            if self._active(current) is None or current.get("request_id") != rid:
+            current = self._active(self.read_flag()[0])
+            if current is None or current["request_id"] != rid:
                 return  # someone else re-armed or replaced it meanwhile
-            if not self.audit.has("complete", rid):
+            try:
+                recorded = self.audit.has("complete", rid)
+            except AuditError as e:
+                log.error("stop: cannot read the audit trail: %s", e)
+                recorded = False
+            if not recorded:
                 status = self.status(ranks, world_size, time.time())
-                self.audit.record("complete", who=SYSTEM, request_id=rid, outcome=f"completed: {status['summary']}",
-                                  detail={"stop_step": status["stop_step"],
-                                          "save_s": status["save_s"], "bytes": status["bytes"]})
+                self._audit(
+                    "complete",
+                    basis=OBSERVED,
+                    who=SYSTEM,
+                    request_id=rid,
+                    outcome=f"completed: {status['summary']}",
+                    detail={
+                        "stop_step": status["stop_step"],
+                        "save_s": status["save_s"],
+                        "bytes": status["bytes"],
+                    },
+                )
             if self.auto_rearm:
                 self._write_rearmed(current, SYSTEM)
-                self.audit.record("rearm", who=SYSTEM, request_id=rid,
-                                  outcome="accepted (automatic after completion)")
+                self._audit(
+                    "rearm",
+                    basis=OBSERVED,
+                    who=SYSTEM,
+                    request_id=rid,
+                    outcome="accepted (automatic after completion)",
+                )
 
     # -------------------------------------------------------------- status
     def _stages(self, rid: str | None, ranks: Mapping[int, dict | None]) -> dict[int, dict]:
+        """Each rank's stage for request ``rid``, from whatever its heartbeat's ``stop`` holds.
+
+        The dashboard validates heartbeats before they get here, but the stop
+        must not depend on that: every field is checked again for its type,
+        and one that does not fit is dropped, never trusted.
+        """
         out = {}
         for rank, hb in ranks.items():
-            stop = (hb or {}).get("stop")
+            hb = hb if isinstance(hb, dict) else {}
+            stop = hb.get("stop")
+            state = hb.get("state") if isinstance(hb.get("state"), str) else None
             if isinstance(stop, dict) and stop.get("request_id") == rid and stop.get("stage") in STAGES:
-                out[rank] = {"stage": stop["stage"], "seen_step": stop.get("seen_step"),
-                             "stop_step": stop.get("stop_step"), "checkpoint": stop.get("checkpoint"),
-                             "at": stop.get("at") or {}, "error": stop.get("error"),
-                             "state": (hb or {}).get("state")}
+                at = stop.get("at")
+                out[rank] = {
+                    "stage": stop["stage"],
+                    "seen_step": _count(stop.get("seen_step")),
+                    "stop_step": _count(stop.get("stop_step")),
+                    "checkpoint": _checkpoint(stop.get("checkpoint")),
+                    "at": {k: t for k, t in at.items() if k in STAGES and _finite(t) is not None}
+                    if isinstance(at, dict)
+                    else {},
+                    "error": stop.get("error") if isinstance(stop.get("error"), str) else None,
+                    "state": state,
+                }
             else:
-                out[rank] = {"stage": "requested", "seen_step": None, "stop_step": None,
-                             "checkpoint": None, "at": {}, "error": None,
-                             "state": (hb or {}).get("state")}
+                out[rank] = {
+                    "stage": "requested",
+                    "seen_step": None,
+                    "stop_step": None,
+                    "checkpoint": None,
+                    "at": {},
+                    "error": None,
+                    "state": state,
+                }
         return out
 
     def _completed(self, rid: str | None, ranks: Mapping[int, dict | None], world_size: int) -> bool:
         stages = self._stages(rid, ranks)
-        return (world_size > 0 and len(stages) >= world_size
-                and all(stages.get(r, {}).get("stage") == "exited" for r in range(world_size)))
+        return (
+            world_size > 0
+            and len(stages) >= world_size
+            and all(stages.get(r, {}).get("stage") == "exited" for r in range(world_size))
+        )
 
-    def status(self, ranks: Mapping[int, dict | None], world_size: int, now: float) -> dict[str, Any]:
-        """The body of ``GET /api/exit``."""
+    def _audit_last_id(self) -> int | None:
+        """The newest audit row's id (a new row is news for every page); None if the trail is unusable."""
+        try:
+            return self.audit.last_id()
+        except AuditError:
+            return None
+
+    def status(
+        self, ranks: Mapping[int, dict | None], world_size: int, now: float, *, logs: dict | None = None
+    ) -> dict[str, Any]:
+        """The body of ``GET /api/exit``.
+
+        ``logs`` is ``RunState.log_stop_facts()``: the ranks shown only from
+        msrun's worker logs, whose stop stages nobody reports, and whether
+        their logs show that the script obeys the flag (OnRequestExit).
+        """
         flag, flag_error = self.read_flag()
         active = self._active(flag)
-        request = _request_facts(active) if active else (flag or {}).get("last_request")
-        base = {"flag": flag, "flag_error": flag_error, "request": request, "state": "idle",
-                "ranks": [], "stop_step": None, "summary": None, "holding_up": [], "late": [],
-                "can_cancel": False, "can_rearm": active is not None, "save_s": None, "bytes": None,
-                "bridge_seen": bool(ranks), "deadline_s": self.deadline_s}
+        last = (flag or {}).get("last_request")
+        request = active if active else (_request_facts(last) if isinstance(last, dict) else None)
+        base = {
+            "flag": _json_safe(flag),
+            "flag_error": flag_error,
+            "request": request,
+            "state": "idle",
+            "ranks": [],
+            "stop_step": None,
+            "summary": None,
+            "holding_up": [],
+            "late": [],
+            "can_cancel": False,
+            "can_rearm": active is not None,
+            "save_s": None,
+            "bytes": None,
+            # Any heartbeat at all: a world size alone (job.json, or the worker logs) is no bridge.
+            "bridge_seen": any(hb for hb in ranks.values()),
+            "logs": logs,
+            "deadline_s": self.deadline_s,
+            # A new audit row (a second operator joining, a stop from a shell)
+            # changes the status, so the watcher pushes it and pages reload the trail.
+            "audit_last_id": self._audit_last_id(),
+        }
         if request is None:
             return base
-        rid = request.get("request_id")
+        rid = request["request_id"]
         stages = self._stages(rid, ranks)
-        requested_at = request.get("requested_at") or now
+        requested_at = request["requested_at"] or now
         rows = []
         for rank in sorted(stages):
             s = stages[rank]
@@ -228,36 +419,112 @@ class StopService:
         summary = None
         if all_exited:
             ended = max(r["at"].get("exited", requested_at) for r in rows)
-            summary = (f"all {len(rows)} ranks stopped after step {_steps_text(stop_steps)}, "
-                       f"{len(saves)} checkpoints, {_gb(total_bytes)}, in {ended - requested_at:.1f} s")
+            summary = (
+                f"all {len(rows)} ranks stopped after step {_steps_text(stop_steps)}, "
+                f"{len(saves)} checkpoints, {_gb(total_bytes)}, in {ended - requested_at:.1f} s"
+            )
         base.update(
-            state=state, ranks=rows, stop_step=stop_steps[0] if len(stop_steps) == 1 else stop_steps or None,
-            summary=summary, save_s=save_s, bytes=total_bytes or None,
-            holding_up=[] if all_exited or active is None else
-            [r["rank"] for r in rows if order[r["stage"]] == lowest],
+            state=state,
+            ranks=rows,
+            stop_step=stop_steps[0] if len(stop_steps) == 1 else stop_steps or None,
+            summary=summary,
+            save_s=save_s,
+            bytes=total_bytes or None,
+            holding_up=[]
+            if all_exited or active is None
+            else [r["rank"] for r in rows if order[r["stage"]] == lowest],
             late=[r["rank"] for r in rows if r["late"]],
-            can_cancel=active is not None and not any(r["stage"] in COMMITTED for r in rows))
+            can_cancel=active is not None and not any(r["stage"] in COMMITTED for r in rows),
+        )
         return base
 
     def estimate(self, ranks: Mapping[int, dict | None], world_size: int) -> dict[str, Any]:
         """What the dialog shows before confirming: ranks, time to stop, where checkpoints go."""
-        steps_ms = [(hb.get("step_time_mean_ms") or hb.get("step_time_ms") or 0) * (hb.get("sync_every") or 1)
-                    for hb in ranks.values() if hb]
+        steps_ms = [
+            (_finite(hb.get("step_time_mean_ms")) or _finite(hb.get("step_time_ms")) or 0)
+            * (_count(hb.get("sync_every")) or 1)
+            for hb in ranks.values()
+            if isinstance(hb, dict)
+        ]
         sync_s = max(steps_ms, default=0) / 1000.0
-        last = next((r for r in self.audit.rows(limit=50) if r["action"] == "complete"), None)
-        save_s = (json.loads(last["detail"]) or {}).get("save_s") if last and last["detail"] else None
-        seconds = None if not ranks else round(1.0 + sync_s + (save_s or 0.0), 1)
-        return {"ranks": world_size, "seconds": seconds, "save_s": save_s,
-                "save_measured": save_s is not None,
-                "checkpoint_dir": f"{runfiles.CHECKPOINT_DIR}/rank_{{r}}/",
-                "basis": ("flag poll (<= 0.2 s) + steps until the next agreement "
-                          f"({sync_s:.2f} s) + save time "
-                          + (f"({save_s:.2f} s, measured at the last stop)" if save_s is not None
-                             else "(not measured yet: this is the job's first stop)"))}
+        save_s = self._last_save_s()
+        seconds = None if not any(ranks.values()) else round(1.0 + sync_s + (save_s or 0.0), 1)
+        return {
+            "ranks": world_size,
+            "seconds": seconds,
+            "save_s": save_s,
+            "save_measured": save_s is not None,
+            "checkpoint_dir": f"{runfiles.CHECKPOINT_DIR}/rank_{{r}}/",
+            "basis": (
+                "flag poll (<= 0.2 s) + steps until the next agreement "
+                f"({sync_s:.2f} s) + save time "
+                + (
+                    f"({save_s:.2f} s, measured at the last stop)"
+                    if save_s is not None
+                    else "(not measured yet: this is the job's first stop)"
+                )
+            ),
+        }
+
+    def _last_save_s(self) -> float | None:
+        """The save time measured at the last completed stop, from the audit trail, if it says."""
+        try:
+            last = next((r for r in self.audit.rows(limit=50) if r["action"] == "complete"), None)
+            detail = json.loads(last["detail"]) if last and last["detail"] else None
+        except (AuditError, ValueError, TypeError, RecursionError):
+            return None
+        return _finite(detail.get("save_s")) if isinstance(detail, dict) else None
 
 
 def _request_facts(flag: dict) -> dict:
-    return {k: flag.get(k) for k in ("request_id", "requested_at", "requested_by", "reason")}
+    """A request's facts from a flag (or its ``last_request``), each of its type or None."""
+    by, reason = flag.get("requested_by"), flag.get("reason")
+    return {
+        "request_id": runfiles.flag_from_obj(flag).request_id,
+        "requested_at": _finite(flag.get("requested_at")),
+        "requested_by": by[:MAX_TEXT] if isinstance(by, str) else None,
+        "reason": reason[:MAX_TEXT] if isinstance(reason, str) else None,
+    }
+
+
+def _finite(value) -> float | None:
+    """A number that is one (not a bool, not NaN or infinite, not a 400-digit int), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _count(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**53 else None
+
+
+def _checkpoint(value) -> dict | None:
+    if not isinstance(value, dict):
+        return None
+    path = value.get("path")
+    return {
+        "path": path if isinstance(path, str) else None,
+        "bytes": _count(value.get("bytes")),
+        "seconds": _finite(value.get("seconds")),
+    }
+
+
+def _json_safe(value, depth: int = 0):
+    """The flag as the API sends it: non-finite numbers as text (JSON has none), and
+    nothing nested past what a flag needs."""
+    if depth > 20:
+        return "..."
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v, depth + 1) for v in value]
+    return value
 
 
 def _ranks_text(ranks: list[int]) -> str:

@@ -1,6 +1,7 @@
 """The one background loop: scan the run directory, push what changed.
 
-It is started once, under a lock, by ``python -m app`` before it serves, or
+It is started once, under a lock, by the server's worker before it serves
+(``app/server.py``; ``python -m app`` and ``rankwatch serve``), or
 else by the first Socket.IO client (nothing runs at import time or in
 ``create_app``, so tests choose), and it uses
 ``socketio.sleep`` so that it follows whatever async mode Flask-SocketIO runs.
@@ -9,9 +10,12 @@ with the changed fields of the changed rows, or a ``ranks_snapshot`` when
 ranks disappeared; and a ``stop_status`` when the stop lifecycle changed.
 The tick also lets the stop service record a completed stop and re-arm the
 flag, so that happens even with no browser open.
-Last, it asks the checkpoint service (which re-scans at most every
+Then it asks the checkpoint service (which re-scans at most every
 ``CHECKPOINT_SCAN_S``) and sends ``checkpoints`` when the index changed.
+Last, the incident step turns this tick's verdict changes and the stop's
+lifecycle into alerts and runs the stop policy (``app.incidents.monitor``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,6 +31,7 @@ from app.stop_service import StopService
 
 if TYPE_CHECKING:
     from app.checkpoints.service import CheckpointService
+    from app.incidents.monitor import Incidents
 
 STOP_EVENT = "stop_status"
 CHECKPOINTS_EVENT = "checkpoints"
@@ -37,13 +42,21 @@ log = logging.getLogger(__name__)
 class Watcher:
     """Scans ``state`` every ``tick_s`` seconds and emits what changed to all clients."""
 
-    def __init__(self, socketio: SocketIO, state: RunState, tick_s: float,
-                 clock: Callable[[], float] = time.time, stop: StopService | None = None,
-                 checkpoints: CheckpointService | None = None):
+    def __init__(
+        self,
+        socketio: SocketIO,
+        state: RunState,
+        tick_s: float,
+        clock: Callable[[], float] = time.time,
+        stop: StopService | None = None,
+        checkpoints: CheckpointService | None = None,
+        incidents: Incidents | None = None,
+    ):
         self.socketio = socketio
         self.state = state
         self.stop_service = stop
         self.checkpoints = checkpoints
+        self.incidents = incidents
         self._sent_stop: dict | None = None
         self.tick_s = tick_s
         self.clock = clock
@@ -68,19 +81,24 @@ class Watcher:
         out = self.state.take_delta(now)
         if out:
             self.socketio.emit(*out)
-        if self.stop_service is not None:
-            self._tick_stop(now)
+        status = self._tick_stop(now) if self.stop_service is not None else None
         if self.checkpoints is not None:
             self._tick_checkpoints()
+        if self.incidents is not None:
+            # Alerts and the stop policy (app/incidents/monitor.py) read this tick's changes.
+            pushed = self.incidents.tick(now, out, status)
+            if pushed:
+                self.socketio.emit(*pushed)
         return out
 
-    def _tick_stop(self, now: float) -> None:
+    def _tick_stop(self, now: float) -> dict:
         ranks, world = self.state.heartbeats()
         self.stop_service.tick(ranks, world)
-        status = self.stop_service.status(ranks, world, now)
+        status = self.stop_service.status(ranks, world, now, logs=self.state.log_stop_facts())
         if status != self._sent_stop:
             self._sent_stop = status
             self.socketio.emit(STOP_EVENT, status)
+        return status
 
     def _tick_checkpoints(self) -> None:
         body = self.checkpoints.poll(self.state.heartbeats()[1])
@@ -92,7 +110,7 @@ class Watcher:
         if self.stop_service is None:
             return None
         ranks, world = self.state.heartbeats()
-        return self.stop_service.status(ranks, world, now)
+        return self.stop_service.status(ranks, world, now, logs=self.state.log_stop_facts())
 
     def _run(self) -> None:
         deadline = self.clock()

@@ -3,6 +3,7 @@
 Other test modules may define their own fixtures for their own areas (the
 checkpoint tests do); these are the dashboard's.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -56,8 +57,9 @@ def sio(app, client):
         sio.disconnect()
 
 
-def wait_for_event(sio, names: str | tuple[str, ...], predicate=lambda payload: True,
-                   timeout: float = 15.0) -> dict:
+def wait_for_event(
+    sio, names: str | tuple[str, ...], predicate=lambda payload: True, timeout: float = 15.0
+) -> dict:
     """Poll ``sio.get_received()`` for an event in ``names`` whose payload passes ``predicate``.
 
     Events the watcher pushes arrive from its thread; this waits for them with

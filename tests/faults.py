@@ -7,6 +7,7 @@
   it with ``pytest -rP`` or ``-s``) and, when ``RANKWATCH_FAULTS_REPORT`` names
   a file, appended to it as one JSON line.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,14 +43,22 @@ def clean_env(**settings) -> dict:
 class Dashboard:
     """``python -m app`` on ``run_dir`` with default settings (plus ``settings``)."""
 
-    def __init__(self, run_dir: Path, log_path: Path, token: str = "fault-token", **settings):
+    def __init__(
+        self,
+        run_dir: Path,
+        log_path: Path,
+        token: str = "fault-token",
+        prefix: list[str] | None = None,
+        **settings,
+    ):
         self.token = token
         # start_dashboard inherits os.environ: RANKWATCH_* variables someone
         # exported would change the defaults these tests measure.
         saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("RANKWATCH_")}
         try:
             self.server: LiveServer = start_dashboard(
-                run_dir, log_path, env=clean_env(TOKEN=token, **settings))
+                run_dir, log_path, env=clean_env(TOKEN=token, **settings), prefix=prefix
+            )
         finally:
             os.environ.update(saved)
         self.url = self.server.url
@@ -60,8 +69,7 @@ class Dashboard:
     def kill(self) -> None:
         """SIGKILL, as a crash would: no shutdown code runs."""
         if self.server.proc.poll() is None:
-            self.server.proc.kill()
-            self.server.proc.wait()
+            self.server.kill()
 
     # -- the API ---------------------------------------------------------------------
 
@@ -74,8 +82,9 @@ class Dashboard:
         headers = {"Content-Type": "application/json"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
-        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                     method="POST", headers=headers)
+        req = urllib.request.Request(
+            self.url + path, data=json.dumps(body).encode(), method="POST", headers=headers
+        )
         try:
             with urllib.request.urlopen(req, timeout=30) as r:
                 return r.status, json.load(r)
@@ -85,8 +94,9 @@ class Dashboard:
     def rows(self) -> dict[int, dict]:
         return {row["rank"]: row for row in self.get("/api/ranks")["ranks"]}
 
-    def wait(self, predicate, what: str, timeout: float = WAIT_S, poll: float = 0.1,
-             path: str = "/api/ranks"):
+    def wait(
+        self, predicate, what: str, timeout: float = WAIT_S, poll: float = 0.1, path: str = "/api/ranks"
+    ):
         """Poll ``GET path`` until ``predicate(body)`` is truthy; returns it.
 
         Fails at once, with the dashboard's log, if the dashboard died.
@@ -95,20 +105,23 @@ class Dashboard:
         body = None
         while time.monotonic() < deadline:
             if self.server.proc.poll() is not None:
-                raise AssertionError(f"the dashboard exited ({self.server.proc.returncode}) "
-                                     f"while waiting for {what}:\n{self.server.log()[-3000:]}")
+                raise AssertionError(
+                    f"the dashboard exited ({self.server.proc.returncode}) "
+                    f"while waiting for {what}:\n{self.server.log()[-3000:]}"
+                )
             body = self.get(path)
             value = predicate(body)
             if value:
                 return value
             time.sleep(poll)
-        raise AssertionError(f"timed out after {timeout} s waiting for {what}; last answer:\n"
-                             f"{json.dumps(body, indent=1)[:4000]}")
+        raise AssertionError(
+            f"timed out after {timeout} s waiting for {what}; last answer:\n"
+            f"{json.dumps(body, indent=1)[:4000]}"
+        )
 
     def wait_rows(self, predicate, what: str, timeout: float = WAIT_S, poll: float = 0.1):
         """Poll ``/api/ranks`` until ``predicate({rank: row})`` is truthy."""
-        return self.wait(lambda body: predicate({r["rank"]: r for r in body["ranks"]}), what,
-                         timeout, poll)
+        return self.wait(lambda body: predicate({r["rank"]: r for r in body["ranks"]}), what, timeout, poll)
 
 
 def cell(page, rank: int, col: str):

@@ -4,6 +4,7 @@ Waiting is always "poll the run directory until a condition holds or the
 process died", never a fixed sleep; the timeouts are generous upper bounds for
 a shared 2-core machine, not assertions about speed.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,26 +31,52 @@ class JobFailed(AssertionError):
 class DemoJob:
     """One ``msrun`` demo job writing into ``run_dir``."""
 
-    def __init__(self, run_dir: Path, ranks: int = 2, epochs: int = 2, samples: int = 2000,
-                 step_delay: float = 0.0, extra: list[str] | None = None, env: dict | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        ranks: int = 2,
+        epochs: int = 2,
+        samples: int = 2000,
+        step_delay: float = 0.0,
+        extra: list[str] | None = None,
+        env: dict | None = None,
+    ):
         self.run_dir = Path(run_dir)
         self.ranks = ranks
-        self.cmd = [sys.executable, "-m", "trainer_bridge.demo", "--run-dir", str(self.run_dir),
-                    "--ranks", str(ranks), "--epochs", str(epochs), "--samples", str(samples),
-                    "--step-delay", str(step_delay), "--step-log", *(extra or [])]
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "trainer_bridge.demo",
+            "--run-dir",
+            str(self.run_dir),
+            "--ranks",
+            str(ranks),
+            "--epochs",
+            str(epochs),
+            "--samples",
+            str(samples),
+            "--step-delay",
+            str(step_delay),
+            "--step-log",
+            # No periodic checkpoints unless a test asks (extra's --ckpt-every wins).
+            "--ckpt-every",
+            "0",
+            *(extra or []),
+        ]
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
         self.output_path = self.run_dir.parent / f"{self.run_dir.name}.launcher.log"
 
-    def start(self) -> "DemoJob":
+    def start(self) -> DemoJob:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._out = open(self.output_path, "ab")
         # A new session, so a test can signal the whole job without hitting pytest.
-        self.proc = subprocess.Popen(self.cmd, stdout=self._out, stderr=subprocess.STDOUT,
-                                     env=self.env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=self._out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
         return self
 
-    def __enter__(self) -> "DemoJob":
+    def __enter__(self) -> DemoJob:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -106,7 +133,8 @@ class DemoJob:
     def wait_for_step(self, step: int) -> list[dict]:
         return self.wait_until(
             lambda hbs: hbs if all(h and h["global_step"] >= step for h in hbs) else None,
-            f"every rank past step {step}")
+            f"every rank past step {step}",
+        )
 
     def stopped_together(self) -> tuple[int, list[dict]]:
         """Assert the graceful stop's promise; return ``(stop step, each rank's stop record)``.
@@ -133,10 +161,14 @@ class DemoJob:
 
     def logs(self, tail: int = 40) -> str:
         parts = []
-        for path in [self.output_path, *sorted((self.run_dir / "msrun_logs").glob("worker_*.log"))]:
+        logs = self.run_dir / "msrun_logs"
+        for path in [self.output_path, logs / "launcher.log", *sorted(logs.glob("worker_*.log"))]:
             if path.exists():
-                lines = [ln for ln in path.read_text(errors="replace").splitlines()
-                         if not ln.startswith(("[WARNING]", "[INFO]"))]
+                lines = [
+                    ln
+                    for ln in path.read_text(errors="replace").splitlines()
+                    if not ln.startswith(("[WARNING]", "[INFO]"))
+                ]
                 parts.append(f"--- {path.name}\n" + "\n".join(lines[-tail:]))
         return "\n".join(parts)
 

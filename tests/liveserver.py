@@ -1,4 +1,5 @@
 """A real dashboard process and a headless Chromium, for browser tests and the benchmark."""
+
 from __future__ import annotations
 
 import os
@@ -11,10 +12,18 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 REPO = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 
 
 def free_port() -> int:
@@ -32,6 +41,48 @@ class LiveServer:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def processes(self) -> list[psutil.Process]:
+        """The server's processes: gunicorn's arbiter and its worker, which does the work."""
+        try:
+            parent = psutil.Process(self.proc.pid)
+            return [parent, *parent.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def worker_pid(self) -> int:
+        """The gunicorn worker's pid: the process that serves and scans (the arbiter only supervises)."""
+        procs = self.processes()
+        return procs[-1].pid if procs else self.proc.pid
+
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) of all the server's processes so far."""
+        total = 0.0
+        for p in self.processes():
+            try:
+                times = p.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += times.user + times.system
+        return total
+
+    def rss_bytes(self) -> int:
+        total = 0
+        for p in self.processes():
+            try:
+                total += p.memory_info().rss
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
+    def kill(self) -> None:
+        """SIGKILL every process of the server, as a crash would: no shutdown code runs."""
+        for p in reversed(self.processes()):
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self.proc.wait()
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -42,9 +93,17 @@ class LiveServer:
                 self.proc.wait()
 
 
-def start_dashboard(run_dir: str | os.PathLike, log_path: Path, env: dict | None = None,
-                    timeout: float = 60.0) -> LiveServer:
+def start_dashboard(
+    run_dir: str | os.PathLike,
+    log_path: Path,
+    env: dict | None = None,
+    timeout: float = 60.0,
+    prefix: list[str] | None = None,
+) -> LiveServer:
     """Start ``python -m app`` on a free port and wait until it answers.
+
+    ``prefix`` runs it through another command first (``tests/netns.py``
+    gives the dashboard a node's host name that way).
 
     Polls ``/api/summary``; fails at once, with the server's output, if the
     process exits instead of coming up.
@@ -52,8 +111,12 @@ def start_dashboard(run_dir: str | os.PathLike, log_path: Path, env: dict | None
     port = free_port()
     log_file = open(log_path, "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app", "--run-dir", str(run_dir), "--port", str(port)],
-        cwd=REPO, env={**os.environ, **(env or {})}, stdout=log_file, stderr=subprocess.STDOUT)
+        [*(prefix or []), sys.executable, "-m", "app", "--run-dir", str(run_dir), "--port", str(port)],
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+    )
     log_file.close()
     server = LiveServer(proc, f"http://127.0.0.1:{port}", Path(log_path))
     deadline = time.monotonic() + timeout
@@ -66,7 +129,7 @@ def start_dashboard(run_dir: str | os.PathLike, log_path: Path, env: dict | None
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             if time.monotonic() > deadline:
                 server.stop()
-                raise RuntimeError(f"dashboard did not answer in {timeout} s:\n{server.log()}")
+                raise RuntimeError(f"dashboard did not answer in {timeout} s:\n{server.log()}") from None
             time.sleep(0.1)
 
 

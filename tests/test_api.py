@@ -1,4 +1,5 @@
 """The JSON API, the page and the settings, through Flask's test client."""
+
 from __future__ import annotations
 
 import re
@@ -13,8 +14,22 @@ from app.health import VERDICTS
 from app.metrics import METRICS
 from tests.heartbeats import heartbeat, write_heartbeat, write_job
 
-DESIGN_FIELDS = {"rank", "health", "reason", "state", "epoch", "step", "global_step", "loss",
-                 "step_time_ms", "heartbeat_age_s", "host", "pid", "cpu_percent", "rss_bytes"}
+DESIGN_FIELDS = {
+    "rank",
+    "health",
+    "reason",
+    "state",
+    "epoch",
+    "step",
+    "global_step",
+    "loss",
+    "step_time_ms",
+    "heartbeat_age_s",
+    "host",
+    "pid",
+    "cpu_percent",
+    "rss_bytes",
+}
 
 
 def test_create_app_does_nothing_at_import_or_build(run_dir):
@@ -54,17 +69,23 @@ def test_ranks_filter_by_verdict(client, run_dir):
     write_job(run_dir, 3)
     write_heartbeat(run_dir, heartbeat(0, 3, state="failed", error="boom"))
     body = client.get("/api/ranks?health=failed,pending").get_json()
-    assert [(r["rank"], r["health"]) for r in body["ranks"]] == [(0, "failed"), (1, "pending"),
-                                                                  (2, "pending")]
+    assert [(r["rank"], r["health"]) for r in body["ranks"]] == [
+        (0, "failed"),
+        (1, "pending"),
+        (2, "pending"),
+    ]
 
 
-@pytest.mark.parametrize("url, status", [
-    ("/api/ranks?health=sick", 400),
-    ("/api/history?points=0", 400),
-    ("/api/history?points=x", 400),
-    ("/api/ranks/7", 404),
-    ("/api/nothing", 404),
-])
+@pytest.mark.parametrize(
+    "url, status",
+    [
+        ("/api/ranks?health=sick", 400),
+        ("/api/history?points=0", 400),
+        ("/api/history?points=x", 400),
+        ("/api/ranks/7", 404),
+        ("/api/nothing", 404),
+    ],
+)
 def test_api_errors_have_one_shape(client, run_dir, url, status):
     resp = client.get(url)
     assert resp.status_code == status
@@ -93,16 +114,14 @@ def test_a_bug_is_a_500_in_the_same_shape(client, app, monkeypatch):
     monkeypatch.setattr(app.extensions["rankwatch"].state, "snapshot", broken)
     resp = client.get("/api/ranks")
     assert resp.status_code == 500
-    assert resp.get_json() == {"error": "internal error (a bug: see the dashboard's log)",
-                               "status": 500}
+    assert resp.get_json() == {"error": "internal error (a bug: see the dashboard's log)", "status": 500}
 
 
 def test_one_rank_with_its_history(client, run_dir):
     write_heartbeat(run_dir, heartbeat(0, 1, seq=1))
     body = client.get("/api/ranks/0").get_json()
     assert body["rank"]["rank"] == 0
-    assert body["history"] and set(body["history"][0]) == {"t", "global_step", "loss",
-                                                           "step_time_ms"}
+    assert body["history"] and set(body["history"][0]) == {"t", "global_step", "loss", "step_time_ms"}
 
 
 def test_summary(client, run_dir):

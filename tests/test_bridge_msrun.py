@@ -1,4 +1,5 @@
 """The bridge under real ``msrun`` with 2 ranks: stop, agree, save, exit, resume."""
+
 from __future__ import annotations
 
 import os
@@ -96,13 +97,24 @@ def test_corrupt_flag_neither_stops_nor_crashes_training(tmp_path):
         job.wait_for_step(2)
         runfiles.flag_path(run).write_bytes(b'{"GracefulExit": 1, "req')  # a torn write
         # The dashboard says the flag is unreadable (and does not call it a request).
-        errors.append(dash.wait(lambda body: body if body["flag_error"] else None,
-                                "GET /api/exit to report the torn flag", path="/api/exit"))
+        errors.append(
+            dash.wait(
+                lambda body: body if body["flag_error"] else None,
+                "GET /api/exit to report the torn flag",
+                path="/api/exit",
+            )
+        )
         job.wait_for_step(6)
         runfiles.flag_path(run).write_bytes(b"\xff\xfe" + os.urandom(62))  # garbage from another tool
-        errors.append(dash.wait(lambda body: body if body["flag_error"]
-                                and body["flag_error"] != errors[0]["flag_error"] else None,
-                                "GET /api/exit to report the garbage flag", path="/api/exit"))
+        errors.append(
+            dash.wait(
+                lambda body: (
+                    body if body["flag_error"] and body["flag_error"] != errors[0]["flag_error"] else None
+                ),
+                "GET /api/exit to report the garbage flag",
+                path="/api/exit",
+            )
+        )
         assert job.wait() == 0, job.logs()
     finally:
         job.kill()

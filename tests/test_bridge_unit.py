@@ -1,4 +1,5 @@
 """The bridge in one process: a tiny real training run, asserting on what it wrote."""
+
 from __future__ import annotations
 
 import json
@@ -40,16 +41,18 @@ def _train(run_dir, epochs=2, flag_script=None, **bridge_kwargs):
     ms.set_seed(0)
     data = ds.GeneratorDataset(_Source(), ["x", "y"], shuffle=False).batch(4)
     net = nn.SequentialCell(nn.Dense(4, 8), nn.ReLU(), nn.Dense(8, 2))
-    model = Model(net, nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"),
-                  nn.Momentum(net.trainable_params(), 0.01, 0.9))
+    model = Model(
+        net,
+        nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"),
+        nn.Momentum(net.trainable_params(), 0.01, 0.9),
+    )
     bridge = GracefulExitBridge(run_dir, heartbeat_interval_s=0.05, **bridge_kwargs)
     steps = _Steps()
     callbacks = [bridge, steps]
     if flag_script:
         callbacks.append(_FlagScript(run_dir, [bridge], flag_script))
     initial_epoch = bridge.resume(data)
-    model.train(epochs, data, callbacks=callbacks, dataset_sink_mode=False,
-                initial_epoch=initial_epoch)
+    model.train(epochs, data, callbacks=callbacks, dataset_sink_mode=False, initial_epoch=initial_epoch)
     return bridge, steps.seen
 
 
@@ -107,13 +110,16 @@ def test_garbage_flag_is_ignored(tmp_path, caplog):
     assert "ignoring unreadable stop flag" in caplog.text
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"sync_interval_s": 0}, "sync_interval_s"),
-    ({"heartbeat_interval_s": -1}, "heartbeat_interval_s"),
-    ({"max_sync_every": 0}, "max_sync_every"),
-    ({"max_overhead": 1.5}, "max_overhead"),
-    ({"resume_step": 0}, "resume_step"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"sync_interval_s": 0}, "sync_interval_s"),
+        ({"heartbeat_interval_s": -1}, "heartbeat_interval_s"),
+        ({"max_sync_every": 0}, "max_sync_every"),
+        ({"max_overhead": 1.5}, "max_overhead"),
+        ({"resume_step": 0}, "resume_step"),
+    ],
+)
 def test_bad_arguments_fail_fast_naming_class_and_argument(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=f"GracefulExitBridge: {message}"):
         GracefulExitBridge(tmp_path, **kwargs)
@@ -150,12 +156,18 @@ def test_cancel_before_the_agreement_withdraws_the_request(tmp_path):
     ms.set_seed(0)
     data = ds.GeneratorDataset(_Source(), ["x", "y"], shuffle=False).batch(4)
     net = nn.SequentialCell(nn.Dense(4, 8), nn.ReLU(), nn.Dense(8, 2))
-    model = Model(net, nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"),
-                  nn.Momentum(net.trainable_params(), 0.01, 0.9))
+    model = Model(
+        net,
+        nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"),
+        nn.Momentum(net.trainable_params(), 0.01, 0.9),
+    )
     # Agreements at steps 1, 5, 9, ...: the request is seen at 2 and cancelled at 3.
     bridge = GracefulExitBridge(tmp_path, sync_interval_s=1000, max_sync_every=4)
-    script = _FlagScript(tmp_path, [bridge], {2: {"exit": True, "request_id": "req-c"},
-                                              3: {"exit": False, "cancelled": "req-c"}})
+    script = _FlagScript(
+        tmp_path,
+        [bridge],
+        {2: {"exit": True, "request_id": "req-c"}, 3: {"exit": False, "cancelled": "req-c"}},
+    )
     seen = []
 
     class Watch(Callback):
@@ -183,8 +195,9 @@ def test_resume_step_pins_an_older_set_and_a_served_flag_stays_served(tmp_path, 
     runfiles.write_flag(tmp_path, True, request_id="req-1")
     _, first = _train(tmp_path)  # stops at the first agreement
     # Relaunch: resumes from the first set, and a new request stops it again later.
-    _, second = _train(tmp_path, max_sync_every=2,
-                       flag_script={first[-1] + 3: {"exit": True, "request_id": "req-2"}})
+    _, second = _train(
+        tmp_path, max_sync_every=2, flag_script={first[-1] + 3: {"exit": True, "request_id": "req-2"}}
+    )
     hb = runfiles.read_json(runfiles.heartbeat_path(tmp_path, 0))
     assert hb["stop"]["request_id"] == "req-2" and second[-1] > first[-1] + 3
 
@@ -196,6 +209,9 @@ def test_resume_step_pins_an_older_set_and_a_served_flag_stays_served(tmp_path, 
     assert hb["resumed_from"]["global_step"] == first[-1]
 
     monkeypatch.setenv("RANKWATCH_RESUME_STEP", "999")
-    with pytest.raises(ValueError, match=r"resume_step=999, .* no checkpoint set complete .* "
-                                         rf"\(complete sets: \[{first[-1]}, {second[-1]}\]\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"resume_step=999, .* no checkpoint set complete .* "
+        rf"\(complete sets: \[{first[-1]}, {second[-1]}\]\)",
+    ):
         _train(tmp_path)

@@ -3,6 +3,7 @@
 Waits are Playwright's ``expect``/``wait_for_function`` with generous
 timeouts (the machine is shared with training jobs); nothing asserts how fast.
 """
+
 from __future__ import annotations
 
 from urllib.parse import urlparse
@@ -72,12 +73,16 @@ def test_a_silent_rank_turns_stalled_then_dead(live_server, page, simulator, con
     assert console_errors == []
 
 
-def test_charts_render_from_local_assets_only(live_server, page, run_dir, simulator,
-                                              console_errors):
+def test_charts_render_from_local_assets_only(live_server, page, run_dir, simulator, console_errors):
     foreign = []
-    page.on("request", lambda req: foreign.append(req.url)
-            if urlparse(req.url).hostname not in ("127.0.0.1", None) and
-            not req.url.startswith("data:") else None)
+    page.on(
+        "request",
+        lambda req: (
+            foreign.append(req.url)
+            if urlparse(req.url).hostname not in ("127.0.0.1", None) and not req.url.startswith("data:")
+            else None
+        ),
+    )
     sim = Simulator(run_dir, 3)
     sim.prefill_history(20)
     simulator(3)
@@ -87,7 +92,9 @@ def test_charts_render_from_local_assets_only(live_server, page, run_dir, simula
             "sel => { const el = document.querySelector(sel);"
             " return el && el.data && el.data.length === 3"
             " && el.data[0].y.filter(v => v !== null).length >= 10; }",
-            arg=chart, timeout=WAIT_MS)
+            arg=chart,
+            timeout=WAIT_MS,
+        )
         expect(page.locator(f"{chart} .main-svg").first).to_be_visible()
     expect(page.locator("#heatmap-section")).to_be_hidden()
     assert foreign == []
@@ -95,8 +102,7 @@ def test_charts_render_from_local_assets_only(live_server, page, run_dir, simula
 
 
 @pytest.mark.parametrize("live_env", [{"PAGE_SIZE": 10}], indirect=True)
-def test_large_job_pages_sorts_filters_and_maps_heat(live_server, page, simulator,
-                                                     console_errors):
+def test_large_job_pages_sorts_filters_and_maps_heat(live_server, page, simulator, console_errors):
     simulator(20, period_s=0.5, slow={7: 3.0})
     page.goto(live_server.url + "/")
     expect(page.locator("#page-info")).to_have_text("1–10 of 20", timeout=WAIT_MS)
@@ -116,12 +122,12 @@ def test_large_job_pages_sorts_filters_and_maps_heat(live_server, page, simulato
     page.wait_for_function(
         "() => { const el = document.querySelector('#chart-heatmap');"
         " return el.data && el.data[0].type === 'heatmap' && el.data[0].z.length === 20; }",
-        timeout=WAIT_MS)
+        timeout=WAIT_MS,
+    )
     assert console_errors == []
 
 
-def test_missing_then_empty_then_partial_run_is_explained(run_dir, tmp_path, page, live_env,
-                                                         console_errors):
+def test_missing_then_empty_then_partial_run_is_explained(run_dir, tmp_path, page, live_env, console_errors):
     run = run_dir / "job"
     server = start_dashboard(run, tmp_path / "dashboard.log", env=live_env)
     try:
@@ -136,8 +142,7 @@ def test_missing_then_empty_then_partial_run_is_explained(run_dir, tmp_path, pag
         write_job(run, 4)
         for r in range(2):
             write_heartbeat(run, heartbeat(r, 4))
-        expect(message).to_contain_text("2 of 4 ranks have reported; waiting for ranks 2, 3",
-                                        timeout=WAIT_MS)
+        expect(message).to_contain_text("2 of 4 ranks have reported; waiting for ranks 2, 3", timeout=WAIT_MS)
         expect(page.locator("#rank-table tbody tr")).to_have_count(4)
         expect(cell(page, 3, "health")).to_contain_text("pending")
         expect(page.locator('[data-summary="world_size"]')).to_have_text("4 (2 reported)")

@@ -8,6 +8,7 @@ series whose rank 0 is good and ranks 1-4 are damaged in the four ways a
 file goes bad, and a TTP save (one copy per replica group: ranks 0 and 2). Each test copies it into its own run directory, so deletes
 never leak between tests. Helpers are shared with the browser test.
 """
+
 from __future__ import annotations
 
 import json
@@ -53,11 +54,20 @@ def save_bridge_set(run: Path, global_step: int, ranks=(0, 1)) -> list[Path]:
     epoch, step = divmod(global_step - 1, STEPS_PER_EPOCH)
     paths = []
     for r in ranks:
-        paths.append(save_small(
-            runfiles.checkpoint_path(run, r, epoch + 1, step + 1),
-            {"epoch_num": epoch + 1, "step_num": global_step, "batch_num": STEPS_PER_EPOCH,
-             "global_step": global_step, "rankwatch_request_id": f"req-{global_step}",
-             "rankwatch_rank": r, "rankwatch_world_size": len(ranks)}))
+        paths.append(
+            save_small(
+                runfiles.checkpoint_path(run, r, epoch + 1, step + 1),
+                {
+                    "epoch_num": epoch + 1,
+                    "step_num": global_step,
+                    "batch_num": STEPS_PER_EPOCH,
+                    "global_step": global_step,
+                    "rankwatch_request_id": f"req-{global_step}",
+                    "rankwatch_rank": r,
+                    "rankwatch_world_size": len(ranks),
+                },
+            )
+        )
     return paths
 
 
@@ -65,11 +75,16 @@ def _train_with_modelcheckpoint(run: Path) -> None:
     """2 epochs of 4 steps; ModelCheckpoint saves every 4 steps into ckpt/rank_0 and ckpt/rank_1."""
     data = mds.GeneratorDataset(_Samples(), ["x", "y"], shuffle=False).batch(4)
     net = Small()
-    model = Model(net, nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"),
-                  nn.Momentum(net.trainable_params(), 0.01, 0.9))
+    model = Model(
+        net,
+        nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"),
+        nn.Momentum(net.trainable_params(), 0.01, 0.9),
+    )
     config = CheckpointConfig(save_checkpoint_steps=4, keep_checkpoint_max=5)
-    callbacks = [ModelCheckpoint(prefix="train", directory=str(run / "ckpt" / f"rank_{r}"), config=config)
-                 for r in (0, 1)]
+    callbacks = [
+        ModelCheckpoint(prefix="train", directory=str(run / "ckpt" / f"rank_{r}"), config=config)
+        for r in (0, 1)
+    ]
     model.train(2, data, callbacks=callbacks, dataset_sink_mode=False)
 
 
@@ -79,12 +94,16 @@ def write_layouts(run: Path) -> None:
     save_bridge_set(run, 30, ranks=(0,))
     _train_with_modelcheckpoint(run)
     for r in (0, 1):
-        save_small(run / "st" / f"rank_{r}" / "model-2_7.safetensors",
-                   {"epoch_num": 2, "step_num": 15, "batch_num": STEPS_PER_EPOCH, "global_step": 15},
-                   fmt="safetensors")
-        save_small(run / "crc" / f"rank_{r}" / "net-1_3.ckpt",
-                   {"epoch_num": 1, "step_num": 3, "batch_num": STEPS_PER_EPOCH, "global_step": 3},
-                   crc_check=True)
+        save_small(
+            run / "st" / f"rank_{r}" / "model-2_7.safetensors",
+            {"epoch_num": 2, "step_num": 15, "batch_num": STEPS_PER_EPOCH, "global_step": 15},
+            fmt="safetensors",
+        )
+        save_small(
+            run / "crc" / f"rank_{r}" / "net-1_3.ckpt",
+            {"epoch_num": 1, "step_num": 3, "batch_num": STEPS_PER_EPOCH, "global_step": 3},
+            crc_check=True,
+        )
     flipped = run / "crc" / "rank_1" / "net-1_3.ckpt"
     data = bytearray(flipped.read_bytes())
     data[len(data) // 2] ^= 0xFF  # inside a tensor: the structure still parses, the CRC does not match
@@ -92,18 +111,30 @@ def write_layouts(run: Path) -> None:
     flipped.write_bytes(bytes(data))
     write_damaged(run, "damaged", "net-1_2.ckpt", global_step=2)
     for r in (0, 2):
-        save_small(run / "ttp" / "tft_saved_checkpoints-step_12" / f"rank_{r}" / f"ttp_rank_{r}-2_4.ckpt",
-                   {"epoch_num": 2, "step_num": 12, "batch_num": STEPS_PER_EPOCH, "global_step": 12})
+        save_small(
+            run / "ttp" / "tft_saved_checkpoints-step_12" / f"rank_{r}" / f"ttp_rank_{r}-2_4.ckpt",
+            {"epoch_num": 2, "step_num": 12, "batch_num": STEPS_PER_EPOCH, "global_step": 12},
+        )
 
 
 def write_damaged(run: Path, series: str, name: str, global_step: int) -> None:
     """Rank 0 good; rank 1 truncated, 2 empty, 3 random bytes, 4 JSON renamed .ckpt."""
     epoch, step = divmod(global_step - 1, STEPS_PER_EPOCH)
-    good = save_small(run / series / "rank_0" / name,
-                      {"epoch_num": epoch + 1, "step_num": global_step, "batch_num": STEPS_PER_EPOCH,
-                       "global_step": global_step})
-    bad = {1: good.read_bytes()[:300], 2: b"", 3: b"\x93" + os.urandom(2000),
-           4: json.dumps({"GracefulExit": 1}).encode()}
+    good = save_small(
+        run / series / "rank_0" / name,
+        {
+            "epoch_num": epoch + 1,
+            "step_num": global_step,
+            "batch_num": STEPS_PER_EPOCH,
+            "global_step": global_step,
+        },
+    )
+    bad = {
+        1: good.read_bytes()[:300],
+        2: b"",
+        3: b"\x93" + os.urandom(2000),
+        4: json.dumps({"GracefulExit": 1}).encode(),
+    }
     for r, content in bad.items():
         path = run / series / f"rank_{r}" / name
         path.parent.mkdir(parents=True)
@@ -121,8 +152,9 @@ def layouts(tmp_path_factory) -> Path:
 def app(run_dir, layouts):
     """The dashboard on a private copy of every layout, with a known token and a fast re-scan."""
     shutil.copytree(layouts, run_dir, dirs_exist_ok=True)
-    app = create_app({"RUN_DIR": str(run_dir), "TESTING": True, **FAST_SETTINGS,
-                      "CHECKPOINT_SCAN_S": 0.2, "TOKEN": TOKEN})
+    app = create_app(
+        {"RUN_DIR": str(run_dir), "TESTING": True, **FAST_SETTINGS, "CHECKPOINT_SCAN_S": 0.2, "TOKEN": TOKEN}
+    )
     yield app
     app.extensions["rankwatch"].watcher.stop()
 
@@ -140,6 +172,7 @@ def assert_error(response, status: int) -> dict:
 
 # -- the index ----------------------------------------------------------------------------
 
+
 def test_sets_are_grouped_by_step_with_the_newest_complete_marked(client):
     body = client.get("/api/checkpoints").get_json()
     sets = {s["id"]: s for s in body["sets"]}
@@ -150,9 +183,16 @@ def test_sets_are_grouped_by_step_with_the_newest_complete_marked(client):
     assert steps == sorted(steps, reverse=True)
 
     newest = sets[bridge_id(20)]
-    assert (newest["origin"], newest["complete"], newest["epoch"], newest["step"]) == ("graceful stop", True, 3, 4)
+    assert (newest["origin"], newest["complete"], newest["epoch"], newest["step"]) == (
+        "graceful stop",
+        True,
+        3,
+        4,
+    )
     assert newest["ranks_present"] == [0, 1] and newest["ranks_missing"] == []
-    assert [f["path"] for f in newest["files"]] == [f"checkpoints/rank_{r}/rankwatch-3_4.ckpt" for r in (0, 1)]
+    assert [f["path"] for f in newest["files"]] == [
+        f"checkpoints/rank_{r}/rankwatch-3_4.ckpt" for r in (0, 1)
+    ]
     for f in newest["files"]:
         assert (f["format"], f["status"], f["global_step"]) == ("ckpt", "ok", 20)
         assert f["bytes"] > 0
@@ -198,9 +238,11 @@ def test_a_ttp_set_says_why_missing_ranks_may_not_matter(client, run_dir):
     assert (ttp["origin"], ttp["complete"], ttp["ranks_missing"]) == ("TTP", False, [1])
     assert any(n.startswith("TTP saves one copy per replica group") for n in ttp["notes"])
     r = client.post("/api/checkpoints/delete", json={"set": ttp["id"], "reason": "old"}, headers=AUTH)
-    assert r.get_json()["removed_dirs"] == ["ttp/tft_saved_checkpoints-step_12",
-                                            "ttp/tft_saved_checkpoints-step_12/rank_0",
-                                            "ttp/tft_saved_checkpoints-step_12/rank_2"]
+    assert r.get_json()["removed_dirs"] == [
+        "ttp/tft_saved_checkpoints-step_12",
+        "ttp/tft_saved_checkpoints-step_12/rank_0",
+        "ttp/tft_saved_checkpoints-step_12/rank_2",
+    ]
     assert (run_dir / "ttp").is_dir() and not any((run_dir / "ttp").iterdir())
 
 
@@ -242,6 +284,7 @@ def test_poll_returns_the_index_only_when_it_changed(app, run_dir):
 
 # -- download -----------------------------------------------------------------------------
 
+
 def test_download_sends_a_listed_file(client, run_dir):
     rel = "checkpoints/rank_1/rankwatch-3_4.ckpt"
     r = client.get("/api/checkpoints/file", query_string={"path": rel})
@@ -265,32 +308,35 @@ def traps(run_dir, tmp_path):
     return outside
 
 
-@pytest.mark.parametrize("query, status", [
-    ("path=../outside/rank_0/leak-1_1.ckpt", 400),
-    ("path=checkpoints/../../outside/rank_0/leak-1_1.ckpt", 400),
-    ("path=%2e%2e%2foutside%2frank_0%2fleak-1_1.ckpt", 400),
-    ("path=%252e%252e%252foutside", 404),
-    ("path=/etc/passwd", 400),
-    ("path=checkpoints/rank_0/leak-1_1.ckpt", 400),  # a symlink out of the run directory
-    ("path=linked/rank_0/leak-1_1.ckpt", 400),  # through a symlinked directory
-    ("path=rankwatch/audit.sqlite3", 404),  # inside, but not a checkpoint
-    ("path=rankwatch/hidden-1_1.ckpt", 404),  # a checkpoint the index does not list
-    ("path=checkpoints/rank_0/nothing-1_1.ckpt", 404),
-    ("path=", 400),
-    ("", 400),
-])
+@pytest.mark.parametrize(
+    "query, status",
+    [
+        ("path=../outside/rank_0/leak-1_1.ckpt", 400),
+        ("path=checkpoints/../../outside/rank_0/leak-1_1.ckpt", 400),
+        ("path=%2e%2e%2foutside%2frank_0%2fleak-1_1.ckpt", 400),
+        ("path=%252e%252e%252foutside", 404),
+        ("path=/etc/passwd", 400),
+        ("path=checkpoints/rank_0/leak-1_1.ckpt", 400),  # a symlink out of the run directory
+        ("path=linked/rank_0/leak-1_1.ckpt", 400),  # through a symlinked directory
+        ("path=rankwatch/audit.sqlite3", 404),  # inside, but not a checkpoint
+        ("path=rankwatch/hidden-1_1.ckpt", 404),  # a checkpoint the index does not list
+        ("path=checkpoints/rank_0/nothing-1_1.ckpt", 404),
+        ("path=", 400),
+        ("", 400),
+    ],
+)
 def test_download_refuses_anything_but_a_listed_checkpoint(client, traps, query, status):
     assert_error(client.get(f"/api/checkpoints/file?{query}"), status)
 
 
 # -- resume -------------------------------------------------------------------------------
 
+
 def exec_load(code: str, rank: int, net) -> None:
     """Run the generated code up to and including its load, as rank ``rank``, into ``net``."""
-    head = code[:code.index("\n", code.index("ms.load_checkpoint("))]
+    head = code[: code.index("\n", code.index("ms.load_checkpoint("))]
     assert "rank = get_rank()" in head
-    exec(compile(head.replace("rank = get_rank()", f"rank = {rank}"), "resume", "exec"),
-         {"train_net": net})
+    exec(compile(head.replace("rank = get_rank()", f"rank = {rank}"), "resume", "exec"), {"train_net": net})
 
 
 def assert_loaded(net, path: Path, fmt: str = "ckpt") -> None:
@@ -305,8 +351,10 @@ def test_resume_from_the_bridge_default_set(client, run_dir):
     assert r.status_code == 200
     info = r.get_json()
     assert info["bridge_default"] is True and "unchanged" in info["how"]
-    assert info["command"] == (f"msrun --worker_num=2 --local_worker_num=2 --join=True "
-                               f"/opt/job/train.py --run-dir {run_dir} --epochs 5")
+    assert info["command"] == (
+        f"msrun --worker_num=2 --local_worker_num=2 --join=True "
+        f"/opt/job/train.py --run-dir {run_dir} --epochs 5"
+    )
     assert (info["steps_per_epoch"], info["initial_epoch"], info["skip_steps"]) == (8, 2, 4)
     code = info["code"]
     compile(code, "resume", "exec")
@@ -347,8 +395,10 @@ def test_resume_of_an_incomplete_set_warns_and_multi_node_jobs_get_node_ranks(cl
         write_heartbeat(run_dir, heartbeat(r, 2, host=host))
     info = client.get("/api/checkpoints/resume", query_string={"set": bridge_id(30)}).get_json()
     assert info["complete"] is False and "rank(s) 1" in info["warnings"][0]
-    assert info["command"] == ("msrun --worker_num=2 --local_worker_num=1 --master_addr=node-a "
-                               "--node_rank=<this node's index> --join=True train.py")
+    assert info["command"] == (
+        "msrun --worker_num=2 --local_worker_num=1 --master_addr=node-a "
+        '--node_rank="${NODE_RANK:?set NODE_RANK to the index of this node}" --join=True train.py'
+    )
     assert any("2 nodes" in n for n in info["command_notes"])
     assert any("relative" in n for n in info["command_notes"])
 
@@ -360,9 +410,11 @@ def test_resume_of_an_unknown_set_is_404(client):
 
 # -- delete -------------------------------------------------------------------------------
 
+
 def delete(client, set_id: str, headers=AUTH, **body):
-    return client.post("/api/checkpoints/delete", json={"set": set_id, "reason": "disk full", **body},
-                       headers=headers)
+    return client.post(
+        "/api/checkpoints/delete", json={"set": set_id, "reason": "disk full", **body}, headers=headers
+    )
 
 
 def test_delete_needs_the_token_and_deletes_nothing_without_it(client, run_dir):
@@ -383,12 +435,18 @@ def test_delete_removes_the_files_and_empty_rank_dirs_and_audits(client, sio, ru
     assert result["failed"] == [] and result["removed_dirs"] == ["st/rank_0", "st/rank_1"]
     assert not (run_dir / "st" / "rank_0").exists() and (run_dir / "st").is_dir()
     assert f"{SAFETENSORS}#g15" not in sets_by_id(client)
-    pushed = wait_for_event(sio, "checkpoints", lambda b: f"{SAFETENSORS}#g15" not in {s["id"] for s in b["sets"]})
+    pushed = wait_for_event(
+        sio, "checkpoints", lambda b: f"{SAFETENSORS}#g15" not in {s["id"] for s in b["sets"]}
+    )
     assert pushed["newest_complete"] == bridge_id(20)
 
     row = client.get("/api/audit").get_json()["rows"][0]
-    assert (row["action"], row["who"], row["reason"], row["outcome"]) == ("delete", "alice", "disk full",
-                                                                          "deleted: 2 file(s)")
+    assert (row["action"], row["who"], row["reason"], row["outcome"]) == (
+        "delete",
+        "alice",
+        "disk full",
+        "deleted: 2 file(s)",
+    )
     assert json.loads(row["detail"])["files"] == result["deleted"]
 
 
@@ -412,12 +470,15 @@ def test_the_newest_complete_set_needs_force(client, run_dir):
     assert (body["newest_complete"], body["bridge_resume"]) == (f"{SAFETENSORS}#g15", bridge_id(10))
 
 
-@pytest.mark.parametrize("payload, status", [
-    ({"set": BRIDGE + "#g10"}, 400),  # no reason
-    ({"set": BRIDGE + "#g10", "reason": "x", "force": "yes"}, 400),
-    ({"set": BRIDGE + "#g10", "reason": "x", "extra": 1}, 400),
-    ({"set": "unknown#g1", "reason": "x"}, 404),
-])
+@pytest.mark.parametrize(
+    "payload, status",
+    [
+        ({"set": BRIDGE + "#g10"}, 400),  # no reason
+        ({"set": BRIDGE + "#g10", "reason": "x", "force": "yes"}, 400),
+        ({"set": BRIDGE + "#g10", "reason": "x", "extra": 1}, 400),
+        ({"set": "unknown#g1", "reason": "x"}, 404),
+    ],
+)
 def test_delete_checks_its_body(client, run_dir, payload, status):
     assert_error(client.post("/api/checkpoints/delete", json=payload, headers=AUTH), status)
     assert (run_dir / "checkpoints/rank_0/rankwatch-2_2.ckpt").exists()
@@ -425,35 +486,52 @@ def test_delete_checks_its_body(client, run_dir, payload, status):
 
 # -- deep verify --------------------------------------------------------------------------
 
+
 def wait_verified(sio, set_id: str) -> dict:
-    return wait_for_event(sio, "checkpoint_verify", lambda e: e["set"] == set_id and e["state"] != "running",
-                          timeout=180)
+    return wait_for_event(
+        sio, "checkpoint_verify", lambda e: e["set"] == set_id and e["state"] != "running", timeout=180
+    )
 
 
 def test_verify_loads_every_file_in_a_subprocess(client, sio, run_dir):
-    r = client.post("/api/checkpoints/verify", json={"set": bridge_id(20)})
+    r = client.post("/api/checkpoints/verify", headers=AUTH, json={"set": bridge_id(20)})
     assert r.status_code == 202 and r.get_json()["state"] == "running"
-    assert_error(client.post("/api/checkpoints/verify", json={"set": bridge_id(20)}), 409)
+    assert_error(client.post("/api/checkpoints/verify", headers=AUTH, json={"set": bridge_id(20)}), 409)
     events = []
-    final = wait_for_event(sio, "checkpoint_verify",
-                           lambda e: events.append(e) or (e["set"] == bridge_id(20) and e["state"] != "running"),
-                           timeout=180)
-    assert (final["state"], final["ok"], final["done"], final["total"], final["error"]) == ("ok", True, 2, 2, None)
+    final = wait_for_event(
+        sio,
+        "checkpoint_verify",
+        lambda e: events.append(e) or (e["set"] == bridge_id(20) and e["state"] != "running"),
+        timeout=180,
+    )
+    assert (final["state"], final["ok"], final["done"], final["total"], final["error"]) == (
+        "ok",
+        True,
+        2,
+        2,
+        None,
+    )
     progress = [(e["done"], e["file"], e["ok"]) for e in events if e["state"] == "running"]
-    assert progress[-2:] == [(1, "checkpoints/rank_0/rankwatch-3_4.ckpt", True),
-                             (2, "checkpoints/rank_1/rankwatch-3_4.ckpt", True)]
+    assert progress[-2:] == [
+        (1, "checkpoints/rank_0/rankwatch-3_4.ckpt", True),
+        (2, "checkpoints/rank_1/rankwatch-3_4.ckpt", True),
+    ]
 
     status = client.get("/api/checkpoints/verify", query_string={"set": bridge_id(20)}).get_json()
     assert status["state"] == "ok" and status["finished_at"] >= status["started_at"]
     entries = len(ms.load_checkpoint(str(run_dir / "checkpoints/rank_0/rankwatch-3_4.ckpt")))
-    assert [(f["rank"], f["ok"], f["crc"], f["params"]) for f in status["files"]] == \
-        [(0, True, False, entries), (1, True, False, entries)]
+    assert [(f["rank"], f["ok"], f["crc"], f["params"]) for f in status["files"]] == [
+        (0, True, False, entries),
+        (1, True, False, entries),
+    ]
     listed = sets_by_id(client)[bridge_id(20)]
     assert listed["verify"]["state"] == "ok"
 
 
 def test_verify_reports_each_damaged_file_and_a_crc_mismatch(client, sio):
-    assert client.post("/api/checkpoints/verify", json={"set": f"{DAMAGED}#g2"}).status_code == 202
+    assert (
+        client.post("/api/checkpoints/verify", headers=AUTH, json={"set": f"{DAMAGED}#g2"}).status_code == 202
+    )
     damaged = wait_verified(sio, f"{DAMAGED}#g2")
     assert damaged["state"] == "failed" and damaged["ok"] is False
     assert damaged["error"].startswith("4 of 5 file(s) failed to load")
@@ -461,7 +539,7 @@ def test_verify_reports_each_damaged_file_and_a_crc_mismatch(client, sio):
     assert [f["ok"] for f in files] == [True, False, False, False, False]
     assert all(f["error"] for f in files[1:])
 
-    assert client.post("/api/checkpoints/verify", json={"set": f"{CRC}#g3"}).status_code == 202
+    assert client.post("/api/checkpoints/verify", headers=AUTH, json={"set": f"{CRC}#g3"}).status_code == 202
     assert wait_verified(sio, f"{CRC}#g3")["state"] == "failed"
     crc_files = client.get("/api/checkpoints/verify", query_string={"set": f"{CRC}#g3"}).get_json()["files"]
     assert [(f["rank"], f["ok"], f["crc"]) for f in crc_files] == [(0, True, True), (1, False, True)]
@@ -472,14 +550,14 @@ def test_verify_reports_each_damaged_file_and_a_crc_mismatch(client, sio):
 
 def test_verify_and_delete_do_not_overlap(client, sio):
     set_id = f"{SAFETENSORS}#g15"
-    assert client.post("/api/checkpoints/verify", json={"set": set_id}).status_code == 202
+    assert client.post("/api/checkpoints/verify", headers=AUTH, json={"set": set_id}).status_code == 202
     assert "verify" in assert_error(delete(client, set_id), 409)["error"]
     wait_verified(sio, set_id)
 
 
 def test_verify_checks_its_request(client):
-    assert_error(client.post("/api/checkpoints/verify", data="x"), 415)
-    assert_error(client.post("/api/checkpoints/verify", json={"set": "nope#g1"}), 404)
+    assert_error(client.post("/api/checkpoints/verify", data="x", headers=AUTH), 415)
+    assert_error(client.post("/api/checkpoints/verify", headers=AUTH, json={"set": "nope#g1"}), 404)
     assert_error(client.get("/api/checkpoints/verify", query_string={"set": "nope#g1"}), 404)
     never = assert_error(client.get("/api/checkpoints/verify", query_string={"set": bridge_id(10)}), 404)
     assert "no deep verify" in never["error"]
@@ -491,11 +569,12 @@ def test_the_dashboard_process_never_imports_mindspore(run_dir, layouts):
     code = f"""
 import sys, time
 from app import create_app
-client = create_app({{"RUN_DIR": {str(run_dir)!r}}}).test_client()
+client = create_app({{"RUN_DIR": {str(run_dir)!r}, "TOKEN": {TOKEN!r}}}).test_client()
 set_id = {bridge_id(20)!r}
 assert client.get("/api/checkpoints").get_json()["newest_complete"] == set_id
 assert client.get("/api/checkpoints/resume", query_string={{"set": set_id}}).status_code == 200
-assert client.post("/api/checkpoints/verify", json={{"set": set_id}}).status_code == 202
+auth = {{"Authorization": "Bearer {TOKEN}"}}
+assert client.post("/api/checkpoints/verify", json={{"set": set_id}}, headers=auth).status_code == 202
 deadline = time.monotonic() + 180
 while client.get("/api/checkpoints/verify", query_string={{"set": set_id}}).get_json()["state"] == "running":
     assert time.monotonic() < deadline, "verify did not finish"

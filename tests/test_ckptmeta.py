@@ -5,6 +5,7 @@ Every expectation about a good file is checked against what
 parser cannot drift from MindSpore's format unnoticed. Helpers shared with
 test_ckptindex live here because conftest.py belongs to another change.
 """
+
 from __future__ import annotations
 
 import errno
@@ -26,8 +27,7 @@ from trainer_bridge import ckptmeta
 from trainer_bridge.ckptmeta import MetaCache, read_meta, steps_from_name
 
 REPO = Path(__file__).resolve().parents[1]
-APPEND = {"epoch_num": 3, "step_num": 21, "batch_num": 8, "global_step": 21,
-          "rankwatch_request_id": "abc"}
+APPEND = {"epoch_num": 3, "step_num": 21, "batch_num": 8, "global_step": 21, "rankwatch_request_id": "abc"}
 
 
 class Small(nn.Cell):
@@ -46,18 +46,23 @@ def save_small(path, append_dict=None, fmt="ckpt", **kwargs) -> Path:
     """Save a fresh ``Small`` at ``path`` with MindSpore and return the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    ms.save_checkpoint(Small(), str(path), append_dict=dict(append_dict) if append_dict else None,
-                       format=fmt, **kwargs)
+    ms.save_checkpoint(
+        Small(), str(path), append_dict=dict(append_dict) if append_dict else None, format=fmt, **kwargs
+    )
     return path
 
 
 def loaded_view(path, fmt="ckpt", **kwargs):
     """(params, scalars) as MindSpore itself loads them."""
     loaded = ms.load_checkpoint(str(path), format=fmt, **kwargs)
-    params = {k: (tuple(v.shape), str(v.dtype), v.nbytes)
-              for k, v in loaded.items() if not isinstance(v, str)}
-    scalars = {k: v if isinstance(v, str) else _item(v)
-               for k, v in loaded.items() if isinstance(v, str) or v.shape == ()}
+    params = {
+        k: (tuple(v.shape), str(v.dtype), v.nbytes) for k, v in loaded.items() if not isinstance(v, str)
+    }
+    scalars = {
+        k: v if isinstance(v, str) else _item(v)
+        for k, v in loaded.items()
+        if isinstance(v, str) or v.shape == ()
+    }
     return params, scalars
 
 
@@ -138,13 +143,22 @@ def test_split_tensor_is_joined(tmp_path, monkeypatch):
     ms.save_checkpoint([{"name": "w", "data": w}], str(only))
     raw = only.read_bytes()
     cut = tmp_path / "only_cut.ckpt"
-    cut.write_bytes(raw[:len(raw) * 2 // 3])  # three equal chunks: drop the last whole one
-    assert read_meta(cut).reason == "truncated: tensor 'w' Float32[48, 16] needs 3072 bytes, the file holds 2048"
+    cut.write_bytes(raw[: len(raw) * 2 // 3])  # three equal chunks: drop the last whole one
+    assert (
+        read_meta(cut).reason == "truncated: tensor 'w' Float32[48, 16] needs 3072 bytes, the file holds 2048"
+    )
 
 
 def test_scalar_types_and_non_finite_values(tmp_path):
-    extras = {"i": 7, "f": 0.25, "b": True, "inf": float("inf"), "long": "r" * 100,
-              "bf16": Tensor(np.array(1.5), ms.bfloat16), "f16": Tensor(np.array(-2.0), ms.float16)}
+    extras = {
+        "i": 7,
+        "f": 0.25,
+        "b": True,
+        "inf": float("inf"),
+        "long": "r" * 100,
+        "bf16": Tensor(np.array(1.5), ms.bfloat16),
+        "f16": Tensor(np.array(-2.0), ms.float16),
+    }
     path = save_small(tmp_path / "types.ckpt", extras)
     meta = read_meta(path, with_params=True)
     _, scalars = loaded_view(path)
@@ -161,7 +175,9 @@ def test_encrypted_file_is_recognised(tmp_path):
 
 def test_mindir(tmp_path):
     net = Small()
-    ms.export(net, Tensor(np.zeros((1, 16), np.float32)), file_name=str(tmp_path / "net"), file_format="MINDIR")
+    ms.export(
+        net, Tensor(np.zeros((1, 16), np.float32)), file_name=str(tmp_path / "net"), file_format="MINDIR"
+    )
     meta = read_meta(tmp_path / "net.mindir")
     assert (meta.status, meta.format, meta.step_source) == ("ok", "mindir", None)
     assert meta.extras["producer_name"] == "MindSpore"
@@ -192,6 +208,7 @@ def test_step_falls_back_to_the_name(tmp_path):
 
 # -- bad files ---------------------------------------------------------------
 
+
 def test_truncated_inside_a_tensor(files, tmp_path):
     cut = tmp_path / "cut.ckpt"
     cut.write_bytes(files["ckpt"].read_bytes()[:200])
@@ -210,13 +227,16 @@ def test_truncated_safetensors(files, tmp_path):
     assert read_meta(cut).reason.startswith("truncated: the safetensors header needs ")
 
 
-@pytest.mark.parametrize("content, ext, reason", [
-    (b"", ".ckpt", "empty file"),
-    (b'{"GracefulExit": 1}', ".ckpt", "not a checkpoint: it looks like JSON"),
-    (b"\x93" + random.Random(0).randbytes(4095), ".ckpt", "not a checkpoint: it starts with b'\\x93"),
-    (random.Random(1).randbytes(64), ".safetensors", "not a checkpoint: "),
-    (b"hello world", ".mindir", "not a MindIR model: "),
-])
+@pytest.mark.parametrize(
+    "content, ext, reason",
+    [
+        (b"", ".ckpt", "empty file"),
+        (b'{"GracefulExit": 1}', ".ckpt", "not a checkpoint: it looks like JSON"),
+        (b"\x93" + random.Random(0).randbytes(4095), ".ckpt", "not a checkpoint: it starts with b'\\x93"),
+        (random.Random(1).randbytes(64), ".safetensors", "not a checkpoint: "),
+        (b"hello world", ".mindir", "not a MindIR model: "),
+    ],
+)
 def test_bad_content(tmp_path, content, ext, reason):
     path = tmp_path / f"bad{ext}"
     path.write_bytes(content)
@@ -263,7 +283,7 @@ def test_every_truncation_is_corrupt_or_a_clean_prefix(files, tmp_path):
         meta = read_meta(cut, with_params=True)
         if meta.ok:
             got = [p.name for p in meta.params]
-            assert got == names[:len(got)] and len(meta.extras) < len(full.extras), n
+            assert got == names[: len(got)] and len(meta.extras) < len(full.extras), n
         else:
             assert meta.reason.startswith("truncated: "), (n, meta.reason)
 
@@ -274,8 +294,10 @@ _FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthC
 
 
 @_FUZZ
-@given(data=st.one_of(st.binary(max_size=512), st.binary(max_size=512).map(lambda b: b"\n" + b)),
-       ext=st.sampled_from([".ckpt", ".safetensors", ".mindir", ".bin"]))
+@given(
+    data=st.one_of(st.binary(max_size=512), st.binary(max_size=512).map(lambda b: b"\n" + b)),
+    ext=st.sampled_from([".ckpt", ".safetensors", ".mindir", ".bin"]),
+)
 def test_fuzz_random_bytes(tmp_path, data, ext):
     path = tmp_path / f"fuzz{ext}"
     path.write_bytes(data)
@@ -288,7 +310,7 @@ def test_fuzz_random_bytes(tmp_path, data, ext):
 @given(fmt=st.sampled_from(["ckpt", "safetensors"]), data=st.data())
 def test_fuzz_damaged_valid_files(files, tmp_path, fmt, data):
     raw = bytearray(files[fmt].read_bytes())
-    raw = raw[:data.draw(st.integers(0, len(raw)), label="length")]
+    raw = raw[: data.draw(st.integers(0, len(raw)), label="length")]
     for _ in range(data.draw(st.integers(0, 3), label="flips")):
         if raw:
             raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
@@ -300,6 +322,7 @@ def test_fuzz_damaged_valid_files(files, tmp_path, fmt, data):
 
 
 # -- cache and imports ---------------------------------------------------------
+
 
 def test_cache_reads_each_version_once(files, tmp_path, monkeypatch):
     path = tmp_path / "c.ckpt"
@@ -329,7 +352,9 @@ def test_cache_is_bounded(files, tmp_path):
 
 
 def test_modules_do_not_import_mindspore():
-    code = ("import sys, trainer_bridge.ckptmeta, trainer_bridge.ckptindex; "
-            "bad = [m for m in ('mindspore', 'google.protobuf', 'numpy') if m in sys.modules]; "
-            "sys.exit(f'imported {bad}' if bad else 0)")
+    code = (
+        "import sys, trainer_bridge.ckptmeta, trainer_bridge.ckptindex; "
+        "bad = [m for m in ('mindspore', 'google.protobuf', 'numpy') if m in sys.modules]; "
+        "sys.exit(f'imported {bad}' if bad else 0)"
+    )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)

@@ -1,5 +1,6 @@
 """Device metrics. ``npu-smi`` and ``nvidia-smi`` cannot exist here, so they are mocked:
 fake executables on PATH that print what the real tools print."""
+
 from __future__ import annotations
 
 import logging
@@ -28,8 +29,15 @@ NVIDIA_CSV = "0, 35, 1024, 81920, 51\n1, 99, 80000, 81920, 77\n"
 
 def test_parse_npu_smi_picks_this_rank_device():
     d = parse_npu_smi(NPU_SMI_INFO, 1)
-    assert d == {"kind": "npu", "index": 1, "util_percent": 87.0, "mem_used_bytes": 61024 * 2**20,
-                 "mem_total_bytes": 65536 * 2**20, "temp_c": 47.0, "health": "Warning"}
+    assert d == {
+        "kind": "npu",
+        "index": 1,
+        "util_percent": 87.0,
+        "mem_used_bytes": 61024 * 2**20,
+        "mem_total_bytes": 65536 * 2**20,
+        "temp_c": 47.0,
+        "health": "Warning",
+    }
     assert parse_npu_smi(NPU_SMI_INFO, 5) is None
     assert parse_npu_smi("garbage", 0) is None
 

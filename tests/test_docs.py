@@ -1,4 +1,5 @@
 """The README documents every setting, API route, Socket.IO event, row field and verdict."""
+
 from __future__ import annotations
 
 import re
@@ -11,6 +12,7 @@ from app.health import VERDICTS
 from app.main.events import EVENTS
 from app.metrics import METRICS
 from tests.heartbeats import heartbeat
+from trainer_bridge import schema
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
 
@@ -21,7 +23,7 @@ def section(title: str) -> str:
     assert heading, f"README has no section {title!r}"
     level = len(heading.group(1))
     end = re.compile(rf"^#{{1,{level}}} ", re.M).search(README, heading.end())
-    return README[heading.end():end.start() if end else len(README)]
+    return README[heading.end() : end.start() if end else len(README)]
 
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.name)
@@ -60,10 +62,30 @@ def test_verdict_is_documented(verdict):
     assert f"`{verdict}`" in section("Health verdicts")
 
 
-def test_heartbeat_helper_writes_exactly_the_readme_schema():
-    table = section("Heartbeat: `rankwatch/rank_{r}.json` (schema 1)")
-    fields = set()
-    for line in table.splitlines():
-        if line.startswith("| `"):
-            fields |= set(re.findall(r"`(\w+)`", line.split("|")[1]))
-    assert set(heartbeat(0, 1)) == fields
+def test_schema_tables_are_generated_from_the_schema():
+    # Regenerate with: python -m trainer_bridge.schema README.md
+    assert schema.render_readme(README) == README
+
+
+def test_heartbeat_helper_writes_exactly_the_schema():
+    beat = heartbeat(0, 1)
+    assert set(beat) == {f.alias or name for name, f in schema.Heartbeat.model_fields.items()}
+    assert schema.validate(schema.Heartbeat, beat).to_dict() == beat
+
+
+def test_every_cli_command_is_documented():
+    from app.cli import main
+
+    text = section("The command line: `rankwatch`")
+    assert [c for c in main.commands if f"rankwatch {c} " not in text] == []
+
+
+def test_every_prometheus_metric_is_documented(client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = section("Prometheus metrics")
+    body = client.get("/metrics").get_data(as_text=True)
+    names = {f.name for f in text_string_to_metric_families(body) if f.name.startswith("rankwatch_")}
+    # Counters are documented by their sample name (with _total); one-hot ones with their label.
+    documented = set(re.findall(r"`(rankwatch_\w+?)(?:_total)?[`{]", text))
+    assert sorted(names - documented) == []

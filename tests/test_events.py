@@ -1,4 +1,5 @@
 """Socket.IO events through Flask-SocketIO's test client, and the watcher's contract."""
+
 from __future__ import annotations
 
 import threading
@@ -23,18 +24,22 @@ def test_connect_sends_a_snapshot_to_that_client_only(app, client, run_dir):
 
     second = socketio.test_client(app, flask_test_client=client)
     wait_for_event(second, "ranks_snapshot")
-    assert not [e for e in first.get_received() if e["name"] == "ranks_snapshot"
-                and e["args"][0]["ranks"] == snap["ranks"]]
+    assert not [
+        e
+        for e in first.get_received()
+        if e["name"] == "ranks_snapshot" and e["args"][0]["ranks"] == snap["ranks"]
+    ]
     first.disconnect()
     second.disconnect()
 
 
 def shows(rank: int, **fields):
     """A predicate: the payload (snapshot or delta) has ``rank`` with these field values."""
+
     def check(payload):
         rows = payload.get("rows", payload.get("ranks", []))
-        return any(r["rank"] == rank and all(r.get(k) == v for k, v in fields.items())
-                   for r in rows)
+        return any(r["rank"] == rank and all(r.get(k) == v for k, v in fields.items()) for r in rows)
+
     return check
 
 

@@ -6,6 +6,7 @@ One request must result: one flag write with one request id, the second
 press joining it; and two audit rows, one ``accepted`` and one
 ``duplicate: joined request <id>``.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,14 @@ TOKEN = "two-operators-token"
 def operator_page(browser, url: str, who: str, responses: list):
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
     page = context.new_page()
-    page.on("response", lambda r: responses.append((who, r.status, r.json()))
-            if r.request.method == "POST" and r.url.endswith("/api/exit") else None)
+    page.on(
+        "response",
+        lambda r: (
+            responses.append((who, r.status, r.json()))
+            if r.request.method == "POST" and r.url.endswith("/api/exit")
+            else None
+        ),
+    )
     page.goto(url)
     page.click("#token-open")
     page.fill("#token-input", TOKEN)
@@ -51,17 +58,23 @@ def test_two_browsers_press_stop_at_the_same_moment(browser, run_dir, tmp_path):
         # Both pages click Confirm at one wall-clock instant (same machine clock).
         at_ms = time.time() * 1000 + 600
         for _, page in contexts:
-            page.evaluate("t => setTimeout(() => document.querySelector('#stop-confirm').click(),"
-                          " Math.max(0, t - Date.now()))", at_ms)
+            page.evaluate(
+                "t => setTimeout(() => document.querySelector('#stop-confirm').click(),"
+                " Math.max(0, t - Date.now()))",
+                at_ms,
+            )
         for _, page in contexts:
             expect(page.locator("#stop-dialog")).not_to_have_attribute("open", "", timeout=UI_TIMEOUT_MS)
-            expect(page.locator("#stop-panel")).to_have_attribute("data-state", "requested",
-                                                                  timeout=UI_TIMEOUT_MS)
-        rows = dash.wait(lambda body: body["rows"] if len(body["rows"]) >= 2 else None,
-                         "two audit rows", path="/api/audit")
+            expect(page.locator("#stop-panel")).to_have_attribute(
+                "data-state", "requested", timeout=UI_TIMEOUT_MS
+            )
+        rows = dash.wait(
+            lambda body: body["rows"] if len(body["rows"]) >= 2 else None, "two audit rows", path="/api/audit"
+        )
         for _, page in contexts:
             expect(page.locator("#audit-table tbody tr[data-action='request']")).to_have_count(
-                2, timeout=UI_TIMEOUT_MS)
+                2, timeout=UI_TIMEOUT_MS
+            )
     finally:
         for context, _ in contexts:
             context.close()
@@ -85,5 +98,9 @@ def test_two_browsers_press_stop_at_the_same_moment(browser, run_dir, tmp_path):
     flag = json.loads(runfiles.flag_path(run_dir).read_text())
     assert flag["GracefulExit"] == 1 and flag["request_id"] == request_id
     assert flag["requested_by"] == first["who"]
-    measure("two_operators.presses_apart", abs(rows[0]["at"] - rows[1]["at"]) * 1000, unit="ms",
-            first=first["who"])
+    measure(
+        "two_operators.presses_apart",
+        abs(rows[0]["at"] - rows[1]["at"]) * 1000,
+        unit="ms",
+        first=first["who"],
+    )

@@ -8,6 +8,7 @@
 * The dashboard starts before the job, on a missing, empty or unreadable run
   directory: the page says so clearly, and picks the job up when it appears.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,12 +43,19 @@ def test_dashboard_killed_during_a_stop_then_restarted(tmp_path, page):
 
         # Training reads the file, not the dashboard: the stop completes anyway.
         assert job.wait() == 0, job.logs()
-        measure("dashboard_kill.stop_completed_after_kill", time.monotonic() - killed_at,
-                stages_at_kill=stages_at_kill)
+        measure(
+            "dashboard_kill.stop_completed_after_kill",
+            time.monotonic() - killed_at,
+            stages_at_kill=stages_at_kill,
+        )
         hbs = job.heartbeats()
         stop_step = hbs[0]["stop"]["stop_step"]
-        assert all(h["state"] == "exited" and h["stop"]["request_id"] == request_id
-                   and h["stop"]["stop_step"] == stop_step for h in hbs), dump(hbs)
+        assert all(
+            h["state"] == "exited"
+            and h["stop"]["request_id"] == request_id
+            and h["stop"]["stop_step"] == stop_step
+            for h in hbs
+        ), dump(hbs)
 
         restarted_at = time.time()
         second = Dashboard(run, tmp_path / "dashboard-2.log")
@@ -60,9 +68,13 @@ def test_dashboard_killed_during_a_stop_then_restarted(tmp_path, page):
         assert exit_status["summary"].startswith(f"all 2 ranks stopped after step {stop_step}")
 
         # Its watcher records the completion and re-arms, with no page open.
-        rows = second.wait(lambda body: body["rows"] if {"complete", "rearm"} <= {
-            row["action"] for row in body["rows"]} else None, "the completion and re-arm rows",
-            path="/api/audit")
+        rows = second.wait(
+            lambda body: (
+                body["rows"] if {"complete", "rearm"} <= {row["action"] for row in body["rows"]} else None
+            ),
+            "the completion and re-arm rows",
+            path="/api/audit",
+        )
         page.goto(second.url)
         panel = page.locator("#stop-panel")
         expect(panel).to_have_attribute("data-state", re.compile("completed|rearmed"), timeout=UI_TIMEOUT_MS)
@@ -70,7 +82,8 @@ def test_dashboard_killed_during_a_stop_then_restarted(tmp_path, page):
         for r in (0, 1):
             expect(cell(page, r, "health")).to_contain_text("exited")
         expect(page.locator("#audit-table tbody tr[data-action='complete']")).to_have_count(
-            1, timeout=UI_TIMEOUT_MS)
+            1, timeout=UI_TIMEOUT_MS
+        )
     finally:
         job.kill()
         first.stop()
@@ -84,7 +97,8 @@ def test_dashboard_killed_during_a_stop_then_restarted(tmp_path, page):
     assert by_action["complete"]["request_id"] == by_action["rearm"]["request_id"] == request_id
     assert by_action["complete"]["at"] >= restarted_at and by_action["rearm"]["at"] >= restarted_at
     assert by_action["complete"]["outcome"].startswith(
-        f"completed: all 2 ranks stopped after step {stop_step}")
+        f"completed: all 2 ranks stopped after step {stop_step}"
+    )
     assert json.loads(runfiles.flag_path(run).read_text())["GracefulExit"] == 0
 
 
@@ -122,6 +136,10 @@ def test_dashboard_started_before_the_job_and_on_bad_run_directories(tmp_path, p
         started = time.monotonic()
         for r in (0, 1):
             expect(cell(page, r, "health")).to_contain_text("healthy", timeout=UI_TIMEOUT_MS)
+            # Shown from its worker log while it compiles, then from the bridge's heartbeats.
+            expect(cell(page, r, "health").locator("xpath=..")).to_have_attribute(
+                "data-source", "bridge", timeout=UI_TIMEOUT_MS
+            )
         expect(status).to_have_attribute("data-status", "running", timeout=UI_TIMEOUT_MS)
         expect(run_message(page)).to_have_text("2 ranks reporting.")
         measure("dashboard_before_job.shown_after_launch", time.monotonic() - started)

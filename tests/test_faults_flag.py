@@ -9,6 +9,7 @@ Here: the stop flag is written while the ranks save a periodic checkpoint
 does). The ranks must still agree on one stop step, and every checkpoint set
 on disk, periodic and graceful, must be complete and readable.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -31,8 +32,11 @@ def test_flag_written_during_a_periodic_checkpoint_save(tmp_path):
         # The next periodic save: write the flag the moment rank 0's file of
         # that step appears, while the ranks are saving it.
         target = (max(h["global_step"] for h in job.heartbeats()) // EVERY + 1) * EVERY
-        job.wait_until(lambda hbs: list(periodic[0].glob(f"lenet-*_{target}.ckpt*")),
-                       f"the periodic save of step {target}", poll=0.005)
+        job.wait_until(
+            lambda hbs: list(periodic[0].glob(f"lenet-*_{target}.ckpt*")),
+            f"the periodic save of step {target}",
+            poll=0.005,
+        )
         write_flag(run, request_id="req-during-save", reason="fault test")
         assert job.wait() == 0, job.logs()
     finally:
@@ -40,8 +44,13 @@ def test_flag_written_during_a_periodic_checkpoint_save(tmp_path):
 
     # One stop step, and each rank ran exactly up to it.
     stop_step, _ = job.stopped_together()
-    measure("flag_during_save.stop_step_after_save_step", stop_step - target, unit="steps",
-            save_step=target, stop_step=stop_step)
+    measure(
+        "flag_during_save.stop_step_after_save_step",
+        stop_step - target,
+        unit="steps",
+        save_step=target,
+        stop_step=stop_step,
+    )
     # ModelCheckpoint saved on both ranks, including the save the flag met.
     names = [sorted(p.name for p in d.glob("*.ckpt")) for d in periodic]
     assert names[0] == names[1] and names[0], names
@@ -58,5 +67,9 @@ def test_flag_written_during_a_periodic_checkpoint_save(tmp_path):
     assert any(s.global_step == target for s in periodic_sets), dump([s.to_dict() for s in periodic_sets])
     assert index.newest_complete is not None
     assert index.newest_complete.global_step == stop_step
-    measure("flag_during_save.sets", len(index.sets), unit="complete sets",
-            layouts=sorted({s.layout for s in index.sets}))
+    measure(
+        "flag_during_save.sets",
+        len(index.sets),
+        unit="complete sets",
+        layouts=sorted({s.layout for s in index.sets}),
+    )

@@ -10,6 +10,7 @@
 
 Durations are measured and reported (``tests.faults.measure``), never asserted.
 """
+
 from __future__ import annotations
 
 import os
@@ -45,6 +46,7 @@ def files_of(cset) -> dict[str, tuple[int, int]]:
 
 # -- kill -9 ------------------------------------------------------------------------------
 
+
 @pytest.mark.browser
 def test_kill_9_one_rank_mid_training(tmp_path, page):
     run = tmp_path / "run"
@@ -70,12 +72,18 @@ def test_kill_9_one_rank_mid_training(tmp_path, page):
         second = DemoJob(run, epochs=3, step_delay=0.05).start()
         jobs.append(second)
         hbs = second.wait_until(
-            lambda hbs: hbs if all(h and h.get("resumed_from")
-                                   and h["global_step"] >= saved.global_step + 3
-                                   for h in hbs) else None, "the relaunched ranks to train")
+            lambda hbs: (
+                hbs
+                if all(h and h.get("resumed_from") and h["global_step"] >= saved.global_step + 3 for h in hbs)
+                else None
+            ),
+            "the relaunched ranks to train",
+        )
         pids = [h["pid"] for h in hbs]
-        dash.wait_rows(lambda rows: all(rows[r]["pid"] == pids[r] and rows[r]["health"] == "healthy"
-                                        for r in (0, 1)), "the dashboard to show the relaunch")
+        dash.wait_rows(
+            lambda rows: all(rows[r]["pid"] == pids[r] and rows[r]["health"] == "healthy" for r in (0, 1)),
+            "the dashboard to show the relaunch",
+        )
         killed_at = time.monotonic()
         os.kill(pids[1], signal.SIGKILL)
 
@@ -99,10 +107,14 @@ def test_kill_9_one_rank_mid_training(tmp_path, page):
         # The survivor does not wait silently: msrun SIGKILLs every other
         # worker as soon as one exits abnormally (it polls once a second).
         poll_until(lambda: gone(pids[0]), "msrun to end the surviving rank", timeout=WAIT_S)
-        measure("kill9.survivor_exit", seen.get("survivor_gone", time.monotonic() - killed_at),
-                note="rank 0 killed by msrun")
-        rows = dash.wait_rows(lambda rows: rows if rows[0]["health"] == "dead" else None,
-                              "the survivor to be shown dead")
+        measure(
+            "kill9.survivor_exit",
+            seen.get("survivor_gone", time.monotonic() - killed_at),
+            note="rank 0 killed by msrun",
+        )
+        rows = dash.wait_rows(
+            lambda rows: rows if rows[0]["health"] == "dead" else None, "the survivor to be shown dead"
+        )
         # Killed by msrun, maybe not reaped yet: "is gone" or "has exited".
         assert re.match(rf"process {pids[0]} (is gone|has exited)", rows[0]["reason"]), rows[0]
         expect(cell(page, 0, "health")).to_contain_text("dead", timeout=UI_TIMEOUT_MS)
@@ -121,14 +133,26 @@ def test_kill_9_one_rank_mid_training(tmp_path, page):
         third = DemoJob(run, epochs=3, step_delay=0.0).start()
         jobs.append(third)
         resumed = third.wait_until(
-            lambda hbs: hbs if all(h and h["pid"] not in pids and h.get("resumed_from")
-                                   and h["global_step"] > saved.global_step for h in hbs) else None,
-            "the third launch to resume")
+            lambda hbs: (
+                hbs
+                if all(
+                    h
+                    and h["pid"] not in pids
+                    and h.get("resumed_from")
+                    and h["global_step"] > saved.global_step
+                    for h in hbs
+                )
+                else None
+            ),
+            "the third launch to resume",
+        )
         assert all(h["resumed_from"]["global_step"] == saved.global_step for h in resumed), dump(resumed)
         poll_until(lambda: all(third.steps_logged(r) for r in (0, 1)), "the step logs")
         assert [third.steps_logged(r)[0] for r in (0, 1)] == [saved.global_step + 1] * 2
-        dash.wait_rows(lambda rows: all(rows[r]["health"] == "healthy" and rows[r]["pid"] not in pids
-                                        for r in (0, 1)), "the dashboard to show the new launch")
+        dash.wait_rows(
+            lambda rows: all(rows[r]["health"] == "healthy" and rows[r]["pid"] not in pids for r in (0, 1)),
+            "the dashboard to show the new launch",
+        )
 
         poll_until(lambda: second.proc.poll() is not None, "the killed job's msrun to exit")
         launcher_rc = second.proc.returncode
@@ -145,6 +169,7 @@ def test_kill_9_one_rank_mid_training(tmp_path, page):
 
 # -- kill -9 with no msrun to end the survivors -------------------------------------------
 
+
 class UnsupervisedJob(DemoJob):
     """The demo job under ``msrun --join=False``: msrun starts the workers and leaves.
 
@@ -153,30 +178,46 @@ class UnsupervisedJob(DemoJob):
     own cluster heartbeat gives up on the dead node.
     """
 
-    def start(self) -> "UnsupervisedJob":
+    def start(self) -> UnsupervisedJob:
         from trainer_bridge.demo.__main__ import free_port, job_env, msrun_command
         from trainer_bridge.demo.mnist import write_mnist
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         data = write_mnist(self.run_dir / "mnist", samples=2000)
-        cmd = msrun_command(self.run_dir, self.ranks,
-                            ["--run-dir", str(self.run_dir), "--data-dir", str(data), "--epochs", "20",
-                             "--step-delay", "0.05", "--step-log"], free_port())
+        cmd = msrun_command(
+            self.run_dir,
+            self.ranks,
+            [
+                "--run-dir",
+                str(self.run_dir),
+                "--data-dir",
+                str(data),
+                "--epochs",
+                "20",
+                "--step-delay",
+                "0.05",
+                "--step-log",
+            ],
+            free_port(),
+        )
         cmd = [c.replace("--join=True", "--join=False") for c in cmd]
         self._out = open(self.output_path, "ab")
-        launcher = subprocess.run(cmd, stdout=self._out, stderr=subprocess.STDOUT, env=job_env(),
-                                  timeout=WAIT_S)
+        launcher = subprocess.run(
+            cmd, stdout=self._out, stderr=subprocess.STDOUT, env=job_env(), timeout=WAIT_S
+        )
         assert launcher.returncode == 0, self.logs()
         # The workers and the scheduler outlive the launcher: follow them by pid.
-        self.procs = [p for p in psutil.process_iter(["cmdline"])
-                      if str(self.run_dir) in " ".join(p.info["cmdline"] or [])]
+        self.procs = [
+            p
+            for p in psutil.process_iter(["cmdline"])
+            if str(self.run_dir) in " ".join(p.info["cmdline"] or [])
+        ]
         assert self.procs, "msrun started no process"
         self.proc = self  # DemoJob.wait_until polls self.proc.poll()
         return self
 
     def poll(self):
-        return None if any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-                           for p in self.procs) else 0
+        return None if any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in self.procs) else 0
 
     def kill(self) -> None:
         for p in self.procs:
@@ -202,35 +243,49 @@ def test_kill_9_one_rank_without_msrun_to_end_the_survivor(tmp_path, page):
         os.kill(pids[1], signal.SIGKILL)
 
         # The survivor is alive (heartbeats) but blocked: stalled, naming the dead peer.
-        rows = dash.wait_rows(lambda rows: rows if rows[1]["health"] == "dead"
-                              and rows[0]["health"] == "stalled" else None,
-                              "rank 1 dead and rank 0 stalled")
+        rows = dash.wait_rows(
+            lambda rows: rows if rows[1]["health"] == "dead" and rows[0]["health"] == "stalled" else None,
+            "rank 1 dead and rank 0 stalled",
+        )
         measure("kill9_unsupervised.survivor_shown_stalled", time.monotonic() - killed_at)
-        assert rows[0]["reason"].endswith("rank 1 is dead: this rank is likely blocked in a "
-                                          "collective with it"), rows[0]
+        assert rows[0]["reason"].endswith(
+            "rank 1 is dead: this rank is likely blocked in a collective with it"
+        ), rows[0]
         expect(cell(page, 0, "reason")).to_contain_text("rank 1 is dead: this rank is likely blocked")
         expect(cell(page, 0, "health")).to_contain_text("stalled")
 
         # Nothing waits forever: MindSpore's cluster heartbeat fails the survivor.
-        hb = job.wait_until(lambda hbs: hbs[0] if hbs[0]["state"] == "failed" else None,
-                            "the survivor to fail", timeout=WAIT_S)
-        measure("kill9_unsupervised.survivor_failed", time.monotonic() - killed_at,
-                error=hb["error"].splitlines()[0][:150])
+        hb = job.wait_until(
+            lambda hbs: hbs[0] if hbs[0]["state"] == "failed" else None,
+            "the survivor to fail",
+            timeout=WAIT_S,
+        )
+        measure(
+            "kill9_unsupervised.survivor_failed",
+            time.monotonic() - killed_at,
+            error=hb["error"].splitlines()[0][:150],
+        )
         assert hb["error"].startswith("RuntimeError: "), hb
-        rows = dash.wait_rows(lambda rows: rows if rows[0]["health"] == "failed" else None,
-                              "the survivor shown failed")
+        rows = dash.wait_rows(
+            lambda rows: rows if rows[0]["health"] == "failed" else None, "the survivor shown failed"
+        )
         assert rows[0]["reason"].startswith("failed: RuntimeError: "), rows[0]
         expect(cell(page, 0, "health")).to_contain_text("failed", timeout=UI_TIMEOUT_MS)
         # Its process takes a while longer to wind down (about 20 s here); not
         # waited for, so as not to spend the suite's time on it.
-        measure("kill9_unsupervised.survivor_process_gone_at_end", gone(pids[0]), unit="",
-                after_s=round(time.monotonic() - killed_at, 1))
+        measure(
+            "kill9_unsupervised.survivor_process_gone_at_end",
+            gone(pids[0]),
+            unit="",
+            after_s=round(time.monotonic() - killed_at, 1),
+        )
     finally:
         job.kill()
         dash.stop()
 
 
 # -- SIGSTOP / SIGCONT ------------------------------------------------------------------
+
 
 @pytest.mark.browser
 def test_sigstop_one_rank_then_sigcont(tmp_path, page):
@@ -249,9 +304,16 @@ def test_sigstop_one_rank_then_sigcont(tmp_path, page):
         os.kill(pid1, signal.SIGSTOP)
 
         rows = dash.wait_rows(
-            lambda rows: rows if rows[1]["health"] == "stalled" and rows[0]["health"] == "stalled"
-            and "rank 1 is stopped" in rows[0]["reason"] else None,
-            "rank 1 stalled (stopped) and rank 0 waiting for it", poll=0.1)
+            lambda rows: (
+                rows
+                if rows[1]["health"] == "stalled"
+                and rows[0]["health"] == "stalled"
+                and "rank 1 is stopped" in rows[0]["reason"]
+                else None
+            ),
+            "rank 1 stalled (stopped) and rank 0 waiting for it",
+            poll=0.1,
+        )
         measure("sigstop.time_to_both_stalled", time.monotonic() - stopped_at)
         assert rows[1]["reason"].startswith(f"process {pid1} is stopped"), rows[1]
         assert "kill -CONT" in rows[1]["reason"]
@@ -266,9 +328,13 @@ def test_sigstop_one_rank_then_sigcont(tmp_path, page):
         continued_at = time.monotonic()
         os.kill(pid1, signal.SIGCONT)
         pid1 = None
-        dash.wait_rows(lambda rows: all(rows[r]["health"] == "healthy" for r in (0, 1))
-                       and min(rows[r]["global_step"] for r in (0, 1)) > step_before,
-                       "both ranks healthy and stepping again")
+        dash.wait_rows(
+            lambda rows: (
+                all(rows[r]["health"] == "healthy" for r in (0, 1))
+                and min(rows[r]["global_step"] for r in (0, 1)) > step_before
+            ),
+            "both ranks healthy and stepping again",
+        )
         measure("sigstop.time_to_healthy_after_sigcont", time.monotonic() - continued_at)
         for r in (0, 1):
             expect(cell(page, r, "health")).to_contain_text("healthy", timeout=UI_TIMEOUT_MS)
@@ -297,7 +363,7 @@ def sample_verdicts(jobs: list[DemoJob]) -> list[dict]:
     states = [RunState(job.run_dir, from_env({})) for job in jobs]
     results = [{"flagged": [], "samples": 0, "works": []} for _ in jobs]
     while any(job.proc.poll() is None for job in jobs):
-        for job, state, out in zip(jobs, states, results):
+        for job, state, out in zip(jobs, states, results, strict=True):
             now = time.time()
             state.scan(now)
             snap = state.snapshot(now)
@@ -306,8 +372,15 @@ def sample_verdicts(jobs: list[DemoJob]) -> list[dict]:
                     continue
                 out["samples"] += 1
                 if row["health"] != "healthy":
-                    out["flagged"].append((job.run_dir.parent.name, row["rank"], row["global_step"],
-                                           row["health"], row["reason"]))
+                    out["flagged"].append(
+                        (
+                            job.run_dir.parent.name,
+                            row["rank"],
+                            row["global_step"],
+                            row["health"],
+                            row["reason"],
+                        )
+                    )
             slowest = snap["summary"]["slowest"]
             if slowest and slowest["basis"] == "work":
                 out["works"].append(slowest["median_ms"])
@@ -322,8 +395,10 @@ def healthy_runs(tmp_path_factory) -> list[dict]:
     Running them together keeps the suite short, and makes the false-positive
     check harder: the ranks of busy jobs are descheduled at random.
     """
-    jobs = [DemoJob(tmp_path_factory.mktemp(f"healthy{i}") / "run", epochs=2, step_delay=0.0)
-            for i in range(HEALTHY_RUNS)]
+    jobs = [
+        DemoJob(tmp_path_factory.mktemp(f"healthy{i}") / "run", epochs=2, step_delay=0.0)
+        for i in range(HEALTHY_RUNS)
+    ]
     try:
         for job in jobs:
             job.start()
@@ -339,10 +414,19 @@ def healthy_runs(tmp_path_factory) -> list[dict]:
 def test_healthy_runs_flag_no_rank(healthy_runs):
     samples = sum(r["samples"] for r in healthy_runs)
     flagged = [f for r in healthy_runs for f in r["flagged"]]
-    measure("straggler.healthy_samples", samples, unit="rank-ticks", runs=HEALTHY_RUNS,
-            work_ms=[round(statistics.median(r["works"]), 1) for r in healthy_runs if r["works"]])
-    measure("straggler.false_positives", len([f for f in flagged if f[2] == "straggler"]),
-            unit="rank-ticks", flagged=flagged)
+    measure(
+        "straggler.healthy_samples",
+        samples,
+        unit="rank-ticks",
+        runs=HEALTHY_RUNS,
+        work_ms=[round(statistics.median(r["works"]), 1) for r in healthy_runs if r["works"]],
+    )
+    measure(
+        "straggler.false_positives",
+        len([f for f in flagged if f[2] == "straggler"]),
+        unit="rank-ticks",
+        flagged=flagged,
+    )
     assert samples > 0
     assert not [f for f in flagged if f[2] == "straggler"], flagged
     assert not flagged, flagged  # no stall or death either in a healthy run
@@ -365,22 +449,39 @@ def test_slowed_rank_is_a_straggler_with_its_score(tmp_path, page):
     cores, and the delay weighs more.
     """
     run = tmp_path / "run"
-    job = DemoJob(run, epochs=3, step_delay=0.0,
-                  extra=["--slow-rank", "1", "--slow-factor", "1.5", "--slow-after", "12"]).start()
+    job = DemoJob(
+        run,
+        epochs=3,
+        step_delay=0.0,
+        extra=["--slow-rank", "1", "--slow-factor", "1.5", "--slow-after", "12"],
+    ).start()
     dash = Dashboard(run, tmp_path / "dashboard.log")
     try:
         job.wait_for_step(2)
         page.goto(dash.url)
-        before = dash.wait(lambda body: body["summary"]["slowest"] if body["summary"]["slowest"]
-                           and body["summary"]["slowest"]["basis"] == "work" else None,
-                           "work figures for the healthy phase", path="/api/summary")
-        found = poll_until(lambda: re.search(r"sleeping ([\d.]+) ms more per step",
-                                             job.worker_log(1)), "rank 1 to measure its step")
+        before = dash.wait(
+            lambda body: (
+                body["summary"]["slowest"]
+                if body["summary"]["slowest"] and body["summary"]["slowest"]["basis"] == "work"
+                else None
+            ),
+            "work figures for the healthy phase",
+            path="/api/summary",
+        )
+        found = poll_until(
+            lambda: re.search(r"sleeping ([\d.]+) ms more per step", job.worker_log(1)),
+            "rank 1 to measure its step",
+        )
         delay_ms = float(found.group(1))
         slowed_at = time.monotonic()
         measure("straggler.work_per_step_before_slowing", before["median_ms"], unit="ms")
-        measure("straggler.injected_delay", delay_ms, unit="ms",
-                log=found.group(0), measured_by="rank 1 over its steps 3-12")
+        measure(
+            "straggler.injected_delay",
+            delay_ms,
+            unit="ms",
+            log=found.group(0),
+            measured_by="rank 1 over its steps 3-12",
+        )
         dash.wait_rows(lambda rows: rows[1]["health"] == "straggler", "rank 1 to be a straggler")
         measure("straggler.time_to_flag", time.monotonic() - slowed_at)
         # The score settles once the rank's window (STRAGGLER_WINDOW = 32 steps)
@@ -399,8 +500,9 @@ def test_slowed_rank_is_a_straggler_with_its_score(tmp_path, page):
         score = statistics.median(scores)
         wall_ms = statistics.median(walls)
         expected = (wall_ms - delay_ms) / wall_ms
-        measure("straggler.score", score, unit="", expected=round(expected, 3), wall_ms=wall_ms,
-                samples=scores)
+        measure(
+            "straggler.score", score, unit="", expected=round(expected, 3), wall_ms=wall_ms, samples=scores
+        )
         assert 0.6 * expected <= score <= min(1.5 * expected, 1 / 1.5), (expected, scores, reasons)
         assert re.search(r"own work [\d.]+ ms vs peer median [\d.]+ ms", reasons[-1]), reasons[-1]
         expect(cell(page, 1, "health")).to_contain_text("straggler", timeout=UI_TIMEOUT_MS)

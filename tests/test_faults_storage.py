@@ -11,6 +11,7 @@ page says heartbeats are not arriving and that the process still runs; once
 writes work again the heartbeat carries the problem in ``warnings`` and the
 page shows it.
 """
+
 from __future__ import annotations
 
 import errno
@@ -84,9 +85,17 @@ def test_full_then_read_only_heartbeat_directory(small_state_dir, tmp_path, page
         # 1. Disk full.
         filler = fill(state)
         full_at = time.monotonic()
-        rows = dash.wait_rows(lambda rows: rows if all(
-            rows[r]["health"] == "stalled" and "no heartbeat for over" in rows[r]["reason"]
-            for r in (0, 1)) else None, "both ranks shown without heartbeats")
+        rows = dash.wait_rows(
+            lambda rows: (
+                rows
+                if all(
+                    rows[r]["health"] == "stalled" and "no heartbeat for over" in rows[r]["reason"]
+                    for r in (0, 1)
+                )
+                else None
+            ),
+            "both ranks shown without heartbeats",
+        )
         measure("storage.full_to_shown", time.monotonic() - full_at)
         for r in (0, 1):
             assert f"its process {pids[r]} still runs" in rows[r]["reason"], rows[r]
@@ -102,10 +111,18 @@ def test_full_then_read_only_heartbeat_directory(small_state_dir, tmp_path, page
 
         filler.unlink()
         freed_at = time.monotonic()
-        rows = dash.wait_rows(lambda rows: rows if all(
-            rows[r]["health"] == "healthy" and any("No space left on device" in w
-                                                   for w in rows[r]["warnings"])
-            for r in (0, 1)) else None, "heartbeats back, carrying the warning")
+        rows = dash.wait_rows(
+            lambda rows: (
+                rows
+                if all(
+                    rows[r]["health"] == "healthy"
+                    and any("No space left on device" in w for w in rows[r]["warnings"])
+                    for r in (0, 1)
+                )
+                else None
+            ),
+            "heartbeats back, carrying the warning",
+        )
         measure("storage.freed_to_healthy_with_warning", time.monotonic() - freed_at)
         expect(cell(page, 1, "reason")).to_contain_text("⚠ cannot write to", timeout=UI_TIMEOUT_MS)
         expect(cell(page, 1, "reason")).to_contain_text("No space left on device")
@@ -114,21 +131,30 @@ def test_full_then_read_only_heartbeat_directory(small_state_dir, tmp_path, page
         assert job.proc.poll() is None, "the job ended before the read-only phase: make it longer"
         assert mount("-o", "remount,ro", str(state)).returncode == 0
         ro_at = time.monotonic()
-        dash.wait_rows(lambda rows: all(rows[r]["health"] == "stalled" and
-                                        "no heartbeat for over" in rows[r]["reason"] for r in (0, 1)),
-                       "both ranks shown without heartbeats (read-only)")
+        dash.wait_rows(
+            lambda rows: all(
+                rows[r]["health"] == "stalled" and "no heartbeat for over" in rows[r]["reason"]
+                for r in (0, 1)
+            ),
+            "both ranks shown without heartbeats (read-only)",
+        )
         measure("storage.read_only_to_shown", time.monotonic() - ro_at)
         assert mount("-o", "remount,rw", str(state)).returncode == 0
-        dash.wait_rows(lambda rows: all(
-            rows[r]["health"] == "healthy" and any("Read-only file system" in w
-                                                   for w in rows[r]["warnings"])
-            for r in (0, 1)), "heartbeats back, carrying the read-only warning")
+        dash.wait_rows(
+            lambda rows: all(
+                rows[r]["health"] == "healthy"
+                and any("Read-only file system" in w for w in rows[r]["warnings"])
+                for r in (0, 1)
+            ),
+            "heartbeats back, carrying the read-only warning",
+        )
         expect(cell(page, 0, "reason")).to_contain_text("Read-only file system", timeout=UI_TIMEOUT_MS)
         expect(cell(page, 0, "reason")).to_contain_text("(+1 more)")
 
         assert job.wait() == 0, job.logs()
-        dash.wait_rows(lambda rows: all(rows[r]["health"] == "finished" for r in (0, 1)),
-                       "both ranks finished")
+        dash.wait_rows(
+            lambda rows: all(rows[r]["health"] == "finished" for r in (0, 1)), "both ranks finished"
+        )
     finally:
         job.kill()
         dash.stop()

@@ -1,4 +1,5 @@
 """The run-directory contract: flag parsing and atomic writes."""
+
 from __future__ import annotations
 
 import json
@@ -11,16 +12,19 @@ from hypothesis import strategies as st
 from trainer_bridge import runfiles
 
 
-@pytest.mark.parametrize("raw, exit_, rid", [
-    (b'{"GracefulExit": 1}', True, None),
-    (b'{"GracefulExit": 1, "request_id": "r1", "reason": "ecc"}', True, "r1"),
-    (b'{"GracefulExit": 0, "request_id": "r1"}', False, "r1"),
-    (b'{"GracefulExit": "1"}', False, None),      # MindSpore compares with the int 1
-    (b'{"GracefulExit": true}', False, None),     # ... and so does a bool, for us
-    (b'{"GracefulExit": 1.0}', True, None),       # json 1.0 == 1, as in OnRequestExit
-    (b'{"other": 1}', False, None),
-    (b'{"GracefulExit": 1, "request_id": 7}', True, None),
-])
+@pytest.mark.parametrize(
+    "raw, exit_, rid",
+    [
+        (b'{"GracefulExit": 1}', True, None),
+        (b'{"GracefulExit": 1, "request_id": "r1", "reason": "ecc"}', True, "r1"),
+        (b'{"GracefulExit": 0, "request_id": "r1"}', False, "r1"),
+        (b'{"GracefulExit": "1"}', False, None),  # MindSpore compares with the int 1
+        (b'{"GracefulExit": true}', False, None),  # ... and so does a bool, for us
+        (b'{"GracefulExit": 1.0}', True, None),  # json 1.0 == 1, as in OnRequestExit
+        (b'{"other": 1}', False, None),
+        (b'{"GracefulExit": 1, "request_id": 7}', True, None),
+    ],
+)
 def test_parse_flag(raw, exit_, rid):
     flag = runfiles.parse_flag(raw)
     assert (flag.exit, flag.request_id) == (exit_, rid)
@@ -60,6 +64,7 @@ def test_atomic_write_failure_keeps_old_file_and_cleans_up(tmp_path, monkeypatch
 
     def broken_replace(src, dst):
         raise OSError(28, "No space left on device")
+
     monkeypatch.setattr(os, "replace", broken_replace)
     with pytest.raises(OSError):
         runfiles.atomic_write_json(target, {"v": 2})

@@ -1,4 +1,5 @@
 """RunState against real run directories: change detection, deltas, history, job phases."""
+
 from __future__ import annotations
 
 import json
@@ -9,12 +10,12 @@ import time
 
 import pytest
 
-from app import state as state_module
+from app import reader as reader_module
 from app.config import from_env
 from app.state import RunState, probe_process, read_history_tail
 from tests.conftest import FAST_SETTINGS
 from tests.heartbeats import heartbeat, process_started, write_heartbeat, write_job
-from trainer_bridge import runfiles
+from trainer_bridge import runfiles, schema
 
 
 def make_state(run_dir, **overrides) -> RunState:
@@ -27,15 +28,15 @@ def beat(run_dir, rank, world, seq, now=None, **kw):
 
 @pytest.fixture
 def reads(monkeypatch):
-    """Every path RunState parses as JSON, in order."""
+    """Every path RunState reads and validates, in order."""
     seen = []
-    real = runfiles.read_json_or_none
+    real = schema.load
 
-    def counting(path):
+    def counting(model, path):
         seen.append(os.path.basename(path))
-        return real(path)
+        return real(model, path)
 
-    monkeypatch.setattr(state_module.runfiles, "read_json_or_none", counting)
+    monkeypatch.setattr(reader_module.schema, "load", counting)
     return seen
 
 
@@ -133,8 +134,12 @@ def test_missing_empty_started_partial_running_ended(run_dir):
     for r in range(4):
         beat(run_dir, r, 4, seq=2, now=now, state="finished")
     st.scan(now)
-    assert st.snapshot(now)["run"] == {"status": "ended", "run_dir": str(run_dir),
-                                       "message": "The job has ended: 4 finished."}
+    assert st.snapshot(now)["run"] == {
+        "status": "ended",
+        "run_dir": str(run_dir),
+        "message": "The job has ended: 4 finished.",
+        "transport": "files",
+    }
 
 
 def test_world_size_from_heartbeats_when_job_json_is_missing(run_dir):
@@ -164,8 +169,9 @@ def test_removed_ranks_force_a_snapshot(run_dir):
 
 
 def test_dead_pid_on_this_host_is_dead_before_the_heartbeat_timeout(run_dir):
-    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                           capture_output=True, text=True, check=True)
+    child = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     pid = int(child.stdout)
     now = time.time()
     beat(run_dir, 0, 1, seq=1, now=now - 2, pid=pid, started_at=now - 3)
@@ -185,8 +191,7 @@ def test_fresh_ranks_are_not_probed(run_dir):
     probed = []
     now = time.time()
     beat(run_dir, 0, 1, seq=1, now=now)
-    st = RunState(run_dir, {**from_env({}), **FAST_SETTINGS},
-                  probe=lambda pid, started: probed.append(pid))
+    st = RunState(run_dir, {**from_env({}), **FAST_SETTINGS}, probe=lambda pid, started: probed.append(pid))
     st.scan(now + 0.5)
     assert probed == []
     st.scan(now + FAST_SETTINGS["PROCESS_CHECK_AFTER_S"] + 0.1)
@@ -196,14 +201,24 @@ def test_fresh_ranks_are_not_probed(run_dir):
 def test_history_is_seeded_from_both_segments_and_bounded(run_dir):
     hist = runfiles.history_path(run_dir, 0)
     hist.parent.mkdir(parents=True)
-    old = [{"time": 1000.0 + i, "global_step": i, "loss": 1.0, "step_time_ms": 5.0,
-            "step_time_mean_ms": 5.0} for i in range(10)]
-    new = [{"time": 1010.0 + i, "global_step": 10 + i, "loss": 0.5, "step_time_ms": 6.0,
-            "step_time_mean_ms": 6.0} for i in range(3)]
+    old = [
+        {"time": 1000.0 + i, "global_step": i, "loss": 1.0, "step_time_ms": 5.0, "step_time_mean_ms": 5.0}
+        for i in range(10)
+    ]
+    new = [
+        {
+            "time": 1010.0 + i,
+            "global_step": 10 + i,
+            "loss": 0.5,
+            "step_time_ms": 6.0,
+            "step_time_mean_ms": 6.0,
+        }
+        for i in range(3)
+    ]
     hist.with_name(hist.name + ".1").write_text("".join(json.dumps(e) + "\n" for e in old))
     hist.write_text("".join(json.dumps(e) + "\n" for e in new) + '{"time": 10')
     entries = read_history_tail(run_dir, 0, 5)
-    assert [e["global_step"] for e in entries] == [8, 9, 10, 11, 12]
+    assert [gstep for _, gstep, _, _ in entries] == [8, 9, 10, 11, 12]
 
     beat(run_dir, 0, 1, seq=1, now=1013.0, history=False)
     st = make_state(run_dir, HISTORY_POINTS=6)

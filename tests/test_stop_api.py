@@ -1,4 +1,5 @@
 """The stop API through Flask's test client: token, CSRF, double clicks, cancel, re-arm."""
+
 from __future__ import annotations
 
 import json
@@ -30,15 +31,33 @@ def audit(client):
 
 
 def stop_hb(run_dir, rank, rid, stage, stop_step=5):
-    write_heartbeat(run_dir, heartbeat(rank, 2, state="exited" if stage == "exited" else "stopping",
-                    stop={"request_id": rid, "source": "flag", "stage": stage, "seen_step": 4,
-                          "stop_step": stop_step, "at": {stage: 1.0},
-                          "checkpoint": {"path": f"checkpoints/rank_{rank}/rankwatch-1_5.ckpt",
-                                         "bytes": 10, "seconds": 0.1}}))
+    write_heartbeat(
+        run_dir,
+        heartbeat(
+            rank,
+            2,
+            state="exited" if stage == "exited" else "stopping",
+            stop={
+                "request_id": rid,
+                "source": "flag",
+                "stage": stage,
+                "seen_step": 4,
+                "stop_step": stop_step,
+                "at": {stage: 1.0},
+                "checkpoint": {
+                    "path": f"checkpoints/rank_{rank}/rankwatch-1_5.ckpt",
+                    "bytes": 10,
+                    "seconds": 0.1,
+                },
+            },
+        ),
+    )
 
 
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN},
-                                     {"Authorization": "Basic " + TOKEN}])
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}, {"Authorization": "Basic " + TOKEN}],
+)
 def test_no_or_wrong_token_is_401_and_writes_nothing(client, run_dir, headers):
     r = post(client, "/api/exit", {"reason": "x"}, headers=headers)
     assert r.status_code == 401 and r.get_json()["status"] == 401
@@ -55,11 +74,14 @@ def test_request_answers_202_and_writes_the_native_flag(client, run_dir):
     assert (row["who"], row["remote_addr"], row["outcome"]) == ("alice", "127.0.0.1", "accepted")
 
 
-@pytest.mark.parametrize("headers, status", [
-    ({**AUTH, "Origin": "http://evil.example"}, 403),
-    ({**AUTH, "Sec-Fetch-Site": "cross-site"}, 403),
-    ({"Origin": "http://evil.example"}, 403),
-])
+@pytest.mark.parametrize(
+    "headers, status",
+    [
+        ({**AUTH, "Origin": "http://evil.example"}, 403),
+        ({**AUTH, "Sec-Fetch-Site": "cross-site"}, 403),
+        ({"Origin": "http://evil.example"}, 403),
+    ],
+)
 def test_cross_site_requests_are_refused(client, run_dir, headers, status):
     r = post(client, "/api/exit", {"reason": "csrf"}, headers=headers)
     assert r.status_code == status
@@ -69,8 +91,9 @@ def test_cross_site_requests_are_refused(client, run_dir, headers, status):
 def test_a_form_post_cannot_stop_the_job(client, run_dir):
     """What a CSRF page can send: a form, with cookies but no Authorization header."""
     client.set_cookie("session", "whatever")
-    r = client.post("/api/exit", data={"reason": "csrf"},
-                    headers={"Content-Type": "application/x-www-form-urlencoded"})
+    r = client.post(
+        "/api/exit", data={"reason": "csrf"}, headers={"Content-Type": "application/x-www-form-urlencoded"}
+    )
     assert r.status_code == 401
     r = client.post("/api/exit", data="reason=csrf", headers={**AUTH, "Content-Type": "text/plain"})
     assert r.status_code == 415
@@ -78,19 +101,26 @@ def test_a_form_post_cannot_stop_the_job(client, run_dir):
 
 
 def test_same_origin_browser_request_is_accepted(client):
-    r = post(client, "/api/exit", {"reason": "ok"},
-             headers={**AUTH, "Origin": "http://localhost", "Sec-Fetch-Site": "same-origin"})
+    r = post(
+        client,
+        "/api/exit",
+        {"reason": "ok"},
+        headers={**AUTH, "Origin": "http://localhost", "Sec-Fetch-Site": "same-origin"},
+    )
     assert r.status_code == 202
 
 
-@pytest.mark.parametrize("body, message", [
-    ({}, "'reason' is required"),
-    ({"reason": "   "}, "must not be empty"),
-    ({"reason": 3}, "must be str"),
-    ({"reason": "x", "force": True}, "unknown field"),
-    ({"reason": "x" * 501}, "longer than"),
-    ([1, 2], "JSON object"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({}, "'reason' is required"),
+        ({"reason": "   "}, "must not be empty"),
+        ({"reason": 3}, "must be str"),
+        ({"reason": "x", "force": True}, "unknown field"),
+        ({"reason": "x" * 501}, "longer than"),
+        ([1, 2], "JSON object"),
+    ],
+)
 def test_bad_bodies_are_400_and_write_nothing(client, run_dir, body, message):
     r = post(client, "/api/exit", body)
     assert r.status_code == 400 and message in r.get_json()["error"]
@@ -99,7 +129,7 @@ def test_bad_bodies_are_400_and_write_nothing(client, run_dir, body, message):
 
 def test_garbage_json_and_oversized_body(client, run_dir):
     r = client.post("/api/exit", data=b"{not json", headers={**AUTH, "Content-Type": "application/json"})
-    assert r.status_code == 400 and r.get_json()["error"] == "the body is not valid JSON"
+    assert r.status_code == 400 and r.get_json()["error"].startswith("the body is not valid JSON")
     r = client.post("/api/exit", data=b"x" * 100_000, headers={**AUTH, "Content-Type": "application/json"})
     assert r.status_code == 413 and r.get_json()["status"] == 413
     assert not runfiles.flag_path(run_dir).exists()

@@ -3,6 +3,7 @@
 Also: a script using only native ``OnRequestExit`` (no bridge) is stopped by
 ``POST /api/exit``.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,14 +38,17 @@ def _shot(page, tmp_path: Path, name: str) -> None:
 def test_headline_stop_from_the_browser_then_resume(tmp_path, browser, console_errors, page):
     run = tmp_path / "run"
     job = DemoJob(run, epochs=20, step_delay=0.05).start()
-    server = start_dashboard(run, tmp_path / "dashboard.log",
-                             env={"RANKWATCH_TOKEN": TOKEN, "RANKWATCH_TICK_S": "0.2"})
+    server = start_dashboard(
+        run, tmp_path / "dashboard.log", env={"RANKWATCH_TOKEN": TOKEN, "RANKWATCH_TICK_S": "0.2"}
+    )
     try:
         job.wait_for_step(3)
         page.goto(server.url)
         # Issue 3: the real job's ranks appear, healthy and training.
         expect(page.locator("#rank-table tbody tr")).to_have_count(2, timeout=UI_TIMEOUT_MS)
-        expect(page.locator("#rank-table tbody tr[data-health='healthy']")).to_have_count(2, timeout=UI_TIMEOUT_MS)
+        expect(page.locator("#rank-table tbody tr[data-health='healthy']")).to_have_count(
+            2, timeout=UI_TIMEOUT_MS
+        )
         for i in range(2):
             expect(page.locator("#rank-table tbody td[data-col='state']").nth(i)).to_have_text("training")
         stop_button = page.locator("#stop-open")
@@ -100,6 +104,7 @@ def test_headline_stop_from_the_browser_then_resume(tmp_path, browser, console_e
     # The audit trail in SQLite: one request (the double click joined it), the
     # completion, and the automatic re-arm, all in the run directory.
     import sqlite3
+
     with sqlite3.connect(runfiles.state_dir(run) / "audit.sqlite3") as db:
         rows = db.execute("SELECT action, who, outcome FROM audit ORDER BY id").fetchall()
     actions = [a for a, _, _ in rows]
@@ -118,7 +123,9 @@ def test_headline_stop_from_the_browser_then_resume(tmp_path, browser, console_e
         assert again.steps_logged(r)[0] == stop_step + 1
         assert again.heartbeat(r)["state"] == "finished"
     # The one error is the wrong token typed on purpose, answered 401 as it should be.
-    assert console_errors == ["Failed to load resource: the server responded with a status of 401 (UNAUTHORIZED)"]
+    assert console_errors == [
+        "Failed to load resource: the server responded with a status of 401 (UNAUTHORIZED)"
+    ]
 
 
 NATIVE_SCRIPT_TIMEOUT_S = JOB_TIMEOUT_S
@@ -131,10 +138,25 @@ def test_native_onrequestexit_script_is_stopped_by_post(tmp_path):
     data = write_mnist(run / "mnist", samples=2000)
     out = open(tmp_path / "native.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "trainer_bridge.demo.train", "--run-dir", str(run), "--data-dir", str(data),
-         "--epochs", "50", "--native-exit", "--step-log", "--step-delay", "0.02"],
-        stdout=out, stderr=subprocess.STDOUT,
-        env={**os.environ, "MS_ENABLE_GRACEFUL_EXIT": "1", "GLOG_v": "3"})
+        [
+            sys.executable,
+            "-m",
+            "trainer_bridge.demo.train",
+            "--run-dir",
+            str(run),
+            "--data-dir",
+            str(data),
+            "--epochs",
+            "50",
+            "--native-exit",
+            "--step-log",
+            "--step-delay",
+            "0.02",
+        ],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "MS_ENABLE_GRACEFUL_EXIT": "1", "GLOG_v": "3"},
+    )
     server = start_dashboard(run, tmp_path / "dashboard.log", env={"RANKWATCH_TOKEN": TOKEN})
     log = tmp_path / "native.log"
     try:
@@ -144,8 +166,11 @@ def test_native_onrequestexit_script_is_stopped_by_post(tmp_path):
             assert time.monotonic() < deadline, "the native script never started training"
             time.sleep(0.1)
         req = urllib.request.Request(
-            server.url + "/api/exit", data=json.dumps({"reason": "native"}).encode(), method="POST",
-            headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"})
+            server.url + "/api/exit",
+            data=json.dumps({"reason": "native"}).encode(),
+            method="POST",
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"},
+        )
         with urllib.request.urlopen(req) as r:
             assert r.status == 202
         assert proc.wait(timeout=NATIVE_SCRIPT_TIMEOUT_S) == 0, log.read_text(errors="replace")

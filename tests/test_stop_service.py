@@ -1,4 +1,5 @@
 """The stop service on real files and a real SQLite audit trail, driven by heartbeats."""
+
 from __future__ import annotations
 
 import json
@@ -21,21 +22,42 @@ def service(tmp_path):
 def hb(rank, rid=None, stage=None, stop_step=None, **at):
     stop = None
     if stage:
-        stop = {"request_id": rid, "source": "flag", "stage": stage, "seen_step": 3, "stop_step": stop_step,
-                "checkpoint": {"path": f"checkpoints/rank_{rank}/rankwatch-1_{stop_step}.ckpt",
-                               "bytes": 1000, "seconds": 0.5} if stage in ("saved", "exited") else None,
-                "at": at}
-    return {"rank": rank, "state": "exited" if stage == "exited" else "training", "stop": stop,
-            "step_time_mean_ms": 100.0, "sync_every": 5}
+        stop = {
+            "request_id": rid,
+            "source": "flag",
+            "stage": stage,
+            "seen_step": 3,
+            "stop_step": stop_step,
+            "checkpoint": {
+                "path": f"checkpoints/rank_{rank}/rankwatch-1_{stop_step}.ckpt",
+                "bytes": 1000,
+                "seconds": 0.5,
+            }
+            if stage in ("saved", "exited")
+            else None,
+            "at": at,
+        }
+    return {
+        "rank": rank,
+        "state": "exited" if stage == "exited" else "training",
+        "stop": stop,
+        "step_time_mean_ms": 100.0,
+        "sync_every": 5,
+    }
 
 
 def test_request_writes_native_flag_and_audits(service, tmp_path):
-    rid, created = service.request("npu 3 ECC", "alice", "127.0.0.1")
+    rid, created, _ = service.request("npu 3 ECC", "alice", "127.0.0.1")
     flag = json.loads(runfiles.flag_path(tmp_path).read_text())
     assert created and flag["GracefulExit"] == 1 and flag["request_id"] == rid
     assert flag["reason"] == "npu 3 ECC" and flag["requested_by"] == "alice"
     [row] = service.audit.rows()
-    assert (row["action"], row["who"], row["outcome"], row["request_id"]) == ("request", "alice", "accepted", rid)
+    assert (row["action"], row["who"], row["outcome"], row["request_id"]) == (
+        "request",
+        "alice",
+        "accepted",
+        rid,
+    )
 
 
 def test_concurrent_requests_make_one_request_and_two_audit_rows(service, tmp_path):
@@ -44,19 +66,20 @@ def test_concurrent_requests_make_one_request_and_two_audit_rows(service, tmp_pa
     def press(who):
         barrier.wait()
         results.append(service.request("same moment", who, "127.0.0.1"))
+
     threads = [threading.Thread(target=press, args=(w,)) for w in ("alice", "bob")]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert len({rid for rid, _ in results}) == 1
-    assert sorted(created for _, created in results) == [False, True]
+    assert len({rid for rid, _, _ in results}) == 1
+    assert sorted(created for _, created, _ in results) == [False, True]
     rows = service.audit.rows()
     assert len(rows) == 2 and {r["outcome"].split(":")[0] for r in rows} == {"accepted", "duplicate"}
 
 
 def test_lifecycle_and_summary(service):
-    rid, _ = service.request("r", "alice", None)
+    rid, _, _ = service.request("r", "alice", None)
     t = time.time()
     ranks = {0: hb(0), 1: hb(1)}
     s = service.status(ranks, 2, t)
@@ -79,7 +102,7 @@ def test_lifecycle_and_summary(service):
 
 def test_late_rank_is_flagged_after_the_deadline(tmp_path):
     service = StopService(str(tmp_path), AuditLog(tmp_path / "a.sqlite3"), deadline_s=10, auto_rearm=True)
-    rid, _ = service.request("r", "alice", None)
+    rid, _, _ = service.request("r", "alice", None)
     now = time.time()
     ranks = {0: hb(0, rid, "saved", 4, saved=now), 1: hb(1)}
     assert service.status(ranks, 2, now + 5)["late"] == []
@@ -87,7 +110,7 @@ def test_late_rank_is_flagged_after_the_deadline(tmp_path):
 
 
 def test_cancel_only_before_agreement(service, tmp_path):
-    rid, _ = service.request("r", "alice", None)
+    rid, _, _ = service.request("r", "alice", None)
     with pytest.raises(ApiError) as e:
         service.cancel({0: hb(0, rid, "agreed", 4)}, "bob", None, "oops")
     assert e.value.status == 409
@@ -102,7 +125,7 @@ def test_cancel_only_before_agreement(service, tmp_path):
 
 
 def test_tick_records_completion_once_and_rearms(service, tmp_path):
-    rid, _ = service.request("r", "alice", None)
+    rid, _, _ = service.request("r", "alice", None)
     done = {r: hb(r, rid, "exited", 8, exited=time.time()) for r in (0, 1)}
     service.tick({0: done[0], 1: hb(1, rid, "saved", 8)}, 2)
     assert runfiles.read_flag(tmp_path).exit  # not complete yet
@@ -118,7 +141,7 @@ def test_tick_records_completion_once_and_rearms(service, tmp_path):
 
 
 def test_rearm_refused_mid_stop_unless_forced(service, tmp_path):
-    rid, _ = service.request("r", "alice", None)
+    rid, _, _ = service.request("r", "alice", None)
     ranks = {0: hb(0, rid, "saving", 3), 1: hb(1)}
     with pytest.raises(ApiError) as e:
         service.rearm(ranks, 2, "bob", None, None)
@@ -136,7 +159,8 @@ def test_status_reports_an_unreadable_flag(service, tmp_path):
 
 def test_audit_survives_a_new_service(tmp_path):
     StopService(str(tmp_path), AuditLog(tmp_path / "a.sqlite3"), deadline_s=1, auto_rearm=False).request(
-        "r", "alice", None)
+        "r", "alice", None
+    )
     again = AuditLog(tmp_path / "a.sqlite3")
     assert [r["action"] for r in again.rows()] == ["request"]
-    assert again.to_csv().splitlines()[0].startswith("id,at,action")
+    assert "".join(again.iter_csv()).splitlines()[0].startswith("id,at,action")

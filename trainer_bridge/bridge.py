@@ -24,11 +24,11 @@ rules:
 On Ascend with ``MS_ENABLE_GRACEFUL_EXIT=1`` MindSpore's in-graph exit works,
 so the bridge only reports there and leaves stopping to ``OnRequestExit``.
 """
+
 from __future__ import annotations
 
 import atexit
 import collections
-import json
 import logging
 import math
 import os
@@ -40,14 +40,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import Tensor, nn, ops
 from mindspore.train import Callback
 
-from trainer_bridge import runfiles
+from trainer_bridge import runfiles, schema
 from trainer_bridge.ckptindex import ORIGIN_BRIDGE, Index, scan
 from trainer_bridge.device import DeviceProbe
+from trainer_bridge.stacks import StackWatcher
 
 __all__ = ["GracefulExitBridge", "ResumePoint", "Served", "find_resume_point", "served_requests"]
 
@@ -56,6 +57,11 @@ log = logging.getLogger("trainer_bridge")
 # The heartbeat carries each step's time since the previous heartbeat; this
 # bounds that list (and the deque behind it) for very fast steps.
 MAX_STEP_TIMES = 64
+
+
+def _clip(text: str | None, limit: int) -> str | None:
+    """Keep a message within the schema's bound (a MindSpore error can run to pages)."""
+    return text if text is None or len(text) <= limit else text[: limit - 3] + "..."
 
 
 class _SumAllReduce(nn.Cell):
@@ -72,6 +78,7 @@ class _SumAllReduce(nn.Cell):
 @dataclass(frozen=True)
 class ResumePoint:
     """The checkpoint set a job resumes from: its global step and this rank's file."""
+
     global_step: int
     epoch: int | None
     path: Path
@@ -86,6 +93,7 @@ class Served:
     newest bridge checkpoint was written; a bare ``{"GracefulExit": 1}``
     without an id that is older than it was served too.
     """
+
     request_ids: frozenset
     last_saved_at: float | None
 
@@ -98,8 +106,9 @@ class Served:
 def served_requests(index: Index) -> Served:
     files = [f for s in index.sets if s.origin == ORIGIN_BRIDGE for f in s.files if f.ok]
     ids = {f.meta.extras.get("rankwatch_request_id") for f in files}
-    return Served(frozenset(i for i in ids if isinstance(i, str)),
-                  max((f.meta.mtime for f in files), default=None))
+    return Served(
+        frozenset(i for i in ids if isinstance(i, str)), max((f.meta.mtime for f in files), default=None)
+    )
 
 
 def find_resume_point(index: Index, rank: int, step: int | None = None) -> ResumePoint | None:
@@ -114,13 +123,16 @@ def find_resume_point(index: Index, rank: int, step: int | None = None) -> Resum
     if step is None:
         cset = next((s for s in complete if s.origin == ORIGIN_BRIDGE), None)
     else:
-        matches = sorted((s for s in complete if s.global_step == step),
-                         key=lambda s: s.origin != ORIGIN_BRIDGE)
+        matches = sorted(
+            (s for s in complete if s.global_step == step), key=lambda s: s.origin != ORIGIN_BRIDGE
+        )
         if not matches:
             have = sorted({s.global_step for s in complete if s.global_step is not None})
-            raise ValueError(f"GracefulExitBridge: resume_step={step}, but {index.run_dir} has no "
-                             f"checkpoint set complete across {index.world_size} ranks at that global step "
-                             f"(complete sets: {have or 'none'})")
+            raise ValueError(
+                f"GracefulExitBridge: resume_step={step}, but {index.run_dir} has no "
+                f"checkpoint set complete across {index.world_size} ranks at that global step "
+                f"(complete sets: {have or 'none'})"
+            )
         cset = matches[0]
     if cset is None:
         return None
@@ -131,6 +143,7 @@ def _world() -> tuple[int, int]:
     """(rank, world size); (0, 1) when the communication layer is not initialised."""
     try:
         from mindspore.communication import get_group_size, get_rank
+
         return get_rank(), get_group_size()
     except (RuntimeError, ValueError):
         return 0, 1
@@ -157,28 +170,44 @@ class GracefulExitBridge(Callback):
             faults); a second SIGTERM terminates at once.
     """
 
-    def __init__(self, run_dir, *, sync_interval_s: float = 0.5, heartbeat_interval_s: float = 1.0,
-                 poll_interval_s: float = 0.2, max_sync_every: int = 1000,
-                 max_overhead: float = 0.003, resume: bool = True,
-                 resume_step: int | None = None, save_checkpoint: bool = True,
-                 handle_sigterm: bool = True):
+    def __init__(
+        self,
+        run_dir,
+        *,
+        sync_interval_s: float = 0.5,
+        heartbeat_interval_s: float = 1.0,
+        poll_interval_s: float = 0.2,
+        max_sync_every: int = 1000,
+        max_overhead: float = 0.003,
+        resume: bool = True,
+        resume_step: int | None = None,
+        save_checkpoint: bool = True,
+        handle_sigterm: bool = True,
+    ):
         super().__init__()
-        for name, value in (("sync_interval_s", sync_interval_s),
-                            ("heartbeat_interval_s", heartbeat_interval_s),
-                            ("poll_interval_s", poll_interval_s)):
+        for name, value in (
+            ("sync_interval_s", sync_interval_s),
+            ("heartbeat_interval_s", heartbeat_interval_s),
+            ("poll_interval_s", poll_interval_s),
+        ):
             if not (isinstance(value, (int, float)) and value > 0):
                 raise ValueError(f"GracefulExitBridge: {name} must be a positive number, got {value!r}")
         if not (isinstance(max_overhead, (int, float)) and 0 < max_overhead < 1):
-            raise ValueError(f"GracefulExitBridge: max_overhead must be a fraction in (0, 1), "
-                             f"got {max_overhead!r}")
+            raise ValueError(
+                f"GracefulExitBridge: max_overhead must be a fraction in (0, 1), got {max_overhead!r}"
+            )
         if not (isinstance(max_sync_every, int) and max_sync_every >= 1):
-            raise ValueError(f"GracefulExitBridge: max_sync_every must be an int >= 1, got {max_sync_every!r}")
+            raise ValueError(
+                f"GracefulExitBridge: max_sync_every must be an int >= 1, got {max_sync_every!r}"
+            )
         env_step = os.environ.get(runfiles.RESUME_STEP_ENV)
         if resume_step is None and env_step:
             resume_step = env_step
             if not resume_step.isdigit():
-                raise ValueError(f"GracefulExitBridge: {runfiles.RESUME_STEP_ENV} must be a global step number, "
-                                 f"got {resume_step!r}")
+                raise ValueError(
+                    f"GracefulExitBridge: {runfiles.RESUME_STEP_ENV} must be a global step number, "
+                    f"got {resume_step!r}"
+                )
             resume_step = int(resume_step)
         if resume_step is not None and not (isinstance(resume_step, int) and resume_step >= 1):
             raise ValueError(f"GracefulExitBridge: resume_step must be an int >= 1, got {resume_step!r}")
@@ -233,8 +262,9 @@ class GracefulExitBridge(Callback):
         cb = run_context.original_args()
         self._rank, self._world = _world()
         self._find_resume()
-        self._native = (os.environ.get("MS_ENABLE_GRACEFUL_EXIT") == "1"
-                        and ms.get_context("device_target") == "Ascend")
+        self._native = (
+            os.environ.get("MS_ENABLE_GRACEFUL_EXIT") == "1" and ms.get_context("device_target") == "Ascend"
+        )
         self._vote_op = None
         if self._world > 1 and not self._native:
             cell = _SumAllReduce()
@@ -267,9 +297,11 @@ class GracefulExitBridge(Callback):
             cb.cur_step_num = point.global_step
             self._global_step = point.global_step
             if not self._data_aligned:
-                log.warning("rankwatch: resumed weights from global step %d, but the dataset was not "
-                            "aligned; call initial_epoch=bridge.resume(dataset) before model.train",
-                            point.global_step)
+                log.warning(
+                    "rankwatch: resumed weights from global step %d, but the dataset was not "
+                    "aligned; call initial_epoch=bridge.resume(dataset) before model.train",
+                    point.global_step,
+                )
         # Agree after the first step (it includes graph compilation), then every K.
         self._next_sync = self._global_step + 1
         self._sync_every = 1
@@ -368,9 +400,11 @@ class GracefulExitBridge(Callback):
         # The same shape as a vote, so the graph compiled here serves the votes.
         out = self._vote_op(Tensor(np.array([point.global_step, 0.0, 0.0], np.float32))).asnumpy()
         if abs(float(out[0]) - point.global_step * self._world) > 0.5:
-            raise RuntimeError(f"GracefulExitBridge: rank {self._rank} would resume from global step "
-                               f"{point.global_step}, but the ranks disagree (sum {out[0]:.0f}); "
-                               f"check that every rank sees the same {self.run_dir}/checkpoints")
+            raise RuntimeError(
+                f"GracefulExitBridge: rank {self._rank} would resume from global step "
+                f"{point.global_step}, but the ranks disagree (sum {out[0]:.0f}); "
+                f"check that every rank sees the same {self.run_dir}/checkpoints"
+            )
 
     def _stop(self, run_context) -> None:
         cb = run_context.original_args()
@@ -459,12 +493,19 @@ class _Reporter:
         self.warnings: list[str] = []
         self.resumed_from = None
         if resumed is not None:
-            self.resumed_from = {"global_step": resumed.global_step, "epoch": resumed.epoch,
-                                 "path": os.path.relpath(resumed.path, self.run_dir)}
+            self.resumed_from = {
+                "global_step": resumed.global_step,
+                "epoch": resumed.epoch,
+                "path": os.path.relpath(resumed.path, self.run_dir),
+            }
         self._totals = (0.0, 0.0, 0)  # (in, out, steps) at the previous heartbeat
         self._last_step_ms = None
-        self._window = {"step_time_mean_ms": None, "step_in_ms": None, "step_out_ms": None,
-                        "samples_per_s": None}
+        self._window = {
+            "step_time_mean_ms": None,
+            "step_in_ms": None,
+            "step_out_ms": None,
+            "samples_per_s": None,
+        }
         self._flag_sig = None
         self._bad_flag_logged: set = set()
         self._logged: set[str] = set()
@@ -478,6 +519,8 @@ class _Reporter:
         self._device = DeviceProbe()
         self._process = None
         self._host = socket.gethostname()
+        # stacks (trainer_bridge/stacks.py): built here, on the training thread, which it marks.
+        self.stacks = StackWatcher(self.run_dir, self.rank, self._host)
 
     # ------------------------------------------------ training-thread side
     def take_loss(self, outputs) -> None:
@@ -491,16 +534,29 @@ class _Reporter:
 
     def saw_request(self, flag: runfiles.Flag | None, source: str, step: int) -> None:
         if self.stop is None:
-            self.stop = {"request_id": flag.request_id if flag else None, "source": source,
-                         "stage": "seen", "seen_step": step, "stop_step": None,
-                         "checkpoint": None, "at": {"seen": time.time()}}
+            self.stop = {
+                "request_id": flag.request_id if flag else None,
+                "source": source,
+                "stage": "seen",
+                "seen_step": step,
+                "stop_step": None,
+                "checkpoint": None,
+                "at": {"seen": time.time()},
+            }
             self.state = "stopping"
             self._wake.set()
 
     def begin_stop(self, request_id: str, source: str, stop_step: int) -> None:
         if self.stop is None:
-            self.stop = {"request_id": request_id, "source": source, "stage": "agreed",
-                         "seen_step": None, "stop_step": stop_step, "checkpoint": None, "at": {}}
+            self.stop = {
+                "request_id": request_id,
+                "source": source,
+                "stage": "agreed",
+                "seen_step": None,
+                "stop_step": stop_step,
+                "checkpoint": None,
+                "at": {},
+            }
         self.stop.update(request_id=request_id, stop_step=stop_step)
         self.state = "stopping"
         self.set_stage("agreed")
@@ -512,8 +568,11 @@ class _Reporter:
             self.write_now()
 
     def saved(self, path: Path, size: int, seconds: float) -> None:
-        self.stop["checkpoint"] = {"path": os.path.relpath(path, self.run_dir), "bytes": size,
-                                   "seconds": round(seconds, 4)}
+        self.stop["checkpoint"] = {
+            "path": os.path.relpath(path, self.run_dir),
+            "bytes": size,
+            "seconds": round(seconds, 4),
+        }
         self.state = "stopping"
         self.set_stage("saved")
 
@@ -558,13 +617,25 @@ class _Reporter:
             cpu = time.thread_time()
             try:
                 self._poll_flag()
+                # stacks: answer requests, and capture once when no step ends for too long.
+                self.stacks.poll(
+                    steps=self.bridge._steps_total,
+                    since_step_s=time.perf_counter() - self.bridge._last_step_end,
+                    step_s=(self._window["step_time_mean_ms"] or 0.0) / 1e3,
+                    global_step=self.bridge._global_step,
+                    stepping=self.state in ("training", "stopping"),
+                )
                 now = time.monotonic()
                 if now >= next_beat:
                     next_beat = now + self.bridge.heartbeat_interval_s
                     self._write_heartbeat(history=True)
             except Exception as e:  # the reporter must never die: log once per kind
-                self._log_once(f"reporter:{type(e).__name__}", "rankwatch: reporter error (training "
-                               "continues): %s", e, exc_info=True)
+                self._log_once(
+                    f"reporter:{type(e).__name__}",
+                    "rankwatch: reporter error (training continues): %s",
+                    e,
+                    exc_info=True,
+                )
             self.cost["reporter_cpu_ms"] += (time.thread_time() - cpu) * 1e3
             self._wake.wait(self.bridge.poll_interval_s)
             self._wake.clear()
@@ -591,8 +662,8 @@ class _Reporter:
             return
         self._flag_sig = sig
         try:
-            flag = runfiles.parse_flag(path.read_bytes())
-        except (OSError, runfiles.FlagError) as e:
+            flag = runfiles.parse_flag(runfiles.read_capped(path))
+        except (OSError, runfiles.FlagError, runfiles.FileTooLarge) as e:
             # Garbage or a torn write: log it once per distinct file, keep training.
             if sig not in self._bad_flag_logged:
                 self._bad_flag_logged.add(sig)
@@ -618,7 +689,7 @@ class _Reporter:
             self.state = "training"
             self._wake.set()
 
-    def _heartbeat(self) -> dict:
+    def _heartbeat(self) -> schema.Heartbeat:
         bridge = self.bridge
         times = []
         while True:
@@ -643,24 +714,40 @@ class _Reporter:
                 "step_out_ms": round((totals[1] - self._totals[1]) / steps * 1e3, 3),
             }
             mean_ms = self._window["step_time_mean_ms"]
-            self._window["samples_per_s"] = (round(self.batch_size * 1000.0 / mean_ms, 2)
-                                             if mean_ms and self.batch_size else None)
+            self._window["samples_per_s"] = (
+                round(self.batch_size * 1000.0 / mean_ms, 2) if mean_ms and self.batch_size else None
+            )
         self._totals = totals
         self._seq += 1
-        return {
-            "schema": runfiles.HEARTBEAT_SCHEMA, "rank": self.rank, "world_size": self.world,
-            "host": self._host, "pid": os.getpid(), "state": self.state,
-            "epoch": bridge._epoch, "step": (gstep - 1) % per_epoch + 1 if per_epoch and gstep else 0,
-            "global_step": gstep, "loss": self.loss,
-            "step_time_ms": self._last_step_ms,
-            **self._window, "step_times_ms": times_ms, "batch_size": self.batch_size,
-            "cpu_percent": cpu, "rss_bytes": rss, "device": self._device.sample(),
-            "time": time.time(), "last_step_at": self._last_step_at(), "started_at": self._started_at,
-            "seq": self._seq, "sync_every": self.sync_every,
-            "bridge_cost": {k: round(v, 3) if isinstance(v, float) else v for k, v in self.cost.items()},
-            "stop": self.stop,
-            "resumed_from": self.resumed_from, "error": self.error, "warnings": self.warnings[-10:],
-        }
+        return schema.build(
+            schema.Heartbeat,
+            rank=self.rank,
+            world_size=self.world,
+            host=self._host,
+            pid=os.getpid(),
+            state=self.state,
+            epoch=bridge._epoch,
+            step=(gstep - 1) % per_epoch + 1 if per_epoch and gstep else 0,
+            global_step=gstep,
+            loss=self.loss,
+            step_time_ms=self._last_step_ms,
+            **self._window,
+            step_times_ms=times_ms,
+            batch_size=self.batch_size,
+            cpu_percent=cpu,
+            rss_bytes=rss,
+            device=self._device.sample(),
+            time=time.time(),
+            last_step_at=self._last_step_at(),
+            started_at=self._started_at,
+            seq=self._seq,
+            sync_every=self.sync_every,
+            bridge_cost={k: round(v, 3) if isinstance(v, float) else v for k, v in self.cost.items()},
+            stop=self.stop,
+            resumed_from=self.resumed_from,
+            error=_clip(self.error, schema.MAX_ERROR),
+            warnings=[_clip(w, schema.MAX_WARNING) for w in self.warnings[-schema.MAX_WARNINGS :]],
+        )
 
     def _last_step_at(self) -> float | None:
         """Wall time of the last step end, from the perf_counter the step hook already read."""
@@ -670,6 +757,7 @@ class _Reporter:
 
     def _process_stats(self):
         import psutil
+
         try:
             if self._process is None:
                 self._process = psutil.Process()
@@ -680,28 +768,31 @@ class _Reporter:
 
     def _write_heartbeat(self, history: bool = False) -> None:
         with self._lock:
-            beat = self._heartbeat()
+            try:
+                beat = self._heartbeat()
+            except schema.SchemaError as e:  # a bridge bug must not reach the training thread
+                self._log_once("schema", "rankwatch: heartbeat not written (training continues): %s", e)
+                return
             try:
                 # No fsync: os.replace already keeps readers from torn files,
                 # and a heartbeat lost to a power cut is replaced a second later.
-                runfiles.atomic_write_json(runfiles.heartbeat_path(self.run_dir, self.rank), beat,
-                                           fsync=False)
+                runfiles.atomic_write_bytes(
+                    runfiles.heartbeat_path(self.run_dir, self.rank), beat.to_json(), fsync=False
+                )
                 if history:
                     self._append_history(beat)
             except OSError as e:
                 self._report_io_error(e)
 
-    def _append_history(self, beat: dict) -> None:
+    def _append_history(self, beat: schema.Heartbeat) -> None:
         path = runfiles.history_path(self.run_dir, self.rank)
-        line = json.dumps({k: beat[k] for k in ("time", "global_step", "loss", "step_time_ms",
-                                                "step_time_mean_ms", "cpu_percent", "rss_bytes")},
-                          separators=(",", ":")) + "\n"
+        line = schema.HistoryLine.of(beat).to_json() + b"\n"
         try:
             if path.stat().st_size + len(line) > runfiles.HISTORY_SEGMENT_BYTES:
                 os.replace(path, f"{path}.1")
         except FileNotFoundError:
             pass
-        with open(path, "a", encoding="utf-8") as f:
+        with open(path, "ab") as f:
             f.write(line)
 
     def _report_io_error(self, e: OSError) -> None:
@@ -711,13 +802,22 @@ class _Reporter:
         self._log_once(f"io:{e.errno}", "rankwatch: %s (training continues)", message)
 
     def _write_job(self) -> None:
-        job = {"world_size": self.world, "started_at": self._started_at, "host": self._host,
-               "pid": os.getpid(), "argv": sys.argv,
-               "checkpoint_dir": runfiles.CHECKPOINT_DIR, "sync_interval_s": self.bridge.sync_interval_s}
         try:
-            runfiles.atomic_write_json(runfiles.job_path(self.run_dir), job)
+            job = schema.build(
+                schema.Job,
+                world_size=self.world,
+                started_at=self._started_at,
+                host=self._host,
+                pid=os.getpid(),
+                argv=[_clip(a, schema.MAX_PATH) for a in sys.argv[:256]],
+                checkpoint_dir=runfiles.CHECKPOINT_DIR,
+                sync_interval_s=self.bridge.sync_interval_s,
+            )
+            runfiles.atomic_write_bytes(runfiles.job_path(self.run_dir), job.to_json())
         except OSError as e:
             self._report_io_error(e)
+        except schema.SchemaError as e:
+            self._log_once("schema-job", "rankwatch: job.json not written (training continues): %s", e)
 
     def _chain_excepthook(self) -> None:
         """Mark the rank failed if the script dies of an exception, then defer to the old hook."""
@@ -729,6 +829,7 @@ class _Reporter:
                 self.error = f"{kind.__name__}: {value}"
                 self.close()
             previous(kind, value, tb)
+
         sys.excepthook = hook
 
     def _log_once(self, key: str, msg: str, *args, **kwargs) -> None:

@@ -34,6 +34,7 @@ TTP's ``…-step_{G}_tmp`` directories (a save in progress or abandoned),
 MindSpore's parallel strategy files (``*strategy*.ckpt``, not checkpoints),
 symlinks (see ``_walk``), and anything deeper than ``MAX_DEPTH`` directories.
 """
+
 from __future__ import annotations
 
 import os
@@ -45,6 +46,7 @@ from pathlib import Path
 
 from trainer_bridge import runfiles
 from trainer_bridge.ckptmeta import FORMATS, TTP_STEP_DIR_RE, CheckpointMeta, MetaCache, steps_from_name
+from trainer_bridge.schema import MAX_RANKS
 
 ORIGIN_BRIDGE = "graceful stop"
 ORIGIN_TTP = "TTP"
@@ -53,6 +55,8 @@ ORIGIN_PERIODIC = "periodic"
 ORIGINS = (ORIGIN_BRIDGE, ORIGIN_TTP, ORIGIN_NATIVE, ORIGIN_PERIODIC)
 
 MAX_DEPTH = 8
+# The highest rank number believed in a path (the schema's bound on jobs).
+MAX_RANK = MAX_RANKS - 1
 SET_FORMATS = ("ckpt", "safetensors")
 
 _RANK_DIR_RE = re.compile(r"(?i)(?:rank|device)[_-]?(\d+)")
@@ -67,6 +71,7 @@ _BRIDGE_NAME_RE = re.compile(rf"^{re.escape(runfiles.CHECKPOINT_PREFIX)}-\d+_\d+
 @dataclass(frozen=True)
 class CheckpointFile:
     """One checkpoint file: where it is, which rank saved it, what it holds."""
+
     path: str  # relative to the run directory, with "/" separators
     abspath: str
     rank: int
@@ -80,9 +85,19 @@ class CheckpointFile:
 
     def to_dict(self) -> dict:
         m = self.meta
-        return {"path": self.path, "rank": self.rank, "bytes": m.bytes, "format": m.format,
-                "mtime": m.mtime, "epoch": m.epoch, "step": m.step, "global_step": m.global_step,
-                "status": m.status, "reason": m.reason, "step_source": m.step_source}
+        return {
+            "path": self.path,
+            "rank": self.rank,
+            "bytes": m.bytes,
+            "format": m.format,
+            "mtime": m.mtime,
+            "epoch": m.epoch,
+            "step": m.step,
+            "global_step": m.global_step,
+            "status": m.status,
+            "reason": m.reason,
+            "step_source": m.step_source,
+        }
 
 
 @dataclass(frozen=True)
@@ -93,6 +108,7 @@ class CheckpointSet:
     readable file, including those whose file is corrupt (``ranks_corrupt``).
     ``epoch``/``step``/``global_step`` are None when no file told them.
     """
+
     id: str
     origin: str
     layout: str
@@ -118,18 +134,29 @@ class CheckpointSet:
 
     def to_dict(self, now: float | None = None) -> dict:
         now = time.time() if now is None else now
-        return {"id": self.id, "origin": self.origin, "layout": self.layout,
-                "epoch": self.epoch, "step": self.step, "global_step": self.global_step,
-                "world_size": self.world_size, "complete": self.complete,
-                "ranks_present": list(self.ranks_present), "ranks_missing": list(self.ranks_missing),
-                "ranks_corrupt": list(self.ranks_corrupt), "bytes": self.bytes, "mtime": self.mtime,
-                "age_s": round(max(0.0, now - self.mtime), 3),
-                "files": [f.to_dict() for f in self.files]}
+        return {
+            "id": self.id,
+            "origin": self.origin,
+            "layout": self.layout,
+            "epoch": self.epoch,
+            "step": self.step,
+            "global_step": self.global_step,
+            "world_size": self.world_size,
+            "complete": self.complete,
+            "ranks_present": list(self.ranks_present),
+            "ranks_missing": list(self.ranks_missing),
+            "ranks_corrupt": list(self.ranks_corrupt),
+            "bytes": self.bytes,
+            "mtime": self.mtime,
+            "age_s": round(max(0.0, now - self.mtime), 3),
+            "files": [f.to_dict() for f in self.files],
+        }
 
 
 @dataclass(frozen=True)
 class Index:
     """The result of one ``scan``: sets newest step first, plus everything else seen."""
+
     run_dir: str
     scanned_at: float
     world_size: int | None
@@ -148,16 +175,19 @@ class Index:
     def to_dict(self) -> dict:
         """The body of ``GET /api/checkpoints``."""
         newest = self.newest_complete
-        return {"run_dir": self.run_dir, "scanned_at": self.scanned_at, "world_size": self.world_size,
-                "file_count": self.file_count,
-                "newest_complete": newest.id if newest else None,
-                "sets": [s.to_dict(self.scanned_at) for s in self.sets],
-                "other_files": [f.to_dict() | {"origin": f.origin} for f in self.other_files],
-                "errors": list(self.errors)}
+        return {
+            "run_dir": self.run_dir,
+            "scanned_at": self.scanned_at,
+            "world_size": self.world_size,
+            "file_count": self.file_count,
+            "newest_complete": newest.id if newest else None,
+            "sets": [s.to_dict(self.scanned_at) for s in self.sets],
+            "other_files": [f.to_dict() | {"origin": f.origin} for f in self.other_files],
+            "errors": list(self.errors),
+        }
 
 
-def scan(run_dir: str | os.PathLike, world_size: int | None = None,
-         cache: MetaCache | None = None) -> Index:
+def scan(run_dir: str | os.PathLike, world_size: int | None = None, cache: MetaCache | None = None) -> Index:
     """Index every checkpoint under ``run_dir``; never raises for bad files or directories.
 
     ``world_size`` sets how many ranks a complete set needs; without it each
@@ -205,6 +235,11 @@ def _walk(root: str, errors: list[str]):
             name = entry.name
             if name.startswith(".") or name.endswith(".tmp") or (not rel and name == runfiles.STATE_DIR):
                 continue
+            if not _utf8_name(name):
+                # The API, the page's URLs and the download header carry paths as
+                # text; a name that is not UTF-8 cannot round-trip through them.
+                errors.append(f"skipped {'/'.join(rel + (ascii(name),))}: the name is not valid UTF-8")
+                continue
             try:
                 if entry.is_symlink():
                     continue
@@ -213,16 +248,33 @@ def _walk(root: str, errors: list[str]):
                         stack.append((entry.path, rel + (name,)))
                     continue
                 ext = os.path.splitext(name)[1].lower()
-                if (ext not in FORMATS or (ext == ".ckpt" and "strategy" in name.lower())
-                        or not entry.is_file(follow_symlinks=False)):
+                if (
+                    ext not in FORMATS
+                    or (ext == ".ckpt" and "strategy" in name.lower())
+                    or not entry.is_file(follow_symlinks=False)
+                ):
                     continue
                 yield rel + (name,), entry.path, entry.stat(follow_symlinks=False)
             except OSError as e:
                 errors.append(f"cannot stat {'/'.join(rel + (name,))}: {(e.strerror or str(e)).lower()}")
 
 
+def _utf8_name(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # os.fsdecode's surrogate escapes of undecodable bytes
+        return False
+    return True
+
+
 def _inside(root: str, path: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def _believable(digits: str) -> bool:
+    """A rank number a job can have: ``rank_99999999999`` is a name, and believing it
+    would make a set of 10^11 ranks, every one of them missing."""
+    return digits.isascii() and len(digits) <= 7 and int(digits) <= MAX_RANK
 
 
 def classify(rel_parts: tuple[str, ...] | list[str]) -> tuple[str, int, str]:
@@ -237,28 +289,36 @@ def classify(rel_parts: tuple[str, ...] | list[str]) -> tuple[str, int, str]:
     rank = None
     for i in range(len(dirs) - 1, -1, -1):
         m = _RANK_DIR_RE.fullmatch(dirs[i])
-        if m or (dirs[i].isdigit() and i > 0 and _CKPT_PARENT_RE.search(dirs[i - 1])):
+        if m and not _believable(m[1]):
+            m = None
+        if m or (
+            dirs[i].isdigit() and _believable(dirs[i]) and i > 0 and _CKPT_PARENT_RE.search(dirs[i - 1])
+        ):
             rank = int(m[1]) if m else int(dirs[i])
-            dirs_tpl[i] = dirs[i][:m.start(1)] + "{rank}" if m else "{rank}"
+            dirs_tpl[i] = dirs[i][: m.start(1)] + "{rank}" if m else "{rank}"
             break
     ttp = False
     for i, d in enumerate(dirs):
         m = TTP_STEP_DIR_RE.match(d)
         if m:
             ttp = True
-            dirs_tpl[i] = d[:m.start("global_step")] + "{G}"
+            dirs_tpl[i] = d[: m.start("global_step")] + "{G}"
     name_rank = _NAME_RANK_RE.search(name)
     name_tpl = name
-    if name_rank and (rank is None or int(name_rank[1]) == rank):
+    if name_rank and _believable(name_rank[1]) and (rank is None or int(name_rank[1]) == rank):
         rank = int(name_rank[1])
-        name_tpl = name[:name_rank.start(1)] + "{rank}" + name[name_rank.end(1):]
+        name_tpl = name[: name_rank.start(1)] + "{rank}" + name[name_rank.end(1) :]
     name_tpl = _NAME_STEP_RE.sub(r"-{E}_{S}\1", name_tpl)
     layout = "/".join(dirs_tpl + [name_tpl])
     parent_is_rank = bool(dirs) and _RANK_DIR_RE.fullmatch(dirs[-1]) is not None
     if ttp:
         origin = ORIGIN_TTP
-    elif (len(dirs) == 2 and dirs[0] == runfiles.CHECKPOINT_DIR and re.fullmatch(r"rank_\d+", dirs[1])
-          and _BRIDGE_NAME_RE.match(name)):
+    elif (
+        len(dirs) == 2
+        and dirs[0] == runfiles.CHECKPOINT_DIR
+        and re.fullmatch(r"rank_\d+", dirs[1])
+        and _BRIDGE_NAME_RE.match(name)
+    ):
         origin = ORIGIN_BRIDGE
     elif parent_is_rank and _NATIVE_NAME_RE.search(name):
         origin = ORIGIN_NATIVE
@@ -311,12 +371,20 @@ def _make_set(origin: str, layout: str, key: tuple, files: list[CheckpointFile],
         set_id = f"{layout}#unknown"
     ok_ranks = {f.rank for f in files if f.ok}
     return CheckpointSet(
-        id=set_id, origin=origin, layout=layout, epoch=source.epoch, step=source.step,
-        global_step=global_step, world_size=world, files=tuple(files),
+        id=set_id,
+        origin=origin,
+        layout=layout,
+        epoch=source.epoch,
+        step=source.step,
+        global_step=global_step,
+        world_size=world,
+        files=tuple(files),
         ranks_present=tuple(sorted(ok_ranks)),
         ranks_missing=tuple(r for r in range(world) if r not in ok_ranks),
         ranks_corrupt=tuple(sorted({f.rank for f in files} - ok_ranks)),
-        bytes=sum(f.meta.bytes for f in files), mtime=max(f.meta.mtime for f in files))
+        bytes=sum(f.meta.bytes for f in files),
+        mtime=max(f.meta.mtime for f in files),
+    )
 
 
 def _order(s: CheckpointSet) -> tuple:
@@ -329,9 +397,12 @@ def _or(v: int | None) -> int:
     return -1 if v is None else v
 
 
-def newest_complete_set(run_dir: str | os.PathLike, world_size: int,
-                        origin: str | None = ORIGIN_BRIDGE,
-                        cache: MetaCache | None = None) -> CheckpointSet | None:
+def newest_complete_set(
+    run_dir: str | os.PathLike,
+    world_size: int,
+    origin: str | None = ORIGIN_BRIDGE,
+    cache: MetaCache | None = None,
+) -> CheckpointSet | None:
     """The newest set every rank below ``world_size`` can resume from, or None.
 
     ``origin`` limits the choice (the bridge resumes from its own saves by

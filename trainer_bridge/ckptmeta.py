@@ -41,10 +41,12 @@ checking it means reading every byte. A 0-d network parameter (for example an
 optimizer's ``learning_rate``) is stored exactly like an ``append_dict``
 value, so it shows up in ``extras`` too.
 """
+
 from __future__ import annotations
 
 import errno
 import json
+import logging
 import math
 import os
 import re
@@ -62,8 +64,33 @@ SCALAR_MAX_BYTES = 64
 # character, so they get a larger budget than numbers.
 STRING_MAX_BYTES = 4096
 _CHUNK = 64 * 1024
-# safetensors' own reader refuses headers above 100 MB.
-_SAFETENSORS_MAX_HEADER = 100 * 1000 * 1000
+
+# What the reader believes. Every file in the run directory is untrusted (any
+# rank, a buggy one, another user of the storage can write there), so a
+# header past these bounds is ``corrupt`` with a reason, found in time and
+# memory bounded by the bounds, never by the numbers the file claims.
+# numpy (and so MindSpore) allows at most 64 dimensions.
+MAX_DIMS = 64
+# Parameter names are dotted paths of a few dozen characters.
+MAX_NAME_BYTES = 4096
+# Entries (tensor slices) in one .ckpt: a per-rank file of even a large
+# mixture-of-experts model, optimizer state included, holds some 10^4.
+# Bounds the parse time of a file crafted from tiny entries (reading 10^5
+# takes about 2-4 s on the 2-core development VM; the cache reads each
+# version of a file once).
+MAX_ENTRIES = 200_000
+# safetensors' own reader refuses headers above 100 MB; parsing one costs
+# about ten times its size in Python objects, so this reader stops at 16 MiB,
+# which describes some 300,000 tensors.
+SAFETENSORS_MAX_HEADER = 16 * 1024 * 1024
+_SAFETENSORS_FORMAT_MAX_HEADER = 100 * 1000 * 1000
+# 0-d values kept as ``extras`` (append_dict's few, plus an optimizer's
+# scalars), and the text they may hold in all: what one file can make the
+# dashboard's cache keep.
+MAX_EXTRAS = 64
+MAX_EXTRAS_BYTES = 16 * 1024
+# Only these single-element values decide where a file stands in training.
+_STEP_KEYS = frozenset({"epoch_num", "step_num", "batch_num", "global_step"})
 _CRC_TRAILER = 17
 _ENCRYPTED_MAGIC = {b"\xd8^:\x7f": "AES-GCM", b"\xd9^:\x7f": "AES-CBC"}
 
@@ -72,22 +99,50 @@ FORMATS = {".ckpt": "ckpt", ".safetensors": "safetensors", ".mindir": "mindir"}
 # MindSpore dtype name -> (struct code, item size). BFloat16 and Int4 have no
 # struct code; BFloat16 is decoded by hand, Int4 packs two values a byte.
 _CKPT_DTYPES = {
-    "Bool": ("?", 1), "Int8": ("b", 1), "UInt8": ("B", 1),
-    "Int16": ("h", 2), "UInt16": ("H", 2), "Int32": ("i", 4), "UInt32": ("I", 4),
-    "Int64": ("q", 8), "UInt64": ("Q", 8), "Float16": ("e", 2), "Float32": ("f", 4),
-    "Float64": ("d", 8), "BFloat16": (None, 2), "Int4": (None, None), "str": (None, None),
+    "Bool": ("?", 1),
+    "Int8": ("b", 1),
+    "UInt8": ("B", 1),
+    "Int16": ("h", 2),
+    "UInt16": ("H", 2),
+    "Int32": ("i", 4),
+    "UInt32": ("I", 4),
+    "Int64": ("q", 8),
+    "UInt64": ("Q", 8),
+    "Float16": ("e", 2),
+    "Float32": ("f", 4),
+    "Float64": ("d", 8),
+    "BFloat16": (None, 2),
+    "Int4": (None, None),
+    "str": (None, None),
 }
 # safetensors dtype -> MindSpore name, so both formats report alike.
 _SAFETENSORS_DTYPES = {
-    "BOOL": "Bool", "I8": "Int8", "U8": "UInt8", "I16": "Int16", "U16": "UInt16",
-    "I32": "Int32", "U32": "UInt32", "I64": "Int64", "U64": "UInt64",
-    "F16": "Float16", "BF16": "BFloat16", "F32": "Float32", "F64": "Float64",
+    "BOOL": "Bool",
+    "I8": "Int8",
+    "U8": "UInt8",
+    "I16": "Int16",
+    "U16": "UInt16",
+    "I32": "Int32",
+    "U32": "UInt32",
+    "I64": "Int64",
+    "U64": "UInt64",
+    "F16": "Float16",
+    "BF16": "BFloat16",
+    "F32": "Float32",
+    "F64": "Float64",
 }
 # safetensors dtypes MindSpore has no name for; kept as-is, sizes for checks.
 _SAFETENSORS_OTHER_SIZES = {
-    "F8_E4M3": 1, "F8_E5M2": 1, "F8_E4M3FNUZ": 1, "F8_E5M2FNUZ": 1, "F8_E8M0": 1,
-    "C64": 8, "C128": 16,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3FNUZ": 1,
+    "F8_E5M2FNUZ": 1,
+    "F8_E8M0": 1,
+    "C64": 8,
+    "C128": 16,
 }
+
+log = logging.getLogger(__name__)
 
 _NAME_RE = re.compile(r"^(?P<prefix>.+)-(?P<epoch>\d+)_(?P<step>\d+)\.(?:ckpt|safetensors)$")
 # The MindIO TTP docs say tft_, MindSpore 2.10's code writes ttp_.
@@ -97,6 +152,7 @@ TTP_STEP_DIR_RE = re.compile(r"^(?:tft|ttp)_saved_checkpoints-step_(?P<global_st
 @dataclass(frozen=True)
 class ParamInfo:
     """One stored entry: a tensor, a map tensor, or an ``append_dict`` value."""
+
     name: str
     shape: tuple[int, ...]
     dtype: str
@@ -118,6 +174,7 @@ class CheckpointMeta:
     ``"name"`` when only its path did, else None. ``param_count`` and
     ``param_bytes`` are None when they cannot be known (mindir, encrypted).
     """
+
     path: str
     format: str | None
     bytes: int
@@ -141,12 +198,20 @@ class CheckpointMeta:
     def to_dict(self) -> dict:
         """A JSON-ready dict; non-finite floats become strings, as JSON has none."""
         return {
-            "path": self.path, "format": self.format, "bytes": self.bytes, "mtime": self.mtime,
-            "status": self.status, "reason": self.reason,
-            "param_count": self.param_count, "param_bytes": self.param_bytes,
+            "path": self.path,
+            "format": self.format,
+            "bytes": self.bytes,
+            "mtime": self.mtime,
+            "status": self.status,
+            "reason": self.reason,
+            "param_count": self.param_count,
+            "param_bytes": self.param_bytes,
             "extras": {k: _json_safe(v) for k, v in self.extras.items()},
-            "epoch": self.epoch, "step": self.step, "global_step": self.global_step,
-            "step_source": self.step_source, "encrypted": self.encrypted,
+            "epoch": self.epoch,
+            "step": self.step,
+            "global_step": self.global_step,
+            "step_source": self.step_source,
+            "encrypted": self.encrypted,
             "params": None if self.params is None else [p.to_dict() for p in self.params],
         }
 
@@ -163,27 +228,55 @@ class _Corrupt(Exception):
 
 @dataclass
 class _Parsed:
-    """A parser's findings before the step is worked out."""
-    params: list[ParamInfo]
-    scalars: dict  # name -> decoded value of every single-element entry
-    extras: dict
+    """A parser's findings before the step is worked out.
+
+    ``params`` is kept only when asked for (``read_meta(with_params=True)``);
+    the count and the byte total always are, so a scan's memory does not grow
+    with the number of entries in a file.
+    """
+
+    params: list[ParamInfo] | None = None
+    scalars: dict = field(default_factory=dict)  # step keys -> decoded single-element values
+    extras: dict = field(default_factory=dict)
     encrypted: str | None = None
     counted: bool = True  # False when params could not be read (mindir, encrypted)
+    count: int = 0
+    total_bytes: int = 0
+    _extras_bytes: int = 0
+
+    def add(self, param: ParamInfo) -> None:
+        self.count += 1
+        self.total_bytes += param.bytes
+        if self.params is not None:
+            self.params.append(param)
+
+    def value(self, name: str, value: Any, zero_d: bool) -> None:
+        """Keep a decoded single-element value: for the step, and as an extra if 0-d, within budget."""
+        if name in _STEP_KEYS:
+            self.scalars[name] = value
+        if not zero_d or len(self.extras) >= MAX_EXTRAS:
+            return
+        cost = len(name) + (len(value) if isinstance(value, str) else 8)
+        if self._extras_bytes + cost <= MAX_EXTRAS_BYTES:
+            self.extras[name] = value
+            self._extras_bytes += cost
 
 
-def read_meta(path: str | os.PathLike, with_params: bool = False) -> CheckpointMeta:
+def read_meta(path: str | os.PathLike, with_params: bool = False, fd: int | None = None) -> CheckpointMeta:
     """Read a checkpoint's metadata; never raises for a bad or unreadable file.
 
     The format comes from the extension; an unknown extension is sniffed
     (safetensors if the header looks like one, else ckpt). ``with_params``
     adds the per-entry list, which the index does not need. A corrupt file
     still gets the epoch and step its name carries, so it can be shown
-    beside its peers.
+    beside its peers. ``fd``: read this open descriptor (a duplicate of it;
+    the caller keeps its own) instead of opening ``path``, which then only
+    names the file.
     """
     path = os.fspath(path)
     fmt = FORMATS.get(os.path.splitext(path)[1].lower())
     try:
-        f = _open(path)
+        f = _open(path) if fd is None else os.fdopen(os.dup(fd), "rb")
     except OSError as e:
         return _corrupt(path, fmt, _unreadable(e))
     with f:
@@ -198,19 +291,37 @@ def read_meta(path: str | os.PathLike, with_params: bool = False) -> CheckpointM
         try:
             if fmt is None:
                 fmt = _sniff(f)
-            parsed = _PARSERS[fmt](f, st.st_size)
+            parsed = _Parsed(params=[] if with_params else None)
+            _PARSERS[fmt](f, st.st_size, parsed)
         except _Corrupt as e:
             return _corrupt(path, fmt, str(e), st)
         except OSError as e:
             return _corrupt(path, fmt, _unreadable(e), st)
+        except (ValueError, RecursionError, MemoryError, OverflowError, struct.error) as e:
+            # A case the checks above missed. The bridge resumes from what this
+            # reader says and must never crash on a file, so the file is
+            # corrupt, and the log keeps the traceback of the gap.
+            log.warning("ckptmeta: unexpected %s reading %s", type(e).__name__, path, exc_info=True)
+            return _corrupt(
+                path, fmt, f"not a checkpoint: the reader could not parse it ({type(e).__name__})", st
+            )
     epoch, step, global_step, source = _resolve_step(path, parsed.scalars, fmt)
     return CheckpointMeta(
-        path=path, format=fmt, bytes=st.st_size, mtime=st.st_mtime, status="ok",
-        param_count=len(parsed.params) if parsed.counted else None,
-        param_bytes=sum(p.bytes for p in parsed.params) if parsed.counted else None,
-        extras=parsed.extras, epoch=epoch, step=step, global_step=global_step,
-        step_source=source, encrypted=parsed.encrypted,
-        params=tuple(parsed.params) if with_params and parsed.counted else None)
+        path=path,
+        format=fmt,
+        bytes=st.st_size,
+        mtime=st.st_mtime,
+        status="ok",
+        param_count=parsed.count if parsed.counted else None,
+        param_bytes=parsed.total_bytes if parsed.counted else None,
+        extras=parsed.extras,
+        epoch=epoch,
+        step=step,
+        global_step=global_step,
+        step_source=source,
+        encrypted=parsed.encrypted,
+        params=tuple(parsed.params) if with_params and parsed.counted else None,
+    )
 
 
 def _open(path: str) -> BinaryIO:
@@ -231,9 +342,18 @@ def _corrupt(path: str, fmt: str | None, reason: str, st: os.stat_result | None 
         except OSError:
             pass
     epoch, step, global_step, source = _resolve_step(path, {}, fmt)
-    return CheckpointMeta(path=path, format=fmt, bytes=st.st_size if st else 0, mtime=st.st_mtime if st else 0.0,
-                          status="corrupt", reason=reason, epoch=epoch, step=step, global_step=global_step,
-                          step_source=source)
+    return CheckpointMeta(
+        path=path,
+        format=fmt,
+        bytes=st.st_size if st else 0,
+        mtime=st.st_mtime if st else 0.0,
+        status="corrupt",
+        reason=reason,
+        epoch=epoch,
+        step=step,
+        global_step=global_step,
+        step_source=source,
+    )
 
 
 def _unreadable(e: OSError) -> str:
@@ -263,6 +383,7 @@ def _describe_start(head: bytes) -> str:
 
 # -- protobuf wire format ----------------------------------------------------
 
+
 class _Stream:
     """Forward reader over the first ``end`` bytes of a file, with seeks to skip.
 
@@ -289,7 +410,7 @@ class _Stream:
 
     def peek(self, n: int) -> bytes:
         buf, off = self._window(n)
-        return buf[off:off + n]
+        return buf[off : off + n]
 
     def take(self, n: int, what: str) -> bytes:
         """The next ``n`` bytes of ``what``; truncated if the file ends first."""
@@ -326,7 +447,12 @@ class _Stream:
         raise _Corrupt(f"not a checkpoint: malformed number in {what} at byte {self.pos}")
 
 
-def _fields(s: _Stream, end: int, what: str):
+# Fields in one message: a Value has 2, a TensorProto 3 plus at most MAX_DIMS
+# dims; this stops a message padded with millions of unknown fields.
+MAX_FIELDS = 4096
+
+
+def _fields(s: _Stream, end: int, what: str, limit: int = MAX_FIELDS):
     """Yield ``(field number, wire type, value)`` for each field of a message ending at ``end``.
 
     For a length-delimited field ``value`` is its length and the stream is
@@ -335,9 +461,13 @@ def _fields(s: _Stream, end: int, what: str):
     may lie past the end of the file when an enclosing message was cut: the
     innermost reader then reports the truncation, naming what it was reading.
     """
+    count = 0
     while s.pos < end:
         if s.pos >= s.end:
             raise _Corrupt(f"truncated: {what} is cut off at byte {s.end}")
+        count += 1
+        if count > limit:
+            raise _Corrupt(f"not a checkpoint: {what} has more than {limit} fields")
         at = s.pos
         key = s.varint(what)
         number, wire = key >> 3, key & 7
@@ -351,8 +481,9 @@ def _fields(s: _Stream, end: int, what: str):
         elif wire == 2:
             length = s.varint(what)
             if s.pos + length > end and end <= s.end:
-                raise _Corrupt(f"not a checkpoint: {what} claims {length} bytes, "
-                               f"but only {end - s.pos} remain in it")
+                raise _Corrupt(
+                    f"not a checkpoint: {what} claims {length} bytes, but only {end - s.pos} remain in it"
+                )
             yield number, wire, length
         else:
             raise _Corrupt(f"not a checkpoint: invalid protobuf wire type {wire} at byte {at}")
@@ -371,6 +502,7 @@ def _utf8(raw: bytes, what: str) -> str:
 
 # -- .ckpt -------------------------------------------------------------------
 
+
 @dataclass
 class _Tensor:
     dims: list[int]
@@ -385,10 +517,12 @@ def _read_tensor(s: _Stream, end: int, what: str, keep: int) -> _Tensor:
     for number, wire, value in _fields(s, end, what):
         if number == 1 and wire == 0:
             t.dims.append(_signed64(value))
+            _check_dims(t.dims, what)
         elif number == 1 and wire == 2:  # packed dims, as a proto3 writer would emit
             stop = s.pos + value
             while s.pos < stop:
                 t.dims.append(_signed64(s.varint(what)))
+                _check_dims(t.dims, what)
         elif number == 2 and wire == 2:
             if value > 64:
                 raise _Corrupt(f"not a checkpoint: {what} has a {value}-byte type name")
@@ -404,15 +538,47 @@ def _read_tensor(s: _Stream, end: int, what: str, keep: int) -> _Tensor:
     if t.dtype is None or t.size < 0:
         raise _Corrupt(f"not a checkpoint: {what} has no {'type' if t.dtype is None else 'content'}")
     if any(d < 0 for d in t.dims):
-        raise _Corrupt(f"not a checkpoint: {what} has a negative dimension {tuple(t.dims)}")
+        raise _Corrupt(f"not a checkpoint: {what} has a negative dimension {_shape_text(t.dims)}")
     return t
 
 
-def _parse_ckpt(f: BinaryIO, size: int) -> _Parsed:
+def _check_dims(dims: list, what: str) -> None:
+    """Refuse a tensor with more dimensions than numpy has, before reading the rest."""
+    if len(dims) > MAX_DIMS:
+        raise _Corrupt(f"not a checkpoint: {what} has more than {MAX_DIMS} dimensions")
+
+
+def _shape_text(shape) -> str:
+    """A shape for a reason: a few dims, then how many there are, never a giant list."""
+    shape = list(shape)
+    if len(shape) <= 8:
+        return str(shape)
+    return "[" + ", ".join(map(str, shape[:4])) + f", ... ({len(shape)} dimensions)]"
+
+
+# No file holds more elements than this; a shape past it is refused before
+# its product is computed in full (64 dims of 2^62 make a 3,968-bit number).
+_MAX_ELEMENTS = 1 << 64
+
+
+def _elements(shape, limit: int) -> int | None:
+    """The element count of ``shape``, or None once it passes ``limit`` (no giant products)."""
+    if 0 in shape:
+        return 0
+    n = 1
+    for d in shape:
+        n *= d
+        if n > limit:
+            return None
+    return n
+
+
+def _parse_ckpt(f: BinaryIO, size: int, out: _Parsed) -> None:
     f.seek(0)
     head = f.read(16)
     if head[:4] in _ENCRYPTED_MAGIC:
-        return _Parsed(params=[], scalars={}, extras={}, encrypted=_ENCRYPTED_MAGIC[head[:4]], counted=False)
+        out.encrypted, out.counted = _ENCRYPTED_MAGIC[head[:4]], False
+        return
     if head[:1] != b"\n":  # every entry is field 1, length-delimited
         raise _Corrupt(f"not a checkpoint: {_describe_start(head)}")
     end = size
@@ -421,18 +587,22 @@ def _parse_ckpt(f: BinaryIO, size: int) -> _Parsed:
         if f.read(7) == b"crc_num":
             end = size - _CRC_TRAILER
     s = _Stream(f, end)
-    entries: list[tuple[str, _Tensor | None, int]] = []  # (tag, tensor, map bytes)
+    merger = _Merger(out)
+    index = 0
     while s.pos < end:
         left = s.peek(min(7, end - s.pos))
         if end - s.pos < _CRC_TRAILER and b"crc_num".startswith(left):
             raise _Corrupt(f"truncated: the CRC trailer is cut off ({end - s.pos} of {_CRC_TRAILER} bytes)")
+        if index >= MAX_ENTRIES:
+            raise _Corrupt(f"not a checkpoint: more than {MAX_ENTRIES} entries")
         at = s.pos
         key = s.varint("the checkpoint")
         if key != 0x0A:
             raise _Corrupt(f"not a checkpoint: unexpected protobuf key {key} at byte {at}")
-        length = s.varint(f"entry {len(entries)}")
-        entries.append(_read_value(s, s.pos + length, len(entries)))
-    return _merge_entries(entries)
+        length = s.varint(f"entry {index}")
+        merger.push(*_read_value(s, s.pos + length, index))
+        index += 1
+    merger.flush()
 
 
 def _read_value(s: _Stream, end: int, index: int) -> tuple[str, _Tensor | None, int]:
@@ -443,6 +613,8 @@ def _read_value(s: _Stream, end: int, index: int) -> tuple[str, _Tensor | None, 
     for number, wire, value in _fields(s, end, f"entry {index}"):
         what = f"tensor {tag!r}" if tag is not None else f"entry {index}"
         if number == 1 and wire == 2:
+            if value > MAX_NAME_BYTES:
+                raise _Corrupt(f"not a checkpoint: entry {index} has a {value}-byte name")
             tag = _utf8(s.take(value, what), f"the name of entry {index}")
         elif number == 2 and wire == 2:
             tensor = _read_tensor(s, s.pos + value, what, SCALAR_MAX_BYTES)
@@ -466,41 +638,48 @@ def _read_value(s: _Stream, end: int, index: int) -> tuple[str, _Tensor | None, 
     return tag, tensor, map_bytes
 
 
-def _merge_entries(entries: list[tuple[str, _Tensor | None, int]]) -> _Parsed:
-    """Join the slices of split tensors and decode the small values, as load_checkpoint does."""
-    params: list[ParamInfo] = []
-    scalars: dict = {}
-    extras: dict = {}
-    i = 0
-    while i < len(entries):
-        tag, tensor, map_bytes = entries[i]
+class _Merger:
+    """Joins the slices of split tensors and decodes the small values, as load_checkpoint does.
+
+    Entries arrive one at a time and only the current run of one tag is
+    held, so memory does not grow with the entries of a file.
+    """
+
+    def __init__(self, out: _Parsed):
+        self.out = out
+        self._tag: str | None = None
+        self._first: _Tensor | None = None
+        self._total = 0
+        self._pieces = 0
+
+    def push(self, tag: str, tensor: _Tensor | None, map_bytes: int) -> None:
+        if tensor is not None and self._first is not None and tag == self._tag:
+            self._total += tensor.size
+            self._pieces += 1
+            return
+        self.flush()
         if tensor is None:
-            params.append(ParamInfo(tag, (), "MapTensor", map_bytes))
-            i += 1
-            continue
-        total = tensor.size
-        j = i + 1
-        while j < len(entries) and entries[j][0] == tag and entries[j][1] is not None:
-            total += entries[j][1].size
-            j += 1
-        pieces = j - i
-        i = j
+            self.out.add(ParamInfo(tag, (), "MapTensor", map_bytes))
+            return
+        self._tag, self._first, self._total, self._pieces = tag, tensor, tensor.size, 1
+
+    def flush(self) -> None:
+        tag, tensor, total, pieces = self._tag, self._first, self._total, self._pieces
+        self._tag, self._first = None, None
+        if tensor is None:
+            return
         if tensor.dtype == "str":
             if tensor.content is not None and pieces == 1:
-                text = _decode_str(tensor.content, tag)
-                scalars[tag] = extras[tag] = text
-            continue
+                self.out.value(tag, _decode_str(tensor.content, tag), zero_d=True)
+            return
         # load_checkpoint reads dims [0] as a scalar; mirror it so shapes agree.
         shape = () if tensor.dims == [0] else tuple(tensor.dims)
         _check_size(tag, shape, tensor.dtype, total)
-        params.append(ParamInfo(tag, shape, tensor.dtype, total))
-        if pieces == 1 and tensor.content is not None and math.prod(shape) == 1:
+        self.out.add(ParamInfo(tag, shape, tensor.dtype, total))
+        if pieces == 1 and tensor.content is not None and _elements(shape, 1) == 1:
             value = _decode_scalar(tensor.content, tensor.dtype)
             if value is not None:
-                scalars[tag] = value
-                if shape == ():
-                    extras[tag] = value
-    return _Parsed(params=params, scalars=scalars, extras=extras)
+                self.out.value(tag, value, zero_d=shape == ())
 
 
 def _decode_str(raw: bytes, tag: str) -> str:
@@ -514,14 +693,24 @@ def _decode_str(raw: bytes, tag: str) -> str:
 
 
 def _check_size(tag: str, shape: tuple[int, ...], dtype: str, total: int) -> None:
+    """The stored bytes must be exactly what the shape needs; the need is never computed past them."""
     item = _CKPT_DTYPES.get(dtype, (None, None))[1]
     if item is None:
         return
-    need = math.prod(shape) * item
+    count = _elements(shape, _MAX_ELEMENTS)
+    if count is None:
+        raise _Corrupt(
+            f"not a checkpoint: tensor {tag!r} {dtype}{_shape_text(shape)} claims more than 2^64 "
+            f"elements, more than the file holds ({total} bytes)"
+        )
+    need = count * item
     if need != total:
-        raise _Corrupt(f"truncated: tensor {tag!r} {dtype}{list(shape)} needs {need} bytes, the file holds {total}"
-                       if total < need else
-                       f"not a checkpoint: tensor {tag!r} {dtype}{list(shape)} needs {need} bytes but holds {total}")
+        raise _Corrupt(
+            f"truncated: tensor {tag!r} {dtype}{_shape_text(shape)} needs {need} bytes, the file holds {total}"
+            if total < need
+            else f"not a checkpoint: tensor {tag!r} {dtype}{_shape_text(shape)} needs {need} bytes "
+            f"but holds {total}"
+        )
 
 
 def _decode_scalar(raw: bytes, dtype: str) -> Any:
@@ -535,21 +724,29 @@ def _decode_scalar(raw: bytes, dtype: str) -> Any:
 
 # -- .safetensors ------------------------------------------------------------
 
-def _parse_safetensors(f: BinaryIO, size: int) -> _Parsed:
+
+def _parse_safetensors(f: BinaryIO, size: int, out: _Parsed) -> None:
     f.seek(0)
     head = f.read(8)
     if len(head) < 8:
         raise _Corrupt(f"truncated: the safetensors header length needs 8 bytes, {len(head)} present")
     (n,) = struct.unpack("<Q", head)
-    if n > _SAFETENSORS_MAX_HEADER:
+    if n > _SAFETENSORS_FORMAT_MAX_HEADER:
         raise _Corrupt(f"not a checkpoint: {_describe_start(head)}")
     if 8 + n > size:
         raise _Corrupt(f"truncated: the safetensors header needs {n} bytes, {size - 8} left")
+    if n > SAFETENSORS_MAX_HEADER:
+        raise _Corrupt(
+            f"not a checkpoint: a {n}-byte safetensors header, more than the {SAFETENSORS_MAX_HEADER} "
+            "this reader accepts"
+        )
     raw = f.read(n)
     if raw[:1] != b"{":
         raise _Corrupt(f"not a checkpoint: {_describe_start(head + raw[:8])}")
     try:
         header = json.loads(raw)
+    except RecursionError:
+        raise _Corrupt("not a checkpoint: the safetensors header is nested too deeply") from None
     except ValueError as e:
         raise _Corrupt(f"not a checkpoint: the safetensors header is not valid JSON ({e})") from None
     if not isinstance(header, dict):
@@ -557,8 +754,7 @@ def _parse_safetensors(f: BinaryIO, size: int) -> _Parsed:
     meta = header.pop("__metadata__", None)
     meta = meta if isinstance(meta, dict) else {}
     data_start = 8 + n
-    params: list[ParamInfo] = []
-    small: list[tuple[str, str, int, int]] = []
+    small: list[tuple[str, str, int, int, bool]] = []
     for name, entry in header.items():
         shape, st_dtype, begin, stop = _safetensors_entry(name, entry)
         dtype = "Int4" if meta.get(name) == "Int4" else _SAFETENSORS_DTYPES.get(st_dtype, st_dtype)
@@ -566,33 +762,47 @@ def _parse_safetensors(f: BinaryIO, size: int) -> _Parsed:
             left = max(0, size - data_start - begin)
             raise _Corrupt(f"truncated: tensor {name!r} needs {stop - begin} bytes, {left} left")
         item = _SAFETENSORS_OTHER_SIZES.get(st_dtype) or _CKPT_DTYPES.get(dtype, (None, None))[1]
-        if item is not None and dtype != "Int4" and math.prod(shape) * item != stop - begin:
-            raise _Corrupt(f"not a checkpoint: tensor {name!r} {dtype}{list(shape)} "
-                           f"needs {math.prod(shape) * item} bytes but holds {stop - begin}")
-        params.append(ParamInfo(name, shape, dtype, stop - begin))
-        if math.prod(shape) == 1 and stop - begin <= SCALAR_MAX_BYTES:
-            small.append((name, dtype, begin, stop))
-    scalars: dict = {}
-    extras: dict = {}
-    for name, dtype, begin, stop in sorted(small, key=lambda x: x[2]):
+        if item is not None and dtype != "Int4":
+            count = _elements(shape, _MAX_ELEMENTS)
+            if count is None or count * item != stop - begin:
+                raise _Corrupt(
+                    f"not a checkpoint: tensor {name[:200]!r} {dtype}{_shape_text(shape)} "
+                    + (
+                        f"claims more than 2^64 elements, more than the file holds ({size} bytes)"
+                        if count is None
+                        else f"needs {count * item} bytes but holds {stop - begin}"
+                    )
+                )
+        out.add(ParamInfo(name, shape, dtype, stop - begin))
+        if stop - begin <= SCALAR_MAX_BYTES and _elements(shape, 1) == 1:
+            small.append((name, dtype, begin, stop, shape == ()))
+    for name, dtype, begin, stop, zero_d in sorted(small, key=lambda x: x[2]):
         f.seek(data_start + begin)
         value = _decode_scalar(f.read(stop - begin), dtype)
         if value is not None:
-            scalars[name] = value
-            if header[name]["shape"] == []:
-                extras[name] = value
-    return _Parsed(params=params, scalars=scalars, extras=extras)
+            out.value(name, value, zero_d=zero_d)
 
 
 def _safetensors_entry(name: str, entry: Any) -> tuple[tuple[int, ...], str, int, int]:
     """Validate one header entry and return (shape, dtype, begin, end)."""
-    bad = f"not a checkpoint: the safetensors entry {name!r} is malformed"
+    bad = f"not a checkpoint: the safetensors entry {name[:200]!r} is malformed"
+    if len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        raise _Corrupt(f"not a checkpoint: a safetensors entry has a {len(name)}-character name")
     if not isinstance(entry, dict):
         raise _Corrupt(bad)
     shape, dtype, offsets = entry.get("shape"), entry.get("dtype"), entry.get("data_offsets")
-    if (not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape)
-            or not isinstance(dtype, str) or not isinstance(offsets, list) or len(offsets) != 2
-            or not all(type(o) is int for o in offsets) or not 0 <= offsets[0] <= offsets[1]):
+    if isinstance(shape, list) and len(shape) > MAX_DIMS:
+        raise _Corrupt(f"not a checkpoint: tensor {name[:200]!r} has more than {MAX_DIMS} dimensions")
+    if (
+        not isinstance(shape, list)
+        or not all(type(d) is int and d >= 0 for d in shape)
+        or not isinstance(dtype, str)
+        or len(dtype) > 64
+        or not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(type(o) is int for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
         raise _Corrupt(bad)
     return tuple(shape), dtype, offsets[0], offsets[1]
 
@@ -604,22 +814,24 @@ _MINDIR_STRINGS = {1: "ir_version", 2: "producer_name", 3: "producer_version", 5
 _MINDIR_MAX_FIELD = 14
 
 
-def _parse_mindir(f: BinaryIO, size: int) -> _Parsed:
+def _parse_mindir(f: BinaryIO, size: int, out: _Parsed) -> None:
+    out.counted = False
     try:
-        return _read_mindir(f, size)
+        _read_mindir(f, size, out)
     except _Corrupt as e:
         raise _Corrupt(str(e).replace("not a checkpoint:", "not a MindIR model:", 1)) from None
 
 
-def _read_mindir(f: BinaryIO, size: int) -> _Parsed:
+def _read_mindir(f: BinaryIO, size: int, out: _Parsed) -> None:
     f.seek(0)
     head = f.read(16)
     if head[:4] in _ENCRYPTED_MAGIC:
-        return _Parsed(params=[], scalars={}, extras={}, encrypted=_ENCRYPTED_MAGIC[head[:4]], counted=False)
+        out.encrypted = _ENCRYPTED_MAGIC[head[:4]]
+        return
     s = _Stream(f, size)
-    extras: dict = {}
+    extras = out.extras
     seen = 0
-    for number, wire, length in _fields(s, size, "the model"):
+    for number, wire, length in _fields(s, size, "the model", MAX_ENTRIES):
         if number > _MINDIR_MAX_FIELD:
             raise _Corrupt(f"not a MindIR model: {_describe_start(head)}")
         seen += 1
@@ -629,13 +841,13 @@ def _read_mindir(f: BinaryIO, size: int) -> _Parsed:
             s.skip(length, "the model")
     if not seen:
         raise _Corrupt("not a MindIR model: no protobuf fields")
-    return _Parsed(params=[], scalars={}, extras=extras, counted=False)
 
 
 _PARSERS = {"ckpt": _parse_ckpt, "safetensors": _parse_safetensors, "mindir": _parse_mindir}
 
 
 # -- where a file stands in training ---------------------------------------
+
 
 def steps_from_name(path: str | os.PathLike) -> tuple[int | None, int | None, int | None]:
     """``(epoch, step_in_epoch, global_step)`` from a path, each None if absent.
@@ -670,7 +882,9 @@ def _as_int(value: Any) -> int | None:
     return None
 
 
-def _resolve_step(path: str, scalars: dict, fmt: str) -> tuple[int | None, int | None, int | None, str | None]:
+def _resolve_step(
+    path: str, scalars: dict, fmt: str
+) -> tuple[int | None, int | None, int | None, str | None]:
     """Epoch, step in epoch and global step: the contents first, the name for gaps.
 
     MindSpore's callbacks store ``epoch_num``, ``step_num`` (cumulative, not
@@ -700,6 +914,7 @@ def _resolve_step(path: str, scalars: dict, fmt: str) -> tuple[int | None, int |
 
 
 # -- cache -------------------------------------------------------------------
+
 
 class MetaCache:
     """A bounded LRU of ``read_meta`` results keyed by (path, size, mtime_ns).

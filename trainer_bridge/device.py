@@ -4,6 +4,7 @@ With neither on PATH the feature switches itself off with one log line. The
 probe runs in the reporter thread, never the training thread, and samples at
 most every ``interval_s`` because both tools take tens of milliseconds.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,10 +35,15 @@ def parse_nvidia_smi(text: str, index: int) -> dict | None:
         if len(fields) != 5 or not fields[0].isdigit() or int(fields[0]) != index:
             continue
         util, used, total, temp = (_number(f) for f in fields[1:])
-        return {"kind": "gpu", "index": index, "util_percent": util,
-                "mem_used_bytes": int(used * 2**20) if used is not None else None,
-                "mem_total_bytes": int(total * 2**20) if total is not None else None,
-                "temp_c": temp, "health": None}
+        return {
+            "kind": "gpu",
+            "index": index,
+            "util_percent": util,
+            "mem_used_bytes": int(used * 2**20) if used is not None else None,
+            "mem_total_bytes": int(total * 2**20) if total is not None else None,
+            "temp_c": temp,
+            "health": None,
+        }
     return None
 
 
@@ -52,9 +58,12 @@ def parse_npu_smi(text: str, index: int) -> dict | None:
     The first gives NPU id, name, health, power (W), temperature (C); the
     second gives chip, bus id, AI core utilisation (%) and HBM used / total (MB).
     """
-    rows = [[c.strip() for c in line.strip().strip("|").split("|")]
-            for line in text.splitlines() if line.startswith("|") and line.count("|") >= 4]
-    for first, second in zip(rows, rows[1:]):
+    rows = [
+        [c.strip() for c in line.strip().strip("|").split("|")]
+        for line in text.splitlines()
+        if line.startswith("|") and line.count("|") >= 4
+    ]
+    for first, second in zip(rows, rows[1:], strict=False):
         head = first[0].split()
         if len(head) < 2 or not head[0].isdigit() or int(head[0]) != index:
             continue
@@ -64,12 +73,15 @@ def parse_npu_smi(text: str, index: int) -> dict | None:
         usage = re.findall(r"(\d+(?:\.\d+)?)", second[2]) if len(second) > 2 else []
         hbm = re.findall(r"(\d+)\s*/\s*(\d+)", second[2]) if len(second) > 2 else []
         used, total = (int(hbm[-1][0]), int(hbm[-1][1])) if hbm else (None, None)
-        return {"kind": "npu", "index": index,
-                "util_percent": float(usage[0]) if usage else None,
-                "mem_used_bytes": used * 2**20 if used is not None else None,
-                "mem_total_bytes": total * 2**20 if total is not None else None,
-                "temp_c": _number(power_temp[1]) if len(power_temp) > 1 else None,
-                "health": first[1]}
+        return {
+            "kind": "npu",
+            "index": index,
+            "util_percent": float(usage[0]) if usage else None,
+            "mem_used_bytes": used * 2**20 if used is not None else None,
+            "mem_total_bytes": total * 2**20 if total is not None else None,
+            "temp_c": _number(power_temp[1]) if len(power_temp) > 1 else None,
+            "health": first[1],
+        }
     return None
 
 
@@ -103,13 +115,18 @@ class DeviceProbe:
         self._due = time.monotonic() + self.interval_s
         try:
             if self._tool == "npu-smi":
-                out = subprocess.run(["npu-smi", "info"], capture_output=True, text=True,
-                                     timeout=self.timeout_s, check=True).stdout
+                out = subprocess.run(
+                    ["npu-smi", "info"], capture_output=True, text=True, timeout=self.timeout_s, check=True
+                ).stdout
                 self._last = parse_npu_smi(out, self.index)
             else:
-                out = subprocess.run(["nvidia-smi", f"--query-gpu={NVIDIA_QUERY}",
-                                      "--format=csv,noheader,nounits"], capture_output=True, text=True,
-                                     timeout=self.timeout_s, check=True).stdout
+                out = subprocess.run(
+                    ["nvidia-smi", f"--query-gpu={NVIDIA_QUERY}", "--format=csv,noheader,nounits"],
+                    capture_output=True,
+                    text=True,
+                    timeout=self.timeout_s,
+                    check=True,
+                ).stdout
                 self._last = parse_nvidia_smi(out, self.index)
         except (OSError, subprocess.SubprocessError) as e:
             log.warning("rankwatch: %s failed (%s); device metrics are off", self._tool, e)

@@ -11,6 +11,9 @@ Layout (``RUN`` is the directory given to ``--run-dir``)::
     RUN/rankwatch/rank_{r}.history.jsonl   rank r's chart history, bounded
     RUN/rankwatch/rank_{r}.history.jsonl.1 the previous history segment
     RUN/rankwatch/audit.sqlite3            the dashboard's audit trail
+    RUN/rankwatch/stacks/rank_{r}.request.json  asks rank r for a stack capture
+    RUN/rankwatch/stacks/all.request.json  asks every rank for one
+    RUN/rankwatch/stacks/rank_{r}/*.json   rank r's newest stack captures, bounded
     RUN/checkpoints/rank_{r}/rankwatch-{epoch}_{step}.ckpt
                                            checkpoints saved by the bridge
 
@@ -19,6 +22,7 @@ fsync, ``os.replace``), so a reader sees the old file or the new one, never
 half of one. Readers still treat a bad file as "no data" rather than crashing,
 because other tools (or a full disk) can leave anything behind.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,6 +44,12 @@ CHECKPOINT_PREFIX = "rankwatch"
 # segment kept, a rank's history never takes more than twice this on disk.
 HISTORY_SEGMENT_BYTES = 256 * 1024
 
+# A heartbeat is about 1.5 KB, job.json and the flag a few hundred bytes: a
+# file past this is not ours, and is refused before it is read into memory.
+MAX_FILE_BYTES = 64 * 1024
+# Request ids are ours (``new_request_id``: 24 characters) or an operator's.
+MAX_REQUEST_ID = 128
+
 # Pins the checkpoint set the bridge resumes from, by global step, without
 # editing the training script (GracefulExitBridge's resume_step).
 RESUME_STEP_ENV = "RANKWATCH_RESUME_STEP"
@@ -48,6 +58,10 @@ RESUME_STEP_ENV = "RANKWATCH_RESUME_STEP"
 STATES = ("starting", "training", "stopping", "saving", "exited", "finished", "failed")
 # Stop stages a rank reports under "stop": {"stage": ...}.
 STOP_STAGES = ("seen", "agreed", "saving", "saved", "exited")
+
+
+class FileTooLarge(ValueError):
+    """A run-directory file larger than any the bridge or the dashboard writes."""
 
 
 class FlagError(ValueError):
@@ -74,6 +88,20 @@ def job_path(run_dir: str | os.PathLike) -> Path:
     return state_dir(run_dir) / "job.json"
 
 
+def stacks_dir(run_dir: str | os.PathLike) -> Path:
+    """Stack requests and captures (``trainer_bridge.stacks``)."""
+    return state_dir(run_dir) / "stacks"
+
+
+def stack_request_path(run_dir: str | os.PathLike, rank: int | None) -> Path:
+    """The request file for ``rank``, or for every rank when ``rank`` is None."""
+    return stacks_dir(run_dir) / ("all.request.json" if rank is None else f"rank_{rank}.request.json")
+
+
+def stack_captures_dir(run_dir: str | os.PathLike, rank: int) -> Path:
+    return stacks_dir(run_dir) / f"rank_{rank}"
+
+
 def checkpoint_path(run_dir: str | os.PathLike, rank: int, epoch: int, step_in_epoch: int) -> Path:
     """Where the bridge saves rank ``rank``'s checkpoint.
 
@@ -81,8 +109,9 @@ def checkpoint_path(run_dir: str | os.PathLike, rank: int, epoch: int, step_in_e
     any tool that knows MindSpore's convention reads it; the global step and
     the stop request's id are inside the file (``append_dict``).
     """
-    return (Path(run_dir) / CHECKPOINT_DIR / f"rank_{rank}"
-            / f"{CHECKPOINT_PREFIX}-{epoch}_{step_in_epoch}.ckpt")
+    return (
+        Path(run_dir) / CHECKPOINT_DIR / f"rank_{rank}" / f"{CHECKPOINT_PREFIX}-{epoch}_{step_in_epoch}.ckpt"
+    )
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, fsync: bool = True) -> None:
@@ -112,14 +141,39 @@ def atomic_write_json(path: str | os.PathLike, obj: Any, fsync: bool = True) -> 
     atomic_write_bytes(path, json.dumps(obj, separators=(",", ":")).encode(), fsync=fsync)
 
 
-def read_json(path: str | os.PathLike) -> Any:
-    """Read a JSON file; raises OSError or ValueError (json errors are ValueError)."""
+def read_capped(path: str | os.PathLike, limit: int = MAX_FILE_BYTES) -> bytes:
+    """A file's bytes; FileTooLarge (without reading it) if it holds more than ``limit``.
+
+    Every file in the run directory is untrusted input: this bounds what one
+    can make a reader allocate. The size is checked on the open file and at
+    most ``limit + 1`` bytes are read, so a file that grows in between cannot
+    slip through.
+    """
     with open(path, "rb") as f:
-        return json.loads(f.read())
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise FileTooLarge(f"{Path(path).name} is {size} bytes, more than the {limit} allowed")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise FileTooLarge(f"{Path(path).name} grew past the {limit} bytes allowed while being read")
+    return data
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """Read a JSON file of at most ``MAX_FILE_BYTES``; raises OSError or ValueError."""
+    return loads_bounded(read_capped(path))
+
+
+def loads_bounded(data: bytes | str) -> Any:
+    """``json.loads`` that fails with ValueError, not RecursionError, on absurd nesting."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 def read_json_or_none(path: str | os.PathLike) -> Any | None:
-    """Read a JSON file, or None if it is missing, unreadable or not JSON."""
+    """Read a JSON file, or None if it is missing, unreadable, too large or not JSON."""
     try:
         return read_json(path)
     except (OSError, ValueError):
@@ -129,6 +183,7 @@ def read_json_or_none(path: str | os.PathLike) -> Any | None:
 @dataclass(frozen=True)
 class Flag:
     """The stop flag as read from ``graceful_exit.json``."""
+
     exit: bool
     request_id: str | None
     raw: dict
@@ -140,8 +195,10 @@ def parse_flag(data: bytes) -> Flag:
     ``GracefulExit`` keeps MindSpore's meaning: exactly 1 means stop. A missing
     key or any other value means "do not stop", as in ``OnRequestExit``.
     """
+    if len(data) > MAX_FILE_BYTES:
+        raise FlagError(f"flag file is {len(data)} bytes, more than the {MAX_FILE_BYTES} allowed")
     try:
-        obj = json.loads(data)
+        obj = loads_bounded(data)
     except (ValueError, UnicodeDecodeError) as e:
         raise FlagError(f"flag file is not valid JSON: {e}") from None
     return flag_from_obj(obj)
@@ -154,15 +211,19 @@ def flag_from_obj(obj: Any) -> Flag:
     value = obj.get(FLAG_KEY)
     exit_ = value == 1 and not isinstance(value, bool)
     rid = obj.get("request_id")
-    return Flag(exit=exit_, request_id=rid if isinstance(rid, str) else None, raw=obj)
+    # An id is only ever compared and shown; one that is not a short string is no id.
+    rid = rid if isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID else None
+    return Flag(exit=exit_, request_id=rid, raw=obj)
 
 
 def read_flag(run_dir: str | os.PathLike) -> Flag | None:
     """Read the flag; None if there is none. Raises FlagError if it is garbage."""
     try:
-        data = flag_path(run_dir).read_bytes()
+        data = read_capped(flag_path(run_dir))
     except FileNotFoundError:
         return None
+    except FileTooLarge as e:
+        raise FlagError(str(e)) from None
     return parse_flag(data)
 
 

@@ -1,10 +1,10 @@
 """The checkpoint browser's page and API (README, "Checkpoint browser" and "JSON API").
 
 Reads need no token. Delete changes state, so it needs the operator token
-and a JSON body (``app.auth``). Deep verify only reads the files, so it needs
-no token; it still starts work, so it takes a JSON body like every action
-(a cross-site form cannot send one).
+and a JSON body (``app.auth``). Deep verify only reads the files, but it
+starts a MindSpore process that costs memory, so it needs the token too.
 """
+
 from __future__ import annotations
 
 import time
@@ -39,9 +39,16 @@ def _arg(name: str) -> str:
 def page():
     config = {
         "events": {"checkpoints": CHECKPOINTS_EVENT, "verify": VERIFY_EVENT},
-        "urls": {name: url_for(f"checkpoints.{endpoint}") for name, endpoint in (
-            ("list", "api_checkpoints"), ("file", "api_file"), ("resume", "api_resume"),
-            ("delete", "api_delete"), ("verify", "api_verify_start"))},
+        "urls": {
+            name: url_for(f"checkpoints.{endpoint}")
+            for name, endpoint in (
+                ("list", "api_checkpoints"),
+                ("file", "api_file"),
+                ("resume", "api_resume"),
+                ("delete", "api_delete"),
+                ("verify", "api_verify_start"),
+            )
+        },
         "scan_s": current_app.config["CHECKPOINT_SCAN_S"],
     }
     return render_template("checkpoints.html", page_config=config)
@@ -58,8 +65,9 @@ def api_file():
     f, name, size = rankwatch().checkpoints.open_file(_arg("path"), _world())
     # Sent from the descriptor opened after the checks (not re-opened by path),
     # so werkzeug cannot stat it: give the length, and no ranges without it.
-    response = send_file(f, as_attachment=True, download_name=name,
-                         mimetype="application/octet-stream", conditional=False)
+    response = send_file(
+        f, as_attachment=True, download_name=name, mimetype="application/octet-stream", conditional=False
+    )
     response.content_length = size
     return response
 
@@ -75,13 +83,17 @@ def api_resume():
 @bp.post("/api/checkpoints/delete")
 def api_delete():
     require_operator()
-    body = json_body({"set": (str, True), "reason": (str, True), "who": (str, False),
-                      "force": (bool, False)})
+    body = json_body({"set": (str, True), "reason": (str, True), "who": (str, False), "force": (bool, False)})
     service = rankwatch().checkpoints
     world = _world()
-    result = service.delete(body["set"], world, who=body.get("who") or WHO_DEFAULT,
-                            remote_addr=request.remote_addr, reason=body["reason"],
-                            force=body.get("force", False))
+    result = service.delete(
+        body["set"],
+        world,
+        who=body.get("who") or WHO_DEFAULT,
+        remote_addr=request.remote_addr,
+        reason=body["reason"],
+        force=body.get("force", False),
+    )
     # Every page shows the change now rather than at the watcher's next scan.
     pushed = service.poll(world)
     if pushed is not None:
@@ -91,11 +103,16 @@ def api_delete():
 
 @bp.post("/api/checkpoints/verify")
 def api_verify_start():
-    """Start a deep verify of ``{"set": ID}``; progress arrives as ``checkpoint_verify`` events."""
+    """Start a deep verify of ``{"set": ID}``; progress arrives as ``checkpoint_verify`` events.
+
+    Needs the token: it only reads, but it runs a MindSpore process that may
+    take a few times the set's size in memory (one at a time; see verify.py).
+    """
+    require_operator()
     body = json_body({"set": (str, True)})
     service = rankwatch().checkpoints
     _, cset = service.find(body["set"], _world())
-    return jsonify(service.verifier.start(cset.id, cset.files)), 202
+    return jsonify(service.verifier.start(cset.id, cset.files, service.run_dir)), 202
 
 
 @bp.get("/api/checkpoints/verify")

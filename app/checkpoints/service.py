@@ -17,42 +17,59 @@ protected from deletion, how to resume from a set, the download check and
 the delete itself. It never imports mindspore (``verify`` loads files in a
 subprocess).
 """
+
 from __future__ import annotations
 
 import errno
+import ipaddress
 import json
 import os
 import re
 import shlex
-import stat
 import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import BinaryIO
 
-from trainer_bridge import ckptindex, runfiles
-from trainer_bridge.ckptindex import (ORIGIN_BRIDGE, ORIGIN_NATIVE, ORIGIN_TTP, CheckpointFile,
-                                      CheckpointSet, Index)
-from trainer_bridge.ckptmeta import MetaCache
-
+from app import safefs
 from app.audit import AuditLog
 from app.checkpoints.verify import Verifier
 from app.errors import ApiError
+from trainer_bridge import ckptindex, runfiles
+from trainer_bridge.ckptindex import (
+    ORIGIN_BRIDGE,
+    ORIGIN_NATIVE,
+    ORIGIN_TTP,
+    CheckpointFile,
+    CheckpointSet,
+    Index,
+)
+from trainer_bridge.ckptmeta import MetaCache
 
 NO_RUN_DIR = "the dashboard was started without a run directory (--run-dir)"
-TTP_NOTE = ("TTP saves one copy per replica group, not one per rank, so a TTP set can list "
-            "missing ranks and still be resumable: a missing rank loads the copy of a rank "
-            "in its replica group.")
-BRIDGE_DEFAULT_NOTE = ("The bridge resumes from this set when the job is relaunched unchanged "
-                       "(the newest complete graceful-stop set).")
+TTP_NOTE = (
+    "TTP saves one copy per replica group, not one per rank, so a TTP set can list "
+    "missing ranks and still be resumable: a missing rank loads the copy of a rank "
+    "in its replica group."
+)
+BRIDGE_DEFAULT_NOTE = (
+    "The bridge resumes from this set when the job is relaunched unchanged "
+    "(the newest complete graceful-stop set)."
+)
 
 
 def _fingerprint(index: Index) -> tuple:
     """What the page shows that can change: every file's identity, size and status."""
+
     def files(fs):
         return tuple((f.path, f.meta.bytes, f.meta.mtime, f.meta.status, f.meta.reason) for f in fs)
-    return (index.world_size, index.errors, files(index.other_files),
-            tuple((s.id, files(s.files)) for s in index.sets))
+
+    return (
+        index.world_size,
+        index.errors,
+        files(index.other_files),
+        tuple((s.id, files(s.files)) for s in index.sets),
+    )
 
 
 def bridge_default(index: Index) -> CheckpointSet | None:
@@ -68,8 +85,15 @@ class CheckpointService:
     thread and request threads at once.
     """
 
-    def __init__(self, run_dir: str | None, audit: AuditLog, *, scan_s: float, verifier: Verifier,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        run_dir: str | None,
+        audit: AuditLog,
+        *,
+        scan_s: float,
+        verifier: Verifier,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.run_dir = run_dir
         self.audit = audit
         self.scan_s = scan_s
@@ -88,8 +112,12 @@ class CheckpointService:
         """The index, re-scanned first if it is older than ``scan_s``, the world changed, or ``force``."""
         with self._lock:
             now = self._clock()
-            if (force or self._index is None or self._scanned[1] != world
-                    or now - self._scanned[0] >= self.scan_s):
+            if (
+                force
+                or self._index is None
+                or self._scanned[1] != world
+                or now - self._scanned[0] >= self.scan_s
+            ):
                 self._index = self._scan(world)
                 self._scanned = (now, world)
             return self._index
@@ -126,9 +154,12 @@ class CheckpointService:
             s["age_s"] = round(max(0.0, now - s["mtime"]), 3)
             s["notes"] = self._notes(s, default)
             s["verify"] = self.verifier.status(s["id"])
-        body.update(now=now, bridge_resume=default.id if default else None,
-                    total_bytes=sum(s.bytes for s in index.sets),
-                    world_size_source="job" if world else "layout")
+        body.update(
+            now=now,
+            bridge_resume=default.id if default else None,
+            total_bytes=sum(s.bytes for s in index.sets),
+            world_size_source="job" if world else "layout",
+        )
         return body
 
     @staticmethod
@@ -141,8 +172,10 @@ class CheckpointService:
         if s["ranks_corrupt"]:
             notes.append(f"unreadable file on rank(s) {_ranks(s['ranks_corrupt'])}: see each file's reason")
         if s["ranks_missing"]:
-            notes.append(f"no readable file for rank(s) {_ranks(s['ranks_missing'])}: "
-                         "those ranks cannot resume from this set")
+            notes.append(
+                f"no readable file for rank(s) {_ranks(s['ranks_missing'])}: "
+                "those ranks cannot resume from this set"
+            )
         return notes
 
     def find(self, set_id: str, world: int, force: bool = False) -> tuple[Index, CheckpointSet]:
@@ -151,8 +184,11 @@ class CheckpointService:
         index = self.index(world, force)
         found = next((s for s in index.sets if s.id == set_id), None)
         if found is None:
-            raise ApiError(404, f"no checkpoint set {set_id!r} in the run directory "
-                                "(GET /api/checkpoints lists the sets' ids)")
+            raise ApiError(
+                404,
+                f"no checkpoint set {set_id!r} in the run directory "
+                "(GET /api/checkpoints lists the sets' ids)",
+            )
         return index, found
 
     # -- download --------------------------------------------------------------------
@@ -163,36 +199,41 @@ class CheckpointService:
         Only listed files are served, so nothing else in the run directory
         (the audit database, the job's data) can be fetched. ``safe_path``
         refuses ``..``, absolute paths and symlinks that leave the run
-        directory; ``O_NOFOLLOW`` keeps a symlink swapped in since the scan
-        from being followed. Returns (the open file, its name for the download, its size).
+        directory (a 400 that says so); the file is then opened through
+        ``app.safefs``, one directory at a time without following a symlink,
+        so a directory swapped for a symlink since any check cannot redirect
+        it. Returns (the open file, its name for the download, its size).
         """
         if self.run_dir is None:
             raise ApiError(409, NO_RUN_DIR)
         try:
-            resolved = os.fspath(ckptindex.safe_path(self.run_dir, rel))
-        except ValueError as e:
+            ckptindex.safe_path(self.run_dir, rel)
+            safefs.parts(rel)
+        except (ValueError, OSError) as e:
             raise ApiError(400, str(e).removeprefix("safe_path: ")) from None
         index = self.index(world)
-        known = {f.abspath for s in index.sets for f in s.files} | {f.abspath for f in index.other_files}
-        if resolved not in known:
-            raise ApiError(404, f"{rel!r} is not a checkpoint file of this run "
-                                "(only the files GET /api/checkpoints lists can be downloaded)")
+        known = {f.path for s in index.sets for f in s.files} | {f.path for f in index.other_files}
+        if rel not in known:
+            raise ApiError(
+                404,
+                f"{rel!r} is not a checkpoint file of this run "
+                "(only the files GET /api/checkpoints lists can be downloaded)",
+            )
         try:
-            fd = os.open(resolved, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            fd, st = safefs.open_file(os.path.realpath(self.run_dir), rel)
         except OSError as e:
-            raise ApiError(403 if e.errno in (errno.EPERM, errno.EACCES) else 404,
-                           f"cannot open {rel!r}: {(e.strerror or str(e)).lower()}") from None
-        f = os.fdopen(fd, "rb")
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            f.close()
-            raise ApiError(404, f"{rel!r} is no longer a regular file")
-        return f, os.path.basename(resolved), st.st_size
+            raise ApiError(
+                403 if e.errno in (errno.EPERM, errno.EACCES) else 404,
+                f"cannot open {rel!r}: {safefs.why(e)}",
+            ) from None
+        # A file name may hold control characters (a newline), which no header can carry.
+        return os.fdopen(fd, "rb"), re.sub(r"[\x00-\x1f\x7f]", "_", rel.rsplit("/", 1)[-1]), st.st_size
 
     # -- delete ----------------------------------------------------------------------
 
-    def delete(self, set_id: str, world: int, *, who: str, remote_addr: str | None, reason: str,
-               force: bool) -> dict:
+    def delete(
+        self, set_id: str, world: int, *, who: str, remote_addr: str | None, reason: str, force: bool
+    ) -> dict:
         """Delete every file of a set and the rank directories it leaves empty; audit it.
 
         The newest complete set, and the set the bridge would resume from,
@@ -204,22 +245,42 @@ class CheckpointService:
         """
         with self._delete_lock:
             index, cset = self.find(set_id, world, force=True)
-            detail = {"set": cset.id, "origin": cset.origin, "global_step": cset.global_step,
-                      "files": [f.path for f in cset.files], "force": force}
+            detail = {
+                "set": cset.id,
+                "origin": cset.origin,
+                "global_step": cset.global_step,
+                "files": [f.path for f in cset.files],
+                "force": force,
+            }
             protected = self._protection(index, cset)
             if protected and not force:
-                why = f"{protected}; send \"force\": true to delete it anyway"
-                self.audit.record("delete", who=who, remote_addr=remote_addr, reason=reason,
-                                  outcome=f"refused: {protected}", detail=detail)
+                why = f'{protected}; send "force": true to delete it anyway'
+                self.audit.record(
+                    "delete",
+                    who=who,
+                    remote_addr=remote_addr,
+                    reason=reason,
+                    outcome=f"refused: {protected}",
+                    detail=detail,
+                )
                 raise ApiError(409, why)
             if self.verifier.running(cset.id):
                 raise ApiError(409, "a deep verify of this set is running; delete it when it ends")
             deleted, failed, dirs = self._remove(cset)
             self.verifier.forget(cset.id)
-            outcome = (f"deleted: {len(deleted)} file(s)" if not failed else
-                       f"partial: deleted {len(deleted)} of {len(cset.files)} file(s)")
-            self.audit.record("delete", who=who, remote_addr=remote_addr, reason=reason, outcome=outcome,
-                              detail=detail | {"failed": failed, "removed_dirs": dirs})
+            outcome = (
+                f"deleted: {len(deleted)} file(s)"
+                if not failed
+                else f"partial: deleted {len(deleted)} of {len(cset.files)} file(s)"
+            )
+            self.audit.record(
+                "delete",
+                who=who,
+                remote_addr=remote_addr,
+                reason=reason,
+                outcome=outcome,
+                detail=detail | {"failed": failed, "removed_dirs": dirs},
+            )
             self.index(world, force=True)
         return {"set": cset.id, "deleted": deleted, "failed": failed, "removed_dirs": dirs}
 
@@ -234,19 +295,25 @@ class CheckpointService:
         return None
 
     def _remove(self, cset: CheckpointSet) -> tuple[list[str], list[dict], list[str]]:
+        """Unlink each file of the set, and the per-rank directories it leaves empty.
+
+        Through ``app.safefs``: each unlink is made on a descriptor of the
+        file's own directory reached without following a symlink, so a
+        directory swapped for a symlink since the scan cannot make it remove
+        a file outside the run directory.
+        """
         root = os.path.realpath(self.run_dir)
         deleted, failed, dirs = [], [], set()
         for f in cset.files:
-            # A directory swapped for a symlink since the scan must not redirect the unlink.
-            if os.path.realpath(os.path.dirname(f.abspath)) != os.path.dirname(f.abspath):
-                failed.append({"path": f.path, "error": "its directory moved since the scan"})
-                continue
             try:
-                os.unlink(f.abspath)
+                safefs.unlink(root, f.path)
             except OSError as e:
                 if e.errno != errno.ENOENT:  # a file already gone is what a delete wants
-                    failed.append({"path": f.path, "error": (e.strerror or str(e)).lower()})
+                    failed.append({"path": f.path, "error": safefs.why(e)})
                     continue
+            except safefs.UnsafePath as e:
+                failed.append({"path": f.path, "error": str(e)})
+                continue
             deleted.append(f.path)
             dirs.update(self._prune_dirs(root, f, cset.layout))
         return deleted, failed, sorted(dirs)
@@ -266,12 +333,12 @@ class CheckpointService:
         for depth in range(len(parts), 0, -1):
             if "{" not in templates[depth - 1]:
                 break
-            path = os.path.join(root, *parts[:depth])
+            rel = "/".join(parts[:depth])
             try:
-                os.rmdir(path)
+                safefs.rmdir(root, rel)
             except OSError:
-                break  # not empty (or gone): leave it and everything above
-            removed.append("/".join(parts[:depth]))
+                break  # not empty (or gone, or swapped): leave it and everything above
+            removed.append(rel)
         return removed
 
     # -- resume ----------------------------------------------------------------------
@@ -286,33 +353,60 @@ class CheckpointService:
         position = _position(cset)
         is_default = default is not None and default.id == cset.id
         if is_default:
-            how = ("Relaunch the job unchanged: the bridge loads this set on every rank at train "
-                   "begin and continues with the next step. The code below is what it does, for a "
-                   "script without the bridge.")
+            how = (
+                "Relaunch the job unchanged: the bridge loads this set on every rank at train "
+                "begin and continues with the next step. The code below is what it does, for a "
+                "script without the bridge."
+            )
         elif cset.complete and cset.global_step is not None:
-            how = (f"The bridge would resume from {_describe(default)}; pin this set instead by "
-                   f"relaunching with {runfiles.RESUME_STEP_ENV}={cset.global_step} in the environment (or "
-                   f"GracefulExitBridge(run_dir, resume_step={cset.global_step})). For a script "
-                   "without the bridge, the code below loads the set.")
+            how = (
+                f"The bridge would resume from {_describe(default)}; pin this set instead by "
+                f"relaunching with {runfiles.RESUME_STEP_ENV}={cset.global_step} in the environment (or "
+                f"GracefulExitBridge(run_dir, resume_step={cset.global_step})). For a script "
+                "without the bridge, the code below loads the set."
+            )
             if command:
-                command = f"{runfiles.RESUME_STEP_ENV}={cset.global_step} {command}"
+                command = f"{runfiles.RESUME_STEP_ENV}={shlex.quote(str(cset.global_step))} {command}"
         else:
-            how = ("Load this set with the code below before model.train, then relaunch."
-                   + (f" With the bridge attached, construct it with resume=False, or it loads "
-                      f"{_describe(default)} over this set." if default is not None else "")
-                   + (" The bridge cannot pin it: it is incomplete or its global step is unknown."
-                      if cset.origin == ORIGIN_BRIDGE else ""))
+            how = (
+                "Load this set with the code below before model.train, then relaunch."
+                + (
+                    f" With the bridge attached, construct it with resume=False, or it loads "
+                    f"{_describe(default)} over this set."
+                    if default is not None
+                    else ""
+                )
+                + (
+                    " The bridge cannot pin it: it is incomplete or its global step is unknown."
+                    if cset.origin == ORIGIN_BRIDGE
+                    else ""
+                )
+            )
         warnings = []
         if not cset.complete:
-            warnings.append(f"this set is incomplete: rank(s) {_ranks(cset.ranks_missing)} have no "
-                            "readable file" + (f". {TTP_NOTE}" if cset.origin == ORIGIN_TTP else
-                                               ", so those ranks cannot load it"))
-        return {"set": cset.id, "origin": cset.origin, "complete": cset.complete,
-                "epoch": cset.epoch, "step": cset.step, "global_step": cset.global_step,
-                "world_size": cset.world_size, "ranks_missing": list(cset.ranks_missing),
-                "bridge_default": is_default, "bridge_resume": default.id if default else None,
-                "how": how, "command": command, "command_notes": command_notes,
-                **position, "code": load_code(self.run_dir, cset, position), "warnings": warnings}
+            warnings.append(
+                f"this set is incomplete: rank(s) {_ranks(cset.ranks_missing)} have no "
+                "readable file"
+                + (f". {TTP_NOTE}" if cset.origin == ORIGIN_TTP else ", so those ranks cannot load it")
+            )
+        return {
+            "set": cset.id,
+            "origin": cset.origin,
+            "complete": cset.complete,
+            "epoch": cset.epoch,
+            "step": cset.step,
+            "global_step": cset.global_step,
+            "world_size": cset.world_size,
+            "ranks_missing": list(cset.ranks_missing),
+            "bridge_default": is_default,
+            "bridge_resume": default.id if default else None,
+            "how": how,
+            "command": command,
+            "command_notes": command_notes,
+            **position,
+            "code": load_code(self.run_dir, cset, position),
+            "warnings": warnings,
+        }
 
 
 def _ranks(ranks) -> str:
@@ -335,9 +429,14 @@ def _position(cset: CheckpointSet) -> dict:
     OnRequestExit and the bridge store), else from the epoch, step and global
     step together; when neither tells, the code asks the dataset.
     """
-    per_epoch = next((f.meta.extras.get("batch_num") for f in cset.files
-                      if f.ok and isinstance(f.meta.extras.get("batch_num"), int)
-                      and f.meta.extras["batch_num"] > 0), None)
+    per_epoch = next(
+        (
+            f.meta.extras.get("batch_num")
+            for f in cset.files
+            if f.ok and isinstance(f.meta.extras.get("batch_num"), int) and f.meta.extras["batch_num"] > 0
+        ),
+        None,
+    )
     g, epoch, step = cset.global_step, cset.epoch, cset.step
     if per_epoch is None and None not in (g, epoch, step) and epoch > 1 and (g - step) % (epoch - 1) == 0:
         per_epoch = (g - step) // (epoch - 1) or None
@@ -357,11 +456,12 @@ def _literal(text: str) -> str:
 def _rank_template(f: CheckpointFile, layout: str) -> str:
     """``f``'s path as f-string text with its rank number replaced by ``{rank}``."""
     out = []
-    for part, tpl in zip(f.path.split("/"), layout.split("/")):
+    for part, tpl in zip(f.path.split("/"), layout.split("/"), strict=False):
         at = tpl.find("{rank}")
         digits = re.match(r"\d+", part[at:]) if at >= 0 and part[:at] == tpl[:at] else None
-        out.append(_literal(part[:at]) + "{rank}" + _literal(part[at + digits.end():]) if digits
-                   else _literal(part))
+        out.append(
+            _literal(part[:at]) + "{rank}" + _literal(part[at + digits.end() :]) if digits else _literal(part)
+        )
     return "/".join(out)
 
 
@@ -372,10 +472,13 @@ def load_code(run_dir: str, cset: CheckpointSet, position: Mapping) -> str:
     templates = {_rank_template(f, cset.layout) for f in files.values()}
     fmt = next((f.meta.format for f in files.values()), "ckpt")
     extra = ', format="safetensors"' if fmt == "safetensors" else ""
-    lines = ["import mindspore as ms",
-             "from mindspore.communication import get_rank", "",
-             f"run = {json.dumps(os.path.realpath(run_dir))}  # the run directory",
-             "rank = get_rank()"]
+    lines = [
+        "import mindspore as ms",
+        "from mindspore.communication import get_rank",
+        "",
+        f"run = {json.dumps(os.path.realpath(run_dir))}  # the run directory",
+        "rank = get_rank()",
+    ]
     if not files:
         return "# no rank has a readable file in this set: there is nothing to load\n"
     if len(templates) == 1:
@@ -385,61 +488,120 @@ def load_code(run_dir: str, cset: CheckpointSet, position: Mapping) -> str:
         lines.append("paths = {" + ", ".join(f"{r}: {json.dumps(f.path)}" for r, f in files.items()) + "}")
         path_expr = 'f"{run}/{paths[rank]}"'
     if cset.ranks_missing:
-        lines.append(f"# no readable file for rank(s) {_ranks(cset.ranks_missing)} in this set"
-                     + (" (TTP: load a replica's copy)" if cset.origin == ORIGIN_TTP else ""))
-    lines += ["# train_net: the cell being trained, optimizer included (the bridge loads Model's",
-              "# train network), so the optimizer state resumes too",
-              f"ms.load_checkpoint({path_expr}, net=train_net{extra})", ""]
-    where = (f"global step {cset.global_step}" if cset.global_step is not None
-             else f"epoch {cset.epoch}, step {cset.step}")
-    per_epoch, initial_epoch, skip = (position["steps_per_epoch"], position["initial_epoch"],
-                                      position["skip_steps"])
+        lines.append(
+            f"# no readable file for rank(s) {_ranks(cset.ranks_missing)} in this set"
+            + (" (TTP: load a replica's copy)" if cset.origin == ORIGIN_TTP else "")
+        )
+    lines += [
+        "# train_net: the cell being trained, optimizer included (the bridge loads Model's",
+        "# train network), so the optimizer state resumes too",
+        f"ms.load_checkpoint({path_expr}, net=train_net{extra})",
+        "",
+    ]
+    where = (
+        f"global step {cset.global_step}"
+        if cset.global_step is not None
+        else f"epoch {cset.epoch}, step {cset.step}"
+    )
+    per_epoch, initial_epoch, skip = (
+        position["steps_per_epoch"],
+        position["initial_epoch"],
+        position["skip_steps"],
+    )
     if initial_epoch is not None:
         basis = f", {per_epoch} steps per epoch" if per_epoch else ""
-        lines.append(f"# saved at {where}{basis}: {initial_epoch} epoch(s) done, "
-                     f"{skip} batch(es) into the next")
+        lines.append(
+            f"# saved at {where}{basis}: {initial_epoch} epoch(s) done, {skip} batch(es) into the next"
+        )
         if skip:
             lines.append(f"dataset.set_init_step({skip})  # skips {skip} batches, in the first epoch only")
         lines.append(f"model.train(epochs, dataset, callbacks=callbacks, initial_epoch={initial_epoch})")
     elif cset.global_step is not None:
-        lines += [f"# saved at {where}; the steps per epoch are not in the files, so ask the dataset",
-                  f"initial_epoch, skip = divmod({cset.global_step}, dataset.get_dataset_size())",
-                  "if skip:",
-                  "    dataset.set_init_step(skip)  # skips that many batches, in the first epoch only",
-                  "model.train(epochs, dataset, callbacks=callbacks, initial_epoch=initial_epoch)"]
+        lines += [
+            f"# saved at {where}; the steps per epoch are not in the files, so ask the dataset",
+            f"initial_epoch, skip = divmod({cset.global_step}, dataset.get_dataset_size())",
+            "if skip:",
+            "    dataset.set_init_step(skip)  # skips that many batches, in the first epoch only",
+            "model.train(epochs, dataset, callbacks=callbacks, initial_epoch=initial_epoch)",
+        ]
     else:
-        lines += ["# the files do not say at which step they were saved: train from the start of",
-                  "# the data, with the weights loaded",
-                  "model.train(epochs, dataset, callbacks=callbacks)"]
+        lines += [
+            "# the files do not say at which step they were saved: train from the start of",
+            "# the data, with the weights loaded",
+            "model.train(epochs, dataset, callbacks=callbacks)",
+        ]
     if cset.origin == ORIGIN_NATIVE:
         lines.insert(0, "# OnRequestExit saved this set; MindSpore has no automatic resume from it")
     return "\n".join(lines) + "\n"
 
 
-def relaunch_command(job: Mapping, world: int, heartbeats: Mapping[int, dict | None]) -> tuple[str | None, list[str]]:
+# RFC 1123 labels, plus the underscore some clusters' host names carry.
+_HOST_LABEL = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?$")
+
+
+def is_host_name(host: str) -> bool:
+    """Whether ``host`` is an IP address or a DNS host name, and nothing a shell would read as more."""
+    if not isinstance(host, str) or not 0 < len(host) <= 253:
+        return False
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    return all(_HOST_LABEL.match(label) for label in host.removesuffix(".").split("."))
+
+
+def relaunch_command(
+    job: Mapping, world: int, heartbeats: Mapping[int, dict | None]
+) -> tuple[str | None, list[str]]:
     """The ``msrun`` command that starts the job again, from ``job.json``'s ``argv``.
 
     msrun runs ``python <script> <args>`` on every worker, so the script's
     own argv follows msrun's options. The node count comes from the hosts
     the heartbeats name; on several nodes the same command runs on each,
-    with its ``--node_rank``. Returns (command or None, notes).
+    with its ``--node_rank`` from ``$NODE_RANK``. Returns (command or None, notes).
+
+    The operator pastes this into a shell, and every value in it comes from
+    files any rank can write: each is quoted with ``shlex.quote``, and a host
+    that is not a host name (``n1;touch /tmp/x;#``) refuses the command.
     """
     argv = job.get("argv")
     if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)):
-        return None, ["rankwatch/job.json has no argv (the bridge writes it at start), so the "
-                      "job's command is unknown: relaunch it as you launched it"]
-    world = job.get("world_size") if isinstance(job.get("world_size"), int) else world
-    by_rank = sorted((r, hb.get("host")) for r, hb in heartbeats.items() if hb and hb.get("host"))
+        return None, [
+            "rankwatch/job.json has no argv (the bridge writes it at start), so the "
+            "job's command is unknown: relaunch it as you launched it"
+        ]
+    job_world = job.get("world_size")
+    world = job_world if isinstance(job_world, int) and not isinstance(job_world, bool) else world
+    by_rank = sorted(
+        (r, hb.get("host")) for r, hb in heartbeats.items() if isinstance(hb, dict) and hb.get("host")
+    )
+    bad = [(r, h) for r, h in by_rank if not is_host_name(h)]
+    if bad:
+        rank, host = bad[0]
+        return None, [
+            f"rank {rank} reports the host {host[:100]!r}, which is not a host name, so no "
+            "command is offered: relaunch the job as you launched it"
+        ]
     hosts = list(dict.fromkeys(h for _, h in by_rank))
     notes = []
+    q = shlex.quote
     if len(hosts) > 1:
-        local = str(world // len(hosts)) if world % len(hosts) == 0 else "<ranks on this node>"
-        opts = (f"--worker_num={world} --local_worker_num={local} --master_addr={hosts[0]} "
-                "--node_rank=<this node's index>")
-        notes.append(f"run it on each of the {len(hosts)} nodes ({', '.join(hosts)}), "
-                     f"node_rank 0 on {hosts[0]}")
+        if world % len(hosts) == 0:
+            local = q(str(world // len(hosts)))
+        else:
+            local = '"${LOCAL_WORKERS:?set LOCAL_WORKERS to the ranks on this node}"'
+            notes.append("set LOCAL_WORKERS to the number of ranks on each node before running it")
+        opts = (
+            f"--worker_num={q(str(world))} --local_worker_num={local} --master_addr={q(hosts[0])} "
+            '--node_rank="${NODE_RANK:?set NODE_RANK to the index of this node}"'
+        )
+        notes.append(
+            f"run it on each of the {len(hosts)} nodes ({', '.join(hosts)}) with NODE_RANK set to "
+            f"the node's index, 0 on {hosts[0]}"
+        )
     else:
-        opts = f"--worker_num={world} --local_worker_num={world}"
+        opts = f"--worker_num={q(str(world))} --local_worker_num={q(str(world))}"
     if not os.path.isabs(argv[0]):
         notes.append(f"{argv[0]} is a relative path: run from the directory the job was launched in")
     return f"msrun {opts} --join=True {shlex.join(argv)}", notes

@@ -1,4 +1,5 @@
 """The live console: the page, the JSON API and the Socket.IO events."""
+
 from flask import Blueprint
 
 bp = Blueprint("main", __name__)

@@ -1,22 +1,24 @@
-"""The page, the JSON API (README, "JSON API") and the local Plotly.js.
+"""The page, the JSON API (README, "JSON API"), the local Plotly.js and ``/metrics``.
 
 Reads refresh the view first when it is older than a tick, so the API
 answers from the files even when the watcher has not started (the app made
 by ``create_app`` alone, as in tests).
 """
+
 from __future__ import annotations
 
 import time
 from functools import cache
 from importlib import metadata, resources
 
-from flask import current_app, jsonify, render_template, request, send_file, url_for
+from flask import Response, current_app, jsonify, render_template, request, send_file, url_for
 
 from app import rankwatch
 from app.errors import ApiError
 from app.health import VERDICT_HELP, VERDICTS
-from app.main import bp
+from app.main import bp, plotly_csp
 from app.metrics import as_json as metrics_json
+from app.prometheus import exposition
 
 
 @cache
@@ -37,9 +39,18 @@ def page_config() -> dict:
     return {
         "metrics": metrics_json(),
         "verdicts": [{"name": v, "help": VERDICT_HELP[v]} for v in VERDICTS],
-        "settings": {k.lower(): cfg[k] for k in (
-            "TICK_S", "HISTORY_POINTS", "CHART_BUCKET_S", "CHART_REFRESH_S",
-            "CHART_LINES_MAX_RANKS", "PAGE_SIZE", "STRAGGLER_RATIO")},
+        "settings": {
+            k.lower(): cfg[k]
+            for k in (
+                "TICK_S",
+                "HISTORY_POINTS",
+                "CHART_BUCKET_S",
+                "CHART_REFRESH_S",
+                "CHART_LINES_MAX_RANKS",
+                "PAGE_SIZE",
+                "STRAGGLER_RATIO",
+            )
+        },
         "urls": {"history": url_for("main.api_history")},
     }
 
@@ -57,13 +68,25 @@ def positive_int_arg(name: str) -> int | None:
 
 @bp.get("/")
 def index():
-    return render_template("index.html", page_config=page_config(),
-                           plotly_version=metadata.version("plotly"))
+    return render_template(
+        "index.html",
+        page_config=page_config(),
+        plotly_version=metadata.version("plotly"),
+        plotly_style_ids=plotly_csp.style_ids(),
+    )
 
 
 @bp.get("/vendor/plotly.min.js")
 def plotly_js():
     return send_file(plotly_js_path(), mimetype="text/javascript", max_age=24 * 3600)
+
+
+@bp.get("/vendor/plotly.css")
+def plotly_css():
+    """Plotly's own CSS as a stylesheet, so the CSP needs no inline styles (app/main/plotly_csp.py)."""
+    response = Response(plotly_csp.plotly_css(), mimetype="text/css")
+    response.cache_control.max_age = 24 * 3600
+    return response
 
 
 @bp.get("/api/ranks")
@@ -72,8 +95,7 @@ def api_ranks():
     wanted = [h for h in request.args.get("health", "").split(",") if h]
     unknown = sorted(set(wanted) - set(VERDICTS))
     if unknown:
-        raise ApiError(400, f"unknown verdict {', '.join(unknown)}; "
-                            f"expected some of {', '.join(VERDICTS)}")
+        raise ApiError(400, f"unknown verdict {', '.join(unknown)}; expected some of {', '.join(VERDICTS)}")
     now = time.time()
     return jsonify(fresh_state(now).snapshot(now, wanted))
 
@@ -106,3 +128,10 @@ def api_metrics():
     """What each field means (name, label, unit, description) and each verdict."""
     cfg = page_config()
     return jsonify({"metrics": cfg["metrics"], "verdicts": cfg["verdicts"]})
+
+
+@bp.get("/metrics")
+def prometheus_metrics():
+    """Prometheus's text format (OpenMetrics if asked): see app/prometheus.py."""
+    body, content_type = exposition(rankwatch(), request.headers.get("Accept"))
+    return Response(body, content_type=content_type)

@@ -1,4 +1,5 @@
 """Stop gracefully: the flag, the operator token, the lifecycle and the audit trail."""
+
 from flask import Blueprint
 
 bp = Blueprint("stop", __name__)

@@ -3,6 +3,7 @@
 Every state change needs the operator token (``app.auth``) and a JSON body
 that passes ``json_body``; checks happen before anything is written.
 """
+
 from __future__ import annotations
 
 import time
@@ -10,8 +11,11 @@ import time
 from flask import Response, current_app, jsonify, request
 
 from app import rankwatch
-from app.auth import check_token, json_body, require_operator
+from app.audit import AuditError
+from app.auth import check_token, json_body, over_write_budget, require_operator
 from app.errors import ApiError
+from app.login import login_url
+from app.ratelimit import retry_after
 from app.stop import bp
 
 WHO_DEFAULT = "operator"
@@ -23,11 +27,22 @@ def _live():
     Not the watcher's view, which may be a tick old: cancel and re-arm decide
     on where the ranks are, and a rank may have agreed a moment ago.
     """
-    if not current_app.config["RUN_DIR"]:
-        raise ApiError(409, "the dashboard was started without a run directory (--run-dir)")
+    _require_run_dir()
     state = rankwatch().state
     state.scan(time.time())
     return state.heartbeats()
+
+
+def _require_run_dir() -> None:
+    if not current_app.config["RUN_DIR"]:
+        raise ApiError(409, "the dashboard was started without a run directory (--run-dir)")
+
+
+def _audit_rows(**kwargs) -> list[dict]:
+    try:
+        return rankwatch().stop.audit.rows(**kwargs)
+    except AuditError as e:
+        raise ApiError(503, str(e)) from None
 
 
 def _who(body: dict) -> str:
@@ -43,20 +58,63 @@ def api_session():
     return jsonify({"ok": True})
 
 
+@bp.post("/api/login")
+def api_login():
+    """Trade a single-use login code (from the ``#login=`` URL) for the token, once."""
+    body = json_body({"code": (str, True)})
+    limits = current_app.extensions["rankwatch_limits"].backoff
+    key = request.remote_addr or "?"
+    wait = limits.wait_s(key)
+    if wait > 0:
+        raise ApiError(
+            429, f"too many wrong codes or tokens from {key}: try again later", headers=retry_after(wait)
+        )
+    if not current_app.extensions["rankwatch_login"].redeem(body["code"]):
+        limits.failed(key)
+        raise ApiError(
+            401,
+            "this login link is used up or expired: open a new one "
+            "(python -m app.login prints it), or enter the token",
+        )
+    return jsonify({"token": current_app.config["TOKEN"]})
+
+
+@bp.post("/api/login-code")
+def api_login_code():
+    """A new single-use login code, for someone who has the token (``python -m app.login``)."""
+    require_operator()
+    json_body({})
+    code, expires = current_app.extensions["rankwatch_login"].mint()
+    return jsonify({"code": code, "expires_at": expires, "login_url": login_url(request.host_url, code)}), 201
+
+
 @bp.get("/api/exit")
 def api_exit_status():
     ranks, world = _live()
-    stop = rankwatch().stop
-    return jsonify(stop.status(ranks, world, time.time()) | {"estimate": stop.estimate(ranks, world)})
+    rw = rankwatch()
+    status = rw.stop.status(ranks, world, time.time(), logs=rw.state.log_stop_facts())
+    return jsonify(status | {"estimate": rw.stop.estimate(ranks, world)})
 
 
 @bp.post("/api/exit")
 def api_exit_request():
-    require_operator()
+    """Write the flag. Reads no heartbeat: the stop must not depend on any rank's file.
+
+    Never refused for the write budget (``OPERATOR_WRITES_PER_MIN``): past it,
+    a press that joins the pending request is answered but not audited, so a
+    flood of presses cannot grow the trail and the stop still goes through.
+    """
+    require_operator(count=False)
     body = json_body({"reason": (str, True), "who": (str, False)})
-    _live()
-    rid, created = rankwatch().stop.request(body["reason"], _who(body), request.remote_addr)
-    return jsonify({"request_id": rid, "created": created}), 202
+    _require_run_dir()
+    over = over_write_budget() > 0
+    rid, created, audit_error = rankwatch().stop.request(
+        body["reason"], _who(body), request.remote_addr, audit_duplicate=not over
+    )
+    answer = {"request_id": rid, "created": created}
+    if audit_error:
+        answer["audit_error"] = audit_error
+    return jsonify(answer), 202
 
 
 @bp.post("/api/exit/cancel")
@@ -73,8 +131,9 @@ def api_exit_rearm():
     require_operator()
     body = json_body({"reason": (str, False), "who": (str, False), "force": (bool, False)})
     ranks, world = _live()
-    rid = rankwatch().stop.rearm(ranks, world, _who(body), request.remote_addr, body.get("reason"),
-                                 force=body.get("force", False))
+    rid = rankwatch().stop.rearm(
+        ranks, world, _who(body), request.remote_addr, body.get("reason"), force=body.get("force", False)
+    )
     return jsonify({"request_id": rid, "rearmed": True})
 
 
@@ -84,10 +143,18 @@ def api_audit():
     # isascii: str.isdigit() also accepts "²", which int() refuses (a 500).
     if not (raw.isascii() and raw.isdigit()) or len(raw) > 5 or not 0 < int(raw) <= 10000:
         raise ApiError(400, f"query parameter 'limit' must be an integer from 1 to 10000, not {raw!r}")
-    return jsonify({"rows": rankwatch().stop.audit.rows(limit=int(raw))})
+    return jsonify({"rows": _audit_rows(limit=int(raw))})
 
 
 @bp.get("/api/audit.csv")
 def api_audit_csv():
-    return Response(rankwatch().stop.audit.to_csv(), mimetype="text/csv",
-                    headers={"Content-Disposition": "attachment; filename=rankwatch-audit.csv"})
+    """The whole trail, streamed a few hundred rows at a time (never built in memory)."""
+    try:
+        chunks = rankwatch().stop.audit.iter_csv()
+    except AuditError as e:
+        raise ApiError(503, str(e)) from None
+    return Response(
+        chunks,
+        mimetype="text/csv",
+        headers={"Content-Disposition": "attachment; filename=rankwatch-audit.csv"},
+    )

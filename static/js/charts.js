@@ -7,7 +7,7 @@
 // which keeps them steady (no flicker, zoom kept through uirevision).
 
 import { SEL, $ } from "./dom.js";
-import { headerLabel } from "./format.js";
+import { headerLabel, isNumber } from "./format.js";
 
 const PLOT_CONFIG = Object.freeze({
   displaylogo: false,
@@ -173,8 +173,11 @@ export class Charts {
   }
 
   addRows(rows) {
+    const num = (v) => (isNumber(v) ? v : null);
     for (const row of rows) {
-      const point = [row.rank, row.time, row.step_time_mean_ms ?? row.step_time_ms, row.loss];
+      // A time that is not a number would poison every later bucket: skip the row.
+      if (!isNumber(row.time)) continue;
+      const point = [row.rank, row.time, num(row.step_time_mean_ms) ?? num(row.step_time_ms), num(row.loss)];
       if (this.seeded) this.history.add(...point);
       else this.early.push(point);
     }

@@ -6,8 +6,9 @@ import { CKPT, el } from "./checkpoints_dom.js";
 import { SetTable, epochLabel, rankList } from "./checkpoints_table.js";
 import { DeleteDialog, ResumeDialog, api } from "./checkpoints_dialogs.js";
 import { formatBytes, formatSeconds } from "./format.js";
-import { token } from "./token.js";
+import { operatorFetch, token } from "./token.js";
 
+window.addEventListener("rankwatch-login-failed", (e) => flash(`The login link did not work: ${e.detail}`, "error"));
 token.adoptFromUrl();
 const config = JSON.parse($(CKPT.config).textContent);
 // Server time minus this tab's clock, so ages agree with the server.
@@ -31,8 +32,15 @@ async function resume(set) {
   if (error) flash(error, "error");
 }
 
+// A deep verify runs MindSpore on the dashboard's machine, so it needs the token.
 async function verify(set) {
-  const r = await api(config.urls.verify, { method: "POST", body: { set: set.id } });
+  if (!token.get()) {
+    flash("A deep verify needs the operator token: open the login link the dashboard printed "
+      + "(python -m app.login prints a new one), or enter the token in the delete dialog or on the ranks page.",
+    "error");
+    return;
+  }
+  const r = await operatorFetch(config.urls.verify, { set: set.id });
   if (!r.ok) flash(r.body.error, "error");
 }
 

@@ -56,6 +56,28 @@ export const SEL = Object.freeze({
   stopRanksBody: "#stop-ranks tbody",
   stopRanksMore: "#stop-ranks-more",
   auditBody: "#audit-table tbody",
+  // Stacks, the stop policy and alerts (incidents.js).
+  stackDialog: "#stack-dialog",
+  stackDialogTitle: "#stack-dialog-title",
+  stackMeta: "#stack-meta",
+  stackPending: "#stack-pending",
+  stackError: "#stack-error",
+  stackText: "#stack-text",
+  stackNative: "#stack-native",
+  stackCopy: "#stack-copy",
+  stackCapture: "#stack-capture",
+  stackClose: "#stack-close",
+  stacksLoad: "#stacks-load",
+  stacksCaptureAll: "#stacks-capture-all",
+  stacksCopy: "#stacks-copy",
+  stacksText: "#stacks-text",
+  stacksError: "#stacks-error",
+  stacksGroups: "#stacks-groups",
+  policyMode: "#policy-mode",
+  policyNote: "#policy-note",
+  policyRules: "#policy-rules",
+  alertsNote: "#alerts-note",
+  alertsBody: "#alerts-table tbody",
 });
 
 export function $(selector, root = document) {

@@ -4,7 +4,13 @@
 export const GLYPH = Object.freeze({
   healthy: "✓", straggler: "▲", stalled: "‖", dead: "✕",
   exited: "■", finished: "★", failed: "!", pending: "…",
+  node_lost: "⨯", corrupt: "?",
 });
+
+// A verdict as people read it: "node_lost" is "node lost".
+export function verdictLabel(name) {
+  return String(name).replaceAll("_", " ");
+}
 
 export function headerLabel(metric) {
   // Bytes and seconds pick their own scale per cell (KiB..GiB, s..h).
@@ -12,17 +18,33 @@ export function headerLabel(metric) {
   return metric.unit && !own ? `${metric.label} (${metric.unit})` : metric.label;
 }
 
+// Every formatter takes any value: what the API passes through comes from
+// files any rank can write, so a string where a number belongs, or an
+// object, must become text, never an exception that stops the page.
+export function isNumber(v) {
+  return typeof v === "number" && Number.isFinite(v);
+}
+
+// A value that is not what was expected, shown as text rather than trusted.
+function other(v) {
+  if (v === null || v === undefined) return "–";
+  if (typeof v === "object") return "?";
+  return String(v);
+}
+
 export function formatBytes(n) {
+  if (!isNumber(n)) return other(n);
   const units = ["B", "KiB", "MiB", "GiB", "TiB"];
   let i = 0;
-  while (n >= 1024 && i < units.length - 1) {
+  while (Math.abs(n) >= 1024 && i < units.length - 1) {
     n /= 1024;
     i += 1;
   }
-  return `${n.toFixed(i && n < 10 ? 1 : 0)} ${units[i]}`;
+  return `${n.toFixed(i && Math.abs(n) < 10 ? 1 : 0)} ${units[i]}`;
 }
 
 export function formatSeconds(s) {
+  if (!isNumber(s)) return other(s);
   if (s < 10) return `${s.toFixed(1)} s`;
   if (s < 120) return `${Math.round(s)} s`;
   if (s < 7200) return `${Math.round(s / 60)} min`;
@@ -30,16 +52,34 @@ export function formatSeconds(s) {
 }
 
 export function formatNumber(n) {
+  if (!isNumber(n)) return other(n);
   if (Number.isInteger(n)) return String(n);
   if (Math.abs(n) >= 100) return n.toFixed(0);
   if (Math.abs(n) >= 10) return n.toFixed(1);
   return n.toFixed(2);
 }
 
+// A number with a fixed count of decimals ("0.05"), or the value as text.
+export function formatFixed(n, digits) {
+  return isNumber(n) ? n.toFixed(digits) : other(n);
+}
+
+// A count with thousands separators ("12,345"), or the value as text.
+export function formatCount(n) {
+  return isNumber(n) ? n.toLocaleString("en") : other(n);
+}
+
+// A Unix time as the local clock time, or "–".
+export function formatClock(t, withDate = false) {
+  if (!isNumber(t) || t <= 0) return other(t === 0 ? null : t);
+  const d = new Date(t * 1000);
+  if (Number.isNaN(d.getTime())) return "?";
+  return withDate ? d.toLocaleString() : d.toLocaleTimeString();
+}
+
 // Cell text for a value; the unit sits in the column header, except bytes.
 export function formatValue(metric, value) {
-  if (value === null || value === undefined) return "–";
-  if (typeof value !== "number") return String(value);
+  if (!isNumber(value)) return other(value);
   switch (metric.unit) {
     case "bytes": return formatBytes(value);
     case "s": return formatSeconds(value);

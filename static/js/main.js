@@ -7,6 +7,7 @@ import { RankTable } from "./table.js";
 import { SummaryStrip } from "./summary.js";
 import { Charts } from "./charts.js";
 import { StopControls } from "./stop.js";
+import { Incidents } from "./incidents.js";
 
 const config = JSON.parse($(SEL.config).textContent);
 const store = new RankStore();
@@ -29,6 +30,7 @@ socket.on("ranks_snapshot", (msg) => {
   redraw();
 });
 const stop = new StopControls(socket);
+const incidents = new Incidents(socket);
 socket.on("ranks_delta", (msg) => {
   charts.addRows(store.applyDelta(msg));
   redraw();
@@ -49,4 +51,4 @@ setInterval(() => {
 }, 1000);
 
 // For the scale benchmark and for looking around from the browser console.
-window.rankwatch = { store, table, charts, socket, stop };
+window.rankwatch = { store, table, charts, socket, stop, summary, incidents };

@@ -3,7 +3,7 @@
 // actions go through operatorFetch with the token.
 
 import { SEL, $ } from "./dom.js";
-import { formatBytes, formatSeconds } from "./format.js";
+import { formatBytes, formatClock, formatFixed, formatNumber, formatSeconds, isNumber } from "./format.js";
 import { token, checkToken, operatorFetch } from "./token.js";
 
 const STAGES = ["requested", "seen", "agreed", "saving", "saved", "exited"];
@@ -27,29 +27,59 @@ function text(el, value) {
   el.textContent = value;
 }
 
-function when(t) {
-  return t ? new Date(t * 1000).toLocaleTimeString() : "–";
+// The status comes from the ranks' files: every field may hold anything, so
+// nothing below calls a method on a field without checking its type first.
+function list(v) {
+  return Array.isArray(v) ? v : [];
+}
+
+function object(v) {
+  return v && typeof v === "object" && !Array.isArray(v) ? v : null;
 }
 
 function cell(row, value, cls) {
   const td = row.insertCell();
-  td.textContent = value ?? "–";
+  td.textContent = value === null || value === undefined ? "–" : (typeof value === "object" ? "?" : String(value));
   if (cls) td.className = cls;
   return td;
+}
+
+// Ranks shown only from msrun's worker logs report no stop stages: say whether
+// their script can obey the flag at all (README, "Log mode").
+function logNote(logs) {
+  const who = `${logs.ranks} rank${logs.ranks === 1 ? " is" : "s are"} shown only from msrun's worker logs`;
+  if (logs.on_request_exit) {
+    return `${who}; their logs show OnRequestExit at work ("${logs.on_request_exit}"), so the script obeys `
+      + "the flag, but Rankwatch cannot follow its stop stages or checkpoints.";
+  }
+  return `${who}, and nothing in them shows that the script uses OnRequestExit: it may ignore the flag. `
+    + "Stop gracefully still writes RUN/graceful_exit.json; for a script that is sure to stop, add the "
+    + "Rankwatch bridge (or OnRequestExit(config_file=RUN/graceful_exit.json) with MS_ENABLE_GRACEFUL_EXIT=1 "
+    + "on Ascend or in one process).";
 }
 
 export class StopControls {
   constructor(socket) {
     this.status = null;
     this.busy = false;
-    token.adoptFromUrl();
+    // The run's status (from the rank events): an ended job has nothing to stop.
+    this.run = null;
     this.bind();
+    const followRun = (msg) => {
+      if (!msg.run || msg.run.status === this.run?.status) return;
+      this.run = msg.run;
+      this.renderOperator();
+    };
+    socket.on("ranks_snapshot", followRun);
+    socket.on("ranks_delta", followRun);
     socket.on("stop_status", (status) => {
       this.status = status;
       this.render();
       this.loadAudit();
     });
     window.addEventListener("rankwatch-token", () => this.renderOperator());
+    window.addEventListener("rankwatch-login-failed", (e) => this.openToken(`The login link did not work: ${e.detail}`));
+    token.adoptFromUrl();
     this.renderOperator();
     this.loadAudit();
     setInterval(() => this.renderTimes(), 1000);
@@ -85,15 +115,20 @@ export class StopControls {
     text(state, has ? "operator" : "read-only");
     text($(SEL.tokenOpen), has ? "Token…" : "Enter operator token");
     const stop = $(SEL.stopOpen);
-    stop.disabled = !has;
-    stop.title = has ? "Every rank saves a checkpoint at the same step, then exits"
+    const ended = this.run?.status === "ended";
+    stop.disabled = !has || ended;
+    stop.dataset.why = ended ? "ended" : has ? "" : "read-only";
+    text(stop, ended ? "Stop gracefully (job ended)" : "Stop gracefully");
+    if (ended) stop.title = `Nothing to stop: ${this.run.message} Relaunch the job to train again.`;
+    else stop.title = has ? "Every rank saves a checkpoint at the same step, then exits"
       : "Read-only: enter the operator token to stop the job";
     $(SEL.tokenForget).hidden = !has;
     this.renderButtons();
   }
 
-  openToken() {
-    $(SEL.tokenError).hidden = true;
+  openToken(problem = null) {
+    $(SEL.tokenError).hidden = !problem;
+    text($(SEL.tokenError), problem || "");
     $(SEL.tokenInput).value = "";
     $(SEL.tokenDialog).showModal();
     $(SEL.tokenInput).focus();
@@ -194,48 +229,51 @@ export class StopControls {
   renderNote(s) {
     const notes = [];
     if (s.flag_error) notes.push(`The flag file is unreadable (${s.flag_error}); no rank will stop because of it.`);
-    if (s.request && !s.bridge_seen) {
+    if (s.logs) notes.push(logNote(s.logs));
+    if (s.request && !s.bridge_seen && !s.logs) {
       notes.push("No rank of this run reports through the Rankwatch bridge. The flag is in MindSpore's "
         + "own format, so a script using OnRequestExit(config_file=RUN/graceful_exit.json) with "
         + "MS_ENABLE_GRACEFUL_EXIT=1 stops on it, but Rankwatch cannot see when it stops or what it "
         + "saves: look for rank_*/<name>_train.ckpt in the checkpoint browser.");
     }
-    if (s.late && s.late.length) {
-      notes.push(`Late: rank ${s.late.join(", ")} has been in one stage longer than ${formatSeconds(s.deadline_s)}.`);
+    if (list(s.late).length) {
+      notes.push(`Late: rank ${list(s.late).join(", ")} has been in one stage longer than ${formatSeconds(s.deadline_s)}.`);
     }
     const note = $(SEL.stopNote);
     note.hidden = !notes.length;
     text(note, notes.join(" "));
   }
 
-  renderRequest(req) {
+  renderRequest(request) {
+    const req = object(request);
     $(SEL.stopRequest).hidden = !req;
     if (!req) return;
-    text($(SEL.stopRequestId), req.request_id || "(no id: a bare native flag)");
-    text($(SEL.stopRequestBy), req.requested_by || "–");
-    text($(SEL.stopRequestReason), req.reason || "–");
-    text($(SEL.stopRequestAt), when(req.requested_at));
+    text($(SEL.stopRequestId), req.request_id ? String(req.request_id) : "(no id: a bare native flag)");
+    text($(SEL.stopRequestBy), req.requested_by ? String(req.requested_by) : "–");
+    text($(SEL.stopRequestReason), req.reason ? String(req.reason) : "–");
+    text($(SEL.stopRequestAt), formatClock(req.requested_at));
   }
 
   renderStages(s) {
-    const list = $(SEL.stopStages);
-    list.hidden = !s.ranks.length || !s.request;
-    list.replaceChildren();
+    const stages = $(SEL.stopStages);
+    const ranks = list(s.ranks).filter(object);
+    stages.hidden = !ranks.length || !s.request;
+    stages.replaceChildren();
     const counts = Object.fromEntries(STAGES.map((st) => [st, 0]));
-    for (const r of s.ranks) counts[r.stage] += 1;
+    for (const r of ranks) if (STAGES.includes(r.stage)) counts[r.stage] += 1;
     for (const stage of STAGES) {
       const li = document.createElement("li");
       li.className = "stage";
       li.dataset.stage = stage;
       li.dataset.count = counts[stage];
       li.textContent = `${stage} ${counts[stage]}`;
-      list.append(li);
+      stages.append(li);
     }
     const holding = $(SEL.stopHolding);
-    const waiting = s.holding_up || [];
+    const waiting = list(s.holding_up);
     holding.hidden = !waiting.length;
     if (waiting.length) {
-      const stage = s.ranks.find((r) => r.rank === waiting[0])?.stage;
+      const stage = ranks.find((r) => r.rank === waiting[0])?.stage;
       const names = waiting.slice(0, 20).join(", ") + (waiting.length > 20 ? ` and ${waiting.length - 20} more` : "");
       text(holding, `Holding the others up: rank ${names} (still at "${stage}").`);
     }
@@ -243,11 +281,13 @@ export class StopControls {
 
   renderRanks(s) {
     const wrap = $(SEL.stopRanksWrap);
-    wrap.hidden = !s.ranks.length || !s.request;
+    const ranks = list(s.ranks).filter(object);
+    wrap.hidden = !ranks.length || !s.request;
     const order = Object.fromEntries(STAGES.map((st, i) => [st, i]));
-    const rows = [...s.ranks].sort((a, b) => order[a.stage] - order[b.stage] || a.rank - b.rank);
+    const rows = [...ranks].sort((a, b) => (order[a.stage] ?? 0) - (order[b.stage] ?? 0)
+      || (isNumber(a.rank) && isNumber(b.rank) ? a.rank - b.rank : 0));
     const shown = rows.length > MAX_RANK_ROWS ? rows.filter((r) => r.stage !== "exited").slice(0, MAX_RANK_ROWS) : rows;
-    const requestedAt = s.request?.requested_at;
+    const requestedAt = object(s.request)?.requested_at;
     const body = $(SEL.stopRanksBody);
     body.replaceChildren();
     for (const r of shown) {
@@ -255,22 +295,25 @@ export class StopControls {
       tr.dataset.rank = r.rank;
       tr.dataset.stage = r.stage;
       if (r.late) tr.classList.add("late");
+      const stageName = STAGES.includes(r.stage) ? r.stage : "requested";
       cell(tr, r.rank);
-      cell(tr, r.late ? `${r.stage} (late)` : r.stage, `stage-cell stage-${r.stage}`);
+      cell(tr, r.late ? `${stageName} (late)` : stageName, `stage-cell stage-${stageName}`);
       const since = cell(tr, "", "in-stage");
-      since.dataset.since = r.stage === "exited" ? "" : r.stage_since;
+      since.dataset.since = stageName === "exited" || !isNumber(r.stage_since) ? "" : r.stage_since;
+      const at = object(r.at) || {};
       for (const stage of STAGES.slice(1)) {
-        const t = r.at[stage];
+        const t = at[stage];
         // A rank told by the vote never "saw" the flag itself: say so.
-        const fallback = stage === "seen" && r.at.agreed ? "via vote" : null;
-        cell(tr, t != null && requestedAt ? `+${(t - requestedAt).toFixed(2)}` : fallback,
+        const fallback = stage === "seen" && at.agreed ? "via vote" : null;
+        cell(tr, isNumber(t) && isNumber(requestedAt) ? `+${formatFixed(t - requestedAt, 2)}` : fallback,
           `at-${stage}`).dataset.stage = stage;
       }
-      cell(tr, r.seen_step);
-      cell(tr, r.stop_step);
-      cell(tr, r.checkpoint?.path || r.error);
-      cell(tr, r.checkpoint ? formatBytes(r.checkpoint.bytes) : null);
-      cell(tr, r.checkpoint ? r.checkpoint.seconds.toFixed(2) : null);
+      cell(tr, r.seen_step == null ? null : formatNumber(r.seen_step));
+      cell(tr, r.stop_step == null ? null : formatNumber(r.stop_step));
+      const checkpoint = object(r.checkpoint);
+      cell(tr, checkpoint?.path || r.error);
+      cell(tr, checkpoint ? formatBytes(checkpoint.bytes) : null);
+      cell(tr, checkpoint ? formatFixed(checkpoint.seconds, 2) : null);
     }
     const more = $(SEL.stopRanksMore);
     more.hidden = shown.length === rows.length;
@@ -282,7 +325,7 @@ export class StopControls {
     const now = Date.now() / 1000;
     for (const td of document.querySelectorAll(`${SEL.stopRanksBody} td.in-stage`)) {
       const since = Number(td.dataset.since);
-      td.textContent = td.dataset.since ? formatSeconds(Math.max(0, now - since)) : "–";
+      td.textContent = td.dataset.since && Number.isFinite(since) ? formatSeconds(Math.max(0, now - since)) : "–";
     }
   }
 
@@ -298,7 +341,7 @@ export class StopControls {
     let rows;
     try {
       const r = await fetch("/api/audit?limit=20");
-      rows = (await r.json()).rows;
+      rows = list((await r.json()).rows).filter(object);
     } catch (err) {
       console.error("rankwatch: audit trail unavailable:", err);
       return;
@@ -306,19 +349,20 @@ export class StopControls {
     const body = $(SEL.auditBody);
     body.replaceChildren();
     if (!rows.length) {
-      cell(body.insertRow(), "No entries yet.", "muted").colSpan = 7;
+      cell(body.insertRow(), "No entries yet.", "muted").colSpan = 8;
       return;
     }
     for (const a of rows) {
       const tr = body.insertRow();
       tr.dataset.action = a.action;
-      cell(tr, new Date(a.at * 1000).toLocaleString());
+      cell(tr, formatClock(a.at, true));
       cell(tr, a.action);
       cell(tr, a.who);
       cell(tr, a.remote_addr);
       cell(tr, a.reason);
       cell(tr, a.outcome);
       cell(tr, a.request_id);
+      cell(tr, a.basis, a.basis === "observed" ? "muted" : null);
     }
   }
 }

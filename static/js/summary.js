@@ -1,7 +1,7 @@
 // The summary strip and the run status line above the table.
 
 import { SEL, $, $all } from "./dom.js";
-import { GLYPH, formatNumber, formatSeconds } from "./format.js";
+import { GLYPH, formatCount, formatNumber, formatSeconds, isNumber, verdictLabel } from "./format.js";
 
 export class SummaryStrip {
   // onFilter(verdict) is called when a verdict count is clicked.
@@ -47,12 +47,12 @@ export class SummaryStrip {
     for (const [name, chip] of this.chips) {
       const n = s.counts[name] || 0;
       chip.hidden = n === 0;
-      const text = `${GLYPH[name]} ${name} ${n}`;
+      const text = `${GLYPH[name]} ${verdictLabel(name)} ${n}`;
       if (chip.textContent !== text) chip.textContent = text;
     }
     for (const option of this.filterOptions) {
       if (!option.value) continue;
-      option.textContent = `${option.value} (${s.counts[option.value] || 0})`;
+      option.textContent = `${verdictLabel(option.value)} (${s.counts[option.value] || 0})`;
     }
     const slow = s.slowest;
     this.set("slowest", slow
@@ -61,7 +61,8 @@ export class SummaryStrip {
         + ` over the median ${formatNumber(slow.median_ms)} ms`
         + (slow.ratio ? ` (${slow.ratio}×)` : "")
       : "–");
-    this.set("throughput", `${Math.round(s.throughput).toLocaleString("en")} ${this.metricThroughput.unit}`);
+    this.set("throughput", `${formatCount(isNumber(s.throughput) ? Math.round(s.throughput) : s.throughput)}`
+      + ` ${this.metricThroughput.unit}`);
     this.renderAges();
     this.renderRun();
   }
@@ -70,10 +71,10 @@ export class SummaryStrip {
   renderAges() {
     const s = this.store.summary;
     if (!s) return;
-    this.set("last_step_age_s", s.last_step_at === null
+    this.set("last_step_age_s", !isNumber(s.last_step_at)
       ? "no step yet"
       : `${formatSeconds(Math.max(0, this.store.serverNow() - s.last_step_at))} ago`
-        + (s.global_step !== null ? ` (global step ${s.global_step.toLocaleString("en")})` : ""));
+        + (s.global_step != null ? ` (global step ${formatCount(s.global_step)})` : ""));
   }
 
   renderRun() {

@@ -7,11 +7,23 @@
 // which the scale benchmark reads to measure write-to-screen latency.
 
 import { SEL, $ } from "./dom.js";
-import { GLYPH, formatValue, headerLabel } from "./format.js";
+import {
+  GLYPH, formatCount, formatNumber, formatValue, headerLabel, isNumber, verdictLabel,
+} from "./format.js";
 
 // Worst first, so sorting by verdict brings trouble to the top.
-const SEVERITY = ["dead", "failed", "stalled", "straggler", "pending", "healthy", "exited", "finished"];
+const SEVERITY = [
+  "node_lost", "dead", "failed", "stalled", "corrupt", "straggler", "pending", "healthy", "exited", "finished",
+];
 const RENDER_LOG_MAX = 100000;
+// A rank read from msrun's worker log (source "log", README "Log mode") has
+// no bridge to report these: each such row says so, and how to get them.
+const LOG_ONLY = Object.freeze({
+  note: "read from its worker log only: CPU, memory, device and stop stages are not in it; "
+    + "add the Rankwatch bridge to the script to see them",
+  cells: { cpu_percent: "not in log", rss_bytes: "not in log", device: "not in log" },
+  age: "Seconds since its worker log last grew",
+});
 
 function compareValues(a, b) {
   if (a === b) return 0;
@@ -32,6 +44,8 @@ export class RankTable {
     this.sortDir = 1;
     this.filter = "";
     this.page = 0;
+    // Ranks whose reason the operator unfolded (a click or Enter on the cell).
+    this.expanded = new Set();
     this.columns = [];
     this.scheduled = false;
     this.renderLog = [];
@@ -47,11 +61,22 @@ export class RankTable {
     for (const v of this.verdicts) {
       const option = document.createElement("option");
       option.value = v.name;
-      option.textContent = v.name;
+      option.textContent = verdictLabel(v.name);
       option.title = v.help;
       this.filterSelect.append(option);
     }
     this.filterSelect.addEventListener("change", () => this.setFilter(this.filterSelect.value));
+    const unfold = (event) => {
+      const td = event.target.closest('td[data-col="reason"]');
+      if (!td) return;
+      if (event.type === "keydown" && event.key !== "Enter" && event.key !== " ") return;
+      event.preventDefault();
+      const rank = Number(td.parentElement.dataset.rank);
+      if (!this.expanded.delete(rank)) this.expanded.add(rank);
+      this.invalidate();
+    };
+    this.body.addEventListener("click", unfold);
+    this.body.addEventListener("keydown", unfold);
     $(SEL.pagePrev).addEventListener("click", () => this.turn(-1));
     $(SEL.pageNext).addEventListener("click", () => this.turn(1));
     this.buildHeader(false);
@@ -72,6 +97,12 @@ export class RankTable {
       th.append(button);
       return th;
     }));
+    // The Stack action (incidents.js listens for its clicks on the body).
+    const actions = document.createElement("th");
+    actions.scope = "col";
+    actions.dataset.col = "actions";
+    actions.textContent = "Stack";
+    this.headRow.append(actions);
     this.body.replaceChildren();
     this.markSort();
   }
@@ -179,35 +210,59 @@ export class RankTable {
         badge.className = "badge";
         td.append(badge);
       }
+      if (m.name === "reason") {
+        td.tabIndex = 0;
+      }
       tr.append(td);
     }
+    const td = document.createElement("td");
+    td.dataset.col = "actions";
+    const stack = document.createElement("button");
+    stack.type = "button";
+    stack.className = "btn btn-small";
+    stack.textContent = "Stack";
+    td.append(stack);
+    tr.append(td);
     return tr;
   }
 
   cellText(m, row, now) {
+    if (row.source === "log" && m.name in LOG_ONLY.cells) return LOG_ONLY.cells[m.name];
     switch (m.name) {
-      case "health": return `${GLYPH[row.health] || ""} ${row.health}`;
+      case "health": return `${GLYPH[row.health] || ""} ${verdictLabel(row.health)}`;
       case "global_step":
         if (row.global_step === null || row.global_step === undefined) return "–";
-        return `${row.epoch ?? "–"} / ${row.step ?? "–"} (${row.global_step.toLocaleString("en")})`;
+        return `${formatNumber(row.epoch)} / ${formatNumber(row.step)} (${formatCount(row.global_step)})`;
       case "heartbeat_age_s":
-        return row.time === null || row.time === undefined
-          ? "–" : formatValue(m, Math.max(0, now - row.time));
+        return isNumber(row.time) ? formatValue(m, Math.max(0, now - row.time)) : "–";
       case "reason": {
         // Problems the bridge met and survived (a full disk) ride along with
         // the verdict's reason: warnings have no column of their own.
-        const warnings = row.warnings || [];
-        if (!warnings.length) return row.reason ?? "–";
+        const warnings = Array.isArray(row.warnings) ? row.warnings : [];
+        const reason = formatValue(m, row.reason);
         const more = warnings.length > 1 ? ` (+${warnings.length - 1} more)` : "";
-        return `${row.reason} ⚠ ${warnings[warnings.length - 1]}${more}`;
+        const text = warnings.length
+          ? `${reason} ⚠ ${formatValue(m, warnings[warnings.length - 1])}${more}` : reason;
+        return row.source === "log" ? `${text} · ${LOG_ONLY.note}` : text;
       }
       default: return formatValue(m, row[m.name]);
     }
   }
 
   fillRow(tr, row, now) {
-    if (tr.dataset.rank !== String(row.rank)) tr.dataset.rank = row.rank;
-    if (tr.dataset.health !== row.health) tr.dataset.health = row.health;
+    if (tr.dataset.rank !== String(row.rank)) {
+      tr.dataset.rank = row.rank;
+      const stack = tr.lastElementChild.firstChild;
+      stack.dataset.stackRank = row.rank;
+      stack.title = `What rank ${row.rank}'s threads are doing: its newest stack capture`;
+    }
+    if (tr.dataset.health !== row.health) {
+      tr.dataset.health = row.health;
+      tr.lastElementChild.firstChild.dataset.health = row.health;
+    }
+    if (tr.dataset.source !== row.source) tr.dataset.source = row.source;
+    const reason = tr.cells[this.columns.findIndex((m) => m.name === "reason")];
+    if (reason) reason.toggleAttribute("data-expanded", this.expanded.has(row.rank));
     this.columns.forEach((m, i) => {
       const td = tr.cells[i];
       const text = this.cellText(m, row, now);
@@ -218,7 +273,8 @@ export class RankTable {
         td.firstChild.textContent = text;
       } else {
         td.textContent = text;
-        if (m.name === "reason") td.title = text;
+        if (m.name === "reason" || m.name === "host") td.title = text;
+        if (m.name === "heartbeat_age_s") td.title = row.source === "log" ? LOG_ONLY.age : "";
       }
     });
   }

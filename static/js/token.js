@@ -16,13 +16,30 @@ export const token = {
     sessionStorage.removeItem(KEY);
     window.dispatchEvent(new Event("rankwatch-token"));
   },
-  // `python -m app` prints a URL ending in #token=...: take it, then drop it
-  // from the address bar and history so it is not shared by accident.
-  adoptFromUrl() {
-    const match = location.hash.match(/(?:^#|&)token=([^&]+)/);
-    if (match) {
-      this.set(decodeURIComponent(match[1]));
-      history.replaceState(null, "", location.pathname + location.search);
+  // `python -m app` prints a URL ending in #login=<code>: a single-use code
+  // (app/login.py). Drop it from the address bar at once, then trade it for
+  // the token; what stays in the history is a code that no longer works.
+  async adoptFromUrl() {
+    const match = location.hash.match(/(?:^#|&)login=([^&]+)/);
+    if (!match) return;
+    history.replaceState(null, "", location.pathname + location.search);
+    let code;
+    try {
+      code = decodeURIComponent(match[1]);
+    } catch {
+      return;
+    }
+    try {
+      const r = await fetch("/api/login", {
+        method: "POST",
+        headers: { "Content-Type": "application/json" },
+        body: JSON.stringify({ code }),
+      });
+      const body = await r.json();
+      if (r.ok && typeof body.token === "string") this.set(body.token);
+      else window.dispatchEvent(new CustomEvent("rankwatch-login-failed", { detail: String(body.error) }));
+    } catch (err) {
+      window.dispatchEvent(new CustomEvent("rankwatch-login-failed", { detail: String(err.message) }));
     }
   },
 };

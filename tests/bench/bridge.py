@@ -25,6 +25,7 @@ Prints three figures, each against a baseline measured in the same run:
    the loop: that is MindSpore's and msrun's own teardown, which the baseline
    runs of figure 1 pay too after their last step; it is printed beside.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,12 +48,13 @@ TOKEN = "bench-token"
 def _step_times(job: DemoJob, rank: int = 0) -> list[float]:
     """The ``time.monotonic()`` each step ended at (``--step-log``; one clock for all processes)."""
     import re
+
     return [float(t) for t in re.findall(r"^step \d+ epoch \d+ t (\S+)", job.worker_log(rank), re.M)]
 
 
 def _median_step_s(job: DemoJob, rank: int = 0, warmup: int = 5) -> float:
     times = _step_times(job, rank)
-    deltas = [b - a for a, b in zip(times, times[1:])][warmup:]
+    deltas = [b - a for a, b in zip(times, times[1:], strict=False)][warmup:]
     return statistics.median(deltas)
 
 
@@ -72,7 +74,7 @@ def throughput(pairs: int, samples: int, root: Path, hook_us: float) -> dict:
     sides = [("bridge", []), ("baseline", ["--no-bridge"])]
     for i in range(pairs):
         result = {}
-        for label, extra in (sides if i % 2 == 0 else sides[::-1]):
+        for label, extra in sides if i % 2 == 0 else sides[::-1]:
             job = DemoJob(root / f"tp-{i}-{label}", epochs=2, samples=samples, extra=extra).start()
             code = job.wait()
             if code != 0:
@@ -85,12 +87,20 @@ def throughput(pairs: int, samples: int, root: Path, hook_us: float) -> dict:
         with_s.append(result["bridge"])
         without_s.append(result["baseline"])
         ratios.append(result["baseline"] / result["bridge"])  # throughput ratio
-        print(f"  pair {i + 1}: step with bridge {result['bridge'] * 1e3:.1f} ms, "
-              f"without {result['baseline'] * 1e3:.1f} ms, ratio {ratios[-1]:.4f}; "
-              f"bridge's own cost {overheads[-1] * 100:.3f}% of training time", flush=True)
-    return {"ratio": statistics.median(ratios), "with_ms": statistics.median(with_s) * 1e3,
-            "without_ms": statistics.median(without_s) * 1e3,
-            "ratios": ratios, "overhead": max(overheads), "teardown": _median_p95(teardowns)}
+        print(
+            f"  pair {i + 1}: step with bridge {result['bridge'] * 1e3:.1f} ms, "
+            f"without {result['baseline'] * 1e3:.1f} ms, ratio {ratios[-1]:.4f}; "
+            f"bridge's own cost {overheads[-1] * 100:.3f}% of training time",
+            flush=True,
+        )
+    return {
+        "ratio": statistics.median(ratios),
+        "with_ms": statistics.median(with_s) * 1e3,
+        "without_ms": statistics.median(without_s) * 1e3,
+        "ratios": ratios,
+        "overhead": max(overheads),
+        "teardown": _median_p95(teardowns),
+    }
 
 
 HOOK_COST_SCRIPT = r'''
@@ -137,23 +147,32 @@ print(json.dumps({"per_step_us": timed.total / timed.steps * 1e6, "steps": timed
 
 def hook_cost(steps: int, root: Path, repeats: int = 3) -> dict:
     import json
+
     env = {**os.environ, "MS_ENABLE_GRACEFUL_EXIT": "1", "GLOG_v": "3"}
     out = {"bridge": [], "native": []}
     for i in range(repeats):
         for which in ("bridge", "native"):
             run = root / f"hook-{which}-{i}"
             run.mkdir(parents=True)
-            res = subprocess.run([sys.executable, "-c", HOOK_COST_SCRIPT, str(run), which, str(steps)],
-                                 capture_output=True, text=True, env=env, check=True)
+            res = subprocess.run(
+                [sys.executable, "-c", HOOK_COST_SCRIPT, str(run), which, str(steps)],
+                capture_output=True,
+                text=True,
+                env=env,
+                check=True,
+            )
             out[which].append(json.loads(res.stdout.strip().splitlines()[-1])["per_step_us"])
     bridge, native = min(out["bridge"]), min(out["native"])
     return {"bridge_us": bridge, "native_us": native, "ratio": bridge / native}
 
 
 def _post_stop(url: str) -> None:
-    req = urllib.request.Request(url + "/api/exit", data=json.dumps({"reason": "benchmark"}).encode(),
-                                 method="POST", headers={"Content-Type": "application/json",
-                                                         "Authorization": f"Bearer {TOKEN}"})
+    req = urllib.request.Request(
+        url + "/api/exit",
+        data=json.dumps({"reason": "benchmark"}).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"},
+    )
     with urllib.request.urlopen(req) as r:
         assert r.status == 202
 
@@ -162,8 +181,9 @@ def stop_latency(stops: int, samples: int, root: Path) -> dict:
     rows = []
     for i in range(stops):
         job = DemoJob(root / f"stop-{i}", epochs=50, samples=samples).start()
-        server = start_dashboard(job.run_dir, root / f"stop-{i}-dashboard.log",
-                                 env={"RANKWATCH_TOKEN": TOKEN})
+        server = start_dashboard(
+            job.run_dir, root / f"stop-{i}-dashboard.log", env={"RANKWATCH_TOKEN": TOKEN}
+        )
         try:
             job.wait_for_step(8)
             t0 = time.time()
@@ -181,20 +201,25 @@ def stop_latency(stops: int, samples: int, root: Path) -> dict:
         at = [h["stop"]["at"] for h in hbs]
         step_s = max(h["step_time_mean_ms"] or h["step_time_ms"] or 0 for h in hbs) / 1e3
         save_s = max(h["stop"]["checkpoint"]["seconds"] for h in hbs)
-        rows.append({
-            "total": t_exit - t0,
-            "from_flag": t_exit - t_flag,
-            "seen": min(a.get("seen", float("inf")) for a in at) - t0,
-            "agreed": max(a["agreed"] for a in at) - t0,
-            "saved": max(a["saved"] for a in at) - t0,
-            "exited": max(a["exited"] for a in at) - t0,
-            "target": 1.0 + step_s + save_s,
-        })
+        rows.append(
+            {
+                "total": t_exit - t0,
+                "from_flag": t_exit - t_flag,
+                "seen": min(a.get("seen", float("inf")) for a in at) - t0,
+                "agreed": max(a["agreed"] for a in at) - t0,
+                "saved": max(a["saved"] for a in at) - t0,
+                "exited": max(a["exited"] for a in at) - t0,
+                "target": 1.0 + step_s + save_s,
+            }
+        )
         r = rows[-1]
-        print(f"  stop {i + 1}: seen {r['seen']:.2f} s, agreed {r['agreed']:.2f} s, saved {r['saved']:.2f} s, "
-              f"left loop {r['exited']:.2f} s, processes gone {r['total']:.2f} s after the POST, "
-              f"{r['from_flag']:.2f} s after the flag write "
-              f"(target {r['target']:.2f} s)", flush=True)
+        print(
+            f"  stop {i + 1}: seen {r['seen']:.2f} s, agreed {r['agreed']:.2f} s, saved {r['saved']:.2f} s, "
+            f"left loop {r['exited']:.2f} s, processes gone {r['total']:.2f} s after the POST, "
+            f"{r['from_flag']:.2f} s after the flag write "
+            f"(target {r['target']:.2f} s)",
+            flush=True,
+        )
     return {k: _median_p95([r[k] for r in rows]) for k in rows[0]}
 
 
@@ -229,10 +254,13 @@ def main(argv=None) -> None:
     print(f"{'  per step, bridge / native (us)':<52}{hc['bridge_us']:>6.1f}/{hc['native_us']:<5.1f}")
     for key in ("seen", "agreed", "saved", "exited", "target", "total", "from_flag"):
         med, p95 = sl[key]
-        label = {"exited": "stop latency, POST -> every rank saved, left loop (s)",
-                 "target": "  target 1 s + step + save (s)", "seen": "  first rank saw the flag (s)",
-                 "total": "POST -> all processes gone (s)",
-                 "from_flag": "flag write -> all processes gone (s)"}.get(key, f"  every rank {key} (s)")
+        label = {
+            "exited": "stop latency, POST -> every rank saved, left loop (s)",
+            "target": "  target 1 s + step + save (s)",
+            "seen": "  first rank saw the flag (s)",
+            "total": "POST -> all processes gone (s)",
+            "from_flag": "flag write -> all processes gone (s)",
+        }.get(key, f"  every rank {key} (s)")
         print(f"{label:<52}{med:>6.2f} med {p95:>5.2f} p95")
     med, p95 = tp["teardown"]
     print(f"{'  teardown, last step -> msrun gone, no bridge (s)':<52}{med:>6.2f} med {p95:>5.2f} p95")

@@ -13,6 +13,7 @@
 
 Everything lives in a temporary directory that is removed at the end.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,10 +46,15 @@ def write_big(path: Path, gb: float) -> None:
 
     n_params = 4
     per_param = int(gb * 1e9 / 4 / n_params)  # float32 elements
-    params = [{"name": f"layer{i}.weight",
-               "data": ms.Parameter(ms.Tensor.from_numpy(np.full(per_param, i, dtype=np.float32)),
-                                    name=f"layer{i}.weight")}
-              for i in range(n_params)]
+    params = [
+        {
+            "name": f"layer{i}.weight",
+            "data": ms.Parameter(
+                ms.Tensor.from_numpy(np.full(per_param, i, dtype=np.float32)), name=f"layer{i}.weight"
+            ),
+        }
+        for i in range(n_params)
+    ]
     ms.save_checkpoint(params, str(path), append_dict=dict(APPEND))
 
 
@@ -104,9 +110,11 @@ def main(argv=None) -> None:
         assert len(loaded) == meta.param_count + 1  # + the str value
         del loaded
         big.unlink()
-        rows += [(f"read_meta, {size / 1e9:.2f} GB ckpt", t_meta, ""),
-                 (f"load_checkpoint, {size / 1e9:.2f} GB ckpt", t_load, ""),
-                 ("ratio read_meta / load_checkpoint", None, f"{t_meta / t_load:.6f} (target <= 0.01)")]
+        rows += [
+            (f"read_meta, {size / 1e9:.2f} GB ckpt", t_meta, ""),
+            (f"load_checkpoint, {size / 1e9:.2f} GB ckpt", t_load, ""),
+            ("ratio read_meta / load_checkpoint", None, f"{t_meta / t_load:.6f} (target <= 0.01)"),
+        ]
 
         run = tmp / "run"
         run.mkdir()
@@ -120,10 +128,14 @@ def main(argv=None) -> None:
         t_warm = time.perf_counter() - t0
         assert cold.file_count == warm_index.file_count == args.files
         assert cache.hits == args.files and cache.misses == args.files
-        rows += [(f"scan, {args.files} files, cold cache", t_cold,
-                  f"{len(cold.sets)} sets, {t_cold / args.files * 1e6:.0f} us/file"),
-                 (f"scan, {args.files} files, warm cache", t_warm,
-                  f"{t_warm / args.files * 1e6:.0f} us/file")]
+        rows += [
+            (
+                f"scan, {args.files} files, cold cache",
+                t_cold,
+                f"{len(cold.sets)} sets, {t_cold / args.files * 1e6:.0f} us/file",
+            ),
+            (f"scan, {args.files} files, warm cache", t_warm, f"{t_warm / args.files * 1e6:.0f} us/file"),
+        ]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -1,0 +1,114 @@
+"""``rankwatch checkpoints --run-dir RUN [--set ID]``: the checkpoint sets and how to resume.
+
+The index, the notes and the resume answer are ``CheckpointService``'s, as
+on the page's checkpoint browser; nothing needs a dashboard running.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import click
+from rich.table import Table
+
+from app.cli.common import console, fmt_bytes, fmt_seconds, open_cli_run, run_dir_option
+from app.errors import ApiError
+
+
+def _ranks(ranks: list[int]) -> str:
+    if not ranks:
+        return "–"
+    text = ",".join(map(str, ranks[:8]))
+    return text + (f" +{len(ranks) - 8}" if len(ranks) > 8 else "")
+
+
+def sets_table(body: dict) -> Table:
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for name, justify in (
+        ("set", "left"),
+        ("global step", "right"),
+        ("epoch/step", "right"),
+        ("origin", "left"),
+        ("complete", "left"),
+        ("ranks missing", "left"),
+        ("size", "right"),
+        ("age", "right"),
+    ):
+        table.add_column(name, justify=justify, no_wrap=name != "set", overflow="fold")
+    for s in body["sets"]:
+        mark = " ★" if s["id"] == body["newest_complete"] else ""
+        table.add_row(
+            s["id"] + mark,
+            "–" if s["global_step"] is None else str(s["global_step"]),
+            f"{s['epoch'] if s['epoch'] is not None else '–'}/{s['step'] if s['step'] is not None else '–'}",
+            s["origin"],
+            "[green]yes[/]" if s["complete"] else "[red]no[/]",
+            _ranks(s["ranks_missing"]),
+            fmt_bytes(s["bytes"]),
+            fmt_seconds(s["age_s"]),
+        )
+    return table
+
+
+def files_table(s: dict) -> Table:
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for name in ("rank", "path", "size", "status"):
+        table.add_column(name, overflow="fold")
+    for f in s["files"]:
+        status = f["status"] if f["status"] == "ok" else f"[red]{f['status']}[/]: {f['reason']}"
+        table.add_row(str(f["rank"]), f["path"], fmt_bytes(f["bytes"]), status)
+    return table
+
+
+@click.command()
+@run_dir_option
+@click.option(
+    "--set", "set_id", default=None, help="One set (an id from the list): its files and its resume answer."
+)
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the answer as JSON (GET /api/checkpoints's body)."
+)
+def checkpoints(run_dir: Path, set_id: str | None, as_json: bool) -> None:
+    """The checkpoint sets, newest step first, complete or not, and the command that resumes."""
+    run = open_cli_run(run_dir)
+    run.state.scan(time.time())  # for the world size and the hosts the resume command needs
+    heartbeats, world = run.state.heartbeats()
+    body = run.checkpoints.body(world)
+    chosen = set_id or body["newest_complete"]
+    try:
+        answer = run.checkpoints.resume(chosen, world, heartbeats) if chosen else None
+    except ApiError as e:
+        raise click.ClickException(e.message) from None
+    out = console()
+    if as_json:
+        out.print_json(json.dumps({"checkpoints": body, "resume": answer}, default=str))
+        return
+    for error in body["errors"]:
+        out.print(f"[red]{error}[/]")
+    if set_id:
+        found = next(s for s in body["sets"] if s["id"] == set_id)
+        out.print(files_table(found))
+        for note in found["notes"]:
+            out.print(f"• {note}")
+    else:
+        complete = sum(s["complete"] for s in body["sets"])
+        out.print(
+            f"{len(body['sets'])} checkpoint set(s) in {run_dir}, {complete} complete, "
+            f"{fmt_bytes(body['total_bytes'])} (world size {body['world_size'] or 'unknown'}); "
+            "★ = newest complete"
+        )
+        if body["sets"]:
+            out.print(sets_table(body))
+    if answer is None:
+        out.print("No complete set: no step every rank can resume from.")
+        return
+    out.print(f"\n[bold]Resume from {answer['set']}[/] (global step {answer['global_step']}):")
+    out.print(answer["how"], soft_wrap=True)
+    for warning in answer["warnings"]:
+        out.print(f"[yellow]⚠ {warning}[/]")
+    if answer["command"]:
+        out.print(answer["command"], soft_wrap=True, markup=False)
+    for note in answer["command_notes"]:
+        out.print(f"  ({note})")

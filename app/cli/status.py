@@ -1,0 +1,133 @@
+"""``rankwatch status --run-dir RUN [--watch]``: the rank table in a terminal.
+
+The rows are ``RunState``'s, judged exactly as the dashboard judges them
+(the same thresholds, from the same ``RANKWATCH_*`` variables).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import click
+from rich.console import Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from app.cli.common import (
+    SEVERITY,
+    console,
+    fmt_bytes,
+    fmt_number,
+    fmt_seconds,
+    open_cli_run,
+    run_dir_option,
+    verdict_text,
+)
+from app.health import VERDICTS
+from app.state import RunState
+
+# Lines the header, the summary and the table's frame take in --watch.
+CHROME_LINES = 9
+
+
+def rank_table(rows: list[dict], hidden: int = 0) -> Table:
+    table = Table(box=None, header_style="bold", pad_edge=False, expand=False)
+    table.add_column("rank", justify="right")
+    table.add_column("host")
+    table.add_column("verdict", no_wrap=True)
+    table.add_column("global step", justify="right")
+    table.add_column("loss", justify="right")
+    table.add_column("step ms", justify="right")
+    table.add_column("heartbeat", justify="right")
+    table.add_column("CPU %", justify="right")
+    table.add_column("RSS", justify="right")
+    table.add_column("reason", overflow="fold", ratio=1)
+    for row in rows:
+        table.add_row(
+            str(row["rank"]),
+            row["host"] or "–",
+            verdict_text(row["health"]),
+            "–" if row["global_step"] is None else f"{row['epoch']}/{row['step']} ({row['global_step']})",
+            "–" if row["loss"] is None else f"{row['loss']:.4g}",
+            fmt_number(row["step_time_ms"]),
+            fmt_seconds(row["heartbeat_age_s"]),
+            fmt_number(row["cpu_percent"], 0),
+            fmt_bytes(row["rss_bytes"]),
+            row["reason"] + (f" ⚠ {row['warnings'][-1]}" if row["warnings"] else ""),
+        )
+    if hidden:
+        table.caption = f"… and {hidden} more rank(s) (larger terminal, or --health, to see them)"
+    return table
+
+
+def summary_text(snapshot: dict) -> Text:
+    s = snapshot["summary"]
+    text = Text()
+    text.append(f"{snapshot['run']['message']}\n")
+    text.append(f"world size {snapshot['world_size']}  ")
+    for verdict in VERDICTS:
+        n = s["counts"].get(verdict, 0)
+        if n:
+            text.append_text(verdict_text(verdict))
+            text.append(f" {n}  ")
+    slowest = s.get("slowest")
+    if slowest:
+        text.append(
+            f"\nslowest rank {slowest['rank']}: {slowest['step_time_ms']:.0f} ms vs median "
+            f"{slowest['median_ms']:.0f} ms ({slowest['ratio']:.2f}x, {slowest['basis']})"
+        )
+    if s.get("throughput"):
+        text.append(f"   throughput {s['throughput']:.0f} samples/s")
+    return text
+
+
+def ordered(rows: list[dict]) -> list[dict]:
+    """Trouble first (the page's verdict sort), then by rank."""
+    order = {v: i for i, v in enumerate(SEVERITY)}
+    return sorted(rows, key=lambda r: (order.get(r["health"], len(order)), r["rank"]))
+
+
+def view(state: RunState, health: list[str], limit: int | None) -> Group:
+    now = time.time()
+    state.scan(now)
+    snapshot = state.snapshot(now, health or None)
+    rows = snapshot["ranks"]
+    if limit is not None:
+        rows = ordered(rows)
+        shown, hidden = rows[: max(1, limit)], max(0, len(rows) - max(1, limit))
+        shown.sort(key=lambda r: r["rank"])
+    else:
+        shown, hidden = rows, 0
+    return Group(summary_text(snapshot), rank_table(shown, hidden))
+
+
+@click.command()
+@run_dir_option
+@click.option("--watch", is_flag=True, help="Redraw every --interval seconds until Ctrl-C.")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True)
+@click.option(
+    "--health",
+    "health",
+    default="",
+    help=f"Only these verdicts, comma-separated ({', '.join(VERDICTS)}).",
+)
+def status(run_dir: Path, watch: bool, interval: float, health: str) -> None:
+    """Every rank's verdict and figures, as the dashboard shows them."""
+    wanted = [h for h in health.split(",") if h]
+    unknown = sorted(set(wanted) - set(VERDICTS))
+    if unknown:
+        raise click.BadParameter(f"unknown verdict {', '.join(unknown)}", param_hint="--health")
+    run = open_cli_run(run_dir)
+    out = console()
+    if not watch:
+        out.print(view(run.state, wanted, None))
+        return
+    try:
+        with Live(console=out, auto_refresh=False, screen=False) as live:
+            while True:
+                live.update(view(run.state, wanted, out.size.height - CHROME_LINES), refresh=True)
+                time.sleep(interval)
+    except KeyboardInterrupt:
+        pass

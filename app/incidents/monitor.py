@@ -1,0 +1,163 @@
+"""The watcher's incident step: verdict changes and stops become alerts, and the policy runs.
+
+``Incidents.tick`` is called once per watcher tick with what the tick just
+pushed (a ``ranks_delta`` or ``ranks_snapshot``) and the stop lifecycle. It
+reads verdicts from those pushes, which already carry only the rows that
+changed, so a quiet 1024-rank job costs it nothing per rank; it keeps the
+few fields it needs (health, reason, host, device health) per rank. It
+returns an ``incidents`` event when the policy's or the deliveries' status
+changed, for the page.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from app.alerts import AlertDesk
+from app.audit import AuditLog
+from app.policy import Policy, parse_mode, parse_rules
+from app.state import DELTA_EVENT, SNAPSHOT_EVENT, RunState
+from app.stop_service import StopService
+from app.webhooks import WebhookSender, parse_urls
+
+EVENT = "incidents"
+# The row fields alerts and the policy read.
+KEEP = ("health", "reason", "host", "device", "device_health")
+
+
+class Incidents:
+    def __init__(
+        self, state: RunState, alerts: AlertDesk, policy: Policy, clock: Callable[[], float] = time.time
+    ):
+        self.state = state
+        self.alerts = alerts
+        self.policy = policy
+        self.clock = clock
+        self.rows: dict[int, dict] = {}
+        self._pushed: tuple | None = None
+
+    @classmethod
+    def from_config(
+        cls,
+        config: Mapping[str, Any],
+        state: RunState,
+        stop: StopService,
+        audit: AuditLog,
+        start_task: Callable,
+    ) -> Incidents:
+        """Build from the settings; ValueError (naming the setting) for a bad URL, mode or rule."""
+        sender = WebhookSender(
+            parse_urls(config["WEBHOOK_URL"]),
+            audit.path,
+            timeout_s=config["WEBHOOK_TIMEOUT_S"],
+            give_up_s=config["WEBHOOK_GIVE_UP_S"],
+            retry_max_s=config["WEBHOOK_RETRY_MAX_S"],
+            start_task=start_task,
+        )
+        alerts = AlertDesk(
+            sender,
+            str(config["RUN_DIR"] or ""),
+            group_s=config["ALERT_GROUP_S"],
+            summary_over=config["ALERT_SUMMARY_OVER"],
+            rate_per_min=config["ALERT_RATE_PER_MIN"],
+        )
+        policy = Policy(
+            parse_rules(config["POLICY_RULES"]),
+            parse_mode(config["POLICY_MODE"]),
+            stop,
+            audit,
+            alerts,
+            deadline_s=config["STOP_DEADLINE_S"],
+        )
+        return cls(state, alerts, policy)
+
+    # ------------------------------------------------------------------ the tick
+    def tick(self, now: float, pushed: tuple[str, dict] | None, stop_status: Mapping | None) -> tuple | None:
+        """Take this tick's changes; returns ``(EVENT, status)`` when the page's view changed."""
+        if pushed is not None:
+            self._take(now, *pushed)
+        job = self.state.job()
+        self.policy.new_job(None if job is None else job.get("started_at"))
+        if stop_status is not None and self.alerts.enabled:
+            self._stop_alerts(stop_status)
+        self.alerts.flush(now)
+        self.policy.tick(now, self.rows, stop_status)
+        mark = (self.policy.version, self.alerts.sender.version)
+        if mark != self._pushed:
+            self._pushed = mark
+            return EVENT, self.status(now)
+        return None
+
+    def _take(self, now: float, event: str, body: dict) -> None:
+        if event == SNAPSHOT_EVENT:
+            changes = body["ranks"]
+            for r in set(self.rows) - {row["rank"] for row in changes}:
+                del self.rows[r]
+                self.policy.observe(r, None, now)
+        elif event == DELTA_EVENT:
+            changes = body.get("rows", ())
+        else:
+            return
+        for change in changes:
+            r = change["rank"]
+            row = self.rows.get(r)
+            new = row is None
+            if new:
+                row = self.rows[r] = dict.fromkeys(KEEP)
+            before = row["health"]
+            touched = False
+            for key in KEEP:
+                if key in change and (new or change[key] != row[key]):
+                    row[key] = change[key]
+                    touched = True
+            if not touched:
+                continue
+            if row["health"] != before and row["health"] is not None:
+                self.alerts.verdict(r, row["health"], row["reason"] or "", now)
+            self.policy.observe(r, row, now)
+
+    def _stop_alerts(self, status: Mapping) -> None:
+        """A stop's request, cancel and completion, each announced once."""
+        request = status.get("request") or {}
+        rid = request.get("request_id")
+        if not rid:
+            return
+        who, reason = request.get("requested_by") or "?", request.get("reason") or ""
+        self.alerts.once(
+            f"stop-request:{rid}",
+            "stop_requested",
+            f"graceful stop requested by {who}: {reason} ({rid})",
+            request_id=rid,
+            who=who,
+            reason=reason,
+        )
+        if status.get("summary"):
+            self.alerts.once(
+                f"stop-complete:{rid}",
+                "stop_completed",
+                f"graceful stop {rid} completed: {status['summary']}",
+                request_id=rid,
+                stop_step=status.get("stop_step"),
+                summary=status["summary"],
+            )
+        elif status.get("state") == "cancelled":
+            self.alerts.once(
+                f"stop-cancel:{rid}", "stop_cancelled", f"graceful stop {rid} was cancelled", request_id=rid
+            )
+
+    # ------------------------------------------------------------------ the page
+    def alerts_status(self) -> dict:
+        sender = self.alerts.sender
+        return {
+            "enabled": sender.enabled,
+            "targets": sender.targets,
+            "queued": sender.queued(),
+            "recent": sender.recent(20),
+        }
+
+    def status(self, now: float | None = None) -> dict:
+        """The ``incidents`` event: ``{"policy": GET /api/policy, "alerts": GET /api/alerts}``."""
+        now = self.clock() if now is None else now
+        return {"now": now, "policy": self.policy.status(now), "alerts": self.alerts_status()}

@@ -1,0 +1,80 @@
+"""The stack, alert and policy API (README, "JSON API" and "When a job hangs").
+
+Reading needs no token. Asking for a capture needs the operator token and a
+JSON body (``app.auth``): it makes a trainer, or py-spy, do work.
+"""
+
+from __future__ import annotations
+
+import time
+
+from flask import jsonify, request
+
+from app import rankwatch
+from app.auth import json_body, require_operator
+from app.errors import ApiError
+from app.incidents import bp
+
+WHO_DEFAULT = "operator"
+
+
+def _fresh_now() -> float:
+    """Now, with the view at most a tick old: routing a request reads the rank's verdict."""
+    rw = rankwatch()
+    now = time.time()
+    rw.state.refresh(now, rw.watcher.tick_s)
+    return now
+
+
+@bp.get("/api/ranks/<int:rank>/stack")
+def api_stack(rank: int):
+    """The rank's newest stack capture; ``?trigger=stall`` (or ``request``) the newest of that kind."""
+    now = _fresh_now()
+    return jsonify(rankwatch().stacks.get(rank, now, request.args.get("trigger")))
+
+
+@bp.post("/api/ranks/<int:rank>/stack")
+def api_stack_request(rank: int):
+    require_operator()
+    body = json_body({"native": (bool, False), "who": (str, False)})
+    now = _fresh_now()
+    answer = rankwatch().stacks.request(rank, body.get("who") or WHO_DEFAULT, body.get("native", False), now)
+    return jsonify(answer), 202
+
+
+@bp.get("/api/stacks")
+def api_stacks():
+    """Every rank's newest capture, grouped by identical training-thread stacks.
+
+    ``?request=ID`` adds ``answered``: how many ranks' newest capture answers request ID.
+    """
+    request_id = request.args.get("request")
+    if request_id is not None and not 0 < len(request_id) <= 128:
+        raise ApiError(400, "query parameter 'request' must be a request id (1 to 128 characters)")
+    return jsonify(rankwatch().stacks.grouped(_fresh_now(), request_id))
+
+
+@bp.post("/api/stacks")
+def api_stacks_request():
+    require_operator()
+    body = json_body({"native": (bool, False), "who": (str, False)})
+    now = _fresh_now()
+    answer = rankwatch().stacks.request_all(body.get("who") or WHO_DEFAULT, body.get("native", False), now)
+    return jsonify(answer), 202
+
+
+@bp.get("/api/policy")
+def api_policy():
+    return jsonify(rankwatch().incidents.policy.status(time.time()))
+
+
+@bp.get("/api/alerts")
+def api_alerts():
+    """The webhook targets and delivery attempts, newest first; ``?limit=N`` (1 to 10000, default 100)."""
+    raw = request.args.get("limit", "100")
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 5 or not 0 < int(raw) <= 10000:
+        raise ApiError(400, f"query parameter 'limit' must be an integer from 1 to 10000, not {raw!r}")
+    incidents = rankwatch().incidents
+    status = incidents.alerts_status()
+    del status["recent"]
+    return jsonify({**status, "rows": incidents.alerts.sender.rows(int(raw))})

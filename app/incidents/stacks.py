@@ -1,0 +1,369 @@
+"""The dashboard's side of stack captures: read them, ask for them, group them across ranks.
+
+Who captures a rank (``route``):
+
+* **its bridge**, through a request file in the run directory (any host);
+* **py-spy, run by the dashboard**, for a rank on the dashboard's own host
+  whose bridge cannot answer: no bridge (log mode), a stopped process
+  (SIGSTOP: its reporter is stopped too), or one that sends no heartbeats;
+* **nobody**, and the answer says why: a rank that has ended, or one on
+  another host that its bridge cannot answer for.
+
+Captures, whoever took them, are ``trainer_bridge.stacks.Capture`` files in
+``RUN/rankwatch/stacks/rank_{r}/``. Grouping compares the training thread's
+Python frames, so "every rank waiting in the same AllReduce" is one group
+whatever the ranks' step numbers, and the odd one out stands alone.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from app.alerts import ranks_text
+from app.errors import ApiError
+from app.reader import Stopped, probe_process
+from app.state import RunState
+from trainer_bridge import runfiles, schema, stacks
+
+ENDED = ("exited", "finished", "failed")
+# Capture files kept parsed in memory, by their size on disk (a capture is
+# typically 10-30 KB: 1,024 ranks' newest fit many times over).
+CACHE_BYTES = 64 * 1024 * 1024
+# Native frames naming the collective a thread waits in, most specific first.
+COLLECTIVES = ("AllReduce", "AllGather", "ReduceScatter", "AllToAll", "Broadcast", "Barrier", "Send", "Recv")
+_LIBRARY = re.compile(r"[/\\](?:site|dist)-packages[/\\]|[/\\]lib[/\\]python3[^/\\]*[/\\]|^<")
+
+
+def route(
+    rank: int, row: dict | None, probe: str | None, *, hostname: str, pyspy: bool
+) -> tuple[str | None, str]:
+    """How rank ``rank`` can be captured: ``("bridge" | "py-spy", why)``, or ``(None, why not)``.
+
+    ``row`` is its ``/api/ranks`` row; ``probe`` what ``probe_process`` says
+    of its pid when it runs on this host (None: running, or not probed).
+    """
+    if row is None or row.get("health") == "pending":
+        return None, f"rank {rank} has not reported yet, so no process is known to capture"
+    health, host, pid = row["health"], row.get("host"), row.get("pid")
+    if health in ENDED:
+        return None, f"rank {rank} has {health}: its process has ended (its newest capture stays readable)"
+    local = host == hostname
+    if local and probe and not isinstance(probe, Stopped):
+        return None, f"rank {rank}'s {probe}"
+    stopped = local and isinstance(probe, Stopped)
+    with_bridge = (row.get("source") or "bridge") == "bridge"
+    if with_bridge and not stopped and health not in ("dead", "node_lost"):
+        return "bridge", "its bridge answers through the run directory"
+    if stopped:
+        why = f"process {pid} is stopped, so its bridge cannot answer"
+    elif with_bridge:
+        why = f"it is {health}, so its bridge may not answer"
+    else:
+        why = "it runs without the bridge"
+    if pid is None:
+        return None, f"rank {rank} {why.removeprefix('it ')}, and its heartbeat names no process id"
+    if local:
+        if not pyspy:
+            return None, f"{why}, and py-spy is not installed on the dashboard's host (pip install py-spy)"
+        return "py-spy", f"{why}: the dashboard runs py-spy on pid {pid}"
+    return None, (
+        f"rank {rank} {why.removeprefix('it ')}, and it runs on {host}, not on the dashboard's host "
+        f"{hostname} where py-spy could read it: run `py-spy dump --pid {pid}` on {host}"
+    )
+
+
+def _short(path: str) -> str:
+    """A frame's file as a reader wants it: the package path for libraries, the name for scripts."""
+    m = re.search(r"[/\\](?:site|dist)-packages[/\\](.*)$", path)
+    if m:
+        return m.group(1)
+    return os.path.basename(path) or path
+
+
+def _at(frame: dict) -> str:
+    line = f":{frame['line']}" if frame.get("line") else ""
+    return f"`{frame['function']}` ({_short(frame['file'])}{line})"
+
+
+def collective(native: list[dict]) -> str | None:
+    """The collective a thread waits in, from its native frames (innermost first), if any."""
+    for frame in native:
+        for name in COLLECTIVES:
+            if name in frame["function"]:
+                return name
+    return None
+
+
+def describe(thread: dict | None) -> str:
+    """Where a training thread is, in a phrase: "in `hang_here` (train.py:42)"."""
+    if thread is None:
+        return "with no training thread in the capture"
+    frames = thread["frames"]
+    waiting = collective(thread.get("native") or [])
+    if not frames:
+        return f"waiting in `{waiting}`" if waiting else "in native code only"
+    inner = frames[0]
+    user = next((f for f in frames if not _LIBRARY.search(f["file"])), None)
+    phrase = f"waiting in `{waiting}` under {_at(inner)}" if waiting else f"in {_at(inner)}"
+    if user is not None and user is not inner:
+        phrase += f", called from {_at(user)}"
+    return phrase
+
+
+def training_thread(capture: dict) -> dict | None:
+    return next((t for t in capture["threads"] if t["training"]), None)
+
+
+class StackService:
+    """Reads, requests and groups stack captures for one run directory."""
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike | None,
+        state: RunState,
+        *,
+        start_task: Callable,
+        hostname: str | None = None,
+        probe: Callable = probe_process,
+        pyspy: Callable[[], str | None] = stacks.find_pyspy,
+    ):
+        self.run_dir = Path(run_dir) if run_dir else None
+        self.state = state
+        self.hostname = hostname or socket.gethostname()
+        self._start_task = start_task
+        self._probe = probe
+        self._pyspy = pyspy
+        self._lock = threading.Lock()
+        self._pending: dict[int, dict] = {}  # rank -> the newest request made through this dashboard
+        self._cache: dict[Path, tuple[tuple, dict | None]] = {}  # path -> (stat key, capture or None)
+        self._cache_bytes = 0
+
+    def _need_run_dir(self) -> Path:
+        if self.run_dir is None:
+            raise ApiError(409, "the dashboard was started without a run directory (--run-dir)")
+        return self.run_dir
+
+    # ------------------------------------------------------------------ reading
+    def _load(self, path: Path) -> dict | None:
+        """A capture file as a dict, cached by (inode, mtime, size); None if it is not a valid one."""
+        try:
+            st = path.stat()
+        except OSError:
+            return None
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        with self._lock:
+            hit = self._cache.get(path)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        try:
+            capture = stacks.load_capture(path).to_dict()
+        except (OSError, schema.SchemaError):
+            capture = None
+        with self._lock:
+            # Bounded by the bytes read: a hostile run directory full of
+            # maximal captures must not grow the dashboard without limit.
+            if self._cache_bytes + st.st_size > CACHE_BYTES:
+                self._cache.clear()
+                self._cache_bytes = 0
+            self._cache[path] = (key, capture)
+            self._cache_bytes += st.st_size
+        return capture
+
+    def newest(self, rank: int, trigger: str | None = None) -> dict | None:
+        """Rank ``rank``'s newest valid capture (of ``trigger``, if given)."""
+        for path in stacks.capture_files(self._need_run_dir(), rank):
+            if trigger is not None and not path.name.endswith(f"-{trigger}.json"):
+                continue
+            capture = self._load(path)
+            if capture is not None and capture["rank"] == rank:
+                return capture
+        return None
+
+    def get(self, rank: int, now: float, trigger: str | None = None) -> dict:
+        """``GET /api/ranks/<rank>/stack``: the newest capture, with its age and any pending request."""
+        if trigger is not None and trigger not in stacks.TRIGGERS:
+            raise ApiError(400, f"query parameter 'trigger' must be one of {', '.join(stacks.TRIGGERS)}")
+        capture = self.newest(rank, trigger)
+        if capture is None:
+            pending = self._pending_for(rank, None)
+            asked = f"; a capture was requested {now - pending['requested_at']:.0f} s ago" if pending else ""
+            raise ApiError(
+                404,
+                f"no stack capture of rank {rank} yet{asked}: POST /api/ranks/{rank}/stack asks for one "
+                "(a bridge also captures by itself when its rank stops stepping)",
+            )
+        hbs, _ = self.state.heartbeats()
+        started = (hbs.get(rank) or {}).get("started_at")
+        others = [
+            {
+                "name": p.name,
+                "trigger": p.stem.rpartition("-")[2],
+                "captured_at": int(p.stem.partition("-")[0]) / 1e3,
+            }
+            for p in stacks.capture_files(self.run_dir, rank)
+            if p.stem.partition("-")[0].isdigit()
+        ]
+        return {
+            **capture,
+            "age_s": round(max(0.0, now - capture["captured_at"]), 1),
+            # Taken before the rank's current process started: an earlier run's.
+            "stale": started is not None and capture["captured_at"] < started - 1.0,
+            "pending": self._pending_for(rank, capture),
+            "captures": others,
+        }
+
+    def _pending_for(self, rank: int, capture: dict | None) -> dict | None:
+        with self._lock:
+            pending = self._pending.get(rank)
+        if pending is None:
+            request = stacks.read_request(self.run_dir, rank) if self.run_dir else None
+            if request is None:
+                return None
+            pending = {**request.to_dict(), "via": "bridge"}
+        if capture is not None and capture.get("request_id") == pending["request_id"]:
+            return None
+        return pending
+
+    # ------------------------------------------------------------------ asking
+    def _probe_local(self, row: dict, started_at: float | None) -> str | None:
+        if row.get("host") != self.hostname or row.get("pid") is None or row.get("health") in ENDED:
+            return None
+        return self._probe(row["pid"], started_at)
+
+    def request(self, rank: int, who: str, native: bool, now: float) -> dict:
+        """``POST /api/ranks/<rank>/stack``: ask rank ``rank`` for a fresh capture (202 body)."""
+        run_dir = self._need_run_dir()
+        found = self.state.rank(rank, now)
+        if found is None:
+            raise ApiError(404, f"rank {rank} is not part of this job")
+        row = found["rank"]
+        started = (self.state.heartbeats()[0].get(rank) or {}).get("started_at")
+        probe = self._probe_local(row, started)
+        via, why = route(rank, row, probe, hostname=self.hostname, pyspy=self._pyspy() is not None)
+        if via is None:
+            raise ApiError(409, f"cannot capture rank {rank}: {why}")
+        request = stacks.Request(
+            request_id=runfiles.new_request_id(), requested_at=now, requested_by=who, native=native
+        )
+        if via == "bridge":
+            stacks.write_request(run_dir, rank, request)
+        else:
+            self._start_task(self._pyspy_capture, rank, row, request, isinstance(probe, Stopped))
+        pending = {**request.to_dict(), "via": via}
+        with self._lock:
+            self._pending[rank] = pending
+        return {"rank": rank, **pending, "why": why}
+
+    def request_all(self, who: str, native: bool, now: float) -> dict:
+        """``POST /api/stacks``: ask every rank (one request file for all bridges, py-spy for the rest)."""
+        run_dir = self._need_run_dir()
+        rows = self.state.snapshot(now)["ranks"]
+        hbs, _ = self.state.heartbeats()
+        request = stacks.Request(
+            request_id=runfiles.new_request_id(), requested_at=now, requested_by=who, native=native
+        )
+        pyspy = self._pyspy() is not None
+        by_bridge, by_pyspy, cannot = [], [], {}
+        for row in rows:
+            r = row["rank"]
+            probe = self._probe_local(row, (hbs.get(r) or {}).get("started_at"))
+            via, why = route(r, row, probe, hostname=self.hostname, pyspy=pyspy)
+            if via == "bridge":
+                by_bridge.append(r)
+            elif via == "py-spy":
+                by_pyspy.append(r)
+                self._start_task(self._pyspy_capture, r, row, request, isinstance(probe, Stopped))
+            else:
+                cannot[r] = why
+        if by_bridge:
+            stacks.write_request(run_dir, None, request)
+        pending = {**request.to_dict()}
+        with self._lock:
+            for r in by_bridge:
+                self._pending[r] = {**pending, "via": "bridge"}
+            for r in by_pyspy:
+                self._pending[r] = {**pending, "via": "py-spy"}
+        return {**pending, "bridge": by_bridge, "py_spy": by_pyspy, "cannot": cannot}
+
+    def _pyspy_capture(self, rank: int, row: dict, request: stacks.Request, stopped: bool) -> None:
+        try:
+            stacks.capture_pyspy(
+                self.run_dir,
+                rank,
+                row["pid"],
+                row.get("host"),
+                request_id=request.request_id,
+                # Native frames need the threads paused, which a stopped process cannot be.
+                native=request.native and not stopped,
+                global_step=row.get("global_step"),
+            )
+        except (stacks.PySpyError, OSError, schema.SchemaError) as e:
+            with self._lock:
+                pending = self._pending.get(rank)
+                if pending is not None and pending["request_id"] == request.request_id:
+                    pending["error"] = str(e)
+
+    # ------------------------------------------------------------------ grouping
+    def grouped(self, now: float, request_id: str | None = None) -> dict:
+        """``GET /api/stacks``: ranks grouped by identical training-thread stacks, odd ones first.
+
+        With ``request_id``, ``answered`` counts the ranks whose newest
+        capture answers that request (the page polls it after asking all).
+        """
+        self._need_run_dir()
+        hbs, world = self.state.heartbeats()
+        ranks = sorted(set(range(world)) | set(hbs))
+        groups: dict[tuple, dict] = {}
+        missing = []
+        answered = 0
+        for r in ranks:
+            capture = self.newest(r)
+            started = (hbs.get(r) or {}).get("started_at")
+            if capture is None or (started is not None and capture["captured_at"] < started - 1.0):
+                missing.append(r)
+                continue
+            answered += request_id is not None and capture.get("request_id") == request_id
+            thread = training_thread(capture)
+            frames = thread["frames"] if thread else []
+            key = (
+                tuple((f["function"], f["file"], f["line"]) for f in frames),
+                collective(thread.get("native") or []) if thread else None,
+            )
+            group = groups.get(key)
+            if group is None:
+                group = groups[key] = {
+                    "ranks": [],
+                    "where": describe(thread),
+                    "thread": thread,
+                    "example_rank": r,
+                    "captured_from": capture["captured_at"],
+                    "captured_to": capture["captured_at"],
+                    "triggers": {},
+                }
+            group["ranks"].append(r)
+            group["captured_from"] = min(group["captured_from"], capture["captured_at"])
+            group["captured_to"] = max(group["captured_to"], capture["captured_at"])
+            group["triggers"][capture["trigger"]] = group["triggers"].get(capture["trigger"], 0) + 1
+        ordered = sorted(groups.values(), key=lambda g: (len(g["ranks"]), g["ranks"][0]))
+        parts = []
+        for g in ordered:
+            g["ranks_text"] = ranks_text(g["ranks"])
+            word = "rank" if len(g["ranks"]) == 1 else "ranks"
+            g["summary"] = f"{word} {g['ranks_text']} {g['where']}"
+            parts.append(g["summary"])
+        if missing:
+            parts.append(f"rank{'s' if len(missing) > 1 else ''} {ranks_text(missing, 16)}: no capture yet")
+        return {
+            "now": now,
+            "world_size": world,
+            "captured": len(ranks) - len(missing),
+            "answered": answered if request_id is not None else None,
+            "missing": missing,
+            "text": "; ".join(parts) if parts else "no stack captures yet",
+            "groups": ordered,
+        }

@@ -1,0 +1,231 @@
+"""Single-use login links: how the operator token reaches the page without being written down.
+
+The URL that ``python -m app`` prints carries ``#login=<code>``, not the
+token. The page trades the code once (``POST /api/login``) for the token,
+keeps the token in the tab's ``sessionStorage`` and strips the code from the
+address bar. A code works once and for ``CODE_TTL_S`` seconds, so the URL
+that stays in the browser's history, a terminal's scrollback or a log file is
+worthless afterwards; the token itself is never printed.
+
+A new link later, once the printed one is used up or expired:
+
+* ``python -m app.login`` (or ``mint_login_url()`` from Python, which the
+  ``rankwatch`` CLI can call) on the machine and as the user running the
+  dashboard. When it starts, the dashboard writes a *server file* in a
+  directory only its user can read (``$XDG_RUNTIME_DIR/rankwatch/``, else
+  ``~/.local/state/rankwatch/``; 0700, the file 0600), as Jupyter does, with
+  its URL and token; ``mint_login_url`` reads it and asks the dashboard for
+  a code with the token. Being that user is what grants it: anyone who can
+  read that file could also read the dashboard's memory.
+* Or, with the token at hand: ``POST /api/login-code`` with
+  ``Authorization: Bearer <token>``.
+
+Codes live in the dashboard's memory only: a restart forgets them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import hmac
+import json
+import os
+import secrets
+import signal
+import stat
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+# Long enough to open the printed link after reading the start-up lines,
+# short enough that a link found in a log later is dead.
+CODE_TTL_S = 600.0
+# Codes waiting to be used; minting more drops the oldest.
+MAX_CODES = 16
+SERVER_FILE_PREFIX = "dashboard-"
+
+
+class LoginCodes:
+    """Outstanding single-use codes, each valid for ``ttl_s`` seconds."""
+
+    def __init__(self, ttl_s: float = CODE_TTL_S, clock: Callable[[], float] = time.time):
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._codes: dict[str, float] = {}  # code -> expires at
+        self._lock = threading.Lock()
+
+    def mint(self) -> tuple[str, float]:
+        """A fresh code and when it expires (Unix seconds)."""
+        code = secrets.token_urlsafe(18)
+        with self._lock:
+            now = self.clock()
+            self._codes = {c: t for c, t in self._codes.items() if t > now}
+            while len(self._codes) >= MAX_CODES:
+                del self._codes[min(self._codes, key=self._codes.get)]
+            expires = now + self.ttl_s
+            self._codes[code] = expires
+        return code, expires
+
+    def redeem(self, code: str) -> bool:
+        """True once for a live code; a code is gone after its first use, right or late."""
+        with self._lock:
+            match = next((c for c in self._codes if hmac.compare_digest(c.encode(), code.encode())), None)
+            if match is None:
+                return False
+            expires = self._codes.pop(match)
+            return expires > self.clock()
+
+
+def login_url(base_url: str, code: str) -> str:
+    return base_url.rstrip("/") + "/#login=" + code
+
+
+def announce(app, url: str) -> str:
+    """The start-up line about operating: a single-use login URL, never the token.
+
+    ``Rankwatch: open URL`` is the line to open (the demo repeats it, so keep
+    the prefix). Also writes the server file that ``python -m app.login``
+    reads to mint a new link later.
+    """
+    code, _ = app.extensions["rankwatch_login"].mint()
+    write_server_file(url, app.config["TOKEN"], app.config["RUN_DIR"])
+    how = (
+        "a token was generated for this run (set RANKWATCH_TOKEN to choose your own)"
+        if app.config["TOKEN_GENERATED"]
+        else "the token is RANKWATCH_TOKEN"
+    )
+    return (
+        f"Rankwatch: open {login_url(url, code)}\n"
+        f"    a single-use link that makes that browser an operator (stop, delete), valid "
+        f"{CODE_TTL_S / 60:.0f} min; {how}; python -m app.login prints a new link"
+    )
+
+
+# -- the server file -------------------------------------------------------------
+
+
+def runtime_dir() -> Path:
+    base = os.environ.get("XDG_RUNTIME_DIR") or str(Path.home() / ".local" / "state")
+    return Path(base) / "rankwatch"
+
+
+def _private_dir() -> Path:
+    """The server-file directory, created 0700; refused if anyone else could write or read it."""
+    path = runtime_dir()
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"{path} must be a directory of yours that only you can use (mode 0700)")
+    return path
+
+
+def write_server_file(url: str, token: str, run_dir: str) -> Path | None:
+    """Record this dashboard for ``mint_login_url``; removed when the process exits.
+
+    Returns the file, or None (with a line on stderr) when it cannot be
+    written safely: new links then need the token (``POST /api/login-code``).
+    """
+    try:
+        path = _private_dir() / f"{SERVER_FILE_PREFIX}{os.getpid()}.json"
+        data = json.dumps({"url": url, "token": token, "pid": os.getpid(), "run_dir": run_dir}).encode()
+        try:
+            os.unlink(path)  # a leftover of a dead process with our pid
+        except FileNotFoundError:
+            pass
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+    except OSError as e:
+        print(f"Rankwatch: no server file for new login links ({e})", file=sys.stderr, flush=True)
+        return None
+    atexit.register(_remove, path)
+    # atexit does not run on a plain SIGTERM (how services and tests stop a
+    # dashboard): turn it into an ordinary exit, unless someone handles it already.
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    ):
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    return path
+
+
+def _remove(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
+
+
+def running_dashboards() -> list[dict]:
+    """The server files of this user's dashboards whose process still runs."""
+    try:
+        directory = _private_dir()
+    except OSError:
+        return []
+    found = []
+    for path in sorted(directory.glob(f"{SERVER_FILE_PREFIX}*.json")):
+        try:
+            info = json.loads(path.read_bytes())
+            os.kill(int(info["pid"]), 0)
+        except ProcessLookupError:
+            _remove(path)  # left by a dashboard that was killed
+            continue
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        found.append(info)
+    return found
+
+
+def mint_login_url(url: str | None = None, run_dir: str | None = None, timeout: float = 10.0) -> str:
+    """A fresh single-use login URL for a running dashboard of this user.
+
+    ``url`` or ``run_dir`` picks the dashboard when several run; with
+    neither, there must be exactly one. Raises LookupError if none matches,
+    RuntimeError if it refuses.
+    """
+    found = running_dashboards()
+    if url is not None:
+        found = [d for d in found if d.get("url", "").rstrip("/") == url.rstrip("/")]
+    if run_dir is not None:
+        found = [d for d in found if os.path.realpath(d.get("run_dir", "")) == os.path.realpath(run_dir)]
+    if len(found) != 1:
+        where = ", ".join(d.get("url", "?") for d in found) or "none"
+        raise LookupError(
+            f"{len(found)} running dashboard(s) of this user match (found: {where}); "
+            "give the URL or the run directory"
+        )
+    info = found[0]
+    request = urllib.request.Request(
+        info["url"].rstrip("/") + "/api/login-code",
+        data=b"{}",
+        method="POST",
+        headers={"Authorization": f"Bearer {info['token']}", "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read())["login_url"]
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(
+            f"the dashboard at {info['url']} refused: {e.read()[:300].decode(errors='replace')}"
+        ) from None
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m app.login", description="Print a fresh single-use login URL for a running dashboard."
+    )
+    parser.add_argument("--url", help="the dashboard's URL, when several run")
+    parser.add_argument("--run-dir", help="the dashboard's run directory, when several run")
+    args = parser.parse_args(argv)
+    try:
+        print(mint_login_url(args.url, args.run_dir))
+    except (LookupError, RuntimeError, OSError) as e:
+        parser.exit(1, f"python -m app.login: {e}\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""How often one client may try a token, and how often an operator may change state.
+
+Both are keyed by the client's address (``request.remote_addr``): behind a
+reverse proxy every client has the proxy's address, so there they limit the
+proxy as a whole (README, "Security").
+
+``Backoff``: after ``free`` wrong tokens in a row from one address, each
+further attempt must wait twice as long as the last (1 s, 2 s, 4 s, ... up
+to ``cap_s``); a right token clears the record. While an address waits, its
+attempts are answered 429 without being checked, so guessing runs at most
+one try per ``cap_s`` instead of a thousand a second.
+
+``Bucket``: a token bucket per address for the writes an operator makes
+(stop, cancel, re-arm, delete): ``per_minute`` in a burst, refilled at
+``per_minute`` a minute, so a script with the token cannot fill the audit
+trail without bound.
+
+Both keep at most ``max_keys`` addresses (the least recently seen go first),
+so a client with many addresses cannot grow them without bound.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+
+class _Table:
+    """A bounded LRU of per-key state."""
+
+    def __init__(self, max_keys: int):
+        self.max_keys = max_keys
+        self.items: OrderedDict[str, list] = OrderedDict()
+
+    def get(self, key: str, default: Callable[[], list]) -> list:
+        item = self.items.get(key)
+        if item is None:
+            item = self.items[key] = default()
+            while len(self.items) > self.max_keys:
+                self.items.popitem(last=False)
+        else:
+            self.items.move_to_end(key)
+        return item
+
+
+class Backoff:
+    """Exponential backoff on failed token checks, per client address."""
+
+    def __init__(
+        self,
+        free: int = 5,
+        base_s: float = 1.0,
+        cap_s: float = 60.0,
+        max_keys: int = 10_000,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.free, self.base_s, self.cap_s, self.clock = free, base_s, cap_s, clock
+        self._table = _Table(max_keys)
+        self._lock = threading.Lock()
+
+    def wait_s(self, key: str) -> float:
+        """Seconds ``key`` must still wait before its next attempt (0: it may try now)."""
+        with self._lock:
+            item = self._table.items.get(key)
+            return 0.0 if item is None else max(0.0, item[1] - self.clock())
+
+    def failed(self, key: str) -> None:
+        with self._lock:
+            item = self._table.get(key, lambda: [0, 0.0])  # [failures in a row, not before]
+            item[0] += 1
+            over = item[0] - self.free
+            if over > 0:
+                item[1] = self.clock() + min(self.cap_s, self.base_s * 2 ** min(over - 1, 32))
+
+    def succeeded(self, key: str) -> None:
+        with self._lock:
+            self._table.items.pop(key, None)
+
+
+class Bucket:
+    """A token bucket per client address: ``per_minute`` at once, refilled at that rate."""
+
+    def __init__(self, per_minute: int, max_keys: int = 10_000, clock: Callable[[], float] = time.monotonic):
+        self.capacity = float(per_minute)
+        self.rate = per_minute / 60.0
+        self.clock = clock
+        self._table = _Table(max_keys)
+        self._lock = threading.Lock()
+
+    def take(self, key: str) -> float:
+        """Spend one token of ``key``; 0 if it had one, else the seconds until it will."""
+        with self._lock:
+            now = self.clock()
+            item = self._table.get(key, lambda: [self.capacity, now])  # [tokens, as of]
+            item[0] = min(self.capacity, item[0] + (now - item[1]) * self.rate)
+            item[1] = now
+            if item[0] >= 1.0:
+                item[0] -= 1.0
+                return 0.0
+            return (1.0 - item[0]) / self.rate
+
+
+def retry_after(seconds: float) -> dict[str, str]:
+    """The ``Retry-After`` header for a wait, in whole seconds (at least 1)."""
+    return {"Retry-After": str(max(1, math.ceil(seconds)))}

@@ -1,0 +1,76 @@
+"""The engines over one run directory, built one way for the dashboard and the CLI.
+
+``create_app`` and the ``rankwatch`` commands (``status``, ``stop``,
+``checkpoints``) all call ``open_run``, so a stop from the shell goes
+through the same ``StopService`` and the same audit database as the button,
+and ``rankwatch status`` judges ranks with the same ``RunState``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from app.audit import AuditLog
+from app.state import RunState
+from app.stop_service import StopService
+from trainer_bridge import runfiles
+
+
+@dataclass
+class Run:
+    state: RunState
+    audit: AuditLog
+    stop: StopService
+    checkpoints: Any  # app.checkpoints.service.CheckpointService (imported lazily: it imports app)
+
+
+def audit_path(run_dir: str | None, config: Mapping[str, Any]):
+    """``AUDIT_DB``, else ``RUN/rankwatch/audit.sqlite3``: the trail stays with its run."""
+    return config["AUDIT_DB"] or runfiles.state_dir(run_dir or ".") / "audit.sqlite3"
+
+
+def redis_subscriber(config: Mapping[str, Any], run_dir: str | None):
+    """The Redis heartbeat reader when ``REDIS_URL`` is set (trainer_bridge/redisbus.py), else None."""
+    if not config["REDIS_URL"] or not run_dir:
+        return None
+    from trainer_bridge import redisbus
+
+    job = config["REDIS_JOB"] or redisbus.job_key(run_dir)
+    return redisbus.Subscriber(config["REDIS_URL"], job)
+
+
+def _thread(fn, *args) -> threading.Thread:
+    thread = threading.Thread(target=fn, args=args, daemon=True)
+    thread.start()
+    return thread
+
+
+def open_run(
+    run_dir: str | None,
+    config: Mapping[str, Any],
+    *,
+    start_task: Callable = _thread,
+    emit: Callable[[str, dict], None] = lambda event, payload: None,
+) -> Run:
+    """The view, the audit trail, the stop service and the checkpoint index of ``run_dir``.
+
+    ``start_task`` and ``emit`` are how a deep verify runs and reports
+    (Socket.IO's in the dashboard; a thread and nobody to tell in the CLI).
+    """
+    from app.checkpoints.service import CheckpointService
+    from app.checkpoints.verify import Verifier
+
+    audit = AuditLog(audit_path(run_dir, config))
+    return Run(
+        state=RunState(run_dir, config, redis=redis_subscriber(config, run_dir)),
+        audit=audit,
+        stop=StopService(
+            run_dir or ".", audit, deadline_s=config["STOP_DEADLINE_S"], auto_rearm=config["AUTO_REARM"]
+        ),
+        checkpoints=CheckpointService(
+            run_dir, audit, scan_s=config["CHECKPOINT_SCAN_S"], verifier=Verifier(start_task, emit)
+        ),
+    )

@@ -1,0 +1,147 @@
+"""Heartbeats over Redis: a real ``redis-server`` on a loopback port, started and stopped here."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from app.config import from_env
+from app.state import RunState
+from tests.heartbeats import heartbeat, write_heartbeat, write_job
+from tests.liveserver import free_port
+from trainer_bridge import redisbus
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+
+
+class RedisServer:
+    def __init__(self, tmp_path):
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.log = tmp_path / f"redis-{self.port}.log"
+        self.proc = None
+
+    def start(self) -> RedisServer:
+        self.proc = subprocess.Popen(
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ],
+            stdout=open(self.log, "ab"),
+            stderr=subprocess.STDOUT,
+        )
+        import redis
+
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                redis.Redis.from_url(self.url).ping()
+                return self
+            except redis.ConnectionError:
+                assert self.proc.poll() is None and time.monotonic() < deadline, self.log.read_text()
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    server = RedisServer(tmp_path).start()
+    yield server
+    server.stop()
+
+
+def publish(pub: redisbus.Publisher, hb: dict) -> bool:
+    return pub.publish(hb["rank"], json.dumps(hb).encode())
+
+
+def test_the_dashboard_reads_heartbeats_from_redis_not_files(redis_server, run_dir):
+    write_job(run_dir, 3)
+    job = redisbus.job_key(run_dir)
+    pub = redisbus.Publisher(redis_server.url, job, world_size=3)
+    state = RunState(run_dir, from_env({}), redis=redisbus.Subscriber(redis_server.url, job))
+    now = time.time()
+    for r in range(3):
+        assert publish(pub, heartbeat(r, 3, seq=1, now=now))
+    state.scan(now)
+    rows = {row["rank"]: row for row in state.snapshot(now)["ranks"]}
+    assert [rows[r]["seq"] for r in range(3)] == [1, 1, 1]
+    assert state.snapshot(now)["run"]["transport"] == "redis"
+    # Only what is new is read next time: rank 1 again, twice.
+    publish(pub, heartbeat(1, 3, seq=2, now=now + 1))
+    publish(pub, heartbeat(1, 3, seq=3, now=now + 2))
+    state.scan(now + 2)
+    rows = {row["rank"]: row for row in state.snapshot(now + 2)["ranks"]}
+    assert [rows[r]["seq"] for r in range(3)] == [1, 3, 1]
+    assert not any(run_dir.glob("rankwatch/rank_*.json"))  # no file was involved
+
+
+def test_a_restarted_dashboard_starts_from_the_newest_heartbeat_of_every_rank(redis_server, run_dir):
+    write_job(run_dir, 2)
+    job = redisbus.job_key(run_dir)
+    pub = redisbus.Publisher(redis_server.url, job, world_size=2)
+    now = time.time()
+    for seq in range(1, 6):
+        for r in range(2):
+            publish(pub, heartbeat(r, 2, seq=seq, now=now + seq))
+    state = RunState(run_dir, from_env({}), redis=redisbus.Subscriber(redis_server.url, job))
+    state.scan(now + 6)
+    assert [row["seq"] for row in state.snapshot(now + 6)["ranks"]] == [5, 5]
+
+
+def test_invalid_heartbeats_in_redis_make_that_rank_corrupt(redis_server, run_dir):
+    write_job(run_dir, 2)
+    job = redisbus.job_key(run_dir)
+    pub = redisbus.Publisher(redis_server.url, job, world_size=2)
+    state = RunState(run_dir, from_env({}), redis=redisbus.Subscriber(redis_server.url, job))
+    now = time.time()
+    publish(pub, heartbeat(0, 2, seq=1, now=now))
+    pub.publish(1, b'{"rank": 1, "time": 5, "pid": -1}')
+    state.scan(now)
+    rows = {row["rank"]: row for row in state.snapshot(now)["ranks"]}
+    assert rows[0]["health"] == "healthy"
+    assert rows[1]["health"] == "corrupt" and "rank 1 in redis: pid" in rows[1]["reason"]
+
+
+def test_redis_down_falls_back_to_files_and_recovers(redis_server, run_dir):
+    write_job(run_dir, 2)
+    job = redisbus.job_key(run_dir)
+    pub = redisbus.Publisher(redis_server.url, job, world_size=2)
+    state = RunState(run_dir, from_env({}), redis=redisbus.Subscriber(redis_server.url, job))
+    now = time.time()
+    for r in range(2):
+        publish(pub, heartbeat(r, 2, seq=1, now=now))
+    state.scan(now)
+    redis_server.stop()
+    # The bridge cannot publish either, so it writes files at the full rate.
+    assert not publish(pub, heartbeat(0, 2, seq=2, now=now + 1))
+    assert "unreachable" in pub.error
+    for r in range(2):
+        write_heartbeat(run_dir, heartbeat(r, 2, seq=2, now=now + 1))
+    state.scan(now + 1)
+    snap = state.snapshot(now + 1)
+    assert snap["run"]["transport"] == "files"
+    assert "Redis is unreachable" in snap["run"]["message"]
+    assert [row["seq"] for row in snap["ranks"]] == [2, 2]
+    # Redis returns (same port); after the retry pause both sides use it again.
+    redis_server.start()
+    pub._down_until = state._reader.redis._down_until = 0.0  # skip the RETRY_S pause
+    for r in range(2):
+        assert publish(pub, heartbeat(r, 2, seq=3, now=now + 2))
+    state.scan(now + 2)
+    snap = state.snapshot(now + 2)
+    assert snap["run"]["transport"] == "redis" and [row["seq"] for row in snap["ranks"]] == [3, 3]

@@ -1,0 +1,228 @@
+"""Redis as the heartbeat transport for very large jobs (opt-in: ``RANKWATCH_REDIS_URL``).
+
+At thousands of ranks, heartbeat files cost the shared file system what it
+handles worst: every rank renames a file each second and the dashboard stats
+all of them twice a second. With ``RANKWATCH_REDIS_URL`` set on both sides,
+each rank also publishes its heartbeat to Redis and the dashboard reads only
+the new ones, in batches, instead of scanning files. The run directory stays
+the source of truth for the stop flag and the checkpoints, and heartbeat
+files are still written (less often) for a restarted dashboard and for
+forensics.
+
+Keys, per job (``rankwatch:{job}``):
+
+``{p}:beats``   a stream, one entry per heartbeat (``r`` rank, ``hb`` the
+                heartbeat's JSON, validated by the reader like a file),
+                trimmed to about ``STREAM_PER_RANK`` entries per rank;
+``{p}:latest``  a hash, rank -> its newest heartbeat, for a dashboard that
+                starts, restarts or fell behind the stream's trimming;
+``{p}:leader``  which dashboard process runs the watcher (``SET NX PX``).
+
+``job`` is ``RANKWATCH_REDIS_JOB`` when set (nodes that mount the run
+directory at different paths must set the same one), else a digest of the
+run directory's real path. Nothing here imports mindspore.
+
+Redis down never blocks or stops training: every call has a short socket
+timeout, a failure is reported once and retried at most every
+``RETRY_S`` seconds, and the bridge then writes heartbeat files at the full
+rate again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+
+REDIS_URL_ENV = "RANKWATCH_REDIS_URL"
+REDIS_JOB_ENV = "RANKWATCH_REDIS_JOB"
+# Heartbeats kept in the stream per rank: a dashboard may fall this many
+# heartbeats behind (seconds, at 1 Hz) before it resynchronises from the hash.
+STREAM_PER_RANK = 8
+STREAM_MIN = 10_000
+# A call to Redis waits at most this long (the bridge calls from its reporter
+# thread, never from the training step, but a stuck call would still delay
+# the flag poll).
+SOCKET_TIMEOUT_S = 0.5
+# After a failure, try again at most this often.
+RETRY_S = 5.0
+
+log = logging.getLogger("trainer_bridge")
+
+
+class RedisUnavailable(RuntimeError):
+    """Redis could not be reached or answered with an error; the message says which."""
+
+
+def job_key(run_dir: str | os.PathLike) -> str:
+    """The job's name in Redis: ``RANKWATCH_REDIS_JOB``, else a digest of the run directory's path."""
+    explicit = os.environ.get(REDIS_JOB_ENV, "").strip()
+    if explicit:
+        return explicit
+    return hashlib.sha1(os.path.realpath(run_dir).encode()).hexdigest()[:16]
+
+
+def keys(job: str) -> tuple[str, str, str]:
+    """(stream, latest hash, leader lock) keys of ``job``."""
+    prefix = f"rankwatch:{job}"
+    return f"{prefix}:beats", f"{prefix}:latest", f"{prefix}:leader"
+
+
+def connect(url: str):
+    """A client with short timeouts; redis-py is imported only by those who opt in."""
+    import redis
+
+    return redis.Redis.from_url(
+        url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=SOCKET_TIMEOUT_S, retry_on_timeout=False
+    )
+
+
+class _Guarded:
+    """One Redis connection that fails softly: after an error, calls are skipped for ``RETRY_S``."""
+
+    def __init__(self, url: str, job: str, clock=time.monotonic):
+        self.url = url
+        self.job = job
+        self.stream, self.latest, self.leader = keys(job)
+        self._clock = clock
+        self._client = None
+        self._down_until = 0.0
+        self.error: str | None = None
+
+    def _call(self, fn):
+        """Run ``fn(client)``; RedisUnavailable (with the reason) if Redis is down or erred."""
+        import redis
+
+        if self._clock() < self._down_until:
+            raise RedisUnavailable(self.error or "redis unavailable")
+        try:
+            if self._client is None:
+                self._client = connect(self.url)
+            result = fn(self._client)
+        except (redis.RedisError, OSError) as e:
+            first = self.error is None
+            self.error = f"redis at {_safe_url(self.url)} unreachable: {e}"
+            self._down_until = self._clock() + RETRY_S
+            self._client = None
+            if first:
+                log.warning("rankwatch: %s (retrying every %g s)", self.error, RETRY_S)
+            raise RedisUnavailable(self.error) from None
+        if self.error is not None:
+            log.warning("rankwatch: redis at %s is back", _safe_url(self.url))
+            self.error = None
+        return result
+
+
+class Publisher(_Guarded):
+    """The bridge's side: publish one rank's heartbeats."""
+
+    def __init__(self, url: str, job: str, world_size: int, **kw):
+        super().__init__(url, job, **kw)
+        self.maxlen = max(STREAM_MIN, STREAM_PER_RANK * world_size)
+
+    def publish(self, rank: int, heartbeat_json: bytes) -> bool:
+        """Add the heartbeat to the stream and the hash in one round trip; False if Redis is down."""
+
+        def send(client):
+            pipe = client.pipeline(transaction=False)
+            pipe.xadd(self.stream, {"r": rank, "hb": heartbeat_json}, maxlen=self.maxlen, approximate=True)
+            pipe.hset(self.latest, str(rank), heartbeat_json)
+            pipe.execute()
+
+        try:
+            self._call(send)
+        except RedisUnavailable:
+            return False
+        return True
+
+
+class Subscriber(_Guarded):
+    """The dashboard's side: every rank's newest heartbeat, then only what is new.
+
+    ``poll()`` returns ``(rank, heartbeat bytes)`` pairs in arrival order.
+    The first call (and any call after the stream was trimmed past what this
+    reader had seen, or after Redis came back) returns the hash's newest
+    heartbeat of every rank instead: a resynchronisation. Raises
+    RedisUnavailable when Redis cannot be reached.
+    """
+
+    def __init__(self, url: str, job: str, batch: int = 20_000, **kw):
+        super().__init__(url, job, **kw)
+        self.batch = batch
+        self._last_id: bytes | None = None
+
+    def poll(self) -> list[tuple[int, bytes]]:
+        try:
+            if self._last_id is None:
+                return self._call(self._resync)
+            out, gap = self._call(self._read_new)
+            if gap:
+                return self._call(self._resync)
+            return out
+        except RedisUnavailable:
+            self._last_id = None  # after an outage, start from the hash again
+            raise
+
+    def _resync(self, client) -> list[tuple[int, bytes]]:
+        # The stream position first: entries after it may repeat what the
+        # hash holds, which the reader drops as the same heartbeat (seq).
+        newest = client.xrevrange(self.stream, count=1)
+        self._last_id = newest[0][0] if newest else b"0-0"
+        latest = client.hgetall(self.latest)
+        out = []
+        for key, value in latest.items():
+            rank = _rank(key)
+            if rank is not None:
+                out.append((rank, value))
+        out.sort()
+        return out
+
+    def _read_new(self, client) -> tuple[list[tuple[int, bytes]], bool]:
+        import redis
+
+        try:
+            first = client.xinfo_stream(self.stream).get("first-entry")
+        except redis.ResponseError:  # no stream yet: nobody has published
+            first = None
+        # The stream keeps STREAM_PER_RANK heartbeats per rank, far more than a
+        # tick brings; its oldest entry being newer than the last one read
+        # means this reader fell behind the trimming: take the hash instead.
+        if first is not None and _stream_id(first[0]) > _stream_id(self._last_id):
+            return [], True
+        out: list[tuple[int, bytes]] = []
+        while True:
+            got = client.xread({self.stream: self._last_id}, count=self.batch)
+            entries = got[0][1] if got else []
+            for entry_id, fields in entries:
+                rank = _rank(fields.get(b"r"))
+                data = fields.get(b"hb")
+                if rank is not None and data is not None:
+                    out.append((rank, data))
+                self._last_id = entry_id
+            if len(entries) < self.batch or len(out) >= 4 * self.batch:
+                return out, False
+
+
+def _stream_id(raw: bytes) -> tuple[int, int]:
+    ms, _, seq = raw.partition(b"-")
+    return int(ms), int(seq or 0)
+
+
+def _rank(raw) -> int | None:
+    try:
+        rank = int(raw)
+    except (TypeError, ValueError):
+        return None
+    return rank if rank >= 0 else None
+
+
+def _safe_url(url: str) -> str:
+    """The URL without its password, for logs and the page."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password:
+        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+        return urlunsplit(parts._replace(netloc=netloc))
+    return url
