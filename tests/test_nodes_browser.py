@@ -154,8 +154,8 @@ def test_one_host_has_no_node_rows(live_server, page, run_dir, console_errors):
     assert console_errors == []
 
 
-@pytest.mark.parametrize("live_env", [SETTINGS], indirect=True)
-def test_a_large_job_on_three_hosts_opens_folded_and_maps_heat_by_node(
+@pytest.mark.parametrize("live_env", [{**SETTINGS, "PAGE_SIZE": 20}], indirect=True)
+def test_a_large_job_on_three_hosts_opens_folded_pages_by_node_and_maps_heat_by_node(
     live_server, browser, run_dir, tmp_path
 ):
     # Ranks dealt round-robin, and node order is by lowest rank, not by name.
@@ -186,9 +186,14 @@ def test_a_large_job_on_three_hosts_opens_folded_and_maps_heat_by_node(
                 "slowest: rank 40, 58 ms", timeout=WAIT_MS
             )
 
+            # Opened, node-a's 24 ranks run onto a second page, under its row again.
             node_row(page, "node-a").locator("button[data-node-toggle]").click()
-            expect(page.locator(RANK_ROWS)).to_have_count(24)
-            expect_rows(page, ["node node-c", "node node-a", *map(str, range(1, world, 3)), "node node-b"])
+            node_a = [str(r) for r in range(1, world, 3)]
+            expect_rows(page, ["node node-c", "node node-a", *node_a[:18]])
+            expect(page.locator("#page-info")).to_have_text("rows 1–20 of 27 (3 nodes)")
+            page.click("#page-next")
+            expect_rows(page, ["node node-a", *node_a[18:], "node node-b"])
+            expect(node_row(page, "node-a").locator(".node-ranks")).to_have_text("24 ranks (continued)")
 
             # The heat map: rows by node (in the table's order), then rank.
             expected = [f"{name} · {r}" for i, name in enumerate(names) for r in range(i, world, 3)]
@@ -204,10 +209,14 @@ def test_a_large_job_on_three_hosts_opens_folded_and_maps_heat_by_node(
             lost = node_row(page, "node-b")
             expect(lost.locator('[data-verdict="node_lost"]')).to_have_text("⨯ node lost 24", timeout=WAIT_MS)
             expect(lost).to_have_attribute("data-unhealthy", "")
+            assert horizontal_overflow(page) == {"table": 0, "page": 0}
+            # Folded again, node-a leaves one page with the three nodes.
+            node_row(page, "node-a").locator("button[data-node-toggle]").click()
+            expect_rows(page, [f"node {n}" for n in names])
+            expect(page.locator("#pager")).to_be_hidden()
             for name in ("node-c", "node-a"):
                 expect(node_row(page, name).locator('[data-verdict="healthy"]')).to_have_text("✓ healthy 24")
                 expect(node_row(page, name)).not_to_have_attribute("data-unhealthy", "")
-            assert horizontal_overflow(page) == {"table": 0, "page": 0}
             page.locator("#rank-table").scroll_into_view_if_needed()
             page.screenshot(path=str(tmp_path / "three-hosts.png"), full_page=True)
         assert errors == []

@@ -294,8 +294,9 @@ export class RankTable {
       span.className = `node-${part}`;
       return span;
     });
-    toggle.append(parts[0], parts[1]);
-    td.append(toggle, ...parts.slice(2));
+    // Spaces between the parts, for screen readers and copied text.
+    toggle.append(parts[0], " ", parts[1]);
+    td.append(toggle, " ", parts[2], " ", parts[3], " ", parts[4]);
     tr.append(td);
     tr.rwParts = Object.fromEntries(parts.map((span) => [span.className.slice(5), span]));
     return tr;
