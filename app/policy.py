@@ -169,8 +169,14 @@ class Policy:
         with self._lock:
             if job_key == self._job:
                 return
+            if self._job is None and job_key is not None:
+                # job.json appeared after the ranks' first heartbeats (rank 0,
+                # which writes it, started last): the same run, so what fired
+                # before stays fired, now under the run's name.
+                self.fired = {name: {**f, "job": job_key} for name, f in self.fired.items()}
+            else:
+                self.fired, self._watch = {}, None
             self._job = job_key
-            self.fired, self._watch = {}, None
             if job_key is None:
                 return
             for row in self.audit.rows(limit=1000):

@@ -151,6 +151,21 @@ def test_a_restarted_dashboard_does_not_fire_again_for_the_same_job(run_dir):
     assert len(again.audit_rows("policy")) == 2
 
 
+def test_job_json_appearing_after_the_rule_fired_is_the_same_run(run_dir):
+    """Rank 1's heartbeats can come before rank 0 writes job.json: that is no new run."""
+    h = Harness(run_dir, mode="dry_run", rules="device_unhealthy:2")
+    h.policy.new_job(None)
+    sick = rows(r1={"device_health": "Critical"})
+    h.feed(0.0, sick)
+    h.feed(2.0, sick)
+    assert len(h.audit_rows("policy")) == 1
+    h.policy.new_job(1000.0)
+    h.feed(3.0, sick)
+    h.feed(10.0, sick)
+    assert len(h.audit_rows("policy")) == 1 and len(h.sent.payloads) == 1
+    assert h.policy.status(10.0)["rules"][0]["state"] == "fired"
+
+
 def test_a_rank_that_cannot_answer_is_named_and_the_policy_does_not_loop(run_dir):
     h = Harness(run_dir, rules="stalled:20", deadline_s=300.0)
     hung = rows(r1={"health": "stalled", "reason": "no step finished for over 5 s (last: global step 40)"})
