@@ -1,0 +1,202 @@
+"""Several dashboard processes behind one Redis (opt-in: ``REDIS_URL``).
+
+Each process serves its own pages and JSON API. The Redis that carries the
+heartbeats (``trainer_bridge/redisbus.py``) is also Flask-SocketIO's message
+queue: an event one process emits reaches the pages connected to every
+process (``RedisQueue``, on the channel ``rankwatch:{job}:socketio``).
+
+Exactly one process, the leader, does what must happen once per job: push
+the rank deltas and the stop lifecycle, record a completed stop and re-arm
+the flag, raise alerts and run the stop policy. Leadership is redis-py's
+lock (``SET key token NX PX ttl`` on ``rankwatch:{job}:leader``): the leader
+renews it every watcher tick; when it dies, its key expires after
+``LEADER_TTL_S`` and the next follower to try takes it over.
+
+Redis down: nobody can be elected, so each process keeps the role it had
+(a dashboard started while Redis is down follows until Redis answers),
+and, since nothing is relayed, every process pushes its own view to its own
+pages (``Cluster.relaying``). The stop never depends on Redis: the flag file
+in the run directory is written by whichever process got the POST, and the
+run status says Redis is unreachable until it is back. When the lock's key
+is gone after an outage (a restarted Redis keeps nothing) the old leader
+takes it again at once, unless another process was quicker.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import uuid
+
+import socketio
+
+from trainer_bridge import redisbus
+
+log = logging.getLogger(__name__)
+
+# After the queue's subscription fails, try again this often (python-socketio's
+# own pause doubles up to 60 s, during which a follower's pages would hear
+# nothing after Redis returned).
+LISTEN_RETRY_S = 1.0
+
+
+def channel(job: str) -> str:
+    """The Socket.IO message queue's pub/sub channel of ``job``."""
+    return f"rankwatch:{job}:socketio"
+
+
+class RedisQueue(socketio.RedisManager):
+    """python-socketio's Redis manager with short connect timeouts; says whether it listens.
+
+    ``listening`` is True while the relay subscription is up, so that the
+    watcher knows whether the leader's pushes reach this process's pages.
+    """
+
+    def __init__(self, url: str, job: str):
+        super().__init__(
+            url,
+            channel=channel(job),
+            # No socket_timeout: the subscription blocks on its read between messages.
+            redis_options={
+                "socket_connect_timeout": redisbus.SOCKET_TIMEOUT_S,
+                "socket_keepalive": True,
+            },
+        )
+        self.listening = False
+
+    @property
+    def started(self) -> bool:
+        """Whether the relay runs: python-socketio starts it when the first page connects."""
+        return getattr(self, "thread", None) is not None
+
+    def _redis_listen_with_retries(self):  # replaces the library's, for the pause and `listening`
+        while True:
+            try:
+                self._redis_connect()
+                self.pubsub.subscribe(self.channel)
+                if not self.listening:
+                    log.info("socket.io relay subscribed to %s", self.channel)
+                self.listening = True
+                yield from self.pubsub.listen()
+            except Exception as e:  # whatever the client raises, the relay must keep trying
+                if self.listening:
+                    log.warning("socket.io relay lost Redis (%s); retrying every %g s", e, LISTEN_RETRY_S)
+                self.listening = False
+                time.sleep(LISTEN_RETRY_S)
+
+
+class Leadership:
+    """This process's claim on ``rankwatch:{job}:leader``: redis-py's lock, renewed every tick.
+
+    ``step()`` renews the lock when this process holds it and tries to take
+    it otherwise; it returns whether this process leads. Redis calls go
+    through ``redisbus``'s guarded connection: short timeouts, one warning
+    per outage, and no call for ``RETRY_S`` seconds after a failure.
+    """
+
+    def __init__(self, url: str, job: str, ttl_s: float):
+        self._redis = redisbus._Guarded(url, job)
+        self.key = self._redis.leader
+        self.ttl_s = ttl_s
+        # Who holds the lock, readable in Redis (GET the key) and in /api/health.
+        self.token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.leader = False
+        self.changed_at = time.time()
+
+    @property
+    def error(self) -> str | None:
+        """Why Redis is unreachable, or None."""
+        return self._redis.error
+
+    def _lock(self, client):
+        lock = client.lock(self.key, timeout=self.ttl_s, blocking=False, thread_local=False)
+        lock.local.token = self.token.encode()
+        return lock
+
+    def step(self) -> bool:
+        from redis.exceptions import LockNotOwnedError
+
+        def renew_or_take(client) -> bool:
+            lock = self._lock(client)
+            if self.leader:
+                try:
+                    return lock.reacquire()
+                except LockNotOwnedError:
+                    pass  # expired (a stall longer than the TTL) or Redis restarted empty: try again
+            return lock.acquire(token=self.token)
+
+        try:
+            leads = self._redis._call(renew_or_take)
+        except redisbus.RedisUnavailable:
+            return self.leader  # no election without Redis: keep the role
+        if leads != self.leader:
+            self.leader, self.changed_at = leads, time.time()
+            log.warning("rankwatch: this dashboard (%s) %s", self.token, "leads" if leads else "follows")
+        return leads
+
+    def holder(self) -> str | None:
+        """The token of the process that holds the lock now (None if nobody or Redis is down)."""
+        try:
+            raw = self._redis._call(lambda client: client.get(self.key))
+        except redisbus.RedisUnavailable:
+            return None
+        return raw.decode(errors="replace") if raw else None
+
+    def release(self) -> None:
+        """Give the lock up (a clean shutdown), so a follower need not wait for it to expire."""
+        from redis.exceptions import LockError
+
+        if not self.leader:
+            return
+        self.leader = False
+        try:
+            self._redis._call(lambda client: self._lock(client).release())
+        except (redisbus.RedisUnavailable, LockError):
+            pass
+
+
+class Cluster:
+    """The message queue and the leader lock of one dashboard process."""
+
+    def __init__(self, url: str, job: str, ttl_s: float):
+        self.url = url
+        self.job = job
+        self.queue = RedisQueue(url, job)
+        self.leadership = Leadership(url, job, ttl_s)
+
+    @classmethod
+    def from_config(cls, config, run_dir: str | None) -> Cluster | None:
+        if not config["REDIS_URL"] or not run_dir:
+            return None
+        if config["LEADER_TTL_S"] < 2 * config["TICK_S"]:
+            raise ValueError(
+                f"LEADER_TTL_S ({config['LEADER_TTL_S']}) must be at least two ticks (TICK_S "
+                f"{config['TICK_S']}): the leader renews its lock once a tick"
+            )
+        job = config["REDIS_JOB"] or redisbus.job_key(run_dir)
+        return cls(config["REDIS_URL"], job, config["LEADER_TTL_S"])
+
+    @property
+    def reachable(self) -> bool:
+        return self.leadership.error is None
+
+    def relaying(self) -> bool:
+        """Whether the leader's pushes reach this process's pages (or it has none to reach)."""
+        return self.reachable and (self.queue.listening or not self.queue.started)
+
+    def status(self) -> dict:
+        """This process's part, for ``GET /api/health``."""
+        return {
+            "role": "leader" if self.leadership.leader else "follower",
+            "id": self.leadership.token,
+            "leader": self.leadership.holder(),
+            "since": self.leadership.changed_at,
+            "redis": {
+                "url": redisbus._safe_url(self.url),
+                "reachable": self.reachable,
+                "error": self.leadership.error,
+                "relay": self.queue.listening,
+            },
+        }
