@@ -20,8 +20,8 @@ runs this loop, but only the leader does the above, and its pushes reach
 every process's pages through the message queue. A follower does nothing
 while that relay works (its pages and API scan on demand); while Redis is
 unreachable it pushes its own view to its own pages, writing nothing. A
-process that becomes leader first pushes a whole snapshot to everyone, since
-it cannot know what the old leader last sent.
+process that becomes leader, or leads on after an outage, first pushes a
+whole snapshot to everyone: it cannot know what their pages last got.
 """
 
 from __future__ import annotations
@@ -64,8 +64,9 @@ class Watcher:
     ):
         self.socketio = socketio
         self.cluster = cluster
-        # Whether the last tick led (always, without a cluster).
+        # Whether the last tick led (always, without a cluster), and whether Redis answered.
         self.leading = cluster is None
+        self._reachable = True
         self.state = state
         self.stop_service = stop
         self.checkpoints = checkpoints
@@ -98,10 +99,13 @@ class Watcher:
         """Scan once and push the result; returns what was pushed."""
         if self.cluster is not None:
             leads = self.cluster.leadership.step()
-            if leads and not self.leading:
+            reachable = self.cluster.reachable
+            if leads and (not self.leading or (reachable and not self._reachable)):
+                # New leader, or back from an outage during which other processes'
+                # pages missed our pushes: everyone takes the whole view again.
                 self.state.resend()
                 self._sent_stop = None
-            self.leading = leads
+            self.leading, self._reachable = leads, reachable
             if not leads:
                 return self._follow()
         now = self.clock()

@@ -89,7 +89,7 @@ def test_a_follower_pushes_nothing_while_redis_answers_and_its_own_view_while_it
     assert watcher._sent_stop is not None  # the stop panel too
 
 
-def test_a_dashboard_that_becomes_leader_sends_everyone_a_snapshot_first(redis_server, run_dir):
+def test_a_new_leader_and_a_leader_back_from_an_outage_send_everyone_a_snapshot(redis_server, run_dir):
     write_job(run_dir, 2)
     for r in range(2):
         write_heartbeat(run_dir, heartbeat(r, 2))
@@ -98,6 +98,13 @@ def test_a_dashboard_that_becomes_leader_sends_everyone_a_snapshot_first(redis_s
     out = watcher.tick()
     assert watcher.leading and out[0] == SNAPSHOT_EVENT
     assert watcher.tick() is None  # then deltas, when something changed
+    # After an outage the other processes' pages missed its pushes: a snapshot again.
+    redis_server.stop()
+    assert watcher.tick()[0] == DELTA_EVENT and watcher.leading  # "Redis is unreachable"
+    redis_server.start()
+    watcher.cluster.leadership._redis._down_until = 0.0  # skip redisbus.RETRY_S
+    watcher.state._reader.redis._down_until = 0.0
+    assert watcher.tick()[0] == SNAPSHOT_EVENT and watcher.leading
     watcher.stop()
     assert watcher.cluster.leadership.holder() is None  # released: a follower need not wait
 
