@@ -70,7 +70,7 @@ def poll(fn, what: str, timeout: float = 60.0):
     while time.monotonic() < deadline:
         try:
             last = fn()
-        except OSError as e:  # a dashboard restarting its connection: ask again
+        except OSError as e:  # not written yet, or not answering yet: ask again
             last = e
         else:
             if last:
@@ -162,7 +162,10 @@ def test_two_dashboards_share_live_state_a_stop_and_one_leader(redis_server, run
         on_follower.click("#stop-open")
         on_follower.fill("#stop-reason", "cluster test: stop from the other dashboard")
         on_follower.click("#stop-confirm")
-        assert json.loads(runfiles.flag_path(run_dir).read_text())["GracefulExit"] == 1
+        poll(
+            lambda: json.loads(runfiles.flag_path(run_dir).read_text())["GracefulExit"] == 1,
+            "the follower writes the flag",
+        )
         for page in (on_leader, on_follower):
             expect(page.locator("#stop-panel")).to_have_attribute(
                 "data-state", "requested", timeout=UI_TIMEOUT_MS
@@ -212,6 +215,18 @@ def test_redis_killed_mid_run_the_dashboards_serve_from_files_and_recover(
         )
         # The follower's page hears nothing from the leader now, so its own dashboard pushes.
         sees_live_updates(on_follower, ranks)
+        # A stop needs no Redis: the follower writes the flag and shows it on its page.
+        request = urllib.request.Request(
+            follower.url + "/api/exit",
+            data=json.dumps({"reason": "stop while Redis is down"}).encode(),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"},
+        )
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            assert resp.status == 202
+        assert json.loads(runfiles.flag_path(run_dir).read_text())["GracefulExit"] == 1
+        expect(on_follower.locator("#stop-panel")).to_have_attribute(
+            "data-state", "requested", timeout=UI_TIMEOUT_MS
+        )
 
         redis_server.start()  # the same port, empty: the old lock is gone
         for s in servers:
