@@ -1,4 +1,4 @@
-"""Heartbeats over Redis: a real ``redis-server`` on a loopback port, started and stopped here."""
+"""Heartbeats over Redis: a real ``redis-server`` on a loopback port (fixture ``redis_server``, tests/redisserver.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 from app.config import from_env
 from app.state import RunState
 from tests.heartbeats import heartbeat, write_heartbeat, write_job
-from trainer_bridge import redisbus
+from trainer_bridge import redisbus, runfiles
+from trainer_bridge.beatsink import FILE_EVERY_S, BeatSink
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
 
@@ -96,3 +97,82 @@ def test_redis_down_falls_back_to_files_and_recovers(redis_server, run_dir):
     state.scan(now + 2)
     snap = state.snapshot(now + 2)
     assert snap["run"]["transport"] == "redis" and [row["seq"] for row in snap["ranks"]] == [3, 3]
+
+
+# ------------------------------------------------ the bridge's side: BeatSink
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def beat_bytes(run_dir, seq: int, state: str = "training") -> bytes:
+    runfiles.state_dir(run_dir).mkdir(parents=True, exist_ok=True)  # the bridge makes it at start
+    return json.dumps(heartbeat(0, 2, seq=seq, state=state)).encode()
+
+
+def stream_seqs(url: str, run_dir) -> list[int]:
+    import redis
+
+    stream, _, _ = redisbus.keys(redisbus.job_key(run_dir))
+    return [json.loads(f[b"hb"])["seq"] for _, f in redis.Redis.from_url(url).xrange(stream)]
+
+
+def file_seq(run_dir) -> int | None:
+    path = runfiles.heartbeat_path(run_dir, 0)
+    return json.loads(path.read_bytes())["seq"] if path.exists() else None
+
+
+def test_with_redis_every_heartbeat_is_published_and_the_file_written_less_often(redis_server, run_dir):
+    clock = Clock()
+    sink = BeatSink(run_dir, 0, 2, url=redis_server.url, clock=clock)
+    sink.write(beat_bytes(run_dir, 1), "training")
+    assert file_seq(run_dir) == 1  # the first heartbeat always lands in the file
+    for seq in range(2, 6):
+        clock.t += 1
+        sink.write(beat_bytes(run_dir, seq), "training")
+    assert stream_seqs(redis_server.url, run_dir) == [1, 2, 3, 4, 5]
+    assert file_seq(run_dir) == 1 and sink.warnings == []
+    clock.t += FILE_EVERY_S
+    sink.write(beat_bytes(run_dir, 6), "training")
+    assert file_seq(run_dir) == 6  # the periodic file, for a restarted dashboard and forensics
+    clock.t += 1
+    sink.write(beat_bytes(run_dir, 7, state="stopping"), "stopping")
+    assert file_seq(run_dir) == 7  # a stop's stages always reach the file (rankwatch stop reads it)
+    sink.close()
+    sink.close()
+
+
+def test_redis_down_sends_every_heartbeat_to_the_file_with_a_warning_and_recovers(redis_server, run_dir):
+    clock = Clock()
+    sink = BeatSink(run_dir, 0, 2, url=redis_server.url, clock=clock)
+    sink.write(beat_bytes(run_dir, 1), "training")
+    redis_server.stop()
+    for seq in (2, 3):
+        clock.t += 1
+        sink.write(beat_bytes(run_dir, seq), "training")  # neither raises nor waits for Redis
+        assert file_seq(run_dir) == seq
+    assert len(sink.warnings) == 1 and "unreachable" in sink.warnings[0], sink.warnings
+    assert "heartbeats go to files" in sink.warnings[0]
+
+    redis_server.start()
+    clock.t += redisbus.RETRY_S
+    sink.write(beat_bytes(run_dir, 4), "training")
+    assert sink.warnings == []
+    assert stream_seqs(redis_server.url, run_dir) == [4]  # a fresh server: only what came after
+    clock.t += 1
+    sink.write(beat_bytes(run_dir, 5), "training")
+    assert file_seq(run_dir) == 3  # back to the lower file rate: 4 and 5 went to Redis only
+
+
+def test_no_redis_url_means_files_only(run_dir, monkeypatch):
+    monkeypatch.delenv(redisbus.REDIS_URL_ENV, raising=False)
+    sink = BeatSink(run_dir, 0, 2)
+    assert sink.publisher is None
+    sink.write(beat_bytes(run_dir, 1), "training")
+    sink.write(beat_bytes(run_dir, 2), "training")
+    assert file_seq(run_dir) == 2 and sink.warnings == []

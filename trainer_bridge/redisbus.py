@@ -113,6 +113,15 @@ class _Guarded:
             self.error = None
         return result
 
+    def close(self) -> None:
+        """Drop the connection; safe to call twice."""
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # closing a dead connection must not raise at exit
+                pass
+
 
 class Publisher(_Guarded):
     """The bridge's side: publish one rank's heartbeats."""

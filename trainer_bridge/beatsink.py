@@ -1,0 +1,79 @@
+"""Where one rank's heartbeats go: its heartbeat file, and Redis when ``RANKWATCH_REDIS_URL`` is set.
+
+Without Redis every heartbeat replaces ``rankwatch/rank_{r}.json``, as
+always. With it (``trainer_bridge/redisbus.py``) every heartbeat is
+published, and the file is replaced only every ``FILE_EVERY_S`` seconds and
+whenever the rank's ``state`` is not ``training`` (a stop's stages, the
+exit, a failure): enough for a restarted dashboard, for ``rankwatch stop``
+and ``rankwatch status`` without a dashboard, and for forensics, at a tenth
+of the metadata load on a shared file system.
+
+Redis down never blocks or stops training: the publisher's calls have short
+timeouts and back off (``redisbus.RETRY_S``); while it is down, every
+heartbeat goes to the file again and ``warnings`` says so, so the dashboard
+shows why. A missing ``redis`` package with the variable set is the same: a
+warning, and files.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from trainer_bridge import redisbus, runfiles
+
+# Seconds between heartbeat files while Redis carries the heartbeats.
+FILE_EVERY_S = 10.0
+
+log = logging.getLogger("trainer_bridge")
+
+
+class BeatSink:
+    """Write one rank's heartbeats; ``write`` raises only OSError, from the file."""
+
+    def __init__(self, run_dir, rank: int, world_size: int, url: str | None = None, clock=time.monotonic):
+        self.path = runfiles.heartbeat_path(run_dir, rank)
+        self.rank = rank
+        self._clock = clock
+        self._file_due = 0.0
+        self._last_state: str | None = None
+        self._setup_error: str | None = None
+        self.publisher: redisbus.Publisher | None = None
+        url = os.environ.get(redisbus.REDIS_URL_ENV, "").strip() if url is None else url
+        if not url:
+            return
+        try:
+            import redis  # noqa: F401  (only to know it is there)
+        except ImportError:
+            self._setup_error = (
+                f"{redisbus.REDIS_URL_ENV} is set but the redis package is not installed "
+                "(pip install 'rankwatch[redis]'): heartbeats go to files"
+            )
+            log.warning("rankwatch: %s", self._setup_error)
+            return
+        self.publisher = redisbus.Publisher(url, redisbus.job_key(run_dir), world_size, clock=clock)
+
+    @property
+    def warnings(self) -> list[str]:
+        """What the heartbeat should say about its transport (empty when all is well)."""
+        if self._setup_error:
+            return [self._setup_error]
+        if self.publisher is not None and self.publisher.error:
+            return [f"{self.publisher.error}: heartbeats go to files at the full rate (training continues)"]
+        return []
+
+    def write(self, data: bytes, state: str) -> None:
+        """Publish ``data`` (a heartbeat's JSON) and/or replace the heartbeat file, as the rules above say."""
+        published = self.publisher is not None and self.publisher.publish(self.rank, data)
+        now = self._clock()
+        if not published or state != "training" or state != self._last_state or now >= self._file_due:
+            # No fsync: os.replace already keeps readers from torn files, and a
+            # heartbeat lost to a power cut is replaced a second later.
+            runfiles.atomic_write_bytes(self.path, data, fsync=False)
+            self._file_due = now + FILE_EVERY_S
+        self._last_state = state
+
+    def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
