@@ -8,9 +8,10 @@ process (``RedisQueue``, on the channel ``rankwatch:{job}:socketio``).
 Exactly one process, the leader, does what must happen once per job: push
 the rank deltas and the stop lifecycle, record a completed stop and re-arm
 the flag, raise alerts and run the stop policy. Leadership is redis-py's
-lock (``SET key token NX PX ttl`` on ``rankwatch:{job}:leader``): the leader
-renews it every watcher tick; when it dies, its key expires after
-``LEADER_TTL_S`` and the next follower to try takes it over.
+lock (``redisbus.Leader``: ``SET key token NX PX ttl`` on
+``rankwatch:{job}:leader``): the leader renews it every watcher tick; when
+it dies, its key expires after ``LEADER_TTL_S`` and the next follower to
+try takes it over.
 
 Redis down: nobody can be elected, so each process keeps the role it had
 (a dashboard started while Redis is down follows until Redis answers),
@@ -25,10 +26,7 @@ takes it again at once, unless another process was quicker.
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import time
-import uuid
 
 import socketio
 
@@ -87,76 +85,6 @@ class RedisQueue(socketio.RedisManager):
                 time.sleep(LISTEN_RETRY_S)
 
 
-class Leadership:
-    """This process's claim on ``rankwatch:{job}:leader``: redis-py's lock, renewed every tick.
-
-    ``step()`` renews the lock when this process holds it and tries to take
-    it otherwise; it returns whether this process leads. Redis calls go
-    through ``redisbus``'s guarded connection: short timeouts, one warning
-    per outage, and no call for ``RETRY_S`` seconds after a failure.
-    """
-
-    def __init__(self, url: str, job: str, ttl_s: float):
-        self._redis = redisbus._Guarded(url, job)
-        self.key = self._redis.leader
-        self.ttl_s = ttl_s
-        # Who holds the lock, readable in Redis (GET the key) and in /api/health.
-        self.token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self.leader = False
-        self.changed_at = time.time()
-
-    @property
-    def error(self) -> str | None:
-        """Why Redis is unreachable, or None."""
-        return self._redis.error
-
-    def _lock(self, client):
-        lock = client.lock(self.key, timeout=self.ttl_s, blocking=False, thread_local=False)
-        lock.local.token = self.token.encode()
-        return lock
-
-    def step(self) -> bool:
-        from redis.exceptions import LockNotOwnedError
-
-        def renew_or_take(client) -> bool:
-            lock = self._lock(client)
-            if self.leader:
-                try:
-                    return lock.reacquire()
-                except LockNotOwnedError:
-                    pass  # expired (a stall longer than the TTL) or Redis restarted empty: try again
-            return lock.acquire(token=self.token)
-
-        try:
-            leads = self._redis._call(renew_or_take)
-        except redisbus.RedisUnavailable:
-            return self.leader  # no election without Redis: keep the role
-        if leads != self.leader:
-            self.leader, self.changed_at = leads, time.time()
-            log.warning("rankwatch: this dashboard (%s) %s", self.token, "leads" if leads else "follows")
-        return leads
-
-    def holder(self) -> str | None:
-        """The token of the process that holds the lock now (None if nobody or Redis is down)."""
-        try:
-            raw = self._redis._call(lambda client: client.get(self.key))
-        except redisbus.RedisUnavailable:
-            return None
-        return raw.decode(errors="replace") if raw else None
-
-    def release(self) -> None:
-        """Give the lock up (a clean shutdown), so a follower need not wait for it to expire."""
-        from redis.exceptions import LockError
-
-        if not self.leader:
-            return
-        self.leader = False
-        try:
-            self._redis._call(lambda client: self._lock(client).release())
-        except (redisbus.RedisUnavailable, LockError):
-            pass
-
-
 class Cluster:
     """The message queue and the leader lock of one dashboard process."""
 
@@ -164,7 +92,9 @@ class Cluster:
         self.url = url
         self.job = job
         self.queue = RedisQueue(url, job)
-        self.leadership = Leadership(url, job, ttl_s)
+        self.lock = redisbus.Leader(url, job, ttl_s)
+        self.leader = False
+        self.changed_at = time.time()  # when this process's role last changed
 
     @classmethod
     def from_config(cls, config, run_dir: str | None) -> Cluster | None:
@@ -180,7 +110,20 @@ class Cluster:
 
     @property
     def reachable(self) -> bool:
-        return self.leadership.error is None
+        return self.lock.error is None
+
+    def step(self) -> bool:
+        """Renew or take the leader lock (every tick); whether this process leads now."""
+        leads = self.lock.step()
+        if leads != self.leader:
+            self.leader, self.changed_at = leads, time.time()
+            log.warning("rankwatch: this dashboard (%s) %s", self.lock.token, "leads" if leads else "follows")
+        return leads
+
+    def release(self) -> None:
+        """Hand the lead over at once (a clean shutdown) rather than after the lock's TTL."""
+        self.leader = False
+        self.lock.release()
 
     def relaying(self) -> bool:
         """Whether the leader's pushes reach this process's pages (or it has none to reach)."""
@@ -189,14 +132,14 @@ class Cluster:
     def status(self) -> dict:
         """This process's part, for ``GET /api/health``."""
         return {
-            "role": "leader" if self.leadership.leader else "follower",
-            "id": self.leadership.token,
-            "leader": self.leadership.holder(),
-            "since": self.leadership.changed_at,
+            "role": "leader" if self.leader else "follower",
+            "id": self.lock.token,
+            "leader": self.lock.holder(),
+            "since": self.changed_at,
             "redis": {
-                "url": redisbus._safe_url(self.url),
+                "url": self.lock.where,
                 "reachable": self.reachable,
-                "error": self.leadership.error,
+                "error": self.lock.error,
                 "relay": self.queue.listening,
             },
         }

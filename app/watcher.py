@@ -98,7 +98,7 @@ class Watcher:
     def tick(self) -> tuple[str, dict] | None:
         """Scan once and push the result; returns what was pushed."""
         if self.cluster is not None:
-            leads = self.cluster.leadership.step()
+            leads = self.cluster.step()
             reachable = self.cluster.reachable
             if leads and (not self.leading or (reachable and not self._reachable)):
                 # New leader, or back from an outage during which other processes'
@@ -186,4 +186,4 @@ class Watcher:
         if task is not None and task.is_alive():
             task.join(timeout)
         if self.cluster is not None:
-            self.cluster.leadership.release()
+            self.cluster.release()

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from app import create_app, socketio
-from app.cluster import Cluster, Leadership
+from app.cluster import Cluster
 from app.config import from_env
 from app.state import DELTA_EVENT, SNAPSHOT_EVENT
 from tests.heartbeats import heartbeat, write_heartbeat, write_job
@@ -30,7 +30,7 @@ def until(fn, what: str, timeout: float = 30.0):
 
 
 def test_exactly_one_takes_the_lock_and_another_takes_it_over_when_it_expires(redis_server):
-    a, b = (Leadership(redis_server.url, "job", TTL_S) for _ in range(2))
+    a, b = (redisbus.Leader(redis_server.url, "job", TTL_S) for _ in range(2))
     assert a.step() is True and b.step() is False
     assert a.step() is True and b.step() is False  # renewed, not taken twice
     assert b.holder() == a.token
@@ -41,20 +41,20 @@ def test_exactly_one_takes_the_lock_and_another_takes_it_over_when_it_expires(re
 
 
 def test_release_hands_the_lock_over_at_once(redis_server):
-    a, b = (Leadership(redis_server.url, "job", 60.0) for _ in range(2))
+    a, b = (redisbus.Leader(redis_server.url, "job", 60.0) for _ in range(2))
     assert a.step() and not b.step()
     a.release()
     assert b.step() is True
 
 
 def test_redis_down_keeps_each_role_and_one_leads_again_after(redis_server):
-    a, b = (Leadership(redis_server.url, "job", TTL_S) for _ in range(2))
+    a, b = (redisbus.Leader(redis_server.url, "job", TTL_S) for _ in range(2))
     assert a.step() and not b.step()
     redis_server.stop()
     assert a.step() is True and b.step() is False  # no election without Redis
     assert a.error and "unreachable" in a.error and a.holder() is None
     redis_server.start()  # empty: the lock is gone
-    a._redis._down_until = b._redis._down_until = 0.0  # skip redisbus.RETRY_S
+    a._down_until = b._down_until = 0.0  # skip redisbus.RETRY_S
     assert b.step() is True  # the quicker one takes it
     assert a.step() is False and a.error is None
 
@@ -71,7 +71,7 @@ def test_a_follower_pushes_nothing_while_redis_answers_and_its_own_view_while_it
     write_job(run_dir, 2)
     for r in range(2):
         write_heartbeat(run_dir, heartbeat(r, 2))
-    holder = Leadership(redis_server.url, redisbus.job_key(run_dir), 60.0)
+    holder = redisbus.Leader(redis_server.url, redisbus.job_key(run_dir), 60.0)
     assert holder.step()  # another dashboard leads
     app = _cluster_app(run_dir, redis_server.url)
     watcher = app.extensions["rankwatch"].watcher
@@ -102,11 +102,11 @@ def test_a_new_leader_and_a_leader_back_from_an_outage_send_everyone_a_snapshot(
     redis_server.stop()
     assert watcher.tick()[0] == DELTA_EVENT and watcher.leading  # "Redis is unreachable"
     redis_server.start()
-    watcher.cluster.leadership._redis._down_until = 0.0  # skip redisbus.RETRY_S
+    watcher.cluster.lock._down_until = 0.0  # skip redisbus.RETRY_S
     watcher.state._reader.redis._down_until = 0.0
     assert watcher.tick()[0] == SNAPSHOT_EVENT and watcher.leading
     watcher.stop()
-    assert watcher.cluster.leadership.holder() is None  # released: a follower need not wait
+    assert watcher.cluster.lock.holder() is None  # released: a follower need not wait
 
 
 def test_without_redis_url_the_app_has_no_cluster_and_socketio_no_queue(run_dir, redis_server):
