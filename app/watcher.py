@@ -17,11 +17,12 @@ lifecycle into alerts and runs the stop policy (``app.incidents.monitor``).
 
 With several dashboards behind one Redis (``app/cluster.py``) every process
 runs this loop, but only the leader does the above, and its pushes reach
-every process's pages through the message queue. A follower does nothing
-while that relay works (its pages and API scan on demand); while Redis is
-unreachable it pushes its own view to its own pages, writing nothing. A
-process that becomes leader, or leads on after an outage, first pushes a
-whole snapshot to everyone: it cannot know what their pages last got.
+every process's pages through the message queue. A follower reads the
+run as the leader does (for its own API and charts) but pushes nothing
+while that relay works; while Redis is unreachable it pushes its own view
+to its own pages. A follower writes nothing. A process that becomes
+leader, or leads on after an outage, first pushes a whole snapshot to
+everyone: it cannot know what their pages last got.
 """
 
 from __future__ import annotations
@@ -124,11 +125,15 @@ class Watcher:
         return out
 
     def _follow(self) -> tuple[str, dict] | None:
-        """A follower's tick: nothing while the leader's pushes reach our pages, else our own view."""
-        if self.cluster.relaying():
-            return None
+        """A follower's tick: read like the leader, push nothing while its pushes reach our pages.
+
+        It reads every tick all the same: its charts (``/api/history``) need
+        every heartbeat, and Redis's stream keeps only the last few per rank.
+        """
         now = self.clock()
         self.state.scan(now)
+        if self.cluster.relaying():
+            return None
         out = self.state.take_delta(now)
         if out:
             self.socketio.emit(*out, ignore_queue=True)

@@ -77,8 +77,8 @@ def test_a_follower_pushes_nothing_while_redis_answers_and_its_own_view_while_it
     watcher = app.extensions["rankwatch"].watcher
     assert socketio.server.manager is watcher.cluster.queue
     # No page yet, so no relay to wait for (tests/test_cluster.py has pages on both).
-    assert watcher.tick() is None and not watcher.leading
-    assert watcher.state.scanned_at is None  # a follower reads on demand, not every tick
+    assert watcher.tick() is None and not watcher.leading  # it reads, but the leader pushes
+    assert watcher.state.scanned_at is not None
 
     redis_server.stop()
     for r in range(2):
