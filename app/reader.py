@@ -35,6 +35,10 @@ HISTORY_LINE_BUDGET = 400
 # stays negative, so a dead rank looks healthy, and one future point pushes
 # every other rank off the charts) and the row says so.
 CLOCK_AHEAD_TOLERANCE_S = 2.0
+# While heartbeats come over Redis, the heartbeat files are still read this
+# often: a rank that cannot reach Redis (its own network path, or no redis
+# package) writes files at the full rate, and must not look stalled.
+REDIS_FILE_SCAN_S = 5.0
 
 ProcessProbe = Callable[[int, "float | None"], "str | None"]
 
@@ -196,6 +200,7 @@ class RunReader:
         # Heartbeats over Redis instead of files (trainer_bridge.redisbus), when configured.
         self.redis = redis
         self.redis_error: str | None = None
+        self._next_file_scan = 0.0
         self.read_error: str | None = None
         self.job_error: str | None = None
         self.clear()
@@ -219,7 +224,14 @@ class RunReader:
         if self.redis is not None:
             changed = self._read_redis(now)
             if changed is not None:
-                return changed
+                if now < self._next_file_scan:
+                    return changed
+                self._next_file_scan = now + REDIS_FILE_SCAN_S
+                # Ranks without a file yet are Redis's, not gone: no pruning.
+                return changed | self._read_files(now, prune=False)
+        return self._read_files(now, prune=True)
+
+    def _read_files(self, now: float, prune: bool) -> set[int]:
         try:
             entries = list(os.scandir(runfiles.state_dir(self.run_dir)))
         except FileNotFoundError:
@@ -255,7 +267,7 @@ class RunReader:
             slot.stat_key = key
             changed.add(rank)
             self._load(entry, rank, slot, now)
-        for rank in set(self.slots) - present:
+        for rank in set(self.slots) - present if prune else ():
             del self.slots[rank]
             self._declared.pop(rank, None)
             changed.add(rank)
@@ -312,12 +324,14 @@ class RunReader:
             return
         if (
             slot.hb is not None
-            and beat.seq == slot.hb["seq"]
             and beat.started_at == slot.hb["started_at"]
-            and beat.time <= slot.hb["time"]
+            and (beat.seq, beat.time) <= (slot.hb["seq"], slot.hb["time"])
         ):
+            # The same heartbeat again (a Redis resync repeats the newest), or
+            # an older one of the same process (its less frequent file, read
+            # while Redis carries the newer ones).
             slot.error = None
-            return  # the same heartbeat again (a Redis resync repeats the newest)
+            return
         slot.observe(beat.to_dict(), now)
         self._declared[rank] = beat.world_size
 

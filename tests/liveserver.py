@@ -135,3 +135,15 @@ def start_dashboard(
 
 def launch_chromium(playwright):
     return playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+
+
+def sign_in(page, url: str, token: str) -> None:
+    """Open the page and enter the operator token in its dialog, as an operator does.
+
+    (The page takes no ``#token=`` any more: the printed link carries a
+    single-use ``#login=`` code, app/login.py.)
+    """
+    page.goto(url)
+    page.click("#token-open")
+    page.fill("#token-input", token)
+    page.click("#token-save")

@@ -14,6 +14,7 @@ import pytest
 from playwright.sync_api import expect
 
 from tests.heartbeats import HOST, heartbeat, write_heartbeat, write_job
+from tests.liveserver import sign_in
 from tests.test_stacks_api import COLLECTIVE, HUNG, WAITING, fake_capture
 from trainer_bridge import stacks
 
@@ -46,7 +47,7 @@ def test_stack_dialog_grouped_view_and_policy(live_server, page, run_dir, consol
     rank1 = threading.Thread(target=answer_requests_until, args=(stop, run_dir), daemon=True)
     rank1.start()
     try:
-        page.goto(f"{live_server.url}/#token={TOKEN}")
+        sign_in(page, live_server.url, TOKEN)
         stack_button = page.locator('#rank-table tbody tr[data-rank="1"] button[data-stack-rank="1"]')
         expect(stack_button).to_be_visible(timeout=WAIT_MS)
         stack_button.click()

@@ -9,6 +9,7 @@ import pytest
 from playwright.sync_api import expect
 
 from tests.heartbeats import heartbeat, write_heartbeat, write_job
+from tests.liveserver import sign_in
 
 pytestmark = pytest.mark.browser
 
@@ -94,10 +95,7 @@ def test_the_stop_button_is_disabled_once_the_job_has_ended_and_says_why(live_se
     write_job(run_dir, 2)
     for r in range(2):
         write_heartbeat(run_dir, heartbeat(r, 2, seq=1, global_step=10))
-    page.goto(live_server.url)
-    page.click("#token-open")
-    page.fill("#token-input", TOKEN)
-    page.click("#token-save")
+    sign_in(page, live_server.url, TOKEN)
     stop = page.locator("#stop-open")
     expect(page.locator("#operator-state")).to_have_text("operator", timeout=WAIT_MS)
     expect(stop).to_be_enabled(timeout=WAIT_MS)

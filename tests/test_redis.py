@@ -9,6 +9,7 @@ import time
 import pytest
 
 from app.config import from_env
+from app.reader import REDIS_FILE_SCAN_S as READ_FILES_EVERY
 from app.state import RunState
 from tests.heartbeats import heartbeat, write_heartbeat, write_job
 from trainer_bridge import redisbus, runfiles
@@ -97,6 +98,29 @@ def test_redis_down_falls_back_to_files_and_recovers(redis_server, run_dir):
     state.scan(now + 2)
     snap = state.snapshot(now + 2)
     assert snap["run"]["transport"] == "redis" and [row["seq"] for row in snap["ranks"]] == [3, 3]
+
+
+def test_a_rank_that_cannot_reach_redis_is_still_read_from_its_file(redis_server, run_dir):
+    """Rank 1 cannot reach Redis (its own network path) and writes files at the full rate."""
+    write_job(run_dir, 2)
+    job = redisbus.job_key(run_dir)
+    pub = redisbus.Publisher(redis_server.url, job, world_size=2)
+    state = RunState(run_dir, from_env({}), redis=redisbus.Subscriber(redis_server.url, job))
+    now = time.time()
+    for seq in range(1, 4):
+        t = now + 2 * READ_FILES_EVERY * (seq - 1)
+        publish(pub, heartbeat(0, 2, seq=seq, now=t))
+        write_heartbeat(run_dir, heartbeat(1, 2, seq=seq, now=t))
+        state.scan(t)
+        snap = state.snapshot(t)
+        assert snap["run"]["transport"] == "redis"
+        assert [row["seq"] for row in snap["ranks"]] == [seq, seq]
+    # Rank 0's file (written every FILE_EVERY_S by its BeatSink) is older than
+    # what Redis gave: reading it does not take the rank back in time.
+    write_heartbeat(run_dir, heartbeat(0, 2, seq=1, now=now))
+    t = now + 2 * READ_FILES_EVERY * 3
+    state.scan(t)
+    assert [row["seq"] for row in state.snapshot(t)["ranks"]] == [3, 3]
 
 
 # ------------------------------------------------ the bridge's side: BeatSink

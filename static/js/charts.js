@@ -228,16 +228,43 @@ export class Charts {
     Plotly.react(this.el.step, stepTraces, this.layout("Step time", this.stepTitle), PLOT_CONFIG);
     Plotly.react(this.el.loss, lossTraces, this.layout("Loss", this.lossTitle), PLOT_CONFIG);
     this.heatSection.hidden = !large;
-    if (large) {
-      // The newest bucket is still filling: leaving it out keeps the edge even.
-      const width = Math.max(0, h.len - 1);
-      Plotly.react(this.el.heat, [{
-        type: "heatmap", x: x.slice(0, width), y: ranks,
-        z: ranks.map((rank) => h.heatRow(rank, width)),
-        colorscale: "Cividis", zsmooth: false, colorbar: { title: { text: "ms" } },
-        hovertemplate: "rank %{y}<br>%{x}<br>%{z} ms<extra></extra>",
-      }], this.layout("Step time per rank (a slow rank is a bright row)", "rank",
-        { yaxis: { title: { text: "rank" }, autorange: "reversed" } }), PLOT_CONFIG);
+    if (large) this.heatmap(h, x, ranks);
+  }
+
+  // One row per rank; in a multi-host job, rows by node (the table's node
+  // order), then rank, labelled "host · rank", with a line between nodes.
+  heatmap(h, x, ranks) {
+    // The newest bucket is still filling: leaving it out keeps the edge even.
+    const width = Math.max(0, h.len - 1);
+    let order = ranks;
+    let y = ranks;
+    let yTitle = "rank";
+    const shapes = [];
+    if (this.store.multiNode()) {
+      const groups = this.store.nodes.group(ranks, (rank) => rank, this.store.rows);
+      order = groups.flatMap((g) => g.items);
+      y = groups.flatMap((g) => g.items.map((rank) => `${g.host ?? "?"} · ${rank}`));
+      yTitle = "host · rank";
+      let row = 0;
+      for (const g of groups.slice(0, -1)) {
+        row += g.items.length;
+        shapes.push({
+          type: "line", xref: "paper", x0: 0, x1: 1, yref: "y", y0: row - 0.5, y1: row - 0.5,
+          line: { color: "#ffffff", width: 2 },
+        });
+      }
     }
+    Plotly.react(this.el.heat, [{
+      type: "heatmap", x: x.slice(0, width), y,
+      z: order.map((rank) => h.heatRow(rank, width)),
+      colorscale: "Cividis", zsmooth: false, colorbar: { title: { text: "ms" } },
+      hovertemplate: `${yTitle === "rank" ? "rank " : ""}%{y}<br>%{x}<br>%{z} ms<extra></extra>`,
+    }], this.layout("Step time per rank (a slow rank is a bright row)", yTitle, {
+      yaxis: {
+        title: { text: yTitle }, autorange: "reversed", automargin: true,
+        type: shapes.length ? "category" : "-",
+      },
+      shapes,
+    }), PLOT_CONFIG);
   }
 }

@@ -10,6 +10,8 @@ export const SEL = Object.freeze({
   tableHeadRow: "#rank-table thead tr",
   tableBody: "#rank-table tbody",
   tableEmpty: "#table-empty",
+  // A node row's open/close button (table.js makes them: data-node-toggle).
+  nodeToggle: "button[data-node-toggle]",
   filter: "#verdict-filter",
   pager: "#pager",
   pagePrev: "#page-prev",

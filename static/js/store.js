@@ -1,5 +1,7 @@
 // The page's copy of the rows, kept current from ranks_snapshot and ranks_delta.
 
+import { NodeIndex } from "./nodes.js";
+
 export class RankStore {
   constructor() {
     this.rows = new Map();
@@ -11,6 +13,13 @@ export class RankStore {
     // rank -> seq not yet drawn (read by the table's render log).
     this.newSeqs = new Map();
     this.hasDevice = false;
+    // Ranks by host, for the table's node rows and the heat map's order.
+    this.nodes = new NodeIndex();
+  }
+
+  // More than one host: the table groups its ranks by node.
+  multiNode() {
+    return this.nodes.hostCount() > 1;
   }
 
   serverNow() {
@@ -33,8 +42,10 @@ export class RankStore {
   applySnapshot(msg) {
     this._head(msg);
     this.rows.clear();
+    this.nodes.clear();
     for (const row of msg.ranks) {
       this.rows.set(row.rank, row);
+      this.nodes.note(row.rank, row.host);
       this._noteRow(row);
     }
     return msg.ranks.filter((row) => row.time !== null);
@@ -47,6 +58,7 @@ export class RankStore {
     for (const change of msg.rows || []) {
       const row = Object.assign(this.rows.get(change.rank) || {}, change);
       this.rows.set(change.rank, row);
+      this.nodes.note(change.rank, row.host);
       this._noteRow(change);
       if (change.time !== undefined && change.time !== null) beats.push(row);
     }

@@ -42,8 +42,10 @@ export class SummaryStrip {
   render() {
     const s = this.store.summary;
     if (!s) return;
-    this.set("world_size", s.reported < s.world_size
-      ? `${s.world_size} (${s.reported} reported)` : String(s.world_size));
+    const hosts = this.store.nodes.hostCount();
+    this.set("world_size", (s.reported < s.world_size
+      ? `${s.world_size} (${s.reported} reported)` : String(s.world_size))
+      + (hosts > 1 ? ` on ${hosts} hosts` : ""));
     for (const [name, chip] of this.chips) {
       const n = s.counts[name] || 0;
       chip.hidden = n === 0;

@@ -1,15 +1,20 @@
-// The rank table: sortable, filterable by verdict, paged for large jobs.
+// The rank table: sortable, filterable by verdict, paged for large jobs, and
+// grouped by node when the job spans more than one host.
 //
 // Rows are drawn at most once per animation frame, however many deltas
 // arrive, and only the visible page is touched; a cell's text is written
-// only when it changed. Each draw records which heartbeats it showed in
+// only when it changed. A multi-host job gets a summary row per node
+// (nodes.js) above that node's ranks, which it can fold away; sorting and
+// the verdict filter order and pick ranks within each node, and nodes keep
+// the order of their lowest rank. Each draw records which heartbeats it showed in
 // window.rankwatchRenderLog as [rank, seq, heartbeat time (s), drawn at (ms)],
 // which the scale benchmark reads to measure write-to-screen latency.
 
 import { SEL, $ } from "./dom.js";
 import {
-  GLYPH, formatCount, formatNumber, formatValue, headerLabel, isNumber, verdictLabel,
+  GLYPH, formatCount, formatNumber, formatSeconds, formatValue, headerLabel, isNumber, verdictLabel,
 } from "./format.js";
+import { NODES_OPEN_MAX_RANKS } from "./nodes.js";
 
 // Worst first, so sorting by verdict brings trouble to the top.
 const SEVERITY = [
@@ -46,6 +51,11 @@ export class RankTable {
     this.page = 0;
     // Ranks whose reason the operator unfolded (a click or Enter on the cell).
     this.expanded = new Set();
+    // Nodes the operator opened (true) or closed (false); others follow the default.
+    this.nodeOpen = new Map();
+    // Rank rows to reuse, in page order, and node rows by host.
+    this.rankRows = [];
+    this.nodeRows = new Map();
     this.columns = [];
     this.scheduled = false;
     this.renderLog = [];
@@ -77,6 +87,14 @@ export class RankTable {
     };
     this.body.addEventListener("click", unfold);
     this.body.addEventListener("keydown", unfold);
+    // A button: Enter and Space work as a click.
+    this.body.addEventListener("click", (event) => {
+      const toggle = event.target.closest(SEL.nodeToggle);
+      if (!toggle) return;
+      const host = toggle.closest("tr").rwHost;
+      this.nodeOpen.set(host, !this.isOpen(host));
+      this.invalidate();
+    });
     $(SEL.pagePrev).addEventListener("click", () => this.turn(-1));
     $(SEL.pageNext).addEventListener("click", () => this.turn(1));
     this.buildHeader(false);
@@ -104,6 +122,8 @@ export class RankTable {
     actions.textContent = "Stack";
     this.headRow.append(actions);
     this.body.replaceChildren();
+    this.rankRows = [];
+    this.nodeRows = new Map();
     this.markSort();
   }
 
@@ -165,21 +185,51 @@ export class RankTable {
     });
   }
 
+  isOpen(host) {
+    const open = this.nodeOpen.get(host);
+    if (open !== undefined) return open;
+    // A filter asks to see those ranks: their nodes open unless closed by hand.
+    return Boolean(this.filter)
+      || Math.max(this.store.worldSize, this.store.rows.size) <= NODES_OPEN_MAX_RANKS;
+  }
+
+  // The sorted, filtered rows as the table's lines: per node, its summary
+  // row, then its ranks if open. Nodes with no rank left by the filter go.
+  grouped(rows) {
+    const lines = [];
+    for (const { node, items } of this.store.nodes.group(rows, (row) => row.rank, this.store.rows)) {
+      if (!node) {
+        lines.push(...items);
+        continue;
+      }
+      const open = this.isOpen(node.host);
+      lines.push({ isNode: true, node, open, shown: items.length });
+      if (open) lines.push(...items);
+    }
+    return lines;
+  }
+
   render() {
     if (this.store.hasDevice !== this.withDevice) this.buildHeader(this.store.hasDevice);
     const rows = this.view();
-    const pages = Math.max(1, Math.ceil(rows.length / this.pageSize));
+    const multiNode = this.store.multiNode();
+    const lines = multiNode ? this.grouped(rows) : rows;
+    const pages = Math.max(1, Math.ceil(lines.length / this.pageSize));
     this.page = Math.min(Math.max(this.page, 0), pages - 1);
     const first = this.page * this.pageSize;
-    const visible = rows.slice(first, first + this.pageSize);
-    const now = this.store.serverNow();
-
-    while (this.body.rows.length < visible.length) this.body.append(this.newRow());
-    while (this.body.rows.length > visible.length) this.body.lastElementChild.remove();
-    visible.forEach((row, i) => this.fillRow(this.body.rows[i], row, now));
+    const visible = lines.slice(first, first + this.pageSize);
+    if (multiNode && visible.length && !visible[0].isNode) {
+      // A page that starts inside a node repeats that node's row on top.
+      let i = first;
+      while (i >= 0 && !lines[i].isNode) i -= 1;
+      if (i >= 0) visible.unshift({ ...lines[i], continued: true });
+    }
+    this.draw(visible, multiNode, this.store.serverNow());
 
     this.pager.hidden = pages <= 1;
-    this.pageInfo.textContent = `${first + 1}–${first + visible.length} of ${rows.length}`;
+    const shown = `${first + 1}–${Math.min(first + this.pageSize, lines.length)} of ${lines.length}`;
+    this.pageInfo.textContent = multiNode
+      ? `rows ${shown} (${formatCount(this.store.nodes.hostCount())} nodes)` : shown;
     $(SEL.pagePrev).disabled = this.page === 0;
     $(SEL.pageNext).disabled = this.page >= pages - 1;
     this.empty.hidden = visible.length > 0;
@@ -198,6 +248,99 @@ export class RankTable {
       this.renderLog.push([rank, seq, row ? row.time : null, drawnAt]);
     }
     if (this.renderLog.length > RENDER_LOG_MAX) this.renderLog.splice(0, RENDER_LOG_MAX / 2);
+  }
+
+  // Puts the page's lines in the body, reusing rows: rank rows in order,
+  // node rows by host (so a node's button keeps focus when it is toggled).
+  draw(lines, multiNode, now) {
+    const nodeRows = new Map();
+    let ranks = 0;
+    const wanted = lines.map((line) => {
+      if (line.isNode) {
+        const host = line.node.host;
+        const tr = this.nodeRows.get(host) || this.newNodeRow(host);
+        nodeRows.set(host, tr);
+        this.fillNode(tr, line, now);
+        return tr;
+      }
+      if (ranks === this.rankRows.length) this.rankRows.push(this.newRow());
+      const tr = this.rankRows[ranks];
+      ranks += 1;
+      if (tr.hasAttribute("data-in-node") !== multiNode) tr.toggleAttribute("data-in-node", multiNode);
+      this.fillRow(tr, line, now);
+      return tr;
+    });
+    this.nodeRows = nodeRows;
+    this.rankRows.length = ranks;
+    const children = this.body.children;
+    wanted.forEach((tr, i) => {
+      if (children[i] !== tr) this.body.insertBefore(tr, children[i] || null);
+    });
+    while (children.length > wanted.length) this.body.lastElementChild.remove();
+  }
+
+  newNodeRow(host) {
+    const tr = document.createElement("tr");
+    tr.className = "node-row";
+    tr.rwHost = host;
+    const td = document.createElement("td");
+    td.className = "node-cell";
+    const toggle = document.createElement("button");
+    toggle.type = "button";
+    toggle.className = "node-toggle";
+    toggle.dataset.nodeToggle = "";
+    const parts = ["name", "ranks", "verdicts", "slowest", "age"].map((part) => {
+      const span = document.createElement("span");
+      span.className = `node-${part}`;
+      return span;
+    });
+    // Spaces between the parts, for screen readers and copied text.
+    toggle.append(parts[0], " ", parts[1]);
+    td.append(toggle, " ", parts[2], " ", parts[3], " ", parts[4]);
+    tr.append(td);
+    tr.rwParts = Object.fromEntries(parts.map((span) => [span.className.slice(5), span]));
+    return tr;
+  }
+
+  fillNode(tr, line, now) {
+    const { node, open } = line;
+    const td = tr.firstElementChild;
+    const span = this.columns.length + 1;
+    if (td.colSpan !== span) td.colSpan = span;
+    const toggle = td.firstElementChild;
+    if (toggle.getAttribute("aria-expanded") !== String(open)) {
+      toggle.setAttribute("aria-expanded", String(open));
+      toggle.title = open ? "Hide this node's ranks" : "Show this node's ranks";
+    }
+    const worst = SEVERITY.find((v) => node.counts[v]) || "";
+    if (tr.dataset.worst !== worst) tr.dataset.worst = worst;
+    if (tr.hasAttribute("data-unhealthy") !== node.unhealthy > 0) {
+      tr.toggleAttribute("data-unhealthy", node.unhealthy > 0);
+    }
+    const p = tr.rwParts;
+    const set = (el, text) => {
+      if (el.textContent !== text) el.textContent = text;
+    };
+    set(p.name, node.host === null ? "host not known yet" : node.host);
+    set(p.ranks, `${formatCount(node.ranks)} rank${node.ranks === 1 ? "" : "s"}`
+      + (line.shown < node.ranks ? `, ${formatCount(line.shown)} shown` : "")
+      + (line.continued ? " (continued)" : ""));
+    const counts = SEVERITY.filter((v) => node.counts[v]).map((v) => [v, node.counts[v]]);
+    const key = counts.join(";");
+    if (p.verdicts.rwKey !== key) {
+      p.verdicts.rwKey = key;
+      p.verdicts.replaceChildren(...counts.map(([v, n]) => {
+        const badge = document.createElement("span");
+        badge.className = `badge verdict-${v}`;
+        badge.dataset.verdict = v;
+        badge.textContent = `${GLYPH[v] || ""} ${verdictLabel(v)} ${formatCount(n)}`;
+        return badge;
+      }));
+    }
+    const slow = node.slowest;
+    set(p.slowest, slow ? `slowest: rank ${slow.rank}, ${formatNumber(slow.step_time_ms)} ms` : "slowest: –");
+    set(p.age, node.oldest === null ? "no heartbeat yet"
+      : `oldest heartbeat ${formatSeconds(Math.max(0, now - node.oldest))} ago`);
   }
 
   newRow() {
