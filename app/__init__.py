@@ -98,10 +98,20 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     from app.incidents.stacks import StackService
 
     incidents = Incidents.from_config(app.config, state, stop, run.audit, socketio.start_background_task)
+    from app.cluster import Cluster
+
+    # Several dashboards behind one Redis: its message queue and leader lock (app/cluster.py).
+    cluster = Cluster.from_config(app.config, app.config["RUN_DIR"] or None)
     rw = app.extensions["rankwatch"] = Rankwatch(
         state=state,
         watcher=Watcher(
-            socketio, state, app.config["TICK_S"], stop=stop, checkpoints=checkpoints, incidents=incidents
+            socketio,
+            state,
+            app.config["TICK_S"],
+            stop=stop,
+            checkpoints=checkpoints,
+            incidents=incidents,
+            cluster=cluster,
         ),
         stop=stop,
         checkpoints=checkpoints,
@@ -129,7 +139,9 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     # Threading, not eventlet/gevent: the watcher does blocking file I/O, and
     # gunicorn's threaded worker with simple-websocket (app/server.py) needs
     # no monkey-patching.
-    socketio.init_app(app, async_mode="threading")
+    # client_manager is passed even when None: init_app keeps the options of
+    # an earlier call (an earlier app in the same process, in tests).
+    socketio.init_app(app, async_mode="threading", client_manager=cluster.queue if cluster else None)
     # In front of Engine.IO: malformed long-polling POSTs get a 400 (app/sockguard.py).
     from app.sockguard import SocketGuard
 

@@ -339,6 +339,13 @@ SETTINGS: list[Setting] = [
         "right when every node mounts it at the same path; set the same name on every node and "
         "the dashboard otherwise.",
     ),
+    Setting(
+        "LEADER_TTL_S",
+        10.0,
+        "With `REDIS_URL`, several dashboard processes may serve one job; one of them, the leader, "
+        "holds a lock in Redis that expires this long after its last renewal (every tick). A "
+        "follower takes over at most this long after the leader died.",
+    ),
 ]
 
 SETTINGS_BY_NAME = {s.name: s for s in SETTINGS}

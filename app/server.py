@@ -162,6 +162,7 @@ class Server(BaseApplication):
             "proc_name": "rankwatch",
             "when_ready": self._when_ready,
             "post_worker_init": self._post_worker_init,
+            "worker_exit": self._worker_exit,
         }
         for key, value in options.items():
             self.cfg.set(key, value)
@@ -178,6 +179,10 @@ class Server(BaseApplication):
     def _post_worker_init(self, worker):
         # In the worker: a thread started in the parent would not survive the fork.
         self.flask_app.extensions["rankwatch"].watcher.ensure_started()
+
+    def _worker_exit(self, server, worker):
+        # A clean stop hands the leader lock over at once (app/cluster.py), not after its TTL.
+        self.flask_app.extensions["rankwatch"].watcher.stop(timeout=2.0)
 
 
 def announce(app: Flask, url: str) -> None:

@@ -405,6 +405,11 @@ class RunState:
             ],
         }
 
+    def resend(self) -> None:
+        """Make the next ``take_delta`` a whole snapshot (a dashboard that just became leader)."""
+        with self._lock:
+            self._needs_snapshot = True
+
     def take_delta(self, now: float) -> tuple[str, dict] | None:
         """What to push since the last call: (DELTA_EVENT, changed fields), a snapshot, or None.
 

@@ -14,6 +14,15 @@ Then it asks the checkpoint service (which re-scans at most every
 ``CHECKPOINT_SCAN_S``) and sends ``checkpoints`` when the index changed.
 Last, the incident step turns this tick's verdict changes and the stop's
 lifecycle into alerts and runs the stop policy (``app.incidents.monitor``).
+
+With several dashboards behind one Redis (``app/cluster.py``) every process
+runs this loop, but only the leader does the above, and its pushes reach
+every process's pages through the message queue. A follower reads the
+run as the leader does (for its own API and charts) but pushes nothing
+while that relay works; while Redis is unreachable it pushes its own view
+to its own pages. A follower writes nothing. A process that becomes
+leader, or leads on after an outage, first pushes a whole snapshot to
+everyone: it cannot know what their pages last got.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from app.stop_service import StopService
 
 if TYPE_CHECKING:
     from app.checkpoints.service import CheckpointService
+    from app.cluster import Cluster
     from app.incidents.monitor import Incidents
 
 STOP_EVENT = "stop_status"
@@ -51,8 +61,13 @@ class Watcher:
         stop: StopService | None = None,
         checkpoints: CheckpointService | None = None,
         incidents: Incidents | None = None,
+        cluster: Cluster | None = None,
     ):
         self.socketio = socketio
+        self.cluster = cluster
+        # Whether the last tick led (always, without a cluster), and whether Redis answered.
+        self.leading = cluster is None
+        self._reachable = True
         self.state = state
         self.stop_service = stop
         self.checkpoints = checkpoints
@@ -74,13 +89,31 @@ class Watcher:
             if self._task is None:
                 self._task = self.socketio.start_background_task(self._run)
 
+    def _emit(self, event: str, payload: dict) -> None:
+        if self.cluster is not None and not self.cluster.reachable:
+            # Only this process's pages can hear it; publishing would fail (and log) every tick.
+            self.socketio.emit(event, payload, ignore_queue=True)
+        else:
+            self.socketio.emit(event, payload)
+
     def tick(self) -> tuple[str, dict] | None:
         """Scan once and push the result; returns what was pushed."""
+        if self.cluster is not None:
+            leads = self.cluster.step()
+            reachable = self.cluster.reachable
+            if leads and (not self.leading or (reachable and not self._reachable)):
+                # New leader, or back from an outage during which other processes'
+                # pages missed our pushes: everyone takes the whole view again.
+                self.state.resend()
+                self._sent_stop = None
+            self.leading, self._reachable = leads, reachable
+            if not leads:
+                return self._follow()
         now = self.clock()
         self.state.scan(now)
         out = self.state.take_delta(now)
         if out:
-            self.socketio.emit(*out)
+            self._emit(*out)
         status = self._tick_stop(now) if self.stop_service is not None else None
         if self.checkpoints is not None:
             self._tick_checkpoints()
@@ -88,22 +121,45 @@ class Watcher:
             # Alerts and the stop policy (app/incidents/monitor.py) read this tick's changes.
             pushed = self.incidents.tick(now, out, status)
             if pushed:
-                self.socketio.emit(*pushed)
+                self._emit(*pushed)
+        return out
+
+    def _follow(self) -> tuple[str, dict] | None:
+        """A follower's tick: read like the leader, push nothing while its pushes reach our pages.
+
+        It reads every tick all the same: its charts (``/api/history``) need
+        every heartbeat, and Redis's stream keeps only the last few per rank.
+        """
+        now = self.clock()
+        self.state.scan(now)
+        if self.cluster.relaying():
+            return None
+        out = self.state.take_delta(now)
+        if out:
+            self.socketio.emit(*out, ignore_queue=True)
+        if self.stop_service is not None:
+            self._push_stop(self.stop_status(now), local=True)
         return out
 
     def _tick_stop(self, now: float) -> dict:
         ranks, world = self.state.heartbeats()
         self.stop_service.tick(ranks, world)
         status = self.stop_service.status(ranks, world, now, logs=self.state.log_stop_facts())
+        self._push_stop(status)
+        return status
+
+    def _push_stop(self, status: dict, local: bool = False) -> None:
         if status != self._sent_stop:
             self._sent_stop = status
-            self.socketio.emit(STOP_EVENT, status)
-        return status
+            if local:
+                self.socketio.emit(STOP_EVENT, status, ignore_queue=True)
+            else:
+                self._emit(STOP_EVENT, status)
 
     def _tick_checkpoints(self) -> None:
         body = self.checkpoints.poll(self.state.heartbeats()[1])
         if body is not None:
-            self.socketio.emit(CHECKPOINTS_EVENT, body)
+            self._emit(CHECKPOINTS_EVENT, body)
 
     def stop_status(self, now: float) -> dict | None:
         """The stop lifecycle as pushed (for a client that just connected)."""
@@ -134,3 +190,5 @@ class Watcher:
             task = self._task
         if task is not None and task.is_alive():
             task.join(timeout)
+        if self.cluster is not None:
+            self.cluster.release()

@@ -120,3 +120,15 @@ def console_errors(page):
     page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
     page.on("pageerror", lambda exc: errors.append(str(exc)))
     return errors
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A real redis-server on a loopback port (tests/redisserver.py); skips if Debian's is not installed."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    from tests.redisserver import RedisServer
+
+    server = RedisServer(tmp_path).start()
+    yield server
+    server.stop()

@@ -1,10 +1,9 @@
-"""Heartbeats over Redis: a real ``redis-server`` on a loopback port, started and stopped here."""
+"""Heartbeats over Redis: a real ``redis-server`` on a loopback port (fixture ``redis_server``, tests/redisserver.py)."""
 
 from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import time
 
 import pytest
@@ -13,58 +12,10 @@ from app.config import from_env
 from app.reader import REDIS_FILE_SCAN_S as READ_FILES_EVERY
 from app.state import RunState
 from tests.heartbeats import heartbeat, write_heartbeat, write_job
-from tests.liveserver import free_port
 from trainer_bridge import redisbus, runfiles
 from trainer_bridge.beatsink import FILE_EVERY_S, BeatSink
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
-
-
-class RedisServer:
-    def __init__(self, tmp_path):
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.log = tmp_path / f"redis-{self.port}.log"
-        self.proc = None
-
-    def start(self) -> RedisServer:
-        self.proc = subprocess.Popen(
-            [
-                "redis-server",
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ],
-            stdout=open(self.log, "ab"),
-            stderr=subprocess.STDOUT,
-        )
-        import redis
-
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                redis.Redis.from_url(self.url).ping()
-                return self
-            except redis.ConnectionError:
-                assert self.proc.poll() is None and time.monotonic() < deadline, self.log.read_text()
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
-@pytest.fixture
-def redis_server(tmp_path):
-    server = RedisServer(tmp_path).start()
-    yield server
-    server.stop()
 
 
 def publish(pub: redisbus.Publisher, hb: dict) -> bool:

@@ -16,7 +16,7 @@ Keys, per job (``rankwatch:{job}``):
                 trimmed to about ``STREAM_PER_RANK`` entries per rank;
 ``{p}:latest``  a hash, rank -> its newest heartbeat, for a dashboard that
                 starts, restarts or fell behind the stream's trimming;
-``{p}:leader``  which dashboard process runs the watcher (``SET NX PX``).
+``{p}:leader``  which dashboard process leads (``Leader``, app/cluster.py).
 
 ``job`` is ``RANKWATCH_REDIS_JOB`` when set (nodes that mount the run
 directory at different paths must set the same one), else a digest of the
@@ -33,7 +33,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import socket
 import time
+import uuid
 
 REDIS_URL_ENV = "RANKWATCH_REDIS_URL"
 REDIS_JOB_ENV = "RANKWATCH_REDIS_JOB"
@@ -211,6 +213,67 @@ class Subscriber(_Guarded):
                 self._last_id = entry_id
             if len(entries) < self.batch or len(out) >= 4 * self.batch:
                 return out, False
+
+
+class Leader(_Guarded):
+    """A dashboard process's claim on ``{p}:leader``: redis-py's lock, renewed every tick.
+
+    ``step()`` renews the lock when this process holds it and tries to take
+    it otherwise (``SET NX PX``), and returns whether this process leads.
+    While Redis is unreachable nobody can be elected, so ``step()`` keeps the
+    role it had. The lock's value names the holder (``token``): host, pid
+    and a random tag.
+    """
+
+    def __init__(self, url: str, job: str, ttl_s: float, **kw):
+        super().__init__(url, job, **kw)
+        self.ttl_s = ttl_s
+        self.token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.leads = False
+        self.where = _safe_url(url)
+
+    def _lock(self, client):
+        lock = client.lock(self.leader, timeout=self.ttl_s, blocking=False, thread_local=False)
+        lock.local.token = self.token.encode()
+        return lock
+
+    def step(self) -> bool:
+        from redis.exceptions import LockNotOwnedError
+
+        def renew_or_take(client) -> bool:
+            lock = self._lock(client)
+            if self.leads:
+                try:
+                    return lock.reacquire()
+                except LockNotOwnedError:
+                    pass  # expired (a stall longer than the TTL) or Redis restarted empty: try again
+            return lock.acquire(token=self.token)
+
+        try:
+            self.leads = self._call(renew_or_take)
+        except RedisUnavailable:
+            pass
+        return self.leads
+
+    def holder(self) -> str | None:
+        """The token of the process that holds the lock now (None if nobody, or Redis is down)."""
+        try:
+            raw = self._call(lambda client: client.get(self.leader))
+        except RedisUnavailable:
+            return None
+        return raw.decode(errors="replace") if raw else None
+
+    def release(self) -> None:
+        """Give the lock up (a clean shutdown), so that a follower need not wait for it to expire."""
+        from redis.exceptions import LockError
+
+        if not self.leads:
+            return
+        self.leads = False
+        try:
+            self._call(lambda client: self._lock(client).release())
+        except (RedisUnavailable, LockError):
+            pass
 
 
 def _stream_id(raw: bytes) -> tuple[int, int]:

@@ -69,6 +69,8 @@ def on_connect(auth=None):
     rw.watcher.ensure_started()
     now = time.time()
     rw.state.refresh(now, rw.watcher.tick_s)
-    emit(SNAPSHOT_EVENT, rw.state.snapshot(now))
-    emit(STOP_EVENT, rw.watcher.stop_status(now))
-    emit(CHECKPOINTS_EVENT, rw.checkpoints.body(rw.state.heartbeats()[1]))
+    # To this client, which is on this process: not through the message queue,
+    # which would carry a whole snapshot to every other dashboard for nothing.
+    emit(SNAPSHOT_EVENT, rw.state.snapshot(now), ignore_queue=True)
+    emit(STOP_EVENT, rw.watcher.stop_status(now), ignore_queue=True)
+    emit(CHECKPOINTS_EVENT, rw.checkpoints.body(rw.state.heartbeats()[1]), ignore_queue=True)

@@ -7,6 +7,7 @@ by ``create_app`` alone, as in tests).
 
 from __future__ import annotations
 
+import os
 import time
 from functools import cache
 from importlib import metadata, resources
@@ -114,6 +115,18 @@ def api_rank(rank: int):
 def api_summary():
     now = time.time()
     return jsonify(fresh_state(now).summary(now))
+
+
+@bp.get("/api/health")
+def api_health():
+    """This dashboard process: its role behind a shared Redis (app/cluster.py), and Redis's state."""
+    cluster = rankwatch().watcher.cluster
+    body = {"pid": os.getpid()}
+    if cluster is None:
+        body |= {"role": "only", "redis": None}
+    else:
+        body |= cluster.status()
+    return jsonify(body)
 
 
 @bp.get("/api/history")
