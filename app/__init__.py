@@ -8,6 +8,7 @@ Socket.IO client does.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from flask import Flask, current_app
 from flask_socketio import SocketIO
 
+from app import push
 from app.auth import BoundedJSONProvider, Limits, ensure_token, token_weakness
 from app.config import coerce_all, from_env
 from app.login import LoginCodes
@@ -91,7 +93,7 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
         app.config["RUN_DIR"] or None,
         app.config,
         start_task=socketio.start_background_task,
-        emit=socketio.emit,
+        emit=functools.partial(push.emit, socketio),
     )
     state, stop, checkpoints = run.state, run.stop, run.checkpoints
     from app.incidents.monitor import Incidents

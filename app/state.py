@@ -33,6 +33,7 @@ from typing import Any
 from app import logmode
 from app.health import Thresholds
 from app.judging import VerdictBoard
+from app.push import DELTA_EVENT, SNAPSHOT_EVENT, Changed, changed_fields
 from app.reader import (  # noqa: F401  (re-exported: tests and tools import them from here)
     ProcessProbe,
     RankSlot,
@@ -43,10 +44,6 @@ from app.reader import (  # noqa: F401  (re-exported: tests and tools import the
 )
 from app.rows import make_row, with_age
 from trainer_bridge import runfiles
-
-# The two events the view produces (documented in app/main/events.py).
-SNAPSHOT_EVENT = "ranks_snapshot"
-DELTA_EVENT = "ranks_delta"
 
 # How many missing ranks a status message names before it summarises.
 NAMED_RANKS = 8
@@ -98,9 +95,9 @@ class RunState:
         self._sent: dict[int, dict] = {}
         self._dirty: set[int] = set()
         self._summary: dict = {}
-        self._sent_summary: dict | None = None
+        self._summary_pushed = Changed()
         self._run: dict = {}
-        self._sent_run: dict | None = None
+        self._run_pushed = Changed()
         # Ranks can only be added by a delta; anything else (a run directory
         # deleted, a heartbeat removed) needs every client to take a snapshot.
         self._needs_snapshot = True
@@ -423,12 +420,13 @@ class RunState:
                 self._needs_snapshot = False
                 self._dirty.clear()
                 self._sent = dict(self._rows)
-                self._sent_summary, self._sent_run = self._summary, self._run
+                self._summary_pushed.take(self._summary)
+                self._run_pushed.take(self._run)
                 return SNAPSHOT_EVENT, self._snapshot(now)
             changes = []
             for r in sorted(self._dirty):
                 row, old = self._rows[r], self._sent.get(r, {})
-                diff = {k: v for k, v in row.items() if k not in old or old[k] != v}
+                diff = changed_fields(old, row)
                 if diff:
                     diff["rank"] = r
                     changes.append(diff)
@@ -437,10 +435,10 @@ class RunState:
             delta: dict[str, Any] = {}
             if changes:
                 delta["rows"] = changes
-            if self._summary != self._sent_summary:
-                delta["summary"] = self._sent_summary = self._summary
-            if self._run != self._sent_run:
-                delta["run"] = self._sent_run = self._run
+            if self._summary_pushed.take(self._summary):
+                delta["summary"] = self._summary
+            if self._run_pushed.take(self._run):
+                delta["run"] = self._run
             if not delta:
                 return None
             return DELTA_EVENT, {"now": now, "world_size": self._world, **delta}

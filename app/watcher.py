@@ -5,7 +5,8 @@ It is started once, under a lock, by the server's worker before it serves
 else by the first Socket.IO client (nothing runs at import time or in
 ``create_app``, so tests choose), and it uses
 ``socketio.sleep`` so that it follows whatever async mode Flask-SocketIO runs.
-Each tick sends at most one rank event to all clients: a ``ranks_delta``
+Each tick sends at most one rank event to the ranks page's clients (the
+rooms and the changed-only rule are ``app/push.py``'s): a ``ranks_delta``
 with the changed fields of the changed rows, or a ``ranks_snapshot`` when
 ranks disappeared; and a ``stop_status`` when the stop lifecycle changed.
 The tick also lets the stop service record a completed stop and re-arm the
@@ -35,6 +36,8 @@ from typing import TYPE_CHECKING
 
 from flask_socketio import SocketIO
 
+from app import push
+from app.push import CHECKPOINTS_EVENT, STOP_EVENT
 from app.state import RunState
 from app.stop_service import StopService
 
@@ -43,14 +46,11 @@ if TYPE_CHECKING:
     from app.cluster import Cluster
     from app.incidents.monitor import Incidents
 
-STOP_EVENT = "stop_status"
-CHECKPOINTS_EVENT = "checkpoints"
-
 log = logging.getLogger(__name__)
 
 
 class Watcher:
-    """Scans ``state`` every ``tick_s`` seconds and emits what changed to all clients."""
+    """Scans ``state`` every ``tick_s`` seconds and pushes what changed to the pages that show it."""
 
     def __init__(
         self,
@@ -72,7 +72,7 @@ class Watcher:
         self.stop_service = stop
         self.checkpoints = checkpoints
         self.incidents = incidents
-        self._sent_stop: dict | None = None
+        self._stop_pushed = push.Changed()
         self.tick_s = tick_s
         self.clock = clock
         self._lock = threading.Lock()
@@ -89,12 +89,10 @@ class Watcher:
             if self._task is None:
                 self._task = self.socketio.start_background_task(self._run)
 
-    def _emit(self, event: str, payload: dict) -> None:
-        if self.cluster is not None and not self.cluster.reachable:
-            # Only this process's pages can hear it; publishing would fail (and log) every tick.
-            self.socketio.emit(event, payload, ignore_queue=True)
-        else:
-            self.socketio.emit(event, payload)
+    def _emit(self, event: str, payload: dict, local: bool = False) -> None:
+        # Without Redis only this process's pages can hear it; publishing would fail (and log) every tick.
+        local = local or (self.cluster is not None and not self.cluster.reachable)
+        push.emit(self.socketio, event, payload, local=local)
 
     def tick(self) -> tuple[str, dict] | None:
         """Scan once and push the result; returns what was pushed."""
@@ -105,7 +103,7 @@ class Watcher:
                 # New leader, or back from an outage during which other processes'
                 # pages missed our pushes: everyone takes the whole view again.
                 self.state.resend()
-                self._sent_stop = None
+                self._stop_pushed.forget()
             self.leading, self._reachable = leads, reachable
             if not leads:
                 return self._follow()
@@ -136,7 +134,7 @@ class Watcher:
             return None
         out = self.state.take_delta(now)
         if out:
-            self.socketio.emit(*out, ignore_queue=True)
+            self._emit(*out, local=True)
         if self.stop_service is not None:
             self._push_stop(self.stop_status(now), local=True)
         return out
@@ -149,12 +147,8 @@ class Watcher:
         return status
 
     def _push_stop(self, status: dict, local: bool = False) -> None:
-        if status != self._sent_stop:
-            self._sent_stop = status
-            if local:
-                self.socketio.emit(STOP_EVENT, status, ignore_queue=True)
-            else:
-                self._emit(STOP_EVENT, status)
+        if self._stop_pushed.take(status):
+            self._emit(STOP_EVENT, status, local=local)
 
     def _tick_checkpoints(self) -> None:
         body = self.checkpoints.poll(self.state.heartbeats()[1])

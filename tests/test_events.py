@@ -33,6 +33,32 @@ def test_connect_sends_a_snapshot_to_that_client_only(app, client, run_dir):
     second.disconnect()
 
 
+def test_each_page_gets_only_its_own_events(app, client, run_dir):
+    """The checkpoint browser is not sent rank deltas, nor the ranks page the checkpoint index."""
+    write_job(run_dir, 2)
+    write_heartbeat(run_dir, heartbeat(0, 2, seq=1))
+    ranks = socketio.test_client(app, flask_test_client=client, auth={"page": "ranks"})
+    ckpts = socketio.test_client(app, flask_test_client=client, auth={"page": "checkpoints"})
+    anyone = socketio.test_client(app, flask_test_client=client)  # names no page: everything
+    wait_for_event(ckpts, "checkpoints")
+    wait_for_event(anyone, "checkpoints")
+    names = {e["name"] for e in ranks.get_received()}
+    assert {"ranks_snapshot", "stop_status"} <= names and "checkpoints" not in names
+
+    write_heartbeat(run_dir, heartbeat(1, 2, seq=1, global_step=7))
+    wait_for_event(ranks, "ranks_delta", shows(1, global_step=7))
+    wait_for_event(anyone, ("ranks_snapshot", "ranks_delta"), shows(1, global_step=7))
+    ckpt_file = run_dir / "checkpoints" / "rank_0" / "rankwatch-1_7.ckpt"
+    ckpt_file.parent.mkdir(parents=True)
+    ckpt_file.write_bytes(b"not a checkpoint")
+    wait_for_event(ckpts, "checkpoints", lambda body: body["sets"])
+    wait_for_event(anyone, "checkpoints", lambda body: body["sets"])
+    assert not [e["name"] for e in ckpts.get_received() if e["name"].startswith("ranks_")]
+    assert not [e["name"] for e in ranks.get_received() if e["name"] == "checkpoints"]
+    for c in (ranks, ckpts, anyone):
+        c.disconnect()
+
+
 def shows(rank: int, **fields):
     """A predicate: the payload (snapshot or delta) has ``rank`` with these field values."""
 
@@ -81,6 +107,7 @@ class FakeSocketIO:
     def __init__(self):
         self.started = 0
         self.emits = []
+        self.rooms = []
         self.lock = threading.Lock()
 
     def start_background_task(self, target):
@@ -88,8 +115,9 @@ class FakeSocketIO:
             self.started += 1
         return threading.Thread(target=target)  # never started: ticks are driven by hand
 
-    def emit(self, event, payload):
+    def emit(self, event, payload, to=None, **kwargs):
         self.emits.append((event, payload))
+        self.rooms.append(to)
 
 
 def test_concurrent_starts_start_one_task(run_dir, app):

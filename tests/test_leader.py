@@ -86,7 +86,7 @@ def test_a_follower_pushes_nothing_while_redis_answers_and_its_own_view_while_it
     out = watcher.tick()  # pushed to this process's pages only
     assert out is not None and out[0] == DELTA_EVENT and not watcher.leading
     assert "Redis is unreachable" in out[1]["run"]["message"]
-    assert watcher._sent_stop is not None  # the stop panel too
+    assert watcher._stop_pushed.pushed  # the stop panel too
 
 
 def test_a_new_leader_and_a_leader_back_from_an_outage_send_everyone_a_snapshot(redis_server, run_dir):

@@ -11,12 +11,11 @@ import time
 
 from flask import current_app, jsonify, render_template, request, send_file, url_for
 
-from app import rankwatch, socketio
+from app import push, rankwatch, socketio
 from app.auth import json_body, require_operator
 from app.checkpoints import bp
-from app.checkpoints.verify import VERIFY_EVENT
 from app.errors import ApiError
-from app.watcher import CHECKPOINTS_EVENT
+from app.push import CHECKPOINTS_EVENT, VERIFY_EVENT
 
 WHO_DEFAULT = "operator"
 
@@ -97,7 +96,7 @@ def api_delete():
     # Every page shows the change now rather than at the watcher's next scan.
     pushed = service.poll(world)
     if pushed is not None:
-        socketio.emit(CHECKPOINTS_EVENT, pushed)
+        push.emit(socketio, CHECKPOINTS_EVENT, pushed)
     return jsonify(result)
 
 

@@ -35,6 +35,7 @@ from app import safefs
 from app.audit import AuditLog
 from app.checkpoints.verify import Verifier
 from app.errors import ApiError
+from app.push import Changed
 from trainer_bridge import ckptindex, runfiles
 from trainer_bridge.ckptindex import (
     ORIGIN_BRIDGE,
@@ -104,7 +105,7 @@ class CheckpointService:
         self._delete_lock = threading.Lock()
         self._index: Index | None = None
         self._scanned: tuple[float, int] | None = None  # (monotonic time, world) of the scan
-        self._pushed: tuple | None = None
+        self._pushed = Changed()  # the fingerprint of the index last pushed
 
     # -- the index -------------------------------------------------------------------
 
@@ -138,11 +139,8 @@ class CheckpointService:
         that changed the files (delete) calls it to push at once.
         """
         index = self.index(world)
-        fingerprint = _fingerprint(index)
-        with self._lock:
-            if fingerprint == self._pushed:
-                return None
-            self._pushed = fingerprint
+        if not self._pushed.take(_fingerprint(index)):
+            return None
         return self._body(index, world)
 
     def _body(self, index: Index, world: int) -> dict:

@@ -52,10 +52,10 @@ from pathlib import Path
 
 from app import safefs
 from app.errors import ApiError
+from app.push import VERIFY_EVENT
 from trainer_bridge.ckptindex import CheckpointFile
 from trainer_bridge.ckptmeta import read_meta
 
-VERIFY_EVENT = "checkpoint_verify"
 WORKER = Path(__file__).with_name("verify_worker.py")
 EVENT_FIELDS = ("set", "state", "done", "total", "file", "ok", "error", "crc")
 # Enough of the worker's stderr to explain a crash in one line.

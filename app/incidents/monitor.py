@@ -18,11 +18,12 @@ from typing import Any
 from app.alerts import AlertDesk
 from app.audit import AuditLog
 from app.policy import Policy, parse_mode, parse_rules
-from app.state import DELTA_EVENT, SNAPSHOT_EVENT, RunState
+from app.push import DELTA_EVENT, SNAPSHOT_EVENT, Changed
+from app.push import INCIDENTS_EVENT as EVENT
+from app.state import RunState
 from app.stop_service import StopService
 from app.webhooks import WebhookSender, parse_urls
 
-EVENT = "incidents"
 # The row fields alerts and the policy read.
 KEEP = ("health", "reason", "host", "device", "device_health")
 
@@ -36,7 +37,7 @@ class Incidents:
         self.policy = policy
         self.clock = clock
         self.rows: dict[int, dict] = {}
-        self._pushed: tuple | None = None
+        self._pushed = Changed()  # (policy version, deliveries version) last pushed
 
     @classmethod
     def from_config(
@@ -85,8 +86,7 @@ class Incidents:
         self.alerts.flush(now)
         self.policy.tick(now, self.rows, stop_status)
         mark = (self.policy.version, self.alerts.sender.version)
-        if mark != self._pushed:
-            self._pushed = mark
+        if self._pushed.take(mark):
             return EVENT, self.status(now)
         return None
 

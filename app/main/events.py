@@ -1,9 +1,10 @@
 """Socket.IO events. Payloads are dicts; names are snake_case.
 
-A client gets one full ``ranks_snapshot`` when it connects (to it alone);
-after that the watcher broadcasts a ``ranks_delta`` per tick in which
-something changed. ``EVENTS`` is the list the README documents (the docs
-test checks it).
+A client names its page when it connects (``auth: {page: "ranks"}`` or
+``"checkpoints"``), joins that page's room and gets, to it alone, the
+snapshots its page draws; after that the watcher pushes to each room only
+its page's events, and only what changed (``app/push.py``). ``EVENTS`` is
+the list the README documents (the docs test checks it).
 """
 
 from __future__ import annotations
@@ -13,28 +14,32 @@ import threading
 import time
 
 from flask import current_app, request
-from flask_socketio import emit
+from flask_socketio import join_room
 
-from app import rankwatch, socketio
-from app.checkpoints.verify import VERIFY_EVENT
-from app.incidents.monitor import EVENT as INCIDENTS_EVENT
-from app.state import DELTA_EVENT, SNAPSHOT_EVENT
-from app.watcher import CHECKPOINTS_EVENT, STOP_EVENT
+from app import push, rankwatch, socketio
+from app.push import (
+    CHECKPOINTS_EVENT,
+    DELTA_EVENT,
+    INCIDENTS_EVENT,
+    SNAPSHOT_EVENT,
+    STOP_EVENT,
+    VERIFY_EVENT,
+)
 
 log = logging.getLogger(__name__)
 
 EVENTS = {
-    SNAPSHOT_EVENT: "server to client: the whole view, as GET /api/ranks; to a client when it "
-    "connects, and to everyone when ranks disappeared",
-    DELTA_EVENT: "server to client, at most once per tick: the changed fields of the changed "
+    SNAPSHOT_EVENT: "ranks page: the whole view, as GET /api/ranks; to a client when it "
+    "connects, and to the page's room when ranks disappeared",
+    DELTA_EVENT: "ranks page, at most once per tick: the changed fields of the changed "
     "rows, plus the summary and the run status when they changed",
-    STOP_EVENT: "server to client: the stop lifecycle, as GET /api/exit without the estimate; "
-    "to a client when it connects, and to everyone when it changed",
-    CHECKPOINTS_EVENT: "server to client: the checkpoint index, as GET /api/checkpoints; to a "
-    "client when it connects, and to everyone when a checkpoint file changed",
-    VERIFY_EVENT: "server to client: a deep verify's progress, after it starts and after each file",
-    INCIDENTS_EVENT: "server to client, to everyone: the stop policy's status and the newest alert "
+    STOP_EVENT: "ranks page: the stop lifecycle, as GET /api/exit without the estimate; "
+    "to a client when it connects, and to the room when it changed",
+    INCIDENTS_EVENT: "ranks page: the stop policy's status and the newest alert "
     "deliveries, when either changed",
+    CHECKPOINTS_EVENT: "checkpoints page: the checkpoint index, as GET /api/checkpoints; to a "
+    "client when it connects, and to the room when a checkpoint file changed",
+    VERIFY_EVENT: "checkpoints page: a deep verify's progress, after it starts and after each file",
 }
 
 
@@ -61,16 +66,25 @@ _served_lock = threading.Lock()
 
 @socketio.on("connect")
 def on_connect(auth=None):
-    """Start the watcher (once, whoever comes first) and give this client the whole view."""
+    """Start the watcher (once, whoever comes first); join the page's room and send its whole view."""
     if not _first_connect(request.sid):
         log.info("refused a re-sent connect from %s", request.sid)
         return
+    page = auth.get("page") if isinstance(auth, dict) else None
+    for room in push.rooms(page):
+        join_room(room)
     rw = rankwatch()
     rw.watcher.ensure_started()
     now = time.time()
     rw.state.refresh(now, rw.watcher.tick_s)
-    # To this client, which is on this process: not through the message queue,
-    # which would carry a whole snapshot to every other dashboard for nothing.
-    emit(SNAPSHOT_EVENT, rw.state.snapshot(now), ignore_queue=True)
-    emit(STOP_EVENT, rw.watcher.stop_status(now), ignore_queue=True)
-    emit(CHECKPOINTS_EVENT, rw.checkpoints.body(rw.state.heartbeats()[1]), ignore_queue=True)
+
+    def send(event, payload):
+        # To this client, which is on this process: not through the message queue,
+        # which would carry a whole snapshot to every other dashboard for nothing.
+        push.emit(socketio, event, payload, to=request.sid, local=True)
+
+    if push.wants(page, SNAPSHOT_EVENT):
+        send(SNAPSHOT_EVENT, rw.state.snapshot(now))
+        send(STOP_EVENT, rw.watcher.stop_status(now))
+    if push.wants(page, CHECKPOINTS_EVENT):
+        send(CHECKPOINTS_EVENT, rw.checkpoints.body(rw.state.heartbeats()[1]))

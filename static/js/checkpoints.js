@@ -96,7 +96,7 @@ function renderAnswer() {
 }
 
 // io comes from the vendored socket.io client loaded before this module.
-const socket = io({ transports: ["websocket", "polling"], tryAllTransports: true });
+const socket = io({ transports: ["websocket", "polling"], tryAllTransports: true, auth: { page: "checkpoints" } });
 const connection = $(CKPT.connection);
 socket.on("connect", () => {
   connection.dataset.state = "live";

@@ -22,7 +22,7 @@ function redraw() {
 
 // io comes from the vendored socket.io client loaded before this module.
 // WebSocket first (lowest latency); long-polling if a proxy refuses it.
-const socket = io({ transports: ["websocket", "polling"], tryAllTransports: true });
+const socket = io({ transports: ["websocket", "polling"], tryAllTransports: true, auth: { page: "ranks" } });
 socket.on("connect", () => summary.setConnection("live", "live"));
 socket.on("disconnect", () => summary.setConnection("down", "reconnecting…"));
 socket.on("ranks_snapshot", (msg) => {

@@ -1,0 +1,96 @@
+"""What the dashboard pushes over Socket.IO: each event's name, the page it is for, and "only when it changed".
+
+**Pages.** Each page names itself when it connects (``io({auth: {page:
+"ranks"}})``) and joins that page's room; every event goes only to the room
+of the page that shows it. So the checkpoint browser never receives the rank
+deltas of a 4,096-rank job twice a second, and a connect sends only the
+snapshots its page draws. A client that names no page (a script, a page of
+an older version) joins every room and gets everything, as before.
+
+**Only what changed.** ``Changed`` remembers the last value pushed of one
+kind and says whether a new one differs; ``changed_fields`` is the same for
+the fields of one row. The rank table's deltas (``app.state``), the stop
+lifecycle (``app.watcher``), the checkpoint index (``app.checkpoints``) and
+the incident panel (``app.incidents``) all decide through these.
+
+Every emit goes through ``emit`` here, so that which page hears what is
+written once. With several dashboards behind one Redis (``app/cluster.py``)
+a room spans every process, as Flask-SocketIO's message queue relays it;
+``local=True`` keeps an event on this process.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+RANKS_PAGE = "ranks"
+CHECKPOINTS_PAGE = "checkpoints"
+PAGES = (RANKS_PAGE, CHECKPOINTS_PAGE)
+
+SNAPSHOT_EVENT = "ranks_snapshot"
+DELTA_EVENT = "ranks_delta"
+STOP_EVENT = "stop_status"
+INCIDENTS_EVENT = "incidents"
+CHECKPOINTS_EVENT = "checkpoints"
+VERIFY_EVENT = "checkpoint_verify"
+
+# Which page shows each event (the README's Socket.IO table says the same).
+PAGE_OF = {
+    SNAPSHOT_EVENT: RANKS_PAGE,
+    DELTA_EVENT: RANKS_PAGE,
+    STOP_EVENT: RANKS_PAGE,
+    INCIDENTS_EVENT: RANKS_PAGE,
+    CHECKPOINTS_EVENT: CHECKPOINTS_PAGE,
+    VERIFY_EVENT: CHECKPOINTS_PAGE,
+}
+
+
+def rooms(page: object) -> tuple[str, ...]:
+    """The rooms a client joins: its page's, or every page's when it names none we know."""
+    return (page,) if page in PAGES else PAGES
+
+
+def wants(page: object, event: str) -> bool:
+    """Whether a client of ``page`` is sent ``event``."""
+    return PAGE_OF[event] in rooms(page)
+
+
+def emit(socketio, event: str, payload: Any, *, to: str | None = None, local: bool = False) -> None:
+    """Push ``event`` to its page's room, or to one client (``to``, a sid); ``local``: this process only."""
+    kwargs = {"ignore_queue": True} if local else {}
+    socketio.emit(event, payload, to=to or PAGE_OF[event], **kwargs)
+
+
+_NOTHING = object()
+
+
+class Changed:
+    """The last value pushed of one kind: ``take(value)`` is True, and remembers it, when it differs."""
+
+    def __init__(self):
+        self._last: Any = _NOTHING
+        self._lock = threading.Lock()
+
+    def take(self, value: Any) -> bool:
+        with self._lock:
+            if value == self._last:
+                return False
+            self._last = value
+            return True
+
+    @property
+    def pushed(self) -> bool:
+        """Whether a value was taken since the start or the last ``forget``."""
+        return self._last is not _NOTHING
+
+    def forget(self) -> None:
+        """Push the next value whatever it is (the pages may have missed the last)."""
+        with self._lock:
+            self._last = _NOTHING
+
+
+def changed_fields(old: Mapping, new: Mapping) -> dict:
+    """The fields of ``new`` that ``old`` lacks or holds with another value."""
+    return {k: v for k, v in new.items() if k not in old or old[k] != v}
