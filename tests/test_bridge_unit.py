@@ -125,19 +125,6 @@ def test_bad_arguments_fail_fast_naming_class_and_argument(tmp_path, kwargs, mes
         GracefulExitBridge(tmp_path, **kwargs)
 
 
-def test_next_interval_is_clamped():
-    bridge = GracefulExitBridge("unused", sync_interval_s=0.5, max_sync_every=100, max_overhead=0.005)
-    assert bridge._next_interval(0.0) == 1
-    assert bridge._next_interval(0.01) == 50
-    assert bridge._next_interval(10.0) == 1
-    assert bridge._next_interval(1e-6) == 100
-    # An agreement costing 2 ms at 100 ms steps: 0.5% allows one every 4 steps,
-    # fewer than the 5 the latency target asks for, so latency decides...
-    assert bridge._next_interval(0.1, 0.002) == 5
-    # ...but at 20 ms each, agreeing every 5 steps would take 4%: stretch to 40.
-    assert bridge._next_interval(0.1, 0.020) == 40
-
-
 class _FlagScript(Callback):
     """Writes the flag at given steps; after a write it makes the bridge read it at once."""
 
@@ -149,7 +136,7 @@ class _FlagScript(Callback):
         step = run_context.original_args().cur_step_num
         if step in self.script:
             runfiles.write_flag(self.run_dir, **self.script[step])
-            self.holder[0]._reporter.read_flag_now()
+            self.holder[0]._engine.reporter.read_flag_now()
 
 
 def test_cancel_before_the_agreement_withdraws_the_request(tmp_path):
@@ -172,7 +159,7 @@ def test_cancel_before_the_agreement_withdraws_the_request(tmp_path):
 
     class Watch(Callback):
         def on_train_step_end(self, run_context):
-            seen.append(bridge._reporter.request is not None)
+            seen.append(bridge._engine.reporter.request is not None)
 
     model.train(2, data, callbacks=[bridge, script, Watch()], dataset_sink_mode=False)
     hb = runfiles.read_json(runfiles.heartbeat_path(tmp_path, 0))
@@ -215,3 +202,43 @@ def test_resume_step_pins_an_older_set_and_a_served_flag_stays_served(tmp_path, 
         rf"\(complete sets: \[{first[-1]}, {second[-1]}\]\)",
     ):
         _train(tmp_path)
+
+
+class _Params(dict):
+    """MindSpore's cb_params: a dict whose keys read as attributes."""
+
+    def __getattr__(self, name):
+        return self[name]
+
+    def __setattr__(self, name, value):
+        self[name] = value
+
+
+class _RunContext:
+    def __init__(self, params):
+        self.params, self.stop_requested = params, False
+
+    def original_args(self):
+        return self.params
+
+    def request_stop(self):
+        self.stop_requested = True
+
+
+def test_sink_mode_counts_steps_from_cur_step_num(tmp_path):
+    # On Ascend with dataset_sink_mode=True the step hooks run once per sink
+    # of sink_size steps (CPU calls them every step, so no real run shows it).
+    net = nn.Dense(4, 2)
+    params = _Params(train_network=net, cur_epoch_num=1, batch_num=100, cur_step_num=0, net_outputs=None)
+    ctx = _RunContext(params)
+    bridge = GracefulExitBridge(tmp_path, max_sync_every=1000)
+    bridge.on_train_begin(ctx)
+    for sink in range(1, 5):
+        bridge.on_train_step_begin(ctx)
+        params.cur_step_num = 25 * sink
+        params.net_outputs = ms.Tensor(np.array([0.5], np.float32))
+        bridge.on_train_step_end(ctx)
+    bridge.on_train_end(ctx)
+    hb = runfiles.read_json(runfiles.heartbeat_path(tmp_path, 0))
+    assert (hb["global_step"], hb["step"], hb["state"]) == (100, 100, "finished")
+    assert hb["loss"] == 0.5 and bridge.global_step == 100 and not bridge.stopped
