@@ -242,3 +242,89 @@ def test_sink_mode_counts_steps_from_cur_step_num(tmp_path):
     hb = runfiles.read_json(runfiles.heartbeat_path(tmp_path, 0))
     assert (hb["global_step"], hb["step"], hb["state"]) == (100, 100, "finished")
     assert hb["loss"] == 0.5 and bridge.global_step == 100 and not bridge.stopped
+
+
+class _Indexed:
+    """Row i holds i, so a batch tells its data position."""
+
+    def __getitem__(self, i):
+        return np.full((4,), i, np.float32), np.array(i % 2, np.int32)
+
+    def __len__(self):
+        return STEPS_PER_EPOCH * 4
+
+
+def _functional(run_dir, epochs=2, flag_at=None, **bridge_kwargs):
+    """A functional loop (value_and_grad + optimizer) through bridge.loop; return what it saw."""
+    ms.set_seed(0)
+    data = ds.GeneratorDataset(_Indexed(), ["x", "y"], shuffle=False).batch(4)
+    net = nn.SequentialCell(nn.Dense(4, 8), nn.ReLU(), nn.Dense(8, 2))
+    loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
+    opt = nn.Momentum(net.trainable_params(), 0.001, 0.9)
+
+    def forward(x, y):
+        return loss_fn(net(x), y)
+
+    grad_fn = ms.value_and_grad(forward, None, opt.parameters)
+
+    @ms.jit
+    def train_step(x, y):
+        loss, grads = grad_fn(x, y)
+        opt(grads)
+        return loss
+
+    bridge = GracefulExitBridge(run_dir, heartbeat_interval_s=0.05, max_sync_every=2, **bridge_kwargs)
+    seen = []
+    for x, y in bridge.loop(data, network=net, optimizer=opt, epochs=epochs):
+        if not seen:
+            first_moment = opt.moments[0].asnumpy().copy()
+        loss = train_step(x, y)
+        bridge.report(loss=loss)
+        seen.append((bridge.global_step, int(x.asnumpy()[0, 0]) // 4, int(opt.global_step.asnumpy()[0])))
+        if bridge.global_step == flag_at:
+            runfiles.write_flag(run_dir, True, request_id="req-loop")
+            bridge._engine.reporter.read_flag_now()
+    return bridge, seen, first_moment
+
+
+def test_loop_stops_saves_network_and_optimizer_and_resumes_at_the_same_data_position(tmp_path):
+    bridge, seen, _ = _functional(tmp_path, flag_at=5)
+    assert bridge.stopped
+    stop_step = seen[-1][0]
+    assert stop_step in (5, 6)  # the next agreement after the flag (every 2 steps)
+    assert [s for s, _, _ in seen] == list(range(1, stop_step + 1))
+    assert [pos for _, pos, _ in seen] == [(s - 1) % STEPS_PER_EPOCH for s in range(1, stop_step + 1)]
+    hb = runfiles.read_json(runfiles.heartbeat_path(tmp_path, 0))
+    assert hb["state"] == "exited" and hb["stop"]["stop_step"] == stop_step
+    assert isinstance(hb["loss"], float) and hb["batch_size"] == 4
+    path = tmp_path / hb["stop"]["checkpoint"]["path"]
+    assert path.name == f"rankwatch-1_{stop_step}.ckpt"
+    saved = ms.load_checkpoint(str(path))
+    assert int(saved["global_step"].asnumpy()[0]) == stop_step  # the optimizer's own step
+    assert {"0.weight", "moments.0.weight", "learning_rate", "momentum"} <= set(saved)
+    meta = read_meta(path)
+    assert (
+        meta.ok and meta.extras["step_num"] == stop_step and meta.extras["rankwatch_request_id"] == "req-loop"
+    )
+
+    # Relaunch, the flag still up for the served request: resume, same data position, optimizer state.
+    again, seen2, first_moment = _functional(tmp_path)
+    assert not again.stopped
+    assert seen2[0] == (stop_step + 1, stop_step % STEPS_PER_EPOCH, stop_step + 1)
+    assert seen2[-1][0] == 2 * STEPS_PER_EPOCH
+    np.testing.assert_array_equal(first_moment, saved["moments.0.weight"].asnumpy())
+    hb = runfiles.read_json(runfiles.heartbeat_path(tmp_path, 0))
+    assert hb["state"] == "finished" and hb["resumed_from"]["global_step"] == stop_step
+
+
+def test_loop_left_early_ends_the_rank_finished(tmp_path):
+    ms.set_seed(0)
+    data = ds.GeneratorDataset(_Indexed(), ["x", "y"], shuffle=False).batch(4)
+    net = nn.Dense(4, 2)
+    opt = nn.Momentum(net.trainable_params(), 0.01, 0.9)
+    bridge = GracefulExitBridge(tmp_path)
+    for _ in bridge.loop(data, network=net, optimizer=opt, epochs=1):
+        if bridge.global_step == 3:
+            break
+    hb = runfiles.read_json(runfiles.heartbeat_path(tmp_path, 0))
+    assert (hb["state"], hb["global_step"]) == ("finished", 2) and not bridge.stopped

@@ -84,9 +84,14 @@ class GracefulExitBridge(Callback):
 
     @property
     def global_step(self) -> int:
-        """Steps trained so far, counting those of the checkpoint resumed from."""
-        counters = self._engine.counters
-        return counters.global_step if counters is not None else 0
+        """The global step: inside a step, its number (from 1); between steps, the last one trained.
+
+        Steps count from the checkpoint resumed from, so a run resumed at G sees G+1 first.
+        """
+        engine = self._engine
+        if engine.counters is None:
+            return 0
+        return engine.counters.global_step + engine.in_step
 
     # ---------------------------------------------------------- functional loop
     def loop(self, dataset, *, network, optimizer, epochs: int = 1):

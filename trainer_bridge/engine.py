@@ -133,6 +133,7 @@ class Engine:
         self.served = NOTHING_SERVED
         self.stopped = False
         self.reported_loss = None  # the functional loop's bridge.report(loss=...)
+        self.in_step = False
         self.reporter: Reporter | None = None
         self.counters: Counters | None = None
         self._resume_checked = False
@@ -190,6 +191,7 @@ class Engine:
             max_sync_every=s.max_sync_every,
         )
         self._step_began = 0.0
+        self.in_step = False
         self.reporter = Reporter(
             self.run_dir,
             self.rank,
@@ -212,6 +214,7 @@ class Engine:
         now = time.perf_counter()
         self.counters.out_total += now - self.counters.last_step_end
         self._step_began = now
+        self.in_step = True
 
     def step_end(self, outputs=None, step_num: int | None = None) -> bool:
         """Account one step (or, in sink mode, the steps up to ``step_num``); True: stop now.
@@ -225,6 +228,7 @@ class Engine:
         c.last_step_end = now
         steps = step_num - c.global_step if step_num is not None and step_num > c.global_step else 1
         c.in_total += now - self._step_began
+        self.in_step = False
         c.steps_total += steps
         c.global_step += steps
         c.step_times.append(dt / steps)
