@@ -181,6 +181,8 @@ class Engine:
                     ", ".join(missing[:3]),
                 )
             global_step = point.global_step
+            # Loaded once: a second run on the same bridge goes on from its own weights.
+            self.resume_point = None
         self.counters = Counters(epoch, per_epoch, global_step)
         self.agreement = Agreement(
             vote_sum,
