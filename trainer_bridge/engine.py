@@ -154,14 +154,14 @@ class Engine:
         return self.resume_point
 
     # -------------------------------------------------------------- lifecycle
-    def begin(self, state, *, epoch: int, per_epoch: int | None, global_step: int, batch_size) -> int:
-        """Start reporting; resume ``state`` (a list of cells) if a set is found.
+    def begin(self, cells, *, epoch: int, per_epoch: int | None, global_step: int, batch_size) -> int:
+        """Start reporting; resume ``cells`` (what a stop saves) if a set is found.
 
         Returns the global step training continues after (the resumed set's, or ``global_step``).
         """
         s = self.settings
         self.rank, self.world = world()
-        self.state = list(state)
+        self.cells = list(cells)
         self.stopped = False
         self._stopping = False
         self._sigterm_count = 0
@@ -172,7 +172,7 @@ class Engine:
         vote_sum = _sum_all_reduce() if self.world > 1 and not self.native else None
         if point is not None:
             self._agree_on_resume(vote_sum, point)
-            missing = saving.load_state(point.path, self.state)
+            missing = saving.load_state(point.path, self.cells)
             if missing:
                 log.warning(
                     "rankwatch: %s had no value for %d parameters (%s...); they keep their initial values",
@@ -320,9 +320,9 @@ class Engine:
                 request_id=request_id,
                 rank=self.rank,
                 world=self.world,
-                param_names=saving.param_names(self.state),
+                param_names=saving.param_names(self.cells),
             )
-            saving.save_state(self.state, path, append)
+            saving.save_state(self.cells, path, append)
             seconds = time.perf_counter() - started
             reporter.saved(path, path.stat().st_size, seconds)
         except (OSError, RuntimeError, ValueError, TypeError) as e:
