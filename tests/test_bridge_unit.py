@@ -125,19 +125,6 @@ def test_bad_arguments_fail_fast_naming_class_and_argument(tmp_path, kwargs, mes
         GracefulExitBridge(tmp_path, **kwargs)
 
 
-def test_next_interval_is_clamped():
-    bridge = GracefulExitBridge("unused", sync_interval_s=0.5, max_sync_every=100, max_overhead=0.005)
-    assert bridge._next_interval(0.0) == 1
-    assert bridge._next_interval(0.01) == 50
-    assert bridge._next_interval(10.0) == 1
-    assert bridge._next_interval(1e-6) == 100
-    # An agreement costing 2 ms at 100 ms steps: 0.5% allows one every 4 steps,
-    # fewer than the 5 the latency target asks for, so latency decides...
-    assert bridge._next_interval(0.1, 0.002) == 5
-    # ...but at 20 ms each, agreeing every 5 steps would take 4%: stretch to 40.
-    assert bridge._next_interval(0.1, 0.020) == 40
-
-
 class _FlagScript(Callback):
     """Writes the flag at given steps; after a write it makes the bridge read it at once."""
 
@@ -149,7 +136,7 @@ class _FlagScript(Callback):
         step = run_context.original_args().cur_step_num
         if step in self.script:
             runfiles.write_flag(self.run_dir, **self.script[step])
-            self.holder[0]._reporter.read_flag_now()
+            self.holder[0]._engine.reporter.read_flag_now()
 
 
 def test_cancel_before_the_agreement_withdraws_the_request(tmp_path):
@@ -172,7 +159,7 @@ def test_cancel_before_the_agreement_withdraws_the_request(tmp_path):
 
     class Watch(Callback):
         def on_train_step_end(self, run_context):
-            seen.append(bridge._reporter.request is not None)
+            seen.append(bridge._engine.reporter.request is not None)
 
     model.train(2, data, callbacks=[bridge, script, Watch()], dataset_sink_mode=False)
     hb = runfiles.read_json(runfiles.heartbeat_path(tmp_path, 0))
@@ -215,3 +202,129 @@ def test_resume_step_pins_an_older_set_and_a_served_flag_stays_served(tmp_path, 
         rf"\(complete sets: \[{first[-1]}, {second[-1]}\]\)",
     ):
         _train(tmp_path)
+
+
+class _Params(dict):
+    """MindSpore's cb_params: a dict whose keys read as attributes."""
+
+    def __getattr__(self, name):
+        return self[name]
+
+    def __setattr__(self, name, value):
+        self[name] = value
+
+
+class _RunContext:
+    def __init__(self, params):
+        self.params, self.stop_requested = params, False
+
+    def original_args(self):
+        return self.params
+
+    def request_stop(self):
+        self.stop_requested = True
+
+
+def test_sink_mode_counts_steps_from_cur_step_num(tmp_path):
+    # On Ascend with dataset_sink_mode=True the step hooks run once per sink
+    # of sink_size steps (CPU calls them every step, so no real run shows it).
+    net = nn.Dense(4, 2)
+    params = _Params(train_network=net, cur_epoch_num=1, batch_num=100, cur_step_num=0, net_outputs=None)
+    ctx = _RunContext(params)
+    bridge = GracefulExitBridge(tmp_path, max_sync_every=1000)
+    bridge.on_train_begin(ctx)
+    for sink in range(1, 5):
+        bridge.on_train_step_begin(ctx)
+        params.cur_step_num = 25 * sink
+        params.net_outputs = ms.Tensor(np.array([0.5], np.float32))
+        bridge.on_train_step_end(ctx)
+    bridge.on_train_end(ctx)
+    hb = runfiles.read_json(runfiles.heartbeat_path(tmp_path, 0))
+    assert (hb["global_step"], hb["step"], hb["state"]) == (100, 100, "finished")
+    assert hb["loss"] == 0.5 and bridge.global_step == 100 and not bridge.stopped
+
+
+class _Indexed:
+    """Row i holds i, so a batch tells its data position."""
+
+    def __getitem__(self, i):
+        return np.full((4,), i, np.float32), np.array(i % 2, np.int32)
+
+    def __len__(self):
+        return STEPS_PER_EPOCH * 4
+
+
+def _functional(run_dir, epochs=2, flag_at=None, **bridge_kwargs):
+    """A functional loop (value_and_grad + optimizer) through bridge.loop; return what it saw."""
+    ms.set_seed(0)
+    data = ds.GeneratorDataset(_Indexed(), ["x", "y"], shuffle=False).batch(4)
+    net = nn.SequentialCell(nn.Dense(4, 8), nn.ReLU(), nn.Dense(8, 2))
+    loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
+    opt = nn.Momentum(net.trainable_params(), 0.001, 0.9)
+
+    def forward(x, y):
+        return loss_fn(net(x), y)
+
+    grad_fn = ms.value_and_grad(forward, None, opt.parameters)
+
+    @ms.jit
+    def train_step(x, y):
+        loss, grads = grad_fn(x, y)
+        opt(grads)
+        return loss
+
+    bridge = GracefulExitBridge(run_dir, heartbeat_interval_s=0.05, max_sync_every=2, **bridge_kwargs)
+    seen = []
+    for x, y in bridge.loop(data, network=net, optimizer=opt, epochs=epochs):
+        if not seen:
+            first_moment = opt.moments[0].asnumpy().copy()
+        loss = train_step(x, y)
+        bridge.report(loss=loss)
+        seen.append((bridge.global_step, int(x.asnumpy()[0, 0]) // 4, int(opt.global_step.asnumpy()[0])))
+        if bridge.global_step == flag_at:
+            runfiles.write_flag(run_dir, True, request_id="req-loop")
+            bridge._engine.reporter.read_flag_now()
+    return bridge, seen, first_moment
+
+
+def test_loop_stops_saves_network_and_optimizer_and_resumes_at_the_same_data_position(tmp_path):
+    bridge, seen, _ = _functional(tmp_path, flag_at=5)
+    assert bridge.stopped
+    stop_step = seen[-1][0]
+    assert stop_step in (5, 6)  # the next agreement after the flag (every 2 steps)
+    assert [s for s, _, _ in seen] == list(range(1, stop_step + 1))
+    assert [pos for _, pos, _ in seen] == [(s - 1) % STEPS_PER_EPOCH for s in range(1, stop_step + 1)]
+    hb = runfiles.read_json(runfiles.heartbeat_path(tmp_path, 0))
+    assert hb["state"] == "exited" and hb["stop"]["stop_step"] == stop_step
+    assert isinstance(hb["loss"], float) and hb["batch_size"] == 4
+    path = tmp_path / hb["stop"]["checkpoint"]["path"]
+    assert path.name == f"rankwatch-1_{stop_step}.ckpt"
+    saved = ms.load_checkpoint(str(path))
+    assert int(saved["global_step"].asnumpy()[0]) == stop_step  # the optimizer's own step
+    assert {"0.weight", "moments.0.weight", "learning_rate", "momentum"} <= set(saved)
+    meta = read_meta(path)
+    assert (
+        meta.ok and meta.extras["step_num"] == stop_step and meta.extras["rankwatch_request_id"] == "req-loop"
+    )
+
+    # Relaunch, the flag still up for the served request: resume, same data position, optimizer state.
+    again, seen2, first_moment = _functional(tmp_path)
+    assert not again.stopped
+    assert seen2[0] == (stop_step + 1, stop_step % STEPS_PER_EPOCH, stop_step + 1)
+    assert seen2[-1][0] == 2 * STEPS_PER_EPOCH
+    np.testing.assert_array_equal(first_moment, saved["moments.0.weight"].asnumpy())
+    hb = runfiles.read_json(runfiles.heartbeat_path(tmp_path, 0))
+    assert hb["state"] == "finished" and hb["resumed_from"]["global_step"] == stop_step
+
+
+def test_loop_left_early_ends_the_rank_finished(tmp_path):
+    ms.set_seed(0)
+    data = ds.GeneratorDataset(_Indexed(), ["x", "y"], shuffle=False).batch(4)
+    net = nn.Dense(4, 2)
+    opt = nn.Momentum(net.trainable_params(), 0.01, 0.9)
+    bridge = GracefulExitBridge(tmp_path)
+    for _ in bridge.loop(data, network=net, optimizer=opt, epochs=1):
+        if bridge.global_step == 3:
+            break
+    hb = runfiles.read_json(runfiles.heartbeat_path(tmp_path, 0))
+    assert (hb["state"], hb["global_step"]) == ("finished", 2) and not bridge.stopped

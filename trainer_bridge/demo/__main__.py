@@ -29,6 +29,8 @@ from pathlib import Path
 from trainer_bridge.demo.mnist import write_mnist
 
 TRAIN_SCRIPT = Path(__file__).with_name("train.py")
+# --loop: the same job as a functional loop (ms.value_and_grad + bridge.loop).
+LOOP_SCRIPT = Path(__file__).with_name("train_loop.py")
 # The dashboard's start-up line naming the URL to open (app/server.py, announce).
 OPEN_PREFIX = "Rankwatch: open "
 
@@ -39,7 +41,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def msrun_command(run_dir: Path, ranks: int, train_args: list[str], master_port: int) -> list[str]:
+def msrun_command(
+    run_dir: Path, ranks: int, train_args: list[str], master_port: int, script: Path = TRAIN_SCRIPT
+) -> list[str]:
     """The msrun command line; msrun itself runs ``python`` from PATH (see ``job_env``)."""
     return [
         sys.executable,
@@ -51,7 +55,7 @@ def msrun_command(run_dir: Path, ranks: int, train_args: list[str], master_port:
         f"--master_port={master_port}",
         "--join=True",
         f"--log_dir={run_dir / 'msrun_logs'}",
-        str(TRAIN_SCRIPT),
+        str(script),
         *train_args,
     ]
 
@@ -98,6 +102,12 @@ def parse_args(
         metavar="N",
         help="a periodic ModelCheckpoint every N steps per rank, keeping the newest 5, so "
         "the checkpoint browser has complete sets while the job runs (default 300; 0: none)",
+    )
+    p.add_argument(
+        "--loop",
+        action="store_true",
+        help="train as a functional loop (train_loop.py: ms.value_and_grad and bridge.loop) "
+        "instead of Model.train with the callback",
     )
     p.add_argument("--master-port", type=int, default=0, help="msrun master port (default: a free one)")
     p.add_argument("--dashboard", action="store_true", help="also start the dashboard on the run dir")
@@ -185,7 +195,8 @@ def main(argv=None, prog: str = "python -m trainer_bridge.demo") -> int:
     ]
     env = job_env()
     dashboard = start_dashboard(args, run_dir, env) if args.dashboard else None
-    cmd = msrun_command(run_dir, args.ranks, train_args, args.master_port or free_port())
+    script = LOOP_SCRIPT if args.loop else TRAIN_SCRIPT
+    cmd = msrun_command(run_dir, args.ranks, train_args, args.master_port or free_port(), script)
     launcher_log = run_dir / "msrun_logs" / "launcher.log"
     length = f"{epochs} epochs" if args.epochs is not None else f"at least {args.minutes:g} min"
     print(

@@ -33,14 +33,14 @@ from trainer_bridge import GracefulExitBridge
 from trainer_bridge.runfiles import flag_path
 
 
-def create_dataset(data_dir: str, batch_size: int, rank: int, world: int) -> ds.Dataset:
+def create_dataset(data_dir: str, batch_size: int, rank: int, world: int, shuffle: bool = True) -> ds.Dataset:
     """LeNet's MNIST pipeline: resize to 32x32, scale to [0, 1], normalise, HWC->CHW.
 
     Scaling comes first: MNIST's mean 0.1307 and deviation 0.3081 are of
     pixels in [0, 1]. (The seed normalised the raw 0..255 values and then
     divided by 255, which left inputs near zero and the loss flat at ln 10.)
     """
-    mnist = ds.MnistDataset(data_dir, num_shards=world, shard_id=rank, shuffle=True)
+    mnist = ds.MnistDataset(data_dir, num_shards=world, shard_id=rank, shuffle=shuffle)
     image_ops = [
         vision.Resize((32, 32), interpolation=vision.Inter.LINEAR),
         vision.Rescale(1.0 / 255.0, 0.0),
@@ -201,6 +201,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ckpt-keep", type=int, default=5, help="periodic checkpoints kept per rank (default 5)")
     p.add_argument("--lr", type=float, default=0.01, help="Momentum's learning rate (default 0.01)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--no-shuffle",
+        action="store_true",
+        help="read the samples in file order (tests check data positions)",
+    )
     return p.parse_args(argv)
 
 
@@ -219,7 +224,7 @@ def main(argv=None) -> None:
     # One seed on every rank: data parallelism needs identical initial weights.
     ms.set_seed(args.seed)
 
-    dataset = create_dataset(args.data_dir, args.batch_size, rank, world)
+    dataset = create_dataset(args.data_dir, args.batch_size, rank, world, shuffle=not args.no_shuffle)
     net = LeNet5()
     loss = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
     opt = nn.Momentum(net.trainable_params(), args.lr, 0.9)

@@ -1,0 +1,346 @@
+"""The engine both front ends drive: one run of training seen from one rank.
+
+``GracefulExitBridge`` (the ``Model.train`` callback) and ``bridge.loop``
+(the functional loop) are thin: each tells the engine when training begins,
+when a step begins and ends, and what state to save and load; the engine
+does the rest. It is built around three rules:
+
+* **The step hooks are cheap.** ``step_begin`` and ``step_end`` read the
+  clock, add to running totals (``reporter.Counters``), append to a deque and
+  compare two integers. Files, psutil and the flag are handled by one daemon
+  thread (``reporter.Reporter``).
+* **Agreement is amortised** (``agreement.py``): one float32 SUM AllReduce
+  every *K* steps, at global steps every rank computes alike.
+* **Nothing the dashboard does can hurt training.** A bad flag is logged once
+  and ignored, a full disk is logged once and reported, a reporter bug is
+  logged and the reporter carries on. Only a stop request stops training.
+
+On Ascend with ``MS_ENABLE_GRACEFUL_EXIT=1`` MindSpore's in-graph exit works,
+so the engine only reports there and leaves stopping to ``OnRequestExit``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor, nn, ops
+
+from trainer_bridge import runfiles, saving
+from trainer_bridge.agreement import Agreement
+from trainer_bridge.ckptindex import scan
+from trainer_bridge.counters import Counters
+from trainer_bridge.reporter import Reporter
+from trainer_bridge.saving import NOTHING_SERVED, ResumePoint
+
+log = logging.getLogger("trainer_bridge")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """``GracefulExitBridge``'s arguments, validated (see its docstring)."""
+
+    sync_interval_s: float = 0.5
+    heartbeat_interval_s: float = 1.0
+    poll_interval_s: float = 0.2
+    max_sync_every: int = 1000
+    max_overhead: float = 0.003
+    resume: bool = True
+    resume_step: int | None = None
+    save_checkpoint: bool = True
+    handle_sigterm: bool = True
+
+    def __post_init__(self):
+        for name in ("sync_interval_s", "heartbeat_interval_s", "poll_interval_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"GracefulExitBridge: {name} must be a positive number, got {value!r}")
+        if not (isinstance(self.max_overhead, (int, float)) and 0 < self.max_overhead < 1):
+            raise ValueError(
+                f"GracefulExitBridge: max_overhead must be a fraction in (0, 1), got {self.max_overhead!r}"
+            )
+        if not (isinstance(self.max_sync_every, int) and self.max_sync_every >= 1):
+            raise ValueError(
+                f"GracefulExitBridge: max_sync_every must be an int >= 1, got {self.max_sync_every!r}"
+            )
+        step = self.resume_step
+        if step is None:
+            env_step = os.environ.get(runfiles.RESUME_STEP_ENV)
+            if env_step:
+                if not env_step.isdigit():
+                    raise ValueError(
+                        f"GracefulExitBridge: {runfiles.RESUME_STEP_ENV} must be a global step number, "
+                        f"got {env_step!r}"
+                    )
+                object.__setattr__(self, "resume_step", int(env_step))
+        elif not (isinstance(step, int) and step >= 1):
+            raise ValueError(f"GracefulExitBridge: resume_step must be an int >= 1, got {step!r}")
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size); (0, 1) when the communication layer is not initialised."""
+    try:
+        from mindspore.communication import get_group_size, get_rank
+
+        return get_rank(), get_group_size()
+    except (RuntimeError, ValueError):
+        return 0, 1
+
+
+class _SumAllReduce(nn.Cell):
+    """float32 SUM AllReduce over the world group: the vote carrier."""
+
+    def __init__(self):
+        super().__init__()
+        self.all_reduce = ops.AllReduce()
+
+    def construct(self, x):
+        return self.all_reduce(x)
+
+
+def _sum_all_reduce():
+    """``vote_sum(a, b, c)``: the three floats summed over every rank."""
+    cell = _SumAllReduce()
+    op = ms.jit(cell.construct) if ms.get_context("mode") == ms.PYNATIVE_MODE else cell
+
+    def vote_sum(a: float, b: float, c: float) -> tuple[float, float, float]:
+        out = op(Tensor(np.array([a, b, c], np.float32))).asnumpy()
+        return float(out[0]), float(out[1]), float(out[2])
+
+    return vote_sum
+
+
+class Engine:
+    """One rank's run: resume, step accounting, agreement, stop, save, signals.
+
+    Call order: ``find_resume()`` (any time before), ``begin()``, then per
+    step ``step_begin()`` and ``step_end()``, then ``end()``. ``step_end``
+    returns True once the ranks agreed to stop and this rank saved: the
+    front end then ends training.
+    """
+
+    def __init__(self, run_dir: Path, settings: Settings):
+        self.run_dir = run_dir
+        self.settings = settings
+        self.resume_point: ResumePoint | None = None
+        self.served = NOTHING_SERVED
+        self.stopped = False
+        self.reported_loss = None  # the functional loop's bridge.report(loss=...)
+        self.in_step = False
+        self.reporter: Reporter | None = None
+        self.counters: Counters | None = None
+        self._resume_checked = False
+        self._stopping = False
+        self._sigterm_count = 0
+        self._previous_sigterm = None
+
+    # ----------------------------------------------------------------- resume
+    def find_resume(self) -> ResumePoint | None:
+        """One scan of the run directory: the set to resume from and the requests already served."""
+        if not self._resume_checked:
+            self._resume_checked = True
+            rank, size = world()
+            index = scan(self.run_dir, world_size=size)
+            self.served = saving.served_requests(index)
+            if self.settings.resume:
+                self.resume_point = saving.find_resume_point(index, rank, self.settings.resume_step)
+        return self.resume_point
+
+    # -------------------------------------------------------------- lifecycle
+    def begin(self, cells, *, epoch: int, per_epoch: int | None, global_step: int, batch_size) -> int:
+        """Start reporting; resume ``cells`` (what a stop saves) if a set is found.
+
+        Returns the global step training continues after (the resumed set's, or ``global_step``).
+        """
+        s = self.settings
+        self.rank, self.world = world()
+        self.cells = list(cells)
+        self.stopped = False
+        self._stopping = False
+        self._sigterm_count = 0
+        point = self.find_resume()
+        self.native = (
+            os.environ.get("MS_ENABLE_GRACEFUL_EXIT") == "1" and ms.get_context("device_target") == "Ascend"
+        )
+        vote_sum = _sum_all_reduce() if self.world > 1 and not self.native else None
+        if point is not None:
+            self._agree_on_resume(vote_sum, point)
+            missing = saving.load_state(point.path, self.cells)
+            if missing:
+                log.warning(
+                    "rankwatch: %s had no value for %d parameters (%s...); they keep their initial values",
+                    point.path,
+                    len(missing),
+                    ", ".join(missing[:3]),
+                )
+            global_step = point.global_step
+            # Loaded once: a second run on the same bridge goes on from its own weights.
+            self.resume_point = None
+        self.counters = Counters(epoch, per_epoch, global_step)
+        self.agreement = Agreement(
+            vote_sum,
+            self.world,
+            global_step,
+            sync_interval_s=s.sync_interval_s,
+            max_overhead=s.max_overhead,
+            max_sync_every=s.max_sync_every,
+        )
+        self._step_began = 0.0
+        self.in_step = False
+        self.reporter = Reporter(
+            self.run_dir,
+            self.rank,
+            self.world,
+            self.counters,
+            served=self.served,
+            heartbeat_interval_s=s.heartbeat_interval_s,
+            poll_interval_s=s.poll_interval_s,
+            sync_interval_s=s.sync_interval_s,
+            batch_size=batch_size,
+            resumed=point,
+        )
+        self.reporter.start()
+        if s.handle_sigterm and threading.current_thread() is threading.main_thread():
+            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self.counters.last_step_end = time.perf_counter()
+        return global_step
+
+    def step_begin(self) -> None:
+        now = time.perf_counter()
+        self.counters.out_total += now - self.counters.last_step_end
+        self._step_began = now
+        self.in_step = True
+
+    def step_end(self, outputs=None, step_num: int | None = None) -> bool:
+        """Account one step (or, in sink mode, the steps up to ``step_num``); True: stop now.
+
+        ``outputs``: the step's loss (a Tensor, a float, or a tuple starting
+        with it), converted about once a heartbeat.
+        """
+        now = time.perf_counter()
+        c = self.counters
+        dt = now - c.last_step_end
+        c.last_step_end = now
+        steps = step_num - c.global_step if step_num is not None and step_num > c.global_step else 1
+        c.in_total += now - self._step_began
+        self.in_step = False
+        c.steps_total += steps
+        c.global_step += steps
+        c.step_times.append(dt / steps)
+        if now >= self.reporter.loss_due and outputs is not None:
+            self.reporter.take_loss(outputs)
+        if self.agreement.due(c.global_step, dt, steps):
+            return self._agree()
+        return False
+
+    def end(self) -> None:
+        self._restore_sigterm()
+        reporter = self.reporter
+        if reporter is None:
+            return
+        if self._stopping:
+            reporter.set_stage("exited")
+            reporter.state = "exited"
+        else:
+            reporter.state = "finished"
+        reporter.close()
+
+    # ------------------------------------------------------------- agreement
+    def _agree(self) -> bool:
+        """Vote at an agreed step: stop if any rank saw a request; pick the next step."""
+        reporter, c = self.reporter, self.counters
+        if reporter.request is not None:
+            # Re-read before voting stop: a cancel written since the last
+            # poll then wins, unless the vote has already begun elsewhere.
+            reporter.read_flag_now()
+        mine = reporter.request is not None or self._sigterm_count > 0
+        votes = self.agreement.vote(mine, c.global_step)
+        a = self.agreement
+        c.sync_every, c.agreements, c.agree_ms, c.first_agree_ms = (
+            a.sync_every,
+            a.agreements,
+            a.agree_ms,
+            a.first_agree_ms,
+        )
+        if reporter.state == "starting":
+            reporter.state = "training"
+        if votes > 0 and not self._stopping:
+            self._stop()
+            return True
+        return False
+
+    def _agree_on_resume(self, vote_sum, point: ResumePoint) -> None:
+        """Fail fast, on every rank together, if ranks found different resume sets."""
+        if vote_sum is None:
+            return
+        # The same shape as a vote, so the graph compiled here serves the votes.
+        total = vote_sum(float(point.global_step), 0.0, 0.0)[0]
+        if abs(total - point.global_step * self.world) > 0.5:
+            raise RuntimeError(
+                f"GracefulExitBridge: rank {self.rank} would resume from global step "
+                f"{point.global_step}, but the ranks disagree (sum {total:.0f}); "
+                f"check that every rank sees the same {self.run_dir}/checkpoints"
+            )
+
+    def _stop(self) -> None:
+        self._stopping = True
+        self.stopped = True
+        reporter = self.reporter
+        request = reporter.request
+        if request is None and not self._sigterm_count:
+            # Another rank saw the flag first: read it now for its request id.
+            request = reporter.read_flag_now()
+        if request is not None:
+            request_id, source = request.request_id or "native-flag", "flag"
+        else:
+            request_id, source = f"sigterm-{int(time.time())}", "sigterm"
+        reporter.begin_stop(request_id, source, stop_step=self.counters.global_step)
+        if self.settings.save_checkpoint and not self.native:
+            self._save(request_id)
+
+    def _save(self, request_id: str) -> None:
+        c = self.counters
+        path = saving.checkpoint_file(self.run_dir, self.rank, c.epoch, c.global_step, c.per_epoch)
+        reporter = self.reporter
+        reporter.set_stage("saving")
+        reporter.state = "saving"
+        started = time.perf_counter()
+        try:
+            append = saving.append_fields(
+                epoch=c.epoch,
+                global_step=c.global_step,
+                per_epoch=c.per_epoch,
+                request_id=request_id,
+                rank=self.rank,
+                world=self.world,
+                param_names=saving.param_names(self.cells),
+            )
+            saving.save_state(self.cells, path, append)
+            seconds = time.perf_counter() - started
+            reporter.saved(path, path.stat().st_size, seconds)
+        except (OSError, RuntimeError, ValueError, TypeError) as e:
+            log.error("rankwatch: rank %d could not save its checkpoint to %s: %s", self.rank, path, e)
+            reporter.save_failed(f"{type(e).__name__}: {e}")
+
+    # --------------------------------------------------------------- signals
+    def _on_sigterm(self, signum, frame):
+        self._sigterm_count += 1
+        if self._sigterm_count == 1:
+            self.reporter.saw_request(None, "sigterm", self.counters.global_step)
+            return
+        # A second SIGTERM means "now": hand over to the previous behaviour.
+        self._restore_sigterm()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def _restore_sigterm(self):
+        previous = self._previous_sigterm
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+            self._previous_sigterm = None

@@ -1,0 +1,442 @@
+"""The bridge's one background thread: flag watcher and heartbeat writer.
+
+The training thread only updates a ``Counters`` object (a few numbers per
+step) and calls the stop-stage methods here; this thread turns them into
+files: the heartbeat and its history (``trainer_bridge/schema.py``), the
+flag poll, the device sample, and the stack captures of ``StackWatcher``.
+Nothing it does can stop training: a reporter error is logged once per kind
+and the thread carries on.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+from trainer_bridge import runfiles, schema
+from trainer_bridge.counters import Counters, Snapshot
+from trainer_bridge.device import DeviceProbe
+from trainer_bridge.saving import ResumePoint, Served
+from trainer_bridge.stacks import StackWatcher
+
+log = logging.getLogger("trainer_bridge")
+
+
+def _clip(text: str | None, limit: int) -> str | None:
+    """Keep a message within the schema's bound (a MindSpore error can run to pages)."""
+    return text if text is None or len(text) <= limit else text[: limit - 3] + "..."
+
+
+class Reporter:
+    """The thread. ``close()`` writes the last heartbeat and is safe to call twice.
+
+    ``Reporter.latest`` is the newest started in this process (the one an
+    uncaught exception marks failed after its close).
+
+    Args:
+        run_dir, rank, world: where and who.
+        counters: the training thread's ``Counters``.
+        served: stop requests already served; a flag asking for one of them is stale.
+        heartbeat_interval_s, poll_interval_s: the thread's two periods.
+        sync_interval_s: written into ``job.json`` (rank 0).
+        batch_size: for ``samples_per_s``.
+        resumed: the set this launch resumed from, for ``resumed_from``.
+    """
+
+    latest: Reporter | None = None
+
+    def __init__(
+        self,
+        run_dir: Path,
+        rank: int,
+        world: int,
+        counters: Counters,
+        *,
+        served: Served,
+        heartbeat_interval_s: float,
+        poll_interval_s: float,
+        sync_interval_s: float,
+        batch_size: int | None,
+        resumed: ResumePoint | None,
+    ):
+        self.run_dir = run_dir
+        self.rank, self.world = rank, world
+        self.counters = counters
+        self.served = served
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.poll_interval_s = poll_interval_s
+        self.sync_interval_s = sync_interval_s
+        self.batch_size = batch_size
+        self.state = "starting"
+        self.reporter_cpu_ms = 0.0
+        self.loss: float | None = None
+        self.loss_due = 0.0
+        self.request: runfiles.Flag | None = None
+        self.stop: dict | None = None
+        self.committed = False  # the ranks agreed to stop: a cancel comes too late
+        self.error: str | None = None
+        self.warnings: list[str] = []
+        self.resumed_from = None
+        if resumed is not None:
+            self.resumed_from = {
+                "global_step": resumed.global_step,
+                "epoch": resumed.epoch,
+                "path": os.path.relpath(resumed.path, self.run_dir),
+            }
+        self._totals = (0.0, 0.0, 0)  # (in, out, steps) at the previous heartbeat
+        self._last_step_ms = None
+        self._window = {
+            "step_time_mean_ms": None,
+            "step_in_ms": None,
+            "step_out_ms": None,
+            "samples_per_s": None,
+        }
+        self._flag_sig = None
+        self._bad_flag_logged: set = set()
+        self._logged: set[str] = set()
+        self._seq = 0
+        self._started_at = time.time()
+        self._wake = threading.Event()
+        self._closed = threading.Event()
+        self._lock = threading.Lock()  # one writer at a time: the thread, or close()
+        self._flag_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="rankwatch-reporter", daemon=True)
+        self._device = DeviceProbe()
+        self._process = None
+        self._host = socket.gethostname()
+        # stacks (trainer_bridge/stacks.py): built here, on the training thread, which it marks.
+        self.stacks = StackWatcher(self.run_dir, self.rank, self._host)
+
+    # ------------------------------------------------ training-thread side
+    def take_loss(self, outputs) -> None:
+        """Convert the loss about once a heartbeat; every step would cost a device sync."""
+        self.loss_due = time.perf_counter() + self.heartbeat_interval_s
+        try:
+            value = outputs[0] if isinstance(outputs, (tuple, list)) else outputs
+            if isinstance(value, (int, float)):
+                self.loss = float(value)
+            else:
+                self.loss = float(value.asnumpy().reshape(-1)[0])
+        except (AttributeError, IndexError, TypeError, ValueError, RuntimeError):
+            self.loss = None
+
+    def saw_request(self, flag: runfiles.Flag | None, source: str, step: int) -> None:
+        if self.stop is None:
+            self.stop = {
+                "request_id": flag.request_id if flag else None,
+                "source": source,
+                "stage": "seen",
+                "seen_step": step,
+                "stop_step": None,
+                "checkpoint": None,
+                "at": {"seen": time.time()},
+            }
+            self.state = "stopping"
+            self._wake.set()
+
+    def begin_stop(self, request_id: str, source: str, stop_step: int) -> None:
+        if self.stop is None:
+            self.stop = {
+                "request_id": request_id,
+                "source": source,
+                "stage": "agreed",
+                "seen_step": None,
+                "stop_step": stop_step,
+                "checkpoint": None,
+                "at": {},
+            }
+        self.stop.update(request_id=request_id, stop_step=stop_step)
+        self.committed = True
+        self.state = "stopping"
+        self.set_stage("agreed")
+
+    def set_stage(self, stage: str) -> None:
+        if self.stop is not None:
+            self.stop["stage"] = stage
+            self.stop["at"][stage] = time.time()
+            self.write_now()
+
+    def saved(self, path: Path, size: int, seconds: float) -> None:
+        self.stop["checkpoint"] = {
+            "path": os.path.relpath(path, self.run_dir),
+            "bytes": size,
+            "seconds": round(seconds, 4),
+        }
+        self.state = "stopping"
+        self.set_stage("saved")
+
+    def save_failed(self, message: str) -> None:
+        self.stop["error"] = message
+        self.warnings.append(f"checkpoint save failed: {message}")
+        self.write_now()
+
+    def write_now(self) -> None:
+        """Write a heartbeat synchronously: stop stages must not wait for the next tick."""
+        self._write_heartbeat()
+
+    def read_flag_now(self) -> runfiles.Flag | None:
+        self._poll_flag(force=True)
+        return self.request
+
+    # ------------------------------------------------------ thread side
+    def start(self) -> None:
+        try:
+            runfiles.state_dir(self.run_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            self._report_io_error(e)
+        if self.rank == 0:
+            self._write_job()
+        self._write_heartbeat()
+        self._thread.start()
+        Reporter.latest = self
+        atexit.register(self.close)
+        self._chain_excepthook()
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._wake.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+        self._write_heartbeat()
+
+    def _run(self) -> None:
+        next_beat = 0.0
+        while not self._closed.is_set():
+            cpu = time.thread_time()
+            try:
+                self._poll_flag()
+                snap = self.counters.snapshot()
+                # stacks: answer requests, and capture once when no step ends for too long.
+                self.stacks.poll(
+                    steps=snap.steps_total,
+                    since_step_s=time.perf_counter() - snap.last_step_end,
+                    step_s=(self._window["step_time_mean_ms"] or 0.0) / 1e3,
+                    global_step=snap.global_step,
+                    stepping=self.state in ("training", "stopping"),
+                )
+                now = time.monotonic()
+                if now >= next_beat:
+                    next_beat = now + self.heartbeat_interval_s
+                    self._write_heartbeat(history=True)
+            except Exception as e:  # the reporter must never die: log once per kind
+                self._log_once(
+                    f"reporter:{type(e).__name__}",
+                    "rankwatch: reporter error (training continues): %s",
+                    e,
+                    exc_info=True,
+                )
+            self.reporter_cpu_ms += (time.thread_time() - cpu) * 1e3
+            self._wake.wait(self.poll_interval_s)
+            self._wake.clear()
+
+    def _poll_flag(self, force: bool = False) -> None:
+        # The reporter thread polls; the training thread forces a read before
+        # it votes with a pending request. One at a time.
+        with self._flag_lock:
+            self._poll_flag_locked(force)
+
+    def _poll_flag_locked(self, force: bool) -> None:
+        path = runfiles.flag_path(self.run_dir)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            self._flag_sig = None
+            self._withdraw("the flag file was removed")
+            return
+        except OSError as e:
+            self._log_once(f"flagstat:{e.errno}", "rankwatch: cannot stat %s: %s", path, e)
+            return
+        sig = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if sig == self._flag_sig and not force:
+            return
+        self._flag_sig = sig
+        try:
+            flag = runfiles.parse_flag(runfiles.read_capped(path))
+        except (OSError, runfiles.FlagError, runfiles.FileTooLarge) as e:
+            # Garbage or a torn write: log it once per distinct file, keep training.
+            if sig not in self._bad_flag_logged:
+                self._bad_flag_logged.add(sig)
+                log.warning("rankwatch: ignoring unreadable stop flag %s: %s", path, e)
+            return
+        # A request the ranks already saved for is stale (llnl/scr#13): it
+        # must not stop the relaunch.
+        if not flag.exit or self.served.covers(flag, st.st_mtime):
+            self._withdraw("the flag no longer says stop (cancelled)")
+            return
+        if self.request is None:
+            self.request = flag
+            self.saw_request(flag, "flag", self.counters.global_step)
+
+    def _withdraw(self, why: str) -> None:
+        """Drop a request this rank saw but has not voted through: the operator cancelled it."""
+        if self.request is None or self.committed:
+            return
+        log.warning("rankwatch: stop request %s withdrawn: %s", self.request.request_id, why)
+        self.request = None
+        if self.stop is not None and self.stop.get("source") == "flag":
+            self.stop = None
+            self.state = "training"
+            self._wake.set()
+
+    def _heartbeat(self) -> schema.Heartbeat:
+        snap = self.counters.snapshot()
+        times = self.counters.drain_step_times()
+        times_ms = [round(t * 1000.0, 3) for t in times]
+        if times_ms:
+            self._last_step_ms = times_ms[-1]
+        per_epoch = snap.per_epoch or 0
+        gstep = snap.global_step
+        cpu, rss = self._process_stats()
+        totals = (snap.in_total, snap.out_total, snap.steps_total)
+        steps = totals[2] - self._totals[2]
+        if steps:
+            # A heartbeat with no step since the last one (the final one, a
+            # stall) keeps the last window's figures instead of blanking them.
+            self._window = {
+                "step_time_mean_ms": round(sum(times_ms) / len(times_ms), 3) if times_ms else None,
+                "step_in_ms": round((totals[0] - self._totals[0]) / steps * 1e3, 3),
+                "step_out_ms": round((totals[1] - self._totals[1]) / steps * 1e3, 3),
+            }
+            mean_ms = self._window["step_time_mean_ms"]
+            self._window["samples_per_s"] = (
+                round(self.batch_size * 1000.0 / mean_ms, 2) if mean_ms and self.batch_size else None
+            )
+        self._totals = totals
+        self._seq += 1
+        return schema.build(
+            schema.Heartbeat,
+            rank=self.rank,
+            world_size=self.world,
+            host=self._host,
+            pid=os.getpid(),
+            state=self.state,
+            epoch=snap.epoch,
+            step=(gstep - 1) % per_epoch + 1 if per_epoch and gstep else 0,
+            global_step=gstep,
+            loss=self.loss,
+            step_time_ms=self._last_step_ms,
+            **self._window,
+            step_times_ms=times_ms,
+            batch_size=self.batch_size,
+            cpu_percent=cpu,
+            rss_bytes=rss,
+            device=self._device.sample(),
+            time=time.time(),
+            last_step_at=self._last_step_at(snap),
+            started_at=self._started_at,
+            seq=self._seq,
+            sync_every=snap.sync_every,
+            bridge_cost={
+                "agreements": snap.agreements,
+                "agree_ms": round(snap.agree_ms, 3),
+                "first_agree_ms": snap.first_agree_ms,
+                "reporter_cpu_ms": round(self.reporter_cpu_ms, 3),
+            },
+            stop=self.stop,
+            resumed_from=self.resumed_from,
+            error=_clip(self.error, schema.MAX_ERROR),
+            warnings=[_clip(w, schema.MAX_WARNING) for w in self.warnings[-schema.MAX_WARNINGS :]],
+        )
+
+    @staticmethod
+    def _last_step_at(snap: Snapshot) -> float | None:
+        """Wall time of the last step end, from the perf_counter the step hook already read."""
+        if not snap.global_step:
+            return None
+        return time.time() - (time.perf_counter() - snap.last_step_end)
+
+    def _process_stats(self):
+        import psutil
+
+        try:
+            if self._process is None:
+                self._process = psutil.Process()
+                self._process.cpu_percent(None)  # the first call only primes the counter
+            return self._process.cpu_percent(None), self._process.memory_info().rss
+        except psutil.Error:
+            return None, None
+
+    def _write_heartbeat(self, history: bool = False) -> None:
+        with self._lock:
+            try:
+                beat = self._heartbeat()
+            except schema.SchemaError as e:  # a bridge bug must not reach the training thread
+                self._log_once("schema", "rankwatch: heartbeat not written (training continues): %s", e)
+                return
+            try:
+                # No fsync: os.replace already keeps readers from torn files,
+                # and a heartbeat lost to a power cut is replaced a second later.
+                runfiles.atomic_write_bytes(
+                    runfiles.heartbeat_path(self.run_dir, self.rank), beat.to_json(), fsync=False
+                )
+                if history:
+                    self._append_history(beat)
+            except OSError as e:
+                self._report_io_error(e)
+
+    def _append_history(self, beat: schema.Heartbeat) -> None:
+        path = runfiles.history_path(self.run_dir, self.rank)
+        line = schema.HistoryLine.of(beat).to_json() + b"\n"
+        try:
+            if path.stat().st_size + len(line) > runfiles.HISTORY_SEGMENT_BYTES:
+                os.replace(path, f"{path}.1")
+        except FileNotFoundError:
+            pass
+        with open(path, "ab") as f:
+            f.write(line)
+
+    def _report_io_error(self, e: OSError) -> None:
+        message = f"cannot write to {runfiles.state_dir(self.run_dir)}: {e.strerror or e}"
+        if message not in self.warnings:
+            self.warnings.append(message)
+        self._log_once(f"io:{e.errno}", "rankwatch: %s (training continues)", message)
+
+    def _write_job(self) -> None:
+        try:
+            job = schema.build(
+                schema.Job,
+                world_size=self.world,
+                started_at=self._started_at,
+                host=self._host,
+                pid=os.getpid(),
+                argv=[_clip(a, schema.MAX_PATH) for a in sys.argv[:256]],
+                checkpoint_dir=runfiles.CHECKPOINT_DIR,
+                sync_interval_s=self.sync_interval_s,
+            )
+            runfiles.atomic_write_bytes(runfiles.job_path(self.run_dir), job.to_json())
+        except OSError as e:
+            self._report_io_error(e)
+        except schema.SchemaError as e:
+            self._log_once("schema-job", "rankwatch: job.json not written (training continues): %s", e)
+
+    def _chain_excepthook(self) -> None:
+        """Mark the rank failed if the script dies of an exception, then defer to the old hook."""
+        previous = sys.excepthook
+
+        def hook(kind, value, tb):
+            # Also after close(): a functional loop the exception left early
+            # closed as "finished" (a generator cannot tell a break from a
+            # raise). A rank that stopped gracefully keeps its "exited".
+            if self.state != "exited" and (not self._closed.is_set() or Reporter.latest is self):
+                self.state = "failed"
+                self.error = f"{kind.__name__}: {value}"
+                if self._closed.is_set():
+                    self._write_heartbeat()
+                else:
+                    self.close()
+            previous(kind, value, tb)
+
+        sys.excepthook = hook
+
+    def _log_once(self, key: str, msg: str, *args, **kwargs) -> None:
+        if key not in self._logged:
+            self._logged.add(key)
+            log.warning(msg, *args, **kwargs)
