@@ -65,7 +65,15 @@ class BeatSink:
 
     def write(self, data: bytes, state: str) -> None:
         """Publish ``data`` (a heartbeat's JSON) and/or replace the heartbeat file, as the rules above say."""
-        published = self.publisher is not None and self.publisher.publish(self.rank, data)
+        published = False
+        if self.publisher is not None:
+            try:
+                published = self.publisher.publish(self.rank, data)
+            except Exception as e:  # an unexpected library error must not reach the training loop
+                if self._setup_error is None:
+                    log.warning("rankwatch: publishing to redis failed (training continues): %r", e)
+                self._setup_error = f"publishing to redis failed: {e!r}; heartbeats go to files"
+                self.publisher = None
         now = self._clock()
         if not published or state != "training" or state != self._last_state or now >= self._file_due:
             # No fsync: os.replace already keeps readers from torn files, and a

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from trainer_bridge import runfiles, schema
+from trainer_bridge.beatsink import BeatSink
 from trainer_bridge.counters import Counters, Snapshot
 from trainer_bridge.device import DeviceProbe
 from trainer_bridge.saving import ResumePoint, Served
@@ -82,6 +83,8 @@ class Reporter:
         self.committed = False  # the ranks agreed to stop: a cancel comes too late
         self.error: str | None = None
         self.warnings: list[str] = []
+        # The heartbeat file, and Redis when RANKWATCH_REDIS_URL is set (beatsink.py).
+        self.sink = BeatSink(run_dir, rank, world)
         self.resumed_from = None
         if resumed is not None:
             self.resumed_from = {
@@ -206,6 +209,7 @@ class Reporter:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=5)
         self._write_heartbeat()
+        self.sink.close()
 
     def _run(self) -> None:
         next_beat = 0.0
@@ -343,7 +347,10 @@ class Reporter:
             stop=self.stop,
             resumed_from=self.resumed_from,
             error=_clip(self.error, schema.MAX_ERROR),
-            warnings=[_clip(w, schema.MAX_WARNING) for w in self.warnings[-schema.MAX_WARNINGS :]],
+            warnings=[
+                _clip(w, schema.MAX_WARNING)
+                for w in (self.warnings + self.sink.warnings)[-schema.MAX_WARNINGS :]
+            ],
         )
 
     @staticmethod
@@ -372,11 +379,7 @@ class Reporter:
                 self._log_once("schema", "rankwatch: heartbeat not written (training continues): %s", e)
                 return
             try:
-                # No fsync: os.replace already keeps readers from torn files,
-                # and a heartbeat lost to a power cut is replaced a second later.
-                runfiles.atomic_write_bytes(
-                    runfiles.heartbeat_path(self.run_dir, self.rank), beat.to_json(), fsync=False
-                )
+                self.sink.write(beat.to_json(), beat.state)
                 if history:
                     self._append_history(beat)
             except OSError as e:
