@@ -209,8 +209,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
+def init_job(args) -> tuple[int, int]:
+    """MindSpore's context, and under msrun its communication and data parallelism: (rank, world)."""
     ms.set_context(mode=ms.GRAPH_MODE if args.mode == "graph" else ms.PYNATIVE_MODE, device_target="CPU")
     rank, world = 0, 1
     if os.environ.get("MS_ROLE"):  # set by msrun
@@ -223,6 +223,12 @@ def main(argv=None) -> None:
         )
     # One seed on every rank: data parallelism needs identical initial weights.
     ms.set_seed(args.seed)
+    return rank, world
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    rank, world = init_job(args)
 
     dataset = create_dataset(args.data_dir, args.batch_size, rank, world, shuffle=not args.no_shuffle)
     net = LeNet5()

@@ -17,7 +17,6 @@ it prints ``bridge.stopped True|False``.
 
 from __future__ import annotations
 
-import os
 import time
 import zlib
 
@@ -25,22 +24,12 @@ import mindspore as ms
 from mindspore import nn
 
 from trainer_bridge import GracefulExitBridge
-from trainer_bridge.demo.train import LeNet5, create_dataset, parse_args
+from trainer_bridge.demo.train import LeNet5, create_dataset, init_job, parse_args
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    ms.set_context(mode=ms.GRAPH_MODE if args.mode == "graph" else ms.PYNATIVE_MODE, device_target="CPU")
-    rank, world = 0, 1
-    if os.environ.get("MS_ROLE"):  # set by msrun
-        from mindspore.communication import get_group_size, get_rank, init
-
-        init()
-        rank, world = get_rank(), get_group_size()
-        ms.set_auto_parallel_context(
-            parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True, device_num=world
-        )
-    ms.set_seed(args.seed)  # one seed on every rank: identical initial weights
+    rank, world = init_job(args)  # msrun's communication, data parallel, one seed on every rank
 
     dataset = create_dataset(args.data_dir, args.batch_size, rank, world, shuffle=not args.no_shuffle)
     net = LeNet5()
