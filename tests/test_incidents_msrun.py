@@ -57,12 +57,15 @@ def live_env(**extra) -> dict:
     return {f"RANKWATCH_{k}": str(v) for k, v in {**FAST_SETTINGS, "TOKEN": TOKEN, **extra}.items()}
 
 
-def test_a_hung_rank_is_named_by_its_stack(run_dir):
+@pytest.mark.parametrize("front", ["callback", "loop"])
+def test_a_hung_rank_is_named_by_its_stack(run_dir, front):
+    """Model.train with the callback, and a functional loop with bridge.loop."""
+    loop = front == "loop"
     job = DemoJob(
         run_dir,
         epochs=3,
         step_delay=0.02,
-        extra=["--hang-rank", "1", "--hang-at", "15"],
+        extra=["--hang-rank", "1", "--hang-at", "15"] + (["--loop"] if loop else []),
         env={"RANKWATCH_STALL_CAPTURE_S": "3"},
     ).start()
     app = create_app({"RUN_DIR": str(run_dir), "TESTING": True, "TOKEN": TOKEN, **FAST_SETTINGS})
@@ -80,15 +83,18 @@ def test_a_hung_rank_is_named_by_its_stack(run_dir):
             return r.get_json() if r.status_code == 200 else None
 
         hung = job.wait_until(lambda hbs: capture(1, "?trigger=stall"), "rank 1's automatic capture")
-        assert hung["source"] == "bridge" and hung["global_step"] == 15
+        # The callback hangs in step 15's step_end (15 steps done); the loop inside step 15's body.
+        assert hung["source"] == "bridge" and hung["global_step"] == (14 if loop else 15)
         main = training_thread(hung)
         assert main["frames"][0]["function"] == "hang_here", hung["text"]
         assert "hang_here" in hung["text"]
 
         peer = job.wait_until(lambda hbs: capture(0, "?trigger=stall"), "rank 0's automatic capture")
         frames = [f["function"] for f in training_thread(peer)["frames"]]
-        # Waiting in the step: inside the network's call in Model._train_process, no callback of ours.
-        assert "Model._train_process" in frames and "hang_here" not in frames, peer["text"]
+        # Waiting in the step: inside the network's call (Model._train_process, or the
+        # functional loop's jitted train_step), no hook of ours.
+        assert ("main" if loop else "Model._train_process") in frames, peer["text"]
+        assert "hang_here" not in frames, peer["text"]
         assert "site-packages/mindspore" in training_thread(peer)["frames"][0]["file"]
         if peer["native"] == "included":
             assert collective(training_thread(peer)["native"]) == "AllReduce", peer["text"]

@@ -24,7 +24,7 @@ import mindspore as ms
 from mindspore import nn
 
 from trainer_bridge import GracefulExitBridge
-from trainer_bridge.demo.train import LeNet5, create_dataset, init_job, parse_args
+from trainer_bridge.demo.train import LeNet5, create_dataset, hang_here, init_job, parse_args
 
 
 def main(argv=None) -> None:
@@ -75,6 +75,9 @@ def main(argv=None) -> None:
             step += 1
         if delay > 0:
             time.sleep(delay)
+        if rank == args.hang_rank and step == args.hang_at:
+            print(f"hanging at step {step} (--hang-rank)", flush=True)
+            hang_here()
         if args.step_log:
             crc = zlib.crc32(y.asnumpy().tobytes())
             print(
