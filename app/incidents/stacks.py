@@ -248,7 +248,7 @@ class StackService:
         if found is None:
             raise ApiError(404, f"rank {rank} is not part of this job")
         row = found["rank"]
-        started = (self.state.heartbeats()[0].get(rank) or {}).get("started_at")
+        started = self.state.started_at(rank)
         probe = self._probe_local(row, started)
         via, why = route(rank, row, probe, hostname=self.hostname, pyspy=self._pyspy() is not None)
         if via == "py-spy":
@@ -275,7 +275,6 @@ class StackService:
         """``POST /api/stacks``: ask every rank (one request file for all bridges, py-spy for the rest)."""
         run_dir = self._need_run_dir()
         rows = self.state.snapshot(now)["ranks"]
-        hbs, _ = self.state.heartbeats()
         request = stacks.Request(
             request_id=runfiles.new_request_id(), requested_at=now, requested_by=who, native=native
         )
@@ -283,7 +282,7 @@ class StackService:
         by_bridge, by_pyspy, cannot = [], [], {}
         for row in rows:
             r = row["rank"]
-            started = (hbs.get(r) or {}).get("started_at")
+            started = self.state.started_at(r)
             probe = self._probe_local(row, started)
             via, why = route(r, row, probe, hostname=self.hostname, pyspy=pyspy)
             if via == "py-spy":
