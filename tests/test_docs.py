@@ -16,7 +16,9 @@ from trainer_bridge import schema
 
 ROOT = Path(__file__).resolve().parents[1]
 # The README is the front door; the reference lives in docs/, one page per area.
-PAGES = {p: p.read_text(encoding="utf-8") for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]}
+PAGES = {
+    p: p.read_text(encoding="utf-8") for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+}
 
 
 def section(title: str) -> str:
@@ -79,6 +81,7 @@ def test_the_schema_tables_are_in_the_manual():
 
 def test_links_between_pages_resolve():
     """Every relative link to a page (and its #anchor) of the manual points at something there."""
+
     def anchors(text):
         heads = re.findall(r"^#+ (.*)$", text, re.M)
         return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
