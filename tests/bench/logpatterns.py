@@ -16,16 +16,21 @@ pattern of every list (worker, scheduler, launcher, and the exception line):
 
 For each engine it prints the worst line (the sum over all patterns, the
 best of ``--repeat`` runs, so a scheduling hiccup is not taken for the
-engine), and the five slowest (line, pattern) pairs. No assertion: numbers
-for the README (Security: log mode).
+engine), and the five slowest (line, pattern) pairs. Then the price of the
+guarantee on ordinary lines: ``WorkerLog.feed`` per line over 20,000
+``LossMonitor`` lines, with the shipped patterns and with the same patterns
+on ``re`` (RE2's Python wrapper costs more per call than ``re`` on a short
+line). No assertion: numbers for the manual (Security, Benchmarks).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import time
 
+from app.logmode import parser
 from app.logmode.patterns import BY_ROLE, EXCEPTION, MAX_LINE
 
 
@@ -107,6 +112,29 @@ def measure(repeat: int) -> dict:
     }
 
 
+def ordinary(repeat: int, n: int = 20000) -> dict[str, float]:
+    """Microseconds of ``WorkerLog.feed`` per ordinary step line: shipped (RE2) and on ``re``."""
+    lines = [f"epoch: {1 + i // 1000} step: {i % 1000 + 1}, loss is 2.305208206176758" for i in range(n)]
+
+    def run() -> float:
+        log = parser.WorkerLog()
+        started = time.thread_time()
+        for line in lines:
+            log.feed(line)
+        return (time.thread_time() - started) / n * 1e6
+
+    out = {"shipped": min(run() for _ in range(repeat))}
+    saved = parser._LINES, parser._PID
+    try:
+        parser._LINES, parser._PID = (
+            tuple(dataclasses.replace(p, regex=re.compile(p.regex.pattern)) for p in ps) for ps in saved
+        )
+        out["re"] = min(run() for _ in range(repeat))
+    finally:
+        parser._LINES, parser._PID = saved
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeat", type=int, default=3)
@@ -121,6 +149,11 @@ def main(argv=None) -> int:
         print(f"  all {len(totals)} lines together: {sum(totals.values()) * 1e3:.3f} ms")
         for (lname, pname), t in sorted(pairs.items(), key=lambda kv: -kv[1])[:5]:
             print(f"  {t * 1e3:9.3f} ms  {pname:36} {lname}")
+    cost = ordinary(args.repeat)
+    print(
+        f"\nordinary LossMonitor lines, WorkerLog.feed: {cost['shipped']:.1f} us/line with RE2, "
+        f"{cost['re']:.1f} us/line with re"
+    )
     return 0
 
 
