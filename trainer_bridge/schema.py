@@ -352,7 +352,7 @@ def parse(model: type[M], data: bytes | str) -> M:
     # Only a heartbeat whose device alone is wrong gets here: keep the rest.
     try:
         obj = json.loads(data)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise SchemaError(f"not valid JSON: {e}") from None
     return validate(model, obj)
 
