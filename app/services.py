@@ -60,17 +60,21 @@ def open_run(
     ``start_task`` and ``emit`` are how a deep verify runs and reports
     (Socket.IO's in the dashboard; a thread and nobody to tell in the CLI).
     """
+    from app.checkpoints.retention import Retention
     from app.checkpoints.service import CheckpointService
     from app.checkpoints.verify import Verifier
 
     audit = AuditLog(audit_path(run_dir, config))
+    checkpoints = CheckpointService(
+        run_dir, audit, scan_s=config["CHECKPOINT_SCAN_S"], verifier=Verifier(start_task, emit)
+    )
+    # The retention plan and its automatic mode (app/checkpoints/retention.py).
+    checkpoints.retention = Retention(checkpoints, config)
     return Run(
         state=RunState(run_dir, config, redis=redis_subscriber(config, run_dir)),
         audit=audit,
         stop=StopService(
             run_dir or ".", audit, deadline_s=config["STOP_DEADLINE_S"], auto_rearm=config["AUTO_REARM"]
         ),
-        checkpoints=CheckpointService(
-            run_dir, audit, scan_s=config["CHECKPOINT_SCAN_S"], verifier=Verifier(start_task, emit)
-        ),
+        checkpoints=checkpoints,
     )

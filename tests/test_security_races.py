@@ -149,7 +149,7 @@ def test_a_delete_never_removes_a_file_outside_the_run_directory(app, layout, ru
         # ...then the removal itself, as often as the swap can be lost.
         for _ in range(3 * TRIES):
             recreate_inside(run_dir)
-            done, failed, _ = service._remove(cset)
+            done, failed, _ = service.remove_set(cset)
             deleted += len(done)
             assert outside.exists(), f"a delete removed the file outside the run directory (after {deleted})"
     assert deleted > 0
