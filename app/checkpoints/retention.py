@@ -43,6 +43,9 @@ TEMP_RE = re.compile(
 # Free space must exceed the next save (the newest complete set's size) by this fraction.
 DISK_MARGIN = 0.10
 MAX_TEMP = 10_000
+# Deletions per apply: the journal naming them stays within the run-file reader's bound.
+MAX_BATCH = 100
+JOURNAL_BUDGET = runfiles.MAX_FILE_BYTES // 2
 
 
 @dataclass(frozen=True)
@@ -357,13 +360,52 @@ def journal_path(run_dir: str) -> str:
     return os.path.join(runfiles.state_dir(run_dir), JOURNAL_NAME)
 
 
-def interrupted(run_dir: str | None) -> set[str]:
-    """Set ids a retention run was deleting when it stopped (the journal it leaves until it ends)."""
+def read_journal(run_dir: str | None) -> list[dict]:
+    """The entries a retention run was deleting when it stopped (it removes each as it is done)."""
     if not run_dir:
-        return set()
+        return []
     data = runfiles.read_json_or_none(journal_path(run_dir))
-    ids = data.get("sets") if isinstance(data, dict) else None
-    return {i for i in ids if isinstance(i, str)} if isinstance(ids, list) else set()
+    items = data.get("sets") if isinstance(data, dict) else None
+    if not isinstance(items, list):
+        return []
+    return [
+        i
+        for i in items
+        if isinstance(i, dict)
+        and isinstance(i.get("id"), str)
+        and i.get("kind") in ("set", "temp")
+        and isinstance(i.get("bytes"), int)
+    ]
+
+
+def interrupted(run_dir: str | None) -> set[str]:
+    """Ids of the sets an interrupted retention run had started to delete."""
+    return {i["id"] for i in read_journal(run_dir) if i["kind"] == "set"}
+
+
+def _batches(entries: list[Entry]):
+    """The deletions in groups whose journal stays within the run-file reader's bound."""
+    batch, size = [], 0
+    for e in entries:
+        cost = len(e.id) + len(e.why) + 100
+        if batch and (len(batch) >= MAX_BATCH or size + cost > JOURNAL_BUDGET):
+            yield batch
+            batch, size = [], 0
+        batch.append(e)
+        size += cost
+    if batch:
+        yield batch
+
+
+def _write_journal(run_dir: str, items: list[dict]) -> None:
+    path = journal_path(run_dir)
+    if items:
+        runfiles.atomic_write_json(path, {"sets": items, "at": time.time()})
+    else:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 class Retention:
@@ -427,47 +469,50 @@ class Retention:
                     "away); reload it and apply the new one",
                 )
             run_dir = self.service.run_dir
-            gone = p.deletions
             done, failed = [], []
-            if gone:
-                runfiles.atomic_write_json(
-                    journal_path(run_dir),
-                    {"sets": [e.id for e in gone if e.kind == "set"], "at": time.time()},
-                )
-            for e in gone:
-                if e.kind == "set":
-                    deleted, errs, _ = self.service.remove_set(e.set)
-                    ok = not errs
-                    outcome = (
-                        f"deleted: {len(deleted)} file(s)" if ok else f"partial: {len(errs)} file(s) failed"
-                    )
-                else:
-                    try:
-                        root = os.path.realpath(run_dir)
-                        if _is_file(run_dir, e.id):
-                            safefs.unlink(root, e.id)
-                        else:
-                            safefs.rmtree(root, e.id)
-                        ok, errs, outcome = True, [], "deleted"
-                    except FileNotFoundError:
-                        ok, errs, outcome = True, [], "deleted (already gone)"
-                    except (OSError, safefs.UnsafePath) as err:
-                        ok, errs = False, [{"path": e.id, "error": str(err)}]
-                        outcome = f"failed: {err}"
+            # First what an interrupted run left: its sets that are gone now were deleted whole
+            # but never audited; those still here are partial, and go first.
+            present = {e.id for e in p.entries}
+            held = []
+            for item in read_journal(run_dir):
+                if item["id"] in present:
+                    held.append(item)
+                    continue
                 self.service.audit.record(
                     "delete",
-                    who=who,
-                    remote_addr=remote_addr,
-                    reason=f"retention: {e.why}",
-                    outcome=outcome,
-                    detail={"set": e.id, "kind": e.kind, "rule": e.why, "bytes": e.bytes, "errors": errs},
+                    who=str(item.get("who", who))[:200],
+                    reason=f"retention: {str(item.get('why', ''))[:500]}",
+                    outcome="deleted (an interrupted retention run finished it before it stopped)",
+                    detail={
+                        "set": item["id"],
+                        "kind": item["kind"],
+                        "bytes": item["bytes"],
+                        "finished_by": who,
+                    },
                 )
-                (done if ok else failed).append(e.id)
-            if not failed:
-                try:
-                    os.unlink(journal_path(run_dir))
-                except FileNotFoundError:
-                    pass
+            first = {i["id"] for i in held}
+            gone = sorted(p.deletions, key=lambda e: e.id not in first)
+            held = [i for i in held if i["id"] not in {e.id for e in gone}]  # partial, but not deletable now
+            for batch in _batches(gone):
+                journal = held + [
+                    {"id": e.id, "kind": e.kind, "bytes": e.bytes, "why": e.why, "who": who} for e in batch
+                ]
+                # Written before the first unlink: a kill -9 from here on leaves a named reason.
+                _write_journal(run_dir, journal)
+                for e in batch:
+                    ok, errs, outcome = self._delete(run_dir, e)
+                    self.service.audit.record(
+                        "delete",
+                        who=who,
+                        remote_addr=remote_addr,
+                        reason=f"retention: {e.why}",
+                        outcome=outcome,
+                        detail={"set": e.id, "kind": e.kind, "rule": e.why, "bytes": e.bytes, "errors": errs},
+                    )
+                    (done if ok else failed).append(e.id)
+                    if ok:
+                        journal = [i for i in journal if i["id"] != e.id]
+                        _write_journal(run_dir, journal)
             self.service.index(world, force=True)
         return {
             "hash": p.hash,
@@ -475,6 +520,27 @@ class Retention:
             "failed": failed,
             "frees_bytes": sum(e.bytes for e in gone if e.id in done),
         }
+
+    def _delete(self, run_dir: str, e: Entry) -> tuple[bool, list, str]:
+        """Delete one plan entry: (done, errors, the audit outcome). Already gone is done."""
+        if e.kind == "set":
+            deleted, errs, _ = self.service.remove_set(e.set)
+            return (
+                not errs,
+                errs,
+                (f"deleted: {len(deleted)} file(s)" if not errs else f"partial: {len(errs)} failed"),
+            )
+        root = os.path.realpath(run_dir)
+        try:
+            if _is_file(run_dir, e.id):
+                safefs.unlink(root, e.id)
+            else:
+                safefs.rmtree(root, e.id)
+        except FileNotFoundError:
+            return True, [], "deleted (already gone)"
+        except (OSError, safefs.UnsafePath) as err:
+            return False, [{"path": e.id, "error": str(err)}], f"failed: {err}"
+        return True, [], "deleted"
 
     def tick(
         self, world: int, heartbeats: Mapping[int, dict | None], alert: Callable | None = None
