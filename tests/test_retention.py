@@ -262,7 +262,9 @@ def test_interrupted_deletion_leaves_the_set_partial_with_the_reason(job):
         periodic(job, step)
     r = retention(job)
     cset = next(s for s in r.service.index(2, force=True).sets if s.global_step == 10)
-    runfiles.atomic_write_json(rt.journal_path(str(job)), {"sets": [{"id": cset.id, "kind": "set", "bytes": cset.bytes}]})
+    runfiles.atomic_write_json(
+        rt.journal_path(str(job)), {"sets": [{"id": cset.id, "kind": "set", "bytes": cset.bytes}]}
+    )
     os.unlink(job / cset.files[0].path)  # lowest rank first
     assert cset.files[0].rank == 0
     body = r.service.body(2)
