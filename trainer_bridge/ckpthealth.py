@@ -63,11 +63,12 @@ def unhealthy(run_dir: str | None, index: Index, records: Mapping[str, int] | No
     out: dict[str, str] = {}
     for s in index.sets:
         for f in s.files:
-            h = records.get(f.path.rsplit("/", 1)[-1])
-            if h is not None and h != 0:
-                out[s.id] = f"MindFormers' {HEALTH_FILE} marks {f.path} unhealthy (is_health={h})"
-                break
-            if f.ok and f.meta.extras.get(LOSS_FLAG) == 0:
+            if records:
+                h = records.get(f.path.rsplit("/", 1)[-1])
+                if h is not None and h != 0:
+                    out[s.id] = f"MindFormers' {HEALTH_FILE} marks {f.path} unhealthy (is_health={h})"
+                    break
+            if f.meta.extras and f.meta.extras.get(LOSS_FLAG) == 0 and f.ok:
                 out[s.id] = f"rank {f.rank}'s loss was NaN or infinite when it saved"
                 break
     return out

@@ -249,7 +249,8 @@ def plan(
         )
         if s.id in unhealthy:
             why += f" (unhealthy: {unhealthy[s.id]})"
-        identity = tuple((f.path, f.meta.bytes, f.meta.mtime) for f in s.files)
+        # A file that changes changes the set's size or newest mtime (a write sets it to now).
+        identity = (len(s.files), s.bytes, s.mtime, len(s.ranks_missing))
         entries.append(
             Entry("set", s.id, s.global_step, "keep" if keep else "delete", why, s.bytes, identity, s)
         )
@@ -267,11 +268,10 @@ def plan(
         entries.append(
             Entry("temp", t.path, None, "delete" if old else "keep", why, t.bytes, (t.mtime,), temp=t)
         )
-    digest = hashlib.sha256(
-        json.dumps(
-            [policy.to_dict(), [(e.kind, e.id, e.action, e.identity) for e in entries]], default=str
-        ).encode()
-    ).hexdigest()[:32]
+    h = hashlib.sha256(json.dumps(policy.to_dict()).encode())
+    for e in entries:
+        h.update(repr((e.kind, e.id, e.action, e.identity)).encode())
+    digest = h.hexdigest()[:32]
     return Plan(policy, tuple(entries), digest, dict(unhealthy))
 
 
