@@ -6,8 +6,10 @@ by the real index, deleted by the real deleter.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -369,3 +371,34 @@ def test_cli_gc_prints_the_plan_and_applies(job):
     assert any(row["who"] == "cli" for row in rows)
     # The list itself still works as before.
     assert runner.invoke(main, ["checkpoints", "--run-dir", str(job)]).exit_code == 0
+
+
+def test_a_nearly_full_filesystem_warns_before_the_save_that_would_fail(tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=800k", "tmpfs", str(mnt)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        run = mnt / "run"
+        write_job(run, 2)
+        big = ckptcraft.tensor([40_000], "Float32", b"\1" * 160_000)
+        periodic(run, 10, extra=ckptcraft.entry("big", big))
+        r = retention(run)
+        alerts = []
+        first = r.tick(2, {}, alert=lambda *a: alerts.append(a))
+        assert first["disk"]["low"] is False and not alerts  # 320 KB saved, ~480 KB free
+        periodic(run, 20, extra=ckptcraft.entry("big", big))  # ~160 KB free: less than the next save
+        second = r.tick(2, {}, alert=lambda *a: alerts.append(a))
+        assert second["disk"]["low"] and "next save would fail" in second["disk"]["warning"]
+        assert [a[1] for a in alerts] == ["checkpoint_disk_low"]
+        body = r.body(2, {})
+        assert body["disk"]["low"] and body["disk"]["free_bytes"] < body["disk"]["next_save_bytes"]
+        # The warning came first; the save it warned of fails mid-write.
+        with pytest.raises(OSError) as e:
+            periodic(run, 30, extra=ckptcraft.entry("big", big))
+        assert e.value.errno == errno.ENOSPC
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -545,39 +545,43 @@ class Retention:
     def tick(
         self, world: int, heartbeats: Mapping[int, dict | None], alert: Callable | None = None
     ) -> dict | None:
-        """The automatic mode, once per new complete set: apply (``on``) or only report (``dry_run``).
+        """Once per new complete set: apply the plan (``on``) or report it (``dry_run``), check the disk.
 
         Called by the watcher's leader after its checkpoint poll. Never raises
         for the files; returns what it did, or None.
         """
         policy = self.policy()
-        if policy.mode == "off" or self.service.run_dir is None:
+        if self.service.run_dir is None:
             return None
         index = self.service.index(world)
         newest = index.newest_complete
         if newest is None or newest.id == self._auto_seen:
             return None
         self._auto_seen = newest.id
-        d = disk(self.service.run_dir, index)
-        if d["low"] and alert is not None:
-            alert(f"retention-disk:{newest.id}", "checkpoint_disk_low", d["warning"])
+        result: dict = {}
         if policy.mode == "dry_run":
             p = self.plan(world, heartbeats)
             if p.deletions and alert is not None:
                 alert(
                     f"retention-dry:{p.hash}",
                     "retention_dry_run",
-                    f"retention (dry run) would delete {len(p.deletions)} set(s), freeing {_gib(p.frees_bytes)}",
+                    f"retention (dry run) would delete {len(p.deletions)} set(s), "
+                    f"freeing {_gib(p.frees_bytes)}",
                 )
-            return {"dry_run": p.to_dict()}
-        result = self.apply(None, world, heartbeats, who="policy")
-        if result["deleted"] and alert is not None:
-            alert(
-                f"retention:{result['hash']}",
-                "retention_applied",
-                f"retention deleted {len(result['deleted'])} set(s), freeing {_gib(result['frees_bytes'])}"
-                + (f"; {len(result['failed'])} failed" if result["failed"] else ""),
-            )
+            result["dry_run"] = p.to_dict()
+        elif policy.mode == "on":
+            result = self.apply(None, world, heartbeats, who="policy")
+            if result["deleted"] and alert is not None:
+                alert(
+                    f"retention:{result['hash']}",
+                    "retention_applied",
+                    f"retention deleted {len(result['deleted'])} set(s), freeing {_gib(result['frees_bytes'])}"
+                    + (f"; {len(result['failed'])} failed" if result["failed"] else ""),
+                )
+        # Whatever the mode: after a new set (and what retention freed), will the next save fit?
+        result["disk"] = disk(self.service.run_dir, self.service.index(world))
+        if result["disk"]["low"] and alert is not None:
+            alert(f"retention-disk:{newest.id}", "checkpoint_disk_low", result["disk"]["warning"])
         return result
 
 
