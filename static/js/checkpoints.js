@@ -6,6 +6,7 @@ import { CKPT, el } from "./checkpoints_dom.js";
 import { SetTable, epochLabel, rankList } from "./checkpoints_table.js";
 import { DeleteDialog, ResumeDialog, api } from "./checkpoints_dialogs.js";
 import { formatBytes, formatSeconds } from "./format.js";
+import { RetentionView } from "./checkpoints_retention.js";
 import { operatorFetch, token } from "./token.js";
 
 window.addEventListener("rankwatch-login-failed", (e) => flash(`The login link did not work: ${e.detail}`, "error"));
@@ -55,6 +56,8 @@ const deleteDialog = new DeleteDialog(config, (result, set) => {
   flash(`Deleted ${result.deleted.length} file(s) of global step ${set.global_step ?? "?"}`
     + (failed.length ? `; could not delete ${failed.join("; ")}` : "."), failed.length ? "error" : "info");
 });
+
+const retention = new RetentionView(config, flash);
 
 function renderAnswer() {
   const answer = $(CKPT.answer);
@@ -111,6 +114,7 @@ socket.on(config.events.checkpoints, (msg) => {
   index = msg;
   renderAnswer();
   table.render(msg);
+  retention.refresh().catch(() => {});
 });
 socket.on(config.events.verify, (msg) => table.applyVerify(msg));
 
