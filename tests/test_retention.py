@@ -325,6 +325,38 @@ def test_plan_then_apply_over_http(client, job):
     assert not (job / "ckpt/rank_0/net-1_10.ckpt").exists()
 
 
+def test_pin_and_unpin_over_http_are_audited_and_honoured(client, job):
+    for step in (10, 20, 30, 40):
+        periodic(job, step)
+    body = {"set": sid(10), "pinned": True, "who": "carol", "reason": "milestone eval"}
+    assert client.post("/api/checkpoints/pin", json=body).status_code == 401
+    r = client.post("/api/checkpoints/pin", json=body, headers=AUTH)
+    assert r.status_code == 200 and r.get_json()["pins"] == [sid(10)]
+    plan = client.get("/api/checkpoints/retention").get_json()
+    assert {s["global_step"]: s["why"] for s in plan["sets"]}[10] == "kept: pinned"
+    assert plan["policy"]["pinned"] == [sid(10)] and plan["frees_bytes"] == 0
+    missing = client.post("/api/checkpoints/pin", json=body | {"set": "nope#g1"}, headers=AUTH)
+    assert missing.status_code == 404
+    r = client.post("/api/checkpoints/pin", json=body | {"pinned": False}, headers=AUTH)
+    assert r.status_code == 200 and r.get_json()["pins"] == []
+    plan = client.get("/api/checkpoints/retention").get_json()
+    assert {s["global_step"]: s["action"] for s in plan["sets"]}[10] == "delete"
+    rows = [r for r in AuditLog(job / "rankwatch/audit.sqlite3").rows() if r["action"] == "pin"]
+    assert sorted((r["who"], r["outcome"]) for r in rows) == [("carol", "pinned"), ("carol", "unpinned")]
+
+
+def test_dry_run_audits_and_alerts_but_deletes_nothing(job):
+    for step in (10, 20, 30, 40):
+        periodic(job, step)
+    r = retention(job, RETENTION_MODE="dry_run")
+    alerts = []
+    out = r.tick(2, {}, alert=lambda *a: alerts.append(a))
+    assert [e["global_step"] for e in out["dry_run"]["sets"] if e["action"] == "delete"] == [10]
+    assert (job / "ckpt/rank_0/net-1_10.ckpt").exists()
+    assert [a[1] for a in alerts] == ["retention_dry_run"]
+    assert any(row["outcome"].startswith("dry run: would delete 1") for row in r.service.audit.rows())
+
+
 def test_retention_mode_on_applies_after_a_new_complete_set(job):
     for step in (10, 20, 30):
         periodic(job, step)

@@ -24,8 +24,8 @@ def test_the_plan_shows_as_a_column_and_apply_deletes_it(live_server, page, run_
     page.goto(live_server.url + "/checkpoints")
     row = lambda step: page.locator(f'#ckpt-table tr.set-row[data-set-id="{sid(step)}"]')  # noqa: E731
     cell = lambda step: row(step).locator('td[data-col="retention"]')  # noqa: E731
-    expect(cell(40)).to_have_text("kept: newest complete healthy", timeout=WAIT_MS)
-    expect(cell(30)).to_have_text("kept: newest 3 complete")
+    expect(cell(40)).to_contain_text("kept: newest complete healthy", timeout=WAIT_MS)
+    expect(cell(30)).to_contain_text("kept: newest 3 complete")
     expect(cell(10)).to_contain_text("will free")
     expect(page.locator('#ckpt-table thead th[data-col="retention"]')).to_have_text("Retention")
     expect(page.locator("#ckpt-retention-policy")).to_contain_text("Retention off: keep the newest 3")
@@ -33,6 +33,12 @@ def test_the_plan_shows_as_a_column_and_apply_deletes_it(live_server, page, run_
     button = page.locator("#ckpt-retention-apply")
     expect(button).to_contain_text("delete 1")
     page.evaluate(f"sessionStorage.setItem('rankwatch.token', {TOKEN!r})")
+    # Pin set 10, then unpin it: the column and the button follow.
+    cell(10).locator("button", has_text="Pin").click()
+    expect(cell(10)).to_contain_text("kept: pinned", timeout=WAIT_MS)
+    expect(button).to_be_hidden()
+    cell(10).locator("button", has_text="Unpin").click()
+    expect(cell(10)).to_contain_text("will free", timeout=WAIT_MS)
     page.once("dialog", lambda d: d.accept())
     button.click()
     expect(page.locator("#ckpt-flash")).to_contain_text("Retention deleted 1", timeout=WAIT_MS)

@@ -521,6 +521,35 @@ class Retention:
             "frees_bytes": sum(e.bytes for e in gone if e.id in done),
         }
 
+    def pin(
+        self, set_id: str, pinned: bool, world: int, *, who: str, remote_addr: str | None, reason: str
+    ) -> dict:
+        """Pin or unpin a set (``retention.json``'s ``pinned``); audited. Pinned sets are never deleted."""
+        run_dir = self.service.run_dir
+        with self._lock:
+            if pinned:
+                self.service.find(set_id, world)  # only a listed set can be pinned (404 otherwise)
+            current, error = read_override(run_dir)
+            if error:
+                raise ApiError(409, f"{error}; fix or remove it before pinning")
+            fields = current.to_dict() if current is not None else {}
+            pins = [p for p in fields.get("pinned", []) if p != set_id] + ([set_id] if pinned else [])
+            try:
+                obj = schema.build(schema.RetentionFile, **(fields | {"pinned": pins}))
+            except schema.SchemaError as e:
+                raise ApiError(409, f"cannot pin: {e}") from None
+            os.makedirs(runfiles.state_dir(run_dir), exist_ok=True)
+            runfiles.atomic_write_bytes(override_path(run_dir), obj.to_json())
+            self.service.audit.record(
+                "pin",
+                who=who,
+                remote_addr=remote_addr,
+                reason=reason,
+                outcome="pinned" if pinned else "unpinned",
+                detail={"set": set_id},
+            )
+        return {"set": set_id, "pinned": pinned, "pins": pins}
+
     def _delete(self, run_dir: str, e: Entry) -> tuple[bool, list, str]:
         """Delete one plan entry: (done, errors, the audit outcome). Already gone is done."""
         if e.kind == "set":
@@ -567,6 +596,14 @@ class Retention:
                     "retention_dry_run",
                     f"retention (dry run) would delete {len(p.deletions)} set(s), "
                     f"freeing {_gib(p.frees_bytes)}",
+                )
+            if p.deletions:
+                self.service.audit.record(
+                    "delete",
+                    who="policy",
+                    reason="retention (dry run)",
+                    outcome=f"dry run: would delete {len(p.deletions)}, freeing {p.frees_bytes} bytes",
+                    detail={"sets": [(e.id, e.why, e.bytes) for e in p.deletions[:MAX_BATCH]]},
                 )
             result["dry_run"] = p.to_dict()
         elif policy.mode == "on":

@@ -48,6 +48,7 @@ def page():
                 ("verify", "api_verify_start"),
                 ("retention", "api_retention"),
                 ("retention_apply", "api_retention_apply"),
+                ("pin", "api_pin"),
             )
         },
         "scan_s": current_app.config["CHECKPOINT_SCAN_S"],
@@ -151,3 +152,22 @@ def api_retention_apply():
     if pushed is not None:
         push.emit(socketio, CHECKPOINTS_EVENT, pushed)
     return jsonify(result)
+
+
+@bp.post("/api/checkpoints/pin")
+def api_pin():
+    """Pin (``"pinned": true``) or unpin a set: retention never deletes a pinned set. Audited."""
+    require_operator()
+    body = json_body(
+        {"set": (str, True), "pinned": (bool, True), "who": (str, False), "reason": (str, False)}
+    )
+    return jsonify(
+        rankwatch().checkpoints.retention.pin(
+            body["set"],
+            body["pinned"],
+            _world(),
+            who=body.get("who") or WHO_DEFAULT,
+            remote_addr=request.remote_addr,
+            reason=body.get("reason") or "",
+        )
+    )

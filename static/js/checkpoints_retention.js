@@ -50,6 +50,12 @@ export class RetentionView {
       if (entry) {
         td.dataset.action = entry.action;
         td.title = entry.why;
+        const pinned = plan.policy.pinned.includes(entry.id);
+        const pin = el("button", "btn btn-small ckpt-pin", pinned ? "Unpin" : "Pin");
+        pin.type = "button";
+        pin.title = pinned ? "Let retention decide again" : "Never delete this set (operator token needed)";
+        pin.onclick = () => this.pin(entry.id, !pinned).catch((err) => this.flash(err.message, "error"));
+        td.append(" ", pin);
       }
       tr.querySelector('[data-col="retention"]')?.remove();
       tr.insertBefore(td, tr.lastElementChild);
@@ -71,6 +77,16 @@ export class RetentionView {
     button.hidden = count === 0;
     button.textContent = `Apply retention: delete ${count}, will free ${formatBytes(plan.frees_bytes)}`;
     $(RETENTION.section).hidden = false;
+  }
+
+  async pin(id, pinned) {
+    if (!token.get()) {
+      this.flash("Pinning needs the operator token: open the login link the dashboard printed.", "error");
+      return;
+    }
+    const r = await operatorFetch(this.config.urls.pin, { set: id, pinned });
+    if (!r.ok) this.flash(r.body.error, "error");
+    await this.refresh();
   }
 
   async apply() {
