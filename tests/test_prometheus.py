@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app import create_app
+from app import create_app, large
 from app.health import VERDICTS
 from app.prometheus import DEVICE_GAUGES, PREFIX, RANK_GAUGES
 from app.stop_service import STAGES
@@ -240,6 +240,24 @@ def test_above_the_per_rank_limit_only_summaries_unless_asked(run_dir):
     bad = client.get("/metrics?per_rank=yes")
     assert bad.status_code == 400
     assert bad.get_json() == {"error": "query parameter 'per_rank' must be 0 or 1, not 'yes'", "status": 400}
+
+
+def test_one_large_answer_at_a_time(client, app, job, monkeypatch):
+    """A second large answer while one is being built is refused at once, in the error shape."""
+    monkeypatch.setattr(large, "LARGE_ANSWER_RANKS", WORLD - 1)
+    assert client.get("/metrics").status_code == 200  # the slot is free
+    slot = app.extensions.setdefault("rankwatch_large_answers", large.LargeAnswers())
+    with slot.take("a test"):
+        for url in ("/metrics", "/metrics?per_rank=1", "/api/history"):
+            busy = client.get(url)
+            assert busy.status_code == 503, url
+            assert busy.get_json()["status"] == 503 and "being built" in busy.get_json()["error"]
+            assert int(busy.headers["Retry-After"]) >= 1
+        # A summary-only scrape holds no row per rank: it needs no slot.
+        assert client.get("/metrics?per_rank=0").status_code == 200
+        assert client.get("/api/ranks").status_code == 200  # paged: never large
+    assert client.get("/metrics").status_code == 200
+    assert client.get("/api/history").status_code == 200
 
 
 def test_checkpoint_sets_are_counted(client, job):
