@@ -10,10 +10,10 @@ import time
 
 from flask import Response, current_app, jsonify, request
 
-from app import rankwatch
 from app.audit import AuditError
 from app.auth import check_token, json_body, over_write_budget, require_operator
 from app.errors import ApiError
+from app.extensions import rankwatch
 from app.login import login_url
 from app.ratelimit import retry_after
 from app.stop import bp
