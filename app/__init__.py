@@ -53,7 +53,7 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     app.config.update(coerce_all(config or {}))
     app.config["TOKEN_GENERATED"] = ensure_token(app.config)
     app.extensions["rankwatch_limits"] = Limits.from_config(app.config)
-    app.extensions["rankwatch_login"] = LoginCodes()
+    app.extensions["rankwatch_login"] = LoginCodes(ttl_s=app.config["LOGIN_TTL_S"])
     weakness = None if app.config["TOKEN_GENERATED"] else token_weakness(app.config["TOKEN"])
     if weakness:
         app.logger.warning(

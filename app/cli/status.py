@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
-from rich.console import Group
-from rich.live import Live
-from rich.table import Table
-from rich.text import Text
 
 from app.cli.common import (
     SEVERITY,
@@ -22,22 +19,60 @@ from app.cli.common import (
     fmt_number,
     fmt_seconds,
     open_cli_run,
+    plain,
     run_dir_option,
+    untrusted,
     verdict_text,
 )
 from app.health import VERDICTS
-from app.state import RunState
+
+if TYPE_CHECKING:
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    from app.state import RunState
 
 # Lines the header, the summary and the table's frame take in --watch.
 CHROME_LINES = 9
 
 
+# The page's note on a rank read from its worker log (static/js/table.js, LOG_ONLY.note).
+LOG_ONLY_NOTE = (
+    "read from its worker log only: CPU, memory, device and stop stages are not in it; "
+    "add the Rankwatch bridge to the script to see them"
+)
+
+
+def reason_text(row: dict) -> str:
+    """The reason cell as the page writes it: the verdict's reason, the newest warning, the log note."""
+    reason = str(row["reason"])
+    warnings = row.get("warnings") or []
+    if warnings:
+        more = f" (+{len(warnings) - 1} more)" if len(warnings) > 1 else ""
+        reason = f"{reason} ⚠ {warnings[-1]}{more}"
+    return f"{reason} · {LOG_ONLY_NOTE}" if row.get("source") == "log" else reason
+
+
+def step_cells(row: dict) -> tuple[str, str]:
+    """(global step, epoch/step): each shown when known, whether or not the other is."""
+    gstep = "–" if row["global_step"] is None else f"{row['global_step']:,}"
+    if row["epoch"] is None and row["step"] is None:
+        return gstep, "–"
+    epoch = "–" if row["epoch"] is None else row["epoch"]
+    step = "–" if row["step"] is None else row["step"]
+    return gstep, f"{epoch}/{step}"
+
+
 def rank_table(rows: list[dict], hidden: int = 0) -> Table:
+    from rich.table import Table
+
     table = Table(box=None, header_style="bold", pad_edge=False, expand=False)
     table.add_column("rank", justify="right")
     table.add_column("host")
     table.add_column("verdict", no_wrap=True)
     table.add_column("global step", justify="right")
+    table.add_column("epoch/step", justify="right")
     table.add_column("loss", justify="right")
     table.add_column("step ms", justify="right")
     table.add_column("heartbeat", justify="right")
@@ -47,15 +82,15 @@ def rank_table(rows: list[dict], hidden: int = 0) -> Table:
     for row in rows:
         table.add_row(
             str(row["rank"]),
-            row["host"] or "–",
+            untrusted(row["host"] or "–"),
             verdict_text(row["health"]),
-            "–" if row["global_step"] is None else f"{row['epoch']}/{row['step']} ({row['global_step']})",
+            *step_cells(row),
             "–" if row["loss"] is None else f"{row['loss']:.4g}",
             fmt_number(row["step_time_ms"]),
             fmt_seconds(row["heartbeat_age_s"]),
             fmt_number(row["cpu_percent"], 0),
             fmt_bytes(row["rss_bytes"]),
-            row["reason"] + (f" ⚠ {row['warnings'][-1]}" if row["warnings"] else ""),
+            untrusted(reason_text(row)),
         )
     if hidden:
         table.caption = f"… and {hidden} more rank(s) (larger terminal, or --health, to see them)"
@@ -63,9 +98,12 @@ def rank_table(rows: list[dict], hidden: int = 0) -> Table:
 
 
 def summary_text(snapshot: dict) -> Text:
+    from rich.text import Text
+
     s = snapshot["summary"]
     text = Text()
-    text.append(f"{snapshot['run']['message']}\n")
+    # A Text's append reads no markup; only the controls need replacing.
+    text.append(f"{plain(snapshot['run']['message'])}\n")
     text.append(f"world size {snapshot['world_size']}  ")
     for verdict in VERDICTS:
         n = s["counts"].get(verdict, 0)
@@ -90,6 +128,8 @@ def ordered(rows: list[dict]) -> list[dict]:
 
 
 def view(state: RunState, health: list[str], limit: int | None) -> Group:
+    from rich.console import Group
+
     now = time.time()
     state.scan(now)
     snapshot = state.snapshot(now, health or None)
@@ -119,15 +159,22 @@ def status(run_dir: Path, watch: bool, interval: float, health: str) -> None:
     unknown = sorted(set(wanted) - set(VERDICTS))
     if unknown:
         raise click.BadParameter(f"unknown verdict {', '.join(unknown)}", param_hint="--health")
+    try:
+        show(run_dir, wanted, watch, interval)
+    except KeyboardInterrupt:
+        # Ctrl-C is how --watch ends, and it may come while the engines load.
+        raise SystemExit(130 if not watch else 0) from None
+
+
+def show(run_dir: Path, wanted: list[str], watch: bool, interval: float) -> None:
     run = open_cli_run(run_dir)
     out = console()
     if not watch:
         out.print(view(run.state, wanted, None))
         return
-    try:
-        with Live(console=out, auto_refresh=False, screen=False) as live:
-            while True:
-                live.update(view(run.state, wanted, out.size.height - CHROME_LINES), refresh=True)
-                time.sleep(interval)
-    except KeyboardInterrupt:
-        pass
+    from rich.live import Live
+
+    with Live(console=out, auto_refresh=False, screen=False) as live:
+        while True:
+            live.update(view(run.state, wanted, out.size.height - CHROME_LINES), refresh=True)
+            time.sleep(interval)
