@@ -160,7 +160,9 @@ def test_a_wheel_installed_without_e_serves_reads_and_stops_a_real_job(fresh_ven
         ckpts = run([str(bin_dir / "rankwatch"), "checkpoints", "--run-dir", str(run_dir)], env=env, cwd=cwd)
         # Whichever periodic sets exist when read: the job trains on meanwhile and
         # keeps only the newest 5, so how far it got depends on the machine.
-        listed = re.findall(r"ckpt_of_rank/\{rank\}/lenet-\{E\}_\{S\}\.ckpt#g(\d+) .*periodic\s+yes", ckpts.stdout)
+        listed = re.findall(
+            r"ckpt_of_rank/\{rank\}/lenet-\{E\}_\{S\}\.ckpt#g(\d+) .*periodic\s+yes", ckpts.stdout
+        )
         assert listed and all(int(g) % 10 == 0 for g in listed), ckpts.stdout
         assert "Resume from" in ckpts.stdout and "msrun --worker_num=2" in ckpts.stdout
 

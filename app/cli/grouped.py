@@ -61,7 +61,9 @@ def first_sentence(text: str) -> str:
 def setting_option(setting: Setting, group: str) -> GroupedOption:
     """``--tick-s`` for TICK_S: from the flag, else ``RANKWATCH_TICK_S``, else the default."""
     default = setting.default
-    shown = "" if default == "" else f", default {str(default).lower() if isinstance(default, bool) else default}"
+    shown = (
+        "" if default == "" else f", default {str(default).lower() if isinstance(default, bool) else default}"
+    )
     return GroupedOption(
         [setting.flag, setting.name],
         type=SettingType(setting),
