@@ -1,11 +1,15 @@
 """``rankwatch status --run-dir RUN [--watch]``: the rank table in a terminal.
 
-The rows are ``RunState``'s, judged exactly as the dashboard judges them
-(the same thresholds, from the same ``RANKWATCH_*`` variables).
+The rows are the page's: when a dashboard of this user serves the run
+(its server file, ``app/login.py``), they are that dashboard's ``/api/ranks``
+at this moment; otherwise ``RunState``'s, judged here from the files as the
+dashboard judges them (the same thresholds, from the same ``RANKWATCH_*``
+variables). The reason cell is composed as the page composes it.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,7 +38,7 @@ if TYPE_CHECKING:
     from app.state import RunState
 
 # Lines the header, the summary and the table's frame take in --watch.
-CHROME_LINES = 9
+CHROME_LINES = 10
 
 
 # The page's note on a rank read from its worker log (static/js/table.js, LOG_ONLY.note).
@@ -127,12 +131,70 @@ def ordered(rows: list[dict]) -> list[dict]:
     return sorted(rows, key=lambda r: (order.get(r["health"], len(order)), r["rank"]))
 
 
-def view(state: RunState, health: list[str], limit: int | None) -> Group:
-    from rich.console import Group
+# The largest /api/ranks answer read from a dashboard; a larger job is judged here.
+MAX_ANSWER_BYTES = 128 * 2**20
 
-    now = time.time()
-    state.scan(now)
-    snapshot = state.snapshot(now, health or None)
+
+def dashboard_snapshot(run_dir: Path, health: list[str]) -> tuple[dict, str] | None:
+    """``GET /api/ranks`` from this user's dashboard on ``run_dir``, and its URL; None if none answers.
+
+    The page's rows at this moment, judged by the dashboard's own engines
+    with their history: a process started now has seen one heartbeat per
+    rank, so a verdict that needs several (a straggler's window of step
+    times) would read differently here than on the page.
+    """
+    import json
+    import urllib.parse
+    import urllib.request
+
+    from app.login import running_dashboards
+
+    here = os.path.realpath(run_dir)
+    for info in running_dashboards():
+        if not isinstance(info.get("url"), str) or os.path.realpath(str(info.get("run_dir", ""))) != here:
+            continue
+        query = "?" + urllib.parse.urlencode({"health": ",".join(health)}) if health else ""
+        request = urllib.request.Request(
+            info["url"].rstrip("/") + "/api/ranks" + query,
+            headers={"Authorization": f"Bearer {info.get('token', '')}"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=5) as response:
+                body = response.read(MAX_ANSWER_BYTES + 1)
+            snapshot = json.loads(body) if len(body) <= MAX_ANSWER_BYTES else None
+        except (OSError, ValueError):
+            continue
+        if isinstance(snapshot, dict) and {"ranks", "summary", "run", "world_size"} <= snapshot.keys():
+            if health or len(snapshot["ranks"]) >= (snapshot["world_size"] or 0):  # every row, not a page
+                return snapshot, info["url"]
+    return None
+
+
+class Source:
+    """The rows: the running dashboard's when one serves this run, else judged here from the files."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.state: RunState | None = None
+
+    def snapshot(self, health: list[str]) -> tuple[dict, str]:
+        found = dashboard_snapshot(self.run_dir, health)
+        if found is not None:
+            return found[0], f"as the dashboard at {found[1]} shows it"
+        if self.state is None:
+            self.state = open_cli_run(self.run_dir).state
+        now = time.time()
+        self.state.scan(now)
+        return self.state.snapshot(
+            now, health or None
+        ), "judged from the run directory (no dashboard of yours serves it)"
+
+
+def view(source: Source, health: list[str], limit: int | None) -> Group:
+    from rich.console import Group
+    from rich.text import Text
+
+    snapshot, origin = source.snapshot(health)
     rows = snapshot["ranks"]
     if limit is not None:
         rows = ordered(rows)
@@ -140,7 +202,7 @@ def view(state: RunState, health: list[str], limit: int | None) -> Group:
         shown.sort(key=lambda r: r["rank"])
     else:
         shown, hidden = rows, 0
-    return Group(summary_text(snapshot), rank_table(shown, hidden))
+    return Group(summary_text(snapshot), rank_table(shown, hidden), Text(plain(origin), style="dim"))
 
 
 @click.command()
@@ -167,14 +229,14 @@ def status(run_dir: Path, watch: bool, interval: float, health: str) -> None:
 
 
 def show(run_dir: Path, wanted: list[str], watch: bool, interval: float) -> None:
-    run = open_cli_run(run_dir)
+    source = Source(run_dir)
     out = console()
     if not watch:
-        out.print(view(run.state, wanted, None))
+        out.print(view(source, wanted, None))
         return
     from rich.live import Live
 
     with Live(console=out, auto_refresh=False, screen=False) as live:
         while True:
-            live.update(view(run.state, wanted, out.size.height - CHROME_LINES), refresh=True)
+            live.update(view(source, wanted, out.size.height - CHROME_LINES), refresh=True)
             time.sleep(interval)
