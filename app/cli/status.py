@@ -185,9 +185,8 @@ class Source:
             self.state = open_cli_run(self.run_dir).state
         now = time.time()
         self.state.scan(now)
-        return self.state.snapshot(
-            now, health or None
-        ), "judged from the run directory (no dashboard of yours serves it)"
+        snapshot = self.state.snapshot(now, health or None)
+        return snapshot, "judged from the run directory (no dashboard of yours serves it)"
 
 
 def view(source: Source, health: list[str], limit: int | None) -> Group:
