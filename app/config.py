@@ -405,8 +405,9 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Stop and checkpoints", ("STOP_DEADLINE_S", "AUTO_REARM", "AUDIT_DB", "CHECKPOINT_SCAN_S")),
     ("Access", ("TOKEN", "LOGIN_TTL_S", "LOGIN_LINK", "OPERATOR_WRITES_PER_MIN")),
     (
-        "Alerts and the stop policy",
+        "Stacks, alerts and the stop policy",
         (
+            "PYSPY_PATH",
             "WEBHOOK_URL",
             "WEBHOOK_TIMEOUT_S",
             "WEBHOOK_RETRY_MAX_S",
