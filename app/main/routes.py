@@ -15,8 +15,8 @@ from importlib import metadata, resources
 
 from flask import Response, current_app, jsonify, render_template, request, send_file, url_for
 
-from app import rankwatch
 from app.errors import ApiError
+from app.extensions import rankwatch
 from app.health import VERDICT_HELP, VERDICTS
 from app.large import large_answer
 from app.main import bp, plotly_csp
