@@ -294,6 +294,14 @@ SETTINGS: list[Setting] = [
         "this many rows per update.",
     ),
     Setting(
+        "METRICS_PER_RANK_MAX",
+        1024,
+        "`/metrics` serves each rank's series up to this many ranks; above it, only summaries "
+        "(ranks per verdict, per host and verdict, per stop stage), so a large job does not "
+        "give Prometheus a dozen series per rank. `/metrics?per_rank=1` asks for every rank anyway "
+        "(one such answer is built at a time), `?per_rank=0` for the summaries only.",
+    ),
+    Setting(
         "WEBHOOK_URL",
         "",
         "Where alerts go: one URL, or several separated by commas, each receiving a JSON POST "
