@@ -407,8 +407,15 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     (
-        "Page and charts",
-        ("HISTORY_POINTS", "CHART_BUCKET_S", "CHART_REFRESH_S", "CHART_LINES_MAX_RANKS", "PAGE_SIZE"),
+        "Page, charts and metrics",
+        (
+            "HISTORY_POINTS",
+            "CHART_BUCKET_S",
+            "CHART_REFRESH_S",
+            "CHART_LINES_MAX_RANKS",
+            "PAGE_SIZE",
+            "METRICS_PER_RANK_MAX",
+        ),
     ),
     ("Stop and checkpoints", ("STOP_DEADLINE_S", "AUTO_REARM", "AUDIT_DB", "CHECKPOINT_SCAN_S")),
     ("Access", ("TOKEN", "LOGIN_TTL_S", "LOGIN_LINK", "OPERATOR_WRITES_PER_MIN")),
