@@ -340,6 +340,15 @@ SETTINGS: list[Setting] = [
         "the dashboard otherwise.",
     ),
     Setting(
+        "REDIS_KEY",
+        "",
+        "With `REDIS_URL`: a shared secret, set to the same value on the trainers and every dashboard "
+        "(`RANKWATCH_REDIS_KEY` on both). The bridge then signs each heartbeat it publishes "
+        "(HMAC-SHA256) and the dashboards sign their message-queue messages; unsigned or badly "
+        "signed ones are dropped, counted and shown as a warning. Empty: Redis is trusted as it is "
+        "(see the Security section on running Redis).",
+    ),
+    Setting(
         "LEADER_TTL_S",
         10.0,
         "With `REDIS_URL`, several dashboard processes may serve one job; one of them, the leader, "
