@@ -9,6 +9,7 @@ Socket.IO client does.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,6 +101,10 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     from app.incidents.stacks import StackService
 
     incidents = Incidents.from_config(app.config, state, stop, run.audit, socketio.start_background_task)
+    # A flood of wrong tokens or codes (app.auth.settle) is an alert, once a minute at most.
+    app.extensions["rankwatch_limits"].on_flood = lambda text: incidents.alerts.once(
+        f"auth-flood:{int(time.time() // 60)}", "auth_flood", text
+    )
     from app.cluster import Cluster
 
     # Several dashboards behind one Redis: its message queue and leader lock (app/cluster.py).
