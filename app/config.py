@@ -110,9 +110,38 @@ SETTINGS: list[Setting] = [
         "sends its head at once.",
     ),
     Setting(
+        "BODY_TIMEOUT_S",
+        10.0,
+        "A request's body (at most MAX_BODY_BYTES, with a Content-Length) must arrive within this "
+        "many seconds of its head, or it is answered 408 and the connection closed. Bodies are read "
+        "without a thread, like heads, so POSTs that trickle a byte now and then hold none.",
+    ),
+    Setting(
+        "RESERVED_THREADS",
+        4,
+        "Threads kept, besides SERVER_THREADS, for requests that carry the operator token "
+        "(`Authorization: Bearer`) and for `/api/health`: the stop and the health check answer "
+        "while tokenless clients (idle WebSockets, long polls) hold every other thread.",
+    ),
+    Setting(
+        "MAX_CONNS_PER_ADDR",
+        128,
+        "Open connections one client address may hold once half of MAX_CONNECTIONS are open; a "
+        "further one is then answered 503 and closed, so that one address cannot fill the server. "
+        "A page needs one or two. Behind a reverse proxy every client has the proxy's address: "
+        "raise it there.",
+    ),
+    Setting(
+        "MAX_CONNECTIONS",
+        1000,
+        "Open connections in all (gunicorn's `worker_connections`); past it new ones wait in the "
+        "kernel's queue until one closes (slow heads close after HEADER_TIMEOUT_S, slow bodies after "
+        "BODY_TIMEOUT_S).",
+    ),
+    Setting(
         "READ_TIMEOUT_S",
         60.0,
-        "Once a request's head is in, a read of its body or a write of its answer that "
+        "Once a request is in, a write of its answer (or a WebSocket's read) that "
         "waits longer than this fails and frees the thread; an open page's WebSocket hears "
         "Engine.IO's ping every 25 s, so this must be longer than that.",
     ),
