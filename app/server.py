@@ -41,8 +41,8 @@ measurement (README, "Production server"):
   ``/api/health``, so the stop and the health check answer when tokenless
   clients (idle WebSockets, long polls) hold every one of the
   ``SERVER_THREADS``. WebSockets may take all of those but
-  ``KEEP_FOR_REQUESTS``; past that an upgrade is answered 503 and the page
-  falls back to long-polling.
+  ``KEEP_FOR_REQUESTS`` (half, with few threads); past that an upgrade is
+  answered 503 and the page falls back to long-polling.
 
 Closing a connection never waits in the main loop: gunicorn's graceful close
 (half-close, then drain for up to 2 s) happens in the poller.
@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import errno
 import hmac
-import json
 import logging
 import selectors
 import socket
@@ -68,75 +67,16 @@ from gunicorn.app.base import BaseApplication
 from gunicorn.workers.gthread import TConn, ThreadWorker
 
 from app import create_app, login
+from app.httpwire import CONTINUE, MAX_HEAD_BYTES, RECV_BYTES, TOO_LARGE, Head, answer
 
 log = logging.getLogger(__name__)
 
-# A request head larger than this is refused (431) before a thread sees it:
-# a browser's is a few KiB, and waiting heads cost at most this much memory
-# each (MAX_CONNECTIONS of them).
-MAX_HEAD_BYTES = 64 * 1024
-RECV_BYTES = 16 * 1024
-HEAD_ENDS = (b"\r\n\r\n", b"\n\n")
 # Paths any client may reach on the reserved threads: they answer at once.
 RESERVED_PATHS = frozenset({"/api/health"})
 # General threads that WebSockets (one per open page, held while it is open) leave to requests.
 KEEP_FOR_REQUESTS = 8
 # How long a closed connection may drain what its client still sends.
 LINGER_S = 2.0
-
-
-def answer(status: int, reason: str, message: str) -> bytes:
-    """A complete HTTP answer with the API's error shape, that closes the connection."""
-    body = json.dumps({"error": message, "status": status}).encode()
-    head = (
-        f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nConnection: close\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    )
-    return head.encode() + body
-
-
-TOO_LARGE = answer(431, "Request Header Fields Too Large", "request head too large")
-CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-
-
-class Head:
-    """What the worker needs from a request head to route it; ``parse`` returns None until it is complete."""
-
-    __slots__ = ("size", "path", "bearer", "length", "chunked", "expect_continue", "websocket")
-
-    @classmethod
-    def parse(cls, buf: bytes | bytearray) -> Head | None:
-        ends = [(i, end) for end in HEAD_ENDS if (i := buf.find(end)) >= 0]
-        if not ends:
-            return None
-        at, end = min(ends)
-        head = cls()
-        head.size = at + len(end)
-        lines = bytes(buf[:at]).split(b"\n")
-        target = lines[0].split(b" ")[1] if len(lines[0].split(b" ")) > 1 else b""
-        head.path = target.split(b"?", 1)[0].decode("latin-1")
-        head.bearer = head.length = None
-        head.chunked = head.expect_continue = head.websocket = False
-        lengths = []
-        for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            name, value = name.strip().lower(), value.strip()
-            if name == b"authorization":
-                scheme, _, token = value.partition(b" ")
-                if scheme.lower() == b"bearer":
-                    head.bearer = token.strip()
-            elif name == b"content-length":
-                lengths.append(value)
-            elif name == b"transfer-encoding":
-                head.chunked = True
-            elif name == b"expect":
-                head.expect_continue = value.lower() == b"100-continue"
-            elif name == b"upgrade":
-                head.websocket = value.lower() == b"websocket"
-        if len(lengths) == 1 and lengths[0].isdigit():
-            head.length = int(lengths[0])
-        # Several or malformed lengths: gunicorn answers 400 without reading a body.
-        return head
 
 
 class Conn(TConn):
@@ -181,7 +121,7 @@ class Worker(ThreadWorker):
         self.max_body = config["MAX_BODY_BYTES"]
         self.max_per_addr = config["MAX_CONNS_PER_ADDR"]
         self.reserved_threads = config["RESERVED_THREADS"]
-        self.max_websockets = max(1, self.cfg.threads - KEEP_FOR_REQUESTS)
+        self.max_websockets = max(self.cfg.threads // 2, self.cfg.threads - KEEP_FOR_REQUESTS)
         self.token = config["TOKEN"].encode()
         # Connections whose head (or body) is still arriving, oldest first: every
         # one in a dict has the same timeout, so insertion order is deadline order.

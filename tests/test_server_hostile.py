@@ -232,3 +232,34 @@ def test_one_address_cannot_fill_the_server(live_server):
     finally:
         for s in mine:
             s.close()
+
+
+@pytest.mark.parametrize(
+    "raw, path, bearer, length, chunked, websocket",
+    [
+        (b"GET /api/health?x=1 HTTP/1.1\r\nHost: a\r\n\r\n", "/api/health", None, None, False, False),
+        (
+            b"POST /api/exit HTTP/1.1\r\nauthorization:  bearer  tok \r\nContent-Length: 12\r\n\r\n{}",
+            "/api/exit",
+            b"tok",
+            12,
+            False,
+            False,
+        ),
+        (b"POST / HTTP/1.1\nTransfer-Encoding: chunked\n\n", "/", None, None, True, False),
+        (b"POST / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n", "/", None, None, False, False),
+        (b"GET /socket.io/ HTTP/1.1\r\nUpgrade: WebSocket\r\n\r\n", "/socket.io/", None, None, False, True),
+    ],
+)
+def test_the_poller_reads_what_it_routes_on(raw, path, bearer, length, chunked, websocket):
+    from app.httpwire import Head
+
+    head = Head.parse(raw)
+    assert (head.path, head.bearer, head.length, head.chunked, head.websocket) == (
+        path,
+        bearer,
+        length,
+        chunked,
+        websocket,
+    )
+    assert Head.parse(raw[: raw.index(b"\n")]) is None  # not complete yet
