@@ -367,7 +367,8 @@ SETTINGS: list[Setting] = [
         "trainers and the dashboard alike. Ranks then publish heartbeats to it and the dashboard "
         "reads only the new ones instead of stat'ing every heartbeat file; several dashboard "
         "processes share it as Flask-SocketIO's message queue. The flag and checkpoints stay in "
-        "the run directory. Needs `pip install 'rankwatch[redis]'`.",
+        "the run directory. Needs `pip install 'rankwatch[redis]'`. A password, an ACL user and TLS "
+        "go in the URL (`rediss://rankwatch:PASSWORD@host:6380/0`); see REDIS_KEY.",
     ),
     Setting(
         "REDIS_JOB",

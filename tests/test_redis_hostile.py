@@ -260,6 +260,15 @@ def test_a_leader_lock_without_ttl_or_with_a_huge_one_is_taken_over(redis_server
     assert other.step() is False and dash.step() is True
 
 
+def _pings(client) -> bool:
+    import redis
+
+    try:
+        return client.ping()
+    except redis.RedisError:  # not listening yet
+        return False
+
+
 @pytest.fixture
 def locked_redis(tmp_path):
     """redis-server with a password for ``default`` and an ACL user limited to Rankwatch's keys."""
@@ -277,11 +286,7 @@ def locked_redis(tmp_path):
     )
     import redis
 
-    until(
-        lambda: redis.Redis(port=port, password="default-pass").ping(),
-        "redis-server answers",
-        timeout=20,
-    )
+    until(lambda: _pings(redis.Redis(port=port, password="default-pass")), "redis-server answers", timeout=20)
     yield port
     proc.kill()
     proc.wait()
@@ -308,3 +313,79 @@ def test_a_password_and_an_acl_user_in_the_url_work_and_never_show(locked_redis,
     wrong.stream = "other:beats"
     assert not wrong.publish(0, beat) and "no permissions" in wrong.error
     assert "rw-pass" not in wrong.error
+
+
+@pytest.fixture
+def tls_redis(tmp_path):
+    """redis-server on TLS only, with an ACL user; certificates made here with openssl."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    d = tmp_path / "tls"
+    d.mkdir()
+
+    def openssl(*args):
+        if args[0] == "req":
+            args = (*args, "-subj", "/CN=127.0.0.1", *(("-days", "2") if "-x509" in args else ()))
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr")
+    (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+    openssl(
+        *("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial"),
+        *("-out", "server.pem", "-days", "2", "-extfile", "ext.cnf"),
+    )
+    (d / "users.acl").write_text(
+        "user default off\nuser rankwatch on >rw-pass ~rankwatch:* &rankwatch:* +@all -@dangerous +info\n"
+    )
+    port = free_port()
+    proc = subprocess.Popen(
+        ["redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1", "--save", ""]
+        + ["--tls-cert-file", "server.pem", "--tls-key-file", "server.key", "--tls-ca-cert-file", "ca.pem"]
+        + ["--tls-auth-clients", "no", "--aclfile", "users.acl"],
+        cwd=d,
+        stdout=open(tmp_path / "redis-tls.log", "ab"),
+        stderr=subprocess.STDOUT,
+    )
+    url = f"rediss://rankwatch:rw-pass@127.0.0.1:{port}/0?ssl_ca_certs={d / 'ca.pem'}&ssl_cert_reqs=required"
+    import redis
+
+    until(lambda: _pings(redis.Redis.from_url(url)), "redis-server answers on TLS", timeout=20)
+    yield url, port
+    proc.kill()
+    proc.wait()
+
+
+def test_a_dashboard_and_a_rank_over_tls_with_an_acl_user_and_a_key(tls_redis, run_dir, tmp_path):
+    """rediss:// with an ACL user, end to end: a signed heartbeat, the relay and the lead."""
+    url, port = tls_redis
+    write_job(run_dir, 1)
+    plain = redisbus.Publisher(f"redis://rankwatch:rw-pass@127.0.0.1:{port}/0", "job", world_size=1)
+    assert not plain.publish(0, b"{}")  # TLS only
+    server = start_dashboard(
+        run_dir,
+        tmp_path / "dashboard.log",
+        env={"RANKWATCH_REDIS_URL": url, "RANKWATCH_REDIS_KEY": KEY, "RANKWATCH_TOKEN": "t" * 32},
+    )
+    page = None
+    try:
+        page = PollingPage(server.url)
+        health = until(
+            lambda: (
+                (h := get_json(server.url + "/api/health"))["redis"]["relay"] and h["role"] == "leader" and h
+            ),
+            "the dashboard leads and relays over TLS",
+        )
+        assert health["redis"]["signed"] and "rw-pass" not in json.dumps(health)
+        assert health["redis"]["url"].startswith("rediss://rankwatch:***@127.0.0.1")
+        rank = redisbus.Publisher(url, redisbus.job_key(run_dir), world_size=1, key=KEY.encode())
+        assert rank.publish(0, json.dumps(heartbeat(0, 1, seq=7)).encode()), rank.error
+        until(
+            lambda: get_json(server.url + "/api/ranks")["ranks"][0]["seq"] == 7,
+            "the signed heartbeat is read over TLS",
+        )
+        assert "rw-pass" not in server.log()
+    finally:
+        if page is not None:
+            page.close()
+        server.stop()
