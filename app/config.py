@@ -281,7 +281,7 @@ SETTINGS: list[Setting] = [
     Setting(
         "AUTH_FAILURES_PER_MIN",
         20,
-        "Wrong operator tokens and login codes accepted per minute from all addresses together "
+        "Wrong operator tokens and login codes counted per minute from all addresses together "
         "(each address also backs off on its own, exponentially); past it every wrong guess gets "
         "a 429 until the minute allows, with a log line and an alert (`auth_flood`) when it trips. "
         "The right token is never refused, so guessing cannot lock the operator out.",
