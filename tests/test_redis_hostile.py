@@ -260,6 +260,33 @@ def test_a_leader_lock_without_ttl_or_with_a_huge_one_is_taken_over(redis_server
     assert other.step() is False and dash.step() is True
 
 
+def test_with_a_key_an_unsigned_or_copied_leader_lock_is_taken_over(redis_server):
+    """Someone without the key renews a lock with a normal TTL: unsigned, or a value copied from a dashboard."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    _, _, key = redisbus.keys("job")
+    dash = redisbus.Leader(redis_server.url, "job", 2.0, key=KEY.encode())
+    client.set(key, "attacker", px=2000)
+    assert dash.step() is True and "not signed" in dash.taken_over
+    value = client.get(key)
+    token, at, sig = value.split(b" ")
+    assert token.decode() == dash.token and dash.holder() == dash.token
+    dash.release()
+    # A signed value, copied: its signature dates from a renewal 100 s ago.
+    old = redisbus.Leader(redis_server.url, "job", 2.0, key=KEY.encode(), clock=lambda: time.time() - 100)
+    assert old.step() is True
+    copied = client.get(key)
+    old.leads = False  # that dashboard is gone; the attacker renews its value without the key
+    client.set(key, copied, px=2000)
+    assert dash.step() is True and "signed 100 s ago" in dash.taken_over
+    # The leader itself re-signs at every renewal, so it keeps the lead.
+    before = client.get(key)
+    later = redisbus.Leader(redis_server.url, "job", 2.0, key=KEY.encode())
+    assert later.step() is False and dash.step() is True and dash.step() is True
+    assert client.get(key).split(b" ")[0] == before.split(b" ")[0]
+
+
 def _pings(client) -> bool:
     import redis
 
