@@ -7,8 +7,8 @@ process (``RedisQueue``, on the channel ``rankwatch:{job}:socketio``).
 
 Exactly one process, the leader, does what must happen once per job: push
 the rank deltas and the stop lifecycle, record a completed stop and re-arm
-the flag, raise alerts and run the stop policy. Leadership is redis-py's
-lock (``redisbus.Leader``: ``SET key token NX PX ttl`` on
+the flag, raise alerts and run the stop policy. Leadership is a lock in
+Redis (``redisbus.Leader``: ``SET key token NX PX ttl`` on
 ``rankwatch:{job}:leader``): the leader renews it every watcher tick; when
 it dies, its key expires after ``LEADER_TTL_S`` and the next follower to
 try takes it over.
