@@ -200,6 +200,21 @@ def test_chunked_and_oversized_bodies_are_refused_before_a_thread(live_server):
         )
         got = read_answer(s)
         assert got.startswith(b"HTTP/1.1 413 ") and b'"status": 413' in got, got[:300]
+    # A client that waits for "100 Continue" before its body (curl does, for large ones) gets it.
+    with connect(live_server.url, "127.0.0.1") as s:
+        body = b'{"token": "wrong"}'
+        s.sendall(
+            b"POST /api/session HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body)
+        )
+        s.settimeout(DEADLINE_S)
+        got = b""
+        while b"\r\n\r\n" not in got:
+            got += s.recv(1)
+        assert got == b"HTTP/1.1 100 Continue\r\n\r\n"
+        s.sendall(body)
+        got = read_answer(s)
+        assert b"HTTP/1.1 401 " in got and b"wrong operator token" in got, got[:300]
 
 
 @pytest.mark.parametrize(
