@@ -224,13 +224,7 @@ def write_flag(run_dir: str | os.PathLike, exit: bool, **extra: Any) -> dict:
     ``OnRequestExit`` only looks at ``GracefulExit``.
     """
     obj = {FLAG_KEY: 1 if exit else 0, **extra}
-    try:
-        atomic_write_json(flag_path(run_dir), obj, root=run_dir)
-    except IsADirectoryError:
-        # A directory at the flag's name would block every stop, MindSpore's
-        # own included: it is moved aside (kept, under a hidden name).
-        safeio.move_aside(run_dir, FLAG_NAME)
-        atomic_write_json(flag_path(run_dir), obj, root=run_dir)
+    atomic_write_json(flag_path(run_dir), obj, root=run_dir)
     return obj
 
 

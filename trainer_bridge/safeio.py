@@ -204,7 +204,7 @@ def write_atomic(root: str | os.PathLike, rel: str, data: bytes, *, fsync: bool 
     the target's own directory, reached by the walk, because ``rename`` is
     only atomic within one file system. Missing directories are made.
     Whatever was at the name (a FIFO, a symlink) is replaced as an entry,
-    never opened or followed.
+    never opened or followed; a directory is first renamed aside.
     """
     with parent_fd(root, rel, create=True) as (dir_fd, name):
         tmp = f".{name}.{os.urandom(6).hex()}.tmp"
@@ -220,7 +220,13 @@ def write_atomic(root: str | os.PathLike, rel: str, data: bytes, *, fsync: bool 
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            try:
+                os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            except IsADirectoryError:
+                # A directory put at a file's name would block this write for
+                # ever (the stop flag: every stop): moved aside, kept, hidden.
+                _move_aside(dir_fd, name)
+                os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         except BaseException:
             try:
                 os.unlink(tmp, dir_fd=dir_fd)
@@ -312,12 +318,11 @@ def check_absent_or_regular(dir_path: str | os.PathLike, names: tuple[str, ...])
             raise NotRegular(f"{name} is not a regular file (a symlink, FIFO, device or directory)")
 
 
-def move_aside(root: str | os.PathLike, rel: str) -> str:
-    """Rename ``rel`` (whatever it is) to a hidden name beside it; returns that name."""
-    with parent_fd(root, rel) as (dir_fd, name):
-        aside = f".{name}.not-a-file-{os.urandom(4).hex()}"
-        os.rename(name, aside, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        return aside
+def _move_aside(dir_fd: int, name: str) -> str:
+    """Rename ``name`` (whatever it is) to a hidden name beside it; returns that name."""
+    aside = f".{name}.not-a-file-{os.urandom(4).hex()}"
+    os.rename(name, aside, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    return aside
 
 
 def unlink(root: str | os.PathLike, rel: str) -> None:

@@ -29,7 +29,7 @@ from app.alerts import ranks_text
 from app.errors import ApiError
 from app.reader import Stopped, probe_process
 from app.state import RunState
-from trainer_bridge import runfiles, schema, stacks
+from trainer_bridge import runfiles, safeio, schema, stacks
 
 ENDED = ("exited", "finished", "failed")
 # Capture files kept parsed in memory, by their size on disk (a capture is
@@ -122,6 +122,15 @@ def describe(thread: dict | None) -> str:
 
 def training_thread(capture: dict) -> dict | None:
     return next((t for t in capture["threads"] if t["training"]), None)
+
+
+def _write_request(run_dir: Path, rank: int | None, request: stacks.Request) -> None:
+    """Leave the request file for the bridges; 507 if it cannot be (a full disk, a symlinked ``stacks/``)."""
+    try:
+        stacks.write_request(run_dir, rank, request)
+    except (OSError, safeio.UnsafePath) as e:
+        why = safeio.why(e) if isinstance(e, OSError) else str(e)
+        raise ApiError(507, f"cannot write the stack request file: {why}") from None
 
 
 class StackService:
@@ -282,7 +291,7 @@ class StackService:
             request_id=runfiles.new_request_id(), requested_at=now, requested_by=who, native=native
         )
         if via == "bridge":
-            stacks.write_request(run_dir, rank, request)
+            _write_request(run_dir, rank, request)
         else:
             self._start_task(self._pyspy_capture, rank, row, request, isinstance(probe, Stopped))
         pending = {**request.to_dict(), "via": via}
@@ -312,7 +321,7 @@ class StackService:
             else:
                 cannot[r] = why
         if by_bridge:
-            stacks.write_request(run_dir, None, request)
+            _write_request(run_dir, None, request)
         pending = {**request.to_dict()}
         with self._lock:
             for r in by_bridge:
