@@ -112,6 +112,7 @@ def connect_pinned(path: Path, root: str | os.PathLike | None, timeout: float) -
     ``root`` None trusts the database's own directory as configured.
     """
     if root is None:
+        path.parent.mkdir(parents=True, exist_ok=True)
         root, rel = path.parent, ""
     else:
         rel = safeio.relative(root, path.parent) if path.parent != Path(root) else ""
