@@ -405,7 +405,7 @@ def render_readme(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m trainer_bridge.schema [README.md]``: print the tables, or rewrite them in place."""
+    """``python -m trainer_bridge.schema [docs/run-directory.md]``: print the tables, or rewrite them in place."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
         for name, model in README_TABLES.items():
