@@ -164,9 +164,7 @@ def test_full_then_read_only_heartbeat_directory(small_state_dir, tmp_path, page
         status, body = dash.post("/api/exit", {"reason": "storage test done"})
         assert status == 202, body
         assert job.wait() == 0, job.logs()
-        dash.wait_rows(
-            lambda rows: all(rows[r]["health"] == "exited" for r in (0, 1)), "both ranks exited"
-        )
+        dash.wait_rows(lambda rows: all(rows[r]["health"] == "exited" for r in (0, 1)), "both ranks exited")
     finally:
         job.kill()
         dash.stop()
