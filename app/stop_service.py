@@ -16,11 +16,9 @@ others up.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Mapping
@@ -37,7 +35,6 @@ STAGES = ("requested", "seen", "agreed", "saving", "saved", "exited")
 # waited for at most LOCK_WAIT_S by an operator's action, never by the watcher.
 LOCK_NAME = ".flag.lock"
 LOCK_WAIT_S = 1.5
-LOCK_POLL_S = 0.05
 # Once a rank has agreed, its stop step is fixed everywhere: too late to cancel.
 COMMITTED = frozenset(STAGES[2:])
 
@@ -58,44 +55,20 @@ class StopService:
         """Serialise read-modify-write of the flag across threads and processes, for at most ``wait_s``.
 
         Yields None when the lock is held, else a sentence saying why the
-        flag is written without it. The lock file lives in the run
-        directory, which any rank can write: it is opened through the walk
-        (``safeio.open_lock``: no symlink followed, a FIFO or directory in
-        its place refused, nothing that blocks), and taken with ``LOCK_NB``
-        in a short retry loop, never a blocking ``flock``. A lock someone
-        holds for ever, or one that cannot be had at all, therefore costs a
-        stop ``wait_s`` at most: the flag is then written under the
-        in-process lock alone, still atomically (a rename), and the audit
-        row says so. A stop must never wait on the state of a file.
+        flag is written without it (``safeio.bounded_flock``: no symlink
+        followed, nothing that blocks, ``LOCK_NB`` retried until
+        ``wait_s``). A lock someone holds for ever therefore costs a stop
+        ``wait_s`` at most; the flag is then written under the in-process
+        lock alone, still atomically (a rename), and the audit row says so.
+        A stop must never wait on the state of a file.
         """
-        with self._lock:
-            fd, problem = None, None
-            try:
-                fd = safeio.open_lock(self.run_dir, f"{runfiles.STATE_DIR}/{LOCK_NAME}")
-            except (OSError, safeio.UnsafePath) as e:
-                problem = f"no usable lock file {runfiles.STATE_DIR}/{LOCK_NAME} ({safeio.why(e)})"
-            deadline = time.monotonic() + wait_s
-            while fd is not None:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() < deadline:
-                        time.sleep(LOCK_POLL_S)
-                        continue
-                    problem = f"the flag lock was held by another process for {wait_s:g} s"
-                except OSError as e:
-                    problem = f"the flag lock could not be taken ({safeio.why(e)})"
-                os.close(fd)
-                fd = None
+        with (
+            self._lock,
+            safeio.bounded_flock(self.run_dir, f"{runfiles.STATE_DIR}/{LOCK_NAME}", wait_s) as problem,
+        ):
             if problem:
                 log.warning("stop: %s; the flag is written without it (atomically)", problem)
-            try:
-                yield problem
-            finally:
-                if fd is not None:
-                    fcntl.flock(fd, fcntl.LOCK_UN)
-                    os.close(fd)
+            yield problem
 
     def _audit(self, action: str, **fields) -> str | None:
         """Record an audit row; a trail that cannot be written is reported, never fatal.

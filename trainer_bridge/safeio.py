@@ -28,8 +28,10 @@ standard library: the dashboard and the bridge both use it.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import stat
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -257,6 +259,45 @@ def open_lock(root: str | os.PathLike, rel: str) -> int:
         os.close(fd)
         raise
     return fd
+
+
+@contextmanager
+def bounded_flock(
+    root: str | os.PathLike, rel: str, wait_s: float, poll_s: float = 0.05
+) -> Iterator[str | None]:
+    """Hold an exclusive ``flock`` on ``rel`` under ``root``, waiting at most ``wait_s``; never blocks.
+
+    Yields None while held, or a sentence saying why it is not (a lock file
+    that is not a regular file, or one another process held throughout):
+    the caller goes on without it. ``LOCK_NB`` in a short retry loop, never
+    a blocking ``flock``, because whoever can write the directory can hold
+    the lock for ever.
+    """
+    fd, problem = None, None
+    try:
+        fd = open_lock(root, rel)
+    except (OSError, UnsafePath) as e:
+        problem = f"no usable lock file {rel} ({why(e) if isinstance(e, OSError) else e})"
+    deadline = time.monotonic() + wait_s
+    while fd is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() < deadline:
+                time.sleep(poll_s)
+                continue
+            problem = f"the lock {rel} was held by another process for {wait_s:g} s"
+        except OSError as e:
+            problem = f"the lock {rel} could not be taken ({why(e)})"
+        os.close(fd)
+        fd = None
+    try:
+        yield problem
+    finally:
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
 
 
 def scan_regular(folder: str | os.PathLike, limit: int) -> tuple[list[os.DirEntry], bool]:

@@ -115,7 +115,7 @@ def api_exit_request():
     if audit_error:
         answer["audit_error"] = audit_error
     if lock_error:
-        answer["lock_error"] = f"{lock_error}; the flag was written atomically without it"
+        answer["lock_error"] = f"{lock_error}; the flag was written atomically without the flag lock"
     return jsonify(answer), 202
 
 
