@@ -112,6 +112,9 @@ VERDICT_GLYPH = {
 
 # States that end a rank's life; their verdict is the state itself.
 TERMINAL_STATES = ("exited", "finished", "failed")
+# Verdicts of a rank whose process has ended, or is taken for gone: its last
+# rates (throughput, step time, CPU) describe the past, not the job.
+ENDED_VERDICTS = ("dead", "node_lost", *TERMINAL_STATES)
 # States in which a rank steps and so is compared with its peers.
 STEPPING_STATES = ("training", "stopping")
 

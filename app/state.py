@@ -344,9 +344,27 @@ class RunState:
     # -- what clients get ---------------------------------------------------------------
 
     def snapshot(self, now: float, health: Iterable[str] | None = None) -> dict:
-        """The whole view (``/api/ranks`` and the ``ranks_snapshot`` event)."""
+        """The whole view (the ``ranks_snapshot`` event, ``rankwatch status``)."""
         with self._lock:
             return self._snapshot(now, set(health) if health else None)
+
+    def page(self, now: float, health: Iterable[str] | None, start: int, count: int) -> tuple[dict, int]:
+        """(the view with only the selected rows ``start`` to ``start + count``, how many were selected).
+
+        ``/api/ranks`` pages: only the page's rows are copied (with their age),
+        so a large job's answer costs a page, not the world size.
+        """
+        wanted = set(health) if health else None
+        with self._lock:
+            chosen = [r for r in sorted(self._rows) if wanted is None or self._rows[r]["health"] in wanted]
+            rows = [with_age(self._rows[r], now) for r in chosen[start : start + count]]
+            return {**self._head(now), "ranks": rows}, len(chosen)
+
+    def rows(self) -> list[dict]:
+        """Every rank's row by rank, without the heartbeat age (``/metrics``); rows are replaced, never
+        changed in place, so the caller may read them after the lock is released."""
+        with self._lock:
+            return [self._rows[r] for r in sorted(self._rows)]
 
     def summary(self, now: float) -> dict:
         """The summary strip and the run status (``/api/summary``)."""

@@ -65,6 +65,8 @@ def test_heartbeat_after_a_finished_run(tmp_path):
     assert (hb["epoch"], hb["step"]) == (2, STEPS_PER_EPOCH)
     assert isinstance(hb["loss"], float) and hb["batch_size"] == 4
     assert hb["rss_bytes"] > 0 and hb["world_size"] == 1
+    # The process's CPU so far, which a training process has used plenty of (MindSpore's import alone).
+    assert hb["cpu_seconds"] >= 0.1 and hb["cpu_seconds"] == round(hb["cpu_seconds"], 3)
     job = runfiles.read_json(runfiles.job_path(tmp_path))
     assert job["world_size"] == 1
     history = runfiles.history_path(tmp_path, 0).read_text().splitlines()

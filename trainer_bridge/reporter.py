@@ -298,7 +298,7 @@ class Reporter:
             self._last_step_ms = times_ms[-1]
         per_epoch = snap.per_epoch or 0
         gstep = snap.global_step
-        cpu, rss = self._process_stats()
+        cpu, cpu_s, rss = self._process_stats()
         totals = (snap.in_total, snap.out_total, snap.steps_total)
         steps = totals[2] - self._totals[2]
         if steps:
@@ -331,6 +331,7 @@ class Reporter:
             step_times_ms=times_ms,
             batch_size=self.batch_size,
             cpu_percent=cpu,
+            cpu_seconds=cpu_s,
             rss_bytes=rss,
             device=self._device.sample(),
             time=time.time(),
@@ -361,15 +362,20 @@ class Reporter:
         return time.time() - (time.perf_counter() - snap.last_step_end)
 
     def _process_stats(self):
+        """(CPU percent since the last call, CPU seconds so far, RSS bytes); Nones if psutil fails."""
         import psutil
 
         try:
             if self._process is None:
                 self._process = psutil.Process()
                 self._process.cpu_percent(None)  # the first call only primes the counter
-            return self._process.cpu_percent(None), self._process.memory_info().rss
+            times = self._process.cpu_times()
+            # Cumulative, so a scraper can take a rate over any window (the percent
+            # covers only the last heartbeat's); milliseconds are all it resolves.
+            cpu_s = round(times.user + times.system, 3)
+            return self._process.cpu_percent(None), cpu_s, self._process.memory_info().rss
         except psutil.Error:
-            return None, None
+            return None, None, None
 
     def _write_heartbeat(self, history: bool = False) -> None:
         with self._lock:
