@@ -39,7 +39,12 @@ def redis_subscriber(config: Mapping[str, Any], run_dir: str | None):
     from trainer_bridge import redisbus
 
     job = config["REDIS_JOB"] or redisbus.job_key(run_dir)
-    return redisbus.Subscriber(config["REDIS_URL"], job)
+    return redisbus.Subscriber(config["REDIS_URL"], job, key=redis_key(config))
+
+
+def redis_key(config: Mapping[str, Any]) -> bytes | None:
+    """``REDIS_KEY`` as bytes, or None: what signs the heartbeats and the message queue."""
+    return config["REDIS_KEY"].encode() if config["REDIS_KEY"] else None
 
 
 def _thread(fn, *args) -> threading.Thread:

@@ -244,6 +244,12 @@ class RunState:
                     f" Redis is unreachable ({reader.redis_error}): heartbeats are read from the run "
                     "directory's files until it is back."
                 )
+            refused = getattr(reader.redis, "refused", 0)
+            if refused:
+                message += (
+                    f" Redis: {refused} heartbeat(s) refused as unsigned or badly signed (REDIS_KEY), "
+                    f"the last {reader.redis.refused_last}: is something else writing to Redis?"
+                )
             if log_problems:
                 message += f" Worker logs: {'; '.join(log_problems)}."
             return {

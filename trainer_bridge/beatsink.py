@@ -53,7 +53,9 @@ class BeatSink:
             )
             log.warning("rankwatch: %s", self._setup_error)
             return
-        self.publisher = redisbus.Publisher(url, redisbus.job_key(run_dir), world_size, clock=clock)
+        self.publisher = redisbus.Publisher(
+            url, redisbus.job_key(run_dir), world_size, key=redisbus.env_key(), clock=clock
+        )
 
     @property
     def warnings(self) -> list[str]:

@@ -11,11 +11,10 @@ import time
 from flask import Response, current_app, jsonify, request
 
 from app.audit import AuditError
-from app.auth import check_token, json_body, over_write_budget, require_operator
+from app.auth import check_token, json_body, over_write_budget, require_operator, settle
 from app.errors import ApiError
 from app.extensions import rankwatch
 from app.login import login_url
-from app.ratelimit import retry_after
 from app.stop import bp
 
 WHO_DEFAULT = "operator"
@@ -62,15 +61,10 @@ def api_session():
 def api_login():
     """Trade a single-use login code (from the ``#login=`` URL) for the token, once."""
     body = json_body({"code": (str, True)})
-    limits = current_app.extensions["rankwatch_limits"].backoff
-    key = request.remote_addr or "?"
-    wait = limits.wait_s(key)
-    if wait > 0:
-        raise ApiError(
-            429, f"too many wrong codes or tokens from {key}: try again later", headers=retry_after(wait)
-        )
-    if not current_app.extensions["rankwatch_login"].redeem(body["code"]):
-        limits.failed(key)
+    # Redeemed first: a live code works whatever others guessed (app.auth.settle).
+    ok = current_app.extensions["rankwatch_login"].redeem(body["code"])
+    settle(ok, "login codes")
+    if not ok:
         raise ApiError(
             401,
             "this login link is used up or expired: open a new one "
