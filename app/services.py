@@ -68,7 +68,8 @@ def open_run(
     from app.checkpoints.service import CheckpointService
     from app.checkpoints.verify import Verifier
 
-    audit = AuditLog(audit_path(run_dir, config))
+    # The default trail lives in the run directory: walked from it, following no symlink.
+    audit = AuditLog(audit_path(run_dir, config), root=None if config["AUDIT_DB"] else (run_dir or "."))
     return Run(
         state=RunState(run_dir, config, redis=redis_subscriber(config, run_dir)),
         audit=audit,

@@ -16,11 +16,9 @@ others up.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Mapping
@@ -30,9 +28,13 @@ from typing import Any
 from app.audit import OBSERVED, SYSTEM, AuditError, AuditLog
 from app.auth import MAX_TEXT
 from app.errors import ApiError
-from trainer_bridge import runfiles
+from trainer_bridge import runfiles, safeio
 
 STAGES = ("requested", "seen", "agreed", "saving", "saved", "exited")
+# The lock that orders flag writes between dashboards and ``rankwatch stop``;
+# waited for at most LOCK_WAIT_S by an operator's action, never by the watcher.
+LOCK_NAME = ".flag.lock"
+LOCK_WAIT_S = 1.5
 # Once a rank has agreed, its stop step is fixed everywhere: too late to cancel.
 COMMITTED = frozenset(STAGES[2:])
 
@@ -49,33 +51,24 @@ class StopService:
 
     # ------------------------------------------------------------ the flag
     @contextmanager
-    def _flag_lock(self):
-        """Serialise read-modify-write of the flag across threads and processes.
+    def _flag_lock(self, wait_s: float = LOCK_WAIT_S):
+        """Serialise read-modify-write of the flag across threads and processes, for at most ``wait_s``.
 
-        The lock file lives in the run directory, which any rank can write: it
-        is opened without following a symlink, and if it cannot be had at all
-        (a directory in its place, a read-only ``rankwatch/``) the stop goes
-        on under the in-process lock alone, because a stop must never wait on
-        the state of a file.
+        Yields None when the lock is held, else a sentence saying why the
+        flag is written without it (``safeio.bounded_flock``: no symlink
+        followed, nothing that blocks, ``LOCK_NB`` retried until
+        ``wait_s``). A lock someone holds for ever therefore costs a stop
+        ``wait_s`` at most; the flag is then written under the in-process
+        lock alone, still atomically (a rename), and the audit row says so.
+        A stop must never wait on the state of a file.
         """
-        with self._lock:
-            fd = None
-            try:
-                lock_path = runfiles.state_dir(self.run_dir) / ".flag.lock"
-                lock_path.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            except OSError as e:
-                if fd is not None:
-                    os.close(fd)
-                    fd = None
-                log.warning("stop: no lock file in the run directory (%s); locking this process only", e)
-            try:
-                yield
-            finally:
-                if fd is not None:
-                    fcntl.flock(fd, fcntl.LOCK_UN)
-                    os.close(fd)
+        with (
+            self._lock,
+            safeio.bounded_flock(self.run_dir, f"{runfiles.STATE_DIR}/{LOCK_NAME}", wait_s) as problem,
+        ):
+            if problem:
+                log.warning("stop: %s; the flag is written without it (atomically)", problem)
+            yield problem
 
     def _audit(self, action: str, **fields) -> str | None:
         """Record an audit row; a trail that cannot be written is reported, never fatal.
@@ -114,22 +107,28 @@ class StopService:
     # ------------------------------------------------------------- actions
     def request(
         self, reason: str, who: str, remote_addr: str | None, audit_duplicate: bool = True
-    ) -> tuple[str, bool, str | None]:
+    ) -> tuple[str, bool, str | None, str | None]:
         """Ask every rank to stop; a second press joins the first.
 
-        Returns (request id, created, why it was not audited or None). Nothing
+        Returns (request id, created, why it was not audited or None, why the
+        flag was written without the flag lock or None). Nothing
         here reads a heartbeat, and a flag that cannot be parsed is simply
         replaced: a stop depends on writing one file, nothing else. With
         ``audit_duplicate`` False (a client past its write budget), a press
         that joins is not recorded.
         """
-        with self._flag_lock():
+        with self._flag_lock() as unlocked:
             flag, _ = self.read_flag()
             active = self._active(flag)
             if active is not None:
                 rid = active["request_id"] or "native-flag"
                 if not audit_duplicate:
-                    return rid, False, "not recorded: too many requests from this address in the last minute"
+                    return (
+                        rid,
+                        False,
+                        "not recorded: too many requests from this address in the last minute",
+                        unlocked,
+                    )
                 problem = self._audit(
                     "request",
                     who=who,
@@ -138,7 +137,7 @@ class StopService:
                     request_id=rid,
                     outcome=f"duplicate: joined request {rid}",
                 )
-                return rid, False, problem
+                return rid, False, problem, unlocked
             rid = runfiles.new_request_id()
             try:
                 runfiles.write_flag(
@@ -156,13 +155,18 @@ class StopService:
                     remote_addr=remote_addr,
                     reason=reason,
                     request_id=rid,
-                    outcome=f"failed: {e.strerror or e}",
+                    outcome=_unlocked(f"failed: {e.strerror or e}", unlocked),
                 )
                 raise ApiError(507, f"could not write the stop flag: {e.strerror or e}") from None
             problem = self._audit(
-                "request", who=who, remote_addr=remote_addr, reason=reason, request_id=rid, outcome="accepted"
+                "request",
+                who=who,
+                remote_addr=remote_addr,
+                reason=reason,
+                request_id=rid,
+                outcome=_unlocked("accepted", unlocked),
             )
-            return rid, True, problem
+            return rid, True, problem, unlocked
 
     def _pending_or_refuse(
         self, action: str, who: str, remote_addr: str | None, reason: str | None, refusal: str
@@ -179,7 +183,7 @@ class StopService:
     def cancel(
         self, ranks: Mapping[int, dict | None], who: str, remote_addr: str | None, reason: str | None
     ) -> str:
-        with self._flag_lock():
+        with self._flag_lock() as unlocked:
             active = self._pending_or_refuse("cancel", who, remote_addr, reason, "no stop request is pending")
             rid = active["request_id"]
             committed = sorted(r for r, s in self._stages(rid, ranks).items() if s["stage"] in COMMITTED)
@@ -205,7 +209,12 @@ class StopService:
                 last_request=active,
             )
             self._audit(
-                "cancel", who=who, remote_addr=remote_addr, reason=reason, request_id=rid, outcome="accepted"
+                "cancel",
+                who=who,
+                remote_addr=remote_addr,
+                reason=reason,
+                request_id=rid,
+                outcome=_unlocked("accepted", unlocked),
             )
             return rid
 
@@ -219,7 +228,7 @@ class StopService:
         force: bool = False,
     ) -> str:
         """Return the flag to ``{"GracefulExit": 0}`` after a stop, so a relaunch runs."""
-        with self._flag_lock():
+        with self._flag_lock() as unlocked:
             active = self._pending_or_refuse(
                 "rearm", who, remote_addr, reason, "nothing to re-arm: the flag does not say stop"
             )
@@ -246,7 +255,7 @@ class StopService:
                 remote_addr=remote_addr,
                 reason=reason,
                 request_id=rid,
-                outcome="accepted" if done else "accepted (forced before completion)",
+                outcome=_unlocked("accepted" if done else "accepted (forced before completion)", unlocked),
             )
             return rid
 
@@ -269,7 +278,9 @@ class StopService:
         rid = active["request_id"]
         if rid is None or not self._completed(rid, ranks, world_size):
             return
-        with self._flag_lock():
+        # The watcher never waits on a lock a rank can hold: one try, and if
+        # it is held the completion is recorded anyway (audit.has keeps it once).
+        with self._flag_lock(wait_s=0.0):
             current = self._active(self.read_flag()[0])
             if current is None or current["request_id"] != rid:
                 return  # someone else re-armed or replaced it meanwhile
@@ -474,6 +485,11 @@ class StopService:
         except (AuditError, ValueError, TypeError, RecursionError):
             return None
         return _finite(detail.get("save_s")) if isinstance(detail, dict) else None
+
+
+def _unlocked(outcome: str, problem: str | None) -> str:
+    """An audit outcome that says when the flag was written without the flag lock."""
+    return f"{outcome} (written without the flag lock: {problem})" if problem else outcome
 
 
 def _request_facts(flag: dict) -> dict:

@@ -185,7 +185,7 @@ def test_the_stop_service_survives_stop_records_it_cannot_use(tmp_path):
     assert status["state"] in ("requested", "stopping")
     json.dumps(service.estimate(ranks, len(odd)))
     service.tick(ranks, len(odd))
-    assert service.request("again", "op", None) == ("req-1", False, None)
+    assert service.request("again", "op", None) == ("req-1", False, None, None)
 
 
 def test_a_corrupt_audit_trail_does_not_block_the_stop(client, run_dir):

@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from trainer_bridge import runfiles, schema
+from trainer_bridge import runfiles, safeio, schema
 from trainer_bridge.beatsink import BeatSink
 from trainer_bridge.counters import Counters, Snapshot
 from trainer_bridge.device import DeviceProbe
@@ -190,7 +190,7 @@ class Reporter:
     # ------------------------------------------------------ thread side
     def start(self) -> None:
         try:
-            runfiles.state_dir(self.run_dir).mkdir(parents=True, exist_ok=True)
+            safeio.makedirs(self.run_dir, runfiles.STATE_DIR)
         except OSError as e:
             self._report_io_error(e)
         if self.rank == 0:
@@ -399,8 +399,9 @@ class Reporter:
                 os.replace(path, f"{path}.1")
         except FileNotFoundError:
             pass
-        with open(path, "ab") as f:
-            f.write(line)
+        # Never blocks and follows nothing: a FIFO or a symlink put at the
+        # history's name is refused (NotRegular, an OSError reported once).
+        safeio.append(self.run_dir, safeio.relative(self.run_dir, path), line)
 
     def _report_io_error(self, e: OSError) -> None:
         message = f"cannot write to {runfiles.state_dir(self.run_dir)}: {e.strerror or e}"
@@ -420,7 +421,7 @@ class Reporter:
                 checkpoint_dir=runfiles.CHECKPOINT_DIR,
                 sync_interval_s=self.sync_interval_s,
             )
-            runfiles.atomic_write_bytes(runfiles.job_path(self.run_dir), job.to_json())
+            runfiles.atomic_write_bytes(runfiles.job_path(self.run_dir), job.to_json(), root=self.run_dir)
         except OSError as e:
             self._report_io_error(e)
         except schema.SchemaError as e:

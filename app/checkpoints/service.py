@@ -31,12 +31,11 @@ import time
 from collections.abc import Callable, Mapping
 from typing import BinaryIO
 
-from app import safefs
 from app.audit import AuditLog
 from app.checkpoints.verify import Verifier
 from app.errors import ApiError
 from app.push import Changed
-from trainer_bridge import ckptindex, runfiles
+from trainer_bridge import ckptindex, runfiles, safeio
 from trainer_bridge.ckptindex import (
     ORIGIN_BRIDGE,
     ORIGIN_NATIVE,
@@ -198,7 +197,7 @@ class CheckpointService:
         (the audit database, the job's data) can be fetched. ``safe_path``
         refuses ``..``, absolute paths and symlinks that leave the run
         directory (a 400 that says so); the file is then opened through
-        ``app.safefs``, one directory at a time without following a symlink,
+        ``trainer_bridge.safeio``, one directory at a time without following a symlink,
         so a directory swapped for a symlink since any check cannot redirect
         it. Returns (the open file, its name for the download, its size).
         """
@@ -206,7 +205,7 @@ class CheckpointService:
             raise ApiError(409, NO_RUN_DIR)
         try:
             ckptindex.safe_path(self.run_dir, rel)
-            safefs.parts(rel)
+            safeio.parts(rel)
         except (ValueError, OSError) as e:
             raise ApiError(400, str(e).removeprefix("safe_path: ")) from None
         index = self.index(world)
@@ -218,11 +217,11 @@ class CheckpointService:
                 "(only the files GET /api/checkpoints lists can be downloaded)",
             )
         try:
-            fd, st = safefs.open_file(os.path.realpath(self.run_dir), rel)
+            fd, st = safeio.open_file(os.path.realpath(self.run_dir), rel)
         except OSError as e:
             raise ApiError(
                 403 if e.errno in (errno.EPERM, errno.EACCES) else 404,
-                f"cannot open {rel!r}: {safefs.why(e)}",
+                f"cannot open {rel!r}: {safeio.why(e)}",
             ) from None
         # A file name may hold control characters (a newline), which no header can carry.
         return os.fdopen(fd, "rb"), re.sub(r"[\x00-\x1f\x7f]", "_", rel.rsplit("/", 1)[-1]), st.st_size
@@ -295,7 +294,7 @@ class CheckpointService:
     def _remove(self, cset: CheckpointSet) -> tuple[list[str], list[dict], list[str]]:
         """Unlink each file of the set, and the per-rank directories it leaves empty.
 
-        Through ``app.safefs``: each unlink is made on a descriptor of the
+        Through ``trainer_bridge.safeio``: each unlink is made on a descriptor of the
         file's own directory reached without following a symlink, so a
         directory swapped for a symlink since the scan cannot make it remove
         a file outside the run directory.
@@ -304,12 +303,12 @@ class CheckpointService:
         deleted, failed, dirs = [], [], set()
         for f in cset.files:
             try:
-                safefs.unlink(root, f.path)
+                safeio.unlink(root, f.path)
             except OSError as e:
                 if e.errno != errno.ENOENT:  # a file already gone is what a delete wants
-                    failed.append({"path": f.path, "error": safefs.why(e)})
+                    failed.append({"path": f.path, "error": safeio.why(e)})
                     continue
-            except safefs.UnsafePath as e:
+            except safeio.UnsafePath as e:
                 failed.append({"path": f.path, "error": str(e)})
                 continue
             deleted.append(f.path)
@@ -333,7 +332,7 @@ class CheckpointService:
                 break
             rel = "/".join(parts[:depth])
             try:
-                safefs.rmdir(root, rel)
+                safeio.rmdir(root, rel)
             except OSError:
                 break  # not empty (or gone, or swapped): leave it and everything above
             removed.append(rel)

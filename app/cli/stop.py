@@ -94,10 +94,12 @@ def stop(run_dir: Path, reason: str, who: str, timeout: float | None, no_wait: b
         # The page's Stop button is disabled for the same reason.
         raise click.ClickException(f"nothing to stop: {plain(snapshot['run']['message'])}")
     try:
-        rid, created, unaudited = run.stop.request(reason, who, shell_origin())
+        rid, created, unaudited, unlocked = run.stop.request(reason, who, shell_origin())
     except ApiError as e:
         raise click.ClickException(plain(e.message)) from None
     audited = f"not audited: {unaudited}" if unaudited else f"audited in {run.audit.path}"
+    if unlocked:
+        audited += f"; {unlocked}: the flag was written atomically without it"
     out.print(
         untrusted(
             f"Stop {'requested' if created else 'already pending; joined'}: {rid} (by {who}: {reason!r}), {audited}"

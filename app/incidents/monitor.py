@@ -52,6 +52,7 @@ class Incidents:
         sender = WebhookSender(
             parse_urls(config["WEBHOOK_URL"]),
             audit.path,
+            db_root=audit.root,
             timeout_s=config["WEBHOOK_TIMEOUT_S"],
             give_up_s=config["WEBHOOK_GIVE_UP_S"],
             retry_max_s=config["WEBHOOK_RETRY_MAX_S"],

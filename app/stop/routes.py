@@ -102,12 +102,14 @@ def api_exit_request():
     body = json_body({"reason": (str, True), "who": (str, False)})
     _require_run_dir()
     over = over_write_budget() > 0
-    rid, created, audit_error = rankwatch().stop.request(
+    rid, created, audit_error, lock_error = rankwatch().stop.request(
         body["reason"], _who(body), request.remote_addr, audit_duplicate=not over
     )
     answer = {"request_id": rid, "created": created}
     if audit_error:
         answer["audit_error"] = audit_error
+    if lock_error:
+        answer["lock_error"] = f"{lock_error}; the flag was written atomically without the flag lock"
     return jsonify(answer), 202
 
 
