@@ -130,11 +130,12 @@ class RankwatchCollector:
         for v in VERDICTS:
             counts.add_metric([v], summary["counts"].get(v, 0))
         yield counts
-        yield GaugeMetricFamily(
-            PREFIX + "job_throughput_samples_per_second",
-            METRICS_BY_NAME["throughput"].description,
-            summary["throughput"] or 0.0,
-        )
+        if summary["throughput"] is not None:  # None: no rank reports a rate
+            yield GaugeMetricFamily(
+                PREFIX + "job_throughput_samples_per_second",
+                METRICS_BY_NAME["throughput"].description,
+                summary["throughput"],
+            )
         if summary.get("global_step") is not None:
             yield GaugeMetricFamily(
                 PREFIX + "job_global_step",

@@ -21,6 +21,7 @@ subprocess).
 from __future__ import annotations
 
 import errno
+import inspect
 import ipaddress
 import json
 import os
@@ -36,7 +37,7 @@ from app.audit import AuditLog
 from app.checkpoints.verify import Verifier
 from app.errors import ApiError
 from app.push import Changed
-from trainer_bridge import ckptindex, runfiles
+from trainer_bridge import ckptindex, native, runfiles
 from trainer_bridge.ckptindex import (
     ORIGIN_BRIDGE,
     ORIGIN_NATIVE,
@@ -350,7 +351,13 @@ class CheckpointService:
         command, command_notes = relaunch_command(job, cset.world_size, heartbeats)
         position = _position(cset)
         is_default = default is not None and default.id == cset.id
-        if is_default:
+        if cset.origin == ORIGIN_NATIVE:
+            how = (
+                "OnRequestExit saved this set and loads it again by itself when the script starts: "
+                "run the code below before model.train (it makes the file loadable and aligns the "
+                "data), then relaunch the job as it was launched."
+            )
+        elif is_default:
             how = (
                 "Relaunch the job unchanged: the bridge loads this set on every rank at train "
                 "begin and continues with the next step. The code below is what it does, for a "
@@ -468,6 +475,8 @@ def load_code(run_dir: str, cset: CheckpointSet, position: Mapping) -> str:
     files = {r: cset.file_for(r) for r in range(cset.world_size)}
     files = {r: f for r, f in files.items() if f is not None}
     templates = {_rank_template(f, cset.layout) for f in files.values()}
+    if cset.origin == ORIGIN_NATIVE and len(templates) == 1 and not cset.ranks_missing:
+        return _native_code(run_dir, templates.pop())
     fmt = next((f.meta.format for f in files.values()), "ckpt")
     extra = ', format="safetensors"' if fmt == "safetensors" else ""
     lines = [
@@ -528,9 +537,40 @@ def load_code(run_dir: str, cset: CheckpointSet, position: Mapping) -> str:
             "# the data, with the weights loaded",
             "model.train(epochs, dataset, callbacks=callbacks)",
         ]
-    if cset.origin == ORIGIN_NATIVE:
-        lines.insert(0, "# OnRequestExit saved this set; MindSpore has no automatic resume from it")
     return "\n".join(lines) + "\n"
+
+
+def _native_code(run_dir: str, template: str) -> str:
+    """An OnRequestExit set: OnRequestExit reloads it itself once its ``global_step`` fits.
+
+    The function offered is ``trainer_bridge.native``'s own source, the one
+    the demo runs, so the code shown is the code tested.
+    """
+    source = inspect.getsource(native.on_request_exit_resume)
+    return (
+        "\n".join(
+            [
+                "# OnRequestExit saved this set, and its on_train_begin loads the file again by itself;",
+                "# that load fails on the global_step it appended (shape () against the optimizer's (1,))",
+                "# until the function below rewrites it. Run this before model.train, on every rank.",
+                "import mindspore as ms",
+                "",
+                "",
+                source.rstrip(),
+                "",
+                "",
+                f"run = {json.dumps(os.path.realpath(run_dir))}  # the run directory",
+                'rank = ms.get_context("device_id")  # OnRequestExit names rank_<N> after the device id',
+                f'initial_epoch, skip = on_request_exit_resume(f"{{run}}/{template}", epochs)',
+                "if initial_epoch < epochs:",
+                "    if skip:",
+                "        dataset.set_init_step(skip)  # the stopped epoch's finished batches, first epoch only",
+                "    # callbacks: OnRequestExit with the same file_name and directory as before: it loads the file",
+                "    model.train(epochs, dataset, callbacks=callbacks, initial_epoch=initial_epoch)",
+            ]
+        )
+        + "\n"
+    )
 
 
 # RFC 1123 labels, plus the underscore some clusters' host names carry.
