@@ -202,10 +202,14 @@ class RunState:
         runs, whatever its launcher does.
         """
         ended = {}
+        # msrun kills every worker before it says the job exited: that ends the log ranks too.
+        exited = self._logs.dir.job_exited() if self._logs is not None else None
         for r in view:
             hb = self._board.latest.get(r)
             state = hb.get("state") if hb else None
             why = state if state in TERMINAL_STATES else self._board.gone(r)
+            if not why and exited and r in self._from_log:
+                why = exited
             if why:
                 ended[r] = (self._ended[r][0] if r in self._ended else now, why)
         self._ended = ended

@@ -113,8 +113,10 @@ def test_headline_stop_from_the_browser_then_resume(tmp_path, browser, console_e
     assert all(o.startswith(("accepted", "duplicate", "completed")) for _, _, o in rows), rows
     assert json.loads(runfiles.flag_path(run).read_text())["GracefulExit"] == 0
 
-    # Relaunch the same command: it resumes after the stop step and is not stopped again.
-    again = DemoJob(run, epochs=2, step_delay=0.0).start()
+    # Relaunch: it resumes after the stop step and is not stopped again. It asks for one
+    # epoch more than the stop was in, wherever a loaded machine let the job get to.
+    stopped_in = max(h["epoch"] for h in job.heartbeats())
+    again = DemoJob(run, epochs=stopped_in + 1, step_delay=0.0).start()
     try:
         assert again.wait() == 0, again.logs()
     finally:

@@ -413,6 +413,11 @@ class LogDir:
             said.append(f"msrun's scheduler: {sched.timed_out[rank]}")
         return "; ".join(said) or None
 
+    def job_exited(self) -> str | None:
+        """msrun's words that the job is over: it killed every worker before saying them."""
+        said = next((f.job_exited for f in self._launcher_folds() if f.job_exited), None)
+        return f"msrun: {said}" if said else None
+
     def launcher_gone(self, probe) -> str | None:
         """Why msrun is known to be over, or None (it runs, or nothing tells).
 
@@ -420,9 +425,9 @@ class LogDir:
         output is kept in the log directory) or a probe of the process that
         started the workers (``probe`` is ``app.reader.probe_process``).
         """
-        for fold in self._launcher_folds():
-            if fold.job_exited:
-                return f"msrun: {fold.job_exited}"
+        said = self.job_exited()
+        if said:
+            return said
         if self.launcher is not None:
             why = probe(*self.launcher)
             if why:
