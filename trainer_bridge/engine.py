@@ -175,7 +175,16 @@ class Engine:
         return first, skip, over
 
     # -------------------------------------------------------------- lifecycle
-    def begin(self, cells, *, epoch: int, per_epoch: int | None, global_step: int, batch_size) -> int:
+    def begin(
+        self,
+        cells,
+        *,
+        epoch: int,
+        per_epoch: int | None,
+        global_step: int,
+        batch_size,
+        front_end: str = "callback",
+    ) -> int:
         """Start reporting; resume ``cells`` (what a stop saves) if a set is found.
 
         Returns the global step training continues after (the resumed set's, or ``global_step``).
@@ -226,6 +235,7 @@ class Engine:
             sync_interval_s=s.sync_interval_s,
             batch_size=batch_size,
             resumed=point,
+            front_end=front_end,
         )
         self.reporter.start()
         if s.handle_sigterm and threading.current_thread() is threading.main_thread():

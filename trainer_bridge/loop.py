@@ -28,7 +28,12 @@ def rows(engine: Engine, dataset, network, optimizer, epochs: int):
     if skip and not nothing_left:
         dataset.set_init_step(skip)  # the first epoch of the next iterator only
     engine.begin(
-        [network, optimizer], epoch=first_epoch + 1, per_epoch=per_epoch, global_step=0, batch_size=batch_size
+        [network, optimizer],
+        epoch=first_epoch + 1,
+        per_epoch=per_epoch,
+        global_step=0,
+        batch_size=batch_size,
+        front_end="loop",
     )
     try:
         if nothing_left:

@@ -34,6 +34,7 @@ from typing import BinaryIO
 
 from app import safefs
 from app.audit import AuditLog
+from app.checkpoints import relaunch
 from app.checkpoints.verify import Verifier
 from app.errors import ApiError
 from app.push import Changed
@@ -349,6 +350,7 @@ class CheckpointService:
         job = runfiles.read_json_or_none(runfiles.job_path(self.run_dir))
         job = job if isinstance(job, dict) else {}
         command, command_notes = relaunch_command(job, cset.world_size, heartbeats)
+        loop = job.get("front_end") == "loop" and cset.origin == ORIGIN_BRIDGE
         position = _position(cset)
         is_default = default is not None and default.id == cset.id
         if cset.origin == ORIGIN_NATIVE:
@@ -409,7 +411,7 @@ class CheckpointService:
             "command": command,
             "command_notes": command_notes,
             **position,
-            "code": load_code(self.run_dir, cset, position),
+            "code": load_code(self.run_dir, cset, position, loop=loop),
             "warnings": warnings,
         }
 
@@ -470,8 +472,11 @@ def _rank_template(f: CheckpointFile, layout: str) -> str:
     return "/".join(out)
 
 
-def load_code(run_dir: str, cset: CheckpointSet, position: Mapping) -> str:
-    """Python that loads ``cset`` on every rank and starts training where it stopped."""
+def load_code(run_dir: str, cset: CheckpointSet, position: Mapping, *, loop: bool = False) -> str:
+    """Python that loads ``cset`` on every rank and starts training where it stopped.
+
+    ``loop``: the job trained in a functional loop (``bridge.loop``), not ``Model.train``.
+    """
     files = {r: cset.file_for(r) for r in range(cset.world_size)}
     files = {r: f for r, f in files.items() if f is not None}
     templates = {_rank_template(f, cset.layout) for f in files.values()}
@@ -499,17 +504,19 @@ def load_code(run_dir: str, cset: CheckpointSet, position: Mapping) -> str:
             f"# no readable file for rank(s) {_ranks(cset.ranks_missing)} in this set"
             + (" (TTP: load a replica's copy)" if cset.origin == ORIGIN_TTP else "")
         )
+    where = (
+        f"global step {cset.global_step}"
+        if cset.global_step is not None
+        else f"epoch {cset.epoch}, step {cset.step}"
+    )
+    if loop:
+        return "\n".join(relaunch.loop_code(path_expr, lines, where, position, cset.global_step)) + "\n"
     lines += [
         "# train_net: the cell being trained, optimizer included (the bridge loads Model's",
         "# train network), so the optimizer state resumes too",
         f"ms.load_checkpoint({path_expr}, net=train_net{extra})",
         "",
     ]
-    where = (
-        f"global step {cset.global_step}"
-        if cset.global_step is not None
-        else f"epoch {cset.epoch}, step {cset.step}"
-    )
     per_epoch, initial_epoch, skip = (
         position["steps_per_epoch"],
         position["initial_epoch"],
@@ -642,4 +649,13 @@ def relaunch_command(
         opts = f"--worker_num={q(str(world))} --local_worker_num={q(str(world))}"
     if not os.path.isabs(argv[0]):
         notes.append(f"{argv[0]} is a relative path: run from the directory the job was launched in")
-    return f"msrun {opts} --join=True {shlex.join(argv)}", notes
+    more = relaunch.msrun_options(job, argv[0])
+    env = relaunch.job_env(job)
+    if env:
+        notes.append(
+            "the job ran with "
+            + ", ".join(f"{k}={v}" for k, v in env.items())
+            + ": the command sets them again"
+        )
+    more_text = f"{shlex.join(more)} " if more else ""
+    return f"{relaunch.env_prefix(env)}msrun {opts} {more_text}--join=True {shlex.join(argv)}", notes
