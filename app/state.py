@@ -191,6 +191,9 @@ class RunState:
                 source="log" if r in self._from_log else "bridge",
                 skew_s=slot.skew_s if slot else None,
             )
+            if r in self._from_log and r in self._ended and self._rows[r]["state"] not in TERMINAL_STATES:
+                # A log only says "training" until its last line: its process has ended without a word.
+                self._rows[r]["state"] = "failed"
             self._dirty.add(r)
         self._summary = self._make_summary()
         self._run = self._make_run_status()

@@ -141,6 +141,7 @@ def test_the_run_ends_when_every_rank_died_and_msrun_said_so(run_dir, msrun):
         "ended",
     )
     assert "2 gone" in snap["run"]["message"], snap["run"]
+    assert [r["state"] for r in snap["ranks"]] == ["failed", "failed"]  # not "training" any more
     assert "msrun: Distributed job exited with exception" in snap["run"]["message"], snap["run"]
     # Log ranks report no rate: the job's throughput is unknown, not 0.
     assert snap["summary"]["throughput"] is None
