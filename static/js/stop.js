@@ -209,7 +209,8 @@ export class StopControls {
 
   rearm() {
     const s = this.status || {};
-    const force = s.state !== "completed";
+    // A job that ended without obeying has nothing left to stop: no force needed.
+    const force = !["completed", "not_obeyed"].includes(s.state);
     const question = force
       ? "Not every rank has exited. Re-arm anyway? Ranks that have not stopped will run on."
       : 'Return the flag to {"GracefulExit": 0}?';
@@ -336,7 +337,7 @@ export class StopControls {
     const s = this.status || {};
     const has = Boolean(token.get());
     $(SEL.stopCancel).hidden = !(has && s.can_cancel);
-    $(SEL.stopRearm).hidden = !(has && s.can_rearm && ["completed", "stopping"].includes(s.state));
+    $(SEL.stopRearm).hidden = !(has && s.can_rearm && ["completed", "stopping", "not_obeyed"].includes(s.state));
   }
 
   // -- the audit trail -----------------------------------------------------------
