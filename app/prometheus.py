@@ -161,7 +161,8 @@ class RankwatchCollector:
     def _stop(status: dict, labels: dict[int, tuple[str, str]]) -> Iterator[Metric]:
         state = GaugeMetricFamily(
             PREFIX + "stop_state",
-            "The graceful stop's state (idle, requested, stopping, completed, cancelled, rearmed): "
+            "The graceful stop's state (idle, requested, stopping, completed, cancelled, rearmed, "
+            "not_obeyed): "
             "1 for the current one.",
             labels=("state",),
         )
