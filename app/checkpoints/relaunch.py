@@ -1,4 +1,4 @@
-"""What a relaunch needs beyond the script's argv: msrun's own options, the environment, loop code.
+"""The relaunch command (msrun, its options, the environment) and the loop code of a resume answer.
 
 ``job.json`` (``trainer_bridge.launch``) records msrun's command line and
 the ``MS_*``-style variables the job ran with, and whether the bridge was
@@ -8,6 +8,9 @@ file any rank can write: names are checked, values quoted, lists bounded.
 
 from __future__ import annotations
 
+import ipaddress
+import os
+import re
 import shlex
 from collections.abc import Mapping
 
@@ -83,3 +86,84 @@ def loop_code(path_expr: str, head: list[str], where: str, position: Mapping, gl
         "        for x, y in iterator:",
         "            loss = train_step(x, y)",
     ]
+
+
+# RFC 1123 labels, plus the underscore some clusters' host names carry.
+_HOST_LABEL = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?$")
+
+
+def is_host_name(host: str) -> bool:
+    """Whether ``host`` is an IP address or a DNS host name, and nothing a shell would read as more."""
+    if not isinstance(host, str) or not 0 < len(host) <= 253:
+        return False
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    return all(_HOST_LABEL.match(label) for label in host.removesuffix(".").split("."))
+
+
+def relaunch_command(
+    job: Mapping, world: int, heartbeats: Mapping[int, dict | None]
+) -> tuple[str | None, list[str]]:
+    """The ``msrun`` command that starts the job again, from ``job.json``'s ``argv``.
+
+    msrun runs ``python <script> <args>`` on every worker, so the script's
+    own argv follows msrun's options. The node count comes from the hosts
+    the heartbeats name; on several nodes the same command runs on each,
+    with its ``--node_rank`` from ``$NODE_RANK``. Returns (command or None, notes).
+
+    The operator pastes this into a shell, and every value in it comes from
+    files any rank can write: each is quoted with ``shlex.quote``, and a host
+    that is not a host name (``n1;touch /tmp/x;#``) refuses the command.
+    """
+    argv = job.get("argv")
+    if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)):
+        return None, [
+            "rankwatch/job.json has no argv (the bridge writes it at start), so the "
+            "job's command is unknown: relaunch it as you launched it"
+        ]
+    job_world = job.get("world_size")
+    world = job_world if isinstance(job_world, int) and not isinstance(job_world, bool) else world
+    by_rank = sorted(
+        (r, hb.get("host")) for r, hb in heartbeats.items() if isinstance(hb, dict) and hb.get("host")
+    )
+    bad = [(r, h) for r, h in by_rank if not is_host_name(h)]
+    if bad:
+        rank, host = bad[0]
+        return None, [
+            f"rank {rank} reports the host {host[:100]!r}, which is not a host name, so no "
+            "command is offered: relaunch the job as you launched it"
+        ]
+    hosts = list(dict.fromkeys(h for _, h in by_rank))
+    notes = []
+    q = shlex.quote
+    if len(hosts) > 1:
+        if world % len(hosts) == 0:
+            local = q(str(world // len(hosts)))
+        else:
+            local = '"${LOCAL_WORKERS:?set LOCAL_WORKERS to the ranks on this node}"'
+            notes.append("set LOCAL_WORKERS to the number of ranks on each node before running it")
+        opts = (
+            f"--worker_num={q(str(world))} --local_worker_num={local} --master_addr={q(hosts[0])} "
+            '--node_rank="${NODE_RANK:?set NODE_RANK to the index of this node}"'
+        )
+        notes.append(
+            f"run it on each of the {len(hosts)} nodes ({', '.join(hosts)}) with NODE_RANK set to "
+            f"the node's index, 0 on {hosts[0]}"
+        )
+    else:
+        opts = f"--worker_num={q(str(world))} --local_worker_num={q(str(world))}"
+    if not os.path.isabs(argv[0]):
+        notes.append(f"{argv[0]} is a relative path: run from the directory the job was launched in")
+    more = msrun_options(job, argv[0])
+    env = job_env(job)
+    if env:
+        notes.append(
+            "the job ran with "
+            + ", ".join(f"{k}={v}" for k, v in env.items())
+            + ": the command sets them again"
+        )
+    more_text = f"{shlex.join(more)} " if more else ""
+    return f"{env_prefix(env)}msrun {opts} {more_text}--join=True {shlex.join(argv)}", notes
