@@ -225,6 +225,10 @@ class VerdictBoard:
         else:
             self._probes.pop(rank, None)
 
+    def gone(self, rank: int) -> str | None:
+        """Why a probe (or msrun's words) says ``rank``'s process is gone, or None."""
+        return self._probes.get(rank, (None, None, False))[0]
+
     def _forget(self, rank: int) -> None:
         self.latest.pop(rank, None)
         self._probes.pop(rank, None)
@@ -503,7 +507,8 @@ class VerdictBoard:
             "counts": dict(self.counts),
             "reported": int(has.sum()),
             "slowest": slowest,
-            "throughput": round(float(np.nansum(rates)), 1),
+            # Unknown, not 0, when no rank reports a rate (a log rank's never does).
+            "throughput": round(float(np.nansum(rates)), 1) if (~np.isnan(rates)).any() else None,
             "last_step_at": float(last_steps.max()) if len(last_steps) else None,
             "global_step": int(gsteps.max()) if len(gsteps) else None,
         }

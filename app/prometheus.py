@@ -227,11 +227,12 @@ class RankwatchCollector:
         for (host, health), n in sorted(Counter((row["host"] or "", row["health"]) for row in rows).items()):
             hosts.add_metric([host, health], n)
         yield hosts
-        yield GaugeMetricFamily(
-            PREFIX + "job_throughput_samples_per_second",
-            METRICS_BY_NAME["throughput"].description,
-            _num(summary["throughput"] or 0.0),
-        )
+        if summary["throughput"] is not None:  # None: no rank reports a rate
+            yield GaugeMetricFamily(
+                PREFIX + "job_throughput_samples_per_second",
+                METRICS_BY_NAME["throughput"].description,
+                _num(summary["throughput"]),
+            )
         if summary.get("global_step") is not None:
             yield GaugeMetricFamily(
                 PREFIX + "job_global_step",
@@ -257,8 +258,8 @@ class RankwatchCollector:
     def _stop(status: dict) -> Iterator[Metric]:
         state = GaugeMetricFamily(
             PREFIX + "stop_state",
-            "The graceful stop's state (idle, requested, stopping, completed, cancelled, rearmed), "
-            "as its label; 1.",
+            "The graceful stop's state (idle, requested, stopping, completed, cancelled, rearmed, "
+            "not_obeyed), as its label; 1.",
             labels=("state",),
         )
         state.add_metric([status["state"]], 1)

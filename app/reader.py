@@ -48,6 +48,11 @@ class Stopped(str):
     """A probe's answer for a process that exists but is stopped (SIGSTOP, a debugger)."""
 
 
+class Unreaped(str):
+    """A probe's answer for a process that has exited but is a zombie: asked again later,
+    so the row's words follow once its parent reaps it (or is gone itself)."""
+
+
 def probe_process(pid: int, started_at: float | None) -> str | None:
     """Why the process ``pid`` is known to be gone, or None if it runs (or cannot be told).
 
@@ -65,7 +70,7 @@ def probe_process(pid: int, started_at: float | None) -> str | None:
     except psutil.AccessDenied:
         return None
     if status == psutil.STATUS_ZOMBIE:
-        return f"process {pid} has exited (not yet reaped by its parent)"
+        return Unreaped(f"process {pid} has exited (not yet reaped by its parent)")
     # create_time is rounded to clock ticks: allow a second of slack.
     if started_at is not None and created > started_at + 1.0:
         return f"pid {pid} now belongs to a newer process; the rank's process is gone"

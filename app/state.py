@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from app import logmode
-from app.health import Thresholds
+from app.health import TERMINAL_STATES, Thresholds
+from app.jobend import JobFacts
 from app.judging import VerdictBoard
 from app.push import DELTA_EVENT, SNAPSHOT_EVENT, Changed, changed_fields
 from app.reader import (  # noqa: F401  (re-exported: tests and tools import them from here)
@@ -39,6 +40,7 @@ from app.reader import (  # noqa: F401  (re-exported: tests and tools import the
     RankSlot,
     RunReader,
     Stopped,
+    Unreaped,
     probe_process,
     read_history_tail,
 )
@@ -91,6 +93,10 @@ class RunState:
         self._from_log: set[int] = set()  # ranks shown from their worker log
         # rank -> ((pid, started_at), probed at, why gone or None)
         self._probes: dict[int, tuple] = {}
+        # rank -> (first seen ended, why): a final state, or its process gone (app.jobend)
+        self._ended: dict[int, tuple[float, str]] = {}
+        self._launcher_gone: str | None = None
+        self._launcher_alive = False
         self._rows: dict[int, dict] = {}
         self._sent: dict[int, dict] = {}
         self._dirty: set[int] = set()
@@ -175,6 +181,7 @@ class RunState:
             board.file_problem(r, slot.error if slot else None, slot.skew_s if slot else None)
         self._from_log &= view
         self._probe_late(now)
+        self._note_ended(now, view)
         for r in board.update(now) | (changed & view):
             slot = self._slot(r)
             self._rows[r] = make_row(
@@ -184,9 +191,68 @@ class RunState:
                 source="log" if r in self._from_log else "bridge",
                 skew_s=slot.skew_s if slot else None,
             )
+            if r in self._from_log and r in self._ended and self._rows[r]["state"] not in TERMINAL_STATES:
+                # A log only says "training" until its last line: its process has ended without a word.
+                self._rows[r]["state"] = "failed"
             self._dirty.add(r)
         self._summary = self._make_summary()
         self._run = self._make_run_status()
+
+    def _note_ended(self, now: float, view: set[int]) -> None:
+        """Which ranks have ended (a final state, or the process gone) and whether msrun has.
+
+        msrun is looked at only once every rank has ended: until then the job
+        runs, whatever its launcher does.
+        """
+        ended = {}
+        # msrun kills every worker before it says the job exited: that ends the log ranks too.
+        exited = self._logs.dir.job_exited() if self._logs is not None else None
+        for r in view:
+            hb = self._board.latest.get(r)
+            state = hb.get("state") if hb else None
+            why = state if state in TERMINAL_STATES else self._board.gone(r)
+            if not why and exited and r in self._from_log:
+                why = exited
+            if why:
+                ended[r] = (self._ended[r][0] if r in self._ended else now, why)
+        self._ended = ended
+        self._launcher_gone, self._launcher_alive = None, False
+        if self._logs is not None and view and view <= set(ended):
+            self._launcher_gone = self._logs.launcher_gone(self._probe_gone)
+            self._launcher_alive = self._launcher_gone is None and self._logs.dir.launcher is not None
+
+    def _probe_gone(self, pid: int, started: float | None) -> str | None:
+        why = self._probe(pid, started)
+        return None if isinstance(why, Stopped) else why
+
+    def job_ended(self) -> str | None:
+        """Why the job is over (every rank ended, msrun not running), or None while it may run."""
+        with self._lock:
+            return self._job_over()
+
+    def _job_over(self) -> str | None:
+        if not self._facts().job_ended(self._world):
+            return None
+        counts: dict[str, int] = {}
+        for _, why in self._ended.values():
+            key = why if why in TERMINAL_STATES else "gone"
+            counts[key] = counts.get(key, 0) + 1
+        told = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+        return told + (f"; {self._launcher_gone}" if self._launcher_gone else "")
+
+    def _facts(self) -> JobFacts:
+        logs = self._logs
+        return JobFacts(
+            ended=dict(self._ended),
+            launcher_gone=self._launcher_gone,
+            launcher_alive=self._launcher_alive,
+            triggered={r: logs.triggered_at(r) for r in self._from_log} if logs is not None else {},
+        )
+
+    def job_facts(self) -> JobFacts:
+        """What the stop service needs beyond the heartbeats (see ``app.jobend``)."""
+        with self._lock:
+            return self._facts()
 
     def _probe_late(self, now: float) -> None:
         """Probe the processes of this host's ranks whose heartbeat is late, and tell the board.
@@ -207,7 +273,8 @@ class RunState:
             pid, started = hb["pid"], hb.get("started_at")
             who, checked_at, why = self._probes.get(r, (None, None, None))
             if who != (pid, started) or (
-                (why is None or isinstance(why, Stopped)) and now - checked_at >= self.check_after_s
+                (why is None or isinstance(why, (Stopped, Unreaped)))
+                and now - checked_at >= self.check_after_s
             ):
                 why = self._probe(pid, started)
                 self._probes[r] = ((pid, started), now, why)
@@ -345,6 +412,10 @@ class RunState:
                 counts[hb["state"]] = counts.get(hb["state"], 0) + 1
             told = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
             return status("ended", f"The job has ended: {told}.")
+        over = self._job_over()
+        if over:
+            # Ranks killed or crashed without saying so: their processes and msrun are gone.
+            return status("ended", f"The job has ended: {over}.")
         return status("running", f"{self._world} ranks reporting.{note}")
 
     # -- what clients get ---------------------------------------------------------------

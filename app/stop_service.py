@@ -12,6 +12,12 @@ Stages per rank, in order: ``requested`` (flag written, rank has not seen it)
 ``exited``. A rank that stays in one stage longer than ``STOP_DEADLINE_S``
 is flagged late; the ranks at the lowest stage are the ones holding the
 others up.
+
+A rank shown only from msrun's worker log reports no stages: its stage comes
+from what the log shows (``app.jobend.log_stage``), so an ``OnRequestExit``
+stop completes and re-arms by the same rule. A stop that the job can no
+longer obey (every rank ended without exiting for it, msrun gone) ends as
+``not_obeyed``: audited so, and re-armed, so that a relaunch trains.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from typing import Any
 from app.audit import OBSERVED, SYSTEM, AuditError, AuditLog
 from app.auth import MAX_TEXT
 from app.errors import ApiError
+from app.jobend import JobFacts, log_stage
 from trainer_bridge import runfiles, safeio
 
 STAGES = ("requested", "seen", "agreed", "saving", "saved", "exited")
@@ -35,6 +42,8 @@ STAGES = ("requested", "seen", "agreed", "saving", "saved", "exited")
 # waited for at most LOCK_WAIT_S by an operator's action, never by the watcher.
 LOCK_NAME = ".flag.lock"
 LOCK_WAIT_S = 1.5
+# The outcome of a stop the job ended without obeying (audit rows and the re-armed flag say it).
+NOT_OBEYED = "not obeyed"
 # Once a rank has agreed, its stop step is fixed everywhere: too late to cancel.
 COMMITTED = frozenset(STAGES[2:])
 
@@ -181,12 +190,18 @@ class StopService:
         return active
 
     def cancel(
-        self, ranks: Mapping[int, dict | None], who: str, remote_addr: str | None, reason: str | None
+        self,
+        ranks: Mapping[int, dict | None],
+        who: str,
+        remote_addr: str | None,
+        reason: str | None,
+        facts: JobFacts | None = None,
     ) -> str:
         with self._flag_lock() as unlocked:
             active = self._pending_or_refuse("cancel", who, remote_addr, reason, "no stop request is pending")
             rid = active["request_id"]
-            committed = sorted(r for r, s in self._stages(rid, ranks).items() if s["stage"] in COMMITTED)
+            stages = self._stages(rid, ranks, facts, active["requested_at"])
+            committed = sorted(r for r, s in stages.items() if s["stage"] in COMMITTED)
             if committed:
                 self._audit(
                     "cancel",
@@ -226,6 +241,7 @@ class StopService:
         remote_addr: str | None,
         reason: str | None,
         force: bool = False,
+        facts: JobFacts | None = None,
     ) -> str:
         """Return the flag to ``{"GracefulExit": 0}`` after a stop, so a relaunch runs."""
         with self._flag_lock() as unlocked:
@@ -233,7 +249,9 @@ class StopService:
                 "rearm", who, remote_addr, reason, "nothing to re-arm: the flag does not say stop"
             )
             rid = active["request_id"]
-            done = self._completed(rid, ranks, world_size)
+            done = self._completed(rid, ranks, world_size, facts, active["requested_at"]) or (
+                facts is not None and facts.job_ended(world_size)
+            )
             if not done and not force:
                 self._audit(
                     "rearm",
@@ -259,7 +277,7 @@ class StopService:
             )
             return rid
 
-    def _write_rearmed(self, active: dict, who: str) -> None:
+    def _write_rearmed(self, active: dict, who: str, outcome: str | None = None) -> None:
         runfiles.write_flag(
             self.run_dir,
             False,
@@ -267,16 +285,21 @@ class StopService:
             rearmed_at=time.time(),
             rearmed_by=who,
             last_request=active,
+            **({"outcome": outcome} if outcome else {}),
         )
 
-    def tick(self, ranks: Mapping[int, dict | None], world_size: int) -> None:
-        """Called by the watcher: record a completed stop once, and re-arm if configured."""
+    def tick(self, ranks: Mapping[int, dict | None], world_size: int, facts: JobFacts | None = None) -> None:
+        """Called by the watcher: record a completed (or not obeyed) stop once, and re-arm if configured."""
         flag, _ = self.read_flag()
         active = self._active(flag)
         if active is None:
             return
         rid = active["request_id"]
-        if rid is None or not self._completed(rid, ranks, world_size):
+        if rid is None:
+            return
+        done = self._completed(rid, ranks, world_size, facts, active["requested_at"])
+        ignored = not done and facts is not None and facts.job_ended(world_size)
+        if not (done or ignored):
             return
         # The watcher never waits on a lock a rank can hold: one try, and if
         # it is held the completion is recorded anyway (audit.has keeps it once).
@@ -290,13 +313,13 @@ class StopService:
                 log.error("stop: cannot read the audit trail: %s", e)
                 recorded = False
             if not recorded:
-                status = self.status(ranks, world_size, time.time())
+                status = self.status(ranks, world_size, time.time(), facts=facts)
                 self._audit(
                     "complete",
                     basis=OBSERVED,
                     who=SYSTEM,
                     request_id=rid,
-                    outcome=f"completed: {status['summary']}",
+                    outcome=f"{NOT_OBEYED if ignored else 'completed'}: {status['summary']}",
                     detail={
                         "stop_step": status["stop_step"],
                         "save_s": status["save_s"],
@@ -304,23 +327,43 @@ class StopService:
                     },
                 )
             if self.auto_rearm:
-                self._write_rearmed(current, SYSTEM)
+                self._write_rearmed(current, SYSTEM, NOT_OBEYED if ignored else None)
                 self._audit(
                     "rearm",
                     basis=OBSERVED,
                     who=SYSTEM,
                     request_id=rid,
-                    outcome="accepted (automatic after completion)",
+                    outcome="accepted (automatic: the job ended without obeying the stop)"
+                    if ignored
+                    else "accepted (automatic after completion)",
                 )
 
     # -------------------------------------------------------------- status
-    def _stages(self, rid: str | None, ranks: Mapping[int, dict | None]) -> dict[int, dict]:
+    def _stages(
+        self,
+        rid: str | None,
+        ranks: Mapping[int, dict | None],
+        facts: JobFacts | None = None,
+        requested_at: float | None = None,
+    ) -> dict[int, dict]:
         """Each rank's stage for request ``rid``, from whatever its heartbeat's ``stop`` holds.
 
         The dashboard validates heartbeats before they get here, but the stop
         must not depend on that: every field is checked again for its type,
-        and one that does not fit is dropped, never trusted.
+        and one that does not fit is dropped, never trusted. A rank shown from
+        its worker log gets its stage from the log (``facts``). Each record's
+        ``not_obeyed`` says why a rank that never exited for the stop has ended.
         """
+        out = self._stages_of(rid, ranks)
+        if facts is None:
+            return out
+        for rank, s in out.items():
+            if rank in facts.triggered and not (ranks.get(rank) or {}).get("stop"):
+                s.update(log_stage(rank, facts, requested_at))
+            s["not_obeyed"] = facts.why_ended(rank) if s["stage"] != "exited" else None
+        return out
+
+    def _stages_of(self, rid: str | None, ranks: Mapping[int, dict | None]) -> dict[int, dict]:
         out = {}
         for rank, hb in ranks.items():
             hb = hb if isinstance(hb, dict) else {}
@@ -338,6 +381,7 @@ class StopService:
                     else {},
                     "error": stop.get("error") if isinstance(stop.get("error"), str) else None,
                     "state": state,
+                    "not_obeyed": None,
                 }
             else:
                 out[rank] = {
@@ -348,11 +392,19 @@ class StopService:
                     "at": {},
                     "error": None,
                     "state": state,
+                    "not_obeyed": None,
                 }
         return out
 
-    def _completed(self, rid: str | None, ranks: Mapping[int, dict | None], world_size: int) -> bool:
-        stages = self._stages(rid, ranks)
+    def _completed(
+        self,
+        rid: str | None,
+        ranks: Mapping[int, dict | None],
+        world_size: int,
+        facts: JobFacts | None = None,
+        requested_at: float | None = None,
+    ) -> bool:
+        stages = self._stages(rid, ranks, facts, requested_at)
         return (
             world_size > 0
             and len(stages) >= world_size
@@ -367,13 +419,21 @@ class StopService:
             return None
 
     def status(
-        self, ranks: Mapping[int, dict | None], world_size: int, now: float, *, logs: dict | None = None
+        self,
+        ranks: Mapping[int, dict | None],
+        world_size: int,
+        now: float,
+        *,
+        logs: dict | None = None,
+        facts: JobFacts | None = None,
     ) -> dict[str, Any]:
         """The body of ``GET /api/exit``.
 
         ``logs`` is ``RunState.log_stop_facts()``: the ranks shown only from
         msrun's worker logs, whose stop stages nobody reports, and whether
         their logs show that the script obeys the flag (OnRequestExit).
+        ``facts`` is ``RunState.job_facts()``: the log ranks' stages and
+        which ranks have ended (see ``app.jobend``).
         """
         flag, flag_error = self.read_flag()
         active = self._active(flag)
@@ -404,7 +464,7 @@ class StopService:
         if request is None:
             return base
         rid = request["request_id"]
-        stages = self._stages(rid, ranks)
+        stages = self._stages(rid, ranks, facts, request["requested_at"])
         requested_at = request["requested_at"] or now
         rows = []
         for rank in sorted(stages):
@@ -415,11 +475,17 @@ class StopService:
         order = {name: i for i, name in enumerate(STAGES)}
         lowest = min((order[r["stage"]] for r in rows), default=0)
         all_exited = bool(rows) and all(r["stage"] == "exited" for r in rows) and len(rows) >= world_size
+        ignored = not all_exited and (
+            (facts is not None and facts.job_ended(world_size))
+            or (active is None and (flag or {}).get("outcome") == NOT_OBEYED)
+        )
         stop_steps = sorted({r["stop_step"] for r in rows if r["stop_step"] is not None})
         saves = [r["checkpoint"] for r in rows if r["checkpoint"]]
         total_bytes = sum(c.get("bytes") or 0 for c in saves)
         save_s = max((c.get("seconds") or 0 for c in saves), default=None)
-        if active is None:
+        if ignored:
+            state = "not_obeyed"
+        elif active is None:
             state = "cancelled" if flag and flag.get("cancelled") == rid else "rearmed"
         elif all_exited:
             state = "completed"
@@ -434,6 +500,14 @@ class StopService:
                 f"all {len(rows)} ranks stopped after step {_steps_text(stop_steps)}, "
                 f"{len(saves)} checkpoints, {_gb(total_bytes)}, in {ended - requested_at:.1f} s"
             )
+        elif ignored:
+            missed = [r for r in rows if r["stage"] != "exited"]
+            why = next((r["not_obeyed"] for r in missed if r["not_obeyed"]), None)
+            summary = (
+                f"not obeyed: the job ended without stopping for it; rank{'s' if len(missed) > 1 else ''} "
+                f"{_ranks_text([r['rank'] for r in missed])} ended without exiting for the stop"
+                + (f" ({why})" if why else "")
+            )
         base.update(
             state=state,
             ranks=rows,
@@ -442,10 +516,10 @@ class StopService:
             save_s=save_s,
             bytes=total_bytes or None,
             holding_up=[]
-            if all_exited or active is None
+            if all_exited or ignored or active is None
             else [r["rank"] for r in rows if order[r["stage"]] == lowest],
             late=[r["rank"] for r in rows if r["late"]],
-            can_cancel=active is not None and not any(r["stage"] in COMMITTED for r in rows),
+            can_cancel=active is not None and not ignored and not any(r["stage"] in COMMITTED for r in rows),
         )
         return base
 
@@ -465,7 +539,11 @@ class StopService:
             "seconds": seconds,
             "save_s": save_s,
             "save_measured": save_s is not None,
-            "checkpoint_dir": f"{runfiles.CHECKPOINT_DIR}/rank_{{r}}/",
+            # Without the bridge, a script's OnRequestExit saves where its own arguments say.
+            "checkpoint_dir": f"{runfiles.CHECKPOINT_DIR}/rank_{{r}}/"
+            if any(ranks.values())
+            else "OnRequestExit's directory: rank_{r}/<file_name>_train.ckpt under the script's "
+            "directory= argument",
             "basis": (
                 "flag poll (<= 0.2 s) + steps until the next agreement "
                 f"({sync_s:.2f} s) + save time "

@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from trainer_bridge import runfiles, safeio, schema
+from trainer_bridge import launch, runfiles, safeio, schema
 from trainer_bridge.beatsink import BeatSink
 from trainer_bridge.counters import Counters, Snapshot
 from trainer_bridge.device import DeviceProbe
@@ -65,6 +65,7 @@ class Reporter:
         sync_interval_s: float,
         batch_size: int | None,
         resumed: ResumePoint | None,
+        front_end: str | None = None,
     ):
         self.run_dir = run_dir
         self.rank, self.world = rank, world
@@ -74,6 +75,7 @@ class Reporter:
         self.poll_interval_s = poll_interval_s
         self.sync_interval_s = sync_interval_s
         self.batch_size = batch_size
+        self.front_end = front_end
         self.state = "starting"
         self.reporter_cpu_ms = 0.0
         self.loss: float | None = None
@@ -418,6 +420,9 @@ class Reporter:
                 host=self._host,
                 pid=os.getpid(),
                 argv=[_clip(a, schema.MAX_PATH) for a in sys.argv[:256]],
+                launcher_argv=launch.launcher_argv(),
+                env=launch.job_env(),
+                front_end=self.front_end,
                 checkpoint_dir=runfiles.CHECKPOINT_DIR,
                 sync_interval_s=self.sync_interval_s,
             )

@@ -264,6 +264,23 @@ class Job(_Model):
     argv: Annotated[list[Annotated[str, Field(max_length=MAX_PATH)]], Field(max_length=256)] = Field(
         default_factory=list, description="the training script's `sys.argv` (for the relaunch command)"
     )
+    launcher_argv: Annotated[list[Annotated[str, Field(max_length=MAX_PATH)]], Field(max_length=256)] = Field(
+        default_factory=list,
+        description="msrun's own command line (rank 0's parent), with its options; empty when not launched by msrun",
+    )
+    env: Annotated[
+        dict[
+            Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")],
+            Annotated[str, Field(max_length=MAX_PATH)],
+        ],
+        Field(max_length=64),
+    ] = Field(
+        default_factory=dict,
+        description="the `MS_*`, `GLOG_*`, `HCCL_*` and `ASCEND_*` variables the job ran with (not msrun's own)",
+    )
+    front_end: Literal["callback", "loop"] | None = Field(
+        None, description="how the bridge is attached: `Model.train`'s callback or `bridge.loop`"
+    )
     checkpoint_dir: Path_ = Field(
         "checkpoints", description="where the bridge saves, relative to the run directory"
     )

@@ -21,7 +21,7 @@ subprocess).
 from __future__ import annotations
 
 import errno
-import ipaddress
+import inspect
 import json
 import os
 import re
@@ -32,10 +32,12 @@ from collections.abc import Callable, Mapping
 from typing import BinaryIO
 
 from app.audit import AuditLog
+from app.checkpoints import relaunch
+from app.checkpoints.relaunch import relaunch_command
 from app.checkpoints.verify import Verifier
 from app.errors import ApiError
 from app.push import Changed
-from trainer_bridge import ckptindex, runfiles, safeio
+from trainer_bridge import ckptindex, native, runfiles, safeio
 from trainer_bridge.ckptindex import (
     ORIGIN_BRIDGE,
     ORIGIN_NATIVE,
@@ -347,9 +349,16 @@ class CheckpointService:
         job = runfiles.read_json_or_none(runfiles.job_path(self.run_dir))
         job = job if isinstance(job, dict) else {}
         command, command_notes = relaunch_command(job, cset.world_size, heartbeats)
+        loop = job.get("front_end") == "loop" and cset.origin == ORIGIN_BRIDGE
         position = _position(cset)
         is_default = default is not None and default.id == cset.id
-        if is_default:
+        if cset.origin == ORIGIN_NATIVE:
+            how = (
+                "OnRequestExit saved this set and loads it again by itself when the script starts: "
+                "run the code below before model.train (it makes the file loadable and aligns the "
+                "data), then relaunch the job as it was launched."
+            )
+        elif is_default:
             how = (
                 "Relaunch the job unchanged: the bridge loads this set on every rank at train "
                 "begin and continues with the next step. The code below is what it does, for a "
@@ -401,7 +410,7 @@ class CheckpointService:
             "command": command,
             "command_notes": command_notes,
             **position,
-            "code": load_code(self.run_dir, cset, position),
+            "code": load_code(self.run_dir, cset, position, loop=loop),
             "warnings": warnings,
         }
 
@@ -462,11 +471,16 @@ def _rank_template(f: CheckpointFile, layout: str) -> str:
     return "/".join(out)
 
 
-def load_code(run_dir: str, cset: CheckpointSet, position: Mapping) -> str:
-    """Python that loads ``cset`` on every rank and starts training where it stopped."""
+def load_code(run_dir: str, cset: CheckpointSet, position: Mapping, *, loop: bool = False) -> str:
+    """Python that loads ``cset`` on every rank and starts training where it stopped.
+
+    ``loop``: the job trained in a functional loop (``bridge.loop``), not ``Model.train``.
+    """
     files = {r: cset.file_for(r) for r in range(cset.world_size)}
     files = {r: f for r, f in files.items() if f is not None}
     templates = {_rank_template(f, cset.layout) for f in files.values()}
+    if cset.origin == ORIGIN_NATIVE and len(templates) == 1 and not cset.ranks_missing:
+        return _native_code(run_dir, templates.pop())
     fmt = next((f.meta.format for f in files.values()), "ckpt")
     extra = ', format="safetensors"' if fmt == "safetensors" else ""
     lines = [
@@ -489,17 +503,19 @@ def load_code(run_dir: str, cset: CheckpointSet, position: Mapping) -> str:
             f"# no readable file for rank(s) {_ranks(cset.ranks_missing)} in this set"
             + (" (TTP: load a replica's copy)" if cset.origin == ORIGIN_TTP else "")
         )
+    where = (
+        f"global step {cset.global_step}"
+        if cset.global_step is not None
+        else f"epoch {cset.epoch}, step {cset.step}"
+    )
+    if loop:
+        return "\n".join(relaunch.loop_code(path_expr, lines, where, position, cset.global_step)) + "\n"
     lines += [
         "# train_net: the cell being trained, optimizer included (the bridge loads Model's",
         "# train network), so the optimizer state resumes too",
         f"ms.load_checkpoint({path_expr}, net=train_net{extra})",
         "",
     ]
-    where = (
-        f"global step {cset.global_step}"
-        if cset.global_step is not None
-        else f"epoch {cset.epoch}, step {cset.step}"
-    )
     per_epoch, initial_epoch, skip = (
         position["steps_per_epoch"],
         position["initial_epoch"],
@@ -527,78 +543,37 @@ def load_code(run_dir: str, cset: CheckpointSet, position: Mapping) -> str:
             "# the data, with the weights loaded",
             "model.train(epochs, dataset, callbacks=callbacks)",
         ]
-    if cset.origin == ORIGIN_NATIVE:
-        lines.insert(0, "# OnRequestExit saved this set; MindSpore has no automatic resume from it")
     return "\n".join(lines) + "\n"
 
 
-# RFC 1123 labels, plus the underscore some clusters' host names carry.
-_HOST_LABEL = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?$")
+def _native_code(run_dir: str, template: str) -> str:
+    """An OnRequestExit set: OnRequestExit reloads it itself once its ``global_step`` fits.
 
-
-def is_host_name(host: str) -> bool:
-    """Whether ``host`` is an IP address or a DNS host name, and nothing a shell would read as more."""
-    if not isinstance(host, str) or not 0 < len(host) <= 253:
-        return False
-    try:
-        ipaddress.ip_address(host)
-        return True
-    except ValueError:
-        pass
-    return all(_HOST_LABEL.match(label) for label in host.removesuffix(".").split("."))
-
-
-def relaunch_command(
-    job: Mapping, world: int, heartbeats: Mapping[int, dict | None]
-) -> tuple[str | None, list[str]]:
-    """The ``msrun`` command that starts the job again, from ``job.json``'s ``argv``.
-
-    msrun runs ``python <script> <args>`` on every worker, so the script's
-    own argv follows msrun's options. The node count comes from the hosts
-    the heartbeats name; on several nodes the same command runs on each,
-    with its ``--node_rank`` from ``$NODE_RANK``. Returns (command or None, notes).
-
-    The operator pastes this into a shell, and every value in it comes from
-    files any rank can write: each is quoted with ``shlex.quote``, and a host
-    that is not a host name (``n1;touch /tmp/x;#``) refuses the command.
+    The function offered is ``trainer_bridge.native``'s own source, the one
+    the demo runs, so the code shown is the code tested.
     """
-    argv = job.get("argv")
-    if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)):
-        return None, [
-            "rankwatch/job.json has no argv (the bridge writes it at start), so the "
-            "job's command is unknown: relaunch it as you launched it"
-        ]
-    job_world = job.get("world_size")
-    world = job_world if isinstance(job_world, int) and not isinstance(job_world, bool) else world
-    by_rank = sorted(
-        (r, hb.get("host")) for r, hb in heartbeats.items() if isinstance(hb, dict) and hb.get("host")
+    source = inspect.getsource(native.on_request_exit_resume)
+    return (
+        "\n".join(
+            [
+                "# OnRequestExit saved this set, and its on_train_begin loads the file again by itself;",
+                "# that load fails on the global_step it appended (shape () against the optimizer's (1,))",
+                "# until the function below rewrites it. Run this before model.train, on every rank.",
+                "import mindspore as ms",
+                "",
+                "",
+                source.rstrip(),
+                "",
+                "",
+                f"run = {json.dumps(os.path.realpath(run_dir))}  # the run directory",
+                'rank = ms.get_context("device_id")  # OnRequestExit names rank_<N> after the device id',
+                f'initial_epoch, skip = on_request_exit_resume(f"{{run}}/{template}", epochs)',
+                "if initial_epoch < epochs:",
+                "    if skip:",
+                "        dataset.set_init_step(skip)  # the stopped epoch's finished batches, first epoch only",
+                "    # callbacks: OnRequestExit with the same file_name and directory as before: it loads the file",
+                "    model.train(epochs, dataset, callbacks=callbacks, initial_epoch=initial_epoch)",
+            ]
+        )
+        + "\n"
     )
-    bad = [(r, h) for r, h in by_rank if not is_host_name(h)]
-    if bad:
-        rank, host = bad[0]
-        return None, [
-            f"rank {rank} reports the host {host[:100]!r}, which is not a host name, so no "
-            "command is offered: relaunch the job as you launched it"
-        ]
-    hosts = list(dict.fromkeys(h for _, h in by_rank))
-    notes = []
-    q = shlex.quote
-    if len(hosts) > 1:
-        if world % len(hosts) == 0:
-            local = q(str(world // len(hosts)))
-        else:
-            local = '"${LOCAL_WORKERS:?set LOCAL_WORKERS to the ranks on this node}"'
-            notes.append("set LOCAL_WORKERS to the number of ranks on each node before running it")
-        opts = (
-            f"--worker_num={q(str(world))} --local_worker_num={local} --master_addr={q(hosts[0])} "
-            '--node_rank="${NODE_RANK:?set NODE_RANK to the index of this node}"'
-        )
-        notes.append(
-            f"run it on each of the {len(hosts)} nodes ({', '.join(hosts)}) with NODE_RANK set to "
-            f"the node's index, 0 on {hosts[0]}"
-        )
-    else:
-        opts = f"--worker_num={q(str(world))} --local_worker_num={q(str(world))}"
-    if not os.path.isabs(argv[0]):
-        notes.append(f"{argv[0]} is a relative path: run from the directory the job was launched in")
-    return f"msrun {opts} --join=True {shlex.join(argv)}", notes

@@ -91,18 +91,46 @@ class LogView:
         """
         return self.dir.gone(rank)
 
+    def triggered_at(self, rank: int) -> float | None:
+        """When ``rank``'s log showed OnRequestExit obeying the flag (see ``LogRank.triggered_at``)."""
+        return self.dir.triggered_at(rank)
+
+    def launcher_gone(self, probe) -> str | None:
+        """Why msrun is known to be over, or None (see ``LogDir.launcher_gone``)."""
+        return self.dir.launcher_gone(probe)
+
     def stop_facts(self, bridge_ranks) -> dict | None:
         """For the stop panel: how many ranks only a log shows, and whether the script obeys the flag."""
         only = sorted(set(self.slots) - set(bridge_ranks))
         if not only:
             return None
-        return {
+        facts = {
             "ranks": len(only),
             "log_dir": str(self.dir.path),
             "on_request_exit": self.dir.on_request_exit(),
             "cannot_show": list(CANNOT_SHOW),
         }
+        return facts | {"note": stop_note(facts)}
 
     def problems(self) -> list[str]:
         out = [self.dir.error] if self.dir.error else []
         return out + self.dir.problems + self.dir.read_errors()
+
+
+def stop_note(facts: dict) -> str:
+    """What the page's stop panel and ``rankwatch stop`` say about ranks shown only from their logs."""
+    n = facts["ranks"]
+    who = f"{n} rank{' is' if n == 1 else 's are'} shown only from msrun's worker logs"
+    if facts["on_request_exit"]:
+        return (
+            f'{who}; their logs show OnRequestExit at work ("{facts["on_request_exit"]}"), so the script '
+            "obeys the flag: Rankwatch follows its stop from the logs (the graceful-exit line, then the "
+            "process's end), but cannot see its checkpoints' progress."
+        )
+    return (
+        f"{who}, and nothing in them shows that the script uses OnRequestExit: it may ignore the flag. "
+        "Stop gracefully still writes RUN/graceful_exit.json; if the job ends without obeying it, the "
+        "stop is reported as not obeyed and the flag re-armed. For a script that is sure to stop, add "
+        "the Rankwatch bridge (or OnRequestExit(config_file=RUN/graceful_exit.json) with "
+        "MS_ENABLE_GRACEFUL_EXIT=1 on Ascend or in one process)."
+    )

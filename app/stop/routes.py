@@ -86,7 +86,9 @@ def api_login_code():
 def api_exit_status():
     ranks, world = _live()
     rw = rankwatch()
-    status = rw.stop.status(ranks, world, time.time(), logs=rw.state.log_stop_facts())
+    status = rw.stop.status(
+        ranks, world, time.time(), logs=rw.state.log_stop_facts(), facts=rw.state.job_facts()
+    )
     return jsonify(status | {"estimate": rw.stop.estimate(ranks, world)})
 
 
@@ -118,7 +120,10 @@ def api_exit_cancel():
     require_operator()
     body = json_body({"reason": (str, False), "who": (str, False)})
     ranks, _ = _live()
-    rid = rankwatch().stop.cancel(ranks, _who(body), request.remote_addr, body.get("reason"))
+    rw = rankwatch()
+    rid = rw.stop.cancel(
+        ranks, _who(body), request.remote_addr, body.get("reason"), facts=rw.state.job_facts()
+    )
     return jsonify({"request_id": rid, "cancelled": True})
 
 
@@ -127,8 +132,15 @@ def api_exit_rearm():
     require_operator()
     body = json_body({"reason": (str, False), "who": (str, False), "force": (bool, False)})
     ranks, world = _live()
-    rid = rankwatch().stop.rearm(
-        ranks, world, _who(body), request.remote_addr, body.get("reason"), force=body.get("force", False)
+    rw = rankwatch()
+    rid = rw.stop.rearm(
+        ranks,
+        world,
+        _who(body),
+        request.remote_addr,
+        body.get("reason"),
+        force=body.get("force", False),
+        facts=rw.state.job_facts(),
     )
     return jsonify({"request_id": rid, "rearmed": True})
 

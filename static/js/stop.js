@@ -18,6 +18,7 @@ const HEADLINE = {
     : "Stopping: the ranks are agreeing on the step to stop after."),
   completed: (s) => `Stopped: ${s.summary}.`,
   cancelled: () => "The stop request was cancelled before any rank agreed; training goes on.",
+  not_obeyed: (s) => `The stop was ${s.summary}. The flag is re-armed, so relaunching the job trains.`,
   rearmed: (s) => (s.summary
     ? `Last stop: ${s.summary}. The flag is re-armed ({"GracefulExit": 0}), so relaunching the job trains.`
     : 'The flag is re-armed ({"GracefulExit": 0}); relaunching the job trains.'),
@@ -47,6 +48,8 @@ function cell(row, value, cls) {
 // Ranks shown only from msrun's worker logs report no stop stages: say whether
 // their script can obey the flag at all (README, "Log mode").
 function logNote(logs) {
+  // The server words it (rankwatch stop prints the same sentence).
+  if (typeof logs.note === "string") return logs.note;
   const who = `${logs.ranks} rank${logs.ranks === 1 ? " is" : "s are"} shown only from msrun's worker logs`;
   if (logs.on_request_exit) {
     return `${who}; their logs show OnRequestExit at work ("${logs.on_request_exit}"), so the script obeys `
@@ -206,7 +209,8 @@ export class StopControls {
 
   rearm() {
     const s = this.status || {};
-    const force = s.state !== "completed";
+    // A job that ended without obeying has nothing left to stop: no force needed.
+    const force = !["completed", "not_obeyed"].includes(s.state);
     const question = force
       ? "Not every rank has exited. Re-arm anyway? Ranks that have not stopped will run on."
       : 'Return the flag to {"GracefulExit": 0}?';
@@ -333,7 +337,7 @@ export class StopControls {
     const s = this.status || {};
     const has = Boolean(token.get());
     $(SEL.stopCancel).hidden = !(has && s.can_cancel);
-    $(SEL.stopRearm).hidden = !(has && s.can_rearm && ["completed", "stopping"].includes(s.state));
+    $(SEL.stopRearm).hidden = !(has && s.can_rearm && ["completed", "stopping", "not_obeyed"].includes(s.state));
   }
 
   // -- the audit trail -----------------------------------------------------------

@@ -63,7 +63,9 @@ export class SummaryStrip {
         + ` over the median ${formatNumber(slow.median_ms)} ms`
         + (slow.ratio ? ` (${slow.ratio}×)` : "")
       : "–");
-    this.set("throughput", `${formatCount(isNumber(s.throughput) ? Math.round(s.throughput) : s.throughput)}`
+    // null: no rank reports a rate (ranks shown from their logs): unknown, not 0.
+    this.set("throughput", s.throughput == null ? "unknown"
+      : `${formatCount(isNumber(s.throughput) ? Math.round(s.throughput) : s.throughput)}`
       + ` ${this.metricThroughput.unit}`);
     this.renderAges();
     this.renderRun();

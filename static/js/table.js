@@ -374,7 +374,10 @@ export class RankTable {
     switch (m.name) {
       case "health": return `${GLYPH[row.health] || ""} ${verdictLabel(row.health)}`;
       case "global_step":
-        if (row.global_step === null || row.global_step === undefined) return "–";
+        // A log can tell the epoch and step without the global step (no steps per epoch printed).
+        if (row.global_step === null || row.global_step === undefined) {
+          return row.epoch ? `${formatNumber(row.epoch)} / ${formatNumber(row.step)}` : "–";
+        }
         return `${formatNumber(row.epoch)} / ${formatNumber(row.step)} (${formatCount(row.global_step)})`;
       case "heartbeat_age_s":
         return isNumber(row.time) ? formatValue(m, Math.max(0, now - row.time)) : "–";
