@@ -181,6 +181,14 @@ SETTINGS: list[Setting] = [
         "so only late ranks cost a probe.",
     ),
     Setting(
+        "BRIDGE_GRACE_S",
+        120.0,
+        "While msrun's worker logs show ranks but no heartbeat has come, the page warns that "
+        "the script may lack the bridge (and may ignore a stop) only once job.json's rank 0 no "
+        "longer runs on this host and this long has passed since the job started: the bridge "
+        "writes its first heartbeat after graph compilation.",
+    ),
+    Setting(
         "HISTORY_POINTS",
         300,
         "Chart history kept per rank, on the server and in the browser, in time buckets "
@@ -227,6 +235,13 @@ SETTINGS: list[Setting] = [
         900.0,
         "A rank that stays in one stop stage (requested, seen, agreed, saving, saved) longer "
         "than this is flagged late. 900 s is MindCluster's default for a graceful exit.",
+    ),
+    Setting(
+        "STOP_HOLDING_AFTER_S",
+        10.0,
+        "During a stop, the ranks at the lowest stage are named as holding the others up only "
+        "once they have been in that stage this long (and never when every rank is there): "
+        "a normal stop moves every rank through a stage within a second or two, save times aside.",
     ),
     Setting(
         "AUTO_REARM",

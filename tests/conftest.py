@@ -24,6 +24,8 @@ FAST_SETTINGS = {
     "DEAD_AFTER_S": 4.0,
     "PROCESS_CHECK_AFTER_S": 1.0,
     "CHART_REFRESH_S": 0.5,
+    # Log-mode warnings wait this long for a bridge's first heartbeat (the default is minutes).
+    "BRIDGE_GRACE_S": 2.0,
 }
 
 

@@ -14,6 +14,7 @@ from app.health import VERDICT_GLYPH
 from app.services import Run, open_run
 
 VERDICT_STYLE = {
+    "starting": "dim cyan",
     "healthy": "green",
     "straggler": "yellow",
     "stalled": "dark_orange",
@@ -34,6 +35,7 @@ SEVERITY = (
     "corrupt",
     "straggler",
     "pending",
+    "starting",
     "healthy",
     "exited",
     "finished",
