@@ -134,3 +134,20 @@ def redis_server(tmp_path):
     server = RedisServer(tmp_path).start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def simulator(run_dir):
+    """Starts the scale simulator's heartbeat writers (tests/bench/simulate.py) in the run directory."""
+    from tests.bench.simulate import Simulator
+
+    sims = []
+
+    def start(ranks: int, **kw) -> Simulator:
+        sim = Simulator(run_dir, ranks, **kw)
+        sims.append(sim)
+        return sim.start()
+
+    yield start
+    for sim in sims:
+        sim.stop()

@@ -95,7 +95,7 @@ export class SummaryStrip {
     let text;
     if (run.status === "missing" || run.status === "waiting" || !world) {
       state = "none";
-      text = run.status === "missing" ? "No run directory" : "No job yet";
+      text = "No job yet";
     } else if (run.status === "unreadable") {
       state = "bad";
       text = `${GLYPH.dead} Run directory unreadable`;
