@@ -16,6 +16,7 @@ from app.auth import json_body, require_operator
 from app.checkpoints import bp
 from app.errors import ApiError
 from app.push import CHECKPOINTS_EVENT, VERIFY_EVENT
+from trainer_bridge import runfiles
 
 WHO_DEFAULT = "operator"
 
@@ -49,6 +50,7 @@ def page():
             )
         },
         "scan_s": current_app.config["CHECKPOINT_SCAN_S"],
+        "resume_step_env": runfiles.RESUME_STEP_ENV,
     }
     return render_template("checkpoints.html", page_config=config)
 

@@ -147,7 +147,9 @@ class CheckpointService:
         now = time.time()
         body = index.to_dict()
         default = bridge_default(index)
+        series = _launch_series([s["layout"] for s in body["sets"]])
         for s in body["sets"]:
+            s["series"] = series.get(s["layout"])
             # The cached index may be a scan old; ages are as of this answer.
             s["age_s"] = round(max(0.0, now - s["mtime"]), 3)
             s["notes"] = self._notes(s, default)
@@ -407,6 +409,35 @@ class CheckpointService:
         }
 
 
+# ModelCheckpoint's file name: PREFIX-EPOCH_STEP.ckpt; on a name collision (a relaunch into
+# the same directory) MindSpore saves as PREFIX_1, PREFIX_2, ... (ckptindex's layout: -{E}_{S}).
+_SERIES_RE = re.compile(r"^(?P<base>.+?)(?:_(?P<n>\d+))?-\{E\}_\{S\}(?P<ext>\.\w+)$")
+
+
+def _launch_series(layouts: list[str]) -> dict[str, dict]:
+    """Layouts that are one series saved by successive launches, labelled by launch.
+
+    ``lenet``, ``lenet_1``, ``lenet_2`` in one directory are not three models but
+    three launches: ``{layout: {"base": "lenet", "launch": 1..3, "launches": 3}}``
+    for each, so the page can say so instead of listing look-alike duplicates.
+    """
+    groups: dict[tuple, dict[int, str]] = {}
+    for layout in set(layouts):
+        head, _, name = layout.rpartition("/")
+        m = _SERIES_RE.match(name)
+        if m:
+            n = int(m["n"]) if m["n"] else 0
+            groups.setdefault((head, m["base"], m["ext"]), {})[n] = layout
+    out = {}
+    for (_, base, _), members in groups.items():
+        if 0 not in members or len(members) < 2:
+            continue  # "resnet_50" alone is a name, not a relaunch
+        order = sorted(members)
+        for i, n in enumerate(order):
+            out[members[n]] = {"base": base, "launch": i + 1, "launches": len(order)}
+    return out
+
+
 def _ranks(ranks) -> str:
     ranks = list(ranks)
     shown = ", ".join(map(str, ranks[:12]))
@@ -415,7 +446,7 @@ def _ranks(ranks) -> str:
 
 def _describe(cset: CheckpointSet | None) -> str:
     if cset is None:
-        return "no set"
+        return "no set (it resumes only from its own saves, and has none: it would start from scratch)"
     where = f"global step {cset.global_step}" if cset.global_step is not None else cset.id
     return f"the {cset.origin} set at {where}"
 
