@@ -18,6 +18,7 @@ from app.audit import AuditLog
 from tests.heartbeats import heartbeat, write_heartbeat, write_job
 from tests.liveserver import sign_in, start_dashboard
 from tests.test_browser import WAIT_MS, cell
+from tests.test_stacks_api import COLLECTIVE, WAITING, fake_capture
 
 pytestmark = pytest.mark.browser
 
@@ -215,3 +216,24 @@ def test_contrast_words_and_a_stop_button_that_says_why_it_is_off(live_server, p
     expect(page.locator("#ckpt-connection")).to_have_attribute("data-state", "live", timeout=WAIT_MS)
     expect(page.locator("#ckpt-headline")).not_to_have_text("Looking for checkpoints…", timeout=WAIT_MS)
     assert serious(page) == []
+
+
+def test_a_stacks_grouping_from_before_the_ranks_ended_is_marked_stale(
+    live_server, page, run_dir, console_errors
+):
+    write_job(run_dir, 2)
+    for r in range(2):
+        write_heartbeat(run_dir, heartbeat(r, 2, seq=1, global_step=40))
+        fake_capture(run_dir, r, WAITING, COLLECTIVE)
+    page.goto(live_server.url + "/")
+    page.locator("#stacks-load").click()
+    group = page.locator("#stacks-groups > li summary")
+    expect(group).to_contain_text("ranks 0-1 waiting in AllReduce", timeout=WAIT_MS)
+    expect(group).not_to_contain_text("stale")
+    for r in range(2):
+        write_heartbeat(run_dir, heartbeat(r, 2, seq=2, global_step=40, state="exited"))
+    expect(cell(page, 1, "health")).to_contain_text("exited", timeout=WAIT_MS)
+    page.locator("#stacks-load").click()
+    expect(group).to_contain_text("stale: these ranks have ended since", timeout=WAIT_MS)
+    expect(page.locator("#stacks-groups > li[data-stale]")).to_have_count(1)
+    assert console_errors == []
