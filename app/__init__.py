@@ -98,6 +98,8 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     state, stop, checkpoints = run.state, run.stop, run.checkpoints
     from app.incidents.monitor import Incidents
     from app.incidents.stacks import StackService
+    from app.logmode import resolve_dir
+    from trainer_bridge.stacks import find_pyspy
 
     incidents = Incidents.from_config(app.config, state, stop, run.audit, socketio.start_background_task)
     from app.cluster import Cluster
@@ -117,7 +119,13 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
         ),
         stop=stop,
         checkpoints=checkpoints,
-        stacks=StackService(app.config["RUN_DIR"] or None, state, start_task=socketio.start_background_task),
+        stacks=StackService(
+            app.config["RUN_DIR"] or None,
+            state,
+            start_task=socketio.start_background_task,
+            pyspy=functools.partial(find_pyspy, app.config["PYSPY_PATH"]),
+            log_dir=resolve_dir(app.config["RUN_DIR"] or None, app.config["LOG_DIR"]),
+        ),
         incidents=incidents,
     )
     app.context_processor(lambda: {"nav_links": rw.nav})

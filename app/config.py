@@ -79,6 +79,13 @@ SETTINGS: list[Setting] = [
         "a relative path is taken from the run directory. Only new bytes are read each tick.",
     ),
     Setting(
+        "PYSPY_PATH",
+        "",
+        "An absolute path to the `py-spy` the dashboard runs to capture a local rank its bridge "
+        "cannot answer for. Empty: the copy beside the dashboard's Python (its venv's `bin`); "
+        "`PATH` is never searched. The bridge reads the same variable for its native frames.",
+    ),
+    Setting(
         "HOST",
         "127.0.0.1",
         "Interface to listen on. Loopback by default so that the console is private "
