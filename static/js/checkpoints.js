@@ -117,10 +117,14 @@ socket.on("disconnect", () => {
   connection.dataset.state = "down";
   connection.textContent = "reconnecting…";
 });
-socket.on(config.events.checkpoints, (msg) => {
-  clockOffset = msg.now - Date.now() / 1000;
+// The answer line above the list changes with the list, held with it: a
+// longer headline would push the rows down under the pointer too.
+table.onDraw = (msg) => {
   index = msg;
   renderAnswer();
+};
+socket.on(config.events.checkpoints, (msg) => {
+  clockOffset = msg.now - Date.now() / 1000;
   table.render(msg);
 });
 socket.on(config.events.verify, (msg) => table.applyVerify(msg));

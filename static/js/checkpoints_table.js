@@ -47,6 +47,8 @@ export class SetTable {
     this.index = null;
     // A newer index held back while the operator is on the table.
     this.pending = null;
+    // Called with each index drawn (checkpoints.js redraws the answer line from it).
+    this.onDraw = () => {};
     this.held = $(CKPT.held);
     this.table = this.body.closest("table");
     this.table.addEventListener("mouseleave", () => this.release());
@@ -83,6 +85,7 @@ export class SetTable {
     this.held.hidden = true;
     this.pending = null;
     this.index = index;
+    this.onDraw(index);
     const ids = new Set(index.sets.map((s) => s.id));
     for (const id of [...this.verify.keys()]) if (!ids.has(id)) this.verify.delete(id);
     for (const id of [...this.open]) if (!ids.has(id)) this.open.delete(id);
