@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 
 import pytest
 from axe_playwright_python.sync_playwright import Axe
@@ -236,4 +237,53 @@ def test_a_stacks_grouping_from_before_the_ranks_ended_is_marked_stale(
     page.locator("#stacks-load").click()
     expect(group).to_contain_text("stale: these ranks have ended since", timeout=WAIT_MS)
     expect(page.locator("#stacks-groups > li[data-stale]")).to_have_count(1)
+    assert console_errors == []
+
+
+@pytest.mark.parametrize("live_env", [{"TOKEN": TOKEN, "STOP_HOLDING_AFTER_S": 2.0}], indirect=True)
+def test_holding_the_others_up_names_a_culprit_only_past_the_threshold_and_never_all(
+    live_server, page, run_dir, keep_writing, console_errors
+):
+    write_job(run_dir, 2)
+    seen = {"rid": None, "t": None}
+
+    def beats(seq):
+        out = []
+        for r in range(2):
+            stop = None
+            if r == 0 and seen["rid"]:
+                at = {"seen": seen["t"]}
+                stop = {
+                    "request_id": seen["rid"],
+                    "source": "flag",
+                    "stage": "seen",
+                    "seen_step": seq,
+                    "at": at,
+                }
+            out.append(heartbeat(r, 2, seq=seq, state="stopping" if stop else "training", stop=stop))
+        return out
+
+    keep_writing(beats)
+    sign_in(page, live_server.url, TOKEN)
+    expect(page.locator("#stop-open")).to_be_enabled(timeout=WAIT_MS)
+    res = page.request.post(
+        live_server.url + "/api/exit",
+        data={"reason": "holding test"},
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    )
+    assert res.ok, res.text()
+    rid = res.json()["request_id"]
+    # Every rank still at "requested", past the threshold: nobody is behind anybody.
+    page.wait_for_function(
+        "() => { const s = window.rankwatch.stop.status; return s && s.request && s.ranks.length === 2"
+        " && s.ranks.every(r => s.ranks[0].stage === 'requested' && Date.now() / 1000 - r.stage_since > 3); }",
+        timeout=WAIT_MS,
+    )
+    status = page.request.get(live_server.url + "/api/exit").json()
+    assert status["holding_up"] == [] and status["state"] == "requested"
+    expect(page.locator("#stop-holding")).to_be_hidden()
+
+    seen.update(rid=rid, t=time.time())
+    holding = page.locator("#stop-holding")
+    expect(holding).to_have_text('Holding the others up: rank 1 (still at "requested").', timeout=WAIT_MS)
     assert console_errors == []
