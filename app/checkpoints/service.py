@@ -170,10 +170,10 @@ class CheckpointService:
         if s["origin"] == ORIGIN_TTP:
             notes.append(TTP_NOTE)
         if s["ranks_corrupt"]:
-            notes.append(f"unreadable file on rank(s) {_ranks(s['ranks_corrupt'])}: see each file's reason")
+            notes.append(f"unreadable file on {_ranks(s['ranks_corrupt'], True)}: see each file's reason")
         if s["ranks_missing"]:
             notes.append(
-                f"no readable file for rank(s) {_ranks(s['ranks_missing'])}: "
+                f"no readable file for {_ranks(s['ranks_missing'], True)}: "
                 "those ranks cannot resume from this set"
             )
         return notes
@@ -269,9 +269,9 @@ class CheckpointService:
             deleted, failed, dirs = self._remove(cset)
             self.verifier.forget(cset.id)
             outcome = (
-                f"deleted: {len(deleted)} file(s)"
+                f"deleted: {_files(len(deleted))}"
                 if not failed
-                else f"partial: deleted {len(deleted)} of {len(cset.files)} file(s)"
+                else f"partial: deleted {len(deleted)} of {_files(len(cset.files))}"
             )
             self.audit.record(
                 "delete",
@@ -385,7 +385,8 @@ class CheckpointService:
         warnings = []
         if not cset.complete:
             warnings.append(
-                f"this set is incomplete: rank(s) {_ranks(cset.ranks_missing)} have no "
+                f"this set is incomplete: {_ranks(cset.ranks_missing, True)} "
+                f"{'has' if len(cset.ranks_missing) == 1 else 'have'} no "
                 "readable file"
                 + (f". {TTP_NOTE}" if cset.origin == ORIGIN_TTP else ", so those ranks cannot load it")
             )
@@ -438,10 +439,16 @@ def _launch_series(layouts: list[str]) -> dict[str, dict]:
     return out
 
 
-def _ranks(ranks) -> str:
+def _ranks(ranks, word: bool = False) -> str:
+    """``1, 2, 3``; with ``word``, ``rank 1`` or ``ranks 1, 2, 3`` (a real plural, not "rank(s)")."""
     ranks = list(ranks)
     shown = ", ".join(map(str, ranks[:12]))
-    return shown + (f" and {len(ranks) - 12} more" if len(ranks) > 12 else "")
+    shown += f" and {len(ranks) - 12} more" if len(ranks) > 12 else ""
+    return (f"rank {shown}" if len(ranks) == 1 else f"ranks {shown}") if word else shown
+
+
+def _files(n: int) -> str:
+    return f"{n} file" if n == 1 else f"{n} files"
 
 
 def _describe(cset: CheckpointSet | None) -> str:
@@ -518,7 +525,7 @@ def load_code(run_dir: str, cset: CheckpointSet, position: Mapping) -> str:
         path_expr = 'f"{run}/{paths[rank]}"'
     if cset.ranks_missing:
         lines.append(
-            f"# no readable file for rank(s) {_ranks(cset.ranks_missing)} in this set"
+            f"# no readable file for {_ranks(cset.ranks_missing, True)} in this set"
             + (" (TTP: load a replica's copy)" if cset.origin == ORIGIN_TTP else "")
         )
     lines += [
