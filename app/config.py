@@ -225,6 +225,14 @@ SETTINGS: list[Setting] = [
         "so only late ranks cost a probe.",
     ),
     Setting(
+        "BRIDGE_GRACE_S",
+        120.0,
+        "While msrun's worker logs show ranks but no heartbeat has come, the page warns that "
+        "the script may lack the bridge (and may ignore a stop) only once job.json's rank 0 no "
+        "longer runs on this host and this long has passed since the job started: the bridge "
+        "writes its first heartbeat after graph compilation.",
+    ),
+    Setting(
         "HISTORY_POINTS",
         300,
         "Chart history kept per rank, on the server and in the browser, in time buckets "
@@ -286,6 +294,13 @@ SETTINGS: list[Setting] = [
         900.0,
         "A rank that stays in one stop stage (requested, seen, agreed, saving, saved) longer "
         "than this is flagged late. 900 s is MindCluster's default for a graceful exit.",
+    ),
+    Setting(
+        "STOP_HOLDING_AFTER_S",
+        10.0,
+        "During a stop, the ranks at the lowest stage are named as holding the others up only "
+        "once they have been in that stage this long (and never when every rank is there): "
+        "a normal stop moves every rank through a stage within a second or two, save times aside.",
     ),
     Setting(
         "AUTO_REARM",
@@ -451,6 +466,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "STALL_FACTOR",
             "DEAD_AFTER_S",
             "PROCESS_CHECK_AFTER_S",
+            "BRIDGE_GRACE_S",
         ),
     ),
     (
@@ -464,7 +480,10 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "METRICS_PER_RANK_MAX",
         ),
     ),
-    ("Stop and checkpoints", ("STOP_DEADLINE_S", "AUTO_REARM", "AUDIT_DB", "CHECKPOINT_SCAN_S")),
+    (
+        "Stop and checkpoints",
+        ("STOP_DEADLINE_S", "STOP_HOLDING_AFTER_S", "AUTO_REARM", "AUDIT_DB", "CHECKPOINT_SCAN_S"),
+    ),
     ("Access", ("TOKEN", "LOGIN_TTL_S", "LOGIN_LINK", "OPERATOR_WRITES_PER_MIN", "AUTH_FAILURES_PER_MIN")),
     (
         "Stacks, alerts and the stop policy",

@@ -38,6 +38,7 @@ from app.health import (
 
 ALIVE = ("healthy", "straggler", "stalled")
 _NAN = math.nan
+_NO_VERDICT = Verdict("pending", "")
 
 
 def _f(value: float | None) -> float:
@@ -469,7 +470,8 @@ class VerdictBoard:
         """The summary strip's job-wide figures, by vector operations over the arrays.
 
         ``slowest`` compares the same cost as the straggler rule among ranks
-        alive and stepping; ``throughput`` sums their samples per second.
+        alive and stepping (``straggler``: its verdict says so, the only case
+        the page names it); ``throughput`` sums their samples per second.
         """
         n = self._cap
         present = self._present[:n]
@@ -496,6 +498,9 @@ class VerdictBoard:
                 "gap_ms": round(worst - mid, 2),
                 "ratio": round(worst / mid, 2) if mid > 0 else None,
                 "basis": self.basis,
+                # Only past the straggler rule is it a finding; below, the gap is jitter.
+                "straggler": self.verdicts.get(rank, _NO_VERDICT).health == "straggler",
+                "threshold_ratio": self.th.straggler_ratio,
             }
         rates = self._samples[alive_stepping]
         has = present & self._has_hb

@@ -74,7 +74,11 @@ def open_run(
         state=RunState(run_dir, config, redis=redis_subscriber(config, run_dir)),
         audit=audit,
         stop=StopService(
-            run_dir or ".", audit, deadline_s=config["STOP_DEADLINE_S"], auto_rearm=config["AUTO_REARM"]
+            run_dir or ".",
+            audit,
+            deadline_s=config["STOP_DEADLINE_S"],
+            auto_rearm=config["AUTO_REARM"],
+            holding_after_s=config["STOP_HOLDING_AFTER_S"],
         ),
         checkpoints=CheckpointService(
             run_dir, audit, scan_s=config["CHECKPOINT_SCAN_S"], verifier=Verifier(start_task, emit)

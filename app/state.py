@@ -68,6 +68,7 @@ class RunState:
         self.points = int(config["HISTORY_POINTS"])
         self.bucket_s = float(config["CHART_BUCKET_S"])
         self.check_after_s = float(config["PROCESS_CHECK_AFTER_S"])
+        self.bridge_grace_s = float(config["BRIDGE_GRACE_S"])
         self._probe = probe
         self._hostname = hostname or socket.gethostname()
         self._lock = threading.Lock()
@@ -91,6 +92,7 @@ class RunState:
         self._board = VerdictBoard(self.thresholds)
         self._world = 0
         self._from_log: set[int] = set()  # ranks shown from their worker log
+        self._beats_expected = False  # ...while the bridge may still report (LogView.heartbeats_expected)
         # rank -> ((pid, started_at), probed at, why gone or None)
         self._probes: dict[int, tuple] = {}
         # rank -> (first seen ended, why): a final state, or its process gone (app.jobend)
@@ -195,6 +197,9 @@ class RunState:
                 # A log only says "training" until its last line: its process has ended without a word.
                 self._rows[r]["state"] = "failed"
             self._dirty.add(r)
+        self._beats_expected = bool(self._from_log) and self._logs.heartbeats_expected(
+            self._reader.job, now, self.bridge_grace_s, self._rank0_alive
+        )
         self._summary = self._make_summary()
         self._run = self._make_run_status()
 
@@ -253,6 +258,15 @@ class RunState:
         """What the stop service needs beyond the heartbeats (see ``app.jobend``)."""
         with self._lock:
             return self._facts()
+
+    def _rank0_alive(self, job: dict) -> bool:
+        """job.json's rank 0 runs on this host (elsewhere it cannot be told: no)."""
+        pid = job.get("pid")
+        return (
+            job.get("host") == self._hostname
+            and pid is not None
+            and not self._probe(pid, job.get("started_at"))
+        )
 
     def _probe_late(self, now: float) -> None:
         """Probe the processes of this host's ranks whose heartbeat is late, and tell the board.
@@ -384,7 +398,9 @@ class RunState:
         from_log = len(self._from_log & {r for r, hb in latest.items() if hb is not None})
         if from_log:
             note = (
-                f" (from msrun's worker logs in {self._logs.path}: no rank writes Rankwatch heartbeats "
+                f" (from msrun's worker logs in {self._logs.path} until the bridge's first heartbeats)"
+                if self._beats_expected
+                else f" (from msrun's worker logs in {self._logs.path}: no rank writes Rankwatch heartbeats "
                 "(yet), so CPU, memory, device and stop stages are not shown)"
                 if from_log == reported
                 else f"{note} ({from_log} of them from their worker logs only: no heartbeats from them yet)"
@@ -477,7 +493,10 @@ class RunState:
     def log_stop_facts(self) -> dict | None:
         """What the stop panel says about ranks shown only from their worker logs (None: there are none)."""
         with self._lock:
-            return self._logs.stop_facts(self._slots) if self._logs is not None else None
+            facts = self._logs.stop_facts(self._slots) if self._logs is not None else None
+            if facts is not None:
+                facts["heartbeats_expected"] = self._beats_expected
+            return facts
 
     def world_size(self) -> int:
         with self._lock:

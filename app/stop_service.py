@@ -51,10 +51,19 @@ log = logging.getLogger(__name__)
 
 
 class StopService:
-    def __init__(self, run_dir: str, audit: AuditLog, *, deadline_s: float, auto_rearm: bool):
+    def __init__(
+        self,
+        run_dir: str,
+        audit: AuditLog,
+        *,
+        deadline_s: float,
+        auto_rearm: bool,
+        holding_after_s: float = 10.0,
+    ):
         self.run_dir = run_dir
         self.audit = audit
         self.deadline_s = deadline_s
+        self.holding_after_s = holding_after_s
         self.auto_rearm = auto_rearm
         self._lock = threading.Lock()
 
@@ -517,7 +526,7 @@ class StopService:
             bytes=total_bytes or None,
             holding_up=[]
             if all_exited or ignored or active is None
-            else [r["rank"] for r in rows if order[r["stage"]] == lowest],
+            else _holding_up(rows, order, lowest, now, self.holding_after_s),
             late=[r["rank"] for r in rows if r["late"]],
             can_cancel=active is not None and not ignored and not any(r["stage"] in COMMITTED for r in rows),
         )
@@ -568,6 +577,18 @@ class StopService:
 def _unlocked(outcome: str, problem: str | None) -> str:
     """An audit outcome that says when the flag was written without the flag lock."""
     return f"{outcome} (written without the flag lock: {problem})" if problem else outcome
+
+
+def _holding_up(
+    rows: list[dict], order: dict[str, int], lowest: int, now: float, after_s: float
+) -> list[int]:
+    """The ranks at the lowest stage that keep the others waiting: named only once
+    they have been in it ``after_s``, and never when every rank is there (then
+    nobody is behind: the stop is simply in progress, or ignored by all)."""
+    behind = [r for r in rows if order[r["stage"]] == lowest]
+    if len(behind) == len(rows):
+        return []
+    return [r["rank"] for r in behind if now - r["stage_since"] >= after_s]
 
 
 def _request_facts(flag: dict) -> dict:
@@ -632,4 +653,5 @@ def _steps_text(steps: list[int]) -> str:
 
 
 def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+    """Binary units, as everywhere on the page (KiB, MiB, GiB)."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"

@@ -203,7 +203,7 @@ def test_sets_are_grouped_by_step_with_the_newest_complete_marked(client):
     partial = sets[bridge_id(30)]
     assert partial["complete"] is False
     assert partial["ranks_present"] == [0] and partial["ranks_missing"] == [1]
-    assert any("rank(s) 1" in n for n in partial["notes"])
+    assert any("no readable file for rank 1:" in n for n in partial["notes"])
     assert sets[bridge_id(10)]["complete"] is True
     assert body["total_bytes"] == sum(s["bytes"] for s in body["sets"])
 
@@ -230,7 +230,7 @@ def test_each_kind_of_damage_is_corrupt_with_a_reason(client):
     assert reasons[2] == ("corrupt", "empty file")
     assert reasons[3][0] == "corrupt" and reasons[3][1].startswith("not a checkpoint")
     assert reasons[4] == ("corrupt", "not a checkpoint: it looks like JSON")
-    assert any("unreadable file on rank(s) 1, 2, 3, 4" in n for n in damaged["notes"])
+    assert any("unreadable file on ranks 1, 2, 3, 4" in n for n in damaged["notes"])
 
 
 def test_a_ttp_set_says_why_missing_ranks_may_not_matter(client, run_dir):
@@ -456,7 +456,7 @@ def test_resume_of_an_incomplete_set_warns_and_multi_node_jobs_get_node_ranks(cl
     for r, host in ((0, "node-a"), (1, "node-b")):
         write_heartbeat(run_dir, heartbeat(r, 2, host=host))
     info = client.get("/api/checkpoints/resume", query_string={"set": bridge_id(30)}).get_json()
-    assert info["complete"] is False and "rank(s) 1" in info["warnings"][0]
+    assert info["complete"] is False and "rank 1 has no readable file" in info["warnings"][0]
     assert info["command"] == (
         "msrun --worker_num=2 --local_worker_num=1 --master_addr=node-a "
         '--node_rank="${NODE_RANK:?set NODE_RANK to the index of this node}" --join=True train.py'
@@ -507,7 +507,7 @@ def test_delete_removes_the_files_and_empty_rank_dirs_and_audits(client, sio, ru
         "delete",
         "alice",
         "disk full",
-        "deleted: 2 file(s)",
+        "deleted: 2 files",
     )
     assert json.loads(row["detail"])["files"] == result["deleted"]
 

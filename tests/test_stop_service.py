@@ -84,14 +84,18 @@ def test_lifecycle_and_summary(service):
     ranks = {0: hb(0), 1: hb(1)}
     s = service.status(ranks, 2, t)
     assert s["state"] == "requested" and [r["stage"] for r in s["ranks"]] == ["requested"] * 2
-    assert s["can_cancel"] and s["holding_up"] == [0, 1]
+    # Every rank at the same stage: nobody is behind anybody.
+    assert s["can_cancel"] and s["holding_up"] == []
+    assert service.status(ranks, 2, t + 60)["holding_up"] == []
 
     ranks = {0: hb(0, rid, "seen", seen=t), 1: hb(1)}
     s = service.status(ranks, 2, t)
-    assert s["state"] == "stopping" and s["holding_up"] == [1] and s["can_cancel"]
+    # Behind, but only just: a normal stop, no culprit yet.
+    assert s["state"] == "stopping" and s["holding_up"] == [] and s["can_cancel"]
+    assert service.status(ranks, 2, t + service.holding_after_s + 1)["holding_up"] == [1]
 
     ranks = {0: hb(0, rid, "agreed", 8, agreed=t), 1: hb(1, rid, "saving", 8, saving=t)}
-    s = service.status(ranks, 2, t)
+    s = service.status(ranks, 2, t + service.holding_after_s + 1)
     assert not s["can_cancel"] and s["stop_step"] == 8 and s["holding_up"] == [0]
 
     ranks = {r: hb(r, rid, "exited", 8, exited=t + 2) for r in (0, 1)}

@@ -148,7 +148,9 @@ class CheckpointService:
         now = time.time()
         body = index.to_dict()
         default = bridge_default(index)
+        series = _launch_series([s["layout"] for s in body["sets"]])
         for s in body["sets"]:
+            s["series"] = series.get(s["layout"])
             # The cached index may be a scan old; ages are as of this answer.
             s["age_s"] = round(max(0.0, now - s["mtime"]), 3)
             s["notes"] = self._notes(s, default)
@@ -169,10 +171,10 @@ class CheckpointService:
         if s["origin"] == ORIGIN_TTP:
             notes.append(TTP_NOTE)
         if s["ranks_corrupt"]:
-            notes.append(f"unreadable file on rank(s) {_ranks(s['ranks_corrupt'])}: see each file's reason")
+            notes.append(f"unreadable file on {_ranks(s['ranks_corrupt'], True)}: see each file's reason")
         if s["ranks_missing"]:
             notes.append(
-                f"no readable file for rank(s) {_ranks(s['ranks_missing'])}: "
+                f"no readable file for {_ranks(s['ranks_missing'], True)}: "
                 "those ranks cannot resume from this set"
             )
         return notes
@@ -268,9 +270,9 @@ class CheckpointService:
             deleted, failed, dirs = self._remove(cset)
             self.verifier.forget(cset.id)
             outcome = (
-                f"deleted: {len(deleted)} file(s)"
+                f"deleted: {_files(len(deleted))}"
                 if not failed
-                else f"partial: deleted {len(deleted)} of {len(cset.files)} file(s)"
+                else f"partial: deleted {len(deleted)} of {_files(len(cset.files))}"
             )
             self.audit.record(
                 "delete",
@@ -391,7 +393,8 @@ class CheckpointService:
         warnings = []
         if not cset.complete:
             warnings.append(
-                f"this set is incomplete: rank(s) {_ranks(cset.ranks_missing)} have no "
+                f"this set is incomplete: {_ranks(cset.ranks_missing, True)} "
+                f"{'has' if len(cset.ranks_missing) == 1 else 'have'} no "
                 "readable file"
                 + (f". {TTP_NOTE}" if cset.origin == ORIGIN_TTP else ", so those ranks cannot load it")
             )
@@ -415,15 +418,50 @@ class CheckpointService:
         }
 
 
-def _ranks(ranks) -> str:
+# ModelCheckpoint's file name: PREFIX-EPOCH_STEP.ckpt; on a name collision (a relaunch into
+# the same directory) MindSpore saves as PREFIX_1, PREFIX_2, ... (ckptindex's layout: -{E}_{S}).
+_SERIES_RE = re.compile(r"^(?P<base>.+?)(?:_(?P<n>\d+))?-\{E\}_\{S\}(?P<ext>\.\w+)$")
+
+
+def _launch_series(layouts: list[str]) -> dict[str, dict]:
+    """Layouts that are one series saved by successive launches, labelled by launch.
+
+    ``lenet``, ``lenet_1``, ``lenet_2`` in one directory are not three models but
+    three launches: ``{layout: {"base": "lenet", "launch": 1..3, "launches": 3}}``
+    for each, so the page can say so instead of listing look-alike duplicates.
+    """
+    groups: dict[tuple, dict[int, str]] = {}
+    for layout in set(layouts):
+        head, _, name = layout.rpartition("/")
+        m = _SERIES_RE.match(name)
+        if m:
+            n = int(m["n"]) if m["n"] else 0
+            groups.setdefault((head, m["base"], m["ext"]), {})[n] = layout
+    out = {}
+    for (_, base, _), members in groups.items():
+        if 0 not in members or len(members) < 2:
+            continue  # "resnet_50" alone is a name, not a relaunch
+        order = sorted(members)
+        for i, n in enumerate(order):
+            out[members[n]] = {"base": base, "launch": i + 1, "launches": len(order)}
+    return out
+
+
+def _ranks(ranks, word: bool = False) -> str:
+    """``1, 2, 3``; with ``word``, ``rank 1`` or ``ranks 1, 2, 3`` (a real plural, not "rank(s)")."""
     ranks = list(ranks)
     shown = ", ".join(map(str, ranks[:12]))
-    return shown + (f" and {len(ranks) - 12} more" if len(ranks) > 12 else "")
+    shown += f" and {len(ranks) - 12} more" if len(ranks) > 12 else ""
+    return (f"rank {shown}" if len(ranks) == 1 else f"ranks {shown}") if word else shown
+
+
+def _files(n: int) -> str:
+    return f"{n} file" if n == 1 else f"{n} files"
 
 
 def _describe(cset: CheckpointSet | None) -> str:
     if cset is None:
-        return "no set"
+        return "no set (it resumes only from its own saves, and has none: it would start from scratch)"
     where = f"global step {cset.global_step}" if cset.global_step is not None else cset.id
     return f"the {cset.origin} set at {where}"
 
@@ -500,7 +538,7 @@ def load_code(run_dir: str, cset: CheckpointSet, position: Mapping, *, loop: boo
         path_expr = 'f"{run}/{paths[rank]}"'
     if cset.ranks_missing:
         lines.append(
-            f"# no readable file for rank(s) {_ranks(cset.ranks_missing)} in this set"
+            f"# no readable file for {_ranks(cset.ranks_missing, True)} in this set"
             + (" (TTP: load a replica's copy)" if cset.origin == ORIGIN_TTP else "")
         )
     where = (

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from app.alerts import ranks_text
 from app.errors import ApiError
+from app.health import TERMINAL_STATES
 from app.incidents.proof import prove_rank
 from app.reader import Stopped, probe_process
 from app.state import RunState
@@ -419,6 +420,8 @@ class StackService:
         parts = []
         for g in ordered:
             g["ranks_text"] = ranks_text(g["ranks"])
+            # Every rank of the group has ended since: the stack is history, not what runs now.
+            g["stale"] = all((hbs.get(r) or {}).get("state") in TERMINAL_STATES for r in g["ranks"])
             word = "rank" if len(g["ranks"]) == 1 else "ranks"
             g["summary"] = f"{word} {g['ranks_text']} {g['where']}"
             parts.append(g["summary"])
