@@ -34,6 +34,8 @@ class Setting(NamedTuple):
     name: str
     default: Any
     help: str
+    # The only values a string setting takes, when it is one of a few words.
+    choices: tuple[str, ...] = ()
 
     @property
     def env(self) -> str:
@@ -50,6 +52,12 @@ class Setting(NamedTuple):
         variable fails at start with a message that says which one.
         """
         kind = type(self.default)
+        if self.choices:
+            if str(value).strip() not in self.choices:
+                raise ValueError(
+                    f"setting {self.name} ({self.env}) must be one of {', '.join(self.choices)}, not {value!r}"
+                )
+            return str(value).strip()
         if kind is bool and isinstance(value, str):
             if value.strip().lower() not in BOOLEANS:
                 raise ValueError(
@@ -121,9 +129,38 @@ SETTINGS: list[Setting] = [
         "sends its head at once.",
     ),
     Setting(
+        "BODY_TIMEOUT_S",
+        10.0,
+        "A request's body (at most MAX_BODY_BYTES, with a Content-Length) must arrive within this "
+        "many seconds of its head, or it is answered 408 and the connection closed. Bodies are read "
+        "without a thread, like heads, so POSTs that trickle a byte now and then hold none.",
+    ),
+    Setting(
+        "RESERVED_THREADS",
+        4,
+        "Threads kept, besides SERVER_THREADS, for requests that carry the operator token "
+        "(`Authorization: Bearer`) and for `/api/health`: the stop and the health check answer "
+        "while tokenless clients (idle WebSockets, long polls) hold every other thread.",
+    ),
+    Setting(
+        "MAX_CONNS_PER_ADDR",
+        128,
+        "Open connections one client address may hold once half of MAX_CONNECTIONS are open; a "
+        "further one is then answered 503 and closed, so that one address cannot fill the server. "
+        "A page needs one or two. Behind a reverse proxy every client has the proxy's address: "
+        "raise it there.",
+    ),
+    Setting(
+        "MAX_CONNECTIONS",
+        1000,
+        "Open connections in all (gunicorn's `worker_connections`); past it new ones wait in the "
+        "kernel's queue until one closes (slow heads close after HEADER_TIMEOUT_S, slow bodies after "
+        "BODY_TIMEOUT_S).",
+    ),
+    Setting(
         "READ_TIMEOUT_S",
         60.0,
-        "Once a request's head is in, a read of its body or a write of its answer that "
+        "Once a request is in, a write of its answer (or a WebSocket's read) that "
         "waits longer than this fails and frees the thread; an open page's WebSocket hears "
         "Engine.IO's ping every 25 s, so this must be longer than that.",
     ),
@@ -192,6 +229,14 @@ SETTINGS: list[Setting] = [
         "so only late ranks cost a probe.",
     ),
     Setting(
+        "BRIDGE_GRACE_S",
+        120.0,
+        "While msrun's worker logs show ranks but no heartbeat has come, the page warns that "
+        "the script may lack the bridge (and may ignore a stop) only once job.json's rank 0 no "
+        "longer runs on this host and this long has passed since the job started: the bridge "
+        "writes its first heartbeat after graph compilation.",
+    ),
+    Setting(
         "HISTORY_POINTS",
         300,
         "Chart history kept per rank, on the server and in the browser, in time buckets "
@@ -223,9 +268,24 @@ SETTINGS: list[Setting] = [
         "The operator token that stop, cancel, re-arm and delete require (as "
         "`Authorization: Bearer <token>`, or typed once into the page). When unset, one is "
         "generated at start. It is never printed: the dashboard prints a single-use login link "
-        "instead (`python -m app.login` mints another). Prefer the environment variable to the "
+        "instead (`rankwatch login` mints another). Prefer the environment variable to the "
         "flag: command lines are visible to every user of the host. A token shorter than 16 "
         "characters, or with little entropy, is warned about at start.",
+    ),
+    Setting(
+        "LOGIN_TTL_S",
+        120.0,
+        "How long a single-use login link works (the one printed at start, and each one "
+        "`rankwatch login` prints). Two minutes is enough to open a link just printed; a link "
+        "found later in a scrollback or a log is dead.",
+    ),
+    Setting(
+        "LOGIN_LINK",
+        "auto",
+        "Where the start-up login link is printed: `auto` prints it when the output is a terminal, "
+        "and only the address otherwise (a log file or a service's journal keeps no link); `always`; "
+        "`never`. `rankwatch login` prints a fresh one on demand.",
+        choices=("auto", "always", "never"),
     ),
     Setting(
         "AUDIT_DB",
@@ -238,6 +298,13 @@ SETTINGS: list[Setting] = [
         900.0,
         "A rank that stays in one stop stage (requested, seen, agreed, saving, saved) longer "
         "than this is flagged late. 900 s is MindCluster's default for a graceful exit.",
+    ),
+    Setting(
+        "STOP_HOLDING_AFTER_S",
+        10.0,
+        "During a stop, the ranks at the lowest stage are named as holding the others up only "
+        "once they have been in that stage this long (and never when every rank is there): "
+        "a normal stop moves every rank through a stage within a second or two, save times aside.",
     ),
     Setting(
         "AUTO_REARM",
@@ -261,6 +328,14 @@ SETTINGS: list[Setting] = [
         "without bound.",
     ),
     Setting(
+        "AUTH_FAILURES_PER_MIN",
+        20,
+        "Wrong operator tokens and login codes counted per minute from all addresses together "
+        "(each address also backs off on its own, exponentially); past it every wrong guess gets "
+        "a 429 until the minute allows, with a log line and an alert (`auth_flood`) when it trips. "
+        "The right token is never refused, so guessing cannot lock the operator out.",
+    ),
+    Setting(
         "CHECKPOINT_SCAN_S",
         2.0,
         "The checkpoint browser re-walks the run directory at most this often. A walk "
@@ -273,6 +348,14 @@ SETTINGS: list[Setting] = [
         100,
         "Table rows per page. Larger jobs are paged so that the browser redraws at most "
         "this many rows per update.",
+    ),
+    Setting(
+        "METRICS_PER_RANK_MAX",
+        1024,
+        "`/metrics` serves each rank's series up to this many ranks; above it, only summaries "
+        "(ranks per verdict, per host and verdict, per stop stage), so a large job does not "
+        "give Prometheus a dozen series per rank. `/metrics?per_rank=1` asks for every rank anyway "
+        "(one such answer is built at a time), `?per_rank=0` for the summaries only.",
     ),
     Setting(
         "WEBHOOK_URL",
@@ -341,7 +424,8 @@ SETTINGS: list[Setting] = [
         "trainers and the dashboard alike. Ranks then publish heartbeats to it and the dashboard "
         "reads only the new ones instead of stat'ing every heartbeat file; several dashboard "
         "processes share it as Flask-SocketIO's message queue. The flag and checkpoints stay in "
-        "the run directory. Needs `pip install 'rankwatch[redis]'`.",
+        "the run directory. Needs `pip install 'rankwatch[redis]'`. A password, an ACL user and TLS "
+        "go in the URL (`rediss://rankwatch:PASSWORD@host:6380/0`); see REDIS_KEY.",
     ),
     Setting(
         "REDIS_JOB",
@@ -349,6 +433,15 @@ SETTINGS: list[Setting] = [
         "The job's name in Redis. Empty: a digest of the run directory's real path, which is "
         "right when every node mounts it at the same path; set the same name on every node and "
         "the dashboard otherwise.",
+    ),
+    Setting(
+        "REDIS_KEY",
+        "",
+        "With `REDIS_URL`: a shared secret, set to the same value on the trainers and every dashboard "
+        "(`RANKWATCH_REDIS_KEY` on both). The bridge then signs each heartbeat it publishes "
+        "(HMAC-SHA256) and the dashboards sign their message-queue messages; unsigned or badly "
+        "signed ones are dropped, counted and shown as a warning. Empty: Redis is trusted as it is "
+        "(see the Security section on running Redis).",
     ),
     Setting(
         "LEADER_TTL_S",
@@ -385,6 +478,84 @@ SETTINGS: list[Setting] = [
 ]
 
 SETTINGS_BY_NAME = {s.name: s for s in SETTINGS}
+
+# How ``rankwatch serve --help`` groups the settings, in this order; a setting
+# not listed here is shown under "Other settings".
+GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("Run directory and address", ("RUN_DIR", "LOG_DIR", "HOST", "PORT", "ALLOWED_HOSTS")),
+    (
+        "Health verdicts",
+        (
+            "TICK_S",
+            "STRAGGLER_RATIO",
+            "STRAGGLER_MIN_GAP_MS",
+            "STRAGGLER_WINDOW",
+            "STRAGGLER_MIN_STEPS",
+            "STALL_MIN_S",
+            "STALL_FACTOR",
+            "DEAD_AFTER_S",
+            "PROCESS_CHECK_AFTER_S",
+            "BRIDGE_GRACE_S",
+        ),
+    ),
+    (
+        "Page, charts and metrics",
+        (
+            "HISTORY_POINTS",
+            "CHART_BUCKET_S",
+            "CHART_REFRESH_S",
+            "CHART_LINES_MAX_RANKS",
+            "PAGE_SIZE",
+            "METRICS_PER_RANK_MAX",
+        ),
+    ),
+    (
+        "Stop and checkpoints",
+        ("STOP_DEADLINE_S", "STOP_HOLDING_AFTER_S", "AUTO_REARM", "AUDIT_DB", "CHECKPOINT_SCAN_S"),
+    ),
+    ("Access", ("TOKEN", "LOGIN_TTL_S", "LOGIN_LINK", "OPERATOR_WRITES_PER_MIN", "AUTH_FAILURES_PER_MIN")),
+    (
+        "Stacks, alerts and the stop policy",
+        (
+            "PYSPY_PATH",
+            "WEBHOOK_URL",
+            "WEBHOOK_TIMEOUT_S",
+            "WEBHOOK_RETRY_MAX_S",
+            "WEBHOOK_GIVE_UP_S",
+            "ALERT_GROUP_S",
+            "ALERT_SUMMARY_OVER",
+            "ALERT_RATE_PER_MIN",
+            "POLICY_MODE",
+            "POLICY_RULES",
+        ),
+    ),
+    (
+        "Server",
+        (
+            "SERVER_THREADS",
+            "RESERVED_THREADS",
+            "HEADER_TIMEOUT_S",
+            "BODY_TIMEOUT_S",
+            "READ_TIMEOUT_S",
+            "MAX_BODY_BYTES",
+            "MAX_CONNECTIONS",
+            "MAX_CONNS_PER_ADDR",
+        ),
+    ),
+    ("Several dashboards (Redis)", ("REDIS_URL", "REDIS_JOB", "REDIS_KEY", "LEADER_TTL_S")),
+)
+
+
+def grouped() -> list[tuple[str, list[Setting]]]:
+    """``SETTINGS`` in ``GROUPS``' order, then any setting no group names."""
+    named = {n for _, names in GROUPS for n in names}
+    groups = [
+        (title, [SETTINGS_BY_NAME[n] for n in names if n in SETTINGS_BY_NAME]) for title, names in GROUPS
+    ]
+    rest = [s for s in SETTINGS if s.name not in named]
+    return [g for g in groups if g[1]] + ([("Other settings", rest)] if rest else [])
+
+
 # Engine.IO's default ping interval (Flask-SocketIO passes it through): a live
 # WebSocket hears from its page at least this often (see READ_TIMEOUT_S).
 PING_INTERVAL_S = 25

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -24,6 +25,17 @@ CHROMIUM_ARGS = [
     "--disable-sync",
     "--no-first-run",
 ]
+
+
+def rank_rows(url: str, timeout: float = 120.0) -> list[dict]:
+    """Every row of ``GET url/api/ranks``, page by page at the largest page it serves."""
+    rows, page, pages = [], 1, 1
+    while page <= pages:
+        with urllib.request.urlopen(f"{url}/api/ranks?per_page=1000&page={page}", timeout=timeout) as r:
+            body = json.load(r)
+        rows += body["ranks"]
+        pages, page = body["pages"], page + 1
+    return rows
 
 
 def free_port() -> int:
@@ -113,7 +125,9 @@ def start_dashboard(
     proc = subprocess.Popen(
         [*(prefix or []), sys.executable, "-m", "app", "--run-dir", str(run_dir), "--port", str(port)],
         cwd=REPO,
-        env={**os.environ, **(env or {})},
+        # The log is a file, where the dashboard leaves its login link out by
+        # default (LOGIN_LINK): tests that sign in read the link from it.
+        env={**os.environ, "RANKWATCH_LOGIN_LINK": "always", **(env or {})},
         stdout=log_file,
         stderr=subprocess.STDOUT,
     )

@@ -2,7 +2,7 @@
 
 The plan is a pure function of the index (``trainer_bridge.ckptindex``), the
 policy and what the ranks are doing (``plan``); applying it deletes through
-``CheckpointService.remove_set`` (``app.safefs``'s descriptor walk), so the
+``CheckpointService.remove_set`` (``trainer_bridge.safeio``'s descriptor walk), so the
 browser's delete, the policy, the page's Apply and ``rankwatch checkpoints
 gc`` all remove files the same way (docs/checkpoints.md, "Retention").
 
@@ -28,9 +28,8 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from app import safefs
 from app.errors import ApiError
-from trainer_bridge import ckpthealth, runfiles, saving, schema
+from trainer_bridge import ckpthealth, runfiles, safeio, saving, schema
 from trainer_bridge.ckptindex import MAX_DEPTH, ORIGIN_BRIDGE, CheckpointSet, Index
 
 MODES = ("off", "dry_run", "on")
@@ -305,7 +304,7 @@ def find_temps(run_dir: str, errors: list[str]) -> tuple[Temp, ...]:
                 elif is_dir and len(rel) < MAX_DEPTH:
                     stack.append((e.path, rel + (e.name,)))
             except OSError as err:
-                errors.append(f"cannot stat {'/'.join(rel + (e.name,))}: {safefs.why(err)}")
+                errors.append(f"cannot stat {'/'.join(rel + (e.name,))}: {safeio.why(err)}")
     return tuple(sorted(found, key=lambda t: t.path))
 
 
@@ -398,12 +397,13 @@ def _batches(entries: list[Entry]):
 
 
 def _write_journal(run_dir: str, items: list[dict]) -> None:
-    path = journal_path(run_dir)
+    # Walked from the run directory, following no symlink: a swapped ``rankwatch/`` cannot redirect it.
+    rel = f"{runfiles.STATE_DIR}/{JOURNAL_NAME}"
     if items:
-        runfiles.atomic_write_json(path, {"sets": items, "at": time.time()})
+        runfiles.atomic_write_json(journal_path(run_dir), {"sets": items, "at": time.time()}, root=run_dir)
     else:
         try:
-            os.unlink(path)
+            safeio.unlink(run_dir, rel)
         except FileNotFoundError:
             pass
 
@@ -538,8 +538,8 @@ class Retention:
                 obj = schema.build(schema.RetentionFile, **(fields | {"pinned": pins}))
             except schema.SchemaError as e:
                 raise ApiError(409, f"cannot pin: {e}") from None
-            os.makedirs(runfiles.state_dir(run_dir), exist_ok=True)
-            runfiles.atomic_write_bytes(override_path(run_dir), obj.to_json())
+            safeio.makedirs(run_dir, runfiles.STATE_DIR)
+            runfiles.atomic_write_bytes(override_path(run_dir), obj.to_json(), root=run_dir)
             self.service.audit.record(
                 "pin",
                 who=who,
@@ -562,12 +562,12 @@ class Retention:
         root = os.path.realpath(run_dir)
         try:
             if _is_file(run_dir, e.id):
-                safefs.unlink(root, e.id)
+                safeio.unlink(root, e.id)
             else:
-                safefs.rmtree(root, e.id)
+                safeio.rmtree(root, e.id)
         except FileNotFoundError:
             return True, [], "deleted (already gone)"
-        except (OSError, safefs.UnsafePath) as err:
+        except (OSError, safeio.UnsafePath) as err:
             return False, [{"path": e.id, "error": str(err)}], f"failed: {err}"
         return True, [], "deleted"
 
@@ -624,7 +624,7 @@ class Retention:
 
 def _is_file(run_dir: str, rel: str) -> bool:
     try:
-        with safefs.parent_fd(os.path.realpath(run_dir), rel) as (fd, name):
+        with safeio.parent_fd(os.path.realpath(run_dir), rel) as (fd, name):
             return not stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
     except OSError:
         return False

@@ -11,11 +11,13 @@ import time
 
 from flask import current_app, jsonify, render_template, request, send_file, url_for
 
-from app import push, rankwatch, socketio
+from app import push
 from app.auth import json_body, require_operator
 from app.checkpoints import bp
 from app.errors import ApiError
+from app.extensions import rankwatch, socketio
 from app.push import CHECKPOINTS_EVENT, VERIFY_EVENT
+from trainer_bridge import runfiles
 
 WHO_DEFAULT = "operator"
 
@@ -52,6 +54,7 @@ def page():
             )
         },
         "scan_s": current_app.config["CHECKPOINT_SCAN_S"],
+        "resume_step_env": runfiles.RESUME_STEP_ENV,
     }
     return render_template("checkpoints.html", page_config=config)
 
