@@ -196,6 +196,16 @@ def test_unhealthy_sets_are_flagged_skipped_by_resume_and_the_newest_healthy_kep
     assert "resumes" in whys(p)[45] and actions(p)[40] == "delete" and "unhealthy" in whys(p)[40]
 
 
+def test_an_exception_save_is_flagged(job):
+    for r in (0, 1):
+        ckptcraft.write(job / f"ckpt/rank_{r}/net-1_7_breakpoint.ckpt", ckptcraft.ckpt(global_step=7))
+    periodic(job, 10)
+    index = ckptindex.scan(job, 2)
+    flagged = rt.ckpthealth.unhealthy(str(job), index)
+    assert [s.global_step for s in index.sets if s.id in flagged] == [7]
+    assert "exception_save" in next(iter(flagged.values()))
+
+
 def test_apply_deletes_whole_sets_audits_each_and_is_idempotent(job):
     for step in (10, 20, 30, 40, 50):
         periodic(job, step)

@@ -8,6 +8,9 @@ by the bridge's resume (``saving.resume_set`` passes over these sets):
   ``{"is_health": 0 | 1, "ckpt_name": "<rank 0's file name>"}``, 0 healthy.
   It is looked for in the run directory and in every directory above a
   set's files, up to the run directory.
+* MindSpore's exception save (``CheckpointConfig(exception_save=True)``):
+  ``Model.train`` saves ``{prefix}-{E}_{S}_breakpoint.ckpt`` when a step
+  raised, so the weights are whatever the failed step left.
 * The bridge's own ``append_dict`` flag ``rankwatch_loss_finite``: 0 when the
   rank's last loss before the save was NaN or infinite. One rank's 0 flags
   the set.
@@ -26,6 +29,7 @@ HEALTH_FILE = "health_ckpts.json"
 # A health record is ~60 bytes a save: this is tens of thousands of saves.
 MAX_HEALTH_BYTES = 4 << 20
 LOSS_FLAG = "rankwatch_loss_finite"
+EXCEPTION_SUFFIX = "_breakpoint.ckpt"
 
 
 def health_records(run_dir: str, index: Index) -> dict[str, int]:
@@ -68,6 +72,9 @@ def unhealthy(run_dir: str | None, index: Index, records: Mapping[str, int] | No
                 if h is not None and h != 0:
                     out[s.id] = f"MindFormers' {HEALTH_FILE} marks {f.path} unhealthy (is_health={h})"
                     break
+            if f.path.endswith(EXCEPTION_SUFFIX):
+                out[s.id] = "saved by MindSpore's exception_save after a step raised (*_breakpoint.ckpt)"
+                break
             if f.meta.extras and f.meta.extras.get(LOSS_FLAG) == 0 and f.ok:
                 out[s.id] = f"rank {f.rank}'s loss was NaN or infinite when it saved"
                 break
