@@ -87,6 +87,9 @@ def test_retention_on_while_a_real_job_saves(tmp_path):
         "the stop set",
     )
     assert stop_set.global_step == stop_step
+    # The bridge recorded each rank's loss as finite in the set (the health evidence).
+    assert [f.meta.extras.get("rankwatch_loss_finite") for f in stop_set.files] == [1, 1]
+    assert next(s for s in rw.checkpoints.body(2)["sets"] if s["id"] == stop_set.id)["unhealthy"] is None
     plan = rw.checkpoints.retention.plan(2, {})
     why = {e.id: e.why for e in plan.entries}
     assert why[stop_set.id] == "kept: the bridge resumes from it"
