@@ -127,6 +127,19 @@ def test_partial_sets_older_than_the_newest_complete_go_newer_ones_stay(job):
     assert "partial" in whys(p)[20] and "not complete yet" in whys(p)[40]
 
 
+def test_a_partial_set_is_held_while_its_ranks_still_train(job):
+    periodic(job, 10, ranks=(0,))
+    for step in (20, 30, 40, 50):
+        periodic(job, step)
+    r = retention(job, RETENTION_KEEP=1)
+    training = {0: heartbeat(0, 2), 1: heartbeat(1, 2)}
+    p = r.plan(2, training)
+    assert actions(p)[10] == "keep" and "still train" in whys(p)[10]
+    assert actions(p)[20] == "delete"  # complete sets are not held by training
+    exited = {r: heartbeat(r, 2, state="exited") for r in (0, 1)}
+    assert actions(r.plan(2, exited))[10] == "delete"
+
+
 def test_never_deletes_without_a_newer_complete_set(job):
     periodic(job, 10, ranks=(0,))
     periodic(job, 20, ranks=(1,))

@@ -194,6 +194,9 @@ def _held(s: CheckpointSet, activity: Activity, settle_s: float, now: float) -> 
     fresh = [f for f in s.files if now - f.meta.mtime < settle_s]
     if fresh:
         return f"held: {fresh[0].path} changed less than {settle_s:g} s ago (may still be written)"
+    if not s.complete and activity.training:
+        # An asynchronous save can finish an older set after a newer one: wait for the job.
+        return "held: not complete, and the ranks still train (collected once they stop)"
     return None
 
 
