@@ -125,11 +125,16 @@ socket.on("disconnect", () => {
 table.onDraw = (msg) => {
   index = msg;
   renderAnswer();
+  // The retention column goes in with the rows (the last plan at once, then the new one),
+  // and is held with them while the pointer rests on the list.
+  queueMicrotask(() => {
+    retention.redraw();
+    retention.refresh(() => table.pending !== null).catch(() => {});
+  });
 };
 socket.on(config.events.checkpoints, (msg) => {
   clockOffset = msg.now - Date.now() / 1000;
   table.render(msg);
-  retention.refresh().catch(() => {});
 });
 socket.on(config.events.verify, (msg) => table.applyVerify(msg));
 

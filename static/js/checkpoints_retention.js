@@ -23,12 +23,20 @@ export class RetentionView {
     $(RETENTION.apply).onclick = () => this.apply().catch((err) => flash(err.message, "error"));
   }
 
-  // After each new index: fetch the plan and draw it beside the table's rows.
-  async refresh() {
+  // After each drawing of the rows: fetch the plan and draw it beside them, unless
+  // held() says the list is held still under the pointer meanwhile.
+  async refresh(held = () => false) {
     const r = await fetch(this.config.urls.retention, { headers: { Accept: "application/json" } });
     if (!r.ok) return;
-    this.plan = await r.json();
+    const plan = await r.json();
+    if (held()) return;
+    this.plan = plan;
     this.render();
+  }
+
+  // The last plan again, on freshly drawn rows.
+  redraw() {
+    if (this.plan) this.render();
   }
 
   render() {
