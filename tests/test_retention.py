@@ -457,3 +457,16 @@ def test_a_nearly_full_filesystem_warns_before_the_save_that_would_fail(tmp_path
         assert e.value.errno == errno.ENOSPC
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_bad_retention_mode_is_refused_with_a_message(job):
+    from click.testing import CliRunner
+
+    from app.cli import main
+
+    out = CliRunner().invoke(
+        main, ["checkpoints", "gc", "--run-dir", str(job)], env={"RANKWATCH_RETENTION_MODE": "sometimes"}
+    )
+    assert out.exit_code == 1 and "RETENTION_MODE must be one of off, dry_run, on" in out.output
+    with pytest.raises(ValueError, match="RETENTION_MODE"):
+        create_app({"RUN_DIR": str(job), "RETENTION_MODE": "sometimes"})
