@@ -289,14 +289,14 @@ class Retention:
         Called by the watcher's leader after its checkpoint poll. Never raises
         for the files; returns what it did, or None.
         """
-        policy = self.policy()
         if self.service.run_dir is None:
             return None
         index = self.service.index(world)
         newest = index.newest_complete
         if newest is None or newest.id == self._auto_seen:
-            return None
+            return None  # every tick but one per new set ends here, without reading retention.json
         self._auto_seen = newest.id
+        policy = self.policy()
         result: dict = {}
         if policy.mode == "dry_run":
             p = self.plan(world, heartbeats)
