@@ -5,6 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 RUN    ?= runs/demo
 RANKS  ?= 2
+PORT   ?= 5000
 # The fast half: no msrun job, no browser, no fresh venv (about a minute).
 FAST   := not msrun and not browser and not slow
 
@@ -14,14 +15,19 @@ venv: $(VENV)/.installed
 
 # The development venv: editable, with MindSpore (the trainer extra), the
 # test tools and ruff.
+# pip's own progress is shown: the install is large, and silence looks hung.
 $(VENV)/.installed: pyproject.toml
+	@echo "make venv: installing Rankwatch with MindSpore (the trainer extra), the test tools and ruff"
+	@echo "           into $(VENV): about 3 GB, a few minutes on a fast network (3.1 GB in 203 s measured)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install --progress-bar on -e '.[dev]'
 	touch $@
+	@echo "make venv: done; run the CLI as $(VENV)/bin/rankwatch (or: source $(VENV)/bin/activate)"
 
+# make demo PORT=5001 (or PORT=0 for a free one), RUN=runs/other, RANKS=4
 demo: venv
-	$(VENV)/bin/rankwatch demo --run-dir $(RUN) --ranks $(RANKS)
+	$(VENV)/bin/rankwatch demo --run-dir $(RUN) --ranks $(RANKS) --port $(PORT)
 
 test: venv
 	$(PY) -m pytest -ra

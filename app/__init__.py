@@ -1,35 +1,21 @@
 """Rankwatch's dashboard: a Flask + Flask-SocketIO application factory.
 
-Nothing happens at import time. ``create_app`` builds the app, its
+Nothing happens at import time, and nothing heavy is imported: every
+``app.*`` import runs this file first, and ``rankwatch --version`` must not
+pay for Flask. ``create_app`` imports what it builds: the app, its
 ``RunState`` and its (not yet started) ``Watcher``; the server
 (``app/server.py``) starts the watcher in its worker, or else the first
-Socket.IO client does.
+Socket.IO client does. The shared objects live in ``app/extensions.py``.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flask import Flask, current_app
-from flask_socketio import SocketIO
-
-from app import push
-from app.auth import BoundedJSONProvider, Limits, ensure_token, token_weakness
-from app.config import coerce_all, from_env
-from app.login import LoginCodes
-from app.services import open_run
-from app.state import RunState
-from app.stop_service import StopService
-from app.watcher import Watcher
-
 if TYPE_CHECKING:
-    from app.checkpoints.service import CheckpointService
-    from app.incidents.monitor import Incidents
-    from app.incidents.stacks import StackService
+    from flask import Flask
 
 HERE = Path(__file__).resolve().parent
 # In a checkout (and an editable install) static/ and templates/ sit at the
@@ -46,28 +32,20 @@ def asset_dirs() -> tuple[Path, Path]:
     return ROOT / "static", ROOT / "templates"
 
 
-socketio = SocketIO()
-
-
-@dataclass
-class Rankwatch:
-    """The app's per-instance objects, kept in ``app.extensions["rankwatch"]``."""
-
-    state: RunState
-    watcher: Watcher
-    stop: StopService
-    # (endpoint, label) per top-level page; each blueprint adds its own when
-    # registered, and base.html draws the nav from this list.
-    nav: list[tuple[str, str]] = field(default_factory=list)
-    # The checkpoint browser's index and actions (app/checkpoints/service.py).
-    checkpoints: CheckpointService | None = None
-    # Stack captures, alerts and the stop policy (app/incidents/).
-    stacks: StackService | None = None
-    incidents: Incidents | None = None
-
-
 def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     """Build the dashboard. ``config`` overrides the settings read from the environment."""
+    import functools
+
+    from flask import Flask
+
+    from app import push
+    from app.auth import BoundedJSONProvider, Limits, ensure_token, token_weakness
+    from app.config import coerce_all, from_env
+    from app.extensions import Rankwatch, socketio
+    from app.login import LoginCodes
+    from app.services import open_run
+    from app.watcher import Watcher
+
     static, templates = asset_dirs()
     app = Flask(__name__, static_folder=str(static), template_folder=str(templates))
     app.json = BoundedJSONProvider(app)
@@ -75,7 +53,7 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     app.config.update(coerce_all(config or {}))
     app.config["TOKEN_GENERATED"] = ensure_token(app.config)
     app.extensions["rankwatch_limits"] = Limits.from_config(app.config)
-    app.extensions["rankwatch_login"] = LoginCodes()
+    app.extensions["rankwatch_login"] = LoginCodes(ttl_s=app.config["LOGIN_TTL_S"])
     weakness = None if app.config["TOKEN_GENERATED"] else token_weakness(app.config["TOKEN"])
     if weakness:
         app.logger.warning(
@@ -98,6 +76,8 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     state, stop, checkpoints = run.state, run.stop, run.checkpoints
     from app.incidents.monitor import Incidents
     from app.incidents.stacks import StackService
+    from app.logmode import resolve_dir
+    from trainer_bridge.stacks import find_pyspy
 
     incidents = Incidents.from_config(app.config, state, stop, run.audit, socketio.start_background_task)
     from app.cluster import Cluster
@@ -117,7 +97,13 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
         ),
         stop=stop,
         checkpoints=checkpoints,
-        stacks=StackService(app.config["RUN_DIR"] or None, state, start_task=socketio.start_background_task),
+        stacks=StackService(
+            app.config["RUN_DIR"] or None,
+            state,
+            start_task=socketio.start_background_task,
+            pyspy=functools.partial(find_pyspy, app.config["PYSPY_PATH"]),
+            log_dir=resolve_dir(app.config["RUN_DIR"] or None, app.config["LOG_DIR"]),
+        ),
         incidents=incidents,
     )
     app.context_processor(lambda: {"nav_links": rw.nav})
@@ -159,6 +145,13 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     return app
 
 
-def rankwatch() -> Rankwatch:
-    """The current app's state, watcher and nav."""
-    return current_app.extensions["rankwatch"]
+# The names this module used to define, for code that still imports them from here.
+_MOVED = ("socketio", "Rankwatch", "rankwatch")
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        from app import extensions
+
+        return getattr(extensions, name)
+    raise AttributeError(f"module 'app' has no attribute {name!r}")

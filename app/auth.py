@@ -132,7 +132,7 @@ def require_operator(count: bool = True) -> None:
         raise ApiError(
             401,
             "operator token required: send 'Authorization: Bearer <token>' "
-            "(RANKWATCH_TOKEN, or open the login link the dashboard printed; python -m app.login prints a new one)",
+            "(RANKWATCH_TOKEN, or open the login link the dashboard printed; rankwatch login prints a new one)",
         )
     if not check_token(token.strip()):
         raise ApiError(401, "wrong operator token")

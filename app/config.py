@@ -30,6 +30,8 @@ class Setting(NamedTuple):
     name: str
     default: Any
     help: str
+    # The only values a string setting takes, when it is one of a few words.
+    choices: tuple[str, ...] = ()
 
     @property
     def env(self) -> str:
@@ -46,6 +48,12 @@ class Setting(NamedTuple):
         variable fails at start with a message that says which one.
         """
         kind = type(self.default)
+        if self.choices:
+            if str(value).strip() not in self.choices:
+                raise ValueError(
+                    f"setting {self.name} ({self.env}) must be one of {', '.join(self.choices)}, not {value!r}"
+                )
+            return str(value).strip()
         if kind is bool and isinstance(value, str):
             if value.strip().lower() not in BOOLEANS:
                 raise ValueError(
@@ -77,6 +85,13 @@ SETTINGS: list[Setting] = [
         "Where msrun writes the worker logs (its `--log_dir`), read to show ranks whose script "
         "runs without the bridge (`worker_N.log`, `scheduler.log`). Empty means `RUN/msrun_logs`; "
         "a relative path is taken from the run directory. Only new bytes are read each tick.",
+    ),
+    Setting(
+        "PYSPY_PATH",
+        "",
+        "An absolute path to the `py-spy` the dashboard runs to capture a local rank its bridge "
+        "cannot answer for. Empty: the copy beside the dashboard's Python (its venv's `bin`); "
+        "`PATH` is never searched. The bridge reads the same variable for its native frames.",
     ),
     Setting(
         "HOST",
@@ -212,9 +227,24 @@ SETTINGS: list[Setting] = [
         "The operator token that stop, cancel, re-arm and delete require (as "
         "`Authorization: Bearer <token>`, or typed once into the page). When unset, one is "
         "generated at start. It is never printed: the dashboard prints a single-use login link "
-        "instead (`python -m app.login` mints another). Prefer the environment variable to the "
+        "instead (`rankwatch login` mints another). Prefer the environment variable to the "
         "flag: command lines are visible to every user of the host. A token shorter than 16 "
         "characters, or with little entropy, is warned about at start.",
+    ),
+    Setting(
+        "LOGIN_TTL_S",
+        120.0,
+        "How long a single-use login link works (the one printed at start, and each one "
+        "`rankwatch login` prints). Two minutes is enough to open a link just printed; a link "
+        "found later in a scrollback or a log is dead.",
+    ),
+    Setting(
+        "LOGIN_LINK",
+        "auto",
+        "Where the start-up login link is printed: `auto` prints it when the output is a terminal, "
+        "and only the address otherwise (a log file or a service's journal keeps no link); `always`; "
+        "`never`. `rankwatch login` prints a fresh one on demand.",
+        choices=("auto", "always", "never"),
     ),
     Setting(
         "AUDIT_DB",
@@ -349,6 +379,60 @@ SETTINGS: list[Setting] = [
 ]
 
 SETTINGS_BY_NAME = {s.name: s for s in SETTINGS}
+
+# How ``rankwatch serve --help`` groups the settings, in this order; a setting
+# not listed here is shown under "Other settings".
+GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("Run directory and address", ("RUN_DIR", "LOG_DIR", "HOST", "PORT", "ALLOWED_HOSTS")),
+    (
+        "Health verdicts",
+        (
+            "TICK_S",
+            "STRAGGLER_RATIO",
+            "STRAGGLER_MIN_GAP_MS",
+            "STRAGGLER_WINDOW",
+            "STRAGGLER_MIN_STEPS",
+            "STALL_MIN_S",
+            "STALL_FACTOR",
+            "DEAD_AFTER_S",
+            "PROCESS_CHECK_AFTER_S",
+        ),
+    ),
+    (
+        "Page and charts",
+        ("HISTORY_POINTS", "CHART_BUCKET_S", "CHART_REFRESH_S", "CHART_LINES_MAX_RANKS", "PAGE_SIZE"),
+    ),
+    ("Stop and checkpoints", ("STOP_DEADLINE_S", "AUTO_REARM", "AUDIT_DB", "CHECKPOINT_SCAN_S")),
+    ("Access", ("TOKEN", "LOGIN_TTL_S", "LOGIN_LINK", "OPERATOR_WRITES_PER_MIN")),
+    (
+        "Alerts and the stop policy",
+        (
+            "WEBHOOK_URL",
+            "WEBHOOK_TIMEOUT_S",
+            "WEBHOOK_RETRY_MAX_S",
+            "WEBHOOK_GIVE_UP_S",
+            "ALERT_GROUP_S",
+            "ALERT_SUMMARY_OVER",
+            "ALERT_RATE_PER_MIN",
+            "POLICY_MODE",
+            "POLICY_RULES",
+        ),
+    ),
+    ("Server", ("SERVER_THREADS", "HEADER_TIMEOUT_S", "READ_TIMEOUT_S", "MAX_BODY_BYTES")),
+    ("Several dashboards (Redis)", ("REDIS_URL", "REDIS_JOB", "LEADER_TTL_S")),
+)
+
+
+def grouped() -> list[tuple[str, list[Setting]]]:
+    """``SETTINGS`` in ``GROUPS``' order, then any setting no group names."""
+    named = {n for _, names in GROUPS for n in names}
+    groups = [
+        (title, [SETTINGS_BY_NAME[n] for n in names if n in SETTINGS_BY_NAME]) for title, names in GROUPS
+    ]
+    rest = [s for s in SETTINGS if s.name not in named]
+    return [g for g in groups if g[1]] + ([("Other settings", rest)] if rest else [])
+
+
 # Engine.IO's default ping interval (Flask-SocketIO passes it through): a live
 # WebSocket hears from its page at least this often (see READ_TIMEOUT_S).
 PING_INTERVAL_S = 25

@@ -1,31 +1,33 @@
 """Single-use login links: how the operator token reaches the page without being written down.
 
-The URL that ``python -m app`` prints carries ``#login=<code>``, not the
+The URL that the dashboard prints carries ``#login=<code>``, not the
 token. The page trades the code once (``POST /api/login``) for the token,
 keeps the token in the tab's ``sessionStorage`` and strips the code from the
-address bar. A code works once and for ``CODE_TTL_S`` seconds, so the URL
+address bar. A code works once and for ``LOGIN_TTL_S`` seconds (2 min), so the URL
 that stays in the browser's history, a terminal's scrollback or a log file is
 worthless afterwards; the token itself is never printed.
 
 A new link later, once the printed one is used up or expired:
 
-* ``python -m app.login`` (or ``mint_login_url()`` from Python, which the
-  ``rankwatch`` CLI can call) on the machine and as the user running the
-  dashboard. When it starts, the dashboard writes a *server file* in a
-  directory only its user can read (``$XDG_RUNTIME_DIR/rankwatch/``, else
-  ``~/.local/state/rankwatch/``; 0700, the file 0600), as Jupyter does, with
-  its URL and token; ``mint_login_url`` reads it and asks the dashboard for
-  a code with the token. Being that user is what grants it: anyone who can
-  read that file could also read the dashboard's memory.
+* ``rankwatch login`` (``mint_login_url()`` from Python) on the machine and
+  as the user running the dashboard. When it starts, the dashboard writes a
+  *server file* in a directory only its user can read
+  (``$XDG_RUNTIME_DIR/rankwatch/``, else ``~/.local/state/rankwatch/``;
+  0700, the file 0600), as Jupyter does, with its URL and token;
+  ``mint_login_url`` reads it and asks the dashboard for a code with the
+  token. Being that user is what grants it: anyone who can read that file
+  could also read the dashboard's memory.
 * Or, with the token at hand: ``POST /api/login-code`` with
   ``Authorization: Bearer <token>``.
+
+The start-up link is printed only to a terminal by default (``LOGIN_LINK``):
+output that goes to a file is a log, and a log keeps no link.
 
 Codes live in the dashboard's memory only: a restart forgets them.
 """
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import hmac
 import json
@@ -41,9 +43,8 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-# Long enough to open the printed link after reading the start-up lines,
-# short enough that a link found in a log later is dead.
-CODE_TTL_S = 600.0
+# The default of the LOGIN_TTL_S setting (app/config.py says why).
+CODE_TTL_S = 120.0
 # Codes waiting to be used; minting more drops the oldest.
 MAX_CODES = 16
 SERVER_FILE_PREFIX = "dashboard-"
@@ -84,15 +85,25 @@ def login_url(base_url: str, code: str) -> str:
     return base_url.rstrip("/") + "/#login=" + code
 
 
-def announce(app, url: str) -> str:
-    """The start-up line about operating: a single-use login URL, never the token.
+def announce(app, url: str, terminal: bool) -> str:
+    """The start-up lines about operating: a single-use login URL, never the token.
 
     ``Rankwatch: open URL`` is the line to open (the demo repeats it, so keep
-    the prefix). Also writes the server file that ``python -m app.login``
-    reads to mint a new link later.
+    the prefix); the URL carries the code only when ``LOGIN_LINK`` allows it
+    (by default when ``terminal``, the output being a terminal, not a log).
+    Also writes the server file that ``rankwatch login`` reads to mint a
+    new link later.
     """
-    code, _ = app.extensions["rankwatch_login"].mint()
     write_server_file(url, app.config["TOKEN"], app.config["RUN_DIR"])
+    mode = app.config["LOGIN_LINK"]
+    if mode == "never" or (mode == "auto" and not terminal):
+        why = "this output may be a log" if mode == "auto" else "LOGIN_LINK is never"
+        return (
+            f"Rankwatch: open {url}\n"
+            f"    to operate (stop, delete), `rankwatch login` prints a single-use login link "
+            f"(none is printed here: {why})"
+        )
+    code, _ = app.extensions["rankwatch_login"].mint()
     how = (
         "a token was generated for this run (set RANKWATCH_TOKEN to choose your own)"
         if app.config["TOKEN_GENERATED"]
@@ -101,8 +112,12 @@ def announce(app, url: str) -> str:
     return (
         f"Rankwatch: open {login_url(url, code)}\n"
         f"    a single-use link that makes that browser an operator (stop, delete), valid "
-        f"{CODE_TTL_S / 60:.0f} min; {how}; python -m app.login prints a new link"
+        f"{for_how_long(app.extensions['rankwatch_login'].ttl_s)}; {how}; `rankwatch login` prints a new one"
     )
+
+
+def for_how_long(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 120 and seconds % 60 == 0 else f"{seconds:.0f} s"
 
 
 # -- the server file -------------------------------------------------------------
@@ -215,16 +230,10 @@ def mint_login_url(url: str | None = None, run_dir: str | None = None, timeout: 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m app.login", description="Print a fresh single-use login URL for a running dashboard."
-    )
-    parser.add_argument("--url", help="the dashboard's URL, when several run")
-    parser.add_argument("--run-dir", help="the dashboard's run directory, when several run")
-    args = parser.parse_args(argv)
-    try:
-        print(mint_login_url(args.url, args.run_dir))
-    except (LookupError, RuntimeError, OSError) as e:
-        parser.exit(1, f"python -m app.login: {e}\n")
+    """``python -m app.login``: the same command as ``rankwatch login``."""
+    from app.cli.login import login
+
+    login.main(argv, prog_name="python -m app.login")
 
 
 if __name__ == "__main__":

@@ -192,7 +192,7 @@ def announce(app: Flask, url: str) -> None:
     these lines end up in logs.
     """
     print(f"Rankwatch: watching {app.config['RUN_DIR']} on {url}", file=sys.stderr)
-    print(login.announce(app, url), file=sys.stderr, flush=True)
+    print(login.announce(app, url, terminal=sys.stderr.isatty()), file=sys.stderr, flush=True)
 
 
 OPEN_PREFIX = "Rankwatch: open "

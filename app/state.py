@@ -373,6 +373,12 @@ class RunState:
             logs = self._from_log
             return {r: (None if r in logs else hb) for r, hb in self._board.latest.items()}, self._world
 
+    def started_at(self, rank: int) -> float | None:
+        """When rank ``rank``'s process started, by its newest heartbeat, from its bridge or its log."""
+        with self._lock:
+            hb = self._board.latest.get(rank)
+            return hb.get("started_at") if hb else None
+
     def log_stop_facts(self) -> dict | None:
         """What the stop panel says about ranks shown only from their worker logs (None: there are none)."""
         with self._lock:

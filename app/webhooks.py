@@ -26,6 +26,19 @@ file, so it lives and dies with the run)::
     )
 
 The newest attempts are also kept in memory for the page.
+
+Two defences, because a rank writes much of what an alert says (its error
+text, a verdict's reason, host names):
+
+* every string in a payload is ``neutralise``-d on the wire: ``&``, ``<`` and
+  ``>`` escaped as Slack requires (so ``<!channel>``, ``<@U123>`` and a
+  disguised ``<https://evil|docs>`` link arrive as plain text, and Feishu's
+  ``<at user_id="all">`` is no tag), and ``@all``/``@here``/``@channel``/
+  ``@everyone`` broken with a zero-width space. The delivery log keeps the
+  text as it was;
+* a redirect (301, 302, 303, 307, 308) is not followed: urllib would turn
+  the POST into a body-less GET and call the answer a delivery. It is given
+  up at once with its reason (a redirect does not change on a retry).
 """
 
 from __future__ import annotations
@@ -33,6 +46,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import re
 import sqlite3
 import threading
 import time
@@ -65,6 +79,33 @@ QUEUE_MAX = 1000
 RECENT_MAX = 200
 BACKOFF_FIRST_S = 1.0
 RETRY_STATUSES = (408, 429)
+
+
+# Tokens some receivers turn into a mention of everyone, whatever their markup.
+_MENTION_ALL = re.compile(r"@(?=(?:all|here|channel|everyone)\b)", re.IGNORECASE)
+REDIRECTS = (301, 302, 303, 307, 308)
+
+
+def neutralise(value):
+    """``value`` (a payload, recursively) with no string able to mention, link or tag anyone."""
+    if isinstance(value, str):
+        text = value.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+        return _MENTION_ALL.sub("@\u200b", text)
+    if isinstance(value, dict):
+        return {k: neutralise(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [neutralise(v) for v in value]
+    return value
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Hands a redirect back as the HTTPError it is, instead of following it."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
 
 
 def parse_urls(text: str) -> list[str]:
@@ -216,7 +257,7 @@ class WebhookSender:
 
     def _deliver(self, q: _Queue, item: dict) -> None:
         """Post ``item`` until it is delivered, refused, or too old; log every attempt."""
-        body = json.dumps(item["payload"]).encode()
+        body = json.dumps(neutralise(item["payload"])).encode()
         attempt, wait = 0, BACKOFF_FIRST_S
         while True:
             attempt += 1
@@ -248,10 +289,20 @@ class WebhookSender:
             headers={"Content-Type": "application/json", "User-Agent": "rankwatch"},
         )
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+            with _OPENER.open(request, timeout=self.timeout_s) as response:
                 response.read(65536)
                 return True, False, f"HTTP {response.status}"
         except urllib.error.HTTPError as e:
+            if e.code in REDIRECTS:
+                where = redact(e.headers.get("Location") or "") if e.headers else "(nowhere)"
+                return (
+                    False,
+                    False,
+                    (
+                        f"HTTP {e.code} {e.reason}: a redirect to {where}, not followed "
+                        "(set WEBHOOK_URL to the receiver's final URL)"
+                    ),
+                )
             retry = e.code >= 500 or e.code in RETRY_STATUSES
             return False, retry, f"HTTP {e.code} {e.reason}"
         except (urllib.error.URLError, OSError, ValueError) as e:

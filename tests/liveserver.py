@@ -113,7 +113,9 @@ def start_dashboard(
     proc = subprocess.Popen(
         [*(prefix or []), sys.executable, "-m", "app", "--run-dir", str(run_dir), "--port", str(port)],
         cwd=REPO,
-        env={**os.environ, **(env or {})},
+        # The log is a file, where the dashboard leaves its login link out by
+        # default (LOGIN_LINK): tests that sign in read the link from it.
+        env={**os.environ, "RANKWATCH_LOGIN_LINK": "always", **(env or {})},
         stdout=log_file,
         stderr=subprocess.STDOUT,
     )

@@ -41,9 +41,10 @@ def quiet_port() -> int:
 
 
 class Receiver:
-    def __init__(self, port: int | None = None, status: int = 200):
+    def __init__(self, port: int | None = None, status: int = 200, location: str | None = None):
         self.port = port or free_port()
         self.status = status
+        self.location = location  # sent with the status: a redirecting receiver
         self.received: list[dict] = []
         self.arrived: list[float] = []  # time.time() of each, for the benchmark
         self._lock = threading.Lock()
@@ -68,6 +69,16 @@ class Receiver:
                     receiver.received.append(payload)
                     receiver.arrived.append(time.time())
                 self.send_response(receiver.status)
+                if receiver.location:
+                    self.send_header("Location", receiver.location)
+                self.end_headers()
+
+            def do_GET(self):
+                # What a followed redirect turns a POST into: recorded, and answered 200.
+                with receiver._lock:
+                    receiver.received.append({"GET": self.path})
+                    receiver.arrived.append(time.time())
+                self.send_response(200)
                 self.end_headers()
 
             def log_message(self, *args):

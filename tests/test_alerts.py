@@ -254,3 +254,55 @@ def test_stop_alerts_are_sent_once_even_across_a_restart(run_dir, receiver):
     assert body["targets"] == [f"http://127.0.0.1:{receiver.port}/…"]
     for a in (app, again):
         a.extensions["rankwatch"].incidents.alerts.sender.close()
+
+
+# ------------------------------------------------------------------ hostile text, redirects
+
+
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+def test_a_redirect_is_a_failed_delivery_and_is_not_followed(tmp_path, status):
+    with Receiver() as target, Receiver(status=status, location=target.url) as redirecting:
+        sender = sender_for(tmp_path, redirecting.url)
+        sender.send({"event": "verdict", "text": "rank 1 stalled", "job": "j", "at": 1.0})
+        row = wait_for(lambda: sender.recent(), "the attempt")[0]
+        sender.close()
+        assert row["outcome"].startswith(f"gave up: HTTP {status}"), row
+        assert "redirect to http://127.0.0.1" in row["outcome"] and "not followed" in row["outcome"]
+        assert "secret-part" not in row["outcome"], "the Location is shown without its path"
+        assert row["attempt"] == 1 and len(redirecting.events()) == 1
+        assert target.events() == [], "nothing reached the redirect's target"
+        # The delivery log's row is written just after the in-memory one.
+        assert wait_for(lambda: sender.rows(), "the logged attempt")[0]["outcome"] == row["outcome"]
+
+
+def test_rank_written_text_arrives_without_mentions_or_links(run_dir, receiver):
+    """A failed rank's error text reaches the receiver through the real watcher tick, neutralised."""
+    hostile = (
+        "<!channel> <!here> <@U024BE7LH> see <https://evil.example/x|the runbook> & "
+        '<at user_id="all">所有人</at> @all @Here'
+    )
+    write_job(run_dir, 2)
+    write_heartbeat(run_dir, heartbeat(0, 2))
+    write_heartbeat(run_dir, heartbeat(1, 2, host="<!everyone>", state="failed", error=hostile))
+    app = make_app(run_dir, receiver)
+    watcher, t0 = app.extensions["rankwatch"].watcher, time.time()
+    for dt in (0.2, 1.5, 3.0):  # past the 1 s group window
+        watcher.clock = lambda dt=dt: t0 + dt
+        watcher.tick()
+    got = receiver.wait_for(lambda p: [x for x in p if x.get("rank") == 1], "rank 1's failure")[0]
+    app.extensions["rankwatch"].incidents.alerts.sender.close()
+    for field in ("text", "reason"):
+        text = got[field]
+        assert "<" not in text and ">" not in text, text
+        assert "&lt;!channel&gt; &lt;!here&gt; &lt;@U024BE7LH&gt;" in text, text
+        assert "&lt;https://evil.example/x|the runbook&gt; &amp; " in text
+        assert '&lt;at user_id="all"&gt;所有人&lt;/at&gt;' in text
+        assert "@\u200ball @\u200bHere" in text and "@all" not in text
+    # The delivery log keeps the text as the rank wrote it.
+    logged = wait_for(
+        lambda: [
+            r for r in app.extensions["rankwatch"].incidents.alerts.sender.rows() if "rank 1" in r["text"]
+        ],
+        "the log row",
+    )
+    assert "<!channel>" in logged[0]["text"]

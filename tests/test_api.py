@@ -178,6 +178,11 @@ def test_every_setting_reads_its_environment_variable():
             assert from_env({s.env: "no"})[s.name] is False, s.name
             assert from_env({s.env: "1"})[s.name] is True, s.name
             continue
+        if s.choices:
+            assert from_env({s.env: s.choices[-1]})[s.name] == s.choices[-1], s.name
+            with pytest.raises(ValueError, match=s.env):
+                from_env({s.env: "x"})
+            continue
         raw = "7" if isinstance(s.default, (int, float)) else "x"
         assert from_env({s.env: raw})[s.name] == type(s.default)(raw), s.name
 

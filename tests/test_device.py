@@ -7,6 +7,11 @@ import logging
 import stat
 import sys
 
+import pytest
+
+from tests.heartbeats import heartbeat, write_heartbeat, write_job
+from tests.test_stacks import wait_for
+from trainer_bridge import schema
 from trainer_bridge.device import DeviceProbe, parse_npu_smi, parse_nvidia_smi
 
 NPU_SMI_INFO = """\
@@ -76,3 +81,72 @@ def test_probe_switches_off_when_the_tool_fails(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
     probe = DeviceProbe()
     assert probe.sample() is None and not probe.enabled
+
+
+# ------------------------------------------------------------------ a bad figure keeps the heartbeat
+
+NPU_SMI_BAD = """\
+| NPU   Name                | Health        | Power(W)    Temp(C)           Hugepages-Usage(page)|
+| Chip                      | Bus-Id        | AICore(%)   Memory-Usage(MB)  HBM-Usage(MB)        |
++===========================+===============+====================================================+
+| 0     910B1               | OK            | 93.6        40                0    / 0             |
+| 0                         | 0000:C1:00.0  | 101         0    / 0          3395 / 65536         |
++===========================+===============+====================================================+
+| 1     910B1               | OK            | 93.6        -500              0    / 0             |
+| 0                         | 0000:C2:00.0  | -5          0    / 0          3395 / 65536         |
++===========================+===============+====================================================+
+| 2     910B1               | OK            | 93.6        ##                0    / 0             |
+| 0                         | 0000:C3:00.0  | x%@!        0    / 0          3395 / 65536         |
++===========================+===============+====================================================+
+"""
+
+
+@pytest.mark.parametrize(
+    ("device_id", "dropped"),
+    [
+        ("0", ["util_percent 101.0"]),
+        ("1", ["temp_c -500.0", "util_percent -5.0"]),
+        ("2", ["temp_c '##'", "util_percent 'x%@!'"]),
+    ],
+)
+def test_an_out_of_range_device_figure_is_left_out_and_the_heartbeat_kept(
+    tmp_path, monkeypatch, device_id, dropped
+):
+    _fake_tool(tmp_path, "npu-smi", NPU_SMI_BAD)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("DEVICE_ID", device_id)
+    sample = DeviceProbe().sample()
+    # The reporter's own call: schema.build(Heartbeat, ..., device=the sample).
+    fields = heartbeat(0, 1, validate=False)
+    fields["device"] = sample
+    beat = schema.build(schema.Heartbeat, **fields)
+    assert beat.device is not None and beat.device.kind == "npu" and beat.device.index == int(device_id)
+    assert beat.device.mem_used_bytes == 3395 * 2**20 and beat.device.health == "OK"
+    assert beat.device.util_percent is None
+    notes = [w for w in beat.warnings if w.startswith("device ")]
+    assert notes == [f"device {d} is out of range or not a number; left out" for d in dropped], notes
+
+
+def test_the_dashboard_keeps_a_row_whose_device_figure_is_out_of_range(client, run_dir):
+    write_job(run_dir, 2)
+    write_heartbeat(run_dir, heartbeat(0, 2))
+    bad = heartbeat(1, 2, validate=False)
+    bad["device"] = {"kind": "npu", "index": 1, "util_percent": 101.0, "temp_c": 47.0, "health": "OK"}
+    bad["warnings"] = [f"old warning {i}" for i in range(schema.MAX_WARNINGS)]
+    write_heartbeat(run_dir, bad, history=False)
+    row = client.get("/api/ranks").get_json()["ranks"][1]
+    assert row["health"] not in ("pending", "dead") and row["global_step"] == bad["global_step"], row
+    assert row["device"] == "npu:1" and row["device_temp_c"] == 47.0 and row["device_util_percent"] is None
+    # The note is the newest warning; the oldest makes room for it.
+    assert row["warnings"][-1] == "device util_percent 101.0 is out of range or not a number; left out"
+    assert len(row["warnings"]) == schema.MAX_WARNINGS and "old warning 0" not in row["warnings"]
+
+    bad["device"] = {"kind": "tpu", "index": 1}
+    bad["seq"] += 1
+    write_heartbeat(run_dir, bad, history=False)
+    row = wait_for(
+        lambda: (r := client.get("/api/ranks").get_json()["ranks"][1])["device_health"] is None and r,
+        "the heartbeat without a device",
+    )
+    assert row["device"] is None and row["global_step"] == bad["global_step"]
+    assert row["warnings"][-1].startswith("device left out: kind:")

@@ -1,4 +1,4 @@
-"""The README documents every setting, API route, Socket.IO event, row field and verdict."""
+"""The manual (README.md and docs/*.md) documents every setting, API route, Socket.IO event, row field and verdict."""
 
 from __future__ import annotations
 
@@ -14,16 +14,22 @@ from app.metrics import METRICS
 from tests.heartbeats import heartbeat
 from trainer_bridge import schema
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+ROOT = Path(__file__).resolve().parents[1]
+# The README is the front door; the reference lives in docs/, one page per area.
+PAGES = {
+    p: p.read_text(encoding="utf-8") for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+}
 
 
 def section(title: str) -> str:
-    """The README section headed ``title``, up to the next heading of its level or above."""
-    heading = re.search(rf"^(#+) {re.escape(title)}$", README, re.M)
-    assert heading, f"README has no section {title!r}"
-    level = len(heading.group(1))
-    end = re.compile(rf"^#{{1,{level}}} ", re.M).search(README, heading.end())
-    return README[heading.end() : end.start() if end else len(README)]
+    """The manual's section headed ``title``, up to the next heading of its level or above."""
+    for text in PAGES.values():
+        heading = re.search(rf"^(#+) {re.escape(title)}$", text, re.M)
+        if heading:
+            level = len(heading.group(1))
+            end = re.compile(rf"^#{{1,{level}}} ", re.M).search(text, heading.end())
+            return text[heading.end() : end.start() if end else len(text)]
+    raise AssertionError(f"no page of the manual has a section {title!r}")
 
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.name)
@@ -62,9 +68,33 @@ def test_verdict_is_documented(verdict):
     assert f"`{verdict}`" in section("Health verdicts")
 
 
-def test_schema_tables_are_generated_from_the_schema():
-    # Regenerate with: python -m trainer_bridge.schema README.md
-    assert schema.render_readme(README) == README
+@pytest.mark.parametrize("page", sorted(PAGES), ids=lambda p: p.name)
+def test_schema_tables_are_generated_from_the_schema(page):
+    # Regenerate with: python -m trainer_bridge.schema docs/run-directory.md
+    assert schema.render_readme(PAGES[page]) == PAGES[page]
+
+
+def test_the_schema_tables_are_in_the_manual():
+    text = "".join(PAGES.values())
+    assert [name for name in schema.README_TABLES if f"<!-- schema:{name} -->" not in text] == []
+
+
+def test_links_between_pages_resolve():
+    """Every relative link to a page (and its #anchor) of the manual points at something there."""
+
+    def anchors(text):
+        heads = re.findall(r"^#+ (.*)$", text, re.M)
+        return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+    broken = []
+    for page, text in PAGES.items():
+        for target, anchor in re.findall(r"\]\(([^)#:\s]*\.md|)(?:#([^)\s]+))?\)", text):
+            dest = (page.parent / target).resolve() if target else page
+            if dest not in PAGES:
+                broken.append(f"{page.name}: {target}")
+            elif anchor and anchor not in anchors(PAGES[dest]):
+                broken.append(f"{page.name}: {target}#{anchor}")
+    assert broken == []
 
 
 def test_heartbeat_helper_writes_exactly_the_schema():

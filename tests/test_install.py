@@ -129,7 +129,7 @@ def test_a_wheel_installed_without_e_serves_reads_and_stops_a_real_job(fresh_ven
     served = None
     try:
         job.start()
-        job.wait_for_step(25)  # periodic sets at steps 10 and 20
+        job.wait_for_step(25)  # periodic sets from step 10 on (the newest 5 kept)
         served = Served(bin_dir, env, cwd, run_dir)
         assert "development server" not in "\n".join(served.lines)
 
@@ -158,9 +158,12 @@ def test_a_wheel_installed_without_e_serves_reads_and_stops_a_real_job(fresh_ven
         assert "world size 2" in status.stdout, status.stdout
         assert len(re.findall(r"^\s+[01]\s+\S+\s+✓ healthy", status.stdout, re.M)) == 2, status.stdout
         ckpts = run([str(bin_dir / "rankwatch"), "checkpoints", "--run-dir", str(run_dir)], env=env, cwd=cwd)
-        assert re.search(
-            r"ckpt_of_rank/\{rank\}/lenet-\{E\}_\{S\}\.ckpt#g20 .*periodic\s+yes", ckpts.stdout
-        ), ckpts.stdout
+        # Whichever periodic sets exist when read: the job trains on meanwhile and
+        # keeps only the newest 5, so how far it got depends on the machine.
+        listed = re.findall(
+            r"ckpt_of_rank/\{rank\}/lenet-\{E\}_\{S\}\.ckpt#g(\d+) .*periodic\s+yes", ckpts.stdout
+        )
+        assert listed and all(int(g) % 10 == 0 for g in listed), ckpts.stdout
         assert "Resume from" in ckpts.stdout and "msrun --worker_num=2" in ckpts.stdout
 
         demo = subprocess.run(

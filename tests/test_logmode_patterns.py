@@ -258,3 +258,36 @@ def test_lines_printed_by_mindspores_own_callbacks():
     assert log.step_mean_ms is not None and log.step_mean_ms >= 0
     assert log.state == "stopping"
     assert log.pid is not None  # from the logger's "[WARNING] ME(pid:..." prefix
+
+
+# ------------------------------------------------------------------ hostile lines (issue 19, item 9)
+
+
+def test_every_pattern_runs_on_a_linear_time_engine():
+    """RE2, not Python's backtracking re: a line built to be slow costs no more than its length."""
+    import re2
+
+    from app.logmode.patterns import EXCEPTION
+
+    engines = {type(p.regex) for _, p in all_patterns()} | {type(EXCEPTION)}
+    assert engines == {type(re2.compile("x"))}, engines
+
+
+def test_adversarial_lines_parse_without_error_and_are_cut_at_max_line():
+    from app.logmode.patterns import MAX_LINE
+    from tests.bench.logpatterns import adversarial
+
+    hostile = list(adversarial().values())
+    for cls in (WorkerLog, SchedulerLog, LauncherLog):
+        log = fold(hostile, cls)
+        assert log is not None
+    worker = fold(hostile)
+    # Some are [ERROR] lines, read as such; what is kept stays bounded.
+    assert worker.error is None or len(worker.error) <= 4000  # schema.MAX_ERROR
+
+    # A line's head is read; what lies past MAX_LINE is never matched.
+    step = "epoch: 1 step: 25, loss is 2.305208206176758"
+    assert fold([step + " " * (64 * 1024)]).step == 25
+    assert fold(["x" * MAX_LINE + step]).steps == 0
+    tail = "x" * (MAX_LINE - len(step) - 1) + " " + step
+    assert fold([tail]).step == 25

@@ -286,7 +286,7 @@ def test_a_log_without_any_step_line_says_so_after_a_while(run_dir):
     assert row["state"] == "starting"
     assert row["warnings"] == [
         "no line of worker_0.log looks like a training step yet (250 lines read): "
-        "see the formats understood in the README, Log mode"
+        "see the formats understood in docs/training-scripts.md, Log mode"
     ]
 
 

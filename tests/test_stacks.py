@@ -235,5 +235,5 @@ def test_pyspy_says_why_it_cannot_read_a_process(monkeypatch):
 
 
 def test_the_readme_documents_the_capture_file_as_the_schema_says():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    assert schema.markdown_table(stacks.Capture) in readme
+    page = (Path(__file__).resolve().parents[1] / "docs" / "incidents.md").read_text(encoding="utf-8")
+    assert schema.markdown_table(stacks.Capture) in page

@@ -120,7 +120,10 @@ def test_a_bridge_rank_answers_a_post_through_the_run_directory(client, run_dir)
 @pytest.fixture
 def stopped_rank(run_dir):
     """A real process on this host, stuck in hang_here and SIGSTOPped, with a bridge heartbeat."""
-    proc = subprocess.Popen([sys.executable, "-c", HANGER], stdout=subprocess.PIPE, text=True)
+    # Named as a rank of this run on its command line, as a job's script is (app.incidents.proof).
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HANGER, "--run-dir", str(run_dir)], stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout.readline().strip() == "ready"
     write_job(run_dir, 2)
     started = psutil.Process(proc.pid).create_time()

@@ -70,16 +70,16 @@ def parse_npu_smi(text: str, index: int) -> dict | None:
         if first[1] not in ("OK", "Warning", "Alarm", "Critical", "Error"):
             continue
         power_temp = first[2].split()
-        usage = re.findall(r"(\d+(?:\.\d+)?)", second[2]) if len(second) > 2 else []
+        usage = second[2].split() if len(second) > 2 else []
         hbm = re.findall(r"(\d+)\s*/\s*(\d+)", second[2]) if len(second) > 2 else []
         used, total = (int(hbm[-1][0]), int(hbm[-1][1])) if hbm else (None, None)
         return {
             "kind": "npu",
             "index": index,
-            "util_percent": float(usage[0]) if usage else None,
+            "util_percent": _figure(usage[0]) if usage else None,
             "mem_used_bytes": used * 2**20 if used is not None else None,
             "mem_total_bytes": total * 2**20 if total is not None else None,
-            "temp_c": _number(power_temp[1]) if len(power_temp) > 1 else None,
+            "temp_c": _figure(power_temp[1]) if len(power_temp) > 1 else None,
             "health": first[1],
         }
     return None
@@ -90,6 +90,13 @@ def _number(text: str) -> float | None:
         return float(text)
     except ValueError:
         return None
+
+
+def _figure(text: str) -> float | str:
+    """A number as printed, or the text itself (cut): ``schema.clean_device`` leaves out what is
+    not a figure in range, and the heartbeat's warnings say what the tool printed."""
+    value = _number(text)
+    return value if value is not None else text[:40]
 
 
 class DeviceProbe:

@@ -26,6 +26,7 @@ microseconds, which matters at thousands of ranks.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -292,6 +293,51 @@ def _explain(e: ValidationError) -> str:
     return f"{where}: {err['msg'].lower()} (got {value}){more}"
 
 
+# ---------------------------------------------------------------- a bad device figure
+
+# What a Device may lose and stay a Device; without its kind or index it is dropped whole.
+_DEVICE_REQUIRED = ("kind", "index")
+
+
+def _device_at_fault(model: type, e: ValidationError) -> bool:
+    return model is Heartbeat and all(err["loc"][:1] == ("device",) for err in e.errors())
+
+
+def clean_device(raw: Any) -> tuple[dict | None, list[str]]:
+    """A heartbeat's ``device`` without its bad figures, and a warning for each one left out.
+
+    One out-of-range figure (``npu-smi`` printing a utilisation of 101, or
+    garbage) must not fail the whole heartbeat, or the rank looks dead.
+    """
+    if not isinstance(raw, dict):
+        return None, [f"device: not an object (got {type(raw).__name__}); left out"]
+    device, notes = dict(raw), []
+    for _ in range(len(Device.model_fields) + 1):
+        try:
+            Device.model_validate(device)
+            return device, notes
+        except ValidationError as e:
+            errors = e.errors(include_url=False)
+            bad = {err["loc"][0] for err in errors if err["loc"] and err["loc"][0] not in _DEVICE_REQUIRED}
+            if len(bad) < len(errors) or not bad:
+                return None, [*notes, f"device left out: {_explain(e)}"]
+            for name in sorted(bad, key=str):
+                value = repr(device.pop(name))
+                value = value if len(value) <= 40 else value[:37] + "..."
+                notes.append(f"device {name} {value} is out of range or not a number; left out")
+    return None, notes
+
+
+def _without_bad_device(fields: dict) -> dict:
+    device, notes = clean_device(fields.get("device"))
+    warnings = fields.get("warnings")
+    if not isinstance(warnings, list):
+        return {**fields, "device": device}
+    # Newest last, as the bridge keeps them; a note is cut to the field's bound.
+    warnings = [*warnings, *(n[:MAX_WARNING] for n in notes)][-MAX_WARNINGS:]
+    return {**fields, "device": device, "warnings": warnings}
+
+
 def parse(model: type[M], data: bytes | str) -> M:
     """Validate a file's bytes against ``model``; SchemaError says what is wrong."""
     if len(data) > MAX_FILE_BYTES:
@@ -301,21 +347,45 @@ def parse(model: type[M], data: bytes | str) -> M:
     try:
         return model.model_validate_json(data)
     except ValidationError as e:
-        raise SchemaError(_explain(e)) from None
+        if not _device_at_fault(model, e):
+            raise SchemaError(_explain(e)) from None
+    # Only a heartbeat whose device alone is wrong gets here: keep the rest.
+    try:
+        obj = json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise SchemaError(f"not valid JSON: {e}") from None
+    return validate(model, obj)
 
 
 def build(model: type[M], /, **fields: Any) -> M:
-    """``model(**fields)``, failing with SchemaError: how a writer makes a file's object."""
+    """``model(**fields)``, failing with SchemaError: how a writer makes a file's object.
+
+    A heartbeat whose ``device`` alone is wrong is built without the bad
+    figures, and says so in its ``warnings`` (``clean_device``).
+    """
     try:
         return model(**fields)
+    except ValidationError as e:
+        if not _device_at_fault(model, e):
+            raise SchemaError(_explain(e)) from None
+    try:
+        return model(**_without_bad_device(fields))
     except ValidationError as e:
         raise SchemaError(_explain(e)) from None
 
 
 def validate(model: type[M], obj: Any) -> M:
-    """Validate an already-parsed JSON value (e.g. from Redis) against ``model``."""
+    """Validate an already-parsed JSON value (e.g. from Redis) against ``model``.
+
+    As ``build``, a heartbeat whose ``device`` alone is wrong keeps the rest.
+    """
     try:
         return model.model_validate(obj)
+    except ValidationError as e:
+        if not (_device_at_fault(model, e) and isinstance(obj, dict)):
+            raise SchemaError(_explain(e)) from None
+    try:
+        return model.model_validate(_without_bad_device(obj))
     except ValidationError as e:
         raise SchemaError(_explain(e)) from None
 
@@ -389,7 +459,7 @@ def render_readme(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m trainer_bridge.schema [README.md]``: print the tables, or rewrite them in place."""
+    """``python -m trainer_bridge.schema [docs/run-directory.md]``: print the tables, or rewrite them in place."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
         for name, model in README_TABLES.items():

@@ -45,7 +45,6 @@ import json
 import linecache
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -95,6 +94,8 @@ STALL_AFTER_S = 5.0
 STALL_FACTOR = 5.0
 # "off" leaves native frames out (py-spy is then never run by the bridge).
 NATIVE_ENV = "RANKWATCH_STACK_NATIVE"
+# An absolute path to py-spy; empty: the copy beside the interpreter (never PATH).
+PYSPY_ENV = "RANKWATCH_PYSPY_PATH"
 
 
 class PySpyError(RuntimeError):
@@ -150,12 +151,24 @@ def python_threads(training: int | None, skip: frozenset[int] = frozenset()) -> 
     return out[:MAX_THREADS], max(0, len(out) - MAX_THREADS)
 
 
-def find_pyspy() -> str | None:
-    """The py-spy executable: on PATH, or beside this interpreter (a venv's bin)."""
-    found = shutil.which("py-spy")
-    if found:
-        return found
-    beside = Path(sys.executable).with_name("py-spy")
+def find_pyspy(setting: str | None = None) -> str | None:
+    """The py-spy executable to run: ``setting`` (or ``PYSPY_ENV``), else the one beside this interpreter.
+
+    Never looked up on ``PATH``: the dashboard may run it as root on another
+    user's process, and a ``py-spy`` earlier on someone's ``PATH`` would run
+    instead. The venv's own copy (``pip install py-spy``) sits beside
+    ``sys.executable`` (not resolved: a venv's ``python`` is a symlink out of
+    it). A setting must be an absolute path to an executable file; anything
+    else finds nothing, and the caller's message says so.
+    """
+    chosen = (os.environ.get(PYSPY_ENV, "") if setting is None else setting).strip()
+    if chosen:
+        path = Path(chosen)
+        ok = path.is_absolute() and path.is_file() and os.access(path, os.X_OK)
+        if not ok:
+            log.warning("rankwatch: %s=%r is not an absolute path to an executable file", PYSPY_ENV, chosen)
+        return str(path) if ok else None
+    beside = Path(sys.executable).parent / "py-spy"
     return str(beside) if beside.is_file() and os.access(beside, os.X_OK) else None
 
 
@@ -171,7 +184,10 @@ def pyspy_dump(pid: int, *, native: bool, exe: str | None = None, timeout: float
     """
     exe = exe or find_pyspy()
     if exe is None:
-        raise PySpyError("py-spy is not installed (pip install py-spy)")
+        raise PySpyError(
+            f"py-spy is not installed beside {sys.executable} (pip install py-spy there, "
+            f"or set {PYSPY_ENV} to its absolute path)"
+        )
     cmd = [exe, "dump", "--pid", str(pid), "--json"] + (["--native"] if native else ["--nonblocking"])
     try:
         done = subprocess.run(cmd, capture_output=True, timeout=timeout, check=False)
@@ -263,6 +279,7 @@ def capture_pyspy(
     request_id: str | None,
     native: bool = True,
     global_step: int | None = None,
+    exe: str | None = None,
 ) -> Capture:
     """Capture process ``pid`` with py-spy from outside and store it as rank ``rank``'s newest.
 
@@ -270,7 +287,7 @@ def capture_pyspy(
     answer for. Raises PySpyError (with a sentence saying why) or OSError.
     """
     started = time.perf_counter()
-    data = pyspy_dump(pid, native=native)
+    data = pyspy_dump(pid, native=native, exe=exe)
     threads, omitted = pyspy_threads(data, pid)
     capture = build_capture(
         rank=rank,

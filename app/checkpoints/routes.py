@@ -11,10 +11,11 @@ import time
 
 from flask import current_app, jsonify, render_template, request, send_file, url_for
 
-from app import push, rankwatch, socketio
+from app import push
 from app.auth import json_body, require_operator
 from app.checkpoints import bp
 from app.errors import ApiError
+from app.extensions import rankwatch, socketio
 from app.push import CHECKPOINTS_EVENT, VERIFY_EVENT
 
 WHO_DEFAULT = "operator"

@@ -1,31 +1,70 @@
 """``rankwatch``: the console script (click), a thin front end over the dashboard's engines.
 
-* ``serve`` and ``demo`` hand their arguments to ``python -m app`` and
-  ``python -m trainer_bridge.demo`` (one parser each, shared);
+* ``serve`` is ``python -m app`` (``app/cli/serve.py``), ``demo`` is
+  ``python -m trainer_bridge.demo`` with the dashboard on;
 * ``status``, ``stop`` and ``checkpoints`` read and write the run directory
   through ``app.services.open_run``, the same ``RunState``, ``StopService``
   (and audit trail) and ``CheckpointService`` the dashboard uses, so they
-  work with or without a dashboard running.
+  work with or without a dashboard running;
+* ``login`` prints a fresh single-use login link for a running dashboard.
 
 Settings (thresholds, ``AUDIT_DB``, ...) come from the same ``RANKWATCH_*``
 environment variables as the dashboard's (``app.config.SETTINGS``).
+
+Each command is imported when it is named (or listed by ``--help``), and
+each command module imports the engines, rich and Flask only when it runs:
+``rankwatch --version`` and ``--help`` load none of them.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import sys
+import importlib
 
 import click
 
-from app.cli.checkpoints import checkpoints
-from app.cli.status import status
-from app.cli.stop import stop
+# name -> "module:attribute" of its click command, in --help's order.
+COMMANDS = {
+    "serve": "app.cli.serve:serve",
+    "demo": "app.cli:demo_command",
+    "status": "app.cli.status:status",
+    "stop": "app.cli.stop:stop",
+    "checkpoints": "app.cli.checkpoints:checkpoints",
+    "login": "app.cli.login:login",
+}
 
-PASSTHROUGH = {"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []}
+
+class LazyGroup(click.Group):
+    """A group whose commands are imported on first use (click's documented lazy-loading pattern)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        module, attribute = COMMANDS[name].split(":")
+        found = getattr(importlib.import_module(module), attribute)
+        return found() if attribute == "demo_command" else found
+
+    @property
+    def commands(self) -> dict[str, click.Command]:
+        """Every command, imported (for the docs test and tools that walk the group)."""
+        return {name: self.get_command(None, name) for name in COMMANDS}
+
+    @commands.setter
+    def commands(self, value) -> None:
+        # click.Group.__init__ assigns it; the commands are COMMANDS.
+        pass
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def demo_command() -> click.Command:
+    """``rankwatch demo``: the demo's own command (trainer_bridge/demo), with the dashboard on."""
+    from trainer_bridge.demo.__main__ import demo_command as make
+
+    return make("demo", dashboard=True)
+
+
+@click.group("rankwatch", cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="rankwatch")
 def main() -> None:
     """Rankwatch: watch, stop and resume a MindSpore msrun job.
@@ -34,35 +73,3 @@ def main() -> None:
     from a shell, `status`, `stop` and `checkpoints` work on the same run
     directory, with or without the dashboard running.
     """
-
-
-@main.command(context_settings=PASSTHROUGH, add_help_option=False)
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def serve(args: tuple[str, ...]) -> None:
-    """Serve the dashboard: --run-dir RUN [--host H] [--port P], and a flag per setting (see --help)."""
-    from app.__main__ import main as serve_main
-
-    serve_main(list(args), prog="rankwatch serve")
-
-
-@main.command(context_settings=PASSTHROUGH, add_help_option=False)
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def demo(args: tuple[str, ...]) -> None:
-    """Train a real 2-rank msrun CPU job with the dashboard (--no-dashboard without it; see --help)."""
-    if importlib.util.find_spec("mindspore") is None:
-        raise click.ClickException(
-            "the demo trains with MindSpore, which is not installed here: pip install 'rankwatch[trainer]'"
-        )
-    from trainer_bridge.demo.__main__ import main as demo_main
-
-    args = list(args)
-    if "--no-dashboard" in args:
-        args.remove("--no-dashboard")
-    elif "--dashboard" not in args:
-        args.append("--dashboard")
-    sys.exit(demo_main(args, prog="rankwatch demo"))
-
-
-main.add_command(status)
-main.add_command(stop)
-main.add_command(checkpoints)

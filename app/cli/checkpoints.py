@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
-from rich.table import Table
 
-from app.cli.common import console, fmt_bytes, fmt_seconds, open_cli_run, run_dir_option
-from app.errors import ApiError
+from app.cli.common import console, fmt_bytes, fmt_seconds, open_cli_run, plain, run_dir_option, untrusted
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -25,6 +27,8 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def sets_table(body: dict) -> Table:
+    from rich.table import Table
+
     table = Table(box=None, header_style="bold", pad_edge=False)
     for name, justify in (
         ("set", "left"),
@@ -40,10 +44,10 @@ def sets_table(body: dict) -> Table:
     for s in body["sets"]:
         mark = " ★" if s["id"] == body["newest_complete"] else ""
         table.add_row(
-            s["id"] + mark,
+            untrusted(s["id"]) + mark,
             "–" if s["global_step"] is None else str(s["global_step"]),
             f"{s['epoch'] if s['epoch'] is not None else '–'}/{s['step'] if s['step'] is not None else '–'}",
-            s["origin"],
+            untrusted(s["origin"]),
             "[green]yes[/]" if s["complete"] else "[red]no[/]",
             _ranks(s["ranks_missing"]),
             fmt_bytes(s["bytes"]),
@@ -53,12 +57,18 @@ def sets_table(body: dict) -> Table:
 
 
 def files_table(s: dict) -> Table:
+    from rich.table import Table
+
     table = Table(box=None, header_style="bold", pad_edge=False)
     for name in ("rank", "path", "size", "status"):
         table.add_column(name, overflow="fold")
     for f in s["files"]:
-        status = f["status"] if f["status"] == "ok" else f"[red]{f['status']}[/]: {f['reason']}"
-        table.add_row(str(f["rank"]), f["path"], fmt_bytes(f["bytes"]), status)
+        status = (
+            untrusted(f["status"])
+            if f["status"] == "ok"
+            else f"[red]{untrusted(f['status'])}[/]: {untrusted(f['reason'])}"
+        )
+        table.add_row(str(f["rank"]), untrusted(f["path"]), fmt_bytes(f["bytes"]), status)
     return table
 
 
@@ -72,6 +82,8 @@ def files_table(s: dict) -> Table:
 )
 def checkpoints(run_dir: Path, set_id: str | None, as_json: bool) -> None:
     """The checkpoint sets, newest step first, complete or not, and the command that resumes."""
+    from app.errors import ApiError
+
     run = open_cli_run(run_dir)
     run.state.scan(time.time())  # for the world size and the hosts the resume command needs
     heartbeats, world = run.state.heartbeats()
@@ -86,16 +98,16 @@ def checkpoints(run_dir: Path, set_id: str | None, as_json: bool) -> None:
         out.print_json(json.dumps({"checkpoints": body, "resume": answer}, default=str))
         return
     for error in body["errors"]:
-        out.print(f"[red]{error}[/]")
+        out.print(f"[red]{untrusted(error)}[/]")
     if set_id:
         found = next(s for s in body["sets"] if s["id"] == set_id)
         out.print(files_table(found))
         for note in found["notes"]:
-            out.print(f"• {note}")
+            out.print(f"• {untrusted(note)}")
     else:
         complete = sum(s["complete"] for s in body["sets"])
         out.print(
-            f"{len(body['sets'])} checkpoint set(s) in {run_dir}, {complete} complete, "
+            f"{len(body['sets'])} checkpoint set(s) in {untrusted(run_dir)}, {complete} complete, "
             f"{fmt_bytes(body['total_bytes'])} (world size {body['world_size'] or 'unknown'}); "
             "★ = newest complete"
         )
@@ -104,11 +116,13 @@ def checkpoints(run_dir: Path, set_id: str | None, as_json: bool) -> None:
     if answer is None:
         out.print("No complete set: no step every rank can resume from.")
         return
-    out.print(f"\n[bold]Resume from {answer['set']}[/] (global step {answer['global_step']}):")
-    out.print(answer["how"], soft_wrap=True)
+    out.print(
+        f"\n[bold]Resume from {untrusted(answer['set'])}[/] (global step {untrusted(answer['global_step'])}):"
+    )
+    out.print(untrusted(answer["how"]), soft_wrap=True)
     for warning in answer["warnings"]:
-        out.print(f"[yellow]⚠ {warning}[/]")
+        out.print(f"[yellow]⚠ {untrusted(warning)}[/]")
     if answer["command"]:
-        out.print(answer["command"], soft_wrap=True, markup=False)
+        out.print(plain(answer["command"]), soft_wrap=True, markup=False)
     for note in answer["command_notes"]:
-        out.print(f"  ({note})")
+        out.print(f"  ({untrusted(note)})")

@@ -1,17 +1,26 @@
-"""What the ``rankwatch`` commands share: the run-directory option, the engines, formatting."""
+"""What the ``rankwatch`` commands share: the run-directory check, the engines, safe output, formatting.
+
+Imports stay light here (click and the standard library): every command
+module imports this one, and ``rankwatch --help`` must stay instant. rich
+and the engines are imported when a command runs.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
-from rich.console import Console
-from rich.text import Text
 
-from app.config import from_env
 from app.health import VERDICT_GLYPH
-from app.services import Run, open_run
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.text import Text
+
+    from app.services import Run
 
 VERDICT_STYLE = {
     "healthy": "green",
@@ -39,17 +48,37 @@ SEVERITY = (
     "finished",
 )
 
+
+def existing_run_dir(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
+    """The one check of ``--run-dir`` for the commands that read a run: it must be a directory."""
+    if value is None:
+        return value
+    if not value.exists():
+        raise click.BadParameter(
+            f"{value} does not exist (the job's run directory, as the trainers' run_dir names it)",
+            ctx,
+            param,
+        )
+    if not value.is_dir():
+        raise click.BadParameter(f"{value} is not a directory", ctx, param)
+    return value
+
+
 run_dir_option = click.option(
     "--run-dir",
     required=True,
     envvar="RANKWATCH_RUN_DIR",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=click.Path(path_type=Path),
+    callback=existing_run_dir,
     help="The job's run directory (the trainers' run_dir); env RANKWATCH_RUN_DIR.",
 )
 
 
 def open_cli_run(run_dir: Path) -> Run:
     """The dashboard's engines on ``run_dir``, with the dashboard's settings from the environment."""
+    from app.config import from_env
+    from app.services import open_run
+
     try:
         config = from_env()
     except ValueError as e:
@@ -59,11 +88,40 @@ def open_cli_run(run_dir: Path) -> Run:
 
 
 def console() -> Console:
+    from rich.console import Console
+
     # Wide enough for the reason column when the output goes to a file or a pipe.
     return Console(highlight=False, width=None if os.isatty(1) else 160)
 
 
+# C0 and C1 controls, DEL, and the bidi and zero-width format characters a
+# terminal or a reader may act on; tab and newline are kept.
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069\ufeff]")
+
+
+def plain(text: object) -> str:
+    """Rank-written text without the characters a terminal acts on (``?`` instead), for a rich ``Text``."""
+    return _UNSAFE.sub("?", str(text))
+
+
+def untrusted(text: object) -> str:
+    """Rank-written text (a reason, a host name, a path), made safe to print as rich markup.
+
+    Every file in the run directory is untrusted: an escape sequence in a
+    heartbeat's ``error`` would reach the operator's terminal (clear it,
+    retitle it, hide lines), and rich would read ``[link=...]`` as markup.
+    Control characters become ``?`` and markup is escaped, so the text
+    prints as written. Every command prints untrusted text through this
+    (or ``plain``, where rich reads no markup).
+    """
+    from rich.markup import escape
+
+    return escape(plain(text))
+
+
 def verdict_text(health: str) -> Text:
+    from rich.text import Text
+
     return Text(f"{VERDICT_GLYPH.get(health, '?')} {health}", style=VERDICT_STYLE.get(health, ""))
 
 

@@ -1,19 +1,20 @@
 """``rankwatch status --run-dir RUN [--watch]``: the rank table in a terminal.
 
-The rows are ``RunState``'s, judged exactly as the dashboard judges them
-(the same thresholds, from the same ``RANKWATCH_*`` variables).
+The rows are the page's: when a dashboard of this user serves the run
+(its server file, ``app/login.py``), they are that dashboard's ``/api/ranks``
+at this moment; otherwise ``RunState``'s, judged here from the files as the
+dashboard judges them (the same thresholds, from the same ``RANKWATCH_*``
+variables). The reason cell is composed as the page composes it.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
-from rich.console import Group
-from rich.live import Live
-from rich.table import Table
-from rich.text import Text
 
 from app.cli.common import (
     SEVERITY,
@@ -22,22 +23,60 @@ from app.cli.common import (
     fmt_number,
     fmt_seconds,
     open_cli_run,
+    plain,
     run_dir_option,
+    untrusted,
     verdict_text,
 )
 from app.health import VERDICTS
-from app.state import RunState
+
+if TYPE_CHECKING:
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    from app.state import RunState
 
 # Lines the header, the summary and the table's frame take in --watch.
-CHROME_LINES = 9
+CHROME_LINES = 10
+
+
+# The page's note on a rank read from its worker log (static/js/table.js, LOG_ONLY.note).
+LOG_ONLY_NOTE = (
+    "read from its worker log only: CPU, memory, device and stop stages are not in it; "
+    "add the Rankwatch bridge to the script to see them"
+)
+
+
+def reason_text(row: dict) -> str:
+    """The reason cell as the page writes it: the verdict's reason, the newest warning, the log note."""
+    reason = str(row["reason"])
+    warnings = row.get("warnings") or []
+    if warnings:
+        more = f" (+{len(warnings) - 1} more)" if len(warnings) > 1 else ""
+        reason = f"{reason} ⚠ {warnings[-1]}{more}"
+    return f"{reason} · {LOG_ONLY_NOTE}" if row.get("source") == "log" else reason
+
+
+def step_cells(row: dict) -> tuple[str, str]:
+    """(global step, epoch/step): each shown when known, whether or not the other is."""
+    gstep = "–" if row["global_step"] is None else f"{row['global_step']:,}"
+    if row["epoch"] is None and row["step"] is None:
+        return gstep, "–"
+    epoch = "–" if row["epoch"] is None else row["epoch"]
+    step = "–" if row["step"] is None else row["step"]
+    return gstep, f"{epoch}/{step}"
 
 
 def rank_table(rows: list[dict], hidden: int = 0) -> Table:
+    from rich.table import Table
+
     table = Table(box=None, header_style="bold", pad_edge=False, expand=False)
     table.add_column("rank", justify="right")
     table.add_column("host")
     table.add_column("verdict", no_wrap=True)
     table.add_column("global step", justify="right")
+    table.add_column("epoch/step", justify="right")
     table.add_column("loss", justify="right")
     table.add_column("step ms", justify="right")
     table.add_column("heartbeat", justify="right")
@@ -47,15 +86,15 @@ def rank_table(rows: list[dict], hidden: int = 0) -> Table:
     for row in rows:
         table.add_row(
             str(row["rank"]),
-            row["host"] or "–",
+            untrusted(row["host"] or "–"),
             verdict_text(row["health"]),
-            "–" if row["global_step"] is None else f"{row['epoch']}/{row['step']} ({row['global_step']})",
+            *step_cells(row),
             "–" if row["loss"] is None else f"{row['loss']:.4g}",
             fmt_number(row["step_time_ms"]),
             fmt_seconds(row["heartbeat_age_s"]),
             fmt_number(row["cpu_percent"], 0),
             fmt_bytes(row["rss_bytes"]),
-            row["reason"] + (f" ⚠ {row['warnings'][-1]}" if row["warnings"] else ""),
+            untrusted(reason_text(row)),
         )
     if hidden:
         table.caption = f"… and {hidden} more rank(s) (larger terminal, or --health, to see them)"
@@ -63,9 +102,12 @@ def rank_table(rows: list[dict], hidden: int = 0) -> Table:
 
 
 def summary_text(snapshot: dict) -> Text:
+    from rich.text import Text
+
     s = snapshot["summary"]
     text = Text()
-    text.append(f"{snapshot['run']['message']}\n")
+    # A Text's append reads no markup; only the controls need replacing.
+    text.append(f"{plain(snapshot['run']['message'])}\n")
     text.append(f"world size {snapshot['world_size']}  ")
     for verdict in VERDICTS:
         n = s["counts"].get(verdict, 0)
@@ -89,10 +131,69 @@ def ordered(rows: list[dict]) -> list[dict]:
     return sorted(rows, key=lambda r: (order.get(r["health"], len(order)), r["rank"]))
 
 
-def view(state: RunState, health: list[str], limit: int | None) -> Group:
-    now = time.time()
-    state.scan(now)
-    snapshot = state.snapshot(now, health or None)
+# The largest /api/ranks answer read from a dashboard; a larger job is judged here.
+MAX_ANSWER_BYTES = 128 * 2**20
+
+
+def dashboard_snapshot(run_dir: Path, health: list[str]) -> tuple[dict, str] | None:
+    """``GET /api/ranks`` from this user's dashboard on ``run_dir``, and its URL; None if none answers.
+
+    The page's rows at this moment, judged by the dashboard's own engines
+    with their history: a process started now has seen one heartbeat per
+    rank, so a verdict that needs several (a straggler's window of step
+    times) would read differently here than on the page.
+    """
+    import json
+    import urllib.parse
+    import urllib.request
+
+    from app.login import running_dashboards
+
+    here = os.path.realpath(run_dir)
+    for info in running_dashboards():
+        if not isinstance(info.get("url"), str) or os.path.realpath(str(info.get("run_dir", ""))) != here:
+            continue
+        query = "?" + urllib.parse.urlencode({"health": ",".join(health)}) if health else ""
+        request = urllib.request.Request(
+            info["url"].rstrip("/") + "/api/ranks" + query,
+            headers={"Authorization": f"Bearer {info.get('token', '')}"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=5) as response:
+                body = response.read(MAX_ANSWER_BYTES + 1)
+            snapshot = json.loads(body) if len(body) <= MAX_ANSWER_BYTES else None
+        except (OSError, ValueError):
+            continue
+        if isinstance(snapshot, dict) and {"ranks", "summary", "run", "world_size"} <= snapshot.keys():
+            if health or len(snapshot["ranks"]) >= (snapshot["world_size"] or 0):  # every row, not a page
+                return snapshot, info["url"]
+    return None
+
+
+class Source:
+    """The rows: the running dashboard's when one serves this run, else judged here from the files."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.state: RunState | None = None
+
+    def snapshot(self, health: list[str]) -> tuple[dict, str]:
+        found = dashboard_snapshot(self.run_dir, health)
+        if found is not None:
+            return found[0], f"as the dashboard at {found[1]} shows it"
+        if self.state is None:
+            self.state = open_cli_run(self.run_dir).state
+        now = time.time()
+        self.state.scan(now)
+        snapshot = self.state.snapshot(now, health or None)
+        return snapshot, "judged from the run directory (no dashboard of yours serves it)"
+
+
+def view(source: Source, health: list[str], limit: int | None) -> Group:
+    from rich.console import Group
+    from rich.text import Text
+
+    snapshot, origin = source.snapshot(health)
     rows = snapshot["ranks"]
     if limit is not None:
         rows = ordered(rows)
@@ -100,7 +201,7 @@ def view(state: RunState, health: list[str], limit: int | None) -> Group:
         shown.sort(key=lambda r: r["rank"])
     else:
         shown, hidden = rows, 0
-    return Group(summary_text(snapshot), rank_table(shown, hidden))
+    return Group(summary_text(snapshot), rank_table(shown, hidden), Text(plain(origin), style="dim"))
 
 
 @click.command()
@@ -119,15 +220,22 @@ def status(run_dir: Path, watch: bool, interval: float, health: str) -> None:
     unknown = sorted(set(wanted) - set(VERDICTS))
     if unknown:
         raise click.BadParameter(f"unknown verdict {', '.join(unknown)}", param_hint="--health")
-    run = open_cli_run(run_dir)
+    try:
+        show(run_dir, wanted, watch, interval)
+    except KeyboardInterrupt:
+        # Ctrl-C is how --watch ends, and it may come while the engines load.
+        raise SystemExit(130 if not watch else 0) from None
+
+
+def show(run_dir: Path, wanted: list[str], watch: bool, interval: float) -> None:
+    source = Source(run_dir)
     out = console()
     if not watch:
-        out.print(view(run.state, wanted, None))
+        out.print(view(source, wanted, None))
         return
-    try:
-        with Live(console=out, auto_refresh=False, screen=False) as live:
-            while True:
-                live.update(view(run.state, wanted, out.size.height - CHROME_LINES), refresh=True)
-                time.sleep(interval)
-    except KeyboardInterrupt:
-        pass
+    from rich.live import Live
+
+    with Live(console=out, auto_refresh=False, screen=False) as live:
+        while True:
+            live.update(view(source, wanted, out.size.height - CHROME_LINES), refresh=True)
+            time.sleep(interval)

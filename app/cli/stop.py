@@ -21,11 +21,8 @@ import time
 from pathlib import Path
 
 import click
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from app.cli.common import console, fmt_bytes, open_cli_run, run_dir_option
-from app.errors import ApiError
-from app.stop_service import STAGES
+from app.cli.common import console, fmt_bytes, open_cli_run, plain, run_dir_option, untrusted
 
 # Above this many ranks, stage changes are told as counts, not rank by rank.
 RANKS_TOLD_ONE_BY_ONE = 32
@@ -39,6 +36,8 @@ def shell_origin() -> str:
 
 def reached(row: dict) -> list[str]:
     """The stages a rank has reached, in order (one poll may skip several: heartbeats are ~1 Hz)."""
+    from app.stop_service import STAGES
+
     last = STAGES.index(row["stage"])
     return [s for s in STAGES[: last + 1] if s == "requested" or s in row["at"] or s == row["stage"]]
 
@@ -53,7 +52,7 @@ def stage_line(row: dict, stage: str, requested_at: float) -> str:
         detail = f"stop step {row['stop_step']}"
     elif stage in ("saved", "exited") and row["checkpoint"]:
         ck = row["checkpoint"]
-        detail = f"{ck.get('path')} ({fmt_bytes(ck.get('bytes'))})"
+        detail = f"{untrusted(ck.get('path'))} ({fmt_bytes(ck.get('bytes'))})"
     return f"rank {row['rank']:>4}  {stage:<8} {detail:<48} {when}".rstrip()
 
 
@@ -84,23 +83,25 @@ def stop(run_dir: Path, reason: str, who: str, timeout: float | None, no_wait: b
     reason, who = reason.strip(), who.strip() or getpass.getuser()
     if not reason:
         raise click.BadParameter("must not be empty", param_hint="--reason")
+    from app.errors import ApiError
+
     run = open_cli_run(run_dir)
     out = console()
     now = time.time()
     run.state.scan(now)
     snapshot = run.state.snapshot(now)
-    if snapshot["run"]["status"] == "missing":
-        raise click.ClickException(f"{run_dir} does not exist: check --run-dir")
     if snapshot["run"]["status"] == "ended":
         # The page's Stop button is disabled for the same reason.
-        raise click.ClickException(f"nothing to stop: {snapshot['run']['message']}")
+        raise click.ClickException(f"nothing to stop: {plain(snapshot['run']['message'])}")
     try:
         rid, created, unaudited = run.stop.request(reason, who, shell_origin())
     except ApiError as e:
-        raise click.ClickException(e.message) from None
+        raise click.ClickException(plain(e.message)) from None
     audited = f"not audited: {unaudited}" if unaudited else f"audited in {run.audit.path}"
     out.print(
-        f"Stop {'requested' if created else 'already pending; joined'}: {rid} (by {who}: {reason!r}), {audited}"
+        untrusted(
+            f"Stop {'requested' if created else 'already pending; joined'}: {rid} (by {who}: {reason!r}), {audited}"
+        )
     )
     if no_wait:
         return
@@ -115,6 +116,10 @@ def stop(run_dir: Path, reason: str, who: str, timeout: float | None, no_wait: b
 
 def follow(run, rid: str, deadline: float, out) -> int:
     """Print stage changes until every rank exited; returns the exit status."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from app.stop_service import STAGES
+
     told: dict[int, int] = {}  # rank -> how many of its stages were printed
     counts_told: tuple | None = None
     with Progress(
@@ -134,7 +139,7 @@ def follow(run, rid: str, deadline: float, out) -> int:
             status = run.stop.status(ranks, world, now)
             request = status["request"] or {}
             if request.get("request_id") != rid:
-                out.print(f"The flag no longer holds request {rid}: {status['state']}.")
+                out.print(untrusted(f"The flag no longer holds request {rid}: {status['state']}."))
                 return 1
             if status["state"] == "cancelled":
                 out.print(f"Request {rid} was cancelled.")
@@ -163,7 +168,7 @@ def follow(run, rid: str, deadline: float, out) -> int:
             progress.update(task, total=max(world, len(rows)) or None, completed=exited)
             if status["summary"]:
                 progress.stop()
-                out.print(status["summary"])
+                out.print(untrusted(status["summary"]))
                 return 0
             if time.monotonic() > deadline:
                 progress.stop()

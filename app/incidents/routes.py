@@ -10,9 +10,9 @@ import time
 
 from flask import jsonify, request
 
-from app import rankwatch
 from app.auth import json_body, require_operator
 from app.errors import ApiError
+from app.extensions import rankwatch
 from app.incidents import bp
 
 WHO_DEFAULT = "operator"

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from app.alerts import ranks_text
 from app.errors import ApiError
+from app.incidents.proof import prove_rank
 from app.reader import Stopped, probe_process
 from app.state import RunState
 from trainer_bridge import runfiles, schema, stacks
@@ -69,7 +70,10 @@ def route(
         return None, f"rank {rank} {why.removeprefix('it ')}, and its heartbeat names no process id"
     if local:
         if not pyspy:
-            return None, f"{why}, and py-spy is not installed on the dashboard's host (pip install py-spy)"
+            return None, (
+                f"{why}, and py-spy is not installed beside the dashboard's Python "
+                "(pip install py-spy, or set PYSPY_PATH)"
+            )
         return "py-spy", f"{why}: the dashboard runs py-spy on pid {pid}"
     return None, (
         f"rank {rank} {why.removeprefix('it ')}, and it runs on {host}, not on the dashboard's host "
@@ -131,8 +135,10 @@ class StackService:
         hostname: str | None = None,
         probe: Callable = probe_process,
         pyspy: Callable[[], str | None] = stacks.find_pyspy,
+        log_dir: str | os.PathLike | None = None,
     ):
         self.run_dir = Path(run_dir) if run_dir else None
+        self.log_dir = log_dir
         self.state = state
         self.hostname = hostname or socket.gethostname()
         self._start_task = start_task
@@ -242,9 +248,15 @@ class StackService:
         if found is None:
             raise ApiError(404, f"rank {rank} is not part of this job")
         row = found["rank"]
-        started = (self.state.heartbeats()[0].get(rank) or {}).get("started_at")
+        started = self.state.started_at(rank)
         probe = self._probe_local(row, started)
         via, why = route(rank, row, probe, hostname=self.hostname, pyspy=self._pyspy() is not None)
+        if via == "py-spy":
+            proven, how = self._prove(rank, row, started)
+            if not proven:
+                via, why = None, how
+            else:
+                why = f"{why} ({how})"
         if via is None:
             raise ApiError(409, f"cannot capture rank {rank}: {why}")
         request = stacks.Request(
@@ -253,7 +265,7 @@ class StackService:
         if via == "bridge":
             stacks.write_request(run_dir, rank, request)
         else:
-            self._start_task(self._pyspy_capture, rank, row, request, isinstance(probe, Stopped))
+            self._start_task(self._pyspy_capture, rank, row, request, isinstance(probe, Stopped), started)
         pending = {**request.to_dict(), "via": via}
         with self._lock:
             self._pending[rank] = pending
@@ -263,7 +275,6 @@ class StackService:
         """``POST /api/stacks``: ask every rank (one request file for all bridges, py-spy for the rest)."""
         run_dir = self._need_run_dir()
         rows = self.state.snapshot(now)["ranks"]
-        hbs, _ = self.state.heartbeats()
         request = stacks.Request(
             request_id=runfiles.new_request_id(), requested_at=now, requested_by=who, native=native
         )
@@ -271,13 +282,17 @@ class StackService:
         by_bridge, by_pyspy, cannot = [], [], {}
         for row in rows:
             r = row["rank"]
-            probe = self._probe_local(row, (hbs.get(r) or {}).get("started_at"))
+            started = self.state.started_at(r)
+            probe = self._probe_local(row, started)
             via, why = route(r, row, probe, hostname=self.hostname, pyspy=pyspy)
+            if via == "py-spy":
+                proven, how = self._prove(r, row, started)
+                via, why = ("py-spy", why) if proven else (None, how)
             if via == "bridge":
                 by_bridge.append(r)
             elif via == "py-spy":
                 by_pyspy.append(r)
-                self._start_task(self._pyspy_capture, r, row, request, isinstance(probe, Stopped))
+                self._start_task(self._pyspy_capture, r, row, request, isinstance(probe, Stopped), started)
             else:
                 cannot[r] = why
         if by_bridge:
@@ -290,8 +305,18 @@ class StackService:
                 self._pending[r] = {**pending, "via": "py-spy"}
         return {**pending, "bridge": by_bridge, "py_spy": by_pyspy, "cannot": cannot}
 
-    def _pyspy_capture(self, rank: int, row: dict, request: stacks.Request, stopped: bool) -> None:
+    def _prove(self, rank: int, row: dict, started_at: float | None) -> tuple[bool, str]:
+        """py-spy runs only on a process proven to be this rank (``app.incidents.proof``)."""
+        return prove_rank(row["pid"], rank, started_at, self._need_run_dir(), self.log_dir)
+
+    def _pyspy_capture(
+        self, rank: int, row: dict, request: stacks.Request, stopped: bool, started_at: float | None
+    ) -> None:
         try:
+            # Again just before the dump: the pid may have changed hands since the request.
+            proven, how = self._prove(rank, row, started_at)
+            if not proven:
+                raise stacks.PySpyError(how)
             stacks.capture_pyspy(
                 self.run_dir,
                 rank,
@@ -301,6 +326,7 @@ class StackService:
                 # Native frames need the threads paused, which a stopped process cannot be.
                 native=request.native and not stopped,
                 global_step=row.get("global_step"),
+                exe=self._pyspy(),
             )
         except (stacks.PySpyError, OSError, schema.SchemaError) as e:
             with self._lock:

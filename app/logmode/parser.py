@@ -18,7 +18,7 @@ import math
 import signal
 from collections import deque
 
-from app.logmode.patterns import EXCEPTION, LAUNCHER, SCHEDULER, WORKER, Pattern
+from app.logmode.patterns import EXCEPTION, LAUNCHER, MAX_LINE, SCHEDULER, WORKER, Pattern
 from trainer_bridge import schema
 
 # Lines of a traceback read before giving up on finding its exception line.
@@ -133,7 +133,7 @@ class WorkerLog:
         self._traceback += 1
         if line[:1] in (" ", "\t", "") or line.startswith("Traceback ("):
             return True
-        m = EXCEPTION.match(line)
+        m = EXCEPTION.match(line[:MAX_LINE])
         if m is None:
             # "During handling of the above exception...": more traceback follows.
             if self._traceback > TRACEBACK_MAX_LINES:

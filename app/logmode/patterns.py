@@ -19,25 +19,46 @@ Three files are read, each with its own list:
   the default ``GLOG_v=2``): who registered, who timed out, who left;
 * any other ``*.log`` in the log directory: msrun's own output, when the
   operator redirected it there (``msrun ... > RUN/msrun_logs/msrun.log 2>&1``).
+
+A log is written by the job, so a line may be built to be slow to match.
+Every expression is compiled by RE2 (``google-re2``), whose automaton runs
+in time linear in the line whatever the pattern, and a line is cut at
+``MAX_LINE`` characters before any is tried. RE2 refuses what would need
+backtracking (backreferences, lookarounds), so a pattern added here that
+needs them fails at import, not in production. Python's ``re`` took about
+100 ms on one 4 KiB line against the MindFormers pattern
+(``python -m tests.bench.logpatterns`` measures both engines).
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
+from typing import Any
+
+import re2
+
+from app.logmode.tailer import MAX_LINE
+
+
+def _rx(pattern: str) -> Any:
+    """RE2's compiled ``pattern``: linear time; raises at import for what RE2 cannot do."""
+    return re2.compile(pattern)
 
 
 @dataclass(frozen=True)
 class Pattern:
     kind: str
     needle: str | None  # None: always tried (only while the parser still needs it)
-    regex: re.Pattern
+    regex: Any  # RE2's compiled expression (``_rx``)
     example: str
     origin: str
     base: int = 1  # 0 when the line counts epochs and steps from 0
     note: str = ""  # what an error line means, when its words do not say
 
-    def match(self, line: str) -> re.Match | None:
+    def match(self, line: str) -> Any:
+        """RE2's match object of ``line`` (cut at ``MAX_LINE``), or None."""
+        if len(line) > MAX_LINE:
+            line = line[:MAX_LINE]
         if self.needle is not None and self.needle not in line:
             return None
         return self.regex.search(line)
@@ -47,13 +68,13 @@ class Pattern:
 # and Python ("ME(pid:tid,MainProcess)"); the first number is the process id.
 MS_PREFIX = r"^\[(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\] [A-Z_]+\((?P<pid>\d{1,7})[,:]"
 # An exception's last line: a (dotted) class name, then ": message" or nothing.
-EXCEPTION = re.compile(r"^(?P<type>[A-Za-z_][\w.]{0,200})(?:: (?P<message>.*))?$")
+EXCEPTION = _rx(r"^(?P<type>[A-Za-z_][\w.]{0,200})(?:: (?P<message>.*))?$")
 
 WORKER: tuple[Pattern, ...] = (
     Pattern(
         "step",
         ", loss is ",
-        re.compile(r"\bepoch: (?P<epoch>\d{1,9}) step: (?P<step>\d{1,12}), loss is (?P<loss>\S+)"),
+        _rx(r"\bepoch: (?P<epoch>\d{1,9}) step: (?P<step>\d{1,12}), loss is (?P<loss>\S+)"),
         "epoch: 1 step: 25, loss is 2.305208206176758",
         "mindspore/train/callback/_loss_monitor.py: "
         'print("epoch: %s step: %s, loss is %s" % (cur_epoch_num, cur_step_in_epoch, loss))',
@@ -61,7 +82,7 @@ WORKER: tuple[Pattern, ...] = (
     Pattern(
         "step",
         ", loss is ",
-        re.compile(r"\bepoch: (?P<epoch>\d{1,9}), step: (?P<step>\d{1,12}), loss is (?P<loss>\S+)"),
+        _rx(r"\bepoch: (?P<epoch>\d{1,9}), step: (?P<step>\d{1,12}), loss is (?P<loss>\S+)"),
         "epoch: 0, step: 10, loss is 2.2905269",
         "MindSpore's data-parallel tutorial (docs/sample_code/distributed_data_parallel): "
         'print("epoch: %s, step: %s, loss is %s" % (epoch, i, loss_value)), both from 0',
@@ -70,7 +91,7 @@ WORKER: tuple[Pattern, ...] = (
     Pattern(
         "step",
         "Epoch:[",
-        re.compile(
+        _rx(
             r"\{ Epoch:\[\s*(?P<epoch>\d{1,9})/\s*\d+\], step:\[\s*(?P<step>\d{1,12})/\s*(?P<spe>\d{1,12})\], "
             r"loss:\s*\[?\s*(?P<loss>[^,/\]\s]+)[^,]*, .*?per_step_time: (?P<step_ms>\d{1,12})ms"
         ),
@@ -85,7 +106,7 @@ WORKER: tuple[Pattern, ...] = (
     Pattern(
         "step_time",
         "per step time: ",
-        re.compile(r"^(?:Train)? ?epoch time: [\d.]+ ms, per step time: (?P<step_ms>[\d.]{1,20}) ms"),
+        _rx(r"^(?:Train)? ?epoch time: [\d.]+ ms, per step time: (?P<step_ms>[\d.]{1,20}) ms"),
         "Train epoch time: 8318.583 ms, per step time: 831.858 ms",
         "mindspore/train/callback/_time_monitor.py: "
         '"{} epoch time: {:5.3f} ms, per step time: {:5.3f} ms".format(mode.title(), ...)',
@@ -93,14 +114,14 @@ WORKER: tuple[Pattern, ...] = (
     Pattern(
         "traceback",
         "Traceback (most recent call last)",
-        re.compile(r"^Traceback \(most recent call last\):"),
+        _rx(r"^Traceback \(most recent call last\):"),
         "Traceback (most recent call last):",
         "CPython's traceback module",
     ),
     Pattern(
         "error",
         "[ERROR] ",
-        re.compile(MS_PREFIX + r"[^)]*\):\S+ \[[^\]]{1,300}\] (?:\w{1,100}\] )?(?P<message>.+)$"),
+        _rx(MS_PREFIX + r"[^)]*\):\S+ \[[^\]]{1,300}\] (?:\w{1,100}\] )?(?P<message>.+)$"),
         "[ERROR] DISTRIBUTED(10208,7f2904429b80,python):2026-11-23-08:57:58.163.543 "
         "[mindspore/ccsrc/cluster/topology/meta_server_node.cc:95] Finalize] "
         "There are 1 abnormal compute graph nodes.",
@@ -109,7 +130,7 @@ WORKER: tuple[Pattern, ...] = (
     Pattern(
         "error",
         "Kill this process with SIGTERM",
-        re.compile(
+        _rx(
             MS_PREFIX
             + r"[^)]*\):\S+ \[[^\]]{1,300}\] (?:\S{1,100}\] )?(?P<message>Kill this process with SIGTERM\.?)"
         ),
@@ -121,7 +142,7 @@ WORKER: tuple[Pattern, ...] = (
     Pattern(
         "error",
         "RuntimeError: ",
-        re.compile(r"^(?P<message>RuntimeError: .+)$"),
+        _rx(r"^(?P<message>RuntimeError: .+)$"),
         "RuntimeError: The total number of timed out node is 1. Timed out node list is: "
         "[const vector]{0}, worker 0 is the first one timed out, please check its log.",
         "MindSpore's C++ exceptions reach Python as RuntimeError",
@@ -129,7 +150,7 @@ WORKER: tuple[Pattern, ...] = (
     Pattern(
         "graceful_exit",
         "Graceful exit is triggered",
-        re.compile(r"(?P<message>Graceful exit is triggered, stop training\.?)"),
+        _rx(r"(?P<message>Graceful exit is triggered, stop training\.?)"),
         "[WARNING] ME(4242:140080786361216,MainProcess):2026-11-23-09:10:01.482.000 "
         "[mindspore/train/callback/_on_request_exit.py:240] Graceful exit is triggered, stop training.",
         'mindspore/train/callback/_on_request_exit.py: logger.warning("Graceful exit is triggered, stop training.")',
@@ -137,7 +158,7 @@ WORKER: tuple[Pattern, ...] = (
     Pattern(
         "on_request_exit",
         "Gracefully exiting training process",
-        re.compile(r"(?P<message>Gracefully exiting training process on step end\.?)"),
+        _rx(r"(?P<message>Gracefully exiting training process on step end\.?)"),
         "[INFO] ME(4242:140080786361216,MainProcess):2026-11-23-09:10:01.470.000 "
         "[mindspore/train/callback/_on_request_exit.py:235] Gracefully exiting training process on step end.",
         'mindspore/train/callback/_on_request_exit.py: logger.info("Gracefully exiting training process on step end.")',
@@ -145,7 +166,7 @@ WORKER: tuple[Pattern, ...] = (
     Pattern(
         "on_request_exit",
         "please check json file: ",
-        re.compile(r"(?P<message>Parse json file failed: .*please check json file: .+)$"),
+        _rx(r"(?P<message>Parse json file failed: .*please check json file: .+)$"),
         "[WARNING] ME(4242:140080786361216,MainProcess):2026-11-23-09:10:01.470.000 "
         "[mindspore/train/callback/_on_request_exit.py:294] Parse json file failed: Expecting value: "
         "line 1 column 1 (char 0), please check json file: /runs/job/graceful_exit.json",
@@ -155,7 +176,7 @@ WORKER: tuple[Pattern, ...] = (
     Pattern(
         "rank_id",
         " rank id: ",
-        re.compile(r"PostProcess\] This node \S+ rank id: (?P<rank>\d{1,7})$"),
+        _rx(r"PostProcess\] This node \S+ rank id: (?P<rank>\d{1,7})$"),
         "[WARNING] DISTRIBUTED(10211,7f06cce68b80,python):2026-11-23-08:57:03.534.234 "
         "[mindspore/ccsrc/cluster/topology/cluster_context.cc:428] PostProcess] This node 1 rank id: 1",
         "mindspore/ccsrc/cluster/topology/cluster_context.cc (GLOG_v<=2)",
@@ -164,7 +185,7 @@ WORKER: tuple[Pattern, ...] = (
     Pattern(
         "pid",
         None,
-        re.compile(MS_PREFIX),
+        _rx(MS_PREFIX),
         "[WARNING] DEVICE(10211,7f06cce68b80,python):2026-11-23-08:57:03.534.334 "
         "[mindspore/ccsrc/plugin/cpu/res_manager/collective/allreduce_impl.cc:54] Initialize] "
         "The worker node start sync start!",
@@ -176,7 +197,7 @@ SCHEDULER: tuple[Pattern, ...] = (
     Pattern(
         "registered",
         "is registered successfully",
-        re.compile(
+        _rx(
             r"The new node: (?P<node>\S{1,200})\(role: MS_WORKER\), rank id: (?P<rank>\d{1,7}), "
             r"device id: \d+, hostname: (?P<host>\S{1,253}), ip: \S+ is registered successfully\. "
             r"Currently registered node number: \d+, expected node number: (?P<world>\d{1,7})"
@@ -190,7 +211,7 @@ SCHEDULER: tuple[Pattern, ...] = (
     Pattern(
         "timed_out",
         "is timed out",
-        re.compile(r"(?P<message>The node: (?P<node>\S{1,200}) is timed out\..*)$"),
+        _rx(r"(?P<message>The node: (?P<node>\S{1,200}) is timed out\..*)$"),
         "[ERROR] DISTRIBUTED(10208,7f28d5cfd6c0,python):2026-11-23-08:57:57.299.501 "
         "[mindspore/ccsrc/cluster/topology/meta_server_node.cc:548] UpdateTopoState] The node: 0 is "
         "timed out. It may exit with exception, please check this node's log.",
@@ -199,7 +220,7 @@ SCHEDULER: tuple[Pattern, ...] = (
     Pattern(
         "unregistered",
         "has unregistered",
-        re.compile(r"ProcessUnregister\] Node (?P<node>\S{1,200}) has unregistered"),
+        _rx(r"ProcessUnregister\] Node (?P<node>\S{1,200}) has unregistered"),
         "[WARNING] DISTRIBUTED(11650,7f873f2ff6c0,python):2026-11-23-09:00:30.365.573 "
         "[mindspore/ccsrc/cluster/topology/meta_server_node.cc:323] ProcessUnregister] Node 0 has unregistered.",
         "mindspore/ccsrc/cluster/topology/meta_server_node.cc ProcessUnregister (a worker's clean finalize)",
@@ -210,9 +231,7 @@ LAUNCHER: tuple[Pattern, ...] = (
     Pattern(
         "start_worker",
         "Start worker process with rank id:",
-        re.compile(
-            r"^Start worker process with rank id:(?P<rank>\d{1,7}), log file:(?P<message>\S{1,4096})\. "
-        ),
+        _rx(r"^Start worker process with rank id:(?P<rank>\d{1,7}), log file:(?P<message>\S+)\. "),
         "Start worker process with rank id:1, log file:/runs/job/msrun_logs/worker_1.log. Environment "
         "variable [RANK_ID=1] is exported. Execute command: python train.py --epochs 3",
         "mindspore/parallel/cluster/process_entity/_api.py _start_single_worker (print)",
@@ -220,7 +239,7 @@ LAUNCHER: tuple[Pattern, ...] = (
     Pattern(
         "worker_exit",
         "exit with exception",
-        re.compile(
+        _rx(
             r"(?P<message>Worker process (?P<pid>\d{1,7}) exit with exception\. Error code: (?P<code>-?\d{1,4})\.)"
         ),
         "[ERROR] ME(10154:140454427835264,MainProcess):2026-11-23-08:57:27.570.000 "
@@ -232,7 +251,7 @@ LAUNCHER: tuple[Pattern, ...] = (
     Pattern(
         "kill_all",
         "kill all other workers",
-        re.compile(r"(?P<message>There's worker exits with exception, kill all other workers\.)"),
+        _rx(r"(?P<message>There's worker exits with exception, kill all other workers\.)"),
         "[WARNING] ME(10154:140454427835264,MainProcess):2026-11-23-08:57:27.570.000 "
         "[mindspore/parallel/cluster/process_entity/_api.py:370] There's worker exits with exception, "
         "kill all other workers.",

@@ -372,7 +372,7 @@ class LogDir:
         if not log.steps and log.lines >= UNRECOGNISED_AFTER and state == "starting":
             fields["warnings"].append(
                 f"no line of {lr.name} looks like a training step yet ({log.lines} lines read): "
-                "see the formats understood in the README, Log mode"
+                "see the formats understood in docs/training-scripts.md, Log mode"
             )
         try:
             beat = schema.build(schema.Heartbeat, **fields)

@@ -16,7 +16,8 @@ import time
 from flask import current_app, request
 from flask_socketio import join_room
 
-from app import push, rankwatch, socketio
+from app import push
+from app.extensions import rankwatch, socketio
 from app.push import (
     CHECKPOINTS_EVENT,
     DELTA_EVENT,

@@ -14,8 +14,8 @@ from importlib import metadata, resources
 
 from flask import Response, current_app, jsonify, render_template, request, send_file, url_for
 
-from app import rankwatch
 from app.errors import ApiError
+from app.extensions import rankwatch
 from app.health import VERDICT_HELP, VERDICTS
 from app.main import bp, plotly_csp
 from app.metrics import as_json as metrics_json

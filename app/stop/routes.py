@@ -10,10 +10,10 @@ import time
 
 from flask import Response, current_app, jsonify, request
 
-from app import rankwatch
 from app.audit import AuditError
 from app.auth import check_token, json_body, over_write_budget, require_operator
 from app.errors import ApiError
+from app.extensions import rankwatch
 from app.login import login_url
 from app.ratelimit import retry_after
 from app.stop import bp
@@ -74,14 +74,14 @@ def api_login():
         raise ApiError(
             401,
             "this login link is used up or expired: open a new one "
-            "(python -m app.login prints it), or enter the token",
+            "(rankwatch login prints it), or enter the token",
         )
     return jsonify({"token": current_app.config["TOKEN"]})
 
 
 @bp.post("/api/login-code")
 def api_login_code():
-    """A new single-use login code, for someone who has the token (``python -m app.login``)."""
+    """A new single-use login code, for someone who has the token (``rankwatch login``)."""
     require_operator()
     json_body({})
     code, expires = current_app.extensions["rankwatch_login"].mint()

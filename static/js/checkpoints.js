@@ -36,7 +36,7 @@ async function resume(set) {
 async function verify(set) {
   if (!token.get()) {
     flash("A deep verify needs the operator token: open the login link the dashboard printed "
-      + "(python -m app.login prints a new one), or enter the token in the delete dialog or on the ranks page.",
+      + "(rankwatch login prints a new one), or enter the token in the delete dialog or on the ranks page.",
     "error");
     return;
   }

@@ -5,9 +5,9 @@ downloaded), then launches ``msrun`` with N workers running
 ``trainer_bridge/demo/train.py`` (LeNet5 with the bridge attached, and a
 periodic per-rank ``ModelCheckpoint``). By default it trains for at least
 ``--minutes`` (15) at a pace a person can follow, or until it is stopped.
-With ``--dashboard`` it also starts the dashboard on the same run directory,
-prints the one line to open, and keeps the dashboard up after the job ends,
-until Ctrl-C. msrun's and the dashboard's own output go to log files in the
+With ``--dashboard`` it first starts the dashboard on the same run directory
+(a port in use ends the demo before anything trains), prints the one line
+to open, and keeps the dashboard up after the job ends, until Ctrl-C. msrun's and the dashboard's own output go to log files in the
 run directory, so the terminal stays readable.
 
 Relaunching the same command resumes from the newest complete checkpoint set
@@ -16,7 +16,7 @@ of a graceful stop.
 
 from __future__ import annotations
 
-import argparse
+import importlib.util
 import math
 import os
 import signal
@@ -25,8 +25,9 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
-from trainer_bridge.demo.mnist import write_mnist
+import click
 
 TRAIN_SCRIPT = Path(__file__).with_name("train.py")
 # --loop: the same job as a functional loop (ms.value_and_grad + bridge.loop).
@@ -69,54 +70,95 @@ def job_env() -> dict:
     return env
 
 
-def parse_args(
-    argv=None, prog: str = "python -m trainer_bridge.demo"
-) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(
-        prog=prog,
-        description=__doc__.splitlines()[0].split(": ", 1)[-1],
-        epilog="Unknown options go to train.py (see python trainer_bridge/demo/train.py --help).",
+CONTEXT = {
+    "ignore_unknown_options": True,
+    "allow_extra_args": True,
+    "help_option_names": ["-h", "--help"],
+}
+
+
+def demo_command(name: str, dashboard: bool) -> click.Command:
+    """The demo as a click command; ``rankwatch demo`` starts the dashboard by default, this module not."""
+
+    @click.command(
+        name,
+        context_settings=CONTEXT,
+        epilog="Unknown options go to train.py (python trainer_bridge/demo/train.py --help lists them).",
     )
-    p.add_argument("--run-dir", type=Path, default=Path("runs/demo"), help="default runs/demo")
-    p.add_argument("--ranks", type=int, default=2, help="msrun workers (default 2)")
-    p.add_argument(
+    @click.option(
+        "--run-dir", type=click.Path(file_okay=False, path_type=Path), default="runs/demo", show_default=True
+    )
+    @click.option("--ranks", type=click.IntRange(min=1), default=2, show_default=True, help="msrun workers.")
+    @click.option(
         "--minutes",
         type=float,
         default=15.0,
-        help="train for at least this long (default 15): the epochs are sized from the "
-        "step delay, which every step waits at least; ignored with --epochs",
+        show_default=True,
+        help="Train for at least this long: the epochs are sized from the step delay, which every "
+        "step waits at least; ignored with --epochs.",
     )
-    p.add_argument("--epochs", type=int, default=None, help="train exactly this many epochs instead")
-    p.add_argument("--samples", type=int, default=6000, help="synthetic MNIST samples (default 6000)")
-    p.add_argument("--batch-size", type=int, default=32, help="per rank (default 32)")
-    p.add_argument(
+    @click.option(
+        "--epochs", type=click.IntRange(min=1), default=None, help="Train exactly this many epochs."
+    )
+    @click.option("--samples", type=int, default=6000, show_default=True, help="Synthetic MNIST samples.")
+    @click.option("--batch-size", type=int, default=32, show_default=True, help="Per rank.")
+    @click.option(
         "--step-delay",
         type=float,
         default=0.05,
-        help="seconds each rank sleeps per step, so a human can watch (default 0.05)",
+        show_default=True,
+        help="Seconds each rank sleeps per step, so a human can watch.",
     )
-    p.add_argument(
+    @click.option(
         "--ckpt-every",
         type=int,
         default=300,
+        show_default=True,
         metavar="N",
-        help="a periodic ModelCheckpoint every N steps per rank, keeping the newest 5, so "
-        "the checkpoint browser has complete sets while the job runs (default 300; 0: none)",
+        help="A periodic ModelCheckpoint every N steps per rank, keeping the newest 5, so the "
+        "checkpoint browser has complete sets while the job runs (0: none).",
     )
-    p.add_argument(
+    @click.option(
         "--loop",
-        action="store_true",
-        help="train as a functional loop (train_loop.py: ms.value_and_grad and bridge.loop) "
-        "instead of Model.train with the callback",
+        is_flag=True,
+        help="Train as a functional loop (train_loop.py: ms.value_and_grad and bridge.loop) "
+        "instead of Model.train with the callback.",
     )
-    p.add_argument("--master-port", type=int, default=0, help="msrun master port (default: a free one)")
-    p.add_argument("--dashboard", action="store_true", help="also start the dashboard on the run dir")
-    p.add_argument("--host", default="127.0.0.1", help="dashboard host")
-    p.add_argument("--port", type=int, default=5000, help="dashboard port")
-    return p.parse_known_args(argv)
+    @click.option("--master-port", type=int, default=0, help="msrun's master port (default: a free one).")
+    @click.option(
+        "--dashboard/--no-dashboard",
+        default=dashboard,
+        show_default=True,
+        help="Also serve the dashboard on the run directory (started first: if it cannot start, "
+        "nothing trains).",
+    )
+    @click.option("--host", default="127.0.0.1", show_default=True, help="The dashboard's interface.")
+    @click.option(
+        "--port",
+        type=click.IntRange(0, 65535),
+        default=5000,
+        show_default=True,
+        help="The dashboard's port; 0 picks a free one.",
+    )
+    @click.pass_context
+    def demo(ctx: click.Context, **options) -> None:
+        """Train a real msrun CPU job (LeNet5 on synthetic MNIST), with the dashboard or without.
+
+        It trains for at least --minutes at a pace a person can follow, or
+        until stopped; relaunching the same command resumes from the newest
+        complete checkpoint set of a graceful stop. msrun's and the
+        dashboard's output go to files in the run directory.
+        """
+        if importlib.util.find_spec("mindspore") is None:
+            raise click.ClickException(
+                "the demo trains with MindSpore, which is not installed here: pip install 'rankwatch[trainer]'"
+            )
+        ctx.exit(run(SimpleNamespace(**options), list(ctx.args)))
+
+    return demo
 
 
-def epochs_for(args: argparse.Namespace) -> int:
+def epochs_for(args: SimpleNamespace) -> int:
     """Epochs that last at least ``--minutes``: every step sleeps ``--step-delay`` at least."""
     if args.epochs is not None:
         return args.epochs
@@ -126,11 +168,14 @@ def epochs_for(args: argparse.Namespace) -> int:
     return max(1, math.ceil(args.minutes * 60 / (steps_per_epoch * args.step_delay)))
 
 
-def start_dashboard(args: argparse.Namespace, run_dir: Path, env: dict) -> subprocess.Popen:
-    """``python -m app`` on the run directory; its output goes to RUN/dashboard.log.
+def start_dashboard(args: SimpleNamespace, run_dir: Path, env: dict) -> subprocess.Popen | None:
+    """``python -m app`` on the run directory, its output in RUN/dashboard.log; None if it did not start.
 
-    The demo repeats the dashboard's own "open this URL" line, once, so that
-    the terminal shows one line to open.
+    Waits until the dashboard prints its "open" line (gunicorn has bound the
+    port), so that the job never trains without the dashboard asked for: a
+    port in use ends the demo with the dashboard's own message. The demo
+    repeats that line, with its single-use login link, on its own output
+    only: the log gets the address without the link.
     """
     proc = subprocess.Popen(
         [
@@ -144,38 +189,96 @@ def start_dashboard(args: argparse.Namespace, run_dir: Path, env: dict) -> subpr
             "--port",
             str(args.port),
         ],
-        env=env,
+        # The link is wanted here (the demo's terminal), not where the dashboard's output goes.
+        env={**env, "RANKWATCH_LOGIN_LINK": "always"},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         errors="replace",
     )
     log_path = run_dir / "dashboard.log"
+    ready = threading.Event()
+    last: list[str] = []
 
     def relay() -> None:
-        told = False
-        last = ""
         with open(log_path, "a") as log:
             for line in proc.stdout:
+                if line.startswith(OPEN_PREFIX) and not ready.is_set():
+                    url = line[len(OPEN_PREFIX) :].strip()
+                    print(f"rankwatch demo: open {url}", flush=True)
+                    line = f"{OPEN_PREFIX}{url.split('#', 1)[0]} (login link printed to the terminal only)\n"
+                    ready.set()
                 log.write(line)
                 log.flush()
-                last = line.strip() or last
-                if not told and line.startswith(OPEN_PREFIX):
-                    told = True
-                    print(f"rankwatch demo: open {line[len(OPEN_PREFIX) :].strip()}", flush=True)
-        if not told:
-            print(f"rankwatch demo: the dashboard did not start ({last}); see {log_path}", flush=True)
+                if line.strip():
+                    last[:] = [*last[-2:], line.strip()]
 
-    threading.Thread(target=relay, daemon=True).start()
+    reader = threading.Thread(target=relay, daemon=True)
+    reader.start()
+    try:
+        while not ready.wait(0.2):
+            if proc.poll() is not None:
+                reader.join(timeout=5)
+                if ready.is_set():
+                    break
+                said = "; ".join(last) or f"exit status {proc.returncode}"
+                print(f"rankwatch demo: the dashboard did not start ({said}); see {log_path}", flush=True)
+                print("rankwatch demo: nothing was trained", flush=True)
+                return None
+    except KeyboardInterrupt:
+        end(proc)
+        raise
     return proc
 
 
-def main(argv=None, prog: str = "python -m trainer_bridge.demo") -> int:
-    args, extra = parse_args(argv, prog)
-    if args.ranks < 1:
-        raise SystemExit("--ranks must be at least 1")
+def end(proc: subprocess.Popen | None) -> None:
+    """Interrupt ``proc`` as Ctrl-C would, then kill it if it lingers."""
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m trainer_bridge.demo") -> None:
+    """The demo without the dashboard by default (``rankwatch demo`` starts it)."""
+    demo_command("demo", dashboard=False).main(argv, prog_name=prog)
+
+
+def run(args: SimpleNamespace, extra: list[str]) -> int:
+    """Launch the job (and the dashboard first); returns the job's exit status."""
     run_dir = args.run_dir.resolve()
     (run_dir / "msrun_logs").mkdir(parents=True, exist_ok=True)
+    env = job_env()
+    dashboard = job = None
+    try:
+        if args.dashboard:
+            dashboard = start_dashboard(args, run_dir, env)
+            if dashboard is None:
+                return 1
+        job = launch(args, extra, run_dir, env)
+        code = job.wait()
+        print(
+            f"rankwatch demo: the job exited with {code}; worker logs in {run_dir / 'msrun_logs'}", flush=True
+        )
+        if code == 0:
+            print("rankwatch demo: run the same command again to resume from its last stop", flush=True)
+        if dashboard is not None and dashboard.poll() is None:
+            print("rankwatch demo: the dashboard stays up; Ctrl-C to quit", flush=True)
+            dashboard.wait()
+    except KeyboardInterrupt:
+        code = 130
+    finally:
+        end(job)
+        end(dashboard)
+    return code
+
+
+def launch(args: SimpleNamespace, extra: list[str], run_dir: Path, env: dict) -> subprocess.Popen:
+    """The training data, then msrun with its output in ``msrun_logs/launcher.log``."""
+    from trainer_bridge.demo.mnist import write_mnist
+
     data_dir = write_mnist(run_dir / "mnist", samples=args.samples)
     epochs = epochs_for(args)
     train_args = [
@@ -193,8 +296,6 @@ def main(argv=None, prog: str = "python -m trainer_bridge.demo") -> int:
         str(args.ckpt_every),
         *extra,
     ]
-    env = job_env()
-    dashboard = start_dashboard(args, run_dir, env) if args.dashboard else None
     script = LOOP_SCRIPT if args.loop else TRAIN_SCRIPT
     cmd = msrun_command(run_dir, args.ranks, train_args, args.master_port or free_port(), script)
     launcher_log = run_dir / "msrun_logs" / "launcher.log"
@@ -206,29 +307,8 @@ def main(argv=None, prog: str = "python -m trainer_bridge.demo") -> int:
     )
     with open(launcher_log, "ab") as out:
         # msrun tails every worker's log to its own output with --join: into a file.
-        job = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        code = job.wait()
-        print(
-            f"rankwatch demo: the job exited with {code}; worker logs in {run_dir / 'msrun_logs'}", flush=True
-        )
-        if code == 0:
-            print("rankwatch demo: run the same command again to resume from its last stop", flush=True)
-        if dashboard is not None:
-            print("rankwatch demo: the dashboard stays up; Ctrl-C to quit", flush=True)
-            dashboard.wait()
-    except KeyboardInterrupt:
-        code = 130
-    finally:
-        for proc in (job, dashboard):
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-    return code
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -1,0 +1,101 @@
+"""``rankwatch serve`` (and ``python -m app``): start the dashboard, one option per setting.
+
+The options are made from ``app.config.SETTINGS`` and grouped as
+``app.config.GROUPS`` says; a flag wins over ``RANKWATCH_<NAME>``, which
+wins over the default. Before the server starts, the port is tried, so a
+port in use is one clear line and a non-zero exit, not gunicorn's retries.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import sys
+from pathlib import Path
+
+import click
+
+from app.cli.common import plain
+from app.cli.grouped import GroupedCommand, setting_option
+from app.config import PING_INTERVAL_S, grouped
+
+PORT_IN_USE = "port {port} is in use (another Rankwatch?): use --port N or --port 0"
+
+
+def check_port(host: str, port: int) -> None:
+    """Refuse at once when ``host:port`` cannot be listened on (``--port 0`` always can).
+
+    SO_REUSEADDR as gunicorn sets it, so a port only in TIME_WAIT after a
+    previous dashboard is not taken for one in use. The socket is closed
+    before gunicorn binds: another process could take the port in between,
+    and then gunicorn's own error stands.
+    """
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise click.ClickException(f"cannot listen on {host}: {e.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise click.ClickException(PORT_IN_USE.format(port=port)) from None
+            raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
+def settings_params(f):
+    params = [setting_option(s, title) for title, settings in grouped() for s in settings]
+    f.__click_params__ = getattr(f, "__click_params__", []) + list(reversed(params))
+    return f
+
+
+@click.command(
+    cls=GroupedCommand, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110}
+)
+@settings_params
+def serve(**settings) -> None:
+    """Serve the dashboard on a run directory: --run-dir RUN [--host H] [--port P].
+
+    Every setting is an option below and an environment variable; the
+    README's "Dashboard settings" explains each one.
+    """
+    config = config_from(settings)
+    check_port(config["HOST"], config["PORT"])
+    if not Path(config["RUN_DIR"]).is_dir():
+        click.echo(
+            f"Rankwatch: {plain(config['RUN_DIR'])} does not exist (yet): the dashboard waits for the "
+            "job to create it; if that is a typo, Ctrl-C and check --run-dir",
+            err=True,
+        )
+    # Imported here: the options and --help must not need the server.
+    from app.server import serve as run_server
+
+    run_server(config)
+
+
+def config_from(settings: dict) -> dict:
+    """The settings' values by name (``RUN_DIR``...), checked as a whole."""
+    config = dict(settings)
+    if not config["RUN_DIR"]:
+        raise click.UsageError("--run-dir is required (or set RANKWATCH_RUN_DIR)")
+    if config["READ_TIMEOUT_S"] <= PING_INTERVAL_S:
+        raise click.BadParameter(
+            f"must exceed Engine.IO's ping interval of {PING_INTERVAL_S} s, "
+            "or every open page loses its WebSocket",
+            param_hint="--read-timeout-s",
+        )
+    return config
+
+
+def parse(argv: list[str], prog: str) -> dict:
+    """The settings ``argv`` gives (``app.__main__.parse_args``); exits on a bad one, as the command does."""
+    try:
+        with serve.make_context(prog, list(argv)) as ctx:
+            return config_from(ctx.params)
+    except click.ClickException as e:
+        e.show(sys.stderr)
+        raise SystemExit(e.exit_code) from None

@@ -1,0 +1,46 @@
+"""The app-wide objects: the Socket.IO server, the per-app container and its accessor.
+
+Kept out of ``app/__init__.py`` so that importing any ``app`` module (the
+``rankwatch`` CLI imports ``app.cli``) does not import Flask: routes and
+events import these from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from flask import current_app
+from flask_socketio import SocketIO
+
+if TYPE_CHECKING:
+    from app.checkpoints.service import CheckpointService
+    from app.incidents.monitor import Incidents
+    from app.incidents.stacks import StackService
+    from app.state import RunState
+    from app.stop_service import StopService
+    from app.watcher import Watcher
+
+socketio = SocketIO()
+
+
+@dataclass
+class Rankwatch:
+    """The app's per-instance objects, kept in ``app.extensions["rankwatch"]``."""
+
+    state: RunState
+    watcher: Watcher
+    stop: StopService
+    # (endpoint, label) per top-level page; each blueprint adds its own when
+    # registered, and base.html draws the nav from this list.
+    nav: list[tuple[str, str]] = field(default_factory=list)
+    # The checkpoint browser's index and actions (app/checkpoints/service.py).
+    checkpoints: CheckpointService | None = None
+    # Stack captures, alerts and the stop policy (app/incidents/).
+    stacks: StackService | None = None
+    incidents: Incidents | None = None
+
+
+def rankwatch() -> Rankwatch:
+    """The current app's state, watcher and nav."""
+    return current_app.extensions["rankwatch"]
