@@ -37,9 +37,11 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -319,8 +321,12 @@ def launch(script: Path, args, worker_argv: list[str]) -> tuple[dict, dict]:
     log = worker_log.read_text(errors="replace") if worker_log.exists() else ""
     line = next((ln for ln in log.splitlines() if ln.startswith(RESULT)), None)
     if code != 0 or line is None:
+        kept = Path(tempfile.mkdtemp(prefix="rankwatch-bench-failed-"))
+        shutil.copytree(run_dir / "msrun_logs", kept / "msrun_logs")
+        if (run_dir / "launcher.log").exists():
+            shutil.copy(run_dir / "launcher.log", kept)
         tail = "\n".join((log or (run_dir / "launcher.log").read_text(errors="replace")).splitlines()[-30:])
-        raise SystemExit(f"the benchmark job failed ({code}):\n{tail}")
+        raise SystemExit(f"the benchmark job failed ({code}); its logs are in {kept}:\n{tail}")
     return json.loads(line[len(RESULT) :]), load
 
 
