@@ -4,8 +4,8 @@ Throughput of a functional training loop with ``bridge.loop`` / the same
 loop without it (target >= 0.99, the 95% interval's low end >= 0.98), in one
 ``msrun`` job by the method of ``tests/bench/ab.py`` (ranks bound to a core
 each, MindSpore's threads bounded, side order shuffled per round, warm-up
-left out). A side is ``ms.value_and_grad`` + ``nn.DistributedGradReducer``
-+ ``optimizer(grads)`` over in-memory data, at two step sizes: LeNet5
+left out). A side's step is ``ms.value_and_grad`` + ``nn.DistributedGradReducer``
++ ``optimizer(grads)`` in one Cell, over in-memory data, at two step sizes: LeNet5
 (batch 32) and a tiny dense net (steps of a few ms). Each bridge side is a
 fresh ``GracefulExitBridge`` (its own reporter thread, heartbeats, flag
 polls and agreements) and reports its loss every step with
@@ -24,13 +24,46 @@ from pathlib import Path
 from tests.bench import ab
 
 
-def sides(args, size: str, rank: int) -> dict:
-    """The plain loop and the bridge variants at ``size``, the step compiled."""
+def step_cell():
+    """The step as a Cell, not an ``ms.jit`` function (see ``sides``)."""
     import mindspore as ms
+    from mindspore import nn
+
+    class Step(nn.Cell):
+        """``ms.value_and_grad`` + ``nn.DistributedGradReducer`` + ``optimizer(grads)``, one graph."""
+
+        def __init__(self, net, loss_fn, opt, distributed: bool):
+            super().__init__()
+            self.net, self.loss_fn, self.opt = net, loss_fn, opt
+            self.distributed = distributed
+            self.grad_fn = ms.value_and_grad(self.forward, None, opt.parameters)
+            self.reducer = nn.DistributedGradReducer(opt.parameters) if distributed else None
+
+        def forward(self, x, y):
+            return self.loss_fn(self.net(x), y)
+
+        def construct(self, x, y):
+            loss, grads = self.grad_fn(x, y)
+            if self.distributed:
+                grads = self.reducer(grads)
+            self.opt(grads)
+            return loss
+
+    return Step
+
+
+def sides(args, size: str, rank: int) -> dict:
+    """The plain loop and the bridge variants at ``size``, the step compiled.
+
+    The step is a Cell: the same body in an ``@ms.jit`` function costs about
+    100 ms of CPU per call on MindSpore 2.10's CPU backend (the Cell 10 ms,
+    LeNet5 at batch 32), which would hide any per-step cost of the bridge.
+    """
     from mindspore import nn
 
     from trainer_bridge import GracefulExitBridge
 
+    Step = step_cell()
     steps, warmup = ab.plan(args, size)
     batch = ab.SIZES[size]["batch"]
     net, inputs, labels = ab.size_model(size, batch, steps, rank)
@@ -38,17 +71,7 @@ def sides(args, size: str, rank: int) -> dict:
     loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
     opt = nn.Momentum(net.trainable_params(), 0.01, 0.9)
 
-    def forward(x, y):
-        return loss_fn(net(x), y)
-
-    grad_fn = ms.value_and_grad(forward, None, opt.parameters)
-    grad_reducer = nn.DistributedGradReducer(opt.parameters) if args.ranks > 1 else (lambda grads: grads)
-
-    @ms.jit
-    def train_step(x, y):
-        loss, grads = grad_fn(x, y)
-        opt(grad_reducer(grads))
-        return loss
+    train_step = Step(net, loss_fn, opt, distributed=args.ranks > 1)
 
     def plain(_round):
         side = ab.Side(warmup)
