@@ -56,8 +56,8 @@ QUICK_ROUNDS = 4
 # a few ms, where a per-step cost shows most. Per size: steps per side and
 # steps left out of each side (decisive, --quick).
 SIZES = {
-    "lenet": {"batch": 32, "steps": 140, "warmup": 20, "quick": (60, 15)},
-    "tiny": {"batch": 16, "steps": 1400, "warmup": 100, "quick": (500, 60)},
+    "lenet": {"batch": 32, "steps": 200, "warmup": 20, "quick": (60, 15)},
+    "tiny": {"batch": 16, "steps": 2000, "warmup": 100, "quick": (500, 60)},
 }
 
 
