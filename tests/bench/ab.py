@@ -42,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -217,6 +218,7 @@ VARIANTS = {
     "no-agree": "one agreement only, in the warm-up (sync interval 1e5 s)",
     "hooks-only": "only the step hooks: no reporter thread, no loss, one agreement",
     "no-step-begin": "the callback without on_train_step_begin (the callback only)",
+    "nice-reporter": "the reporter thread at nice 10 (it then rarely preempts the training thread on a busy core)",
 }
 
 
@@ -231,7 +233,14 @@ def variant(name: str):
     def no_loss(self, outputs):
         self.loss_due = float("inf")
 
+    run = Reporter._run
+
+    def nice_run(self):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        run(self)
+
     patches = {
+        "nice-reporter": [("_run", Reporter, nice_run)],
         "no-reporter": [("_run", Reporter, lambda self: None)],
         "no-poll": [("_poll_flag", Reporter, lambda self, force=False: None)],
         "no-psutil": [("_process_stats", Reporter, lambda self: (None, None))],
