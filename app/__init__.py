@@ -10,6 +10,7 @@ Socket.IO client does. The shared objects live in ``app/extensions.py``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -80,6 +81,10 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     from trainer_bridge.stacks import find_pyspy
 
     incidents = Incidents.from_config(app.config, state, stop, run.audit, socketio.start_background_task)
+    # A flood of wrong tokens or codes (app.auth.settle) is an alert, once a minute at most.
+    app.extensions["rankwatch_limits"].on_flood = lambda text: incidents.alerts.once(
+        f"auth-flood:{int(time.time() // 60)}", "auth_flood", text
+    )
     from app.cluster import Cluster
 
     # Several dashboards behind one Redis: its message queue and leader lock (app/cluster.py).

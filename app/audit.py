@@ -35,10 +35,13 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import sqlite3
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from trainer_bridge import safeio
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS audit (
@@ -81,16 +84,72 @@ class AuditError(Exception):
     """The trail cannot be read or written (a corrupt, locked or unwritable database)."""
 
 
-class AuditLog:
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
+class _Pinned(sqlite3.Connection):
+    """A connection that holds its directory's descriptor (``connect_pinned``) until closed."""
 
-    def _connect(self) -> sqlite3.Connection:
+    dir_fd: int | None = None
+
+    def close(self) -> None:
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            conn = sqlite3.connect(self.path, timeout=10.0, isolation_level=None)
-        except (OSError, sqlite3.Error) as e:
-            raise AuditError(f"cannot open the audit trail {self.path}: {e}") from None
+            super().close()
+        finally:
+            if self.dir_fd is not None:
+                os.close(self.dir_fd)
+                self.dir_fd = None
+
+
+def connect_pinned(path: Path, root: str | os.PathLike | None, timeout: float) -> sqlite3.Connection:
+    """Open the SQLite database ``path`` without following a symlink to or in it; OSError or sqlite3.Error.
+
+    The run directory is writable by every rank: ``RUN/rankwatch`` or the
+    database itself could be a symlink to somewhere else, where the
+    dashboard (perhaps root) would then create or write a database. So the
+    directory is walked from ``root`` without following a symlink
+    (``safeio.open_dir``) and SQLite is given a path through that
+    descriptor, which it keeps for the connection's life (the ``-wal`` and
+    ``-shm`` files are opened by name later); the database and those files
+    must be absent or regular files (``safeio.NotRegular`` otherwise).
+    ``root`` None trusts the database's own directory as configured.
+    """
+    if root is None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        root, rel = path.parent, ""
+    else:
+        rel = safeio.relative(root, path.parent) if path.parent != Path(root) else ""
+    dir_fd = safeio.open_dir(root, rel, create=True)
+    try:
+        pinned = f"/proc/self/fd/{dir_fd}"
+        names = (path.name, *(path.name + s for s in ("-wal", "-shm", "-journal")))
+        safeio.check_absent_or_regular(pinned, names)
+        conn = sqlite3.connect(
+            f"{pinned}/{path.name}", timeout=timeout, isolation_level=None, factory=_Pinned
+        )
+    except BaseException:
+        os.close(dir_fd)
+        raise
+    conn.dir_fd = dir_fd
+    return conn
+
+
+# Seconds a write waits for another writer (two dashboards, the CLI); a read
+# (every watcher tick) waits less. Bounded both: anyone who can write the run
+# directory can hold a lock on the file, and a stop must not wait on it.
+WRITE_TIMEOUT_S = 2.0
+READ_TIMEOUT_S = 0.5
+
+
+class AuditLog:
+    def __init__(self, path: str | Path, root: str | os.PathLike | None = None):
+        self.path = Path(path)
+        # The run directory when the trail lives in it: walked without following a symlink.
+        self.root = root
+
+    def _connect(self, timeout: float = WRITE_TIMEOUT_S) -> sqlite3.Connection:
+        try:
+            conn = connect_pinned(self.path, self.root, timeout)
+        except (OSError, ValueError, sqlite3.Error) as e:
+            why = safeio.why(e) if isinstance(e, OSError) else str(e)
+            raise AuditError(f"cannot open the audit trail {self.path}: {why}") from None
         try:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.executescript(SCHEMA)
@@ -165,7 +224,7 @@ class AuditLog:
         """Newest first. An absent database is an empty trail, not an error."""
         if not self.path.exists():
             return []
-        conn = self._connect()
+        conn = self._connect(READ_TIMEOUT_S)
         try:
             sql, args = _SELECT, []
             if request_id is not None:
@@ -185,9 +244,11 @@ class AuditLog:
         """The newest row's id (None for an empty or absent trail): cheap enough for every tick."""
         if not self.path.exists():
             return None
-        conn = self._connect()
+        conn = self._connect(READ_TIMEOUT_S)
         try:
             return conn.execute("SELECT max(id) FROM audit").fetchone()[0]
+        except sqlite3.Error as e:
+            raise AuditError(f"cannot read the audit trail {self.path}: {e}") from None
         finally:
             conn.close()
 

@@ -4,7 +4,8 @@ Reading needs nothing. Stop, cancel, re-arm and delete need the operator token
 (setting ``TOKEN``, i.e. ``RANKWATCH_TOKEN``; generated at start when unset,
 and handed to the page through a single-use login link, ``app.login``) as
 ``Authorization: Bearer <token>``. Every token check backs off after wrong
-guesses, and each client's changes are rate-limited (``app.ratelimit``). The page keeps the
+guesses (failures only: the right token is never refused), and each client's
+changes are rate-limited (``app.ratelimit``). The page keeps the
 token in the tab's ``sessionStorage`` and sends that header itself, so no
 cookie ever authorises a request: a cross-site form or script cannot ride on
 the operator's session (CSRF). As a second guard, a request whose ``Origin``
@@ -16,10 +17,12 @@ CORS preflight that this app never grants.
 from __future__ import annotations
 
 import hmac
+import logging
 import math
 import secrets
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -28,6 +31,8 @@ from flask.json.provider import DefaultJSONProvider
 
 from app.errors import ApiError
 from app.ratelimit import Backoff, Bucket, retry_after
+
+log = logging.getLogger(__name__)
 
 # Longest accepted free text (reason, operator name): an audit row, not an essay.
 MAX_TEXT = 500
@@ -39,10 +44,16 @@ class Limits:
 
     backoff: Backoff
     writes: Bucket
+    # Told when the failures of the last minute reach AUTH_FAILURES_PER_MIN
+    # (text): the app sends it as an alert (app/__init__.py).
+    on_flood: Callable[[str], None] = field(default=lambda text: None)
 
     @classmethod
     def from_config(cls, config) -> Limits:
-        return cls(backoff=Backoff(), writes=Bucket(config["OPERATOR_WRITES_PER_MIN"]))
+        return cls(
+            backoff=Backoff(global_per_min=config["AUTH_FAILURES_PER_MIN"]),
+            writes=Bucket(config["OPERATOR_WRITES_PER_MIN"]),
+        )
 
 
 def ensure_token(config: dict) -> bool:
@@ -71,28 +82,45 @@ def token_weakness(token: str) -> str | None:
 
 
 def check_token(token: str | None) -> bool:
-    """Whether ``token`` is the operator token; 429 while this client must back off.
+    """Whether ``token`` is the operator token; a wrong one gets a 429 while failures must back off.
 
     Every check goes through here (``/api/session`` and every Bearer
-    header), so wrong guesses from one address slow down exponentially
-    (``app.ratelimit.Backoff``) and a right one clears its record.
+    header). The token is checked first: the right one is never refused,
+    whoever else guessed wrong from the same address or any other.
     """
-    backoff = current_app.extensions["rankwatch_limits"].backoff
+    expected = current_app.config["TOKEN"]
+    ok = bool(token) and hmac.compare_digest(token.encode(), expected.encode())
+    settle(ok, "operator tokens")
+    return ok
+
+
+def settle(ok: bool, what: str) -> None:
+    """Record a secret's check (``what``: "operator tokens", "login codes"); 429 for a failure that must wait.
+
+    A failure from an address that backs off, or past AUTH_FAILURES_PER_MIN
+    in all, is answered 429; the one that reaches that allowance is logged
+    and alerted, once per flood.
+    """
+    limits = current_app.extensions["rankwatch_limits"]
     key = request.remote_addr or "?"
-    wait = backoff.wait_s(key)
+    if ok:
+        limits.backoff.succeeded(key)
+        return
+    wait = limits.backoff.wait_s(key)
     if wait > 0:
         raise ApiError(
             429,
-            f"too many wrong operator tokens from {key}: try again in {max(1, round(wait))} s",
+            f"too many wrong {what} (from {key} or in all): try again in {max(1, round(wait))} s",
             headers=retry_after(wait),
         )
-    expected = current_app.config["TOKEN"]
-    ok = bool(token) and hmac.compare_digest(token.encode(), expected.encode())
-    if ok:
-        backoff.succeeded(key)
-    else:
-        backoff.failed(key)
-    return ok
+    if limits.backoff.failed(key):
+        text = (
+            f"{limits.backoff.global_per_min} wrong operator tokens or login codes in the last minute "
+            f"(AUTH_FAILURES_PER_MIN), the last from {key}: someone may be guessing; further wrong "
+            "guesses get 429 (the right token still works)"
+        )
+        log.warning("rankwatch: %s", text)
+        limits.on_flood(text)
 
 
 def over_write_budget() -> float:

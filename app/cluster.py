@@ -7,8 +7,8 @@ process (``RedisQueue``, on the channel ``rankwatch:{job}:socketio``).
 
 Exactly one process, the leader, does what must happen once per job: push
 the rank deltas and the stop lifecycle, record a completed stop and re-arm
-the flag, raise alerts and run the stop policy. Leadership is redis-py's
-lock (``redisbus.Leader``: ``SET key token NX PX ttl`` on
+the flag, raise alerts and run the stop policy. Leadership is a lock in
+Redis (``redisbus.Leader``: ``SET key token NX PX ttl`` on
 ``rankwatch:{job}:leader``): the leader renews it every watcher tick; when
 it dies, its key expires after ``LEADER_TTL_S`` and the next follower to
 try takes it over.
@@ -21,12 +21,23 @@ in the run directory is written by whichever process got the POST, and the
 run status says Redis is unreachable until it is back. When the lock's key
 is gone after an outage (a restarted Redis keeps nothing) the old leader
 takes it again at once, unless another process was quicker.
+
+**What the queue trusts.** python-socketio before 5.14 unpickled whatever
+was published on the channel: one ``PUBLISH`` ran code in every dashboard.
+``QueueCodec`` is the queue's only decoder, whatever the library's version:
+the standard library's JSON, and only objects. With ``REDIS_KEY`` it also
+signs every message (HMAC-SHA256 with a timestamp) and drops the unsigned,
+the badly signed and those older than ``QUEUE_MAX_AGE_S`` (counted, logged
+once, in ``/api/health``): nobody without the key can forge a page's
+events or close its rooms through Redis.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from typing import NoReturn
 
 import socketio
 
@@ -38,6 +49,9 @@ log = logging.getLogger(__name__)
 # own pause doubles up to 60 s, during which a follower's pages would hear
 # nothing after Redis returned).
 LISTEN_RETRY_S = 1.0
+# A signed queue message older (or newer) than this is refused: a replay, or
+# a dashboard whose clock is that far off.
+QUEUE_MAX_AGE_S = 60.0
 
 
 def channel(job: str) -> str:
@@ -45,17 +59,81 @@ def channel(job: str) -> str:
     return f"rankwatch:{job}:socketio"
 
 
+class QueueCodec:
+    """The queue's serialiser (a ``json``-like module for python-socketio): JSON, signed with a key.
+
+    ``loads`` raises ValueError for anything it refuses, which the library
+    skips; it never unpickles.
+    """
+
+    def __init__(self, job: str, key: bytes | None, clock=time.time):
+        self.job = job
+        self.key = key
+        self.clock = clock
+        self.refused = 0
+        self.refused_last: str | None = None
+
+    def dumps(self, data, **kwargs) -> str:
+        body = json.dumps(data, separators=(",", ":"))
+        if self.key is None:
+            return body
+        at = f"{self.clock():.3f}"
+        sig = redisbus.signature(self.key, "queue", self.job, at, body.encode()).decode()
+        return json.dumps({"rankwatch": at, "sig": sig, "body": body}, separators=(",", ":"))
+
+    def loads(self, raw, **kwargs) -> dict:
+        try:
+            data = json.loads(raw)  # bytes that are not UTF-8 (a pickle) are a ValueError too
+        except ValueError:
+            self._refuse("a message that is not JSON")
+        if self.key is not None:
+            data = self._open(data)
+        if not isinstance(data, dict):
+            self._refuse("a message that is not a JSON object")
+        return data
+
+    def _open(self, envelope) -> dict:
+        if not isinstance(envelope, dict) or set(envelope) != {"rankwatch", "sig", "body"}:
+            self._refuse("an unsigned message")
+        at, sig, body = envelope["rankwatch"], envelope["sig"], envelope["body"]
+        if not (isinstance(at, str) and isinstance(body, str)):
+            self._refuse("a malformed signed message")
+        if not redisbus.signed(self.key, "queue", self.job, at, body.encode(), sig):
+            self._refuse("a badly signed message")
+        try:
+            age = abs(self.clock() - float(at))
+        except ValueError:
+            age = float("inf")
+        if not age <= QUEUE_MAX_AGE_S:
+            self._refuse(f"a signed message {age:.0f} s off this host's clock (a replay?)")
+        return json.loads(body)
+
+    def _refuse(self, what: str) -> NoReturn:
+        self.refused += 1
+        self.refused_last = what
+        if self.refused == 1:
+            log.warning(
+                "socket.io relay refused %s on %s%s: is something else publishing to redis?",
+                what,
+                channel(self.job),
+                " (REDIS_KEY is set)" if self.key else "",
+            )
+        raise ValueError(what)
+
+
 class RedisQueue(socketio.RedisManager):
-    """python-socketio's Redis manager with short connect timeouts; says whether it listens.
+    """python-socketio's Redis manager with short connect timeouts and ``QueueCodec``; says whether it listens.
 
     ``listening`` is True while the relay subscription is up, so that the
     watcher knows whether the leader's pushes reach this process's pages.
     """
 
-    def __init__(self, url: str, job: str):
+    def __init__(self, url: str, job: str, key: bytes | None = None):
+        self.codec = QueueCodec(job, key)
         super().__init__(
             url,
             channel=channel(job),
+            json=self.codec,
             # No socket_timeout: the subscription blocks on its read between messages.
             redis_options={
                 "socket_connect_timeout": redisbus.SOCKET_TIMEOUT_S,
@@ -63,6 +141,25 @@ class RedisQueue(socketio.RedisManager):
             },
         )
         self.listening = False
+
+    # python-socketio swaps in the server's JSON module when it attaches the
+    # manager (BaseManager.set_server); the queue keeps its own codec.
+    @property
+    def json(self):
+        return self.codec
+
+    @json.setter
+    def json(self, value):
+        pass
+
+    def _listen(self):
+        # Decoded here, so that the library only ever sees dicts: whatever
+        # its version, it then has nothing to unpickle.
+        for message in super()._listen():
+            try:
+                yield self.codec.loads(message)
+            except ValueError:
+                continue
 
     @property
     def started(self) -> bool:
@@ -88,11 +185,11 @@ class RedisQueue(socketio.RedisManager):
 class Cluster:
     """The message queue and the leader lock of one dashboard process."""
 
-    def __init__(self, url: str, job: str, ttl_s: float):
+    def __init__(self, url: str, job: str, ttl_s: float, key: bytes | None = None):
         self.url = url
         self.job = job
-        self.queue = RedisQueue(url, job)
-        self.lock = redisbus.Leader(url, job, ttl_s)
+        self.queue = RedisQueue(url, job, key)
+        self.lock = redisbus.Leader(url, job, ttl_s, key)
         self.leader = False
         self.changed_at = time.time()  # when this process's role last changed
 
@@ -105,8 +202,10 @@ class Cluster:
                 f"LEADER_TTL_S ({config['LEADER_TTL_S']}) must be at least two ticks (TICK_S "
                 f"{config['TICK_S']}): the leader renews its lock once a tick"
             )
+        from app.services import redis_key
+
         job = config["REDIS_JOB"] or redisbus.job_key(run_dir)
-        return cls(config["REDIS_URL"], job, config["LEADER_TTL_S"])
+        return cls(config["REDIS_URL"], job, config["LEADER_TTL_S"], redis_key(config))
 
     @property
     def reachable(self) -> bool:
@@ -141,5 +240,7 @@ class Cluster:
                 "reachable": self.reachable,
                 "error": self.lock.error,
                 "relay": self.queue.listening,
+                "signed": self.queue.codec.key is not None,
+                "refused": {"queue": self.queue.codec.refused, "queue_last": self.queue.codec.refused_last},
             },
         }

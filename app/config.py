@@ -125,9 +125,38 @@ SETTINGS: list[Setting] = [
         "sends its head at once.",
     ),
     Setting(
+        "BODY_TIMEOUT_S",
+        10.0,
+        "A request's body (at most MAX_BODY_BYTES, with a Content-Length) must arrive within this "
+        "many seconds of its head, or it is answered 408 and the connection closed. Bodies are read "
+        "without a thread, like heads, so POSTs that trickle a byte now and then hold none.",
+    ),
+    Setting(
+        "RESERVED_THREADS",
+        4,
+        "Threads kept, besides SERVER_THREADS, for requests that carry the operator token "
+        "(`Authorization: Bearer`) and for `/api/health`: the stop and the health check answer "
+        "while tokenless clients (idle WebSockets, long polls) hold every other thread.",
+    ),
+    Setting(
+        "MAX_CONNS_PER_ADDR",
+        128,
+        "Open connections one client address may hold once half of MAX_CONNECTIONS are open; a "
+        "further one is then answered 503 and closed, so that one address cannot fill the server. "
+        "A page needs one or two. Behind a reverse proxy every client has the proxy's address: "
+        "raise it there.",
+    ),
+    Setting(
+        "MAX_CONNECTIONS",
+        1000,
+        "Open connections in all (gunicorn's `worker_connections`); past it new ones wait in the "
+        "kernel's queue until one closes (slow heads close after HEADER_TIMEOUT_S, slow bodies after "
+        "BODY_TIMEOUT_S).",
+    ),
+    Setting(
         "READ_TIMEOUT_S",
         60.0,
-        "Once a request's head is in, a read of its body or a write of its answer that "
+        "Once a request is in, a write of its answer (or a WebSocket's read) that "
         "waits longer than this fails and frees the thread; an open page's WebSocket hears "
         "Engine.IO's ping every 25 s, so this must be longer than that.",
     ),
@@ -196,6 +225,14 @@ SETTINGS: list[Setting] = [
         "so only late ranks cost a probe.",
     ),
     Setting(
+        "BRIDGE_GRACE_S",
+        120.0,
+        "While msrun's worker logs show ranks but no heartbeat has come, the page warns that "
+        "the script may lack the bridge (and may ignore a stop) only once job.json's rank 0 no "
+        "longer runs on this host and this long has passed since the job started: the bridge "
+        "writes its first heartbeat after graph compilation.",
+    ),
+    Setting(
         "HISTORY_POINTS",
         300,
         "Chart history kept per rank, on the server and in the browser, in time buckets "
@@ -259,6 +296,13 @@ SETTINGS: list[Setting] = [
         "than this is flagged late. 900 s is MindCluster's default for a graceful exit.",
     ),
     Setting(
+        "STOP_HOLDING_AFTER_S",
+        10.0,
+        "During a stop, the ranks at the lowest stage are named as holding the others up only "
+        "once they have been in that stage this long (and never when every rank is there): "
+        "a normal stop moves every rank through a stage within a second or two, save times aside.",
+    ),
+    Setting(
         "AUTO_REARM",
         True,
         'After every rank has exited for a stop, return the flag to `{"GracefulExit": 0}` '
@@ -280,6 +324,14 @@ SETTINGS: list[Setting] = [
         "without bound.",
     ),
     Setting(
+        "AUTH_FAILURES_PER_MIN",
+        20,
+        "Wrong operator tokens and login codes counted per minute from all addresses together "
+        "(each address also backs off on its own, exponentially); past it every wrong guess gets "
+        "a 429 until the minute allows, with a log line and an alert (`auth_flood`) when it trips. "
+        "The right token is never refused, so guessing cannot lock the operator out.",
+    ),
+    Setting(
         "CHECKPOINT_SCAN_S",
         2.0,
         "The checkpoint browser re-walks the run directory at most this often. A walk "
@@ -292,6 +344,14 @@ SETTINGS: list[Setting] = [
         100,
         "Table rows per page. Larger jobs are paged so that the browser redraws at most "
         "this many rows per update.",
+    ),
+    Setting(
+        "METRICS_PER_RANK_MAX",
+        1024,
+        "`/metrics` serves each rank's series up to this many ranks; above it, only summaries "
+        "(ranks per verdict, per host and verdict, per stop stage), so a large job does not "
+        "give Prometheus a dozen series per rank. `/metrics?per_rank=1` asks for every rank anyway "
+        "(one such answer is built at a time), `?per_rank=0` for the summaries only.",
     ),
     Setting(
         "WEBHOOK_URL",
@@ -360,7 +420,8 @@ SETTINGS: list[Setting] = [
         "trainers and the dashboard alike. Ranks then publish heartbeats to it and the dashboard "
         "reads only the new ones instead of stat'ing every heartbeat file; several dashboard "
         "processes share it as Flask-SocketIO's message queue. The flag and checkpoints stay in "
-        "the run directory. Needs `pip install 'rankwatch[redis]'`.",
+        "the run directory. Needs `pip install 'rankwatch[redis]'`. A password, an ACL user and TLS "
+        "go in the URL (`rediss://rankwatch:PASSWORD@host:6380/0`); see REDIS_KEY.",
     ),
     Setting(
         "REDIS_JOB",
@@ -368,6 +429,15 @@ SETTINGS: list[Setting] = [
         "The job's name in Redis. Empty: a digest of the run directory's real path, which is "
         "right when every node mounts it at the same path; set the same name on every node and "
         "the dashboard otherwise.",
+    ),
+    Setting(
+        "REDIS_KEY",
+        "",
+        "With `REDIS_URL`: a shared secret, set to the same value on the trainers and every dashboard "
+        "(`RANKWATCH_REDIS_KEY` on both). The bridge then signs each heartbeat it publishes "
+        "(HMAC-SHA256) and the dashboards sign their message-queue messages; unsigned or badly "
+        "signed ones are dropped, counted and shown as a warning. Empty: Redis is trusted as it is "
+        "(see the Security section on running Redis).",
     ),
     Setting(
         "LEADER_TTL_S",
@@ -396,17 +466,29 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "STALL_FACTOR",
             "DEAD_AFTER_S",
             "PROCESS_CHECK_AFTER_S",
+            "BRIDGE_GRACE_S",
         ),
     ),
     (
-        "Page and charts",
-        ("HISTORY_POINTS", "CHART_BUCKET_S", "CHART_REFRESH_S", "CHART_LINES_MAX_RANKS", "PAGE_SIZE"),
-    ),
-    ("Stop and checkpoints", ("STOP_DEADLINE_S", "AUTO_REARM", "AUDIT_DB", "CHECKPOINT_SCAN_S")),
-    ("Access", ("TOKEN", "LOGIN_TTL_S", "LOGIN_LINK", "OPERATOR_WRITES_PER_MIN")),
-    (
-        "Alerts and the stop policy",
+        "Page, charts and metrics",
         (
+            "HISTORY_POINTS",
+            "CHART_BUCKET_S",
+            "CHART_REFRESH_S",
+            "CHART_LINES_MAX_RANKS",
+            "PAGE_SIZE",
+            "METRICS_PER_RANK_MAX",
+        ),
+    ),
+    (
+        "Stop and checkpoints",
+        ("STOP_DEADLINE_S", "STOP_HOLDING_AFTER_S", "AUTO_REARM", "AUDIT_DB", "CHECKPOINT_SCAN_S"),
+    ),
+    ("Access", ("TOKEN", "LOGIN_TTL_S", "LOGIN_LINK", "OPERATOR_WRITES_PER_MIN", "AUTH_FAILURES_PER_MIN")),
+    (
+        "Stacks, alerts and the stop policy",
+        (
+            "PYSPY_PATH",
             "WEBHOOK_URL",
             "WEBHOOK_TIMEOUT_S",
             "WEBHOOK_RETRY_MAX_S",
@@ -418,8 +500,20 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "POLICY_RULES",
         ),
     ),
-    ("Server", ("SERVER_THREADS", "HEADER_TIMEOUT_S", "READ_TIMEOUT_S", "MAX_BODY_BYTES")),
-    ("Several dashboards (Redis)", ("REDIS_URL", "REDIS_JOB", "LEADER_TTL_S")),
+    (
+        "Server",
+        (
+            "SERVER_THREADS",
+            "RESERVED_THREADS",
+            "HEADER_TIMEOUT_S",
+            "BODY_TIMEOUT_S",
+            "READ_TIMEOUT_S",
+            "MAX_BODY_BYTES",
+            "MAX_CONNECTIONS",
+            "MAX_CONNS_PER_ADDR",
+        ),
+    ),
+    ("Several dashboards (Redis)", ("REDIS_URL", "REDIS_JOB", "REDIS_KEY", "LEADER_TTL_S")),
 )
 
 

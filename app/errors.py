@@ -2,7 +2,7 @@
 
 Views raise ``ApiError(status, message)`` (or let Flask raise its HTTP
 errors); a single handler answers ``{"error": str, "status": int}`` under
-``/api/`` and an HTML page elsewhere. Anything else that escapes a view is a
+``/api/`` and at ``/metrics``, and an HTML page elsewhere. Anything else that escapes a view is a
 bug: it is logged with its traceback and answered as a 500 in the same shape.
 """
 
@@ -24,7 +24,8 @@ class ApiError(Exception):
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None):
     """The one error shape, as JSON for ``/api/`` and as a page for browsers."""
-    if request.path.startswith("/api/"):
+    # /metrics is read by Prometheus, not in a browser: it gets the JSON shape too.
+    if request.path.startswith("/api/") or request.path == "/metrics":
         return jsonify({"error": message, "status": status}), status, headers or {}
     return render_template("error.html", status=status, message=message), status, headers or {}
 

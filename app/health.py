@@ -27,6 +27,9 @@ The verdicts, in the order the rules are tried:
   reports ``step_in_ms`` and ``step_out_ms`` (see ``compare_costs``), else its
   median wall step time. A rank is compared only once its window holds
   ``straggler_min_steps`` step times (start-up steps are noise).
+* **starting** - the rank has reported but not finished its first step yet
+  (graph compilation can take minutes): neutral, neither healthy nor a
+  problem.
 * **healthy** - none of the above.
 
 A rank read from msrun's worker log (``from_log``; see ``app.logmode``) has
@@ -69,6 +72,7 @@ from dataclasses import dataclass
 from typing import Any
 
 VERDICTS = (
+    "starting",
     "healthy",
     "straggler",
     "stalled",
@@ -83,7 +87,8 @@ VERDICTS = (
 
 # One line per verdict, for the page's legend and the README.
 VERDICT_HELP = {
-    "healthy": "training (or starting, or saving) at the pace of its peers",
+    "starting": "has reported but not finished its first step yet (compiling the graph)",
+    "healthy": "training (or saving) at the pace of its peers",
     "straggler": "steps markedly slower than the median of its peers",
     "stalled": "alive but has not finished a step for too long",
     "dead": "the process is gone or its heartbeats stopped",
@@ -98,6 +103,7 @@ VERDICT_HELP = {
 # A shape per verdict, so that colour is never the only cue (the page's
 # static/js/format.js GLYPH holds the same; tests/test_cli.py checks they agree).
 VERDICT_GLYPH = {
+    "starting": "○",
     "healthy": "✓",
     "straggler": "▲",
     "stalled": "‖",
@@ -112,6 +118,9 @@ VERDICT_GLYPH = {
 
 # States that end a rank's life; their verdict is the state itself.
 TERMINAL_STATES = ("exited", "finished", "failed")
+# Verdicts of a rank whose process has ended, or is taken for gone: its last
+# rates (throughput, step time, CPU) describe the past, not the job.
+ENDED_VERDICTS = ("dead", "node_lost", *TERMINAL_STATES)
 # States in which a rank steps and so is compared with its peers.
 STEPPING_STATES = ("training", "stopping")
 
@@ -371,8 +380,8 @@ def judge(
 
     if state == "starting":
         if from_log:
-            return Verdict("healthy", "starting: no step in its log yet (compiling?)")
-        return Verdict("healthy", "starting: waiting for the first step (compiling)")
+            return Verdict("starting", "up, no step in its log yet (compiling?)")
+        return Verdict("starting", "up, waiting for the first step (compiling)")
     if state == "saving":
         return Verdict("healthy", "saving a checkpoint", rel)
 

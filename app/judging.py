@@ -38,6 +38,7 @@ from app.health import (
 
 ALIVE = ("healthy", "straggler", "stalled")
 _NAN = math.nan
+_NO_VERDICT = Verdict("pending", "")
 
 
 def _f(value: float | None) -> float:
@@ -224,6 +225,10 @@ class VerdictBoard:
             self._probes[rank] = (gone, stopped, alive)
         else:
             self._probes.pop(rank, None)
+
+    def gone(self, rank: int) -> str | None:
+        """Why a probe (or msrun's words) says ``rank``'s process is gone, or None."""
+        return self._probes.get(rank, (None, None, False))[0]
 
     def _forget(self, rank: int) -> None:
         self.latest.pop(rank, None)
@@ -465,7 +470,8 @@ class VerdictBoard:
         """The summary strip's job-wide figures, by vector operations over the arrays.
 
         ``slowest`` compares the same cost as the straggler rule among ranks
-        alive and stepping; ``throughput`` sums their samples per second.
+        alive and stepping (``straggler``: its verdict says so, the only case
+        the page names it); ``throughput`` sums their samples per second.
         """
         n = self._cap
         present = self._present[:n]
@@ -492,6 +498,9 @@ class VerdictBoard:
                 "gap_ms": round(worst - mid, 2),
                 "ratio": round(worst / mid, 2) if mid > 0 else None,
                 "basis": self.basis,
+                # Only past the straggler rule is it a finding; below, the gap is jitter.
+                "straggler": self.verdicts.get(rank, _NO_VERDICT).health == "straggler",
+                "threshold_ratio": self.th.straggler_ratio,
             }
         rates = self._samples[alive_stepping]
         has = present & self._has_hb
@@ -503,7 +512,8 @@ class VerdictBoard:
             "counts": dict(self.counts),
             "reported": int(has.sum()),
             "slowest": slowest,
-            "throughput": round(float(np.nansum(rates)), 1),
+            # Unknown, not 0, when no rank reports a rate (a log rank's never does).
+            "throughput": round(float(np.nansum(rates)), 1) if (~np.isnan(rates)).any() else None,
             "last_step_at": float(last_steps.max()) if len(last_steps) else None,
             "global_step": int(gsteps.max()) if len(gsteps) else None,
         }

@@ -97,7 +97,8 @@ METRICS: list[Metric] = [
         "slowest",
         "Slowest rank",
         "ms",
-        "Rank with the highest median step time, and its gap to the median of all ranks.",
+        "Rank with the highest median step time, and its gap to the median of all ranks; "
+        "the page names it only when it is a straggler (past STRAGGLER_RATIO).",
         "job",
     ),
     Metric(

@@ -240,7 +240,7 @@ class Policy:
             event, text = "policy_dry_run", f"policy (dry run) would stop the job: {reason}{stuck_note}"
         else:
             try:
-                request_id, created, _ = self.stop.request(reason, WHO, None)
+                request_id, created, _, _ = self.stop.request(reason, WHO, None)
             except ApiError as e:
                 outcome = f"failed: {e.message}; the policy will not retry"
                 event, text = "policy_failed", f"policy could not stop the job: {e.message} ({reason})"

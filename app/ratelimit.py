@@ -6,9 +6,13 @@ proxy as a whole (README, "Security").
 
 ``Backoff``: after ``free`` wrong tokens in a row from one address, each
 further attempt must wait twice as long as the last (1 s, 2 s, 4 s, ... up
-to ``cap_s``); a right token clears the record. While an address waits, its
-attempts are answered 429 without being checked, so guessing runs at most
-one try per ``cap_s`` instead of a thousand a second.
+to ``cap_s``); a right token clears the record. And whatever the address,
+at most ``global_per_min`` failures a minute count in all: past them every
+wrong attempt waits until the oldest is a minute old, so rotating source
+addresses (all of 127.0.0.0/8 is this machine) gains nothing. The backoff
+applies to failures only: a right token is accepted even while its address
+or everyone waits (app/auth.py checks it first), so nobody can lock the
+operator out by guessing wrong.
 
 ``Bucket``: a token bucket per address for the writes an operator makes
 (stop, cancel, re-arm, delete): ``per_minute`` in a burst, refilled at
@@ -24,7 +28,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 
 
@@ -47,7 +51,7 @@ class _Table:
 
 
 class Backoff:
-    """Exponential backoff on failed token checks, per client address."""
+    """Exponential backoff on failed token checks, per client address, and a cap on failures in all."""
 
     def __init__(
         self,
@@ -55,25 +59,42 @@ class Backoff:
         base_s: float = 1.0,
         cap_s: float = 60.0,
         max_keys: int = 10_000,
+        global_per_min: int = 20,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.free, self.base_s, self.cap_s, self.clock = free, base_s, cap_s, clock
+        self.global_per_min = global_per_min
         self._table = _Table(max_keys)
         self._lock = threading.Lock()
+        self._recent: deque[float] = deque()  # when the failures of the last minute were, oldest first
+
+    def _global_wait(self, now: float) -> float:
+        while self._recent and now - self._recent[0] >= 60.0:
+            self._recent.popleft()
+        if len(self._recent) < self.global_per_min:
+            return 0.0
+        return self._recent[0] + 60.0 - now
 
     def wait_s(self, key: str) -> float:
-        """Seconds ``key`` must still wait before its next attempt (0: it may try now)."""
+        """Seconds a failure from ``key`` must still wait (0: it may try now): its own backoff or everyone's."""
         with self._lock:
+            now = self.clock()
             item = self._table.items.get(key)
-            return 0.0 if item is None else max(0.0, item[1] - self.clock())
+            own = 0.0 if item is None else max(0.0, item[1] - now)
+            return max(own, self._global_wait(now))
 
-    def failed(self, key: str) -> None:
+    def failed(self, key: str) -> bool:
+        """Count a failure from ``key``; True if it filled the global allowance (time to tell someone)."""
         with self._lock:
+            now = self.clock()
             item = self._table.get(key, lambda: [0, 0.0])  # [failures in a row, not before]
             item[0] += 1
             over = item[0] - self.free
             if over > 0:
-                item[1] = self.clock() + min(self.cap_s, self.base_s * 2 ** min(over - 1, 32))
+                item[1] = now + min(self.cap_s, self.base_s * 2 ** min(over - 1, 32))
+            self._global_wait(now)
+            self._recent.append(now)
+            return len(self._recent) == self.global_per_min
 
     def succeeded(self, key: str) -> None:
         with self._lock:

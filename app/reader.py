@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from collections import deque
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -23,7 +24,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from app.health import StepWindow
 from app.rows import _loss
-from trainer_bridge import runfiles, schema
+from trainer_bridge import runfiles, safeio, schema
 from trainer_bridge.redisbus import RedisUnavailable, Subscriber
 
 HEARTBEAT_NAME = re.compile(r"rank_(\d+)\.json")
@@ -47,6 +48,11 @@ class Stopped(str):
     """A probe's answer for a process that exists but is stopped (SIGSTOP, a debugger)."""
 
 
+class Unreaped(str):
+    """A probe's answer for a process that has exited but is a zombie: asked again later,
+    so the row's words follow once its parent reaps it (or is gone itself)."""
+
+
 def probe_process(pid: int, started_at: float | None) -> str | None:
     """Why the process ``pid`` is known to be gone, or None if it runs (or cannot be told).
 
@@ -64,7 +70,7 @@ def probe_process(pid: int, started_at: float | None) -> str | None:
     except psutil.AccessDenied:
         return None
     if status == psutil.STATUS_ZOMBIE:
-        return f"process {pid} has exited (not yet reaped by its parent)"
+        return Unreaped(f"process {pid} has exited (not yet reaped by its parent)")
     # create_time is rounded to clock ticks: allow a second of slack.
     if started_at is not None and created > started_at + 1.0:
         return f"pid {pid} now belongs to a newer process; the rank's process is gone"
@@ -96,11 +102,7 @@ _HISTORY_LINES = TypeAdapter(list[schema.HistoryLine])
 
 def _tail_points(path: Path, count: int) -> list[tuple]:
     try:
-        with open(path, "rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            start = max(0, size - count * HISTORY_LINE_BUDGET)
-            f.seek(start)
-            data = f.read(count * HISTORY_LINE_BUDGET)
+        data, start = safeio.read_tail(path, count * HISTORY_LINE_BUDGET)
     except OSError:
         return []
     lines = data.split(b"\n")
@@ -131,6 +133,11 @@ def _point(
 ) -> tuple:
     step_ms = mean_ms if mean_ms is not None else last_ms
     return (t, gstep, _loss(loss), None if step_ms is None else round(step_ms, 2))
+
+
+def _public(e: OSError | schema.SchemaError) -> str:
+    """Why a file was refused, in words fit for viewers without the token: never its content."""
+    return e.public if isinstance(e, schema.SchemaError) else safeio.why(e)
 
 
 class RankSlot:
@@ -254,11 +261,22 @@ class RunReader:
             if rank >= schema.MAX_RANKS:
                 continue  # not a rank of any job we believe in (see schema.MAX_RANKS)
             try:
-                st = entry.stat()
+                st = entry.stat(follow_symlinks=False)
             except OSError:
                 continue
-            present.add(rank)
             slot = self.slots.get(rank)
+            if not stat.S_ISREG(st.st_mode):
+                # A FIFO, a device or a symlink (never followed: it could name a
+                # file outside) is no heartbeat. It makes no rank; a rank already
+                # shown keeps its last valid beat and says why.
+                if slot is not None:
+                    present.add(rank)
+                    if slot.stat_key != "not regular":
+                        slot.stat_key = "not regular"
+                        slot.error = f"{entry.name}: not a regular file"
+                        changed.add(rank)
+                continue
+            present.add(rank)
             if slot is None:
                 slot = self.slots[rank] = self._new_slot(rank, now)
             key = (st.st_ino, st.st_mtime_ns, st.st_size)
@@ -299,7 +317,7 @@ class RunReader:
             try:
                 beat = schema.parse(schema.Heartbeat, data)
             except schema.SchemaError as e:
-                slot.error = f"{name}: {e}"
+                slot.error = f"{name}: {_public(e)}"
             else:
                 self._accept(slot, rank, beat, name, now)
             changed.add(rank)
@@ -312,9 +330,8 @@ class RunReader:
             return  # replaced between the scan and the read: the next tick has it
         except (OSError, schema.SchemaError) as e:
             # The rank is shown corrupt, with what its last valid heartbeat said.
-            slot.error = (
-                f"{entry.name}: {e.strerror or e}" if isinstance(e, OSError) else f"{entry.name}: {e}"
-            )
+            # Viewers without the token read this: no content of the file.
+            slot.error = f"{entry.name}: {_public(e)}"
             return
         self._accept(slot, rank, beat, entry.name, now)
 
@@ -356,7 +373,7 @@ class RunReader:
                 self.job, self.job_error = schema.load(schema.Job, path).to_dict(), None
             except (OSError, schema.SchemaError) as e:
                 self.job = None
-                self.job_error = (e.strerror or str(e)) if isinstance(e, OSError) else str(e)
+                self.job_error = _public(e)
 
     def world_size(self) -> int:
         """The job's world size: job.json's, else the largest any heartbeat declares or implies."""

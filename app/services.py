@@ -39,7 +39,12 @@ def redis_subscriber(config: Mapping[str, Any], run_dir: str | None):
     from trainer_bridge import redisbus
 
     job = config["REDIS_JOB"] or redisbus.job_key(run_dir)
-    return redisbus.Subscriber(config["REDIS_URL"], job)
+    return redisbus.Subscriber(config["REDIS_URL"], job, key=redis_key(config))
+
+
+def redis_key(config: Mapping[str, Any]) -> bytes | None:
+    """``REDIS_KEY`` as bytes, or None: what signs the heartbeats and the message queue."""
+    return config["REDIS_KEY"].encode() if config["REDIS_KEY"] else None
 
 
 def _thread(fn, *args) -> threading.Thread:
@@ -63,12 +68,17 @@ def open_run(
     from app.checkpoints.service import CheckpointService
     from app.checkpoints.verify import Verifier
 
-    audit = AuditLog(audit_path(run_dir, config))
+    # The default trail lives in the run directory: walked from it, following no symlink.
+    audit = AuditLog(audit_path(run_dir, config), root=None if config["AUDIT_DB"] else (run_dir or "."))
     return Run(
         state=RunState(run_dir, config, redis=redis_subscriber(config, run_dir)),
         audit=audit,
         stop=StopService(
-            run_dir or ".", audit, deadline_s=config["STOP_DEADLINE_S"], auto_rearm=config["AUTO_REARM"]
+            run_dir or ".",
+            audit,
+            deadline_s=config["STOP_DEADLINE_S"],
+            auto_rearm=config["AUTO_REARM"],
+            holding_after_s=config["STOP_HOLDING_AFTER_S"],
         ),
         checkpoints=CheckpointService(
             run_dir, audit, scan_s=config["CHECKPOINT_SCAN_S"], verifier=Verifier(start_task, emit)

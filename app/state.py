@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from app import logmode
-from app.health import Thresholds
+from app.health import TERMINAL_STATES, Thresholds
+from app.jobend import JobFacts
 from app.judging import VerdictBoard
 from app.push import DELTA_EVENT, SNAPSHOT_EVENT, Changed, changed_fields
 from app.reader import (  # noqa: F401  (re-exported: tests and tools import them from here)
@@ -39,6 +40,7 @@ from app.reader import (  # noqa: F401  (re-exported: tests and tools import the
     RankSlot,
     RunReader,
     Stopped,
+    Unreaped,
     probe_process,
     read_history_tail,
 )
@@ -66,6 +68,7 @@ class RunState:
         self.points = int(config["HISTORY_POINTS"])
         self.bucket_s = float(config["CHART_BUCKET_S"])
         self.check_after_s = float(config["PROCESS_CHECK_AFTER_S"])
+        self.bridge_grace_s = float(config["BRIDGE_GRACE_S"])
         self._probe = probe
         self._hostname = hostname or socket.gethostname()
         self._lock = threading.Lock()
@@ -89,8 +92,13 @@ class RunState:
         self._board = VerdictBoard(self.thresholds)
         self._world = 0
         self._from_log: set[int] = set()  # ranks shown from their worker log
+        self._beats_expected = False  # ...while the bridge may still report (LogView.heartbeats_expected)
         # rank -> ((pid, started_at), probed at, why gone or None)
         self._probes: dict[int, tuple] = {}
+        # rank -> (first seen ended, why): a final state, or its process gone (app.jobend)
+        self._ended: dict[int, tuple[float, str]] = {}
+        self._launcher_gone: str | None = None
+        self._launcher_alive = False
         self._rows: dict[int, dict] = {}
         self._sent: dict[int, dict] = {}
         self._dirty: set[int] = set()
@@ -175,6 +183,7 @@ class RunState:
             board.file_problem(r, slot.error if slot else None, slot.skew_s if slot else None)
         self._from_log &= view
         self._probe_late(now)
+        self._note_ended(now, view)
         for r in board.update(now) | (changed & view):
             slot = self._slot(r)
             self._rows[r] = make_row(
@@ -184,9 +193,80 @@ class RunState:
                 source="log" if r in self._from_log else "bridge",
                 skew_s=slot.skew_s if slot else None,
             )
+            if r in self._from_log and r in self._ended and self._rows[r]["state"] not in TERMINAL_STATES:
+                # A log only says "training" until its last line: its process has ended without a word.
+                self._rows[r]["state"] = "failed"
             self._dirty.add(r)
+        self._beats_expected = bool(self._from_log) and self._logs.heartbeats_expected(
+            self._reader.job, now, self.bridge_grace_s, self._rank0_alive
+        )
         self._summary = self._make_summary()
         self._run = self._make_run_status()
+
+    def _note_ended(self, now: float, view: set[int]) -> None:
+        """Which ranks have ended (a final state, or the process gone) and whether msrun has.
+
+        msrun is looked at only once every rank has ended: until then the job
+        runs, whatever its launcher does.
+        """
+        ended = {}
+        # msrun kills every worker before it says the job exited: that ends the log ranks too.
+        exited = self._logs.dir.job_exited() if self._logs is not None else None
+        for r in view:
+            hb = self._board.latest.get(r)
+            state = hb.get("state") if hb else None
+            why = state if state in TERMINAL_STATES else self._board.gone(r)
+            if not why and exited and r in self._from_log:
+                why = exited
+            if why:
+                ended[r] = (self._ended[r][0] if r in self._ended else now, why)
+        self._ended = ended
+        self._launcher_gone, self._launcher_alive = None, False
+        if self._logs is not None and view and view <= set(ended):
+            self._launcher_gone = self._logs.launcher_gone(self._probe_gone)
+            self._launcher_alive = self._launcher_gone is None and self._logs.dir.launcher is not None
+
+    def _probe_gone(self, pid: int, started: float | None) -> str | None:
+        why = self._probe(pid, started)
+        return None if isinstance(why, Stopped) else why
+
+    def job_ended(self) -> str | None:
+        """Why the job is over (every rank ended, msrun not running), or None while it may run."""
+        with self._lock:
+            return self._job_over()
+
+    def _job_over(self) -> str | None:
+        if not self._facts().job_ended(self._world):
+            return None
+        counts: dict[str, int] = {}
+        for _, why in self._ended.values():
+            key = why if why in TERMINAL_STATES else "gone"
+            counts[key] = counts.get(key, 0) + 1
+        told = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+        return told + (f"; {self._launcher_gone}" if self._launcher_gone else "")
+
+    def _facts(self) -> JobFacts:
+        logs = self._logs
+        return JobFacts(
+            ended=dict(self._ended),
+            launcher_gone=self._launcher_gone,
+            launcher_alive=self._launcher_alive,
+            triggered={r: logs.triggered_at(r) for r in self._from_log} if logs is not None else {},
+        )
+
+    def job_facts(self) -> JobFacts:
+        """What the stop service needs beyond the heartbeats (see ``app.jobend``)."""
+        with self._lock:
+            return self._facts()
+
+    def _rank0_alive(self, job: dict) -> bool:
+        """job.json's rank 0 runs on this host (elsewhere it cannot be told: no)."""
+        pid = job.get("pid")
+        return (
+            job.get("host") == self._hostname
+            and pid is not None
+            and not self._probe(pid, job.get("started_at"))
+        )
 
     def _probe_late(self, now: float) -> None:
         """Probe the processes of this host's ranks whose heartbeat is late, and tell the board.
@@ -207,7 +287,8 @@ class RunState:
             pid, started = hb["pid"], hb.get("started_at")
             who, checked_at, why = self._probes.get(r, (None, None, None))
             if who != (pid, started) or (
-                (why is None or isinstance(why, Stopped)) and now - checked_at >= self.check_after_s
+                (why is None or isinstance(why, (Stopped, Unreaped)))
+                and now - checked_at >= self.check_after_s
             ):
                 why = self._probe(pid, started)
                 self._probes[r] = ((pid, started), now, why)
@@ -243,6 +324,12 @@ class RunState:
                 message += (
                     f" Redis is unreachable ({reader.redis_error}): heartbeats are read from the run "
                     "directory's files until it is back."
+                )
+            refused = getattr(reader.redis, "refused", 0)
+            if refused:
+                message += (
+                    f" Redis: {refused} heartbeat(s) refused as unsigned or badly signed (REDIS_KEY), "
+                    f"the last {reader.redis.refused_last}: is something else writing to Redis?"
                 )
             if log_problems:
                 message += f" Worker logs: {'; '.join(log_problems)}."
@@ -311,7 +398,9 @@ class RunState:
         from_log = len(self._from_log & {r for r, hb in latest.items() if hb is not None})
         if from_log:
             note = (
-                f" (from msrun's worker logs in {self._logs.path}: no rank writes Rankwatch heartbeats "
+                f" (from msrun's worker logs in {self._logs.path} until the bridge's first heartbeats)"
+                if self._beats_expected
+                else f" (from msrun's worker logs in {self._logs.path}: no rank writes Rankwatch heartbeats "
                 "(yet), so CPU, memory, device and stop stages are not shown)"
                 if from_log == reported
                 else f"{note} ({from_log} of them from their worker logs only: no heartbeats from them yet)"
@@ -339,14 +428,36 @@ class RunState:
                 counts[hb["state"]] = counts.get(hb["state"], 0) + 1
             told = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
             return status("ended", f"The job has ended: {told}.")
+        over = self._job_over()
+        if over:
+            # Ranks killed or crashed without saying so: their processes and msrun are gone.
+            return status("ended", f"The job has ended: {over}.")
         return status("running", f"{self._world} ranks reporting.{note}")
 
     # -- what clients get ---------------------------------------------------------------
 
     def snapshot(self, now: float, health: Iterable[str] | None = None) -> dict:
-        """The whole view (``/api/ranks`` and the ``ranks_snapshot`` event)."""
+        """The whole view (the ``ranks_snapshot`` event, ``rankwatch status``)."""
         with self._lock:
             return self._snapshot(now, set(health) if health else None)
+
+    def page(self, now: float, health: Iterable[str] | None, start: int, count: int) -> tuple[dict, int]:
+        """(the view with only the selected rows ``start`` to ``start + count``, how many were selected).
+
+        ``/api/ranks`` pages: only the page's rows are copied (with their age),
+        so a large job's answer costs a page, not the world size.
+        """
+        wanted = set(health) if health else None
+        with self._lock:
+            chosen = [r for r in sorted(self._rows) if wanted is None or self._rows[r]["health"] in wanted]
+            rows = [with_age(self._rows[r], now) for r in chosen[start : start + count]]
+            return {**self._head(now), "ranks": rows}, len(chosen)
+
+    def rows(self) -> list[dict]:
+        """Every rank's row by rank, without the heartbeat age (``/metrics``); rows are replaced, never
+        changed in place, so the caller may read them after the lock is released."""
+        with self._lock:
+            return [self._rows[r] for r in sorted(self._rows)]
 
     def summary(self, now: float) -> dict:
         """The summary strip and the run status (``/api/summary``)."""
@@ -382,7 +493,10 @@ class RunState:
     def log_stop_facts(self) -> dict | None:
         """What the stop panel says about ranks shown only from their worker logs (None: there are none)."""
         with self._lock:
-            return self._logs.stop_facts(self._slots) if self._logs is not None else None
+            facts = self._logs.stop_facts(self._slots) if self._logs is not None else None
+            if facts is not None:
+                facts["heartbeats_expected"] = self._beats_expected
+            return facts
 
     def world_size(self) -> int:
         with self._lock:

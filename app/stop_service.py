@@ -12,15 +12,19 @@ Stages per rank, in order: ``requested`` (flag written, rank has not seen it)
 ``exited``. A rank that stays in one stage longer than ``STOP_DEADLINE_S``
 is flagged late; the ranks at the lowest stage are the ones holding the
 others up.
+
+A rank shown only from msrun's worker log reports no stages: its stage comes
+from what the log shows (``app.jobend.log_stage``), so an ``OnRequestExit``
+stop completes and re-arms by the same rule. A stop that the job can no
+longer obey (every rank ended without exiting for it, msrun gone) ends as
+``not_obeyed``: audited so, and re-armed, so that a relaunch trains.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Mapping
@@ -30,9 +34,16 @@ from typing import Any
 from app.audit import OBSERVED, SYSTEM, AuditError, AuditLog
 from app.auth import MAX_TEXT
 from app.errors import ApiError
-from trainer_bridge import runfiles
+from app.jobend import JobFacts, log_stage
+from trainer_bridge import runfiles, safeio
 
 STAGES = ("requested", "seen", "agreed", "saving", "saved", "exited")
+# The lock that orders flag writes between dashboards and ``rankwatch stop``;
+# waited for at most LOCK_WAIT_S by an operator's action, never by the watcher.
+LOCK_NAME = ".flag.lock"
+LOCK_WAIT_S = 1.5
+# The outcome of a stop the job ended without obeying (audit rows and the re-armed flag say it).
+NOT_OBEYED = "not obeyed"
 # Once a rank has agreed, its stop step is fixed everywhere: too late to cancel.
 COMMITTED = frozenset(STAGES[2:])
 
@@ -40,42 +51,42 @@ log = logging.getLogger(__name__)
 
 
 class StopService:
-    def __init__(self, run_dir: str, audit: AuditLog, *, deadline_s: float, auto_rearm: bool):
+    def __init__(
+        self,
+        run_dir: str,
+        audit: AuditLog,
+        *,
+        deadline_s: float,
+        auto_rearm: bool,
+        holding_after_s: float = 10.0,
+    ):
         self.run_dir = run_dir
         self.audit = audit
         self.deadline_s = deadline_s
+        self.holding_after_s = holding_after_s
         self.auto_rearm = auto_rearm
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ the flag
     @contextmanager
-    def _flag_lock(self):
-        """Serialise read-modify-write of the flag across threads and processes.
+    def _flag_lock(self, wait_s: float = LOCK_WAIT_S):
+        """Serialise read-modify-write of the flag across threads and processes, for at most ``wait_s``.
 
-        The lock file lives in the run directory, which any rank can write: it
-        is opened without following a symlink, and if it cannot be had at all
-        (a directory in its place, a read-only ``rankwatch/``) the stop goes
-        on under the in-process lock alone, because a stop must never wait on
-        the state of a file.
+        Yields None when the lock is held, else a sentence saying why the
+        flag is written without it (``safeio.bounded_flock``: no symlink
+        followed, nothing that blocks, ``LOCK_NB`` retried until
+        ``wait_s``). A lock someone holds for ever therefore costs a stop
+        ``wait_s`` at most; the flag is then written under the in-process
+        lock alone, still atomically (a rename), and the audit row says so.
+        A stop must never wait on the state of a file.
         """
-        with self._lock:
-            fd = None
-            try:
-                lock_path = runfiles.state_dir(self.run_dir) / ".flag.lock"
-                lock_path.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            except OSError as e:
-                if fd is not None:
-                    os.close(fd)
-                    fd = None
-                log.warning("stop: no lock file in the run directory (%s); locking this process only", e)
-            try:
-                yield
-            finally:
-                if fd is not None:
-                    fcntl.flock(fd, fcntl.LOCK_UN)
-                    os.close(fd)
+        with (
+            self._lock,
+            safeio.bounded_flock(self.run_dir, f"{runfiles.STATE_DIR}/{LOCK_NAME}", wait_s) as problem,
+        ):
+            if problem:
+                log.warning("stop: %s; the flag is written without it (atomically)", problem)
+            yield problem
 
     def _audit(self, action: str, **fields) -> str | None:
         """Record an audit row; a trail that cannot be written is reported, never fatal.
@@ -114,22 +125,28 @@ class StopService:
     # ------------------------------------------------------------- actions
     def request(
         self, reason: str, who: str, remote_addr: str | None, audit_duplicate: bool = True
-    ) -> tuple[str, bool, str | None]:
+    ) -> tuple[str, bool, str | None, str | None]:
         """Ask every rank to stop; a second press joins the first.
 
-        Returns (request id, created, why it was not audited or None). Nothing
+        Returns (request id, created, why it was not audited or None, why the
+        flag was written without the flag lock or None). Nothing
         here reads a heartbeat, and a flag that cannot be parsed is simply
         replaced: a stop depends on writing one file, nothing else. With
         ``audit_duplicate`` False (a client past its write budget), a press
         that joins is not recorded.
         """
-        with self._flag_lock():
+        with self._flag_lock() as unlocked:
             flag, _ = self.read_flag()
             active = self._active(flag)
             if active is not None:
                 rid = active["request_id"] or "native-flag"
                 if not audit_duplicate:
-                    return rid, False, "not recorded: too many requests from this address in the last minute"
+                    return (
+                        rid,
+                        False,
+                        "not recorded: too many requests from this address in the last minute",
+                        unlocked,
+                    )
                 problem = self._audit(
                     "request",
                     who=who,
@@ -138,7 +155,7 @@ class StopService:
                     request_id=rid,
                     outcome=f"duplicate: joined request {rid}",
                 )
-                return rid, False, problem
+                return rid, False, problem, unlocked
             rid = runfiles.new_request_id()
             try:
                 runfiles.write_flag(
@@ -156,13 +173,18 @@ class StopService:
                     remote_addr=remote_addr,
                     reason=reason,
                     request_id=rid,
-                    outcome=f"failed: {e.strerror or e}",
+                    outcome=_unlocked(f"failed: {e.strerror or e}", unlocked),
                 )
                 raise ApiError(507, f"could not write the stop flag: {e.strerror or e}") from None
             problem = self._audit(
-                "request", who=who, remote_addr=remote_addr, reason=reason, request_id=rid, outcome="accepted"
+                "request",
+                who=who,
+                remote_addr=remote_addr,
+                reason=reason,
+                request_id=rid,
+                outcome=_unlocked("accepted", unlocked),
             )
-            return rid, True, problem
+            return rid, True, problem, unlocked
 
     def _pending_or_refuse(
         self, action: str, who: str, remote_addr: str | None, reason: str | None, refusal: str
@@ -177,12 +199,18 @@ class StopService:
         return active
 
     def cancel(
-        self, ranks: Mapping[int, dict | None], who: str, remote_addr: str | None, reason: str | None
+        self,
+        ranks: Mapping[int, dict | None],
+        who: str,
+        remote_addr: str | None,
+        reason: str | None,
+        facts: JobFacts | None = None,
     ) -> str:
-        with self._flag_lock():
+        with self._flag_lock() as unlocked:
             active = self._pending_or_refuse("cancel", who, remote_addr, reason, "no stop request is pending")
             rid = active["request_id"]
-            committed = sorted(r for r, s in self._stages(rid, ranks).items() if s["stage"] in COMMITTED)
+            stages = self._stages(rid, ranks, facts, active["requested_at"])
+            committed = sorted(r for r, s in stages.items() if s["stage"] in COMMITTED)
             if committed:
                 self._audit(
                     "cancel",
@@ -205,7 +233,12 @@ class StopService:
                 last_request=active,
             )
             self._audit(
-                "cancel", who=who, remote_addr=remote_addr, reason=reason, request_id=rid, outcome="accepted"
+                "cancel",
+                who=who,
+                remote_addr=remote_addr,
+                reason=reason,
+                request_id=rid,
+                outcome=_unlocked("accepted", unlocked),
             )
             return rid
 
@@ -217,14 +250,17 @@ class StopService:
         remote_addr: str | None,
         reason: str | None,
         force: bool = False,
+        facts: JobFacts | None = None,
     ) -> str:
         """Return the flag to ``{"GracefulExit": 0}`` after a stop, so a relaunch runs."""
-        with self._flag_lock():
+        with self._flag_lock() as unlocked:
             active = self._pending_or_refuse(
                 "rearm", who, remote_addr, reason, "nothing to re-arm: the flag does not say stop"
             )
             rid = active["request_id"]
-            done = self._completed(rid, ranks, world_size)
+            done = self._completed(rid, ranks, world_size, facts, active["requested_at"]) or (
+                facts is not None and facts.job_ended(world_size)
+            )
             if not done and not force:
                 self._audit(
                     "rearm",
@@ -246,11 +282,11 @@ class StopService:
                 remote_addr=remote_addr,
                 reason=reason,
                 request_id=rid,
-                outcome="accepted" if done else "accepted (forced before completion)",
+                outcome=_unlocked("accepted" if done else "accepted (forced before completion)", unlocked),
             )
             return rid
 
-    def _write_rearmed(self, active: dict, who: str) -> None:
+    def _write_rearmed(self, active: dict, who: str, outcome: str | None = None) -> None:
         runfiles.write_flag(
             self.run_dir,
             False,
@@ -258,18 +294,25 @@ class StopService:
             rearmed_at=time.time(),
             rearmed_by=who,
             last_request=active,
+            **({"outcome": outcome} if outcome else {}),
         )
 
-    def tick(self, ranks: Mapping[int, dict | None], world_size: int) -> None:
-        """Called by the watcher: record a completed stop once, and re-arm if configured."""
+    def tick(self, ranks: Mapping[int, dict | None], world_size: int, facts: JobFacts | None = None) -> None:
+        """Called by the watcher: record a completed (or not obeyed) stop once, and re-arm if configured."""
         flag, _ = self.read_flag()
         active = self._active(flag)
         if active is None:
             return
         rid = active["request_id"]
-        if rid is None or not self._completed(rid, ranks, world_size):
+        if rid is None:
             return
-        with self._flag_lock():
+        done = self._completed(rid, ranks, world_size, facts, active["requested_at"])
+        ignored = not done and facts is not None and facts.job_ended(world_size)
+        if not (done or ignored):
+            return
+        # The watcher never waits on a lock a rank can hold: one try, and if
+        # it is held the completion is recorded anyway (audit.has keeps it once).
+        with self._flag_lock(wait_s=0.0):
             current = self._active(self.read_flag()[0])
             if current is None or current["request_id"] != rid:
                 return  # someone else re-armed or replaced it meanwhile
@@ -279,13 +322,13 @@ class StopService:
                 log.error("stop: cannot read the audit trail: %s", e)
                 recorded = False
             if not recorded:
-                status = self.status(ranks, world_size, time.time())
+                status = self.status(ranks, world_size, time.time(), facts=facts)
                 self._audit(
                     "complete",
                     basis=OBSERVED,
                     who=SYSTEM,
                     request_id=rid,
-                    outcome=f"completed: {status['summary']}",
+                    outcome=f"{NOT_OBEYED if ignored else 'completed'}: {status['summary']}",
                     detail={
                         "stop_step": status["stop_step"],
                         "save_s": status["save_s"],
@@ -293,23 +336,43 @@ class StopService:
                     },
                 )
             if self.auto_rearm:
-                self._write_rearmed(current, SYSTEM)
+                self._write_rearmed(current, SYSTEM, NOT_OBEYED if ignored else None)
                 self._audit(
                     "rearm",
                     basis=OBSERVED,
                     who=SYSTEM,
                     request_id=rid,
-                    outcome="accepted (automatic after completion)",
+                    outcome="accepted (automatic: the job ended without obeying the stop)"
+                    if ignored
+                    else "accepted (automatic after completion)",
                 )
 
     # -------------------------------------------------------------- status
-    def _stages(self, rid: str | None, ranks: Mapping[int, dict | None]) -> dict[int, dict]:
+    def _stages(
+        self,
+        rid: str | None,
+        ranks: Mapping[int, dict | None],
+        facts: JobFacts | None = None,
+        requested_at: float | None = None,
+    ) -> dict[int, dict]:
         """Each rank's stage for request ``rid``, from whatever its heartbeat's ``stop`` holds.
 
         The dashboard validates heartbeats before they get here, but the stop
         must not depend on that: every field is checked again for its type,
-        and one that does not fit is dropped, never trusted.
+        and one that does not fit is dropped, never trusted. A rank shown from
+        its worker log gets its stage from the log (``facts``). Each record's
+        ``not_obeyed`` says why a rank that never exited for the stop has ended.
         """
+        out = self._stages_of(rid, ranks)
+        if facts is None:
+            return out
+        for rank, s in out.items():
+            if rank in facts.triggered and not (ranks.get(rank) or {}).get("stop"):
+                s.update(log_stage(rank, facts, requested_at))
+            s["not_obeyed"] = facts.why_ended(rank) if s["stage"] != "exited" else None
+        return out
+
+    def _stages_of(self, rid: str | None, ranks: Mapping[int, dict | None]) -> dict[int, dict]:
         out = {}
         for rank, hb in ranks.items():
             hb = hb if isinstance(hb, dict) else {}
@@ -327,6 +390,7 @@ class StopService:
                     else {},
                     "error": stop.get("error") if isinstance(stop.get("error"), str) else None,
                     "state": state,
+                    "not_obeyed": None,
                 }
             else:
                 out[rank] = {
@@ -337,11 +401,19 @@ class StopService:
                     "at": {},
                     "error": None,
                     "state": state,
+                    "not_obeyed": None,
                 }
         return out
 
-    def _completed(self, rid: str | None, ranks: Mapping[int, dict | None], world_size: int) -> bool:
-        stages = self._stages(rid, ranks)
+    def _completed(
+        self,
+        rid: str | None,
+        ranks: Mapping[int, dict | None],
+        world_size: int,
+        facts: JobFacts | None = None,
+        requested_at: float | None = None,
+    ) -> bool:
+        stages = self._stages(rid, ranks, facts, requested_at)
         return (
             world_size > 0
             and len(stages) >= world_size
@@ -356,13 +428,21 @@ class StopService:
             return None
 
     def status(
-        self, ranks: Mapping[int, dict | None], world_size: int, now: float, *, logs: dict | None = None
+        self,
+        ranks: Mapping[int, dict | None],
+        world_size: int,
+        now: float,
+        *,
+        logs: dict | None = None,
+        facts: JobFacts | None = None,
     ) -> dict[str, Any]:
         """The body of ``GET /api/exit``.
 
         ``logs`` is ``RunState.log_stop_facts()``: the ranks shown only from
         msrun's worker logs, whose stop stages nobody reports, and whether
         their logs show that the script obeys the flag (OnRequestExit).
+        ``facts`` is ``RunState.job_facts()``: the log ranks' stages and
+        which ranks have ended (see ``app.jobend``).
         """
         flag, flag_error = self.read_flag()
         active = self._active(flag)
@@ -393,7 +473,7 @@ class StopService:
         if request is None:
             return base
         rid = request["request_id"]
-        stages = self._stages(rid, ranks)
+        stages = self._stages(rid, ranks, facts, request["requested_at"])
         requested_at = request["requested_at"] or now
         rows = []
         for rank in sorted(stages):
@@ -404,11 +484,17 @@ class StopService:
         order = {name: i for i, name in enumerate(STAGES)}
         lowest = min((order[r["stage"]] for r in rows), default=0)
         all_exited = bool(rows) and all(r["stage"] == "exited" for r in rows) and len(rows) >= world_size
+        ignored = not all_exited and (
+            (facts is not None and facts.job_ended(world_size))
+            or (active is None and (flag or {}).get("outcome") == NOT_OBEYED)
+        )
         stop_steps = sorted({r["stop_step"] for r in rows if r["stop_step"] is not None})
         saves = [r["checkpoint"] for r in rows if r["checkpoint"]]
         total_bytes = sum(c.get("bytes") or 0 for c in saves)
         save_s = max((c.get("seconds") or 0 for c in saves), default=None)
-        if active is None:
+        if ignored:
+            state = "not_obeyed"
+        elif active is None:
             state = "cancelled" if flag and flag.get("cancelled") == rid else "rearmed"
         elif all_exited:
             state = "completed"
@@ -423,6 +509,14 @@ class StopService:
                 f"all {len(rows)} ranks stopped after step {_steps_text(stop_steps)}, "
                 f"{len(saves)} checkpoints, {_gb(total_bytes)}, in {ended - requested_at:.1f} s"
             )
+        elif ignored:
+            missed = [r for r in rows if r["stage"] != "exited"]
+            why = next((r["not_obeyed"] for r in missed if r["not_obeyed"]), None)
+            summary = (
+                f"not obeyed: the job ended without stopping for it; rank{'s' if len(missed) > 1 else ''} "
+                f"{_ranks_text([r['rank'] for r in missed])} ended without exiting for the stop"
+                + (f" ({why})" if why else "")
+            )
         base.update(
             state=state,
             ranks=rows,
@@ -431,10 +525,10 @@ class StopService:
             save_s=save_s,
             bytes=total_bytes or None,
             holding_up=[]
-            if all_exited or active is None
-            else [r["rank"] for r in rows if order[r["stage"]] == lowest],
+            if all_exited or ignored or active is None
+            else _holding_up(rows, order, lowest, now, self.holding_after_s),
             late=[r["rank"] for r in rows if r["late"]],
-            can_cancel=active is not None and not any(r["stage"] in COMMITTED for r in rows),
+            can_cancel=active is not None and not ignored and not any(r["stage"] in COMMITTED for r in rows),
         )
         return base
 
@@ -454,7 +548,11 @@ class StopService:
             "seconds": seconds,
             "save_s": save_s,
             "save_measured": save_s is not None,
-            "checkpoint_dir": f"{runfiles.CHECKPOINT_DIR}/rank_{{r}}/",
+            # Without the bridge, a script's OnRequestExit saves where its own arguments say.
+            "checkpoint_dir": f"{runfiles.CHECKPOINT_DIR}/rank_{{r}}/"
+            if any(ranks.values())
+            else "OnRequestExit's directory: rank_{r}/<file_name>_train.ckpt under the script's "
+            "directory= argument",
             "basis": (
                 "flag poll (<= 0.2 s) + steps until the next agreement "
                 f"({sync_s:.2f} s) + save time "
@@ -474,6 +572,23 @@ class StopService:
         except (AuditError, ValueError, TypeError, RecursionError):
             return None
         return _finite(detail.get("save_s")) if isinstance(detail, dict) else None
+
+
+def _unlocked(outcome: str, problem: str | None) -> str:
+    """An audit outcome that says when the flag was written without the flag lock."""
+    return f"{outcome} (written without the flag lock: {problem})" if problem else outcome
+
+
+def _holding_up(
+    rows: list[dict], order: dict[str, int], lowest: int, now: float, after_s: float
+) -> list[int]:
+    """The ranks at the lowest stage that keep the others waiting: named only once
+    they have been in it ``after_s``, and never when every rank is there (then
+    nobody is behind: the stop is simply in progress, or ignored by all)."""
+    behind = [r for r in rows if order[r["stage"]] == lowest]
+    if len(behind) == len(rows):
+        return []
+    return [r["rank"] for r in behind if now - r["stage_since"] >= after_s]
 
 
 def _request_facts(flag: dict) -> dict:
@@ -538,4 +653,5 @@ def _steps_text(steps: list[int]) -> str:
 
 
 def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+    """Binary units, as everywhere on the page (KiB, MiB, GiB)."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"

@@ -141,8 +141,9 @@ class Watcher:
 
     def _tick_stop(self, now: float) -> dict:
         ranks, world = self.state.heartbeats()
-        self.stop_service.tick(ranks, world)
-        status = self.stop_service.status(ranks, world, now, logs=self.state.log_stop_facts())
+        facts = self.state.job_facts()
+        self.stop_service.tick(ranks, world, facts)
+        status = self.stop_service.status(ranks, world, now, logs=self.state.log_stop_facts(), facts=facts)
         self._push_stop(status)
         return status
 
@@ -160,7 +161,9 @@ class Watcher:
         if self.stop_service is None:
             return None
         ranks, world = self.state.heartbeats()
-        return self.stop_service.status(ranks, world, now, logs=self.state.log_stop_facts())
+        return self.stop_service.status(
+            ranks, world, now, logs=self.state.log_stop_facts(), facts=self.state.job_facts()
+        )
 
     def _run(self) -> None:
         deadline = self.clock()

@@ -46,6 +46,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import os
 import re
 import sqlite3
 import threading
@@ -56,6 +57,9 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
+
+from app.audit import WRITE_TIMEOUT_S, connect_pinned
+from trainer_bridge import safeio
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +154,7 @@ class WebhookSender:
         urls: list[str],
         db_path: str | Path,
         *,
+        db_root: str | os.PathLike | None = None,
         timeout_s: float,
         give_up_s: float,
         retry_max_s: float,
@@ -157,6 +162,7 @@ class WebhookSender:
         clock: Callable[[], float] = time.time,
     ):
         self.db_path = Path(db_path)
+        self.db_root = db_root
         self.timeout_s = timeout_s
         self.give_up_s = give_up_s
         self.retry_max_s = retry_max_s
@@ -341,8 +347,10 @@ class WebhookSender:
             log.warning("alerts: cannot write the delivery log %s: %s", self.db_path, e)
 
     def _connect(self) -> sqlite3.Connection:
-        self.db_path.parent.mkdir(parents=True, exist_ok=True)
-        conn = sqlite3.connect(self.db_path, timeout=10.0, isolation_level=None)
+        try:
+            conn = connect_pinned(self.db_path, self.db_root, WRITE_TIMEOUT_S)
+        except OSError as e:  # a symlink, FIFO or directory where the database should be
+            raise sqlite3.OperationalError(f"cannot open {self.db_path}: {safeio.why(e)}") from None
         conn.execute("PRAGMA journal_mode=WAL")
         conn.executescript(SCHEMA)
         return conn

@@ -24,6 +24,8 @@ FAST_SETTINGS = {
     "DEAD_AFTER_S": 4.0,
     "PROCESS_CHECK_AFTER_S": 1.0,
     "CHART_REFRESH_S": 0.5,
+    # Log-mode warnings wait this long for a bridge's first heartbeat (the default is minutes).
+    "BRIDGE_GRACE_S": 2.0,
 }
 
 
@@ -132,3 +134,20 @@ def redis_server(tmp_path):
     server = RedisServer(tmp_path).start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def simulator(run_dir):
+    """Starts the scale simulator's heartbeat writers (tests/bench/simulate.py) in the run directory."""
+    from tests.bench.simulate import Simulator
+
+    sims = []
+
+    def start(ranks: int, **kw) -> Simulator:
+        sim = Simulator(run_dir, ranks, **kw)
+        sims.append(sim)
+        return sim.start()
+
+    yield start
+    for sim in sims:
+        sim.stop()

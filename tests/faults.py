@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from tests.liveserver import LiveServer, start_dashboard
+from tests.liveserver import LiveServer, rank_rows, start_dashboard
 
 # Generous upper bounds for a shared 2-core machine; never a speed assertion.
 WAIT_S = 240.0
@@ -92,7 +92,7 @@ class Dashboard:
             return e.code, json.load(e)
 
     def rows(self) -> dict[int, dict]:
-        return {row["rank"]: row for row in self.get("/api/ranks")["ranks"]}
+        return {row["rank"]: row for row in rank_rows(self.url)}
 
     def wait(
         self, predicate, what: str, timeout: float = WAIT_S, poll: float = 0.1, path: str = "/api/ranks"

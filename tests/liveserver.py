@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -24,6 +25,17 @@ CHROMIUM_ARGS = [
     "--disable-sync",
     "--no-first-run",
 ]
+
+
+def rank_rows(url: str, timeout: float = 120.0) -> list[dict]:
+    """Every row of ``GET url/api/ranks``, page by page at the largest page it serves."""
+    rows, page, pages = [], 1, 1
+    while page <= pages:
+        with urllib.request.urlopen(f"{url}/api/ranks?per_page=1000&page={page}", timeout=timeout) as r:
+            body = json.load(r)
+        rows += body["ranks"]
+        pages, page = body["pages"], page + 1
+    return rows
 
 
 def free_port() -> int:

@@ -11,6 +11,7 @@ from app import create_app
 from app.__main__ import parse_args
 from app.config import SETTINGS, from_env
 from app.health import VERDICTS
+from app.main.routes import PER_PAGE_DEFAULT, PER_PAGE_MAX
 from app.metrics import METRICS
 from tests.heartbeats import heartbeat, write_heartbeat, write_job
 
@@ -76,6 +77,49 @@ def test_ranks_filter_by_verdict(client, run_dir):
     ]
 
 
+def test_ranks_come_a_page_at_a_time(client, run_dir):
+    write_job(run_dir, 7)
+    for r in (0, 3, 5):
+        write_heartbeat(run_dir, heartbeat(r, 7, state="failed", error="boom"))
+    body = client.get("/api/ranks").get_json()
+    assert (body["page"], body["per_page"], body["total"], body["pages"]) == (1, PER_PAGE_DEFAULT, 7, 1)
+    assert body["world_size"] == 7 and [r["rank"] for r in body["ranks"]] == list(range(7))
+
+    pages = [client.get(f"/api/ranks?per_page=3&page={p}").get_json() for p in (1, 2, 3)]
+    assert [[r["rank"] for r in b["ranks"]] for b in pages] == [[0, 1, 2], [3, 4, 5], [6]]
+    assert {(b["total"], b["pages"], b["per_page"], b["world_size"]) for b in pages} == {(7, 3, 3, 7)}
+    assert all(0 <= r["heartbeat_age_s"] < 600 for r in pages[0]["ranks"] if r["rank"] == 0)
+
+    # The verdict filter comes first: total and pages count the selected rows.
+    failed = client.get("/api/ranks?health=failed&per_page=2&page=2").get_json()
+    assert [r["rank"] for r in failed["ranks"]] == [5]
+    assert (failed["total"], failed["pages"], failed["world_size"]) == (3, 2, 7)
+    # An empty selection is one empty page, not an error.
+    none = client.get("/api/ranks?health=stalled").get_json()
+    assert (none["ranks"], none["total"], none["pages"], none["page"]) == ([], 0, 1, 1)
+
+
+@pytest.mark.parametrize(
+    "url, status, error",
+    [
+        (f"/api/ranks?per_page={PER_PAGE_MAX + 1}", 400, f"'per_page' may be at most {PER_PAGE_MAX}"),
+        ("/api/ranks?per_page=0", 400, "'per_page' must be a positive integer"),
+        ("/api/ranks?page=0", 400, "'page' must be a positive integer"),
+        ("/api/ranks?page=-1", 400, "'page' must be a positive integer"),
+        ("/api/ranks?page=1e3", 400, "'page' must be a positive integer"),
+        ("/api/ranks?page=" + "9" * 30, 400, "'page' must be a positive integer"),
+        ("/api/ranks?page=2", 404, "page 2 is past the last page, 1 (3 rows, 500 a page)"),
+        ("/api/ranks?per_page=2&page=3", 404, "page 3 is past the last page, 2"),
+    ],
+)
+def test_paging_bounds(client, run_dir, url, status, error):
+    write_job(run_dir, 3)
+    resp = client.get(url)
+    assert resp.status_code == status
+    body = resp.get_json()
+    assert set(body) == {"error", "status"} and body["status"] == status and error in body["error"]
+
+
 @pytest.mark.parametrize(
     "url, status",
     [
@@ -111,7 +155,7 @@ def test_a_bug_is_a_500_in_the_same_shape(client, app, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("bug")
 
-    monkeypatch.setattr(app.extensions["rankwatch"].state, "snapshot", broken)
+    monkeypatch.setattr(app.extensions["rankwatch"].state, "page", broken)
     resp = client.get("/api/ranks")
     assert resp.status_code == 500
     assert resp.get_json() == {"error": "internal error (a bug: see the dashboard's log)", "status": 500}

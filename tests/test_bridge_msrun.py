@@ -66,6 +66,23 @@ def test_flag_stops_every_rank_at_one_step_then_resume_ignores_the_served_flag(t
         assert hb["resumed_from"]["global_step"] == stop_step
         assert hb["global_step"] == resumed[-1] > stop_step
 
+    # A relaunch whose resume point is past the epochs it asks for (1 step per epoch here,
+    # 1 epoch, and the set is at stop_step >= 4) ends cleanly instead of Model.train's
+    # "epoch must bigger than initial_epoch" (issue 17): it says so and reports finished.
+    past = DemoJob(run, epochs=1, samples=64).start()
+    try:
+        assert past.wait() == 0, past.logs()
+    finally:
+        past.kill()
+    for r in range(2):
+        log = past.worker_log(r)
+        assert f"resumed at global step {stop_step}, past the 1 epochs asked for: nothing to train" in log, (
+            log
+        )
+        assert "initial_epoch" not in log and past.steps_logged(r) == []
+        hb = past.heartbeat(r)
+        assert hb["state"] == "finished" and hb["resumed_from"]["global_step"] == stop_step, dump(hb)
+
 
 def test_sigterm_to_one_rank_stops_every_rank_gracefully(tmp_path):
     run = tmp_path / "run"

@@ -65,6 +65,8 @@ def test_heartbeat_after_a_finished_run(tmp_path):
     assert (hb["epoch"], hb["step"]) == (2, STEPS_PER_EPOCH)
     assert isinstance(hb["loss"], float) and hb["batch_size"] == 4
     assert hb["rss_bytes"] > 0 and hb["world_size"] == 1
+    # The process's CPU so far, which a training process has used plenty of (MindSpore's import alone).
+    assert hb["cpu_seconds"] >= 0.1 and hb["cpu_seconds"] == round(hb["cpu_seconds"], 3)
     job = runfiles.read_json(runfiles.job_path(tmp_path))
     assert job["world_size"] == 1
     history = runfiles.history_path(tmp_path, 0).read_text().splitlines()
@@ -328,3 +330,33 @@ def test_loop_left_early_ends_the_rank_finished(tmp_path):
             break
     hb = runfiles.read_json(runfiles.heartbeat_path(tmp_path, 0))
     assert (hb["state"], hb["global_step"]) == ("finished", 2) and not bridge.stopped
+
+
+class _Position(Callback):
+    """After the bridge's step end: its epoch and step in epoch against LossMonitor's own counters."""
+
+    def __init__(self, bridge):
+        super().__init__()
+        self.bridge = bridge
+        self.seen = []
+
+    def on_train_step_end(self, run_context):
+        cb = run_context.original_args()
+        monitor = (cb.cur_epoch_num, (cb.cur_step_num - 1) % cb.batch_num + 1)
+        self.seen.append(((self.bridge.epoch, self.bridge.step_in_epoch), monitor))
+
+
+def test_bridge_epoch_and_step_in_epoch_are_loss_monitors(tmp_path):
+    data = ds.GeneratorDataset(_Source(), ["x", "y"], shuffle=False).batch(4)
+    net = nn.SequentialCell(nn.Dense(4, 8), nn.ReLU(), nn.Dense(8, 2))
+    model = Model(
+        net,
+        nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"),
+        nn.Momentum(net.trainable_params(), 0.01, 0.9),
+    )
+    bridge = GracefulExitBridge(tmp_path, heartbeat_interval_s=0.05)
+    assert (bridge.epoch, bridge.step_in_epoch) == (0, 0)  # before training
+    position = _Position(bridge)
+    model.train(2, data, callbacks=[bridge, position], dataset_sink_mode=False)
+    assert len(position.seen) == 2 * STEPS_PER_EPOCH
+    assert all(ours == monitor for ours, monitor in position.seen), position.seen

@@ -28,20 +28,6 @@ def cell(page, rank: int, col: str):
     return row(page, rank).locator(f'td[data-col="{col}"]')
 
 
-@pytest.fixture
-def simulator(run_dir):
-    sims = []
-
-    def start(ranks: int, **kw) -> Simulator:
-        sim = Simulator(run_dir, ranks, **kw)
-        sims.append(sim)
-        return sim.start()
-
-    yield start
-    for sim in sims:
-        sim.stop()
-
-
 def test_table_fills_and_follows_the_heartbeat_files(live_server, page, run_dir, console_errors):
     write_job(run_dir, 3)
     for r in range(3):

@@ -203,7 +203,7 @@ def test_sets_are_grouped_by_step_with_the_newest_complete_marked(client):
     partial = sets[bridge_id(30)]
     assert partial["complete"] is False
     assert partial["ranks_present"] == [0] and partial["ranks_missing"] == [1]
-    assert any("rank(s) 1" in n for n in partial["notes"])
+    assert any("no readable file for rank 1:" in n for n in partial["notes"])
     assert sets[bridge_id(10)]["complete"] is True
     assert body["total_bytes"] == sum(s["bytes"] for s in body["sets"])
 
@@ -230,7 +230,7 @@ def test_each_kind_of_damage_is_corrupt_with_a_reason(client):
     assert reasons[2] == ("corrupt", "empty file")
     assert reasons[3][0] == "corrupt" and reasons[3][1].startswith("not a checkpoint")
     assert reasons[4] == ("corrupt", "not a checkpoint: it looks like JSON")
-    assert any("unreadable file on rank(s) 1, 2, 3, 4" in n for n in damaged["notes"])
+    assert any("unreadable file on ranks 1, 2, 3, 4" in n for n in damaged["notes"])
 
 
 def test_a_ttp_set_says_why_missing_ranks_may_not_matter(client, run_dir):
@@ -365,6 +365,68 @@ def test_resume_from_the_bridge_default_set(client, run_dir):
     assert_loaded(net, run_dir / "checkpoints/rank_1/rankwatch-3_4.ckpt")
 
 
+class _Batches:
+    """STEPS_PER_EPOCH batches of 4 samples, each labelled with its batch number."""
+
+    def __getitem__(self, i):
+        return np.zeros(16, np.float32), np.array(i // 4, np.int32)
+
+    def __len__(self):
+        return 4 * STEPS_PER_EPOCH
+
+
+def test_resume_of_a_loop_set_gives_loop_code_and_msruns_whole_command(client, run_dir):
+    """A bridge.loop job: functional-loop code, run here, and msrun's options and environment kept."""
+    script = "/opt/job/train_loop.py"
+    write_job(
+        run_dir,
+        2,
+        argv=[script, "--epochs", "3"],
+        launcher_argv=[
+            "/venv/bin/python",
+            "-m",
+            "mindspore.parallel.cluster.run",
+            "--worker_num=2",
+            "--local_worker_num=2",
+            "--master_addr=127.0.0.1",
+            "--master_port=8118",
+            "--join=True",
+            "--log_dir",
+            "/runs/a b/msrun_logs",
+            script,
+            "--epochs",
+            "3",
+        ],
+        env={"MS_ENABLE_GRACEFUL_EXIT": "1", "GLOG_v": "2", "bad name;rm": "x"},
+        front_end="loop",
+    )
+    info = client.get("/api/checkpoints/resume", query_string={"set": bridge_id(20)}).get_json()
+    assert info["command"] == (
+        "MS_ENABLE_GRACEFUL_EXIT=1 GLOG_v=2 msrun --worker_num=2 --local_worker_num=2 "
+        "--master_port=8118 --log_dir '/runs/a b/msrun_logs' --join=True /opt/job/train_loop.py --epochs 3"
+    )
+    assert any("MS_ENABLE_GRACEFUL_EXIT=1" in n for n in info["command_notes"])
+    code = info["code"]
+    assert "model.train" not in code and "ms.load_param_into_net(network, params)" in code
+    # Run it as a loop would, as rank 1: the weights load and the rows after the set follow.
+    net = Small()
+    trained = []
+    scope = {
+        "network": net,
+        # These sets were saved without an optimizer (so global_step is a scalar in them):
+        # an optimizer cell would refuse that global_step, as with OnRequestExit's files.
+        "optimizer": nn.Cell(),
+        # STEPS_PER_EPOCH batches of 4, each labelled with its batch number.
+        "dataset": mds.GeneratorDataset(_Batches(), ["x", "y"], shuffle=False).batch(4),
+        "epochs": 3,
+        "train_step": lambda x, y: trained.append(int(y.asnumpy()[0])),
+    }
+    exec(compile(code.replace("rank = get_rank()", "rank = 1"), "resume", "exec"), scope)
+    assert_loaded(net, run_dir / "checkpoints/rank_1/rankwatch-3_4.ckpt")
+    # Saved at global step 20 of 8 per epoch: the third epoch's last 4 batches remain.
+    assert trained == [4, 5, 6, 7]
+
+
 def test_resume_from_an_older_bridge_set_says_how_to_pin_it(client):
     info = client.get("/api/checkpoints/resume", query_string={"set": bridge_id(10)}).get_json()
     assert info["bridge_default"] is False
@@ -394,7 +456,7 @@ def test_resume_of_an_incomplete_set_warns_and_multi_node_jobs_get_node_ranks(cl
     for r, host in ((0, "node-a"), (1, "node-b")):
         write_heartbeat(run_dir, heartbeat(r, 2, host=host))
     info = client.get("/api/checkpoints/resume", query_string={"set": bridge_id(30)}).get_json()
-    assert info["complete"] is False and "rank(s) 1" in info["warnings"][0]
+    assert info["complete"] is False and "rank 1 has no readable file" in info["warnings"][0]
     assert info["command"] == (
         "msrun --worker_num=2 --local_worker_num=1 --master_addr=node-a "
         '--node_rank="${NODE_RANK:?set NODE_RANK to the index of this node}" --join=True train.py'
@@ -445,7 +507,7 @@ def test_delete_removes_the_files_and_empty_rank_dirs_and_audits(client, sio, ru
         "delete",
         "alice",
         "disk full",
-        "deleted: 2 file(s)",
+        "deleted: 2 files",
     )
     assert json.loads(row["detail"])["files"] == result["deleted"]
 

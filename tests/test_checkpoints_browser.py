@@ -11,6 +11,7 @@ import pytest
 from playwright.sync_api import expect
 
 from tests.test_checkpoints_api import DAMAGED, TOKEN, bridge_id, save_bridge_set, write_damaged
+from tests.test_ckptmeta import save_small
 
 pytestmark = pytest.mark.browser
 
@@ -44,7 +45,13 @@ def test_new_sets_appear_live_and_the_newest_complete_stands_out(live_server, pa
     # A stop saves a newer set while the page is open: it appears without a reload.
     page.evaluate("window.notReloaded = true")
     save_bridge_set(run_dir, 20, ranks=(0,))
+    # A set's files are open: the new set waits, and says so, so that nothing moves under the pointer.
+    held = page.locator("#ckpt-held")
+    expect(held).to_contain_text("1 new set arrived", timeout=WAIT_MS)
+    expect(set_row(page, bridge_id(20))).to_have_count(0)
+    page.locator("#ckpt-held-show").click()
     expect(set_row(page, bridge_id(20))).to_have_attribute("data-complete", "false", timeout=WAIT_MS)
+    expect(held).to_be_hidden()
     expect(set_row(page, bridge_id(20)).locator('td[data-col="ranks"]')).to_contain_text("missing 1")
     expect(set_row(page, bridge_id(10))).to_have_attribute("data-newest", "true")
     save_bridge_set(run_dir, 20, ranks=(1,))
@@ -95,7 +102,7 @@ def test_resume_verify_and_a_confirmed_delete(live_server, page, run_dir, consol
     expect(submit).to_be_enabled()
     submit.click()
     expect(older).to_have_count(0, timeout=WAIT_MS)
-    expect(page.locator("#ckpt-flash")).to_contain_text("Deleted 2 file(s) of global step 10")
+    expect(page.locator("#ckpt-flash")).to_contain_text("Deleted 2 files of global step 10")
     assert not (run_dir / "checkpoints/rank_0/rankwatch-2_2.ckpt").exists()
     assert page.evaluate("sessionStorage.getItem('rankwatch.token')") == TOKEN
 
@@ -113,4 +120,51 @@ def test_resume_verify_and_a_confirmed_delete(live_server, page, run_dir, consol
     expect(submit).to_be_disabled()
     page.locator("#delete-cancel").click()
     expect(newest).to_have_count(1)
+    assert console_errors == []
+
+
+@pytest.mark.parametrize("live_env", [LIVE], indirect=True)
+def test_the_list_holds_still_under_the_pointer_and_says_how_the_next_launch_resumes(
+    live_server, page, run_dir, console_errors
+):
+    # Three launches of one script into one directory: MindSpore names them lenet, lenet_1, lenet_2.
+    for prefix in ("lenet", "lenet_1", "lenet_2"):
+        for r in (0, 1):
+            save_small(
+                run_dir / "ckpt" / f"rank_{r}" / f"{prefix}-1_8.ckpt",
+                {"epoch_num": 1, "step_num": 8, "batch_num": 8, "global_step": 8},
+            )
+    page.goto(live_server.url + "/checkpoints")
+    latest = set_row(page, "ckpt/rank_{rank}/lenet_2-{E}_{S}.ckpt#g8")
+    expect(latest.locator(".ckpt-series")).to_have_text("launch 3 of 3 of the lenet series", timeout=WAIT_MS)
+    expect(set_row(page, "ckpt/rank_{rank}/lenet-{E}_{S}.ckpt#g8").locator(".ckpt-series")).to_have_text(
+        "launch 1 of 3 of the lenet series"
+    )
+    # No bridge set: the headline does not promise a resume the next launch will not do, and offers the pin.
+    headline = page.locator("#ckpt-headline")
+    expect(headline).to_contain_text("Newest complete set: global step 8")
+    expect(headline).to_contain_text("An unchanged relaunch does not resume from it")
+    expect(headline.locator("code")).to_have_text("RANKWATCH_RESUME_STEP=8")
+    expect(headline).not_to_contain_text("Resume from")
+    expect(page.locator("#ckpt-meta")).to_contain_text("3 sets, ")
+
+    # The pointer rests on a row's Files button when a newer set arrives (it would go on top).
+    files = latest.locator("button", has_text="Files")
+    box = files.bounding_box()
+    x, y = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+    page.mouse.move(x, y)
+    save_bridge_set(run_dir, 10)
+    expect(page.locator("#ckpt-held")).to_contain_text("1 new set arrived", timeout=WAIT_MS)
+    expect(set_row(page, bridge_id(10))).to_have_count(0)
+    assert files.bounding_box() == box  # nothing moved, the note included
+    # The click lands on the row that was under the pointer.
+    page.mouse.click(x, y)
+    expect(page.locator('tr[data-detail-for="ckpt/rank_{rank}/lenet_2-{E}_{S}.ckpt#g8"]')).to_be_visible()
+    page.mouse.move(1, 1)
+    expect(set_row(page, bridge_id(10))).to_have_count(0)  # its files are open: still held
+    files.click()
+    page.mouse.move(1, 1)
+    expect(set_row(page, bridge_id(10))).to_have_attribute("data-newest", "true", timeout=WAIT_MS)
+    expect(headline).to_contain_text("Resume from global step 10")
+    expect(headline).to_contain_text("An unchanged relaunch with the bridge resumes from it.")
     assert console_errors == []

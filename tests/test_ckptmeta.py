@@ -267,7 +267,7 @@ def test_permission_denied_for_real(files, tmp_path):
 def test_missing_directory_and_fifo(tmp_path):
     assert read_meta(tmp_path / "gone.ckpt").reason == "unreadable: the file vanished"
     (tmp_path / "dir.ckpt").mkdir()
-    assert read_meta(tmp_path / "dir.ckpt").reason == "unreadable: is a directory"
+    assert read_meta(tmp_path / "dir.ckpt").reason == "not a checkpoint: not a regular file"
     os.mkfifo(tmp_path / "fifo.ckpt")
     assert read_meta(tmp_path / "fifo.ckpt").reason == "not a checkpoint: not a regular file"
 

@@ -116,6 +116,6 @@ def test_every_prometheus_metric_is_documented(client):
     text = section("Prometheus metrics")
     body = client.get("/metrics").get_data(as_text=True)
     names = {f.name for f in text_string_to_metric_families(body) if f.name.startswith("rankwatch_")}
-    # Counters are documented by their sample name (with _total); one-hot ones with their label.
+    # Counters are documented by their sample name (with _total); enums and infos with their labels.
     documented = set(re.findall(r"`(rankwatch_\w+?)(?:_total)?[`{]", text))
     assert sorted(names - documented) == []

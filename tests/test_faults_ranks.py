@@ -449,9 +449,11 @@ def test_slowed_rank_is_a_straggler_with_its_score(tmp_path, page):
     cores, and the delay weighs more.
     """
     run = tmp_path / "run"
+    # Far more epochs than the test needs: it kills the job when done, and on
+    # a loaded machine the verdict must not race the job's natural end.
     job = DemoJob(
         run,
-        epochs=3,
+        epochs=50,
         step_delay=0.0,
         extra=["--slow-rank", "1", "--slow-factor", "1.5", "--slow-after", "12"],
     ).start()
@@ -503,7 +505,10 @@ def test_slowed_rank_is_a_straggler_with_its_score(tmp_path, page):
         measure(
             "straggler.score", score, unit="", expected=round(expected, 3), wall_ms=wall_ms, samples=scores
         )
-        assert 0.6 * expected <= score <= min(1.5 * expected, 1 / 1.5), (expected, scores, reasons)
+        # The expectation assumes both ranks get the cores alike; with other
+        # work on the machine they do not, so the lower bound is loose. A score
+        # computed from the wrong figures (wall time, or the peer's) is far off.
+        assert 0.5 * expected <= score <= min(1.5 * expected, 1 / 1.5), (expected, scores, reasons)
         assert re.search(r"own work [\d.]+ ms vs peer median [\d.]+ ms", reasons[-1]), reasons[-1]
         expect(cell(page, 1, "health")).to_contain_text("straggler", timeout=UI_TIMEOUT_MS)
         expect(cell(page, 1, "reason")).to_contain_text("own work")

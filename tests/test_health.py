@@ -341,7 +341,8 @@ def test_starting_and_saving_are_never_stalled():
             started_at=T0 - 600,
         )
     ]
-    assert judge_sequences({0: starting}, T0 + 1, TH)[0].reason.startswith("starting")
+    first = judge_sequences({0: starting}, T0 + 1, TH)[0]
+    assert first.health == "starting" and "waiting for the first step" in first.reason
     saving = [heartbeat(0, 1, seq=1, now=T0, state="saving", last_step_at=T0 - 60)]
     assert judge_sequences({0: saving}, T0 + 1, TH)[0].health == "healthy"
 

@@ -70,7 +70,10 @@ def test_stack_dialog_grouped_view_and_policy(live_server, page, run_dir, consol
         # grouped view finds ranks 0 and 2 together in AllReduce.
         page.locator("#stacks-load").click()
         summary = page.locator("#stacks-text")
-        expect(summary).to_contain_text("ranks 0, 2 waiting in `AllReduce`", timeout=WAIT_MS)
+        # Names are code, not raw Markdown: no backtick reaches the page.
+        expect(summary).to_contain_text("ranks 0, 2 waiting in AllReduce", timeout=WAIT_MS)
+        expect(summary.locator("code", has_text="AllReduce").first).to_be_visible()
+        assert "`" not in summary.text_content()
         expect(page.locator("#stacks-groups > li")).to_have_count(2)
         expect(page.locator("#stacks-copy")).to_be_visible()
 

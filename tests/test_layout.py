@@ -5,6 +5,8 @@ Real ``python -m app`` and Chromium; heartbeat files in the bridge's format.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from playwright.sync_api import expect
 
@@ -113,3 +115,25 @@ def test_the_stop_button_is_disabled_once_the_job_has_ended_and_says_why(live_se
         write_heartbeat(run_dir, heartbeat(r, 2, seq=3, global_step=21))
     expect(stop).to_be_enabled(timeout=WAIT_MS)
     expect(stop).to_have_text("Stop gracefully")
+
+
+def test_health_at_a_glance_on_a_laptop_64_ranks(live_server, laptop, simulator, tmp_path, console_errors):
+    """The 3-second health test: at 1366x768 the page's state and at least 8 rank rows
+    are on screen without scrolling, on a healthy 64-rank job."""
+    simulator(64, period_s=0.5)
+    laptop.goto(live_server.url + "/")
+    pill = laptop.locator("#state-pill")
+    expect(pill).to_have_text(re.compile(r"^✓ All 64 ranks healthy · step "), timeout=WAIT_MS)
+    expect(laptop.locator("#rank-table tbody tr")).to_have_count(64, timeout=WAIT_MS)
+    # The heat map of a large job has drawn (it sits below the table, not above it).
+    expect(laptop.locator("#heatmap-section")).to_be_visible(timeout=WAIT_MS)
+    assert laptop.evaluate("window.scrollY") == 0
+    box = pill.bounding_box()
+    assert box["y"] >= 0 and box["y"] + box["height"] <= LAPTOP["height"], box
+    bottoms = laptop.evaluate(
+        "() => [...document.querySelectorAll('#rank-table tbody tr')].map(tr => tr.getBoundingClientRect().bottom)"
+    )
+    on_screen = sum(1 for b in bottoms if b <= LAPTOP["height"])
+    laptop.screenshot(path=str(tmp_path / "laptop-64.png"))
+    assert on_screen >= 8, (on_screen, bottoms[:10])
+    assert console_errors == []

@@ -73,7 +73,8 @@ def test_a_follower_pushes_nothing_while_redis_answers_and_its_own_view_while_it
         write_heartbeat(run_dir, heartbeat(r, 2))
     holder = redisbus.Leader(redis_server.url, redisbus.job_key(run_dir), 60.0)
     assert holder.step()  # another dashboard leads
-    app = _cluster_app(run_dir, redis_server.url)
+    # With the same LEADER_TTL_S: a lock with more left than this one's TTL is stale (redisbus.Leader).
+    app = _cluster_app(run_dir, redis_server.url, LEADER_TTL_S=60.0)
     watcher = app.extensions["rankwatch"].watcher
     assert socketio.server.manager is watcher.cluster.queue
     # No page yet, so no relay to wait for (tests/test_cluster.py has pages on both).

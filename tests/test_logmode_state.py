@@ -62,8 +62,8 @@ def test_log_ranks_show_step_loss_step_time_and_age(run_dir):
     st.scan(t0 + 1)
     first = rows(st, t0 + 1)
     assert [first[r]["source"] for r in (0, 1)] == ["log", "log"]
-    assert first[0]["state"] == "starting" and first[0]["health"] == "healthy"
-    assert first[0]["reason"] == "starting: no step in its log yet (compiling?)"
+    assert first[0]["state"] == "starting" and first[0]["health"] == "starting"
+    assert first[0]["reason"] == "up, no step in its log yet (compiling?)"
     # Five steps, 0.2 s apart, each rank; the dashboard looks after each.
     for s in range(1, 6):
         for r in (0, 1):

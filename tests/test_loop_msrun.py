@@ -8,6 +8,7 @@ batch's labels (their CRC in the step log) tell its place in the epoch.
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
@@ -69,6 +70,12 @@ def test_loop_flag_stops_every_rank_at_one_step_saves_optimizer_state_and_resume
         np.testing.assert_array_equal(p0[k].asnumpy(), p1[k].asnumpy(), err_msg=k)
     assert int(p0["global_step"].asnumpy()[0]) == stop_step  # the optimizer's own step
     assert np.abs(p0["moments.conv1.weight"].asnumpy()).sum() > 0
+    # job.json says how to relaunch this job: msrun's own options, and that it is a loop.
+    job_json = json.loads(runfiles.job_path(run).read_text())
+    assert job_json["front_end"] == "loop"
+    assert "mindspore.parallel.cluster.run" in job_json["launcher_argv"]
+    assert f"--log_dir={run / 'msrun_logs'}" in job_json["launcher_argv"]
+    assert any(a.startswith("--master_port=") for a in job_json["launcher_argv"])
 
     # Relaunch with the served flag still up: resume at the next step, on the
     # same data position, with the optimizer's state, and train to the end.
@@ -93,6 +100,9 @@ def test_loop_flag_stops_every_rank_at_one_step_saves_optimizer_state_and_resume
             if g + PER_EPOCH in crc_at:
                 assert crc == crc_at[g + PER_EPOCH], (r, g)
         assert "bridge.stopped False" in again.worker_log(r)
+        # bridge.epoch (printed by the demo) is the epoch each global step is in, resumed or not.
+        printed = re.findall(r"^step (\d+) epoch (\d+) ", again.worker_log(r), re.M)
+        assert printed and all(int(e) == (int(g) - 1) // PER_EPOCH + 1 for g, e in printed), printed[:5]
         hb = again.heartbeat(r)
         assert hb["state"] == "finished" and hb["stop"] is None, dump(hb)
         assert hb["resumed_from"]["global_step"] == stop_step

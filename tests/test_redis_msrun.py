@@ -94,3 +94,55 @@ def test_heartbeats_go_over_redis_and_training_outlives_redis(run_dir, tmp_path,
     finally:
         job.kill()
         server.stop()
+
+
+def test_with_a_key_forged_heartbeats_do_not_silence_a_real_job(run_dir, tmp_path, redis_server):
+    """Issue 19, item 4: someone republishes rank 1's heartbeat with a far higher seq, over and over.
+
+    With RANKWATCH_REDIS_KEY on both sides the forgeries are refused and
+    said so, rank 1's real heartbeats keep coming through, and the stop
+    completes on both ranks.
+    """
+    import redis
+
+    env = {redisbus.REDIS_URL_ENV: redis_server.url, redisbus.REDIS_KEY_ENV: "a-shared-key-for-this-job"}
+    job = DemoJob(run_dir, epochs=40, step_delay=0.05, env=env).start()
+    settings = {f"RANKWATCH_{k}": str(v) for k, v in FAST_SETTINGS.items()}
+    server = start_dashboard(run_dir, tmp_path / "dashboard.log", env={**settings, **env})
+    client = redis.Redis.from_url(redis_server.url)
+    stream, latest, _ = redisbus.keys(redisbus.job_key(run_dir))
+    try:
+        wait_for(
+            lambda: (
+                (v := api(server))["run"]["transport"] == "redis"
+                and len(v["ranks"]) == 2
+                and all(row["health"] == "healthy" for row in v["ranks"])
+                and client.hget(latest, "1")
+            ),
+            "both ranks healthy over Redis",
+            timeout=240,
+        )
+        forged_seq = 10**6
+        for _ in range(20):  # the attacker: rank 1's own newest heartbeat, with a higher seq
+            real = json.loads(client.hget(latest, "1"))
+            forged = json.dumps(real | {"seq": forged_seq}).encode()
+            client.xadd(stream, {"r": 1, "hb": forged})
+            client.hset(latest, "1", forged)
+        before = api(server)["ranks"][1]["seq"]
+        view = wait_for(
+            lambda: (
+                (v := api(server))["ranks"][1]["seq"] > before + 10
+                and "refused as unsigned or badly signed" in v["run"]["message"]
+                and v
+            ),
+            "rank 1's real heartbeats still read, the forgeries refused",
+        )
+        assert all(row["seq"] < forged_seq for row in view["ranks"]), dump(view["ranks"])
+        assert all(row["health"] == "healthy" for row in view["ranks"]), dump(view["ranks"])
+
+        write_flag(run_dir)
+        assert job.wait() == 0, job.logs()
+        job.stopped_together()
+    finally:
+        job.kill()
+        server.stop()

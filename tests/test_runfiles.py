@@ -62,7 +62,7 @@ def test_atomic_write_failure_keeps_old_file_and_cleans_up(tmp_path, monkeypatch
     target = tmp_path / "hb.json"
     runfiles.atomic_write_json(target, {"v": 1})
 
-    def broken_replace(src, dst):
+    def broken_replace(src, dst, **kwargs):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "replace", broken_replace)

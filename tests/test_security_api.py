@@ -185,7 +185,7 @@ def test_the_stop_service_survives_stop_records_it_cannot_use(tmp_path):
     assert status["state"] in ("requested", "stopping")
     json.dumps(service.estimate(ranks, len(odd)))
     service.tick(ranks, len(odd))
-    assert service.request("again", "op", None) == ("req-1", False, None)
+    assert service.request("again", "op", None) == ("req-1", False, None, None)
 
 
 def test_a_corrupt_audit_trail_does_not_block_the_stop(client, run_dir):
@@ -336,20 +336,79 @@ def test_token_guessing_backs_off(app, client, run_dir, how):
     statuses = [attempt(f"guess-{i}").status_code for i in range(100)]
     checked = statuses.count(401)
     assert checked <= 6 and statuses.count(429) == 100 - checked, statuses
-    r = attempt(TOKEN)  # even the right token waits: otherwise the guessing goes on
+    r = attempt("still-guessing")
     assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
-    assert r.get_json()["error"].startswith("too many wrong operator tokens from 127.0.0.1")
+    assert r.get_json()["error"].startswith("too many wrong operator tokens (from 127.0.0.1")
     # Each further failure doubles the wait, up to a minute.
     clock.now += 2
     assert attempt("guess-again").status_code == 401
-    assert int(attempt(TOKEN).headers["Retry-After"]) == 2  # 1 s, then 2 s, then 4 s...
-    clock.now += 61
-    assert attempt(TOKEN).status_code in (200, 202)  # the wait is over, and a right token clears it
+    assert int(attempt("and-again").headers["Retry-After"]) == 2  # 1 s, then 2 s, then 4 s...
+    # The right token is never refused (issue 19, item 5), and clears this address's record.
+    assert attempt(TOKEN).status_code in (200, 202)
     assert attempt("one-typo").status_code == 401
     assert attempt(TOKEN).status_code in (200, 202)
     # Another address is not held back by this one's guesses.
     other = client.post("/api/session", json={"token": "x"}, environ_base={"REMOTE_ADDR": "10.0.0.9"})
     assert other.status_code == 401
+
+
+def test_guessing_from_the_operator_s_address_never_locks_the_operator_out(app, client):
+    """Issue 19, item 5: while another client on the same address guesses, the right token gets 10 of 10."""
+    accepted = 0
+    for i in range(10):
+        for j in range(10):  # the attacker: wrong tokens, wrong Bearer headers, bogus login codes
+            client.post("/api/session", json={"token": f"wrong-{i}-{j}"})
+            client.post("/api/login", json={"code": f"bogus-{i}-{j}"})
+            client.post("/api/exit", json={"reason": "x"}, headers={"Authorization": f"Bearer no-{i}-{j}"})
+        assert client.post("/api/session", json={"token": "one-more"}).status_code == 429  # backing off
+        accepted += client.post("/api/session", json={"token": TOKEN}).status_code == 200
+    assert accepted == 10
+    # And a stop with the token goes through, in the middle of it.
+    client.post("/api/session", json={"token": "again"})
+    assert client.post("/api/exit", json={"reason": "real"}, headers=AUTH).status_code == 202
+    # A live login code is redeemed too.
+    code, _ = app.extensions["rankwatch_login"].mint()
+    assert client.post("/api/login", json={"code": code}).get_json() == {"token": TOKEN}
+
+
+def test_rotating_addresses_trips_the_global_limit_with_a_log_line_and_an_alert(run_dir, caplog):
+    """All of 127.0.0.0/8 is this machine: one address per guess gained a fresh backoff each time."""
+    from tests.receiver import Receiver
+
+    with Receiver() as hook:
+        app = create_app(
+            {
+                "RUN_DIR": str(run_dir),
+                "TESTING": True,
+                "TOKEN": TOKEN,
+                **FAST_SETTINGS,
+                "AUTH_FAILURES_PER_MIN": 20,
+                "WEBHOOK_URL": hook.url,
+            }
+        )
+        client = app.test_client()
+        try:
+            statuses = []
+            for i in range(100):
+                addr = {"REMOTE_ADDR": f"127.{i // 250}.{i % 250}.{1 + i % 7}"}
+                way = i % 2
+                if way:
+                    r = client.post("/api/session", json={"token": f"guess-{i}"}, environ_base=addr)
+                else:
+                    r = client.post("/api/login", json={"code": f"guess-{i}"}, environ_base=addr)
+                statuses.append(r.status_code)
+            assert statuses[:20] == [401] * 20 and statuses[20:] == [429] * 80, statuses
+            assert "too many wrong" in r.get_json()["error"] and int(r.headers["Retry-After"]) >= 1
+            # The right token from any address still works.
+            ok = client.post("/api/session", json={"token": TOKEN}, environ_base={"REMOTE_ADDR": "127.9.9.9"})
+            assert ok.status_code == 200
+            lines = [r.getMessage() for r in caplog.records if "AUTH_FAILURES_PER_MIN" in r.getMessage()]
+            assert len(lines) == 1 and "someone may be guessing" in lines[0], lines
+            alert = hook.wait_for(lambda got: [p for p in got if p.get("event") == "auth_flood"], "the alert")
+            assert len(alert) == 1 and "AUTH_FAILURES_PER_MIN" in alert[0]["text"]
+        finally:
+            app.extensions["rankwatch"].watcher.stop()
+            app.extensions["rankwatch"].incidents.alerts.sender.close()
 
 
 @pytest.mark.parametrize(

@@ -47,7 +47,7 @@ def hb(rank, rid=None, stage=None, stop_step=None, **at):
 
 
 def test_request_writes_native_flag_and_audits(service, tmp_path):
-    rid, created, _ = service.request("npu 3 ECC", "alice", "127.0.0.1")
+    rid, created, *_ = service.request("npu 3 ECC", "alice", "127.0.0.1")
     flag = json.loads(runfiles.flag_path(tmp_path).read_text())
     assert created and flag["GracefulExit"] == 1 and flag["request_id"] == rid
     assert flag["reason"] == "npu 3 ECC" and flag["requested_by"] == "alice"
@@ -72,26 +72,30 @@ def test_concurrent_requests_make_one_request_and_two_audit_rows(service, tmp_pa
         t.start()
     for t in threads:
         t.join()
-    assert len({rid for rid, _, _ in results}) == 1
-    assert sorted(created for _, created, _ in results) == [False, True]
+    assert len({rid for rid, *_ in results}) == 1
+    assert sorted(created for _, created, *_ in results) == [False, True]
     rows = service.audit.rows()
     assert len(rows) == 2 and {r["outcome"].split(":")[0] for r in rows} == {"accepted", "duplicate"}
 
 
 def test_lifecycle_and_summary(service):
-    rid, _, _ = service.request("r", "alice", None)
+    rid, *_ = service.request("r", "alice", None)
     t = time.time()
     ranks = {0: hb(0), 1: hb(1)}
     s = service.status(ranks, 2, t)
     assert s["state"] == "requested" and [r["stage"] for r in s["ranks"]] == ["requested"] * 2
-    assert s["can_cancel"] and s["holding_up"] == [0, 1]
+    # Every rank at the same stage: nobody is behind anybody.
+    assert s["can_cancel"] and s["holding_up"] == []
+    assert service.status(ranks, 2, t + 60)["holding_up"] == []
 
     ranks = {0: hb(0, rid, "seen", seen=t), 1: hb(1)}
     s = service.status(ranks, 2, t)
-    assert s["state"] == "stopping" and s["holding_up"] == [1] and s["can_cancel"]
+    # Behind, but only just: a normal stop, no culprit yet.
+    assert s["state"] == "stopping" and s["holding_up"] == [] and s["can_cancel"]
+    assert service.status(ranks, 2, t + service.holding_after_s + 1)["holding_up"] == [1]
 
     ranks = {0: hb(0, rid, "agreed", 8, agreed=t), 1: hb(1, rid, "saving", 8, saving=t)}
-    s = service.status(ranks, 2, t)
+    s = service.status(ranks, 2, t + service.holding_after_s + 1)
     assert not s["can_cancel"] and s["stop_step"] == 8 and s["holding_up"] == [0]
 
     ranks = {r: hb(r, rid, "exited", 8, exited=t + 2) for r in (0, 1)}
@@ -102,7 +106,7 @@ def test_lifecycle_and_summary(service):
 
 def test_late_rank_is_flagged_after_the_deadline(tmp_path):
     service = StopService(str(tmp_path), AuditLog(tmp_path / "a.sqlite3"), deadline_s=10, auto_rearm=True)
-    rid, _, _ = service.request("r", "alice", None)
+    rid, *_ = service.request("r", "alice", None)
     now = time.time()
     ranks = {0: hb(0, rid, "saved", 4, saved=now), 1: hb(1)}
     assert service.status(ranks, 2, now + 5)["late"] == []
@@ -110,7 +114,7 @@ def test_late_rank_is_flagged_after_the_deadline(tmp_path):
 
 
 def test_cancel_only_before_agreement(service, tmp_path):
-    rid, _, _ = service.request("r", "alice", None)
+    rid, *_ = service.request("r", "alice", None)
     with pytest.raises(ApiError) as e:
         service.cancel({0: hb(0, rid, "agreed", 4)}, "bob", None, "oops")
     assert e.value.status == 409
@@ -125,7 +129,7 @@ def test_cancel_only_before_agreement(service, tmp_path):
 
 
 def test_tick_records_completion_once_and_rearms(service, tmp_path):
-    rid, _, _ = service.request("r", "alice", None)
+    rid, *_ = service.request("r", "alice", None)
     done = {r: hb(r, rid, "exited", 8, exited=time.time()) for r in (0, 1)}
     service.tick({0: done[0], 1: hb(1, rid, "saved", 8)}, 2)
     assert runfiles.read_flag(tmp_path).exit  # not complete yet
@@ -141,7 +145,7 @@ def test_tick_records_completion_once_and_rearms(service, tmp_path):
 
 
 def test_rearm_refused_mid_stop_unless_forced(service, tmp_path):
-    rid, _, _ = service.request("r", "alice", None)
+    rid, *_ = service.request("r", "alice", None)
     ranks = {0: hb(0, rid, "saving", 3), 1: hb(1)}
     with pytest.raises(ApiError) as e:
         service.rearm(ranks, 2, "bob", None, None)

@@ -33,6 +33,7 @@ class BeatSink:
     """Write one rank's heartbeats; ``write`` raises only OSError, from the file."""
 
     def __init__(self, run_dir, rank: int, world_size: int, url: str | None = None, clock=time.monotonic):
+        self.run_dir = run_dir
         self.path = runfiles.heartbeat_path(run_dir, rank)
         self.rank = rank
         self._clock = clock
@@ -52,7 +53,9 @@ class BeatSink:
             )
             log.warning("rankwatch: %s", self._setup_error)
             return
-        self.publisher = redisbus.Publisher(url, redisbus.job_key(run_dir), world_size, clock=clock)
+        self.publisher = redisbus.Publisher(
+            url, redisbus.job_key(run_dir), world_size, key=redisbus.env_key(), clock=clock
+        )
 
     @property
     def warnings(self) -> list[str]:
@@ -78,7 +81,7 @@ class BeatSink:
         if not published or state != "training" or state != self._last_state or now >= self._file_due:
             # No fsync: os.replace already keeps readers from torn files, and a
             # heartbeat lost to a power cut is replaced a second later.
-            runfiles.atomic_write_bytes(self.path, data, fsync=False)
+            runfiles.atomic_write_bytes(self.path, data, fsync=False, root=self.run_dir)
             self._file_due = now + FILE_EVERY_S
         self._last_state = state
 

@@ -19,7 +19,7 @@ from mindspore.train import Callback
 
 from trainer_bridge import loop as _loop
 from trainer_bridge.engine import Engine, Settings
-from trainer_bridge.saving import ResumePoint, Served, data_position, find_resume_point, served_requests
+from trainer_bridge.saving import ResumePoint, Served, find_resume_point, served_requests
 
 __all__ = ["GracefulExitBridge", "ResumePoint", "Served", "find_resume_point", "served_requests"]
 
@@ -76,6 +76,7 @@ class GracefulExitBridge(Callback):
         )
         self._engine = Engine(self.run_dir, self.settings)
         self._data_aligned = False
+        self._finished = False
 
     @property
     def stopped(self) -> bool:
@@ -92,6 +93,27 @@ class GracefulExitBridge(Callback):
         if engine.counters is None:
             return 0
         return engine.counters.global_step + engine.in_step
+
+    @property
+    def epoch(self) -> int:
+        """The epoch (from 1) ``global_step`` is in, as ``LossMonitor`` prints it; 0 before training."""
+        return self._position()[0]
+
+    @property
+    def step_in_epoch(self) -> int:
+        """``global_step``'s step within its epoch (from 1), as ``LossMonitor`` prints it; 0 before training."""
+        return self._position()[1]
+
+    def _position(self) -> tuple[int, int]:
+        engine = self._engine
+        step = self.global_step
+        per_epoch = engine.counters.per_epoch if engine.counters is not None else None
+        if step <= 0:
+            return 0, 0
+        if not per_epoch:
+            return engine.counters.epoch, step
+        done, within = divmod(step - 1, per_epoch)
+        return done + 1, within + 1
 
     # ---------------------------------------------------------- functional loop
     def loop(self, dataset, *, network, optimizer, epochs: int = 1):
@@ -111,21 +133,37 @@ class GracefulExitBridge(Callback):
         self._engine.reported_loss = loss
 
     # ----------------------------------------------------------------- Model.train
-    def resume(self, dataset=None) -> int:
+    def resume(self, dataset=None, epochs: int | None = None) -> int:
         """Find the set to resume from; return the ``initial_epoch`` for ``Model.train``.
 
         Pass the training dataset so it starts at the step after the
         checkpoint (``Dataset.set_init_step`` skips the finished part of that
         epoch). Call it before ``model.train(..., initial_epoch=...)``.
+
+        Pass ``epochs`` (``Model.train``'s) too: if the set already covers
+        them, it logs why, reports the rank finished and sets ``finished``;
+        skip ``model.train`` then, which refuses such an ``initial_epoch``.
         """
-        point = self._engine.find_resume()
-        if point is None or dataset is None:
+        if dataset is None or self._engine.find_resume() is None:
             return 0
-        initial_epoch, skip = data_position(point.global_step, dataset.get_dataset_size())
+        size = dataset.get_dataset_size()
+        initial_epoch, skip, nothing_left = self._engine.resume_position(size, epochs)
+        if nothing_left:
+            batch = dataset.get_batch_size() if hasattr(dataset, "get_batch_size") else None
+            # Reported like a loop with nothing left: begun and ended at once, as finished.
+            self._engine.begin([], epoch=initial_epoch + 1, per_epoch=size, global_step=0, batch_size=batch)
+            self._engine.end()
+            self._finished = True
+            return initial_epoch
         if skip:
             dataset.set_init_step(skip)
         self._data_aligned = True
         return initial_epoch
+
+    @property
+    def finished(self) -> bool:
+        """True when ``resume(dataset, epochs=N)`` found nothing left to train: skip ``model.train``."""
+        return self._finished
 
     def on_train_begin(self, run_context):
         # cb_params is a dict whose missing attributes raise KeyError.

@@ -57,6 +57,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
+from trainer_bridge import safeio
+
 # Payloads up to this size are read so that scalars can be decoded; anything
 # larger is skipped with a seek.
 SCALAR_MAX_BYTES = 64
@@ -277,6 +279,8 @@ def read_meta(path: str | os.PathLike, with_params: bool = False, fd: int | None
     fmt = FORMATS.get(os.path.splitext(path)[1].lower())
     try:
         f = _open(path) if fd is None else os.fdopen(os.dup(fd), "rb")
+    except safeio.NotRegular:
+        return _corrupt(path, fmt, "not a checkpoint: not a regular file")
     except OSError as e:
         return _corrupt(path, fmt, _unreadable(e))
     with f:
@@ -325,8 +329,8 @@ def read_meta(path: str | os.PathLike, with_params: bool = False, fd: int | None
 
 
 def _open(path: str) -> BinaryIO:
-    """Open for reading without blocking: a FIFO named like a checkpoint must not hang a scan."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    """Open without blocking or following a symlink: a FIFO named like a checkpoint must not hang a scan."""
+    fd, _ = safeio.open_regular(path)
     try:
         return os.fdopen(fd, "rb")
     except BaseException:

@@ -153,8 +153,38 @@ class Engine:
                 self.resume_point = saving.find_resume_point(index, rank, self.settings.resume_step)
         return self.resume_point
 
+    def resume_position(self, per_epoch: int, epochs: int | None) -> tuple[int, int, bool]:
+        """(first epoch, 0-based; batches of it already trained; nothing left to train).
+
+        Nothing is left when the set resumed from already covers the
+        ``epochs`` asked for (a relaunch with fewer epochs than the stop was
+        in): ``Model.train`` would refuse an ``initial_epoch`` at or past its
+        ``epoch``, so both front ends say so here and train nothing.
+        """
+        point = self.find_resume()
+        if point is None:
+            return 0, 0, False
+        first, skip = saving.data_position(point.global_step, per_epoch)
+        over = epochs is not None and first >= epochs
+        if over:
+            log.warning(
+                "rankwatch: resumed at global step %d, past the %d epochs asked for: nothing to train",
+                point.global_step,
+                epochs,
+            )
+        return first, skip, over
+
     # -------------------------------------------------------------- lifecycle
-    def begin(self, cells, *, epoch: int, per_epoch: int | None, global_step: int, batch_size) -> int:
+    def begin(
+        self,
+        cells,
+        *,
+        epoch: int,
+        per_epoch: int | None,
+        global_step: int,
+        batch_size,
+        front_end: str = "callback",
+    ) -> int:
         """Start reporting; resume ``cells`` (what a stop saves) if a set is found.
 
         Returns the global step training continues after (the resumed set's, or ``global_step``).
@@ -205,6 +235,7 @@ class Engine:
             sync_interval_s=s.sync_interval_s,
             batch_size=batch_size,
             resumed=point,
+            front_end=front_end,
         )
         self.reporter.start()
         if s.handle_sigterm and threading.current_thread() is threading.main_thread():

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 
-from trainer_bridge import saving
 from trainer_bridge.engine import Engine
 
 log = logging.getLogger("trainer_bridge")
@@ -24,23 +23,20 @@ def rows(engine: Engine, dataset, network, optimizer, epochs: int):
         raise ValueError(f"GracefulExitBridge.loop: epochs must be an int >= 1, got {epochs!r}")
     per_epoch = dataset.get_dataset_size()
     batch_size = dataset.get_batch_size() if hasattr(dataset, "get_batch_size") else None
-    point = engine.find_resume()
-    first_epoch = 0
-    if point is not None:
-        # The same data position: skip the part of the epoch already trained.
-        first_epoch, skip = saving.data_position(point.global_step, per_epoch)
-        if skip and first_epoch < epochs:
-            dataset.set_init_step(skip)  # the first epoch of the next iterator only
+    # The same data position: skip the part of the epoch already trained.
+    first_epoch, skip, nothing_left = engine.resume_position(per_epoch, epochs)
+    if skip and not nothing_left:
+        dataset.set_init_step(skip)  # the first epoch of the next iterator only
     engine.begin(
-        [network, optimizer], epoch=first_epoch + 1, per_epoch=per_epoch, global_step=0, batch_size=batch_size
+        [network, optimizer],
+        epoch=first_epoch + 1,
+        per_epoch=per_epoch,
+        global_step=0,
+        batch_size=batch_size,
+        front_end="loop",
     )
     try:
-        if first_epoch >= epochs:
-            log.warning(
-                "rankwatch: resumed at global step %d, past the %d epochs asked for: nothing to train",
-                point.global_step,
-                epochs,
-            )
+        if nothing_left:
             return
         iterator = dataset.create_tuple_iterator(num_epochs=epochs - first_epoch)
         counters = engine.counters

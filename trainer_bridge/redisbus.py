@@ -18,6 +18,15 @@ Keys, per job (``rankwatch:{job}``):
                 starts, restarts or fell behind the stream's trimming;
 ``{p}:leader``  which dashboard process leads (``Leader``, app/cluster.py).
 
+**Signatures** (``RANKWATCH_REDIS_KEY``, optional, the same on both sides):
+whoever can write to Redis could otherwise publish any rank's heartbeat,
+for instance one with a higher ``seq``, after which the real ones are
+ignored. With a key, the bridge signs every heartbeat it publishes
+(HMAC-SHA256 over the job, the rank and the exact bytes published; the
+stream entry's ``s`` field, the hash's ``{rank}:s`` field) and the
+dashboard drops the unsigned and the badly signed ones, counts them and
+says so once in its log and on the page (``Subscriber.refused``).
+
 ``job`` is ``RANKWATCH_REDIS_JOB`` when set (nodes that mount the run
 directory at different paths must set the same one), else a digest of the
 run directory's real path. Nothing here imports mindspore.
@@ -31,6 +40,7 @@ rate again.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 import os
 import socket
@@ -39,6 +49,7 @@ import uuid
 
 REDIS_URL_ENV = "RANKWATCH_REDIS_URL"
 REDIS_JOB_ENV = "RANKWATCH_REDIS_JOB"
+REDIS_KEY_ENV = "RANKWATCH_REDIS_KEY"
 # Heartbeats kept in the stream per rank: a dashboard may fall this many
 # heartbeats behind (seconds, at 1 Hz) before it resynchronises from the hash.
 STREAM_PER_RANK = 8
@@ -49,6 +60,9 @@ STREAM_MIN = 10_000
 SOCKET_TIMEOUT_S = 0.5
 # After a failure, try again at most this often.
 RETRY_S = 5.0
+# With a key, a leader lock signed longer ago than its TTL and this (for
+# clocks that differ between hosts) was not renewed by its holder.
+LOCK_SKEW_S = 30.0
 
 log = logging.getLogger("trainer_bridge")
 
@@ -63,6 +77,32 @@ def job_key(run_dir: str | os.PathLike) -> str:
     if explicit:
         return explicit
     return hashlib.sha1(os.path.realpath(run_dir).encode()).hexdigest()[:16]
+
+
+def env_key() -> bytes | None:
+    """``RANKWATCH_REDIS_KEY`` as bytes, or None when unset or blank."""
+    raw = os.environ.get(REDIS_KEY_ENV, "").strip()
+    return raw.encode() if raw else None
+
+
+def signature(key: bytes, purpose: str, job: str, name: str, data: bytes) -> bytes:
+    """HMAC-SHA256 (hex) of ``data``, bound to what it is for, the job and a name (a rank).
+
+    The binding keeps a signed message valid only where it was published:
+    rank 3's heartbeat cannot be replayed as rank 5's, nor one job's as another's.
+    """
+    head = f"rankwatch/{purpose}\0{job}\0{name}\0".encode()
+    return hmac.new(key, head + data, hashlib.sha256).hexdigest().encode()
+
+
+def signed(key: bytes | None, purpose: str, job: str, name: str, data: bytes, sig) -> bool:
+    """Whether ``sig`` is ``data``'s signature (True without a key: nothing is checked)."""
+    if key is None:
+        return True
+    if not isinstance(sig, bytes | str):
+        return False
+    sig = sig.encode() if isinstance(sig, str) else sig
+    return hmac.compare_digest(sig, signature(key, purpose, job, name, data))
 
 
 def keys(job: str) -> tuple[str, str, str]:
@@ -128,17 +168,25 @@ class _Guarded:
 class Publisher(_Guarded):
     """The bridge's side: publish one rank's heartbeats."""
 
-    def __init__(self, url: str, job: str, world_size: int, **kw):
+    def __init__(self, url: str, job: str, world_size: int, key: bytes | None = None, **kw):
         super().__init__(url, job, **kw)
         self.maxlen = max(STREAM_MIN, STREAM_PER_RANK * world_size)
+        self.key = key
 
     def publish(self, rank: int, heartbeat_json: bytes) -> bool:
         """Add the heartbeat to the stream and the hash in one round trip; False if Redis is down."""
 
+        entry: dict = {"r": rank, "hb": heartbeat_json}
+        latest: dict = {str(rank): heartbeat_json}
+        if self.key is not None:
+            sig = signature(self.key, "hb", self.job, str(rank), heartbeat_json)
+            entry["s"] = latest[f"{rank}:s"] = sig
+
         def send(client):
             pipe = client.pipeline(transaction=False)
-            pipe.xadd(self.stream, {"r": rank, "hb": heartbeat_json}, maxlen=self.maxlen, approximate=True)
-            pipe.hset(self.latest, str(rank), heartbeat_json)
+            pipe.xadd(self.stream, entry, maxlen=self.maxlen, approximate=True)
+            # One HSET: the heartbeat and its signature change together.
+            pipe.hset(self.latest, mapping=latest)
             pipe.execute()
 
         try:
@@ -156,12 +204,32 @@ class Subscriber(_Guarded):
     reader had seen, or after Redis came back) returns the hash's newest
     heartbeat of every rank instead: a resynchronisation. Raises
     RedisUnavailable when Redis cannot be reached.
+
+    With ``key``, heartbeats without a valid signature are left out:
+    ``refused`` counts them and ``refused_last`` says which was the last.
     """
 
-    def __init__(self, url: str, job: str, batch: int = 20_000, **kw):
+    def __init__(self, url: str, job: str, batch: int = 20_000, key: bytes | None = None, **kw):
         super().__init__(url, job, **kw)
         self.batch = batch
+        self.key = key
+        self.refused = 0
+        self.refused_last: str | None = None
         self._last_id: bytes | None = None
+
+    def _checked(self, rank: int, data: bytes, sig, where: str) -> bool:
+        if signed(self.key, "hb", self.job, str(rank), data, sig):
+            return True
+        self.refused += 1
+        self.refused_last = f"rank {rank}'s heartbeat in the {where}, {'badly signed' if sig else 'unsigned'}"
+        if self.refused == 1:
+            log.warning(
+                "rankwatch: refused %s (%s is set): is something else writing to redis at %s?",
+                self.refused_last,
+                REDIS_KEY_ENV,
+                _safe_url(self.url),
+            )
+        return False
 
     def poll(self) -> list[tuple[int, bytes]]:
         try:
@@ -184,7 +252,7 @@ class Subscriber(_Guarded):
         out = []
         for key, value in latest.items():
             rank = _rank(key)
-            if rank is not None:
+            if rank is not None and self._checked(rank, value, latest.get(key + b":s"), "hash"):
                 out.append((rank, value))
         out.sort()
         return out
@@ -208,7 +276,11 @@ class Subscriber(_Guarded):
             for entry_id, fields in entries:
                 rank = _rank(fields.get(b"r"))
                 data = fields.get(b"hb")
-                if rank is not None and data is not None:
+                if (
+                    rank is not None
+                    and data is not None
+                    and self._checked(rank, data, fields.get(b"s"), "stream")
+                ):
                     out.append((rank, data))
                 self._last_id = entry_id
             if len(entries) < self.batch or len(out) >= 4 * self.batch:
@@ -216,38 +288,93 @@ class Subscriber(_Guarded):
 
 
 class Leader(_Guarded):
-    """A dashboard process's claim on ``{p}:leader``: redis-py's lock, renewed every tick.
+    """A dashboard process's claim on ``{p}:leader``: ``SET NX PX``, renewed every tick.
 
     ``step()`` renews the lock when this process holds it and tries to take
-    it otherwise (``SET NX PX``), and returns whether this process leads.
-    While Redis is unreachable nobody can be elected, so ``step()`` keeps the
-    role it had. The lock's value names the holder (``token``): host, pid
-    and a random tag.
+    it otherwise, and returns whether this process leads. While Redis is
+    unreachable nobody can be elected, so ``step()`` keeps the role it had.
+    The lock's value names the holder (``token``): host, pid and a random
+    tag; with ``key``, followed by when it was last renewed and a signature
+    of both, made anew at every renewal.
+
+    **Stale locks.** A dashboard always sets the lock with a TTL of
+    ``ttl_s`` and renews it every tick, so a lock that has no TTL, or more
+    than ``ttl_s`` left, was not set by a live dashboard of this job (whoever
+    can write to Redis could otherwise hold the lead for ever): it is deleted
+    and taken over. With ``key``, so is a lock whose value is not signed, or
+    was signed more than ``ttl_s + LOCK_SKEW_S`` ago (a copied value, renewed
+    by someone without the key). Every dashboard of a job must therefore use
+    the same ``LEADER_TTL_S``.
     """
 
-    def __init__(self, url: str, job: str, ttl_s: float, **kw):
+    # Compare-and-set and compare-and-delete: only the holder's own value is renewed or released.
+    _RENEW = (
+        "if redis.call('get', KEYS[1]) == ARGV[1] then "
+        "redis.call('set', KEYS[1], ARGV[2], 'PX', ARGV[3]) return 1 end return 0"
+    )
+    _DELETE_IF = (
+        "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+    )
+
+    def __init__(self, url: str, job: str, ttl_s: float, key: bytes | None = None, clock=time.time, **kw):
         super().__init__(url, job, **kw)
         self.ttl_s = ttl_s
+        self.key = key
+        self.wall = clock
         self.token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.value: str | None = None  # what this process last wrote, while it leads
         self.leads = False
         self.where = _safe_url(url)
+        self.taken_over: str | None = None  # the last stale lock this process replaced, and why
 
-    def _lock(self, client):
-        lock = client.lock(self.leader, timeout=self.ttl_s, blocking=False, thread_local=False)
-        lock.local.token = self.token.encode()
-        return lock
+    def _new_value(self) -> str:
+        if self.key is None:
+            return self.token
+        at = f"{self.wall():.0f}"
+        return (
+            f"{self.token} {at} {signature(self.key, 'leader', self.job, at, self.token.encode()).decode()}"
+        )
+
+    def _stale(self, client) -> None:
+        """Delete the lock if no live dashboard of this job can have set it (see the class)."""
+        pipe = client.pipeline()  # one transaction: the TTL is the value's
+        pipe.get(self.leader)
+        pipe.pttl(self.leader)
+        raw, pttl = pipe.execute()
+        if raw is None:
+            return
+        why = None
+        if pttl == -1:
+            why = "it has no TTL"
+        elif pttl > self.ttl_s * 1000:
+            why = f"its TTL ({pttl / 1000:.0f} s) is longer than LEADER_TTL_S ({self.ttl_s:g} s)"
+        elif self.key is not None:
+            parts = raw.split(b" ")
+            at = parts[1].decode(errors="replace") if len(parts) == 3 else ""
+            if not (len(parts) == 3 and signed(self.key, "leader", self.job, at, parts[0], parts[2])):
+                why = f"it is not signed with {REDIS_KEY_ENV}"
+            elif not abs(self.wall() - float(at)) <= self.ttl_s + LOCK_SKEW_S:
+                why = f"it was signed {self.wall() - float(at):.0f} s ago, not renewed by its holder"
+        if why and client.eval(self._DELETE_IF, 1, self.leader, raw):
+            self.taken_over = f"{raw.partition(b' ')[0].decode(errors='replace')[:100]!r}: {why}"
+            log.warning("rankwatch: took over the leader lock %s", self.taken_over)
 
     def step(self) -> bool:
-        from redis.exceptions import LockNotOwnedError
+        ttl_ms = int(self.ttl_s * 1000)
 
         def renew_or_take(client) -> bool:
-            lock = self._lock(client)
-            if self.leads:
-                try:
-                    return lock.reacquire()
-                except LockNotOwnedError:
-                    pass  # expired (a stall longer than the TTL) or Redis restarted empty: try again
-            return lock.acquire(token=self.token)
+            value = self._new_value()
+            if self.leads and self.value is not None:
+                if client.eval(self._RENEW, 1, self.leader, self.value, value, ttl_ms):
+                    self.value = value
+                    return True
+                # Expired (a stall longer than the TTL) or Redis restarted empty: try again.
+            if not client.set(self.leader, value, nx=True, px=ttl_ms):
+                self._stale(client)
+                if not client.set(self.leader, value, nx=True, px=ttl_ms):
+                    return False
+            self.value = value
+            return True
 
         try:
             self.leads = self._call(renew_or_take)
@@ -261,18 +388,19 @@ class Leader(_Guarded):
             raw = self._call(lambda client: client.get(self.leader))
         except RedisUnavailable:
             return None
-        return raw.decode(errors="replace") if raw else None
+        return raw.partition(b" ")[0].decode(errors="replace") if raw else None
 
     def release(self) -> None:
         """Give the lock up (a clean shutdown), so that a follower need not wait for it to expire."""
-        from redis.exceptions import LockError
-
         if not self.leads:
             return
         self.leads = False
+        value, self.value = self.value, None
+        if value is None:
+            return
         try:
-            self._call(lambda client: self._lock(client).release())
-        except (RedisUnavailable, LockError):
+            self._call(lambda client: client.eval(self._DELETE_IF, 1, self.leader, value))
+        except RedisUnavailable:
             pass
 
 

@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from trainer_bridge import runfiles, schema
+from trainer_bridge import launch, runfiles, safeio, schema
 from trainer_bridge.beatsink import BeatSink
 from trainer_bridge.counters import Counters, Snapshot
 from trainer_bridge.device import DeviceProbe
@@ -65,6 +65,7 @@ class Reporter:
         sync_interval_s: float,
         batch_size: int | None,
         resumed: ResumePoint | None,
+        front_end: str | None = None,
     ):
         self.run_dir = run_dir
         self.rank, self.world = rank, world
@@ -74,6 +75,7 @@ class Reporter:
         self.poll_interval_s = poll_interval_s
         self.sync_interval_s = sync_interval_s
         self.batch_size = batch_size
+        self.front_end = front_end
         self.state = "starting"
         self.reporter_cpu_ms = 0.0
         self.loss: float | None = None
@@ -190,7 +192,7 @@ class Reporter:
     # ------------------------------------------------------ thread side
     def start(self) -> None:
         try:
-            runfiles.state_dir(self.run_dir).mkdir(parents=True, exist_ok=True)
+            safeio.makedirs(self.run_dir, runfiles.STATE_DIR)
         except OSError as e:
             self._report_io_error(e)
         if self.rank == 0:
@@ -298,7 +300,7 @@ class Reporter:
             self._last_step_ms = times_ms[-1]
         per_epoch = snap.per_epoch or 0
         gstep = snap.global_step
-        cpu, rss = self._process_stats()
+        cpu, cpu_s, rss = self._process_stats()
         totals = (snap.in_total, snap.out_total, snap.steps_total)
         steps = totals[2] - self._totals[2]
         if steps:
@@ -331,6 +333,7 @@ class Reporter:
             step_times_ms=times_ms,
             batch_size=self.batch_size,
             cpu_percent=cpu,
+            cpu_seconds=cpu_s,
             rss_bytes=rss,
             device=self._device.sample(),
             time=time.time(),
@@ -361,15 +364,20 @@ class Reporter:
         return time.time() - (time.perf_counter() - snap.last_step_end)
 
     def _process_stats(self):
+        """(CPU percent since the last call, CPU seconds so far, RSS bytes); Nones if psutil fails."""
         import psutil
 
         try:
             if self._process is None:
                 self._process = psutil.Process()
                 self._process.cpu_percent(None)  # the first call only primes the counter
-            return self._process.cpu_percent(None), self._process.memory_info().rss
+            times = self._process.cpu_times()
+            # Cumulative, so a scraper can take a rate over any window (the percent
+            # covers only the last heartbeat's); milliseconds are all it resolves.
+            cpu_s = round(times.user + times.system, 3)
+            return self._process.cpu_percent(None), cpu_s, self._process.memory_info().rss
         except psutil.Error:
-            return None, None
+            return None, None, None
 
     def _write_heartbeat(self, history: bool = False) -> None:
         with self._lock:
@@ -393,8 +401,9 @@ class Reporter:
                 os.replace(path, f"{path}.1")
         except FileNotFoundError:
             pass
-        with open(path, "ab") as f:
-            f.write(line)
+        # Never blocks and follows nothing: a FIFO or a symlink put at the
+        # history's name is refused (NotRegular, an OSError reported once).
+        safeio.append(self.run_dir, safeio.relative(self.run_dir, path), line)
 
     def _report_io_error(self, e: OSError) -> None:
         message = f"cannot write to {runfiles.state_dir(self.run_dir)}: {e.strerror or e}"
@@ -411,10 +420,13 @@ class Reporter:
                 host=self._host,
                 pid=os.getpid(),
                 argv=[_clip(a, schema.MAX_PATH) for a in sys.argv[:256]],
+                launcher_argv=launch.launcher_argv(),
+                env=launch.job_env(),
+                front_end=self.front_end,
                 checkpoint_dir=runfiles.CHECKPOINT_DIR,
                 sync_interval_s=self.sync_interval_s,
             )
-            runfiles.atomic_write_bytes(runfiles.job_path(self.run_dir), job.to_json())
+            runfiles.atomic_write_bytes(runfiles.job_path(self.run_dir), job.to_json(), root=self.run_dir)
         except OSError as e:
             self._report_io_error(e)
         except schema.SchemaError as e:

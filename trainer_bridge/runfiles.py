@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from trainer_bridge import safeio
+from trainer_bridge.safeio import FileTooLarge, NotRegular  # noqa: F401  (re-exported)
 
 HEARTBEAT_SCHEMA = 1
 FLAG_NAME = "graceful_exit.json"
@@ -58,10 +60,6 @@ RESUME_STEP_ENV = "RANKWATCH_RESUME_STEP"
 STATES = ("starting", "training", "stopping", "saving", "exited", "finished", "failed")
 # Stop stages a rank reports under "stop": {"stage": ...}.
 STOP_STAGES = ("seen", "agreed", "saving", "saved", "exited")
-
-
-class FileTooLarge(ValueError):
-    """A run-directory file larger than any the bridge or the dashboard writes."""
 
 
 class FlagError(ValueError):
@@ -114,49 +112,41 @@ def checkpoint_path(run_dir: str | os.PathLike, rank: int, epoch: int, step_in_e
     )
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes, fsync: bool = True) -> None:
+def atomic_write_bytes(
+    path: str | os.PathLike, data: bytes, fsync: bool = True, *, root: str | os.PathLike | None = None
+) -> None:
     """Replace ``path`` with ``data`` so readers never see a partial file.
 
-    The temporary file lives in the target's directory because ``os.replace``
-    is only atomic within one file system.
+    ``root`` is the run directory ``path`` lies under: the walk from it
+    follows no symlink (``safeio.write_atomic``), so a symlinked
+    ``rankwatch/`` cannot send the write elsewhere. Without it only the
+    file's own directory is trusted as given.
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    if root is None:
+        root, rel = path.parent, path.name
+    else:
+        rel = safeio.relative(root, path)
+    safeio.write_atomic(root, rel, data, fsync=fsync)
 
 
-def atomic_write_json(path: str | os.PathLike, obj: Any, fsync: bool = True) -> None:
-    atomic_write_bytes(path, json.dumps(obj, separators=(",", ":")).encode(), fsync=fsync)
+def atomic_write_json(
+    path: str | os.PathLike, obj: Any, fsync: bool = True, *, root: str | os.PathLike | None = None
+) -> None:
+    atomic_write_bytes(path, json.dumps(obj, separators=(",", ":")).encode(), fsync=fsync, root=root)
 
 
 def read_capped(path: str | os.PathLike, limit: int = MAX_FILE_BYTES) -> bytes:
-    """A file's bytes; FileTooLarge (without reading it) if it holds more than ``limit``.
+    """A regular file's bytes; FileTooLarge (without reading it) if it holds more than ``limit``.
 
     Every file in the run directory is untrusted input: this bounds what one
-    can make a reader allocate. The size is checked on the open file and at
-    most ``limit + 1`` bytes are read, so a file that grows in between cannot
+    can make a reader allocate, and never blocks (``safeio.read_regular``:
+    a FIFO, socket, device, directory or symlink is ``safeio.NotRegular``,
+    an OSError). The size is checked on the open file and at most
+    ``limit + 1`` bytes are read, so a file that grows in between cannot
     slip through.
     """
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size > limit:
-            raise FileTooLarge(f"{Path(path).name} is {size} bytes, more than the {limit} allowed")
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise FileTooLarge(f"{Path(path).name} grew past the {limit} bytes allowed while being read")
-    return data
+    return safeio.read_regular(path, limit)
 
 
 def read_json(path: str | os.PathLike) -> Any:
@@ -234,7 +224,7 @@ def write_flag(run_dir: str | os.PathLike, exit: bool, **extra: Any) -> dict:
     ``OnRequestExit`` only looks at ``GracefulExit``.
     """
     obj = {FLAG_KEY: 1 if exit else 0, **extra}
-    atomic_write_json(flag_path(run_dir), obj)
+    atomic_write_json(flag_path(run_dir), obj, root=run_dir)
     return obj
 
 

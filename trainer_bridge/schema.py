@@ -88,7 +88,16 @@ RequestId = Annotated[str, Field(min_length=1, max_length=MAX_REQUEST_ID)]
 
 
 class SchemaError(ValueError):
-    """A run-directory file that does not match its schema; the message names the field."""
+    """A run-directory file that does not match its schema; the message names the field.
+
+    ``public`` is the same without any of the file's content (no value it
+    held): what a page may show to viewers without the token, since the
+    file may be a symlink's target or another user's data.
+    """
+
+    def __init__(self, message: str, public: str | None = None):
+        super().__init__(message)
+        self.public = public if public is not None else message
 
 
 class _Model(BaseModel):
@@ -213,6 +222,9 @@ class Heartbeat(_Model):
     cpu_percent: Annotated[float, Field(ge=0, le=1e5)] | None = Field(
         None, description="the process's CPU use, from psutil (100 = one core)"
     )
+    cpu_seconds: Annotated[float, Field(ge=0, le=1e12)] | None = Field(
+        None, description="the process's CPU time so far (user + system, all threads), from psutil"
+    )
     rss_bytes: Bytes | None = Field(None, description="the process's resident memory, from psutil")
     device: Device | None = Field(
         None, description="the accelerator (below); null without `npu-smi`/`nvidia-smi`"
@@ -252,6 +264,23 @@ class Job(_Model):
     argv: Annotated[list[Annotated[str, Field(max_length=MAX_PATH)]], Field(max_length=256)] = Field(
         default_factory=list, description="the training script's `sys.argv` (for the relaunch command)"
     )
+    launcher_argv: Annotated[list[Annotated[str, Field(max_length=MAX_PATH)]], Field(max_length=256)] = Field(
+        default_factory=list,
+        description="msrun's own command line (rank 0's parent), with its options; empty when not launched by msrun",
+    )
+    env: Annotated[
+        dict[
+            Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")],
+            Annotated[str, Field(max_length=MAX_PATH)],
+        ],
+        Field(max_length=64),
+    ] = Field(
+        default_factory=dict,
+        description="the `MS_*`, `GLOG_*`, `HCCL_*` and `ASCEND_*` variables the job ran with (not msrun's own)",
+    )
+    front_end: Literal["callback", "loop"] | None = Field(
+        None, description="how the bridge is attached: `Model.train`'s callback or `bridge.loop`"
+    )
     checkpoint_dir: Path_ = Field(
         "checkpoints", description="where the bridge saves, relative to the run directory"
     )
@@ -280,17 +309,29 @@ M = TypeVar("M", bound=_Model)
 
 
 def _explain(e: ValidationError) -> str:
-    """The first problem, in one line that names the field: 'pid: must be >= 1 (got -1)'."""
+    """``_error``'s message alone."""
+    return _error(e).args[0]
+
+
+def _error(e: ValidationError) -> SchemaError:
+    """The first problem, in one line that names the field: 'pid: must be >= 1 (got -1)'.
+
+    Its ``public`` leaves out the value: 'pid: must be >= 1'.
+    """
     err = e.errors(include_url=False)[0]
-    where = ".".join(str(p) for p in err["loc"]) or "file"
+    # Field names come from the schema, but a dict's keys come from the file.
+    where = ".".join(str(p) if isinstance(p, int) or len(str(p)) <= 40 else "?" for p in err["loc"]) or "file"
     value = repr(err.get("input"))
     value = value if len(value) <= 40 else value[:37] + "..."
     more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
     if err["type"] in ("json_invalid", "json_type"):
-        return f"not valid JSON: {err['msg'].removeprefix('Invalid JSON: ')}"
+        return SchemaError(f"not valid JSON: {err['msg'].removeprefix('Invalid JSON: ')}", "not valid JSON")
     if err["type"] == "missing":
-        return f"{where}: missing{more}"
-    return f"{where}: {err['msg'].lower()} (got {value}){more}"
+        return SchemaError(f"{where}: missing{more}")
+    # Pydantic's messages name the expectation, never the input: only "got" shows content.
+    return SchemaError(
+        f"{where}: {err['msg'].lower()} (got {value}){more}", f"{where}: {err['msg'].lower()}{more}"
+    )
 
 
 # ---------------------------------------------------------------- a bad device figure
@@ -348,7 +389,7 @@ def parse(model: type[M], data: bytes | str) -> M:
         return model.model_validate_json(data)
     except ValidationError as e:
         if not _device_at_fault(model, e):
-            raise SchemaError(_explain(e)) from None
+            raise _error(e) from None
     # Only a heartbeat whose device alone is wrong gets here: keep the rest.
     try:
         obj = json.loads(data)
@@ -367,11 +408,11 @@ def build(model: type[M], /, **fields: Any) -> M:
         return model(**fields)
     except ValidationError as e:
         if not _device_at_fault(model, e):
-            raise SchemaError(_explain(e)) from None
+            raise _error(e) from None
     try:
         return model(**_without_bad_device(fields))
     except ValidationError as e:
-        raise SchemaError(_explain(e)) from None
+        raise _error(e) from None
 
 
 def validate(model: type[M], obj: Any) -> M:
@@ -383,11 +424,11 @@ def validate(model: type[M], obj: Any) -> M:
         return model.model_validate(obj)
     except ValidationError as e:
         if not (_device_at_fault(model, e) and isinstance(obj, dict)):
-            raise SchemaError(_explain(e)) from None
+            raise _error(e) from None
     try:
         return model.model_validate(_without_bad_device(obj))
     except ValidationError as e:
-        raise SchemaError(_explain(e)) from None
+        raise _error(e) from None
 
 
 def load(model: type[M], path: str | os.PathLike) -> M:

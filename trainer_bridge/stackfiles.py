@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError
 
-from trainer_bridge import runfiles, schema
+from trainer_bridge import runfiles, safeio, schema
 
 TRIGGERS = ("request", "stall")
 SOURCES = ("bridge", "py-spy")
@@ -31,6 +32,10 @@ MAX_NATIVE_FRAMES = 32
 MAX_TEXT = 192 * 1024
 # A capture file is refused above this; the bounds above keep ours well under.
 MAX_CAPTURE_BYTES = 512 * 1024
+# Entries of a rank's capture directory looked at: the bridge keeps
+# 2 x KEEP_PER_TRIGGER there, so more is junk, and junk must cost no more.
+MAX_LISTED = 256
+CAPTURE_NAME = re.compile(r"\d{1,20}-(" + "|".join(TRIGGERS) + r")\.json")
 
 Text = Annotated[str, Field(max_length=1000)]
 # What one frame keeps: enough to read, small enough that 64 threads of 64
@@ -179,33 +184,44 @@ def capture_name(capture: Capture) -> str:
 
 
 def write_capture(run_dir: str | os.PathLike, capture: Capture) -> Path:
-    """Write ``capture`` atomically into its rank's directory, then drop the oldest beyond the bound."""
+    """Write ``capture`` atomically into its rank's directory, then drop the oldest beyond the bound.
+
+    Through ``safeio``'s walk from the run directory: a symlinked
+    ``stacks/`` or ``rank_{r}/`` cannot send the write, or the clean-up's
+    unlinks, outside it. Only regular files with a capture's name count.
+    """
     folder = runfiles.stack_captures_dir(run_dir, capture.rank)
-    folder.mkdir(parents=True, exist_ok=True)
+    rel = safeio.relative(run_dir, folder)
     path = folder / capture_name(capture)
-    runfiles.atomic_write_bytes(path, capture.to_json(), fsync=False)
+    safeio.write_atomic(run_dir, f"{rel}/{path.name}", capture.to_json(), fsync=False)
     by_trigger: dict[str, list[str]] = collections.defaultdict(list)
-    for name in os.listdir(folder):
-        stem, _, ext = name.rpartition(".")
-        trigger = stem.rpartition("-")[2]
-        if ext == "json" and trigger in TRIGGERS and not name.startswith("."):
-            by_trigger[trigger].append(name)
+    with safeio.pinned_dir(run_dir, rel) as pinned:
+        entries, _ = safeio.scan_regular(pinned, MAX_LISTED)
+    for entry in entries:
+        m = CAPTURE_NAME.fullmatch(entry.name)
+        if m:
+            by_trigger[m.group(1)].append(entry.name)
     for names in by_trigger.values():
         for old in sorted(names)[:-KEEP_PER_TRIGGER]:
             try:
-                os.unlink(folder / old)
-            except FileNotFoundError:
+                safeio.unlink(run_dir, f"{rel}/{old}")
+            except OSError:
                 pass
     return path
 
 
 def capture_files(run_dir: str | os.PathLike, rank: int) -> list[Path]:
-    """Rank ``rank``'s capture files, newest first (names sort by capture time)."""
+    """Rank ``rank``'s capture files, newest first (names sort by capture time).
+
+    Only regular files named like a capture, among the first ``MAX_LISTED``
+    entries: a directory stuffed with junk costs a bounded listing.
+    """
     folder = runfiles.stack_captures_dir(run_dir, rank)
     try:
-        names = [n for n in os.listdir(folder) if n.endswith(".json") and not n.startswith(".")]
+        entries, _ = safeio.scan_regular(folder, MAX_LISTED)
     except OSError:
         return []
+    names = [e.name for e in entries if CAPTURE_NAME.fullmatch(e.name)]
     return [folder / n for n in sorted(names, reverse=True)]
 
 
@@ -218,13 +234,12 @@ def load_capture(path: str | os.PathLike) -> Capture:
     try:
         return Capture.model_validate_json(data)
     except ValidationError as e:
-        raise schema.SchemaError(schema._explain(e)) from None
+        raise schema._error(e) from None
 
 
 def write_request(run_dir: str | os.PathLike, rank: int | None, request: Request) -> Path:
     path = runfiles.stack_request_path(run_dir, rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    runfiles.atomic_write_bytes(path, request.to_json())
+    runfiles.atomic_write_bytes(path, request.to_json(), root=run_dir)
     return path
 
 

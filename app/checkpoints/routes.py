@@ -17,6 +17,7 @@ from app.checkpoints import bp
 from app.errors import ApiError
 from app.extensions import rankwatch, socketio
 from app.push import CHECKPOINTS_EVENT, VERIFY_EVENT
+from trainer_bridge import runfiles
 
 WHO_DEFAULT = "operator"
 
@@ -50,6 +51,7 @@ def page():
             )
         },
         "scan_s": current_app.config["CHECKPOINT_SCAN_S"],
+        "resume_step_env": runfiles.RESUME_STEP_ENV,
     }
     return render_template("checkpoints.html", page_config=config)
 

@@ -21,7 +21,7 @@ subprocess).
 from __future__ import annotations
 
 import errno
-import ipaddress
+import inspect
 import json
 import os
 import re
@@ -31,12 +31,13 @@ import time
 from collections.abc import Callable, Mapping
 from typing import BinaryIO
 
-from app import safefs
 from app.audit import AuditLog
+from app.checkpoints import relaunch
+from app.checkpoints.relaunch import relaunch_command
 from app.checkpoints.verify import Verifier
 from app.errors import ApiError
 from app.push import Changed
-from trainer_bridge import ckptindex, runfiles
+from trainer_bridge import ckptindex, native, runfiles, safeio
 from trainer_bridge.ckptindex import (
     ORIGIN_BRIDGE,
     ORIGIN_NATIVE,
@@ -147,7 +148,9 @@ class CheckpointService:
         now = time.time()
         body = index.to_dict()
         default = bridge_default(index)
+        series = _launch_series([s["layout"] for s in body["sets"]])
         for s in body["sets"]:
+            s["series"] = series.get(s["layout"])
             # The cached index may be a scan old; ages are as of this answer.
             s["age_s"] = round(max(0.0, now - s["mtime"]), 3)
             s["notes"] = self._notes(s, default)
@@ -168,10 +171,10 @@ class CheckpointService:
         if s["origin"] == ORIGIN_TTP:
             notes.append(TTP_NOTE)
         if s["ranks_corrupt"]:
-            notes.append(f"unreadable file on rank(s) {_ranks(s['ranks_corrupt'])}: see each file's reason")
+            notes.append(f"unreadable file on {_ranks(s['ranks_corrupt'], True)}: see each file's reason")
         if s["ranks_missing"]:
             notes.append(
-                f"no readable file for rank(s) {_ranks(s['ranks_missing'])}: "
+                f"no readable file for {_ranks(s['ranks_missing'], True)}: "
                 "those ranks cannot resume from this set"
             )
         return notes
@@ -198,7 +201,7 @@ class CheckpointService:
         (the audit database, the job's data) can be fetched. ``safe_path``
         refuses ``..``, absolute paths and symlinks that leave the run
         directory (a 400 that says so); the file is then opened through
-        ``app.safefs``, one directory at a time without following a symlink,
+        ``trainer_bridge.safeio``, one directory at a time without following a symlink,
         so a directory swapped for a symlink since any check cannot redirect
         it. Returns (the open file, its name for the download, its size).
         """
@@ -206,7 +209,7 @@ class CheckpointService:
             raise ApiError(409, NO_RUN_DIR)
         try:
             ckptindex.safe_path(self.run_dir, rel)
-            safefs.parts(rel)
+            safeio.parts(rel)
         except (ValueError, OSError) as e:
             raise ApiError(400, str(e).removeprefix("safe_path: ")) from None
         index = self.index(world)
@@ -218,11 +221,11 @@ class CheckpointService:
                 "(only the files GET /api/checkpoints lists can be downloaded)",
             )
         try:
-            fd, st = safefs.open_file(os.path.realpath(self.run_dir), rel)
+            fd, st = safeio.open_file(os.path.realpath(self.run_dir), rel)
         except OSError as e:
             raise ApiError(
                 403 if e.errno in (errno.EPERM, errno.EACCES) else 404,
-                f"cannot open {rel!r}: {safefs.why(e)}",
+                f"cannot open {rel!r}: {safeio.why(e)}",
             ) from None
         # A file name may hold control characters (a newline), which no header can carry.
         return os.fdopen(fd, "rb"), re.sub(r"[\x00-\x1f\x7f]", "_", rel.rsplit("/", 1)[-1]), st.st_size
@@ -267,9 +270,9 @@ class CheckpointService:
             deleted, failed, dirs = self._remove(cset)
             self.verifier.forget(cset.id)
             outcome = (
-                f"deleted: {len(deleted)} file(s)"
+                f"deleted: {_files(len(deleted))}"
                 if not failed
-                else f"partial: deleted {len(deleted)} of {len(cset.files)} file(s)"
+                else f"partial: deleted {len(deleted)} of {_files(len(cset.files))}"
             )
             self.audit.record(
                 "delete",
@@ -295,7 +298,7 @@ class CheckpointService:
     def _remove(self, cset: CheckpointSet) -> tuple[list[str], list[dict], list[str]]:
         """Unlink each file of the set, and the per-rank directories it leaves empty.
 
-        Through ``app.safefs``: each unlink is made on a descriptor of the
+        Through ``trainer_bridge.safeio``: each unlink is made on a descriptor of the
         file's own directory reached without following a symlink, so a
         directory swapped for a symlink since the scan cannot make it remove
         a file outside the run directory.
@@ -304,12 +307,12 @@ class CheckpointService:
         deleted, failed, dirs = [], [], set()
         for f in cset.files:
             try:
-                safefs.unlink(root, f.path)
+                safeio.unlink(root, f.path)
             except OSError as e:
                 if e.errno != errno.ENOENT:  # a file already gone is what a delete wants
-                    failed.append({"path": f.path, "error": safefs.why(e)})
+                    failed.append({"path": f.path, "error": safeio.why(e)})
                     continue
-            except safefs.UnsafePath as e:
+            except safeio.UnsafePath as e:
                 failed.append({"path": f.path, "error": str(e)})
                 continue
             deleted.append(f.path)
@@ -333,7 +336,7 @@ class CheckpointService:
                 break
             rel = "/".join(parts[:depth])
             try:
-                safefs.rmdir(root, rel)
+                safeio.rmdir(root, rel)
             except OSError:
                 break  # not empty (or gone, or swapped): leave it and everything above
             removed.append(rel)
@@ -348,9 +351,16 @@ class CheckpointService:
         job = runfiles.read_json_or_none(runfiles.job_path(self.run_dir))
         job = job if isinstance(job, dict) else {}
         command, command_notes = relaunch_command(job, cset.world_size, heartbeats)
+        loop = job.get("front_end") == "loop" and cset.origin == ORIGIN_BRIDGE
         position = _position(cset)
         is_default = default is not None and default.id == cset.id
-        if is_default:
+        if cset.origin == ORIGIN_NATIVE:
+            how = (
+                "OnRequestExit saved this set and loads it again by itself when the script starts: "
+                "run the code below before model.train (it makes the file loadable and aligns the "
+                "data), then relaunch the job as it was launched."
+            )
+        elif is_default:
             how = (
                 "Relaunch the job unchanged: the bridge loads this set on every rank at train "
                 "begin and continues with the next step. The code below is what it does, for a "
@@ -383,7 +393,8 @@ class CheckpointService:
         warnings = []
         if not cset.complete:
             warnings.append(
-                f"this set is incomplete: rank(s) {_ranks(cset.ranks_missing)} have no "
+                f"this set is incomplete: {_ranks(cset.ranks_missing, True)} "
+                f"{'has' if len(cset.ranks_missing) == 1 else 'have'} no "
                 "readable file"
                 + (f". {TTP_NOTE}" if cset.origin == ORIGIN_TTP else ", so those ranks cannot load it")
             )
@@ -402,20 +413,55 @@ class CheckpointService:
             "command": command,
             "command_notes": command_notes,
             **position,
-            "code": load_code(self.run_dir, cset, position),
+            "code": load_code(self.run_dir, cset, position, loop=loop),
             "warnings": warnings,
         }
 
 
-def _ranks(ranks) -> str:
+# ModelCheckpoint's file name: PREFIX-EPOCH_STEP.ckpt; on a name collision (a relaunch into
+# the same directory) MindSpore saves as PREFIX_1, PREFIX_2, ... (ckptindex's layout: -{E}_{S}).
+_SERIES_RE = re.compile(r"^(?P<base>.+?)(?:_(?P<n>\d+))?-\{E\}_\{S\}(?P<ext>\.\w+)$")
+
+
+def _launch_series(layouts: list[str]) -> dict[str, dict]:
+    """Layouts that are one series saved by successive launches, labelled by launch.
+
+    ``lenet``, ``lenet_1``, ``lenet_2`` in one directory are not three models but
+    three launches: ``{layout: {"base": "lenet", "launch": 1..3, "launches": 3}}``
+    for each, so the page can say so instead of listing look-alike duplicates.
+    """
+    groups: dict[tuple, dict[int, str]] = {}
+    for layout in set(layouts):
+        head, _, name = layout.rpartition("/")
+        m = _SERIES_RE.match(name)
+        if m:
+            n = int(m["n"]) if m["n"] else 0
+            groups.setdefault((head, m["base"], m["ext"]), {})[n] = layout
+    out = {}
+    for (_, base, _), members in groups.items():
+        if 0 not in members or len(members) < 2:
+            continue  # "resnet_50" alone is a name, not a relaunch
+        order = sorted(members)
+        for i, n in enumerate(order):
+            out[members[n]] = {"base": base, "launch": i + 1, "launches": len(order)}
+    return out
+
+
+def _ranks(ranks, word: bool = False) -> str:
+    """``1, 2, 3``; with ``word``, ``rank 1`` or ``ranks 1, 2, 3`` (a real plural, not "rank(s)")."""
     ranks = list(ranks)
     shown = ", ".join(map(str, ranks[:12]))
-    return shown + (f" and {len(ranks) - 12} more" if len(ranks) > 12 else "")
+    shown += f" and {len(ranks) - 12} more" if len(ranks) > 12 else ""
+    return (f"rank {shown}" if len(ranks) == 1 else f"ranks {shown}") if word else shown
+
+
+def _files(n: int) -> str:
+    return f"{n} file" if n == 1 else f"{n} files"
 
 
 def _describe(cset: CheckpointSet | None) -> str:
     if cset is None:
-        return "no set"
+        return "no set (it resumes only from its own saves, and has none: it would start from scratch)"
     where = f"global step {cset.global_step}" if cset.global_step is not None else cset.id
     return f"the {cset.origin} set at {where}"
 
@@ -463,11 +509,16 @@ def _rank_template(f: CheckpointFile, layout: str) -> str:
     return "/".join(out)
 
 
-def load_code(run_dir: str, cset: CheckpointSet, position: Mapping) -> str:
-    """Python that loads ``cset`` on every rank and starts training where it stopped."""
+def load_code(run_dir: str, cset: CheckpointSet, position: Mapping, *, loop: bool = False) -> str:
+    """Python that loads ``cset`` on every rank and starts training where it stopped.
+
+    ``loop``: the job trained in a functional loop (``bridge.loop``), not ``Model.train``.
+    """
     files = {r: cset.file_for(r) for r in range(cset.world_size)}
     files = {r: f for r, f in files.items() if f is not None}
     templates = {_rank_template(f, cset.layout) for f in files.values()}
+    if cset.origin == ORIGIN_NATIVE and len(templates) == 1 and not cset.ranks_missing:
+        return _native_code(run_dir, templates.pop())
     fmt = next((f.meta.format for f in files.values()), "ckpt")
     extra = ', format="safetensors"' if fmt == "safetensors" else ""
     lines = [
@@ -487,20 +538,22 @@ def load_code(run_dir: str, cset: CheckpointSet, position: Mapping) -> str:
         path_expr = 'f"{run}/{paths[rank]}"'
     if cset.ranks_missing:
         lines.append(
-            f"# no readable file for rank(s) {_ranks(cset.ranks_missing)} in this set"
+            f"# no readable file for {_ranks(cset.ranks_missing, True)} in this set"
             + (" (TTP: load a replica's copy)" if cset.origin == ORIGIN_TTP else "")
         )
+    where = (
+        f"global step {cset.global_step}"
+        if cset.global_step is not None
+        else f"epoch {cset.epoch}, step {cset.step}"
+    )
+    if loop:
+        return "\n".join(relaunch.loop_code(path_expr, lines, where, position, cset.global_step)) + "\n"
     lines += [
         "# train_net: the cell being trained, optimizer included (the bridge loads Model's",
         "# train network), so the optimizer state resumes too",
         f"ms.load_checkpoint({path_expr}, net=train_net{extra})",
         "",
     ]
-    where = (
-        f"global step {cset.global_step}"
-        if cset.global_step is not None
-        else f"epoch {cset.epoch}, step {cset.step}"
-    )
     per_epoch, initial_epoch, skip = (
         position["steps_per_epoch"],
         position["initial_epoch"],
@@ -528,78 +581,37 @@ def load_code(run_dir: str, cset: CheckpointSet, position: Mapping) -> str:
             "# the data, with the weights loaded",
             "model.train(epochs, dataset, callbacks=callbacks)",
         ]
-    if cset.origin == ORIGIN_NATIVE:
-        lines.insert(0, "# OnRequestExit saved this set; MindSpore has no automatic resume from it")
     return "\n".join(lines) + "\n"
 
 
-# RFC 1123 labels, plus the underscore some clusters' host names carry.
-_HOST_LABEL = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?$")
+def _native_code(run_dir: str, template: str) -> str:
+    """An OnRequestExit set: OnRequestExit reloads it itself once its ``global_step`` fits.
 
-
-def is_host_name(host: str) -> bool:
-    """Whether ``host`` is an IP address or a DNS host name, and nothing a shell would read as more."""
-    if not isinstance(host, str) or not 0 < len(host) <= 253:
-        return False
-    try:
-        ipaddress.ip_address(host)
-        return True
-    except ValueError:
-        pass
-    return all(_HOST_LABEL.match(label) for label in host.removesuffix(".").split("."))
-
-
-def relaunch_command(
-    job: Mapping, world: int, heartbeats: Mapping[int, dict | None]
-) -> tuple[str | None, list[str]]:
-    """The ``msrun`` command that starts the job again, from ``job.json``'s ``argv``.
-
-    msrun runs ``python <script> <args>`` on every worker, so the script's
-    own argv follows msrun's options. The node count comes from the hosts
-    the heartbeats name; on several nodes the same command runs on each,
-    with its ``--node_rank`` from ``$NODE_RANK``. Returns (command or None, notes).
-
-    The operator pastes this into a shell, and every value in it comes from
-    files any rank can write: each is quoted with ``shlex.quote``, and a host
-    that is not a host name (``n1;touch /tmp/x;#``) refuses the command.
+    The function offered is ``trainer_bridge.native``'s own source, the one
+    the demo runs, so the code shown is the code tested.
     """
-    argv = job.get("argv")
-    if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)):
-        return None, [
-            "rankwatch/job.json has no argv (the bridge writes it at start), so the "
-            "job's command is unknown: relaunch it as you launched it"
-        ]
-    job_world = job.get("world_size")
-    world = job_world if isinstance(job_world, int) and not isinstance(job_world, bool) else world
-    by_rank = sorted(
-        (r, hb.get("host")) for r, hb in heartbeats.items() if isinstance(hb, dict) and hb.get("host")
+    source = inspect.getsource(native.on_request_exit_resume)
+    return (
+        "\n".join(
+            [
+                "# OnRequestExit saved this set, and its on_train_begin loads the file again by itself;",
+                "# that load fails on the global_step it appended (shape () against the optimizer's (1,))",
+                "# until the function below rewrites it. Run this before model.train, on every rank.",
+                "import mindspore as ms",
+                "",
+                "",
+                source.rstrip(),
+                "",
+                "",
+                f"run = {json.dumps(os.path.realpath(run_dir))}  # the run directory",
+                'rank = ms.get_context("device_id")  # OnRequestExit names rank_<N> after the device id',
+                f'initial_epoch, skip = on_request_exit_resume(f"{{run}}/{template}", epochs)',
+                "if initial_epoch < epochs:",
+                "    if skip:",
+                "        dataset.set_init_step(skip)  # the stopped epoch's finished batches, first epoch only",
+                "    # callbacks: OnRequestExit with the same file_name and directory as before: it loads the file",
+                "    model.train(epochs, dataset, callbacks=callbacks, initial_epoch=initial_epoch)",
+            ]
+        )
+        + "\n"
     )
-    bad = [(r, h) for r, h in by_rank if not is_host_name(h)]
-    if bad:
-        rank, host = bad[0]
-        return None, [
-            f"rank {rank} reports the host {host[:100]!r}, which is not a host name, so no "
-            "command is offered: relaunch the job as you launched it"
-        ]
-    hosts = list(dict.fromkeys(h for _, h in by_rank))
-    notes = []
-    q = shlex.quote
-    if len(hosts) > 1:
-        if world % len(hosts) == 0:
-            local = q(str(world // len(hosts)))
-        else:
-            local = '"${LOCAL_WORKERS:?set LOCAL_WORKERS to the ranks on this node}"'
-            notes.append("set LOCAL_WORKERS to the number of ranks on each node before running it")
-        opts = (
-            f"--worker_num={q(str(world))} --local_worker_num={local} --master_addr={q(hosts[0])} "
-            '--node_rank="${NODE_RANK:?set NODE_RANK to the index of this node}"'
-        )
-        notes.append(
-            f"run it on each of the {len(hosts)} nodes ({', '.join(hosts)}) with NODE_RANK set to "
-            f"the node's index, 0 on {hosts[0]}"
-        )
-    else:
-        opts = f"--worker_num={q(str(world))} --local_worker_num={q(str(world))}"
-    if not os.path.isabs(argv[0]):
-        notes.append(f"{argv[0]} is a relative path: run from the directory the job was launched in")
-    return f"msrun {opts} --join=True {shlex.join(argv)}", notes

@@ -15,7 +15,7 @@ memory, so it needs the operator token (``POST /api/checkpoints/verify``),
 only one runs at a time in the dashboard (another answers 409), and each file:
 
 * is opened here, under the run directory without following a symlink
-  (``app.safefs``), and handed to the worker as an open descriptor, which
+  (``trainer_bridge.safeio``), and handed to the worker as an open descriptor, which
   is what the worker loads (a directory swapped for a symlink meanwhile
   changes nothing);
 * is read by ``trainer_bridge.ckptmeta`` first: a header the reader cannot
@@ -50,9 +50,9 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from app import safefs
 from app.errors import ApiError
 from app.push import VERIFY_EVENT
+from trainer_bridge import safeio
 from trainer_bridge.ckptindex import CheckpointFile
 from trainer_bridge.ckptmeta import read_meta
 
@@ -216,9 +216,9 @@ class Verifier:
     ) -> tuple[dict, _Worker | None]:
         """One file's result, and the worker to use for the next (a new one after a crash)."""
         try:
-            fd, _ = safefs.open_file(root, f.path)
-        except (OSError, safefs.UnsafePath) as e:
-            why = safefs.why(e) if isinstance(e, OSError) else str(e)
+            fd, _ = safeio.open_file(root, f.path)
+        except (OSError, safeio.UnsafePath) as e:
+            why = safeio.why(e) if isinstance(e, OSError) else str(e)
             return _result(False, f"not loaded: cannot open it safely ({why})"), worker
         try:
             meta = read_meta(f.abspath, fd=fd)

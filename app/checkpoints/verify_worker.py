@@ -15,7 +15,7 @@ goes to stdout, as its load ends::
 
 The descriptor, not the path, is what gets loaded. The dashboard opened it
 without following a symlink anywhere below the run directory
-(``app/safefs.py``), but MindSpore's ``load_checkpoint`` takes a path,
+(``app/safeio.py``), but MindSpore's ``load_checkpoint`` takes a path,
 resolves it (``realpath``) and opens it again, and the path could lead
 outside by then. So the two places where MindSpore opens a checkpoint (its
 file-system hook for ``.ckpt``, the data adapter for ``.safetensors``) are

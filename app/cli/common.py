@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from app.services import Run
 
 VERDICT_STYLE = {
+    "starting": "dim cyan",
     "healthy": "green",
     "straggler": "yellow",
     "stalled": "dark_orange",
@@ -43,6 +44,7 @@ SEVERITY = (
     "corrupt",
     "straggler",
     "pending",
+    "starting",
     "healthy",
     "exited",
     "finished",

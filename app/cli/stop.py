@@ -77,7 +77,7 @@ def stop(run_dir: Path, reason: str, who: str, timeout: float | None, no_wait: b
 
     Waits and prints each rank's stage (requested, seen, agreed, saving, saved,
     exited). Exit status 0 once every rank exited, 1 if the stop was refused
-    or cancelled, 2 if waiting timed out (the stop goes on). Ctrl-C stops
+    (the job has ended), cancelled or not obeyed (the job ended without stopping), 2 if waiting timed out (the stop goes on). Ctrl-C stops
     waiting, not the stop.
     """
     reason, who = reason.strip(), who.strip() or getpass.getuser()
@@ -94,15 +94,23 @@ def stop(run_dir: Path, reason: str, who: str, timeout: float | None, no_wait: b
         # The page's Stop button is disabled for the same reason.
         raise click.ClickException(f"nothing to stop: {plain(snapshot['run']['message'])}")
     try:
-        rid, created, unaudited = run.stop.request(reason, who, shell_origin())
+        rid, created, unaudited, unlocked = run.stop.request(reason, who, shell_origin())
     except ApiError as e:
         raise click.ClickException(plain(e.message)) from None
     audited = f"not audited: {unaudited}" if unaudited else f"audited in {run.audit.path}"
+    if unlocked:
+        audited += f"; {unlocked}: the flag was written atomically without it"
     out.print(
         untrusted(
             f"Stop {'requested' if created else 'already pending; joined'}: {rid} (by {who}: {reason!r}), {audited}"
         )
     )
+    logs = run.state.log_stop_facts()
+    if logs:
+        from rich.text import Text
+
+        # The note quotes a worker log's line: untrusted, printed as plain text.
+        out.print(Text(plain(logs["note"]), style="yellow"))
     if no_wait:
         return
     deadline = time.monotonic() + (run.stop.deadline_s if timeout is None else timeout)
@@ -135,8 +143,9 @@ def follow(run, rid: str, deadline: float, out) -> int:
             now = time.time()
             run.state.scan(now)
             ranks, world = run.state.heartbeats()
-            run.stop.tick(ranks, world)  # the watcher's part: audit the completion, re-arm
-            status = run.stop.status(ranks, world, now)
+            facts = run.state.job_facts()
+            run.stop.tick(ranks, world, facts)  # the watcher's part: audit the completion, re-arm
+            status = run.stop.status(ranks, world, now, logs=run.state.log_stop_facts(), facts=facts)
             request = status["request"] or {}
             if request.get("request_id") != rid:
                 out.print(untrusted(f"The flag no longer holds request {rid}: {status['state']}."))
@@ -144,10 +153,16 @@ def follow(run, rid: str, deadline: float, out) -> int:
             if status["state"] == "cancelled":
                 out.print(f"Request {rid} was cancelled.")
                 return 1
-            if not status["bridge_seen"]:
+            if status["state"] == "not_obeyed":
+                progress.stop()
+                out.print(untrusted(f"The stop was {status['summary']}. The flag is re-armed."))
+                return 1
+            if not status["bridge_seen"] and not status["logs"]:
                 out.print(
-                    "No rank reports through the bridge, so the stop cannot be followed from "
-                    "here; a script with OnRequestExit stops at its next step."
+                    "No rank reports through the bridge and no worker log shows the job, so the stop "
+                    "cannot be followed from here: a script with OnRequestExit(config_file="
+                    "RUN/graceful_exit.json) and MS_ENABLE_GRACEFUL_EXIT=1 stops at its next step, "
+                    "any other trains on."
                 )
                 return 0
             rows = status["ranks"]

@@ -52,6 +52,7 @@ class Incidents:
         sender = WebhookSender(
             parse_urls(config["WEBHOOK_URL"]),
             audit.path,
+            db_root=audit.root,
             timeout_s=config["WEBHOOK_TIMEOUT_S"],
             give_up_s=config["WEBHOOK_GIVE_UP_S"],
             retry_max_s=config["WEBHOOK_RETRY_MAX_S"],
@@ -137,7 +138,10 @@ class Incidents:
             self.alerts.once(
                 f"stop-complete:{rid}",
                 "stop_completed",
-                f"graceful stop {rid} completed: {status['summary']}",
+                # A stop the job ended without obeying has a summary too ("not obeyed: ...").
+                f"graceful stop {rid} was {status['summary']}"
+                if status.get("state") == "not_obeyed"
+                else f"graceful stop {rid} completed: {status['summary']}",
                 request_id=rid,
                 stop_step=status.get("stop_step"),
                 summary=status["summary"],

@@ -21,15 +21,17 @@ import os
 import re
 import socket
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from app.alerts import ranks_text
 from app.errors import ApiError
+from app.health import TERMINAL_STATES
 from app.incidents.proof import prove_rank
 from app.reader import Stopped, probe_process
 from app.state import RunState
-from trainer_bridge import runfiles, schema, stacks
+from trainer_bridge import runfiles, safeio, schema, stacks
 
 ENDED = ("exited", "finished", "failed")
 # Capture files kept parsed in memory, by their size on disk (a capture is
@@ -37,6 +39,10 @@ ENDED = ("exited", "finished", "failed")
 CACHE_BYTES = 64 * 1024 * 1024
 # Native frames naming the collective a thread waits in, most specific first.
 COLLECTIVES = ("AllReduce", "AllGather", "ReduceScatter", "AllToAll", "Broadcast", "Barrier", "Send", "Recv")
+# A rank's capture directory is listed again at most this often while unchanged.
+LIST_TTL_S = 1.0
+# Capture files tried per rank, newest first: the bridge keeps 8, so the rest is junk.
+MAX_TRIED = 32
 _LIBRARY = re.compile(r"[/\\](?:site|dist)-packages[/\\]|[/\\]lib[/\\]python3[^/\\]*[/\\]|^<")
 
 
@@ -123,6 +129,15 @@ def training_thread(capture: dict) -> dict | None:
     return next((t for t in capture["threads"] if t["training"]), None)
 
 
+def _write_request(run_dir: Path, rank: int | None, request: stacks.Request) -> None:
+    """Leave the request file for the bridges; 507 if it cannot be (a full disk, a symlinked ``stacks/``)."""
+    try:
+        stacks.write_request(run_dir, rank, request)
+    except (OSError, safeio.UnsafePath) as e:
+        why = safeio.why(e) if isinstance(e, OSError) else str(e)
+        raise ApiError(507, f"cannot write the stack request file: {why}") from None
+
+
 class StackService:
     """Reads, requests and groups stack captures for one run directory."""
 
@@ -148,6 +163,7 @@ class StackService:
         self._pending: dict[int, dict] = {}  # rank -> the newest request made through this dashboard
         self._cache: dict[Path, tuple[tuple, dict | None]] = {}  # path -> (stat key, capture or None)
         self._cache_bytes = 0
+        self._listings: dict[int, tuple[tuple, float, list[Path]]] = {}  # rank -> (dir key, when, files)
 
     def _need_run_dir(self) -> Path:
         if self.run_dir is None:
@@ -180,9 +196,34 @@ class StackService:
             self._cache_bytes += st.st_size
         return capture
 
+    def _files(self, rank: int) -> list[Path]:
+        """``stacks.capture_files``, listed again only when the directory changed or ``LIST_TTL_S`` passed.
+
+        A tokenless viewer can ask for every rank's stacks as often as it
+        likes: each request then costs one ``stat`` per rank, and a directory
+        stuffed with junk at most one bounded listing per ``LIST_TTL_S``.
+        """
+        folder = runfiles.stack_captures_dir(self._need_run_dir(), rank)
+        try:
+            st = os.stat(folder)
+        except OSError:
+            return []
+        key, now = (st.st_ino, st.st_mtime_ns), time.monotonic()
+        with self._lock:
+            hit = self._listings.get(rank)
+        # The TTL covers a change within the mtime's granularity (a clock tick).
+        if hit is not None and hit[0] == key and now - hit[1] < LIST_TTL_S:
+            return hit[2]
+        files = stacks.capture_files(self.run_dir, rank)
+        with self._lock:
+            if len(self._listings) > schema.MAX_RANKS:
+                self._listings.clear()
+            self._listings[rank] = (key, now, files)
+        return files
+
     def newest(self, rank: int, trigger: str | None = None) -> dict | None:
-        """Rank ``rank``'s newest valid capture (of ``trigger``, if given)."""
-        for path in stacks.capture_files(self._need_run_dir(), rank):
+        """Rank ``rank``'s newest valid capture (of ``trigger``, if given), among its newest ``MAX_TRIED`` files."""
+        for path in self._files(rank)[:MAX_TRIED]:
             if trigger is not None and not path.name.endswith(f"-{trigger}.json"):
                 continue
             capture = self._load(path)
@@ -211,7 +252,7 @@ class StackService:
                 "trigger": p.stem.rpartition("-")[2],
                 "captured_at": int(p.stem.partition("-")[0]) / 1e3,
             }
-            for p in stacks.capture_files(self.run_dir, rank)
+            for p in self._files(rank)[:MAX_TRIED]
             if p.stem.partition("-")[0].isdigit()
         ]
         return {
@@ -263,7 +304,7 @@ class StackService:
             request_id=runfiles.new_request_id(), requested_at=now, requested_by=who, native=native
         )
         if via == "bridge":
-            stacks.write_request(run_dir, rank, request)
+            _write_request(run_dir, rank, request)
         else:
             self._start_task(self._pyspy_capture, rank, row, request, isinstance(probe, Stopped), started)
         pending = {**request.to_dict(), "via": via}
@@ -296,7 +337,7 @@ class StackService:
             else:
                 cannot[r] = why
         if by_bridge:
-            stacks.write_request(run_dir, None, request)
+            _write_request(run_dir, None, request)
         pending = {**request.to_dict()}
         with self._lock:
             for r in by_bridge:
@@ -379,6 +420,8 @@ class StackService:
         parts = []
         for g in ordered:
             g["ranks_text"] = ranks_text(g["ranks"])
+            # Every rank of the group has ended since: the stack is history, not what runs now.
+            g["stale"] = all((hbs.get(r) or {}).get("state") in TERMINAL_STATES for r in g["ranks"])
             word = "rank" if len(g["ranks"]) == 1 else "ranks"
             g["summary"] = f"{word} {g['ranks_text']} {g['where']}"
             parts.append(g["summary"])

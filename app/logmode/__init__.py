@@ -53,6 +53,8 @@ class LogView:
         self.dir = LogDir(path, hostname)
         self._new_slot = new_slot
         self.slots: dict[int, Any] = {}
+        # When a log rank was first shown: the job's start when no writer's start is known.
+        self.first_seen: float | None = None
 
     @property
     def path(self) -> Path:
@@ -69,6 +71,8 @@ class LogView:
             slot = self.slots.get(rank)
             if slot is None:
                 slot = self.slots[rank] = self._new_slot()
+                if self.first_seen is None:
+                    self.first_seen = now
             slot.observe(lr.heartbeat, now)
         return changed
 
@@ -91,18 +95,66 @@ class LogView:
         """
         return self.dir.gone(rank)
 
+    def triggered_at(self, rank: int) -> float | None:
+        """When ``rank``'s log showed OnRequestExit obeying the flag (see ``LogRank.triggered_at``)."""
+        return self.dir.triggered_at(rank)
+
+    def launcher_gone(self, probe) -> str | None:
+        """Why msrun is known to be over, or None (see ``LogDir.launcher_gone``)."""
+        return self.dir.launcher_gone(probe)
+
+    def heartbeats_expected(
+        self, job: dict | None, now: float, grace_s: float, alive: Callable[[dict], bool]
+    ) -> bool:
+        """Whether the bridge may still report, so that the log ranks' warnings would be premature.
+
+        True while job.json (which only the bridge writes) names a rank 0
+        that ``alive`` says still runs, or within ``grace_s`` of the job's
+        start: the bridge writes its first heartbeat only once training
+        starts, after minutes of graph compilation on a large model, and
+        until then msrun's logs are all there is.
+        """
+        if job and alive(job):
+            return True
+        starts = [s.hb.get("started_at") for s in self.slots.values() if s.hb is not None]
+        starts = [t for t in starts if isinstance(t, (int, float))]
+        if job and isinstance(job.get("started_at"), (int, float)):
+            starts.append(job["started_at"])
+        start = min(starts) if starts else self.first_seen
+        return start is not None and now - start < grace_s
+
     def stop_facts(self, bridge_ranks) -> dict | None:
         """For the stop panel: how many ranks only a log shows, and whether the script obeys the flag."""
         only = sorted(set(self.slots) - set(bridge_ranks))
         if not only:
             return None
-        return {
+        facts = {
             "ranks": len(only),
             "log_dir": str(self.dir.path),
             "on_request_exit": self.dir.on_request_exit(),
             "cannot_show": list(CANNOT_SHOW),
         }
+        return facts | {"note": stop_note(facts)}
 
     def problems(self) -> list[str]:
         out = [self.dir.error] if self.dir.error else []
         return out + self.dir.problems + self.dir.read_errors()
+
+
+def stop_note(facts: dict) -> str:
+    """What the page's stop panel and ``rankwatch stop`` say about ranks shown only from their logs."""
+    n = facts["ranks"]
+    who = f"{n} rank{' is' if n == 1 else 's are'} shown only from msrun's worker logs"
+    if facts["on_request_exit"]:
+        return (
+            f'{who}; their logs show OnRequestExit at work ("{facts["on_request_exit"]}"), so the script '
+            "obeys the flag: Rankwatch follows its stop from the logs (the graceful-exit line, then the "
+            "process's end), but cannot see its checkpoints' progress."
+        )
+    return (
+        f"{who}, and nothing in them shows that the script uses OnRequestExit: it may ignore the flag. "
+        "Stop gracefully still writes RUN/graceful_exit.json; if the job ends without obeying it, the "
+        "stop is reported as not obeyed and the flag re-armed. For a script that is sure to stop, add "
+        "the Rankwatch bridge (or OnRequestExit(config_file=RUN/graceful_exit.json) with "
+        "MS_ENABLE_GRACEFUL_EXIT=1 on Ascend or in one process)."
+    )

@@ -23,6 +23,10 @@ from trainer_bridge import schema
 
 # Lines of a traceback read before giving up on finding its exception line.
 TRACEBACK_MAX_LINES = 400
+# Lines taken after an exception line with no message (MindSpore's C++ errors put it below).
+MESSAGE_MAX_LINES = 20
+# A log record starts with MindSpore's "[LEVEL] " prefix: it ends a message taken from below.
+RECORD_PREFIXES = ("[ERROR] ", "[WARNING] ", "[INFO] ", "[DEBUG] ", "[CRITICAL] ")
 MAX_TEXT = 500  # an evidence or warning sentence
 
 
@@ -82,6 +86,7 @@ class WorkerLog:
         "rank_id",
         "on_request_exit",
         "_traceback",
+        "_message",
         "lines",
         "matched",
     )
@@ -103,6 +108,8 @@ class WorkerLog:
         self.rank_id: int | None = None
         self.on_request_exit: str | None = None  # a line that shows the script uses it
         self._traceback: int | None = None  # lines read inside a traceback, or None
+        # (the exception's first line, the message lines below it) while they are taken
+        self._message: tuple[str, list[str]] | None = None
         self.lines = 0
         self.matched = 0
 
@@ -119,6 +126,8 @@ class WorkerLog:
                 m = pattern.match(line)
                 if m is not None:
                     self._apply(pattern, m.groupdict())
+        if self._message is not None and self._below(line):
+            return
         if self._traceback is not None and self._in_traceback(line):
             return
         for pattern in _LINES:
@@ -141,6 +150,29 @@ class WorkerLog:
             return self._traceback is not None
         self._traceback = None
         self._fail(line)
+        if not (m.group("message") or "").strip():
+            # "TypeError: " with the words on the lines below, as MindSpore writes its C++ errors.
+            self._message = (line.strip(), [])
+        return True
+
+    def _below(self, line: str) -> bool:
+        """Take a message line below an exception line; False (and stop) at the next log record.
+
+        MindSpore frames its message with rules ("-----") and headings, and
+        ends it with call stacks "(For framework developers)", which are left out.
+        """
+        head, parts = self._message
+        text = line.strip()
+        if line.startswith(RECORD_PREFIXES) or line.startswith("Traceback ("):
+            self._message = None
+            return False
+        if "Call Stack" in text or len(parts) >= MESSAGE_MAX_LINES:
+            self._message = None
+            return True
+        if text and text.strip("-"):
+            parts.append(text.removeprefix("- "))
+            if self.state == "failed":
+                self.error = cut(f"{head} {' '.join(parts)}", schema.MAX_ERROR)
         return True
 
     def _apply(self, pattern: Pattern, g: dict) -> None:
@@ -244,20 +276,30 @@ class SchedulerLog:
             return
 
 
+# msrun's last words when a worker failed (``join_processes`` raises it, and msrun exits):
+# a plain substring, so that it needs no pattern of its own.
+JOB_EXITED = "Distributed job exited with exception"
+
+
 class LauncherLog:
     """msrun's own output (when redirected into the log directory), folded."""
 
-    __slots__ = ("ranks", "exits", "killed_all", "lines", "version")
+    __slots__ = ("ranks", "exits", "killed_all", "job_exited", "lines", "version")
 
     def __init__(self) -> None:
         self.ranks: dict[int, str] = {}  # rank → its worker log's file name, as msrun started it
         self.exits: dict[int, tuple[int, str]] = {}  # pid → (code, msrun's sentence)
         self.killed_all: str | None = None  # why msrun killed the remaining workers
+        self.job_exited: str | None = None  # msrun said the job is over (it exits after this)
         self.lines = 0
         self.version = 0
 
     def feed(self, line: str) -> None:
         self.lines += 1
+        if JOB_EXITED in line and self.job_exited is None:
+            self.job_exited = cut(line[line.index(JOB_EXITED) :])
+            self.version += 1
+            return
         for pattern in LAUNCHER:
             m = pattern.match(line)
             if m is None:
@@ -271,6 +313,7 @@ class LauncherLog:
                     self.ranks.clear()
                     self.exits.clear()
                     self.killed_all = None
+                    self.job_exited = None
                 if rank < schema.MAX_RANKS and len(self.ranks) < schema.MAX_RANKS:
                     self.ranks[rank] = g["message"].rsplit("/", 1)[-1]
             elif pattern.kind == "worker_exit":

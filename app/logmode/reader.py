@@ -37,7 +37,7 @@ from pathlib import Path
 
 from app.logmode.parser import LauncherLog, SchedulerLog, WorkerLog, cut
 from app.logmode.tailer import Tailer
-from app.logmode.writers import find_writers
+from app.logmode.writers import find_writers, parent_of
 from trainer_bridge import schema
 
 WORKER_NAME = re.compile(r".*_(\d{1,7})\.log")
@@ -73,6 +73,7 @@ class LogRank:
         "writer",
         "error",
         "intervals",
+        "triggered_at",
     )
 
     def __init__(self, rank: int, path: Path):
@@ -96,11 +97,16 @@ class LogRank:
         self.writer: tuple[int, float] | None = None  # (pid, create time) on this host
         # Seconds between log lines that moved training on: how often this log speaks.
         self.intervals: deque[float] = deque(maxlen=PACE_WINDOW)
+        # When the log first showed OnRequestExit obeying the flag ("Graceful exit is
+        # triggered"): the file's mtime then, which is no earlier than the line.
+        self.triggered_at: float | None = None
 
     def fold(self, lines: list[str], mtime: float) -> None:
         """Feed the new lines; note the steps they moved on and the time those took."""
         for line in lines:
             self.log.feed(line)
+        if self.triggered_at is None and self.log.state == "stopping":
+            self.triggered_at = mtime
         self.new_steps = 0
         position = self.log.position
         if not self.log.steps or position == self.position:
@@ -148,6 +154,8 @@ class LogDir:
         self._cursor = 0  # where the next tick starts reading, so no file starves
         self._scanned_pids_at = -PID_SCAN_S
         self._world = 0
+        # (pid, create time) of the process that started the newest writer found: msrun.
+        self.launcher: tuple[int, float] | None = None
         self.error: str | None = None  # why the directory cannot be read
         self.problems: list[str] = []  # what was left out, and why
         self.lines = 0  # lines folded so far (the benchmark's count)
@@ -316,6 +324,7 @@ class LogDir:
         for rank, writer in find_writers(wanted).items():
             lr = self.ranks[rank]
             lr.writer = writer
+            self.launcher = parent_of(writer[0]) or self.launcher
             if lr.heartbeat is not None:
                 self._build(lr, lr.heartbeat["time"])
                 changed.add(rank)
@@ -403,6 +412,36 @@ class LogDir:
         if sched is not None and rank in sched.timed_out:
             said.append(f"msrun's scheduler: {sched.timed_out[rank]}")
         return "; ".join(said) or None
+
+    def job_exited(self) -> str | None:
+        """msrun's words that the job is over: it killed every worker before saying them."""
+        said = next((f.job_exited for f in self._launcher_folds() if f.job_exited), None)
+        return f"msrun: {said}" if said else None
+
+    def launcher_gone(self, probe) -> str | None:
+        """Why msrun is known to be over, or None (it runs, or nothing tells).
+
+        msrun's own words ("Distributed job exited with exception", when its
+        output is kept in the log directory) or a probe of the process that
+        started the workers (``probe`` is ``app.reader.probe_process``).
+        """
+        said = self.job_exited()
+        if said:
+            return said
+        if self.launcher is not None:
+            why = probe(*self.launcher)
+            if why:
+                return f"msrun's {why}"
+        return None
+
+    def launcher_known(self) -> bool:
+        """Whether anything can tell msrun's end: its process was found, or its output is read."""
+        return self.launcher is not None or bool(self._launchers)
+
+    def triggered_at(self, rank: int) -> float | None:
+        """When ``rank``'s log showed OnRequestExit obeying the flag, if it did."""
+        lr = self.ranks.get(rank)
+        return lr.triggered_at if lr is not None else None
 
     def on_request_exit(self) -> str | None:
         """A line from a worker log that shows the script uses OnRequestExit, with its file."""

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import os
 
+from trainer_bridge import safeio
+
 # A MindSpore log line is a few hundred bytes; a C++ stack line can be long.
 MAX_LINE = 4096
 FIRST_BYTES = 256 * 1024
@@ -101,9 +103,8 @@ class Tailer:
             return []
         if size - self.offset > self.budget:
             self._jump(size - self.budget)
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            data = f.read(size - self.offset)
+        # Never blocks: a FIFO or device swapped in since the listing is refused.
+        data = safeio.read_at(self.path, self.offset, size - self.offset)
         self.offset += len(data)
         self.bytes_read += len(data)
         return self._lines(data)

@@ -61,3 +61,14 @@ def find_writers(files: dict[tuple[int, int], int]) -> dict[int, tuple[int, floa
         if chosen is not None:
             out[rank] = chosen
     return out
+
+
+def parent_of(pid: int) -> tuple[int, float] | None:
+    """(pid, create time) of ``pid``'s parent (msrun, for a worker), or None if it cannot be told."""
+    try:
+        parent = psutil.Process(pid).parent()
+        if parent is None or parent.pid <= 1:
+            return None
+        return parent.pid, parent.create_time()
+    except psutil.Error:
+        return None

@@ -7,6 +7,7 @@ by ``create_app`` alone, as in tests).
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from functools import cache
@@ -17,9 +18,14 @@ from flask import Response, current_app, jsonify, render_template, request, send
 from app.errors import ApiError
 from app.extensions import rankwatch
 from app.health import VERDICT_HELP, VERDICTS
+from app.large import large_answer
 from app.main import bp, plotly_csp
 from app.metrics import as_json as metrics_json
 from app.prometheus import exposition
+
+# /api/ranks pages: 500 rows are about 280 kB of JSON; a client may ask for up to 1,000.
+PER_PAGE_DEFAULT = 500
+PER_PAGE_MAX = 1000
 
 
 @cache
@@ -92,13 +98,22 @@ def plotly_css():
 
 @bp.get("/api/ranks")
 def api_ranks():
-    """Every rank's row; ``?health=dead,stalled`` keeps only those verdicts."""
+    """The ranks' rows, a page at a time (``?page=``, ``?per_page=``); ``?health=dead,stalled``
+    keeps only those verdicts."""
     wanted = [h for h in request.args.get("health", "").split(",") if h]
     unknown = sorted(set(wanted) - set(VERDICTS))
     if unknown:
         raise ApiError(400, f"unknown verdict {', '.join(unknown)}; expected some of {', '.join(VERDICTS)}")
+    page = positive_int_arg("page") or 1
+    per_page = positive_int_arg("per_page") or PER_PAGE_DEFAULT
+    if per_page > PER_PAGE_MAX:
+        raise ApiError(400, f"query parameter 'per_page' may be at most {PER_PAGE_MAX}, not {per_page}")
     now = time.time()
-    return jsonify(fresh_state(now).snapshot(now, wanted))
+    body, total = fresh_state(now).page(now, wanted, (page - 1) * per_page, per_page)
+    pages = max(1, math.ceil(total / per_page))
+    if page > pages:
+        raise ApiError(404, f"page {page} is past the last page, {pages} ({total} rows, {per_page} a page)")
+    return jsonify(body | {"page": page, "per_page": per_page, "total": total, "pages": pages})
 
 
 @bp.get("/api/ranks/<int:rank>")
@@ -133,7 +148,9 @@ def api_health():
 def api_history():
     """Chart history as a ranks x time-bucket matrix; ``?points=N`` keeps the newest N buckets."""
     points = positive_int_arg("points")
-    return jsonify(fresh_state(time.time()).history(points))
+    state = fresh_state(time.time())
+    with large_answer(state.world_size(), "the chart history of every rank"):
+        return jsonify(state.history(points))
 
 
 @bp.get("/api/metrics")
@@ -145,6 +162,17 @@ def api_metrics():
 
 @bp.get("/metrics")
 def prometheus_metrics():
-    """Prometheus's text format (OpenMetrics if asked): see app/prometheus.py."""
-    body, content_type = exposition(rankwatch(), request.headers.get("Accept"))
+    """Prometheus's text format (OpenMetrics if asked): see app/prometheus.py.
+
+    ``?per_rank=1`` serves every rank's series whatever the job's size, ``?per_rank=0`` only the
+    summaries; without it, per-rank series come up to METRICS_PER_RANK_MAX ranks.
+    """
+    raw = request.args.get("per_rank")
+    if raw not in (None, "0", "1"):
+        raise ApiError(400, f"query parameter 'per_rank' must be 0 or 1, not {raw!r}")
+    rw = rankwatch()
+    world = fresh_state(time.time()).world_size()
+    per_rank = world <= current_app.config["METRICS_PER_RANK_MAX"] if raw is None else raw == "1"
+    with large_answer(world if per_rank else 0, "/metrics with every rank's series"):
+        body, content_type = exposition(rw, request.headers.get("Accept"), per_rank)
     return Response(body, content_type=content_type)

@@ -11,11 +11,10 @@ import time
 from flask import Response, current_app, jsonify, request
 
 from app.audit import AuditError
-from app.auth import check_token, json_body, over_write_budget, require_operator
+from app.auth import check_token, json_body, over_write_budget, require_operator, settle
 from app.errors import ApiError
 from app.extensions import rankwatch
 from app.login import login_url
-from app.ratelimit import retry_after
 from app.stop import bp
 
 WHO_DEFAULT = "operator"
@@ -62,15 +61,10 @@ def api_session():
 def api_login():
     """Trade a single-use login code (from the ``#login=`` URL) for the token, once."""
     body = json_body({"code": (str, True)})
-    limits = current_app.extensions["rankwatch_limits"].backoff
-    key = request.remote_addr or "?"
-    wait = limits.wait_s(key)
-    if wait > 0:
-        raise ApiError(
-            429, f"too many wrong codes or tokens from {key}: try again later", headers=retry_after(wait)
-        )
-    if not current_app.extensions["rankwatch_login"].redeem(body["code"]):
-        limits.failed(key)
+    # Redeemed first: a live code works whatever others guessed (app.auth.settle).
+    ok = current_app.extensions["rankwatch_login"].redeem(body["code"])
+    settle(ok, "login codes")
+    if not ok:
         raise ApiError(
             401,
             "this login link is used up or expired: open a new one "
@@ -92,7 +86,9 @@ def api_login_code():
 def api_exit_status():
     ranks, world = _live()
     rw = rankwatch()
-    status = rw.stop.status(ranks, world, time.time(), logs=rw.state.log_stop_facts())
+    status = rw.stop.status(
+        ranks, world, time.time(), logs=rw.state.log_stop_facts(), facts=rw.state.job_facts()
+    )
     return jsonify(status | {"estimate": rw.stop.estimate(ranks, world)})
 
 
@@ -108,12 +104,14 @@ def api_exit_request():
     body = json_body({"reason": (str, True), "who": (str, False)})
     _require_run_dir()
     over = over_write_budget() > 0
-    rid, created, audit_error = rankwatch().stop.request(
+    rid, created, audit_error, lock_error = rankwatch().stop.request(
         body["reason"], _who(body), request.remote_addr, audit_duplicate=not over
     )
     answer = {"request_id": rid, "created": created}
     if audit_error:
         answer["audit_error"] = audit_error
+    if lock_error:
+        answer["lock_error"] = f"{lock_error}; the flag was written atomically without the flag lock"
     return jsonify(answer), 202
 
 
@@ -122,7 +120,10 @@ def api_exit_cancel():
     require_operator()
     body = json_body({"reason": (str, False), "who": (str, False)})
     ranks, _ = _live()
-    rid = rankwatch().stop.cancel(ranks, _who(body), request.remote_addr, body.get("reason"))
+    rw = rankwatch()
+    rid = rw.stop.cancel(
+        ranks, _who(body), request.remote_addr, body.get("reason"), facts=rw.state.job_facts()
+    )
     return jsonify({"request_id": rid, "cancelled": True})
 
 
@@ -131,8 +132,15 @@ def api_exit_rearm():
     require_operator()
     body = json_body({"reason": (str, False), "who": (str, False), "force": (bool, False)})
     ranks, world = _live()
-    rid = rankwatch().stop.rearm(
-        ranks, world, _who(body), request.remote_addr, body.get("reason"), force=body.get("force", False)
+    rw = rankwatch()
+    rid = rw.stop.rearm(
+        ranks,
+        world,
+        _who(body),
+        request.remote_addr,
+        body.get("reason"),
+        force=body.get("force", False),
+        facts=rw.state.job_facts(),
     )
     return jsonify({"request_id": rid, "rearmed": True})
 

@@ -159,6 +159,7 @@ export class Charts {
     this.lossTitle = headerLabel(metric.get("loss"));
     this.el = { step: $(SEL.chartStep), loss: $(SEL.chartLoss), heat: $(SEL.chartHeatmap) };
     this.heatSection = $(SEL.heatmapSection);
+    this.emptyNote = { step: $(SEL.chartStepEmpty), loss: $(SEL.chartLossEmpty) };
     setInterval(() => this.refresh(), s.chart_refresh_s * 1000);
   }
 
@@ -225,10 +226,25 @@ export class Charts {
       stepTraces = lines(h.step);
       lossTraces = lines(h.loss);
     }
-    Plotly.react(this.el.step, stepTraces, this.layout("Step time", this.stepTitle), PLOT_CONFIG);
-    Plotly.react(this.el.loss, lossTraces, this.layout("Loss", this.lossTitle), PLOT_CONFIG);
+    this.draw("step", stepTraces, this.layout("Step time", this.stepTitle));
+    this.draw("loss", lossTraces, this.layout("Loss", this.lossTitle));
     this.heatSection.hidden = !large;
     if (large) this.heatmap(h, x, ranks);
+  }
+
+  // A chart without a single point says so, instead of Plotly's default axis
+  // (January to November 2000) or sub-second ticks around one instant.
+  draw(name, traces, layout) {
+    const el = this.el[name];
+    const has = traces.some((t) => t.y.some((v) => v !== null && v !== undefined));
+    this.emptyNote[name].hidden = has;
+    if (!has) {
+      if (el.dataset.drawn) Plotly.purge(el);
+      delete el.dataset.drawn;
+      return;
+    }
+    el.dataset.drawn = "";
+    Plotly.react(el, traces, layout, PLOT_CONFIG);
   }
 
   // One row per rank; in a multi-host job, rows by node (the table's node

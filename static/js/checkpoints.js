@@ -5,7 +5,7 @@ import { $ } from "./dom.js";
 import { CKPT, el } from "./checkpoints_dom.js";
 import { SetTable, epochLabel, rankList } from "./checkpoints_table.js";
 import { DeleteDialog, ResumeDialog, api } from "./checkpoints_dialogs.js";
-import { formatBytes, formatSeconds } from "./format.js";
+import { formatBytes, formatSeconds, plural } from "./format.js";
 import { operatorFetch, token } from "./token.js";
 
 window.addEventListener("rankwatch-login-failed", (e) => flash(`The login link did not work: ${e.detail}`, "error"));
@@ -52,7 +52,7 @@ const table = new SetTable(config, {
 const resumeDialog = new ResumeDialog(config);
 const deleteDialog = new DeleteDialog(config, (result, set) => {
   const failed = result.failed.map((f) => `${f.path}: ${f.error}`);
-  flash(`Deleted ${result.deleted.length} file(s) of global step ${set.global_step ?? "?"}`
+  flash(`Deleted ${plural(result.deleted.length, "file")} of global step ${set.global_step ?? "?"}`
     + (failed.length ? `; could not delete ${failed.join("; ")}` : "."), failed.length ? "error" : "info");
 });
 
@@ -66,20 +66,31 @@ function renderAnswer() {
     answer.dataset.status = "running";
     const age = el("span");
     age.dataset.mtime = newest.mtime;
-    headline.append(
-      "Resume from ", el("strong", "", `global step ${newest.global_step ?? "?"}`),
-      ` (epoch / step ${epochLabel(newest)}): complete on all ${newest.world_size} rank(s), `
-      + `${formatBytes(newest.bytes)}, ${newest.origin}, saved `, age, ".");
+    const facts = ` (epoch / step ${epochLabel(newest)}): complete on all ${plural(newest.world_size, "rank")}, `
+      + `${formatBytes(newest.bytes)}, ${newest.origin}, saved `;
+    // What the next launch really does, as "How to resume" says it (app/checkpoints/service.py).
     const bridge = index.bridge_resume ? byId(index.bridge_resume) : null;
-    if (bridge && bridge.id !== newest.id) {
-      headline.append(` An unchanged relaunch with the bridge resumes from global step ${bridge.global_step}`
-        + " (its newest complete graceful-stop set).");
+    const pin = (step) => [" To resume from it, pin it: relaunch with ",
+      el("code", "", `${config.resume_step_env}=${step}`), " (the bridge loads that step), or see How to resume."];
+    if (bridge && bridge.id === newest.id) {
+      headline.append("Resume from ", el("strong", "", `global step ${newest.global_step ?? "?"}`), facts, age,
+        ". An unchanged relaunch with the bridge resumes from it.");
+    } else {
+      headline.append("Newest complete set: ", el("strong", "", `global step ${newest.global_step ?? "?"}`),
+        facts, age, ".");
+      headline.append(bridge
+        ? ` An unchanged relaunch with the bridge resumes from global step ${bridge.global_step}, its newest `
+          + "complete graceful-stop set, not from this one."
+        : " An unchanged relaunch does not resume from it: the bridge resumes only from its own saves "
+          + "(there are none), and a script without it starts over unless it loads a checkpoint itself.");
+      if (newest.global_step != null) headline.append(...pin(newest.global_step));
     }
   } else if (index.sets.length) {
     const last = index.sets[0];
     answer.dataset.status = "waiting";
     headline.textContent = "No complete set: every set lacks a readable file for at least one rank. "
-      + `The newest, global step ${last.global_step ?? "?"}, lacks rank(s) ${rankList(last.ranks_missing)}.`;
+      + `The newest, global step ${last.global_step ?? "?"}, lacks `
+      + `${last.ranks_missing.length === 1 ? "rank" : "ranks"} ${rankList(last.ranks_missing)}.`;
   } else {
     answer.dataset.status = index.errors.length ? "missing" : "waiting";
     headline.textContent = index.errors.length ? index.errors[0] : "No checkpoints in the run directory yet.";
@@ -87,7 +98,7 @@ function renderAnswer() {
   button.hidden = !newest;
   button.onclick = newest ? () => table.actions.resume(newest) : null;
   const source = index.world_size_source === "job" ? "from the job" : "per layout: highest rank + 1";
-  $(CKPT.meta).textContent = `${index.sets.length} set(s), ${formatBytes(index.total_bytes)} in `
+  $(CKPT.meta).textContent = `${plural(index.sets.length, "set")}, ${formatBytes(index.total_bytes)} in `
     + `${index.run_dir}; world size ${index.world_size ?? "unknown"} (${source}); `
     + `new files show within ${formatSeconds(config.scan_s)}.`;
   const errors = $(CKPT.errors);
@@ -106,10 +117,14 @@ socket.on("disconnect", () => {
   connection.dataset.state = "down";
   connection.textContent = "reconnecting…";
 });
-socket.on(config.events.checkpoints, (msg) => {
-  clockOffset = msg.now - Date.now() / 1000;
+// The answer line above the list changes with the list, held with it: a
+// longer headline would push the rows down under the pointer too.
+table.onDraw = (msg) => {
   index = msg;
   renderAnswer();
+};
+socket.on(config.events.checkpoints, (msg) => {
+  clockOffset = msg.now - Date.now() / 1000;
   table.render(msg);
 });
 socket.on(config.events.verify, (msg) => table.applyVerify(msg));

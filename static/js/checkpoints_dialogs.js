@@ -5,7 +5,7 @@
 import { $, $all } from "./dom.js";
 import { CKPT, el } from "./checkpoints_dom.js";
 import { confirmWord, epochLabel, rankList } from "./checkpoints_table.js";
-import { formatBytes } from "./format.js";
+import { formatBytes, plural } from "./format.js";
 import { checkToken, operatorFetch, token } from "./token.js";
 
 // A request that needs no token (reads, verify), answering {ok, status, body};
@@ -92,7 +92,7 @@ export class DeleteDialog {
   open(set, index) {
     this.set = set;
     this.word = confirmWord(set);
-    $(CKPT.deleteSummary).textContent = `${describe(set)}: ${set.files.length} file(s), `
+    $(CKPT.deleteSummary).textContent = `${describe(set)}: ${plural(set.files.length, "file")}, `
       + `${formatBytes(set.bytes)}, ranks ${rankList(set.ranks_present) || "none readable"}.`;
     fillList($(CKPT.deleteFiles), set.files.map((f) => f.path));
     let why = null;

@@ -2,10 +2,13 @@
 // server's order), with a detail row of per-rank files that the operator
 // opens. Sets change rarely (a save, a delete), so a new index redraws every
 // row; which rows are open and each set's deep-verify progress survive it.
+// A redraw never happens under the operator's hand: while the pointer is on
+// the table or a set's files are open, a new index waits (a note says so),
+// so a click lands on the row that was under the pointer.
 
 import { $, $all } from "./dom.js";
 import { CKPT, el } from "./checkpoints_dom.js";
-import { formatBytes, formatSeconds } from "./format.js";
+import { formatBytes, formatSeconds, plural } from "./format.js";
 
 const COLUMNS = 9;
 
@@ -42,10 +45,47 @@ export class SetTable {
     // set id -> {summary: last verify event, files: Map(path -> result)}
     this.verify = new Map();
     this.index = null;
+    // A newer index held back while the operator is on the table.
+    this.pending = null;
+    // Called with each index drawn (checkpoints.js redraws the answer line from it).
+    this.onDraw = () => {};
+    this.held = $(CKPT.held);
+    this.table = this.body.closest("table");
+    this.table.addEventListener("mouseleave", () => this.release());
+    $(CKPT.heldShow).addEventListener("click", () => this.release(true));
+  }
+
+  // The operator is working on the list: the pointer is on it, or a set's files are open.
+  busy() {
+    return this.open.size > 0 || this.table.matches(":hover");
   }
 
   render(index) {
+    // New sets move rows; a delete or a verify is the operator's own doing and shows at once.
+    const shown = new Set(this.index ? this.index.sets.map((s) => s.id) : []);
+    const waiting = this.index ? index.sets.filter((s) => !shown.has(s.id)).length : 0;
+    if (waiting && this.busy()) {
+      this.pending = index;
+      this.held.hidden = false;
+      $(CKPT.heldText).textContent = `${plural(waiting, "new set")} arrived: shown when the pointer `
+        + "leaves the list and the files are closed, so that nothing moves under it.";
+      return;
+    }
+    this.draw(index);
+  }
+
+  release(now = false) {
+    if (!this.pending || (!now && this.busy())) return;
+    const index = this.pending;
+    this.pending = null;
+    this.draw(index);
+  }
+
+  draw(index) {
+    this.held.hidden = true;
+    this.pending = null;
     this.index = index;
+    this.onDraw(index);
     const ids = new Set(index.sets.map((s) => s.id));
     for (const id of [...this.verify.keys()]) if (!ids.has(id)) this.verify.delete(id);
     for (const id of [...this.open]) if (!ids.has(id)) this.open.delete(id);
@@ -81,6 +121,14 @@ export class SetTable {
       origin.append(info);
     }
     origin.append(el("span", "ckpt-layout", set.layout));
+    if (set.series) {
+      // lenet, lenet_1, lenet_2: one series, saved by successive launches (MindSpore's renaming).
+      const label = el("span", "ckpt-series", `launch ${set.series.launch} of ${set.series.launches}`
+        + ` of the ${set.series.base} series`);
+      label.title = `MindSpore names a relaunch's files ${set.series.base}_1, ${set.series.base}_2, … `
+        + `when ${set.series.base}'s exist in the directory: the same model, saved by another launch.`;
+      origin.append(label);
+    }
 
     const ranks = el("td", "", `${set.ranks_present.length} / ${set.world_size}`);
     if (set.ranks_missing.length) {
@@ -129,7 +177,7 @@ export class SetTable {
       td.append(this.badge("ckpt-complete", "✓ complete", "Every rank has a readable file"));
     } else {
       td.append(this.badge("ckpt-incomplete", "✕ incomplete",
-        `No readable file for rank(s) ${rankList(set.ranks_missing)}`));
+        `No readable file for ${set.ranks_missing.length === 1 ? "rank" : "ranks"} ${rankList(set.ranks_missing)}`));
     }
     if (set.id === this.index.bridge_resume) {
       td.append(" ", this.badge("ckpt-default", "bridge resumes here",
@@ -178,6 +226,7 @@ export class SetTable {
     button.setAttribute("aria-expanded", String(open));
     const detail = this.body.querySelector(`tr[data-detail-for="${CSS.escape(id)}"]`);
     detail.hidden = !open;
+    if (!open) this.release();
   }
 
   details(set) {

@@ -3,6 +3,7 @@ export const SEL = Object.freeze({
   config: "#rankwatch-config",
   runStatus: "#run-status",
   runMessage: "#run-message",
+  statePill: "#state-pill",
   connection: "#connection",
   summaryValue: "[data-summary]",
   summaryLabel: "[data-label]",
@@ -20,6 +21,8 @@ export const SEL = Object.freeze({
   chartStep: "#chart-step-time",
   chartLoss: "#chart-loss",
   chartHeatmap: "#chart-heatmap",
+  chartStepEmpty: "#chart-step-empty",
+  chartLossEmpty: "#chart-loss-empty",
   heatmapSection: "#heatmap-section",
   // Operator token and graceful stop (stop.js, token.js).
   operatorState: "#operator-state",
@@ -88,4 +91,25 @@ export function $(selector, root = document) {
 
 export function $all(selector, root = document) {
   return Array.from(root.querySelectorAll(selector));
+}
+
+// Text in which `backticked` names (function names in stack summaries) are
+// shown as <code>: built from text nodes, never innerHTML, since the text
+// comes from the ranks. Rewritten only when it changed.
+export function setCodeText(el, value) {
+  const str = value === null || value === undefined ? "" : String(value);
+  if (el.dataset.codeText === str) return;
+  el.dataset.codeText = str;
+  const parts = str.split("`");
+  if (parts.length < 3) {
+    el.textContent = str;
+    return;
+  }
+  el.replaceChildren(...parts.map((part, i) => {
+    // An unmatched last backtick stays a backtick.
+    if (i % 2 === 0 || i === parts.length - 1) return document.createTextNode(i % 2 ? `\`${part}` : part);
+    const code = document.createElement("code");
+    code.textContent = part;
+    return code;
+  }));
 }

@@ -2,7 +2,7 @@
 
 // A shape per verdict, so that colour is never the only cue.
 export const GLYPH = Object.freeze({
-  healthy: "✓", straggler: "▲", stalled: "‖", dead: "✕",
+  starting: "○", healthy: "✓", straggler: "▲", stalled: "‖", dead: "✕",
   exited: "■", finished: "★", failed: "!", pending: "…",
   node_lost: "⨯", corrupt: "?",
 });
@@ -10,6 +10,11 @@ export const GLYPH = Object.freeze({
 // A verdict as people read it: "node_lost" is "node lost".
 export function verdictLabel(name) {
   return String(name).replaceAll("_", " ");
+}
+
+// "1 rank", "2 ranks", "1,024 ranks": a real plural, never "rank(s)".
+export function plural(n, word, many = `${word}s`) {
+  return `${isNumber(n) ? n.toLocaleString("en") : n} ${n === 1 ? word : many}`;
 }
 
 export function headerLabel(metric) {
@@ -69,12 +74,16 @@ export function formatCount(n) {
   return isNumber(n) ? n.toLocaleString("en") : other(n);
 }
 
-// A Unix time as the local clock time, or "–".
+const pad2 = (n) => String(n).padStart(2, "0");
+
+// A Unix time as the local clock time, 24-hour HH:MM:SS as the charts' axes
+// (withDate: YYYY-MM-DD HH:MM:SS), or "–". One style on every page.
 export function formatClock(t, withDate = false) {
   if (!isNumber(t) || t <= 0) return other(t === 0 ? null : t);
   const d = new Date(t * 1000);
   if (Number.isNaN(d.getTime())) return "?";
-  return withDate ? d.toLocaleString() : d.toLocaleTimeString();
+  const time = `${pad2(d.getHours())}:${pad2(d.getMinutes())}:${pad2(d.getSeconds())}`;
+  return withDate ? `${d.getFullYear()}-${pad2(d.getMonth() + 1)}-${pad2(d.getDate())} ${time}` : time;
 }
 
 // Cell text for a value; the unit sits in the column header, except bytes.

@@ -4,8 +4,8 @@
 // pushes `incidents` when the policy or the deliveries changed; stacks are
 // fetched when asked for. No inline script or handler: everything is bound here.
 
-import { SEL, $ } from "./dom.js";
-import { formatSeconds, verdictLabel } from "./format.js";
+import { SEL, $, setCodeText } from "./dom.js";
+import { formatClock, formatSeconds, plural, verdictLabel } from "./format.js";
 import { token, operatorFetch } from "./token.js";
 
 const POLL_MS = 500;
@@ -16,7 +16,7 @@ function text(el, value) {
 }
 
 function when(t) {
-  return t ? new Date(t * 1000).toLocaleTimeString() : "–";
+  return formatClock(t);
 }
 
 async function getJson(url) {
@@ -220,7 +220,9 @@ class StackGroups {
     this.data = data;
     const summary = $(SEL.stacksText);
     summary.hidden = false;
-    text(summary, data.text);
+    // No capture on a healthy job is the normal case: say how to get one.
+    setCodeText(summary, data.missing?.length
+      ? `${data.text}. Press "Capture every rank now" to see what each rank is doing.` : data.text);
     $(SEL.stacksCopy).hidden = !data.groups.length;
     const list = $(SEL.stacksGroups);
     list.replaceChildren(...data.groups.map((g) => {
@@ -229,7 +231,9 @@ class StackGroups {
       const details = document.createElement("details");
       const head = document.createElement("summary");
       const span = g.captured_to - g.captured_from;
-      text(head, `${g.summary} (captured ${when(g.captured_from)}${span >= 1 ? ` – ${when(g.captured_to)}` : ""})`);
+      setCodeText(head, `${g.summary} (captured ${when(g.captured_from)}${span >= 1 ? ` – ${when(g.captured_to)}` : ""}`
+        + (g.stale ? "; stale: these ranks have ended since)" : ")"));
+      if (g.stale) li.dataset.stale = "";
       const pre = document.createElement("pre");
       pre.className = "stack-text";
       text(pre, `rank ${g.example_rank}:\n${threadText(g.thread)}`);
@@ -305,7 +309,7 @@ class AlertsPanel {
   render(alerts, rows) {
     const note = $(SEL.alertsNote);
     text(note, alerts.enabled
-      ? `Webhooks: ${alerts.targets.join(", ")}; ${alerts.queued} alert(s) waiting to be delivered.`
+      ? `Webhooks: ${alerts.targets.join(", ")}; ${plural(alerts.queued, "alert")} waiting to be delivered.`
       : "No webhook configured (RANKWATCH_WEBHOOK_URL): verdict changes, stops and policy actions are not sent anywhere.");
     if (!rows.length) return;
     const body = $(SEL.alertsBody);

@@ -11,17 +11,29 @@ const STAGES = ["requested", "seen", "agreed", "saving", "saved", "exited"];
 const MAX_RANK_ROWS = 64;
 
 const HEADLINE = {
-  idle: () => "No stop requested. The job trains until it ends or you press Stop gracefully.",
+  // With no job (no run directory, nothing started yet, or ended) there is nothing that "trains until it ends".
+  idle: (s, run) => (run && ["running", "starting"].includes(run.status)
+    ? "No stop requested. The job trains until it ends or you press Stop gracefully."
+    : "No stop requested."),
   requested: () => "Stop requested: waiting for the ranks to read the flag.",
   stopping: (s) => (s.stop_step != null
     ? `Stopping after step ${s.stop_step}: ranks are saving and exiting.`
     : "Stopping: the ranks are agreeing on the step to stop after."),
   completed: (s) => `Stopped: ${s.summary}.`,
   cancelled: () => "The stop request was cancelled before any rank agreed; training goes on.",
+  not_obeyed: (s) => `The stop was ${s.summary}. The flag is re-armed, so relaunching the job trains.`,
   rearmed: (s) => (s.summary
-    ? `Last stop: ${s.summary}. The flag is re-armed ({"GracefulExit": 0}), so relaunching the job trains.`
-    : 'The flag is re-armed ({"GracefulExit": 0}); relaunching the job trains.'),
+    ? `Last stop: ${s.summary}. The stop flag is cleared, so relaunching the job trains normally.`
+    : "The stop flag is cleared; relaunching the job trains normally."),
 };
+
+// Who did an audited action, in plain words (the API's basis, README "Audit trail").
+function basisText(a) {
+  if (a.basis === "observed") return "seen in the run directory";
+  const from = typeof a.remote_addr === "string" ? a.remote_addr : "";
+  if (from.startsWith("shell ")) return `from the shell (user ${from.slice(6)})`;
+  return a.who === "policy" ? "stop policy" : "operator token";
+}
 
 function text(el, value) {
   el.textContent = value;
@@ -47,6 +59,8 @@ function cell(row, value, cls) {
 // Ranks shown only from msrun's worker logs report no stop stages: say whether
 // their script can obey the flag at all (README, "Log mode").
 function logNote(logs) {
+  // The server words it (rankwatch stop prints the same sentence).
+  if (typeof logs.note === "string") return logs.note;
   const who = `${logs.ranks} rank${logs.ranks === 1 ? " is" : "s are"} shown only from msrun's worker logs`;
   if (logs.on_request_exit) {
     return `${who}; their logs show OnRequestExit at work ("${logs.on_request_exit}"), so the script obeys `
@@ -69,6 +83,7 @@ export class StopControls {
       if (!msg.run || msg.run.status === this.run?.status) return;
       this.run = msg.run;
       this.renderOperator();
+      this.render();
     };
     socket.on("ranks_snapshot", followRun);
     socket.on("ranks_delta", followRun);
@@ -118,7 +133,8 @@ export class StopControls {
     const ended = this.run?.status === "ended";
     stop.disabled = !has || ended;
     stop.dataset.why = ended ? "ended" : has ? "" : "read-only";
-    text(stop, ended ? "Stop gracefully (job ended)" : "Stop gracefully");
+    // Why it is disabled is in its text, not only in a tooltip.
+    text(stop, ended ? "Stop gracefully (job ended)" : has ? "Stop gracefully" : "Stop gracefully (needs the token)");
     if (ended) stop.title = `Nothing to stop: ${this.run.message} Relaunch the job to train again.`;
     else stop.title = has ? "Every rank saves a checkpoint at the same step, then exits"
       : "Read-only: enter the operator token to stop the job";
@@ -206,10 +222,11 @@ export class StopControls {
 
   rearm() {
     const s = this.status || {};
-    const force = s.state !== "completed";
+    // A job that ended without obeying has nothing left to stop: no force needed.
+    const force = !["completed", "not_obeyed"].includes(s.state);
     const question = force
-      ? "Not every rank has exited. Re-arm anyway? Ranks that have not stopped will run on."
-      : 'Return the flag to {"GracefulExit": 0}?';
+      ? "Not every rank has exited. Clear the stop flag anyway? Ranks that have not stopped will train on."
+      : "Clear the stop flag, so that a relaunch trains instead of stopping?";
     this.act("/api/exit/rearm", question, force ? { force: true } : {});
   }
 
@@ -218,7 +235,7 @@ export class StopControls {
     const s = this.status;
     if (!s) return;
     $(SEL.stopPanel).dataset.state = s.state;
-    text($(SEL.stopHeadline), (HEADLINE[s.state] || HEADLINE.idle)(s));
+    text($(SEL.stopHeadline), (HEADLINE[s.state] || HEADLINE.idle)(s, this.run));
     this.renderNote(s);
     this.renderRequest(s.request);
     this.renderStages(s);
@@ -229,7 +246,8 @@ export class StopControls {
   renderNote(s) {
     const notes = [];
     if (s.flag_error) notes.push(`The flag file is unreadable (${s.flag_error}); no rank will stop because of it.`);
-    if (s.logs) notes.push(logNote(s.logs));
+    // While the bridge may still send its first heartbeat (compiling), a warning would be premature.
+    if (s.logs && !s.logs.heartbeats_expected) notes.push(logNote(s.logs));
     if (s.request && !s.bridge_seen && !s.logs) {
       notes.push("No rank of this run reports through the Rankwatch bridge. The flag is in MindSpore's "
         + "own format, so a script using OnRequestExit(config_file=RUN/graceful_exit.json) with "
@@ -333,7 +351,10 @@ export class StopControls {
     const s = this.status || {};
     const has = Boolean(token.get());
     $(SEL.stopCancel).hidden = !(has && s.can_cancel);
-    $(SEL.stopRearm).hidden = !(has && s.can_rearm && ["completed", "stopping"].includes(s.state));
+    // Mid-stop, clearing the flag is a way out only for ranks that are late, not a
+    // step of a normal stop; after a stop the job ignored, it is the way to clear it.
+    $(SEL.stopRearm).hidden = !(has && s.can_rearm
+      && (["completed", "not_obeyed"].includes(s.state) || (s.state === "stopping" && list(s.late).length > 0)));
   }
 
   // -- the audit trail -----------------------------------------------------------
@@ -362,7 +383,7 @@ export class StopControls {
       cell(tr, a.reason);
       cell(tr, a.outcome);
       cell(tr, a.request_id);
-      cell(tr, a.basis, a.basis === "observed" ? "muted" : null);
+      cell(tr, basisText(a), a.basis === "observed" ? "muted" : null);
     }
   }
 }

@@ -1,7 +1,10 @@
 // The summary strip and the run status line above the table.
 
 import { SEL, $, $all } from "./dom.js";
-import { GLYPH, formatCount, formatNumber, formatSeconds, isNumber, verdictLabel } from "./format.js";
+import { GLYPH, formatCount, formatNumber, formatSeconds, isNumber, plural, verdictLabel } from "./format.js";
+
+// Verdicts that turn the page's state red; straggler first would read oddly, so worst first.
+const TROUBLE = ["node_lost", "dead", "failed", "stalled", "corrupt", "straggler"];
 
 export class SummaryStrip {
   // onFilter(verdict) is called when a verdict count is clicked.
@@ -31,6 +34,7 @@ export class SummaryStrip {
     this.metricThroughput = byName.get("throughput");
     this.runSection = $(SEL.runStatus);
     this.runMessage = $(SEL.runMessage);
+    this.pill = $(SEL.statePill);
     this.connection = $(SEL.connection);
   }
 
@@ -43,7 +47,8 @@ export class SummaryStrip {
     const s = this.store.summary;
     if (!s) return;
     const hosts = this.store.nodes.hostCount();
-    this.set("world_size", (s.reported < s.world_size
+    // No job yet: a world size of 0 is not a figure.
+    this.set("world_size", !s.world_size ? "–" : (s.reported < s.world_size
       ? `${s.world_size} (${s.reported} reported)` : String(s.world_size))
       + (hosts > 1 ? ` on ${hosts} hosts` : ""));
     for (const [name, chip] of this.chips) {
@@ -57,16 +62,72 @@ export class SummaryStrip {
       option.textContent = `${verdictLabel(option.value)} (${s.counts[option.value] || 0})`;
     }
     const slow = s.slowest;
-    this.set("slowest", slow
+    // A gap below the straggler rule is jitter, not a finding: name no rank then.
+    this.set("slowest", !slow ? "–" : slow.straggler
       ? `rank ${slow.rank}: ${formatNumber(slow.step_time_ms)} ms`
         + (slow.basis === "work" ? " own work" : "") + `, +${formatNumber(slow.gap_ms)} ms`
         + ` over the median ${formatNumber(slow.median_ms)} ms`
         + (slow.ratio ? ` (${slow.ratio}×)` : "")
-      : "–");
-    this.set("throughput", `${formatCount(isNumber(s.throughput) ? Math.round(s.throughput) : s.throughput)}`
-      + ` ${this.metricThroughput.unit}`);
+      : `none: all within ${slow.threshold_ratio}× of the median ${formatNumber(slow.median_ms)} ms`);
+    // null: no rank reports a rate (ranks shown from their logs): unknown, not 0.
+    this.set("throughput", s.throughput == null ? "unknown"
+      : isNumber(s.throughput) && s.throughput > 0
+        ? `${formatCount(Math.round(s.throughput))} ${this.metricThroughput.unit}` : "–");
     this.renderAges();
     this.renderRun();
+    this.renderPill();
+  }
+
+  // The page-level state, as W&B's run state and Grafana's stat panels:
+  // one line that says whether all is well, and the job's headline figures.
+  renderPill() {
+    const s = this.store.summary;
+    const run = this.store.run;
+    if (!s || !run) return;
+    const counts = s.counts || {};
+    const world = s.world_size || 0;
+    const figures = [];
+    if (isNumber(s.global_step)) figures.push(`step ${formatCount(s.global_step)}`);
+    const loss = this.store.rows.get(0)?.loss;
+    if (isNumber(loss)) figures.push(`loss ${formatNumber(loss)}`);
+    const trouble = TROUBLE.filter((v) => counts[v] > 0);
+    const bad = trouble.reduce((n, v) => n + counts[v], 0);
+    const told = trouble.map((v) => `${counts[v]} ${verdictLabel(v)}`).join(", ");
+    let state;
+    let text;
+    if (run.status === "missing" || run.status === "waiting" || !world) {
+      state = "none";
+      text = "No job yet";
+    } else if (run.status === "unreadable") {
+      state = "bad";
+      text = `${GLYPH.dead} Run directory unreadable`;
+    } else if (run.status === "ended") {
+      const crashed = (counts.failed || 0) + (counts.dead || 0) + (counts.node_lost || 0);
+      state = crashed ? "bad" : "ended";
+      text = crashed ? `${GLYPH.dead} Crashed: ${told}`
+        : counts.exited ? `${GLYPH.exited} Stopped` : `${GLYPH.finished} Finished`;
+    } else if (bad) {
+      state = "bad";
+      text = `${GLYPH.dead} ${bad} of ${plural(world, "rank")} unhealthy: ${told}`;
+    } else if (counts.starting || counts.pending || s.reported < world) {
+      state = "starting";
+      const up = s.reported || 0;
+      const stepping = (counts.healthy || 0);
+      text = `${GLYPH.starting} Starting: ${up} of ${plural(world, "rank")} up`
+        + (stepping ? `, ${stepping} training` : "") + (counts.starting ? ", compiling" : "");
+    } else {
+      state = "healthy";
+      const healthy = counts.healthy || 0;
+      const ended = (counts.exited || 0) + (counts.finished || 0);
+      text = `${GLYPH.healthy} ` + (healthy === world ? `All ${plural(world, "rank")} healthy`
+        : `${healthy} of ${plural(world, "rank")} healthy, ${ended} ended`);
+      if (isNumber(s.throughput) && s.throughput > 0) {
+        figures.push(`${formatCount(Math.round(s.throughput))} ${this.metricThroughput.unit}`);
+      }
+    }
+    if (state !== "none" && figures.length && state !== "starting") text += ` · ${figures.join(" · ")}`;
+    if (this.pill.dataset.state !== state) this.pill.dataset.state = state;
+    if (this.pill.textContent !== text) this.pill.textContent = text;
   }
 
   // Ages move with the clock, not with the data: redrawn every second.

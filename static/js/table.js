@@ -18,7 +18,7 @@ import { NODES_OPEN_MAX_RANKS } from "./nodes.js";
 
 // Worst first, so sorting by verdict brings trouble to the top.
 const SEVERITY = [
-  "node_lost", "dead", "failed", "stalled", "corrupt", "straggler", "pending", "healthy", "exited", "finished",
+  "node_lost", "dead", "failed", "stalled", "corrupt", "straggler", "pending", "starting", "healthy", "exited", "finished",
 ];
 const RENDER_LOG_MAX = 100000;
 // A rank read from msrun's worker log (source "log", README "Log mode") has
@@ -29,6 +29,11 @@ const LOG_ONLY = Object.freeze({
   cells: { cpu_percent: "not in log", rss_bytes: "not in log", device: "not in log" },
   age: "Seconds since its worker log last grew",
 });
+
+// A rank that has ended (or whose process is gone) has no live rate, step
+// time or CPU: its cells are blank, the last value in their tooltip.
+const ENDED = new Set(["exited", "finished", "failed", "dead", "node_lost"]);
+const LIVE_COLS = new Set(["samples_per_s", "step_time_ms", "step_time_mean_ms", "cpu_percent", "device_util_percent"]);
 
 function compareValues(a, b) {
   if (a === b) return 0;
@@ -236,7 +241,8 @@ export class RankTable {
     if (!visible.length) {
       this.empty.textContent = this.filter
         ? `No rank is ${this.filter} right now.`
-        : (this.store.run?.message || "No ranks yet.");
+        // The run status line above already says why (missing directory, no job): not twice.
+        : "No ranks to show yet.";
     }
     this.logDrawn();
   }
@@ -371,10 +377,14 @@ export class RankTable {
 
   cellText(m, row, now) {
     if (row.source === "log" && m.name in LOG_ONLY.cells) return LOG_ONLY.cells[m.name];
+    if (LIVE_COLS.has(m.name) && ENDED.has(row.health)) return "–";
     switch (m.name) {
       case "health": return `${GLYPH[row.health] || ""} ${verdictLabel(row.health)}`;
       case "global_step":
-        if (row.global_step === null || row.global_step === undefined) return "–";
+        // A log can tell the epoch and step without the global step (no steps per epoch printed).
+        if (row.global_step === null || row.global_step === undefined) {
+          return row.epoch ? `${formatNumber(row.epoch)} / ${formatNumber(row.step)}` : "–";
+        }
         return `${formatNumber(row.epoch)} / ${formatNumber(row.step)} (${formatCount(row.global_step)})`;
       case "heartbeat_age_s":
         return isNumber(row.time) ? formatValue(m, Math.max(0, now - row.time)) : "–";
@@ -418,6 +428,10 @@ export class RankTable {
         td.textContent = text;
         if (m.name === "reason" || m.name === "host") td.title = text;
         if (m.name === "heartbeat_age_s") td.title = row.source === "log" ? LOG_ONLY.age : "";
+        if (LIVE_COLS.has(m.name)) {
+          td.title = ENDED.has(row.health) && isNumber(row[m.name])
+            ? `last: ${formatValue(m, row[m.name])}, before the rank ended` : "";
+        }
       }
     });
   }

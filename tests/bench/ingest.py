@@ -26,7 +26,6 @@ ranks at 1 Hz within 0.5 core (122 µs/heartbeat); over Redis, 16,384 ranks at
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -34,18 +33,16 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-from tests.liveserver import REPO, free_port, start_dashboard
+from tests.liveserver import REPO, free_port, rank_rows, start_dashboard
 
 FS_CALLS = ("newfstatat", "statx", "stat", "lstat", "openat", "getdents64", "read", "close", "fstat")
 
 
 def seq_sum(url: str) -> tuple[int, int]:
     """(sum of every rank's seq, ranks reporting) as the dashboard shows them."""
-    with urllib.request.urlopen(url + "/api/ranks", timeout=120) as r:
-        rows = json.load(r)["ranks"]
+    rows = rank_rows(url)
     return sum(row["seq"] or 0 for row in rows), sum(1 for row in rows if row["seq"])
 
 

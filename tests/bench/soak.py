@@ -36,7 +36,7 @@ from pathlib import Path
 from playwright.sync_api import sync_playwright
 
 from tests.bench.scale import wait_for_file
-from tests.liveserver import REPO, launch_chromium, start_dashboard
+from tests.liveserver import REPO, launch_chromium, rank_rows, start_dashboard
 from trainer_bridge import runfiles
 
 MIB = 1024 * 1024
@@ -57,7 +57,7 @@ def on_disk(run_dir: Path, ranks: int) -> dict[int, tuple]:
 
 
 def shown_by_api(url: str) -> dict[int, tuple]:
-    return {row["rank"]: (row["seq"], row["state"]) for row in get(url + "/api/ranks")["ranks"]}
+    return {row["rank"]: (row["seq"], row["state"]) for row in rank_rows(url)}
 
 
 def shown_by_page(page) -> dict[int, tuple]:

@@ -30,6 +30,7 @@ from mindspore.train import (
 )
 
 from trainer_bridge import GracefulExitBridge
+from trainer_bridge.native import on_request_exit_resume
 from trainer_bridge.runfiles import flag_path
 
 
@@ -239,12 +240,21 @@ def main(argv=None) -> None:
     callbacks = []
     initial_epoch = 0
     if args.native_exit:
+        # OnRequestExit reloads its own file at train begin; make it loadable and align the data.
+        ckpt = os.path.join(args.run_dir, f"rank_{ms.get_context('device_id')}", "LeNet_train.ckpt")
+        initial_epoch, skip = on_request_exit_resume(ckpt, args.epochs)
+        if initial_epoch >= args.epochs:
+            return
+        if skip:
+            dataset.set_init_step(skip)
         callbacks.append(
             OnRequestExit(file_name="LeNet", directory=args.run_dir, config_file=str(flag_path(args.run_dir)))
         )
     elif not args.no_bridge:
         bridge = GracefulExitBridge(args.run_dir, sync_interval_s=args.sync_interval)  # bridge
-        initial_epoch = bridge.resume(dataset)  # bridge
+        initial_epoch = bridge.resume(dataset, epochs=args.epochs)  # bridge
+        if bridge.finished:
+            return  # the set resumed from already covers --epochs (the bridge logged it)
         callbacks.append(bridge)
     slow = rank == args.slow_rank
     delay = args.step_delay + (args.slow_delay if slow else 0.0)

@@ -81,7 +81,8 @@ def main(argv=None) -> None:
         if args.step_log:
             crc = zlib.crc32(y.asnumpy().tobytes())
             print(
-                f"step {step} epoch {(step - 1) // dataset.get_dataset_size() + 1} t {time.monotonic():.4f} "
+                f"step {step} epoch {bridge.epoch if bridge else (step - 1) // dataset.get_dataset_size() + 1} "
+                f"t {time.monotonic():.4f} "
                 f"data {crc:08x} opt_step {int(opt.global_step.asnumpy()[0])}",
                 flush=True,
             )
