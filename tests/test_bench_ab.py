@@ -52,6 +52,11 @@ def test_no_cost_with_little_noise_is_shown_at_target_and_wide_noise_decides_not
     assert ab.verdict(s) == "undecided"
 
 
+def test_a_few_rounds_decide_nothing():
+    few = [_round(1.0, 1.02) for _ in range(ab.QUICK_ROUNDS)]
+    assert ab.verdict(ab.summarise(few, "bridge", seed=1)).startswith("none")
+
+
 def test_the_interval_is_reproducible_from_its_seed():
     rounds = [_round(1.0, 1.0 + 0.05 * ((i * 7) % 5 - 2)) for i in range(12)]
     assert ab.summarise(rounds, "bridge", seed=3) == ab.summarise(rounds, "bridge", seed=3)
