@@ -9,7 +9,7 @@ PORT   ?= 5000
 # The fast half: no msrun job, no browser, no fresh venv (about a minute).
 FAST   := not msrun and not browser and not slow
 
-.PHONY: venv demo test test-fast test-slow lint format bench bench-soak wheel clean
+.PHONY: venv demo test test-fast test-slow lint format bench bench-overhead bench-soak wheel clean
 
 venv: $(VENV)/.installed
 
@@ -46,11 +46,20 @@ format: venv
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-# Each prints its figures against a baseline measured in the same run.
+# Each prints its figures against a baseline measured in the same run. The
+# bridge's overhead (tests.bench.loop, tests.bench.bridge figure 1) needs a
+# quiet machine; BENCH_FLAGS=--quick checks the harness in a few minutes.
+BENCH_FLAGS ?=
 bench: venv
 	$(PY) -m tests.bench.scale --ranks 64 256 1024
-	$(PY) -m tests.bench.bridge
+	$(PY) -m tests.bench.loop $(BENCH_FLAGS)
+	$(PY) -m tests.bench.bridge $(BENCH_FLAGS)
 	$(PY) -m tests.bench.ckpt_meta
+
+# Only the bridge's overhead: both front ends, both step sizes.
+bench-overhead: venv
+	$(PY) -m tests.bench.loop $(BENCH_FLAGS)
+	$(PY) -m tests.bench.bridge --figures 1 $(BENCH_FLAGS)
 
 bench-soak: venv
 	$(PY) -m tests.bench.soak

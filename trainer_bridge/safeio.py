@@ -106,15 +106,12 @@ def _check_regular(fd: int) -> os.stat_result:
     return st
 
 
-def open_regular(path: str | os.PathLike, *, dir_fd: int | None = None) -> tuple[int, os.stat_result]:
-    """A read-only descriptor of the regular file ``path`` and its stat; never blocks.
-
-    ``NotRegular`` for a FIFO, socket, device, directory or a symlink (not
-    followed); other OSErrors as ``open`` raises them (``FileNotFoundError``).
-    The descriptor stays non-blocking, which changes nothing for a regular file.
-    """
+def _open_checked(
+    path: str | os.PathLike, flags: int, mode: int = 0o644, *, dir_fd: int | None = None
+) -> tuple[int, os.stat_result]:
+    """``os.open`` with ``flags`` (which hold O_NONBLOCK and O_NOFOLLOW), then the regular-file check."""
     try:
-        fd = os.open(path, READ_FLAGS, dir_fd=dir_fd)
+        fd = os.open(path, flags, mode, dir_fd=dir_fd)
     except OSError as e:
         # ELOOP: a symlink; ENXIO: a socket (or a FIFO open for writing).
         if e.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
@@ -125,6 +122,16 @@ def open_regular(path: str | os.PathLike, *, dir_fd: int | None = None) -> tuple
     except BaseException:
         os.close(fd)
         raise
+
+
+def open_regular(path: str | os.PathLike, *, dir_fd: int | None = None) -> tuple[int, os.stat_result]:
+    """A read-only descriptor of the regular file ``path`` and its stat; never blocks.
+
+    ``NotRegular`` for a FIFO, socket, device, directory or a symlink (not
+    followed); other OSErrors as ``open`` raises them (``FileNotFoundError``).
+    The descriptor stays non-blocking, which changes nothing for a regular file.
+    """
+    return _open_checked(path, READ_FLAGS, dir_fd=dir_fd)
 
 
 def open_file(root: str | os.PathLike, rel: str) -> tuple[int, os.stat_result]:
@@ -184,14 +191,8 @@ def read_at(path: str | os.PathLike, offset: int, nbytes: int) -> bytes:
 def append(root: str | os.PathLike, rel: str, data: bytes) -> int:
     """Append ``data`` to the regular file ``rel`` under ``root`` (created if absent); its new size."""
     with parent_fd(root, rel) as (dir_fd, name):
-        try:
-            fd = os.open(name, _APPEND_FLAGS, 0o644, dir_fd=dir_fd)
-        except OSError as e:
-            if e.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
-                raise NotRegular() from None
-            raise
+        fd, _ = _open_checked(name, _APPEND_FLAGS, dir_fd=dir_fd)
     try:
-        _check_regular(fd)
         os.set_blocking(fd, True)
         os.write(fd, data)
         return os.fstat(fd).st_size
@@ -247,17 +248,7 @@ def open_lock(root: str | os.PathLike, rel: str) -> int:
     """A descriptor for ``flock`` on the regular file ``rel`` (created if absent); NotRegular otherwise."""
     with parent_fd(root, rel, create=True) as (dir_fd, name):
         flags = os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
-        try:
-            fd = os.open(name, flags, 0o600, dir_fd=dir_fd)
-        except OSError as e:
-            if e.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
-                raise NotRegular() from None
-            raise
-    try:
-        _check_regular(fd)
-    except BaseException:
-        os.close(fd)
-        raise
+        fd, _ = _open_checked(name, flags, 0o600, dir_fd=dir_fd)
     return fd
 
 

@@ -1,17 +1,15 @@
-"""Bridge benchmarks: ``python -m tests.bench.bridge [--pairs 3] [--stops 5]``.
+"""Bridge benchmarks: ``python -m tests.bench.bridge [--pairs 12] [--quick] [--figures 1 2 3]``.
 
 Prints three figures, each against a baseline measured in the same run:
 
-1. Throughput of the 2-rank demo job under msrun with the bridge / without it
-   (target >= 0.99). One warm-up run is discarded (the first job after a
-   while pays for cold caches), then pairs alternate their order (AB BA AB
-   ...) so drift and noise hit both sides alike; the ratio is the median of
-   per-pair ratios of median step times. On a shared machine that ratio
-   swings by more than the effect, so the bridge runs also report what the
-   bridge spent, from its own accounting (heartbeat ``bridge_cost``: time in
-   agreements after the first, the reporter thread's CPU time) plus the hook
-   cost from figure 2 per step, as a fraction of the training time: a bound
-   on the throughput lost that noise does not move.
+1. Throughput of ``Model.train`` with the bridge's callback / the same
+   ``Model.train`` without it (target >= 0.99, the 95% interval's low end
+   >= 0.98), both sides with a trivial step-timing callback so both pay the
+   same callback machinery, alternating in one 2-rank ``msrun`` job by the
+   method of ``tests/bench/ab.py`` (ranks bound, MindSpore's threads
+   bounded, side order shuffled per round, warm-up left out), at two step
+   sizes (LeNet5, and a tiny dense net of a few ms a step). ``--variants``
+   adds sides with one part of the bridge switched off, to attribute a cost.
 2. Per-step cost of the bridge's hooks / native ``OnRequestExit``'s hooks
    (target <= 1.0), timed inside one real single-process training run each,
    with ``MS_ENABLE_GRACEFUL_EXIT=1`` and a ``{"GracefulExit": 0}`` flag that
@@ -22,8 +20,7 @@ Prints three figures, each against a baseline measured in the same run:
    stops, broken down by stage (first rank saw the flag, every rank agreed,
    saved, left the training loop), with the per-stop target
    ``1 s + one step + save time``. The processes end seconds after leaving
-   the loop: that is MindSpore's and msrun's own teardown, which the baseline
-   runs of figure 1 pay too after their last step; it is printed beside.
+   the loop: that is MindSpore's and msrun's own teardown.
 """
 
 from __future__ import annotations
@@ -39,68 +36,59 @@ import time
 import urllib.request
 from pathlib import Path
 
+from tests.bench import ab
 from tests.jobs import DemoJob
 from tests.liveserver import start_dashboard
 
 TOKEN = "bench-token"
 
 
-def _step_times(job: DemoJob, rank: int = 0) -> list[float]:
-    """The ``time.monotonic()`` each step ended at (``--step-log``; one clock for all processes)."""
-    import re
+def callback_sides(args, size: str, rank: int) -> dict:
+    """``Model.train`` with a step timer, and with the bridge's variants before it, at ``size``."""
+    from mindspore import nn
+    from mindspore.train import Callback, Model
 
-    return [float(t) for t in re.findall(r"^step \d+ epoch \d+ t (\S+)", job.worker_log(rank), re.M)]
+    from trainer_bridge import GracefulExitBridge
+
+    steps, warmup = ab.plan(args, size)
+    batch = ab.SIZES[size]["batch"]
+    net, inputs, labels = ab.size_model(size, batch, steps, rank)
+    dataset = ab.dataset_of(inputs, labels, batch)
+    loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
+    model = Model(net, loss_fn, nn.Momentum(net.trainable_params(), 0.01, 0.9))
+
+    class StepTimer(Callback):
+        """The trivial callback both sides run: it times each step's end."""
+
+        side: ab.Side
+
+        def on_train_step_end(self, run_context):
+            self.side.step_ended()
+
+    timer = StepTimer()
+
+    def plain(_round):
+        timer.side = ab.Side(warmup)
+        model.train(1, dataset, callbacks=[timer], dataset_sink_mode=False)
+        return timer.side.done()
+
+    def with_bridge(name):
+        def run(i):
+            switched_off, kwargs = ab.variant(name)
+            with switched_off:
+                bridge = GracefulExitBridge(Path(args.run_dir) / f"{size}-{name}-{i}", resume=False, **kwargs)
+                timer.side = ab.Side(warmup, bridge)
+                model.train(1, dataset, callbacks=[bridge, timer], dataset_sink_mode=False)
+                return timer.side.done()
+
+        return run
+
+    plain(-1)  # compile the step
+    return {ab.BASELINE: plain, **{name: with_bridge(name) for name in args.variants}}
 
 
-def _median_step_s(job: DemoJob, rank: int = 0, warmup: int = 5) -> float:
-    times = _step_times(job, rank)
-    deltas = [b - a for a, b in zip(times, times[1:], strict=False)][warmup:]
-    return statistics.median(deltas)
-
-
-def _overhead(job: DemoJob, step_s: float, hook_us: float) -> float:
-    """The bridge's own cost as a fraction of the training time, worst rank."""
-    worst = 0.0
-    for hb in job.heartbeats():
-        cost, steps = hb["bridge_cost"], hb["global_step"]
-        spent_ms = cost["agree_ms"] + cost["reporter_cpu_ms"] + steps * hook_us / 1e3
-        worst = max(worst, spent_ms / (steps * step_s * 1e3))
-    return worst
-
-
-def throughput(pairs: int, samples: int, root: Path, hook_us: float) -> dict:
-    DemoJob(root / "tp-warmup", epochs=1, samples=samples).start().wait()
-    ratios, with_s, without_s, overheads, teardowns = [], [], [], [], []
-    sides = [("bridge", []), ("baseline", ["--no-bridge"])]
-    for i in range(pairs):
-        result = {}
-        for label, extra in sides if i % 2 == 0 else sides[::-1]:
-            job = DemoJob(root / f"tp-{i}-{label}", epochs=2, samples=samples, extra=extra).start()
-            code = job.wait()
-            if code != 0:
-                raise SystemExit(f"{label} run failed ({code}):\n{job.logs()}")
-            if label == "baseline":
-                teardowns.append(time.monotonic() - _step_times(job)[-1])
-            result[label] = _median_step_s(job)
-            if label == "bridge":
-                overheads.append(_overhead(job, result[label], hook_us))
-        with_s.append(result["bridge"])
-        without_s.append(result["baseline"])
-        ratios.append(result["baseline"] / result["bridge"])  # throughput ratio
-        print(
-            f"  pair {i + 1}: step with bridge {result['bridge'] * 1e3:.1f} ms, "
-            f"without {result['baseline'] * 1e3:.1f} ms, ratio {ratios[-1]:.4f}; "
-            f"bridge's own cost {overheads[-1] * 100:.3f}% of training time",
-            flush=True,
-        )
-    return {
-        "ratio": statistics.median(ratios),
-        "with_ms": statistics.median(with_s) * 1e3,
-        "without_ms": statistics.median(without_s) * 1e3,
-        "ratios": ratios,
-        "overhead": max(overheads),
-        "teardown": _median_p95(teardowns),
-    }
+def worker(args) -> None:
+    ab.run_worker(args, callback_sides)
 
 
 HOOK_COST_SCRIPT = r'''
@@ -231,39 +219,51 @@ def _median_p95(values: list[float]) -> tuple[float, float]:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--pairs", type=int, default=3, help="throughput run pairs (default 3)")
+    ab.add_arguments(p)
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=["bridge"],
+        choices=list(ab.VARIANTS),
+        help="figure 1: bridge sides against Model.train without it (default: bridge)",
+    )
+    p.add_argument("--figures", nargs="+", type=int, choices=[1, 2, 3], default=[1, 2, 3], help="default all")
     p.add_argument("--stops", type=int, default=5, help="stops timed (default 5)")
-    p.add_argument("--samples", type=int, default=4000, help="synthetic samples per job (default 4000)")
+    p.add_argument("--samples", type=int, default=4000, help="synthetic samples per stop job (default 4000)")
     p.add_argument("--hook-steps", type=int, default=2000, help="steps in the hook-cost runs")
-    args = p.parse_args(argv)
+    args = ab.parse(p, argv)
+    if args.as_worker:
+        worker(args)
+        return
     with tempfile.TemporaryDirectory(prefix="rankwatch-bench-bridge-") as tmp:
         root = Path(tmp)
-        print("2. per-step hook cost, single process (bridge vs native OnRequestExit):", flush=True)
-        hc = hook_cost(args.hook_steps, root)
-        print("1. throughput, 2-rank demo under msrun (bridge vs none):", flush=True)
-        tp = throughput(args.pairs, args.samples, root, hc["bridge_us"])
-        print("3. stop latency, 2-rank demo, flag write -> every rank exited:", flush=True)
-        sl = stop_latency(args.stops, args.samples, root)
-    print()
-    print(f"{'figure':<52}{'value':>12}  target")
-    print(f"{'throughput with bridge / without (median of pairs)':<52}{tp['ratio']:>12.4f}  >= 0.99")
-    print(f"{'  pair ratios (noise on a shared machine)':<52}  {' '.join(f'{r:.3f}' for r in tp['ratios'])}")
-    print(f"{'  1 - bridge own cost, worst rank and pair':<52}{1 - tp['overhead']:>12.4f}  >= 0.99")
-    print(f"{'  median step, with / without (ms)':<52}{tp['with_ms']:>6.1f}/{tp['without_ms']:<5.1f}")
-    print(f"{'hook cost per step, bridge / native OnRequestExit':<52}{hc['ratio']:>12.4f}  <= 1.0")
-    print(f"{'  per step, bridge / native (us)':<52}{hc['bridge_us']:>6.1f}/{hc['native_us']:<5.1f}")
-    for key in ("seen", "agreed", "saved", "exited", "target", "total", "from_flag"):
-        med, p95 = sl[key]
-        label = {
-            "exited": "stop latency, POST -> every rank saved, left loop (s)",
-            "target": "  target 1 s + step + save (s)",
-            "seen": "  first rank saw the flag (s)",
-            "total": "POST -> all processes gone (s)",
-            "from_flag": "flag write -> all processes gone (s)",
-        }.get(key, f"  every rank {key} (s)")
-        print(f"{label:<52}{med:>6.2f} med {p95:>5.2f} p95")
-    med, p95 = tp["teardown"]
-    print(f"{'  teardown, last step -> msrun gone, no bridge (s)':<52}{med:>6.2f} med {p95:>5.2f} p95")
+        if 1 in args.figures:
+            args.run_dir = str(root / "ab")
+            result, load = ab.launch(Path(__file__).resolve(), args, ["--variants", *args.variants])
+            ab.print_report(
+                "1. throughput, Model.train with the bridge's callback / without it, " + ab.where(args),
+                args,
+                result,
+                load,
+            )
+        if 2 in args.figures:
+            print("2. per-step hook cost, single process (bridge vs native OnRequestExit):", flush=True)
+            hc = hook_cost(args.hook_steps, root)
+            print(f"{'hook cost per step, bridge / native OnRequestExit':<52}{hc['ratio']:>12.4f}  <= 1.0")
+            print(f"{'  per step, bridge / native (us)':<52}{hc['bridge_us']:>6.1f}/{hc['native_us']:<5.1f}")
+        if 3 in args.figures:
+            print("3. stop latency, 2-rank demo, flag write -> every rank exited:", flush=True)
+            sl = stop_latency(args.stops, args.samples, root)
+            for key in ("seen", "agreed", "saved", "exited", "target", "total", "from_flag"):
+                med, p95 = sl[key]
+                label = {
+                    "exited": "stop latency, POST -> every rank saved, left loop (s)",
+                    "target": "  target 1 s + step + save (s)",
+                    "seen": "  first rank saw the flag (s)",
+                    "total": "POST -> all processes gone (s)",
+                    "from_flag": "flag write -> all processes gone (s)",
+                }.get(key, f"  every rank {key} (s)")
+                print(f"{label:<52}{med:>6.2f} med {p95:>5.2f} p95")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,62 @@
+"""The overhead benchmarks' shared harness (tests/bench/ab.py): its rounds and its statistics.
+
+The benchmarks themselves are run by hand on a quiet machine; what they
+decide rests on these pieces, which are checked here on made-up rounds.
+"""
+
+from __future__ import annotations
+
+from tests.bench import ab
+
+
+def _round(plain_s: float, side_s: float, steps: int = 100) -> dict:
+    side = {"s": side_s, "steps": steps, "median_ms": side_s / steps * 1e3, "cpu_s": side_s}
+    side["cost"] = {"agreements": 2, "agree_ms": 1.0, "reporter_cpu_ms": 1.0}
+    plain = {"s": plain_s, "steps": steps, "median_ms": plain_s / steps * 1e3, "cpu_s": plain_s}
+    return {"order": ["plain", "bridge"], "plain": plain, "bridge": side}
+
+
+def test_every_rank_runs_the_sides_in_the_same_shuffled_order():
+    ran = {0: [], 1: []}
+
+    def sides(rank):
+        return {
+            name: (lambda i, name=name: ran[rank].append(name) or {})
+            for name in ("plain", "bridge", "no-loss")
+        }
+
+    first = ab.alternate(12, seed=7, sides=sides(0))
+    second = ab.alternate(12, seed=7, sides=sides(1))
+    assert ran[0] == ran[1]  # the ranks' collectives pair up
+    assert [r["order"] for r in first] == [r["order"] for r in second]
+    assert all(sorted(r["order"]) == ["bridge", "no-loss", "plain"] for r in first)
+    assert len({tuple(r["order"]) for r in first}) > 1  # shuffled, not fixed
+
+
+def test_a_steady_two_percent_cost_is_shown_below_target():
+    rounds = [_round(1.0 + 0.01 * (i % 3), (1.0 + 0.01 * (i % 3)) * 1.02) for i in range(12)]
+    s = ab.summarise(rounds, "bridge", seed=1)
+    assert abs(s["pooled"] - 1 / 1.02) < 1e-9
+    assert s["lo"] <= s["pooled"] <= s["hi"] < ab.TARGET
+    assert ab.verdict(s) == "< 0.99 shown"
+    spent_ms = 2.0 * len(rounds)  # agreements and reporter, 1 ms each a round
+    assert abs(s["share"] - spent_ms / (sum(r["bridge"]["s"] for r in rounds) * 1e3)) < 1e-12
+
+
+def test_no_cost_with_little_noise_is_shown_at_target_and_wide_noise_decides_nothing():
+    quiet = [_round(1.0, 1.0 + (0.002 if i % 2 else -0.002)) for i in range(12)]
+    assert ab.verdict(ab.summarise(quiet, "bridge", seed=1)) == ">= 0.99 shown"
+    noisy = [_round(1.0, 1.0 + (0.3 if i % 2 else -0.2)) for i in range(12)]
+    s = ab.summarise(noisy, "bridge", seed=1)
+    assert s["lo"] < ab.FLOOR and s["hi"] > ab.TARGET
+    assert ab.verdict(s) == "undecided"
+
+
+def test_a_few_rounds_decide_nothing():
+    few = [_round(1.0, 1.02) for _ in range(ab.QUICK_ROUNDS)]
+    assert ab.verdict(ab.summarise(few, "bridge", seed=1)).startswith("none")
+
+
+def test_the_interval_is_reproducible_from_its_seed():
+    rounds = [_round(1.0, 1.0 + 0.05 * ((i * 7) % 5 - 2)) for i in range(12)]
+    assert ab.summarise(rounds, "bridge", seed=3) == ab.summarise(rounds, "bridge", seed=3)
