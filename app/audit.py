@@ -7,7 +7,7 @@ dashboard restart. Schema (one table, append-only)::
     CREATE TABLE audit (
         id          INTEGER PRIMARY KEY AUTOINCREMENT,
         at          REAL NOT NULL,  -- Unix seconds
-        action      TEXT NOT NULL,  -- request | cancel | rearm | delete | complete | policy
+        action      TEXT NOT NULL,  -- request | cancel | rearm | delete | complete | policy | pin
         request_id  TEXT,           -- the stop request it concerns, if any
         who         TEXT NOT NULL,  -- the operator's name (typed in the page) or "rankwatch"
         remote_addr TEXT,           -- where the HTTP request came from
@@ -60,7 +60,7 @@ CREATE INDEX IF NOT EXISTS audit_request ON audit (request_id);
 """
 SCHEMA_VERSION = 2  # 2: the basis column
 COLUMNS = ("id", "at", "action", "request_id", "who", "remote_addr", "reason", "outcome", "detail", "basis")
-ACTIONS = ("request", "cancel", "rearm", "delete", "complete", "policy")
+ACTIONS = ("request", "cancel", "rearm", "delete", "complete", "policy", "pin")
 AUTHENTICATED = "authenticated"
 OBSERVED = "observed"
 BASES = (AUTHENTICATED, OBSERVED)

@@ -26,6 +26,10 @@ BOOLEANS = {
 }
 
 
+# Settings for which 0 means something (pick a port; retention milestones off).
+ZERO_OK = ("PORT", "RETENTION_EVERY")
+
+
 class Setting(NamedTuple):
     name: str
     default: Any
@@ -66,7 +70,7 @@ class Setting(NamedTuple):
             raise ValueError(
                 f"setting {self.name} ({self.env}) must be {kind.__name__}, not {value!r}"
             ) from None
-        if kind in (int, float) and self.name != "PORT" and typed <= 0:
+        if kind in (int, float) and self.name not in ZERO_OK and typed <= 0:
             raise ValueError(f"setting {self.name} ({self.env}) must be positive, not {typed}")
         return typed
 
@@ -445,6 +449,31 @@ SETTINGS: list[Setting] = [
         "With `REDIS_URL`, several dashboard processes may serve one job; one of them, the leader, "
         "holds a lock in Redis that expires this long after its last renewal (every tick). A "
         "follower takes over at most this long after the leader died.",
+    ),
+    Setting(
+        "RETENTION_MODE",
+        "off",
+        'Checkpoint retention (docs/checkpoints.md, "Retention"): `off` (default: only the plan is '
+        "shown), `dry_run` (audit and alert what it would delete, delete nothing) or `on` (apply the plan "
+        "after each new complete set, with who = `policy`). A run's `rankwatch/retention.json` overrides it.",
+    ),
+    Setting("RETENTION_KEEP", 3, "Retention keeps the newest this many complete checkpoint sets."),
+    Setting(
+        "RETENTION_EVERY",
+        0,
+        "Retention also keeps every set whose global step is a multiple of this (milestones); 0: off.",
+    ),
+    Setting(
+        "RETENTION_SETTLE_S",
+        30.0,
+        "Retention never deletes a set with a file whose size or mtime changed in the last this many "
+        "seconds: a rank may still be writing it.",
+    ),
+    Setting(
+        "RETENTION_TMP_AGE_S",
+        3600.0,
+        "Leftover temporary checkpoint directories (MindIO TTP `*_tmp`, NeMo `-unfinished`, Orbax "
+        "`*.orbax-checkpoint-tmp*`) are collected once untouched for this long.",
     ),
 ]
 

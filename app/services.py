@@ -65,11 +65,17 @@ def open_run(
     ``start_task`` and ``emit`` are how a deep verify runs and reports
     (Socket.IO's in the dashboard; a thread and nobody to tell in the CLI).
     """
+    from app.checkpoints.retention import Retention
     from app.checkpoints.service import CheckpointService
     from app.checkpoints.verify import Verifier
 
     # The default trail lives in the run directory: walked from it, following no symlink.
     audit = AuditLog(audit_path(run_dir, config), root=None if config["AUDIT_DB"] else (run_dir or "."))
+    checkpoints = CheckpointService(
+        run_dir, audit, scan_s=config["CHECKPOINT_SCAN_S"], verifier=Verifier(start_task, emit)
+    )
+    # The retention plan and its automatic mode (app/checkpoints/retention.py).
+    checkpoints.retention = Retention(checkpoints, config)
     return Run(
         state=RunState(run_dir, config, redis=redis_subscriber(config, run_dir)),
         audit=audit,
@@ -80,7 +86,5 @@ def open_run(
             auto_rearm=config["AUTO_REARM"],
             holding_after_s=config["STOP_HOLDING_AFTER_S"],
         ),
-        checkpoints=CheckpointService(
-            run_dir, audit, scan_s=config["CHECKPOINT_SCAN_S"], verifier=Verifier(start_task, emit)
-        ),
+        checkpoints=checkpoints,
     )

@@ -152,7 +152,16 @@ class Watcher:
             self._emit(STOP_EVENT, status, local=local)
 
     def _tick_checkpoints(self) -> None:
-        body = self.checkpoints.poll(self.state.heartbeats()[1])
+        heartbeats, world = self.state.heartbeats()
+        retention = getattr(self.checkpoints, "retention", None)
+        if retention is not None:
+            # The leader alone gets here: several dashboards never delete twice.
+            alerts = getattr(self.incidents, "alerts", None)
+            try:
+                retention.tick(world, heartbeats, alerts.once if alerts is not None else None)
+            except Exception:
+                log.exception("checkpoint retention failed; the next new set tries again")
+        body = self.checkpoints.poll(world)
         if body is not None:
             self._emit(CHECKPOINTS_EVENT, body)
 

@@ -14,6 +14,7 @@ import ctypes
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -149,7 +150,7 @@ def test_a_delete_never_removes_a_file_outside_the_run_directory(app, layout, ru
         # ...then the removal itself, as often as the swap can be lost.
         for _ in range(3 * TRIES):
             recreate_inside(run_dir)
-            done, failed, _ = service._remove(cset)
+            done, failed, _ = service.remove_set(cset)
             deleted += len(done)
             assert outside.exists(), f"a delete removed the file outside the run directory (after {deleted})"
     assert deleted > 0
@@ -189,3 +190,54 @@ def test_verify_never_loads_a_file_outside_the_run_directory(app, layout, run_di
             if loaded and refused:
                 break
     assert loaded and set(loaded) == {2}, sorted(set(loaded))  # w and global_step; never o0..o4
+
+
+def test_retention_never_removes_anything_outside_the_run_directory(run_dir, tmp_path):
+    """Issue 18, invariant 5: the retention deleter's walk of a leftover temp dir, raced."""
+    from app.audit import AuditLog
+    from app.checkpoints.retention import Retention
+    from app.checkpoints.service import CheckpointService
+    from app.checkpoints.verify import Verifier
+
+    write_job(run_dir, 1)
+    tmpdir = run_dir / "ckpt/tft_saved_checkpoints-step_5_tmp"
+    real = tmpdir / "rank_0"
+    outside_dir = tmp_path / "outside" / "rank_0"
+    outside = ckptcraft.write(outside_dir / "ttp_rank_0-1_5.ckpt", SECRET)
+    service = CheckpointService(
+        str(run_dir), AuditLog(tmp_path / "audit.sqlite3"), scan_s=0.0, verifier=Verifier(None, None)
+    )
+    # The swapper's renames touch the leftover's mtime all the time: plan as if long after.
+    retention = Retention(service, {"RETENTION_TMP_AGE_S": 60.0}, clock=lambda: time.time() + 3600)
+
+    def recreate(link: bool = True) -> None:
+        """The leftover again, with its rank dir and the swapper's link; never through a symlink."""
+        for make in (
+            lambda: real.mkdir(parents=True),
+            lambda: link and real.with_name("rank_0.swap").symlink_to(outside_dir, target_is_directory=True),
+        ):
+            try:
+                make()
+            except OSError:
+                pass
+        try:
+            fd = os.open(real, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            return
+        try:
+            f = os.open("ttp_rank_0-1_5.ckpt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600, dir_fd=fd)
+            os.close(f)
+        finally:
+            os.close(fd)
+        os.utime(tmpdir, (1, 1))
+
+    recreate(link=False)
+    removed = 0
+    with Swapper(real, outside_dir):
+        for _ in range(TRIES // 15):
+            recreate()
+            result = retention.apply(None, 1, {}, who="test")
+            removed += len(result["deleted"])
+            assert outside.exists(), f"retention removed the file outside the run directory (after {removed})"
+            assert outside_dir.is_dir() and not outside_dir.is_symlink()
+    assert removed > 0

@@ -33,7 +33,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
-from trainer_bridge import runfiles, saving
+from trainer_bridge import ckpthealth, runfiles, saving
 from trainer_bridge.agreement import Agreement
 from trainer_bridge.ckptindex import scan
 from trainer_bridge.counters import Counters
@@ -150,7 +150,9 @@ class Engine:
             index = scan(self.run_dir, world_size=size)
             self.served = saving.served_requests(index)
             if self.settings.resume:
-                self.resume_point = saving.find_resume_point(index, rank, self.settings.resume_step)
+                self.resume_point = saving.find_resume_point(
+                    index, rank, self.settings.resume_step, ckpthealth.unhealthy(self.run_dir, index)
+                )
         return self.resume_point
 
     def resume_position(self, per_epoch: int, epochs: int | None) -> tuple[int, int, bool]:
@@ -352,6 +354,7 @@ class Engine:
                 rank=self.rank,
                 world=self.world,
                 param_names=saving.param_names(self.cells),
+                loss=self.reporter.loss,
             )
             saving.save_state(self.cells, path, append)
             seconds = time.perf_counter() - started

@@ -369,6 +369,52 @@ def rmdir(root: str | os.PathLike, rel: str) -> None:
         os.rmdir(name, dir_fd=dir_fd)
 
 
+def rmtree(root: str, rel: str, max_entries: int = 100_000) -> int:
+    """Remove the directory ``rel`` and everything in it; the number of entries removed.
+
+    Each level is opened relative to its parent's descriptor with
+    ``O_NOFOLLOW`` and emptied through that descriptor, so a directory inside
+    swapped for a symlink is removed as the link itself (``unlink``), never
+    followed. A name that is already gone counts as removed. OSError for
+    anything else (or more than ``max_entries`` entries: not a leftover).
+    """
+    with parent_fd(root, rel) as (dir_fd, name):
+        count = _empty(dir_fd, name, [0], max_entries)
+        try:
+            os.rmdir(name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+        return count + 1
+
+
+def _empty(parent: int, name: str, seen: list[int], limit: int) -> int:
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+    except FileNotFoundError:
+        return 0
+    removed = 0
+    try:
+        for entry in os.scandir(fd):
+            seen[0] += 1
+            if seen[0] > limit:
+                raise OSError(errno.EFBIG, f"more than {limit} entries")
+            if entry.is_dir(follow_symlinks=False):
+                removed += _empty(fd, entry.name, seen, limit)
+                try:
+                    os.rmdir(entry.name, dir_fd=fd)
+                except FileNotFoundError:
+                    pass
+            else:
+                try:
+                    os.unlink(entry.name, dir_fd=fd)
+                except FileNotFoundError:
+                    pass
+            removed += 1
+    finally:
+        os.close(fd)
+    return removed
+
+
 def why(e: OSError) -> str:
     """The reason to show for a refused open or unlink (never whether a symlink's target exists)."""
     if isinstance(e, NotRegular):

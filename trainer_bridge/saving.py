@@ -13,11 +13,13 @@ callback's ``train_network`` (weights, optimizer state and the optimizer's
 
 from __future__ import annotations
 
+import math
+from collections.abc import Container
 from dataclasses import dataclass
 from pathlib import Path
 
 from trainer_bridge import runfiles
-from trainer_bridge.ckptindex import ORIGIN_BRIDGE, Index
+from trainer_bridge.ckptindex import ORIGIN_BRIDGE, CheckpointSet, Index
 
 __all__ = [
     "ResumePoint",
@@ -26,6 +28,7 @@ __all__ = [
     "data_position",
     "find_resume_point",
     "load_state",
+    "resume_set",
     "save_state",
     "served_requests",
 ]
@@ -70,7 +73,9 @@ def served_requests(index: Index) -> Served:
     )
 
 
-def find_resume_point(index: Index, rank: int, step: int | None = None) -> ResumePoint | None:
+def find_resume_point(
+    index: Index, rank: int, step: int | None = None, unhealthy: Container[str] = ()
+) -> ResumePoint | None:
     """The set to resume from: the newest complete bridge set, or the one pinned at ``step``.
 
     ``index`` is a ``ckptindex.scan`` of the run directory with the job's
@@ -78,9 +83,22 @@ def find_resume_point(index: Index, rank: int, step: int | None = None) -> Resum
     bridge's own first); anything else is a ValueError, raised alike on every
     rank before any collective, because all read the same files.
     """
+    cset = resume_set(index, step, unhealthy)
+    if cset is None:
+        return None
+    return ResumePoint(cset.global_step, cset.epoch, Path(cset.file_for(rank).abspath))
+
+
+def resume_set(index: Index, step: int | None = None, unhealthy: Container[str] = ()) -> CheckpointSet | None:
+    """The set a relaunch resumes from (``find_resume_point``'s choice; the dashboard asks it too).
+
+    Sets in ``unhealthy`` (ids: ``ckpthealth.unhealthy``) are passed over
+    when no step is pinned. A pinned step that names no complete set is a
+    ValueError (see ``find_resume_point``).
+    """
     complete = [s for s in index.sets if s.complete]
     if step is None:
-        cset = next((s for s in complete if s.origin == ORIGIN_BRIDGE), None)
+        cset = next((s for s in complete if s.origin == ORIGIN_BRIDGE and s.id not in unhealthy), None)
     else:
         matches = sorted(
             (s for s in complete if s.global_step == step), key=lambda s: s.origin != ORIGIN_BRIDGE
@@ -93,9 +111,7 @@ def find_resume_point(index: Index, rank: int, step: int | None = None) -> Resum
                 f"(complete sets: {have or 'none'})"
             )
         cset = matches[0]
-    if cset is None:
-        return None
-    return ResumePoint(cset.global_step, cset.epoch, Path(cset.file_for(rank).abspath))
+    return cset
 
 
 def data_position(global_step: int, per_epoch: int) -> tuple[int, int]:
@@ -121,6 +137,7 @@ def append_fields(
     rank: int,
     world: int,
     param_names,
+    loss: float | None = None,
 ) -> dict:
     """The ``append_dict`` of a bridge checkpoint (README "Checkpoints the bridge writes")."""
     append = {
@@ -136,6 +153,9 @@ def append_fields(
     # shape-(1,) tensor with a scalar, and the file no longer loads.
     if "global_step" not in param_names:
         append["global_step"] = global_step
+    if loss is not None:
+        # The set's health evidence (trainer_bridge/ckpthealth.py): 0 flags weights saved after a NaN.
+        append["rankwatch_loss_finite"] = int(math.isfinite(loss))
     return append
 
 

@@ -55,6 +55,7 @@ __all__ = [
     "Job",
     "MAX_RANKS",
     "ResumedFrom",
+    "RetentionFile",
     "SchemaError",
     "build",
     "StopRecord",
@@ -305,6 +306,30 @@ class HistoryLine(_Model):
         return cls(**{name: getattr(beat, name) for name in cls.model_fields})
 
 
+# The most sets one retention file may pin, and the longest set id it may name.
+MAX_PINS = 1000
+MAX_SET_ID = 2 * MAX_PATH
+
+
+class RetentionFile(_Model):
+    """``RUN/rankwatch/retention.json``: this run's checkpoint retention, over the dashboard's settings.
+
+    Every field is optional: a missing one keeps the setting's value. The
+    checkpoint browser's pin and unpin rewrite ``pinned``.
+    """
+
+    mode: Literal["off", "dry_run", "on"] | None = Field(None, description="`RETENTION_MODE` for this run")
+    keep: Annotated[int, Field(ge=1, le=100_000)] | None = Field(
+        None, description="`RETENTION_KEEP`: the newest complete sets kept"
+    )
+    every: Annotated[int, Field(ge=0, le=2**53)] | None = Field(
+        None, description="`RETENTION_EVERY`: sets at a multiple of this global step are kept (0: off)"
+    )
+    pinned: Annotated[list[Annotated[str, Field(max_length=MAX_SET_ID)]], Field(max_length=MAX_PINS)] = Field(
+        default_factory=list, description="ids of the sets never deleted"
+    )
+
+
 M = TypeVar("M", bound=_Model)
 
 
@@ -488,6 +513,7 @@ README_TABLES = {
     "bridge_cost": BridgeCost,
     "history": HistoryLine,
     "job": Job,
+    "retention": RetentionFile,
 }
 
 

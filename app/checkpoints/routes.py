@@ -48,6 +48,9 @@ def page():
                 ("resume", "api_resume"),
                 ("delete", "api_delete"),
                 ("verify", "api_verify_start"),
+                ("retention", "api_retention"),
+                ("retention_apply", "api_retention_apply"),
+                ("pin", "api_pin"),
             )
         },
         "scan_s": current_app.config["CHECKPOINT_SCAN_S"],
@@ -127,3 +130,47 @@ def api_verify_status():
         service.find(set_id, _world())  # an unknown set is a 404 that says so
         raise ApiError(404, "no deep verify of this set has run since the dashboard started")
     return jsonify(status)
+
+
+@bp.get("/api/checkpoints/retention")
+def api_retention():
+    """The retention plan: every set's keep or delete and why, the policy in force, disk space."""
+    heartbeats, world = rankwatch().state.heartbeats()
+    world = _world()
+    return jsonify(rankwatch().checkpoints.retention.body(world, heartbeats))
+
+
+@bp.post("/api/checkpoints/retention/apply")
+def api_retention_apply():
+    """Apply exactly the plan the operator saw (``{"hash"}``); 409 if it changed since."""
+    require_operator()
+    body = json_body({"hash": (str, True), "who": (str, False)})
+    service = rankwatch().checkpoints
+    world = _world()
+    heartbeats, _ = rankwatch().state.heartbeats()
+    result = service.retention.apply(
+        body["hash"], world, heartbeats, who=body.get("who") or WHO_DEFAULT, remote_addr=request.remote_addr
+    )
+    pushed = service.poll(world)
+    if pushed is not None:
+        push.emit(socketio, CHECKPOINTS_EVENT, pushed)
+    return jsonify(result)
+
+
+@bp.post("/api/checkpoints/pin")
+def api_pin():
+    """Pin (``"pinned": true``) or unpin a set: retention never deletes a pinned set. Audited."""
+    require_operator()
+    body = json_body(
+        {"set": (str, True), "pinned": (bool, True), "who": (str, False), "reason": (str, False)}
+    )
+    return jsonify(
+        rankwatch().checkpoints.retention.pin(
+            body["set"],
+            body["pinned"],
+            _world(),
+            who=body.get("who") or WHO_DEFAULT,
+            remote_addr=request.remote_addr,
+            reason=body.get("reason") or "",
+        )
+    )

@@ -37,7 +37,7 @@ from app.checkpoints.relaunch import relaunch_command
 from app.checkpoints.verify import Verifier
 from app.errors import ApiError
 from app.push import Changed
-from trainer_bridge import ckptindex, native, runfiles, safeio
+from trainer_bridge import ckpthealth, ckptindex, native, runfiles, safeio, saving
 from trainer_bridge.ckptindex import (
     ORIGIN_BRIDGE,
     ORIGIN_NATIVE,
@@ -75,8 +75,8 @@ def _fingerprint(index: Index) -> tuple:
 
 
 def bridge_default(index: Index) -> CheckpointSet | None:
-    """The set the bridge loads on an unchanged relaunch (``ckptindex.newest_complete_set``)."""
-    return next((s for s in index.sets if s.complete and s.origin == ORIGIN_BRIDGE), None)
+    """The set the bridge loads on an unchanged relaunch (``saving.resume_set``, the bridge's own choice)."""
+    return saving.resume_set(index, unhealthy=ckpthealth.unhealthy(index.run_dir, index))
 
 
 class CheckpointService:
@@ -103,7 +103,7 @@ class CheckpointService:
         self.cache = MetaCache()
         self._clock = clock
         self._lock = threading.Lock()
-        self._delete_lock = threading.Lock()
+        self.delete_lock = threading.Lock()
         self._index: Index | None = None
         self._scanned: tuple[float, int] | None = None  # (monotonic time, world) of the scan
         self._pushed = Changed()  # the fingerprint of the index last pushed
@@ -148,12 +148,24 @@ class CheckpointService:
         now = time.time()
         body = index.to_dict()
         default = bridge_default(index)
+        from app.checkpoints.retention import interrupted
+
+        unhealthy = ckpthealth.unhealthy(self.run_dir, index)
+        deleting = interrupted(self.run_dir)
         series = _launch_series([s["layout"] for s in body["sets"]])
         for s in body["sets"]:
             s["series"] = series.get(s["layout"])
             # The cached index may be a scan old; ages are as of this answer.
             s["age_s"] = round(max(0.0, now - s["mtime"]), 3)
             s["notes"] = self._notes(s, default)
+            s["unhealthy"] = unhealthy.get(s["id"])
+            if s["unhealthy"]:
+                s["notes"].append(f"unhealthy: {s['unhealthy']}; the bridge does not resume from it")
+            if s["id"] in deleting:
+                s["notes"].append(
+                    "being deleted by retention (interrupted): partial on purpose; the next "
+                    "retention run finishes it"
+                )
             s["verify"] = self.verifier.status(s["id"])
         body.update(
             now=now,
@@ -244,7 +256,7 @@ class CheckpointService:
         files go as well. A file that cannot be removed is reported, and
         the others are still removed.
         """
-        with self._delete_lock:
+        with self.delete_lock:
             index, cset = self.find(set_id, world, force=True)
             detail = {
                 "set": cset.id,
@@ -267,7 +279,7 @@ class CheckpointService:
                 raise ApiError(409, why)
             if self.verifier.running(cset.id):
                 raise ApiError(409, "a deep verify of this set is running; delete it when it ends")
-            deleted, failed, dirs = self._remove(cset)
+            deleted, failed, dirs = self.remove_set(cset)
             self.verifier.forget(cset.id)
             outcome = (
                 f"deleted: {_files(len(deleted))}"
@@ -295,8 +307,12 @@ class CheckpointService:
             return "the bridge resumes from this set on an unchanged relaunch"
         return None
 
-    def _remove(self, cset: CheckpointSet) -> tuple[list[str], list[dict], list[str]]:
-        """Unlink each file of the set, and the per-rank directories it leaves empty.
+    def remove_set(self, cset: CheckpointSet) -> tuple[list[str], list[dict], list[str]]:
+        """Unlink each file of the set, lowest rank first, and the per-rank directories it leaves empty.
+
+        Lowest rank first (``CheckpointSet.files``' order): the first unlink
+        makes the set partial for every reader, so no interruption can leave
+        it looking complete (``app/checkpoints/retention.py``).
 
         Through ``trainer_bridge.safeio``: each unlink is made on a descriptor of the
         file's own directory reached without following a symlink, so a

@@ -72,18 +72,31 @@ def files_table(s: dict) -> Table:
     return table
 
 
-@click.command()
-@run_dir_option
+@click.group(invoke_without_command=True)
+@click.option(
+    "--run-dir",
+    envvar="RANKWATCH_RUN_DIR",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="The job's run directory (the trainers' run_dir); env RANKWATCH_RUN_DIR.",
+)
 @click.option(
     "--set", "set_id", default=None, help="One set (an id from the list): its files and its resume answer."
 )
 @click.option(
     "--json", "as_json", is_flag=True, help="Print the answer as JSON (GET /api/checkpoints's body)."
 )
-def checkpoints(run_dir: Path, set_id: str | None, as_json: bool) -> None:
-    """The checkpoint sets, newest step first, complete or not, and the command that resumes."""
+@click.pass_context
+def checkpoints(ctx: click.Context, run_dir: Path | None, set_id: str | None, as_json: bool) -> None:
+    """The checkpoint sets, newest step first, complete or not, and the command that resumes.
+
+    `rankwatch checkpoints gc` prints the retention plan (and applies it with --apply).
+    """
     from app.errors import ApiError
 
+    if ctx.invoked_subcommand is not None:
+        return
+    if run_dir is None:
+        raise click.UsageError("Missing option '--run-dir'.")
     run = open_cli_run(run_dir)
     run.state.scan(time.time())  # for the world size and the hosts the resume command needs
     heartbeats, world = run.state.heartbeats()
@@ -126,3 +139,67 @@ def checkpoints(run_dir: Path, set_id: str | None, as_json: bool) -> None:
         out.print(plain(answer["command"]), soft_wrap=True, markup=False)
     for note in answer["command_notes"]:
         out.print(f"  ({untrusted(note)})")
+
+
+@checkpoints.command()
+@run_dir_option
+@click.option(
+    "--keep", type=click.IntRange(1), default=None, help="Keep the newest N complete sets (RETENTION_KEEP)."
+)
+@click.option("--apply", "apply_", is_flag=True, help="Delete what the plan says (audited, who = cli).")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the plan as JSON (GET /api/checkpoints/retention's body)."
+)
+def gc(run_dir: Path, keep: int | None, apply_: bool, as_json: bool) -> None:
+    """The retention plan: which sets are kept and why, which would be deleted; --apply deletes them."""
+    from rich.table import Table
+
+    from app.errors import ApiError
+
+    run = open_cli_run(run_dir)
+    if keep is not None:
+        run.checkpoints.retention.config = dict(run.checkpoints.retention.config, RETENTION_KEEP=keep)
+    run.state.scan(time.time())  # who is saving or training holds deletions back
+    heartbeats, world = run.state.heartbeats()
+    retention = run.checkpoints.retention
+    body = retention.body(world, heartbeats)
+    out = console()
+    if as_json and not apply_:
+        out.print_json(json.dumps(body, default=str))
+        return
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for name in ("set", "global step", "action", "why", "size"):
+        table.add_column(name, overflow="fold")
+    for e in body["sets"]:
+        action = "[red]delete[/]" if e["action"] == "delete" else "keep"
+        step = "–" if e["global_step"] is None else str(e["global_step"])
+        table.add_row(
+            untrusted(e["id"]),
+            step,
+            action,
+            untrusted(e["why"]),
+            fmt_bytes(e["bytes"]),
+        )
+    policy = body["policy"]
+    out.print(
+        f"Retention plan for {untrusted(run_dir)} (mode {policy['mode']}, keep {policy['keep']}, every "
+        f"{policy['every'] or 'off'}; {policy['source']}): frees {fmt_bytes(body['frees_bytes'])}"
+    )
+    for error in policy["errors"]:
+        out.print(f"[yellow]{untrusted(error)}[/]")
+    if body["sets"]:
+        out.print(table)
+    if body["disk"]["warning"]:
+        out.print(f"[red]⚠ {untrusted(body['disk']['warning'])}[/]")
+    if not apply_:
+        return
+    try:
+        result = retention.apply(body["hash"], world, heartbeats, who="cli")
+    except ApiError as e:
+        raise click.ClickException(e.message) from None
+    out.print(
+        f"Deleted {len(result['deleted'])} item(s), freed {fmt_bytes(result['frees_bytes'])}"
+        + (f"; failed: {untrusted(', '.join(result['failed']))}" if result["failed"] else "")
+    )
+    if result["failed"]:
+        raise SystemExit(1)

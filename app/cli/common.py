@@ -86,7 +86,10 @@ def open_cli_run(run_dir: Path) -> Run:
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     config["RUN_DIR"] = str(run_dir)
-    return open_run(str(run_dir), config)
+    try:
+        return open_run(str(run_dir), config)
+    except ValueError as e:  # a setting checked when its engine starts (RETENTION_MODE)
+        raise click.ClickException(str(e)) from None
 
 
 def console() -> Console:

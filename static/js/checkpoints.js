@@ -6,6 +6,7 @@ import { CKPT, el } from "./checkpoints_dom.js";
 import { SetTable, epochLabel, rankList } from "./checkpoints_table.js";
 import { DeleteDialog, ResumeDialog, api } from "./checkpoints_dialogs.js";
 import { formatBytes, formatSeconds, plural } from "./format.js";
+import { RetentionView } from "./checkpoints_retention.js";
 import { operatorFetch, token } from "./token.js";
 
 window.addEventListener("rankwatch-login-failed", (e) => flash(`The login link did not work: ${e.detail}`, "error"));
@@ -55,6 +56,8 @@ const deleteDialog = new DeleteDialog(config, (result, set) => {
   flash(`Deleted ${plural(result.deleted.length, "file")} of global step ${set.global_step ?? "?"}`
     + (failed.length ? `; could not delete ${failed.join("; ")}` : "."), failed.length ? "error" : "info");
 });
+
+const retention = new RetentionView(config, flash);
 
 function renderAnswer() {
   const answer = $(CKPT.answer);
@@ -122,6 +125,12 @@ socket.on("disconnect", () => {
 table.onDraw = (msg) => {
   index = msg;
   renderAnswer();
+  // The retention column goes in with the rows (the last plan at once, then the new one),
+  // and is held with them while the pointer rests on the list.
+  queueMicrotask(() => {
+    retention.redraw();
+    retention.refresh(() => table.pending !== null).catch(() => {});
+  });
 };
 socket.on(config.events.checkpoints, (msg) => {
   clockOffset = msg.now - Date.now() / 1000;

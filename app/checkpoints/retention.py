@@ -1,0 +1,340 @@
+"""Checkpoint retention: which sets to keep, which to delete, and deleting them safely.
+
+The plan is a pure function of the index, the policy and what the ranks are
+doing (``app.checkpoints.retention_plan.plan``); applying it deletes through
+``CheckpointService.remove_set`` (``trainer_bridge.safeio``'s descriptor walk), so the
+browser's delete, the policy, the page's Apply and ``rankwatch checkpoints
+gc`` all remove files the same way (docs/checkpoints.md, "Retention").
+
+Why a set can never look complete while it is being deleted: its files go
+lowest rank first (``CheckpointSet.files`` is sorted by rank), so the first
+unlink leaves rank 0 missing and every index from then on reports the set
+partial. The highest rank goes last, so a layout without a known world size
+keeps counting the same ranks. Before the first unlink the set's id is
+written to ``RUN/rankwatch/retention_journal.json``; the page shows a set
+named there as "being deleted by retention", and the next apply finishes
+it (a partial set older than the newest complete one is collected anyway).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+from app.checkpoints.retention_plan import (
+    MODES,
+    Activity,
+    Entry,
+    Plan,
+    Policy,
+    Temp,
+    _gib,
+    disk,
+    find_temps,
+    override_path,
+    plan,
+    policy_for,
+    read_override,
+)
+from app.errors import ApiError
+from trainer_bridge import ckpthealth, runfiles, safeio, schema
+
+__all__ = [
+    "MODES",
+    "Activity",
+    "Entry",
+    "Plan",
+    "Policy",
+    "Retention",
+    "Temp",
+    "disk",
+    "find_temps",
+    "interrupted",
+    "journal_path",
+    "plan",
+    "policy_for",
+    "read_journal",
+]
+
+JOURNAL_NAME = "retention_journal.json"
+# Deletions per batch: the journal naming them stays within the run-file reader's bound.
+MAX_BATCH = 100
+JOURNAL_BUDGET = runfiles.MAX_FILE_BYTES // 2
+
+
+def journal_path(run_dir: str) -> str:
+    return os.path.join(runfiles.state_dir(run_dir), JOURNAL_NAME)
+
+
+def read_journal(run_dir: str | None) -> list[dict]:
+    """The entries a retention run was deleting when it stopped (it removes each as it is done)."""
+    if not run_dir:
+        return []
+    data = runfiles.read_json_or_none(journal_path(run_dir))
+    items = data.get("sets") if isinstance(data, dict) else None
+    if not isinstance(items, list):
+        return []
+    return [
+        i
+        for i in items
+        if isinstance(i, dict)
+        and isinstance(i.get("id"), str)
+        and i.get("kind") in ("set", "temp")
+        and isinstance(i.get("bytes"), int)
+    ]
+
+
+def interrupted(run_dir: str | None) -> set[str]:
+    """Ids of the sets an interrupted retention run had started to delete."""
+    return {i["id"] for i in read_journal(run_dir) if i["kind"] == "set"}
+
+
+def _batches(entries: list[Entry]):
+    """The deletions in groups whose journal stays within the run-file reader's bound."""
+    batch, size = [], 0
+    for e in entries:
+        cost = len(e.id) + len(e.why) + 100
+        if batch and (len(batch) >= MAX_BATCH or size + cost > JOURNAL_BUDGET):
+            yield batch
+            batch, size = [], 0
+        batch.append(e)
+        size += cost
+    if batch:
+        yield batch
+
+
+def _write_journal(run_dir: str, items: list[dict]) -> None:
+    # Walked from the run directory, following no symlink: a swapped ``rankwatch/`` cannot redirect it.
+    rel = f"{runfiles.STATE_DIR}/{JOURNAL_NAME}"
+    if items:
+        runfiles.atomic_write_json(journal_path(run_dir), {"sets": items, "at": time.time()}, root=run_dir)
+    else:
+        try:
+            safeio.unlink(run_dir, rel)
+        except FileNotFoundError:
+            pass
+
+
+class Retention:
+    """The plan for the service's run, applying it, and the automatic mode's tick."""
+
+    def __init__(self, service, config: Mapping, clock: Callable[[], float] = time.time):
+        self.service = service
+        self.config = config
+        self.clock = clock
+        policy_for(None, config)  # a bad RETENTION_MODE fails at start
+        self._auto_seen: str | None = None
+        self._lock = threading.Lock()
+
+    def policy(self) -> Policy:
+        return policy_for(self.service.run_dir, self.config)
+
+    def plan(self, world: int, heartbeats: Mapping[int, dict | None], force: bool = False) -> Plan:
+        if self.service.run_dir is None:
+            raise ApiError(409, "the dashboard was started without a run directory (--run-dir)")
+        index = self.service.index(world, force)
+        errors: list[str] = []
+        temps = find_temps(self.service.run_dir, errors)
+        return plan(
+            index,
+            self.policy(),
+            Activity.of(heartbeats),
+            now=self.clock(),
+            unhealthy=ckpthealth.unhealthy(self.service.run_dir, index),
+            temps=temps,
+        )
+
+    def body(self, world: int, heartbeats: Mapping[int, dict | None]) -> dict:
+        """The body of ``GET /api/checkpoints/retention``."""
+        p = self.plan(world, heartbeats)
+        index = self.service.index(world)
+        return p.to_dict() | {
+            "disk": disk(self.service.run_dir, index),
+            "interrupted": sorted(interrupted(self.service.run_dir)),
+            "unhealthy": p.health,
+        }
+
+    def apply(
+        self,
+        expected_hash: str | None,
+        world: int,
+        heartbeats: Mapping[int, dict | None],
+        *,
+        who: str,
+        remote_addr: str | None = None,
+    ) -> dict:
+        """Delete what the plan says; 409 if it is not the plan ``expected_hash`` names.
+
+        ``expected_hash`` None applies the current plan (the policy's own run).
+        """
+        with self._lock, self.service.delete_lock:
+            p = self.plan(world, heartbeats, force=True)
+            if expected_hash is not None and p.hash != expected_hash:
+                raise ApiError(
+                    409,
+                    "the retention plan changed since it was shown (a set appeared, changed or went "
+                    "away); reload it and apply the new one",
+                )
+            run_dir = self.service.run_dir
+            done, failed = [], []
+            # First what an interrupted run left: its sets that are gone now were deleted whole
+            # but never audited; those still here are partial, and go first.
+            present = {e.id for e in p.entries}
+            held = []
+            for item in read_journal(run_dir):
+                if item["id"] in present:
+                    held.append(item)
+                    continue
+                self.service.audit.record(
+                    "delete",
+                    who=str(item.get("who", who))[:200],
+                    reason=f"retention: {str(item.get('why', ''))[:500]}",
+                    outcome="deleted (an interrupted retention run finished it before it stopped)",
+                    detail={
+                        "set": item["id"],
+                        "kind": item["kind"],
+                        "bytes": item["bytes"],
+                        "finished_by": who,
+                    },
+                )
+            first = {i["id"] for i in held}
+            gone = sorted(p.deletions, key=lambda e: e.id not in first)
+            held = [i for i in held if i["id"] not in {e.id for e in gone}]  # partial, but not deletable now
+            for batch in _batches(gone):
+                journal = held + [
+                    {"id": e.id, "kind": e.kind, "bytes": e.bytes, "why": e.why, "who": who} for e in batch
+                ]
+                # Written before the first unlink: a kill -9 from here on leaves a named reason.
+                _write_journal(run_dir, journal)
+                for e in batch:
+                    ok, errs, outcome = self._delete(run_dir, e)
+                    self.service.audit.record(
+                        "delete",
+                        who=who,
+                        remote_addr=remote_addr,
+                        reason=f"retention: {e.why}",
+                        outcome=outcome,
+                        detail={"set": e.id, "kind": e.kind, "rule": e.why, "bytes": e.bytes, "errors": errs},
+                    )
+                    (done if ok else failed).append(e.id)
+                    if ok:
+                        journal = [i for i in journal if i["id"] != e.id]
+                        _write_journal(run_dir, journal)
+            self.service.index(world, force=True)
+        return {
+            "hash": p.hash,
+            "deleted": done,
+            "failed": failed,
+            "frees_bytes": sum(e.bytes for e in gone if e.id in done),
+        }
+
+    def pin(
+        self, set_id: str, pinned: bool, world: int, *, who: str, remote_addr: str | None, reason: str
+    ) -> dict:
+        """Pin or unpin a set (``retention.json``'s ``pinned``); audited. Pinned sets are never deleted."""
+        run_dir = self.service.run_dir
+        with self._lock:
+            if pinned:
+                self.service.find(set_id, world)  # only a listed set can be pinned (404 otherwise)
+            current, error = read_override(run_dir)
+            if error:
+                raise ApiError(409, f"{error}; fix or remove it before pinning")
+            fields = current.to_dict() if current is not None else {}
+            pins = [p for p in fields.get("pinned", []) if p != set_id] + ([set_id] if pinned else [])
+            try:
+                obj = schema.build(schema.RetentionFile, **(fields | {"pinned": pins}))
+            except schema.SchemaError as e:
+                raise ApiError(409, f"cannot pin: {e}") from None
+            safeio.makedirs(run_dir, runfiles.STATE_DIR)
+            runfiles.atomic_write_bytes(override_path(run_dir), obj.to_json(), root=run_dir)
+            self.service.audit.record(
+                "pin",
+                who=who,
+                remote_addr=remote_addr,
+                reason=reason,
+                outcome="pinned" if pinned else "unpinned",
+                detail={"set": set_id},
+            )
+        return {"set": set_id, "pinned": pinned, "pins": pins}
+
+    def _delete(self, run_dir: str, e: Entry) -> tuple[bool, list, str]:
+        """Delete one plan entry: (done, errors, the audit outcome). Already gone is done."""
+        if e.kind == "set":
+            deleted, errs, _ = self.service.remove_set(e.set)
+            return (
+                not errs,
+                errs,
+                (f"deleted: {len(deleted)} file(s)" if not errs else f"partial: {len(errs)} failed"),
+            )
+        root = os.path.realpath(run_dir)
+        try:
+            if _is_file(run_dir, e.id):
+                safeio.unlink(root, e.id)
+            else:
+                safeio.rmtree(root, e.id)
+        except FileNotFoundError:
+            return True, [], "deleted (already gone)"
+        except (OSError, safeio.UnsafePath) as err:
+            return False, [{"path": e.id, "error": str(err)}], f"failed: {err}"
+        return True, [], "deleted"
+
+    def tick(
+        self, world: int, heartbeats: Mapping[int, dict | None], alert: Callable | None = None
+    ) -> dict | None:
+        """Once per new complete set: apply the plan (``on``) or report it (``dry_run``), check the disk.
+
+        Called by the watcher's leader after its checkpoint poll. Never raises
+        for the files; returns what it did, or None.
+        """
+        if self.service.run_dir is None:
+            return None
+        index = self.service.index(world)
+        newest = index.newest_complete
+        if newest is None or newest.id == self._auto_seen:
+            return None  # every tick but one per new set ends here, without reading retention.json
+        self._auto_seen = newest.id
+        policy = self.policy()
+        result: dict = {}
+        if policy.mode == "dry_run":
+            p = self.plan(world, heartbeats)
+            if p.deletions and alert is not None:
+                alert(
+                    f"retention-dry:{p.hash}",
+                    "retention_dry_run",
+                    f"retention (dry run) would delete {len(p.deletions)} set(s), "
+                    f"freeing {_gib(p.frees_bytes)}",
+                )
+            if p.deletions:
+                self.service.audit.record(
+                    "delete",
+                    who="policy",
+                    reason="retention (dry run)",
+                    outcome=f"dry run: would delete {len(p.deletions)}, freeing {p.frees_bytes} bytes",
+                    detail={"sets": [(e.id, e.why, e.bytes) for e in p.deletions[:MAX_BATCH]]},
+                )
+            result["dry_run"] = p.to_dict()
+        elif policy.mode == "on":
+            result = self.apply(None, world, heartbeats, who="policy")
+            if result["deleted"] and alert is not None:
+                alert(
+                    f"retention:{result['hash']}",
+                    "retention_applied",
+                    f"retention deleted {len(result['deleted'])} set(s), freeing {_gib(result['frees_bytes'])}"
+                    + (f"; {len(result['failed'])} failed" if result["failed"] else ""),
+                )
+        # Whatever the mode: after a new set (and what retention freed), will the next save fit?
+        result["disk"] = disk(self.service.run_dir, self.service.index(world))
+        if result["disk"]["low"] and alert is not None:
+            alert(f"retention-disk:{newest.id}", "checkpoint_disk_low", result["disk"]["warning"])
+        return result
+
+
+def _is_file(run_dir: str, rel: str) -> bool:
+    try:
+        with safeio.parent_fd(os.path.realpath(run_dir), rel) as (fd, name):
+            return not stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
