@@ -511,7 +511,18 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     (
         "Stop and checkpoints",
-        ("STOP_DEADLINE_S", "STOP_HOLDING_AFTER_S", "AUTO_REARM", "AUDIT_DB", "CHECKPOINT_SCAN_S"),
+        (
+            "STOP_DEADLINE_S",
+            "STOP_HOLDING_AFTER_S",
+            "AUTO_REARM",
+            "AUDIT_DB",
+            "CHECKPOINT_SCAN_S",
+            "RETENTION_MODE",
+            "RETENTION_KEEP",
+            "RETENTION_EVERY",
+            "RETENTION_SETTLE_S",
+            "RETENTION_TMP_AGE_S",
+        ),
     ),
     ("Access", ("TOKEN", "LOGIN_TTL_S", "LOGIN_LINK", "OPERATOR_WRITES_PER_MIN", "AUTH_FAILURES_PER_MIN")),
     (

@@ -13,7 +13,16 @@ from typing import TYPE_CHECKING
 
 import click
 
-from app.cli.common import console, fmt_bytes, fmt_seconds, open_cli_run, plain, run_dir_option, untrusted
+from app.cli.common import (
+    console,
+    existing_run_dir,
+    fmt_bytes,
+    fmt_seconds,
+    open_cli_run,
+    plain,
+    run_dir_option,
+    untrusted,
+)
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -76,7 +85,8 @@ def files_table(s: dict) -> Table:
 @click.option(
     "--run-dir",
     envvar="RANKWATCH_RUN_DIR",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=click.Path(path_type=Path),
+    callback=existing_run_dir,
     help="The job's run directory (the trainers' run_dir); env RANKWATCH_RUN_DIR.",
 )
 @click.option(
