@@ -54,10 +54,14 @@ def as_stopped_rank(client, run_dir, proc, *, started_at=None, rank=1):
         run_dir, heartbeat(rank, 2, pid=proc.pid, started_at=created if started_at is None else started_at)
     )
     os.kill(proc.pid, signal.SIGSTOP)
-    wait_for(
-        lambda: client.get("/api/ranks").get_json()["ranks"][rank]["health"] == "stalled",
-        f"rank {rank} to be found stopped",
-    )
+
+    # The row must be this process's: a second call finds the rank stalled
+    # already, from the process before, until the dashboard reads the new heartbeat.
+    def found():
+        row = client.get("/api/ranks").get_json()["ranks"][rank]
+        return row["pid"] == proc.pid and row["health"] == "stalled"
+
+    wait_for(found, f"rank {rank} to be found stopped as pid {proc.pid}")
 
 
 def refused(client, run_dir, rank=1) -> str:
