@@ -70,7 +70,7 @@ def test_checkpoints_lists_sets_and_the_resume_command(run_dir):
     save_bridge_set(run_dir, 24, ranks=(0,))  # incomplete: rank 1 never saved
     result = run_cli("checkpoints", "--run-dir", str(run_dir))
     assert result.exit_code == 0, result.output
-    assert "2 checkpoint set(s)" in result.output and "1 complete" in result.output
+    assert "2 checkpoint sets" in result.output and "1 complete" in result.output
     rows = {ln.split()[0]: ln for ln in result.output.splitlines() if ln.startswith("checkpoints/")}
     assert "yes" in rows[bridge_id(16)] and "★" in rows[bridge_id(16)]
     assert re.search(r"graceful stop\s+no\s+1\s", rows[bridge_id(24)]), rows[bridge_id(24)]

@@ -304,7 +304,7 @@ class Retention:
                 alert(
                     f"retention-dry:{p.hash}",
                     "retention_dry_run",
-                    f"retention (dry run) would delete {len(p.deletions)} set(s), "
+                    f"retention (dry run) would delete {len(p.deletions)} {'set' if len(p.deletions) == 1 else 'sets'}, "
                     f"freeing {_gib(p.frees_bytes)}",
                 )
             if p.deletions:
@@ -322,7 +322,7 @@ class Retention:
                 alert(
                     f"retention:{result['hash']}",
                     "retention_applied",
-                    f"retention deleted {len(result['deleted'])} set(s), freeing {_gib(result['frees_bytes'])}"
+                    f"retention deleted {len(result['deleted'])} {'set' if len(result['deleted']) == 1 else 'sets'}, freeing {_gib(result['frees_bytes'])}"
                     + (f"; {len(result['failed'])} failed" if result["failed"] else ""),
                 )
         # Whatever the mode: after a new set (and what retention freed), will the next save fit?

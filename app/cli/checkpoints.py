@@ -130,7 +130,8 @@ def checkpoints(ctx: click.Context, run_dir: Path | None, set_id: str | None, as
     else:
         complete = sum(s["complete"] for s in body["sets"])
         out.print(
-            f"{len(body['sets'])} checkpoint set(s) in {untrusted(run_dir)}, {complete} complete, "
+            f"{len(body['sets'])} checkpoint {'set' if len(body['sets']) == 1 else 'sets'} in "
+            f"{untrusted(run_dir)}, {complete} complete, "
             f"{fmt_bytes(body['total_bytes'])} (world size {body['world_size'] or 'unknown'}); "
             "★ = newest complete"
         )

@@ -78,6 +78,11 @@ function renderAnswer() {
     if (bridge && bridge.id === newest.id) {
       headline.append("Resume from ", el("strong", "", `global step ${newest.global_step ?? "?"}`), facts, age,
         ". An unchanged relaunch with the bridge resumes from it.");
+    } else if (bridge && bridge.global_step != null && bridge.global_step === newest.global_step) {
+      // Two sets of one step (a ModelCheckpoint saved at the stop step too): the
+      // relaunch resumes at that step either way, so there is nothing to pin.
+      headline.append("Resume from ", el("strong", "", `global step ${newest.global_step}`), facts, age,
+        `. An unchanged relaunch with the bridge resumes from this step, from its own ${bridge.origin} set.`);
     } else {
       headline.append("Newest complete set: ", el("strong", "", `global step ${newest.global_step ?? "?"}`),
         facts, age, ".");

@@ -4,7 +4,7 @@
 
 import { $, $all } from "./dom.js";
 import { el } from "./checkpoints_dom.js";
-import { formatBytes } from "./format.js";
+import { formatBytes, plural } from "./format.js";
 import { operatorFetch, token } from "./token.js";
 
 export const RETENTION = Object.freeze({
@@ -70,7 +70,7 @@ export class RetentionView {
     }
     for (const td of $all("#ckpt-table tbody tr:not(.set-row) td[colspan]")) td.colSpan = 10;
     const p = plan.policy;
-    $(RETENTION.policy).textContent = `Retention ${p.mode}: keep the newest ${p.keep} complete set(s)`
+    $(RETENTION.policy).textContent = `Retention ${p.mode}: keep the newest ${plural(p.keep, "complete set")}`
       + (p.every ? `, every multiple of ${p.every}` : "")
       + `, stop, pinned, resume and newest healthy sets (${p.source}).`
       + (p.errors.length ? ` ${p.errors.join(" ")}` : "");
@@ -105,7 +105,7 @@ export class RetentionView {
       return;
     }
     const count = plan.sets.filter((e) => e.action === "delete").length;
-    if (!window.confirm(`Delete ${count} set(s) or leftovers, freeing ${formatBytes(plan.frees_bytes)}?`)) return;
+    if (!window.confirm(`Delete ${plural(count, "set")} or leftovers, freeing ${formatBytes(plan.frees_bytes)}?`)) return;
     const r = await operatorFetch(this.config.urls.retention_apply, { hash: plan.hash });
     if (!r.ok) {
       this.flash(r.body.error, "error");
