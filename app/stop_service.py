@@ -469,8 +469,15 @@ class StopService:
             # A new audit row (a second operator joining, a stop from a shell)
             # changes the status, so the watcher pushes it and pages reload the trail.
             "audit_last_id": self._audit_last_id(),
+            # The stop an earlier launch of the job obeyed (or ignored), once the ranks were relaunched.
+            "last_stop": None,
         }
         if request is None:
+            return base
+        if active is None and _relaunched_since(ranks, request["requested_at"]):
+            # The stop was served and the flag cleared, and every rank reporting now is a
+            # process started after it: a later launch, which that stop is not about.
+            base.update(request=None, last_stop={**request, "outcome": _outcome(flag)})
             return base
         rid = request["request_id"]
         stages = self._stages(rid, ranks, facts, request["requested_at"])
@@ -589,6 +596,29 @@ def _holding_up(
     if len(behind) == len(rows):
         return []
     return [r["rank"] for r in behind if now - r["stage_since"] >= after_s]
+
+
+def _relaunched_since(ranks: Mapping[int, dict | None], requested_at: float | None) -> bool:
+    """Every rank that reports is a process started after ``requested_at`` (and one reports)."""
+    starts = [_finite(hb.get("started_at")) for hb in ranks.values() if isinstance(hb, dict)]
+    return (
+        requested_at is not None
+        and bool(starts)
+        and all(start is not None and start > requested_at for start in starts)
+    )
+
+
+def _outcome(flag: dict | None) -> str:
+    """How the request a re-armed flag remembers ended: completed, cancelled or not obeyed."""
+    flag = flag or {}
+    last = flag.get("last_request")
+    if (
+        isinstance(last, dict)
+        and flag.get("cancelled") is not None
+        and flag.get("cancelled") == last.get("request_id")
+    ):
+        return "cancelled"
+    return NOT_OBEYED if flag.get("outcome") == NOT_OBEYED else "completed"
 
 
 def _request_facts(flag: dict) -> dict:

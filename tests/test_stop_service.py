@@ -144,6 +144,26 @@ def test_tick_records_completion_once_and_rearms(service, tmp_path):
     assert service.estimate(done, 2)["save_s"] == 0.5
 
 
+def test_after_a_relaunch_the_served_stop_is_the_last_stop_not_the_current_one(service, tmp_path):
+    """Issue 17/21: after a stop, its re-arm and a relaunch, the panel said every rank was "requested"."""
+    rid, *_ = service.request("npu 3 ECC", "alice", None)
+    requested_at = json.loads(runfiles.flag_path(tmp_path).read_text())["requested_at"]
+    done = {
+        r: {**hb(r, rid, "exited", 8, exited=time.time()), "started_at": requested_at - 60} for r in (0, 1)
+    }
+    service.tick(done, 2)
+    assert service.status(done, 2, time.time())["state"] == "rearmed"
+    # The relaunch: new processes, whose heartbeats carry no stop.
+    relaunched = {r: {**hb(r), "started_at": requested_at + 5} for r in (0, 1)}
+    status = service.status(relaunched, 2, time.time())
+    assert status["state"] == "idle" and status["request"] is None and status["ranks"] == []
+    last = status["last_stop"]
+    assert (last["request_id"], last["outcome"], last["reason"]) == (rid, "completed", "npu 3 ECC")
+    # One rank of the earlier launch still reporting: the stop is still about this job.
+    mixed = {0: relaunched[0], 1: done[1]}
+    assert service.status(mixed, 2, time.time())["state"] == "rearmed"
+
+
 def test_rearm_refused_mid_stop_unless_forced(service, tmp_path):
     rid, *_ = service.request("r", "alice", None)
     ranks = {0: hb(0, rid, "saving", 3), 1: hb(1)}

@@ -14,7 +14,7 @@ const HEADLINE = {
   // With no job (no run directory, nothing started yet, or ended) there is nothing that "trains until it ends".
   idle: (s, run) => (run && ["running", "starting"].includes(run.status)
     ? "No stop requested. The job trains until it ends or you press Stop gracefully."
-    : "No stop requested."),
+    : "No stop requested.") + lastStop(s.last_stop),
   requested: () => "Stop requested: waiting for the ranks to read the flag.",
   stopping: (s) => (s.stop_step != null
     ? `Stopping after step ${s.stop_step}: ranks are saving and exiting.`
@@ -26,6 +26,14 @@ const HEADLINE = {
     ? `Last stop: ${s.summary}. The stop flag is cleared, so relaunching the job trains normally.`
     : "The stop flag is cleared; relaunching the job trains normally."),
 };
+
+// The stop an earlier launch of this run obeyed: one line under "No stop requested".
+function lastStop(last) {
+  const l = object(last);
+  if (!l) return "";
+  return ` Last stop: ${l.outcome || "completed"}, requested ${formatClock(l.requested_at)}`
+    + (l.requested_by ? ` by ${l.requested_by}` : "") + ", by an earlier launch of this run.";
+}
 
 // Who did an audited action, in plain words (the API's basis, README "Audit trail").
 function basisText(a) {
