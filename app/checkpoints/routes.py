@@ -99,11 +99,15 @@ def api_delete():
         reason=body["reason"],
         force=body.get("force", False),
     )
-    # Every page shows the change now rather than at the watcher's next scan.
+    _push_now(service, world)
+    return jsonify(result)
+
+
+def _push_now(service, world) -> None:
+    """Every page shows a change an operator made now, rather than at the watcher's next scan."""
     pushed = service.poll(world)
     if pushed is not None:
         push.emit(socketio, CHECKPOINTS_EVENT, pushed)
-    return jsonify(result)
 
 
 @bp.post("/api/checkpoints/verify")
@@ -151,9 +155,7 @@ def api_retention_apply():
     result = service.retention.apply(
         body["hash"], world, heartbeats, who=body.get("who") or WHO_DEFAULT, remote_addr=request.remote_addr
     )
-    pushed = service.poll(world)
-    if pushed is not None:
-        push.emit(socketio, CHECKPOINTS_EVENT, pushed)
+    _push_now(service, world)
     return jsonify(result)
 
 
