@@ -240,8 +240,14 @@ def test_one_address_cannot_fill_the_server(live_server):
                     got = b"reset"
                 refused.append(s)
                 assert got.startswith(b"HTTP/1.1 503 ") or got in (b"", b"reset"), got[:200]
-        # 20 (half of 40) were accepted, the rest refused.
-        assert sorted(mine.index(s) for s in refused) == list(range(20, 30))
+        # 20 (half of 40) were accepted, the rest refused. Which ones is the kernel's and the
+        # server's accept order, not the order of connect(), so only the count is the contract.
+        assert len(refused) == 10
+        for s in mine:
+            if s not in refused:
+                s.settimeout(0.1)
+                with pytest.raises(TimeoutError):
+                    s.recv(4096)  # still held open, not answered
         status, _ = request(live_server.url, "/api/health")  # another address (127.0.0.1) is served
         assert status == 200
     finally:
