@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.audit import AuditLog
-from app.state import RunState
-from app.stop_service import StopService
+from app.ranks.state import RunState
+from app.stop.service import StopService
 from trainer_bridge import runfiles
 
 

@@ -155,7 +155,7 @@ def sign_in(page, url: str, token: str) -> None:
     """Open the page and enter the operator token in its dialog, as an operator does.
 
     (The page takes no ``#token=`` any more: the printed link carries a
-    single-use ``#login=`` code, app/login.py.)
+    single-use ``#login=`` code, app/edge/login.py.)
     """
     page.goto(url)
     page.click("#token-open")

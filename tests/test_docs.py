@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from app.config import SETTINGS
-from app.health import VERDICTS
-from app.main.events import EVENTS
-from app.metrics import METRICS
+from app.ranks.events import EVENTS
+from app.ranks.health import VERDICTS
+from app.ranks.metrics import METRICS
 from tests.heartbeats import heartbeat
 from trainer_bridge import schema
 

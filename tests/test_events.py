@@ -6,7 +6,7 @@ import threading
 import time
 
 from app import socketio
-from app.state import RunState
+from app.ranks.state import RunState
 from app.watcher import Watcher
 from tests.conftest import wait_for_event
 from tests.heartbeats import heartbeat, write_heartbeat, write_job

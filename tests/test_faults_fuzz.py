@@ -535,7 +535,7 @@ def test_engineio_polling_refusal_has_the_error_shape(fuzz_app):
 
 def test_engineio_polling_garbage_is_refused_without_500_or_hang(fuzz_app, fuzz_run):
     """Raw long-polling traffic below the Socket.IO test client: python-engineio hung a
-    request thread for good on a POSTed PING/NOOP/unknown packet (app/sockguard.py)."""
+    request thread for good on a POSTed PING/NOOP/unknown packet (app/edge/sockguard.py)."""
     client = fuzz_app.test_client()
     before = fingerprint(fuzz_run, fuzz_app)
 

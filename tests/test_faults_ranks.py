@@ -25,7 +25,7 @@ import pytest
 from playwright.sync_api import expect
 
 from app.config import from_env
-from app.state import RunState
+from app.ranks.state import RunState
 from tests.faults import UI_TIMEOUT_MS, WAIT_S, Dashboard, cell, measure, poll_until
 from tests.jobs import DemoJob, dump
 from trainer_bridge import ckptindex

@@ -12,7 +12,7 @@ import pytest
 from app import create_app, socketio
 from app.cluster import Cluster
 from app.config import from_env
-from app.state import DELTA_EVENT, SNAPSHOT_EVENT
+from app.ranks.state import DELTA_EVENT, SNAPSHOT_EVENT
 from tests.heartbeats import heartbeat, write_heartbeat, write_job
 from trainer_bridge import redisbus
 

@@ -23,7 +23,7 @@ from click.testing import CliRunner
 
 from app.cli import main
 from app.config import from_env
-from app.state import RunState
+from app.ranks.state import RunState
 from tests.conftest import FAST_SETTINGS
 from trainer_bridge import runfiles
 
@@ -149,7 +149,7 @@ def test_the_run_ends_when_every_rank_died_and_msrun_said_so(run_dir, msrun):
 
 def test_a_stop_the_job_ended_without_obeying_is_not_obeyed_and_re_armed(run_dir, msrun):
     from app.audit import AuditLog
-    from app.stop_service import StopService
+    from app.stop.service import StopService
 
     st = make_state(run_dir)
     poll(st, training, "showed both ranks training")

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 
 from app import create_app
-from app.alerts import AlertDesk
 from app.audit import AuditLog
-from app.policy import Policy, Rule, parse_mode, parse_rules
-from app.stop_service import StopService
+from app.incidents.alerts import AlertDesk
+from app.incidents.policy import Policy, Rule, parse_mode, parse_rules
+from app.stop.service import StopService
 from tests.test_alerts import Sent
 from trainer_bridge import runfiles
 

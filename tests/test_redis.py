@@ -9,8 +9,8 @@ import time
 import pytest
 
 from app.config import from_env
-from app.reader import REDIS_FILE_SCAN_S as READ_FILES_EVERY
-from app.state import RunState
+from app.ranks.heartbeats import REDIS_FILE_SCAN_S as READ_FILES_EVERY
+from app.ranks.state import RunState
 from tests.heartbeats import heartbeat, write_heartbeat, write_job
 from trainer_bridge import redisbus, runfiles
 from trainer_bridge.beatsink import FILE_EVERY_S, BeatSink

@@ -19,7 +19,7 @@ import pytest
 
 from app.cluster import QueueCodec, channel
 from app.config import from_env
-from app.state import RunState
+from app.ranks.state import RunState
 from tests.heartbeats import heartbeat, write_job
 from tests.liveserver import free_port, start_dashboard
 from trainer_bridge import redisbus

@@ -164,7 +164,7 @@ def test_a_bad_flag_does_not_block_the_stop(client, run_dir, case):
 def test_the_stop_service_survives_stop_records_it_cannot_use(tmp_path):
     """Below the schema: the service itself reads whatever a rank's ``stop`` holds."""
     from app.audit import AuditLog
-    from app.stop_service import StopService
+    from app.stop.service import StopService
 
     service = StopService(str(tmp_path), AuditLog(tmp_path / "a.sqlite3"), deadline_s=900, auto_rearm=True)
     runfiles.write_flag(tmp_path, True, request_id="req-1", requested_at="soon")
@@ -473,7 +473,7 @@ def test_the_pages_have_no_inline_script_or_handler(client):
 
 
 def test_login_codes_work_once_and_expire():
-    from app.login import LoginCodes
+    from app.edge.login import LoginCodes
 
     clock = FakeClock()
     codes = LoginCodes(ttl_s=600, clock=clock)
@@ -503,7 +503,7 @@ def test_the_login_routes(app, client):
 
 
 def test_serve_prints_a_single_use_url_and_never_the_token(run_dir, tmp_path, monkeypatch):
-    from app.login import mint_login_url
+    from app.edge.login import mint_login_url
     from tests.liveserver import start_dashboard
 
     runtime = tmp_path / "runtime"
@@ -529,7 +529,7 @@ def test_serve_prints_a_single_use_url_and_never_the_token(run_dir, tmp_path, mo
         assert fresh.startswith(server.url + "/#login=") and token not in fresh
         assert _post(server.url + "/api/login", {"code": fresh.split("#login=")[1]})["token"] == token
         out = subprocess.run(
-            [sys.executable, "-m", "app.login", "--url", server.url],
+            [sys.executable, "-m", "app.edge.login", "--url", server.url],
             capture_output=True,
             text=True,
             env={**os.environ, "XDG_RUNTIME_DIR": str(runtime)},

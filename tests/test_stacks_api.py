@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from app.incidents.stacks import describe, route
-from app.reader import Stopped
+from app.ranks.heartbeats import Stopped
 from tests.heartbeats import HOST, heartbeat, write_heartbeat, write_job
 from tests.test_stacks import HANGER, wait_for
 from trainer_bridge import runfiles, stacks

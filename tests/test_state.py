@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from app import reader as reader_module
 from app.config import from_env
-from app.state import RunState, probe_process, read_history_tail
+from app.ranks import heartbeats as reader_module
+from app.ranks.state import RunState, probe_process, read_history_tail
 from tests.conftest import FAST_SETTINGS
 from tests.heartbeats import heartbeat, process_started, write_heartbeat, write_job
 from trainer_bridge import runfiles, schema

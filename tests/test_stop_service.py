@@ -10,7 +10,7 @@ import pytest
 
 from app.audit import AuditLog
 from app.errors import ApiError
-from app.stop_service import StopService
+from app.stop.service import StopService
 from trainer_bridge import runfiles
 
 

@@ -193,7 +193,7 @@ def bench_live(ranks: int, workdir: Path, hang_after: float = 40.0, window: floa
 
 
 def bench_alerts(n: int, workdir: Path) -> list[float]:
-    from app.webhooks import WebhookSender
+    from app.incidents.webhooks import WebhookSender
 
     with Receiver() as receiver:
         sender = WebhookSender(

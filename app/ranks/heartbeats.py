@@ -22,8 +22,8 @@ from typing import Any
 import psutil
 from pydantic import TypeAdapter, ValidationError
 
-from app.health import StepWindow
-from app.rows import _loss
+from app.ranks.health import StepWindow
+from app.ranks.rows import _loss
 from trainer_bridge import runfiles, safeio, schema
 from trainer_bridge.redisbus import RedisUnavailable, Subscriber
 

@@ -29,7 +29,7 @@ CLIENT_POLLING_TYPES = frozenset("1345b")
 SEPARATOR = "\x1e"  # Engine.IO v4 record separator between packets in one payload
 # A Socket.IO EVENT ("4" MESSAGE + "2" EVENT, an optional namespace and ack id)
 # named like a lifecycle event: python-socketio would run the connect handler
-# again for it (app/main/events.py refuses that too, for WebSocket frames).
+# again for it (app/ranks/events.py refuses that too, for WebSocket frames).
 RESERVED_EVENT = re.compile(r'^42(?:/[^,]*,)?\d*\s*\[\s*"(?:connect|disconnect|connect_error)"')
 
 
