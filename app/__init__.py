@@ -116,18 +116,15 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     # Blueprints before init_app: importing one registers its Socket.IO
     # handlers, which Flask-SocketIO carries over to every later init_app only
     # while no server exists yet (one app per test relies on that).
-    from app.ranks import bp as main_bp
+    from app.checkpoints import routes as checkpoints_routes
+    from app.edge import routes as edge_routes
+    from app.incidents import routes as incidents_routes
+    from app.ranks import routes as ranks_routes
+    from app.stop import routes as stop_routes
 
-    app.register_blueprint(main_bp)
-    from app.stop import bp as stop_bp
-
-    app.register_blueprint(stop_bp)
-    from app.checkpoints import bp as checkpoints_bp
-
-    app.register_blueprint(checkpoints_bp)
-    from app.incidents import bp as incidents_bp
-
-    app.register_blueprint(incidents_bp)
+    # In nav order: the ranks page first.
+    for routes in (ranks_routes, stop_routes, checkpoints_routes, incidents_routes, edge_routes):
+        app.register_blueprint(routes.bp)
 
     # Threading, not eventlet/gevent: the watcher does blocking file I/O, and
     # gunicorn's threaded worker with simple-websocket (app/edge/server.py) needs
@@ -135,28 +132,8 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     # client_manager is passed even when None: init_app keeps the options of
     # an earlier call (an earlier app in the same process, in tests).
     socketio.init_app(app, async_mode="threading", client_manager=cluster.queue if cluster else None)
-    # In front of Engine.IO: malformed long-polling POSTs get a 400 (app/edge/sockguard.py).
-    from app.edge.sockguard import SocketGuard
+    # The middleware, outermost last, in the order app/edge/__init__.py describes.
+    from app.edge import wrap
 
-    app.wsgi_app = SocketGuard(app.wsgi_app)
-    # Outermost: a request for a host this dashboard is not (DNS rebinding) reaches nothing.
-    from app.edge.hostguard import HostAllowlist, HostGuard
-
-    app.wsgi_app = HostGuard(app.wsgi_app, HostAllowlist(app.config["HOST"], app.config["ALLOWED_HOSTS"]))
-    from app.edge.secheaders import SecurityHeaders, content_security_policy
-    from app.ranks.plotly_csp import style_attribute_hashes
-
-    app.wsgi_app = SecurityHeaders(app.wsgi_app, content_security_policy(style_attribute_hashes()))
+    wrap(app)
     return app
-
-
-# The names this module used to define, for code that still imports them from here.
-_MOVED = ("socketio", "Rankwatch", "rankwatch")
-
-
-def __getattr__(name: str):
-    if name in _MOVED:
-        from app import extensions
-
-        return getattr(extensions, name)
-    raise AttributeError(f"module 'app' has no attribute {name!r}")

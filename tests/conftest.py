@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from app import create_app, socketio
+from app import create_app
+from app.extensions import socketio
 from tests.liveserver import launch_chromium, start_dashboard
 
 # Small thresholds so that a test sees a rank turn stalled, then dead, in seconds.

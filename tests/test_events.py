@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from app import socketio
+from app.extensions import socketio
 from app.ranks.state import RunState
 from app.watcher import Watcher
 from tests.conftest import wait_for_event

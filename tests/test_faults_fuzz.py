@@ -29,7 +29,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app import create_app, socketio
+from app import create_app
+from app.extensions import socketio
 from tests import ckptcraft
 from tests.conftest import FAST_SETTINGS
 from tests.heartbeats import heartbeat, write_heartbeat, write_job

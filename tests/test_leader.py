@@ -9,9 +9,10 @@ import time
 
 import pytest
 
-from app import create_app, socketio
+from app import create_app
 from app.cluster import Cluster
 from app.config import from_env
+from app.extensions import socketio
 from app.ranks.state import DELTA_EVENT, SNAPSHOT_EVENT
 from tests.heartbeats import heartbeat, write_heartbeat, write_job
 from trainer_bridge import redisbus

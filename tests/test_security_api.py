@@ -557,7 +557,7 @@ def snapshots(sio) -> int:
 
 
 def test_a_re_sent_connect_gets_no_second_snapshot(app, client, run_dir):
-    from app import socketio
+    from app.extensions import socketio
 
     write_job(run_dir, 2)
     sio = socketio.test_client(app, flask_test_client=client)

@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import time
 
-from flask import current_app, jsonify, render_template, request, send_file, url_for
+from flask import Blueprint, current_app, jsonify, render_template, request, send_file, url_for
 
 from app import push
-from app.checkpoints import bp
 from app.edge.auth import json_body, require_operator
 from app.errors import ApiError
 from app.extensions import rankwatch, socketio
 from app.push import CHECKPOINTS_EVENT, VERIFY_EVENT
 from trainer_bridge import runfiles
+
+bp = Blueprint("checkpoints", __name__)
+bp.record_once(
+    lambda setup: setup.app.extensions["rankwatch"].nav.append(("checkpoints.page", "Checkpoints"))
+)
 
 WHO_DEFAULT = "operator"
 

@@ -5,9 +5,3 @@ the watcher's incident step (alerts from verdict changes and stops, and the
 policy of ``app.incidents.policy``); ``routes.py`` serves them (README, "When a job
 hangs").
 """
-
-from flask import Blueprint
-
-bp = Blueprint("incidents", __name__)
-
-from app.incidents import routes  # noqa: E402,F401  (registers the views on bp)

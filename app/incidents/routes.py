@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import time
 
-from flask import jsonify, request
+from flask import Blueprint, jsonify, request
 
 from app.edge.auth import json_body, require_operator
 from app.errors import ApiError
 from app.extensions import rankwatch
-from app.incidents import bp
+
+bp = Blueprint("incidents", __name__)
 
 WHO_DEFAULT = "operator"
 

@@ -1,8 +1,7 @@
-"""The live console: the page, the JSON API and the Socket.IO events."""
+"""The ranks: heartbeats and msrun logs -> the rules (judging) -> rows -> the live page.
 
-from flask import Blueprint
-
-bp = Blueprint("main", __name__)
-bp.record_once(lambda setup: setup.app.extensions["rankwatch"].nav.append(("main.index", "Ranks")))
-
-from app.ranks import events, routes  # noqa: E402,F401  (they register on bp and socketio)
+``heartbeats.py`` and ``logmode/`` read what each rank says, ``judging.py`` and
+``health.py`` give each rank its verdict, ``state.py`` keeps the run's board,
+``rows.py`` and ``metrics.py`` shape it for ``routes.py`` (the page and JSON API)
+and ``events.py`` (Socket.IO). Importing this package imports no Flask.
+"""

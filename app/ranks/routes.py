@@ -13,15 +13,18 @@ import time
 from functools import cache
 from importlib import metadata, resources
 
-from flask import Response, current_app, jsonify, render_template, request, send_file, url_for
+from flask import Blueprint, Response, current_app, jsonify, render_template, request, send_file, url_for
 
 from app.errors import ApiError
 from app.extensions import rankwatch
 from app.large import large_answer
 from app.prometheus import exposition
-from app.ranks import bp, plotly_csp
+from app.ranks import plotly_csp
 from app.ranks.health import VERDICT_HELP, VERDICTS
 from app.ranks.metrics import as_json as metrics_json
+
+bp = Blueprint("ranks", __name__)
+bp.record_once(lambda setup: setup.app.extensions["rankwatch"].nav.append(("ranks.index", "Ranks")))
 
 # /api/ranks pages: 500 rows are about 280 kB of JSON; a client may ask for up to 1,000.
 PER_PAGE_DEFAULT = 500
@@ -58,7 +61,7 @@ def page_config() -> dict:
                 "STRAGGLER_RATIO",
             )
         },
-        "urls": {"history": url_for("main.api_history")},
+        "urls": {"history": url_for("ranks.api_history")},
     }
 
 
@@ -176,3 +179,6 @@ def prometheus_metrics():
     with large_answer(world if per_rank else 0, "/metrics with every rank's series"):
         body, content_type = exposition(rw, request.headers.get("Accept"), per_rank)
     return Response(body, content_type=content_type)
+
+
+from app.ranks import events  # noqa: E402,F401  (registers its Socket.IO handlers)

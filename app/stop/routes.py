@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import time
 
-from flask import Response, current_app, jsonify, request
+from flask import Blueprint, Response, current_app, jsonify, request
 
 from app.audit import AuditError
-from app.edge.auth import check_token, json_body, over_write_budget, require_operator, settle
-from app.edge.login import login_url
+from app.edge.auth import json_body, over_write_budget, require_operator
 from app.errors import ApiError
 from app.extensions import rankwatch
-from app.stop import bp
+
+bp = Blueprint("stop", __name__)
 
 WHO_DEFAULT = "operator"
 
@@ -46,40 +46,6 @@ def _audit_rows(**kwargs) -> list[dict]:
 
 def _who(body: dict) -> str:
     return body.get("who") or WHO_DEFAULT
-
-
-@bp.post("/api/session")
-def api_session():
-    """Check a token typed into the page; the page keeps it in sessionStorage."""
-    body = json_body({"token": (str, True)})
-    if not check_token(body["token"]):
-        raise ApiError(401, "wrong operator token")
-    return jsonify({"ok": True})
-
-
-@bp.post("/api/login")
-def api_login():
-    """Trade a single-use login code (from the ``#login=`` URL) for the token, once."""
-    body = json_body({"code": (str, True)})
-    # Redeemed first: a live code works whatever others guessed (app.edge.auth.settle).
-    ok = current_app.extensions["rankwatch_login"].redeem(body["code"])
-    settle(ok, "login codes")
-    if not ok:
-        raise ApiError(
-            401,
-            "this login link is used up or expired: open a new one "
-            "(rankwatch login prints it), or enter the token",
-        )
-    return jsonify({"token": current_app.config["TOKEN"]})
-
-
-@bp.post("/api/login-code")
-def api_login_code():
-    """A new single-use login code, for someone who has the token (``rankwatch login``)."""
-    require_operator()
-    json_body({})
-    code, expires = current_app.extensions["rankwatch_login"].mint()
-    return jsonify({"code": code, "expires_at": expires, "login_url": login_url(request.host_url, code)}), 201
 
 
 @bp.get("/api/exit")
