@@ -19,7 +19,7 @@ from playwright.sync_api import expect
 
 from tests.heartbeats import heartbeat, write_heartbeat, write_job
 from tests.liveserver import start_dashboard
-from trainer_bridge import redisbus, runfiles
+from trainer_bridge.rundir import redisbus, runfiles
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 

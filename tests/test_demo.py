@@ -21,7 +21,7 @@ import pytest
 
 from tests.jobs import DemoJob, dump
 from tests.liveserver import free_port
-from trainer_bridge import ckptindex, runfiles
+from trainer_bridge.rundir import ckptindex, runfiles
 
 pytestmark = pytest.mark.msrun
 

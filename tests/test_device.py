@@ -11,8 +11,8 @@ import pytest
 
 from tests.heartbeats import heartbeat, write_heartbeat, write_job
 from tests.test_stacks import wait_for
-from trainer_bridge import schema
 from trainer_bridge.device import DeviceProbe, parse_npu_smi, parse_nvidia_smi
+from trainer_bridge.rundir import schema
 
 NPU_SMI_INFO = """\
 +------------------------------------------------------------------------------------------------+

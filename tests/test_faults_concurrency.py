@@ -17,7 +17,7 @@ from playwright.sync_api import expect
 
 from tests.bench.simulate import Simulator
 from tests.faults import UI_TIMEOUT_MS, Dashboard, measure
-from trainer_bridge import runfiles
+from trainer_bridge.rundir import runfiles
 
 pytestmark = pytest.mark.browser
 

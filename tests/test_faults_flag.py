@@ -16,7 +16,7 @@ import pytest
 
 from tests.faults import measure
 from tests.jobs import DemoJob, dump, write_flag
-from trainer_bridge import ckptindex
+from trainer_bridge.rundir import ckptindex
 
 pytestmark = pytest.mark.msrun
 

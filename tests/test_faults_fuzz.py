@@ -35,7 +35,7 @@ from tests import ckptcraft
 from tests.conftest import FAST_SETTINGS
 from tests.heartbeats import heartbeat, write_heartbeat, write_job
 from tests.test_checkpoints_api import save_bridge_set
-from trainer_bridge import runfiles
+from trainer_bridge.rundir import runfiles
 
 TOKEN = "fuzz-operator-token"
 MAX_BODY = 4096  # small, so oversized bodies are cheap to generate
@@ -651,8 +651,8 @@ def good_rank(global_step: int) -> bytes:
 @settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(checkpoint_file)
 def test_checkpoint_headers_never_raise_in_the_reader_index_or_resume_scan(tmp_path_factory, example):
-    from trainer_bridge import ckptindex, ckptmeta
     from trainer_bridge.bridge import find_resume_point, served_requests
+    from trainer_bridge.rundir import ckptindex, ckptmeta
 
     ext, data = example
     run = tmp_path_factory.mktemp("ckpt-fuzz")

@@ -28,7 +28,7 @@ from app.config import from_env
 from app.ranks.state import RunState
 from tests.faults import UI_TIMEOUT_MS, WAIT_S, Dashboard, cell, measure, poll_until
 from tests.jobs import DemoJob, dump
-from trainer_bridge import ckptindex
+from trainer_bridge.rundir import ckptindex
 
 pytestmark = [pytest.mark.msrun]
 

@@ -32,7 +32,7 @@ from tests.jobs import JOB_TIMEOUT_S, DemoJob, dump
 from tests.liveserver import start_dashboard
 from tests.receiver import Receiver, quiet_port
 from tests.test_stacks import wait_for
-from trainer_bridge import runfiles
+from trainer_bridge.rundir import runfiles
 
 pytestmark = pytest.mark.msrun
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from app.audit import AuditLog
 from app.stop.jobend import JobFacts, log_stage
 from app.stop.service import StopService
-from trainer_bridge import runfiles
+from trainer_bridge.rundir import runfiles
 
 T0 = 1_000_000.0
 

@@ -15,7 +15,7 @@ from app.config import from_env
 from app.extensions import socketio
 from app.ranks.state import DELTA_EVENT, SNAPSHOT_EVENT
 from tests.heartbeats import heartbeat, write_heartbeat, write_job
-from trainer_bridge import redisbus
+from trainer_bridge.rundir import redisbus
 
 TTL_S = 1.0
 

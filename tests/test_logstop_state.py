@@ -25,7 +25,7 @@ from app.cli import main
 from app.config import from_env
 from app.ranks.state import RunState
 from tests.conftest import FAST_SETTINGS
-from trainer_bridge import runfiles
+from trainer_bridge.rundir import runfiles
 
 REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 60

@@ -17,8 +17,8 @@ import pytest
 
 from tests.faults import Dashboard, measure
 from tests.netns import TwoNodes, kill_tree, skip_reason
-from trainer_bridge import runfiles
 from trainer_bridge.demo.mnist import write_mnist
+from trainer_bridge.rundir import runfiles
 
 pytestmark = [pytest.mark.msrun, pytest.mark.netns]
 

@@ -14,7 +14,7 @@ from app.incidents.alerts import AlertDesk
 from app.incidents.policy import Policy, Rule, parse_mode, parse_rules
 from app.stop.service import StopService
 from tests.test_alerts import Sent
-from trainer_bridge import runfiles
+from trainer_bridge.rundir import runfiles
 
 
 def test_rules_are_data_and_a_bad_one_names_the_setting():

@@ -18,7 +18,7 @@ from app.stop.service import STAGES
 from tests.conftest import FAST_SETTINGS
 from tests.heartbeats import HOST, heartbeat, write_heartbeat, write_job
 from tests.test_checkpoints_api import save_bridge_set
-from trainer_bridge import runfiles
+from trainer_bridge.rundir import runfiles
 
 REPO = Path(__file__).resolve().parents[1]
 GRAFANA = REPO / "static" / "grafana" / "rankwatch.json"

@@ -12,8 +12,8 @@ from app.config import from_env
 from app.ranks.heartbeats import REDIS_FILE_SCAN_S as READ_FILES_EVERY
 from app.ranks.state import RunState
 from tests.heartbeats import heartbeat, write_heartbeat, write_job
-from trainer_bridge import redisbus, runfiles
 from trainer_bridge.beatsink import FILE_EVERY_S, BeatSink
+from trainer_bridge.rundir import redisbus, runfiles
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
 

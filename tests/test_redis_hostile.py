@@ -22,8 +22,8 @@ from app.config import from_env
 from app.ranks.state import RunState
 from tests.heartbeats import heartbeat, write_job
 from tests.liveserver import free_port, start_dashboard
-from trainer_bridge import redisbus
 from trainer_bridge.beatsink import BeatSink
+from trainer_bridge.rundir import redisbus
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
 

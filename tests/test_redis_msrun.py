@@ -20,7 +20,7 @@ from tests.conftest import FAST_SETTINGS
 from tests.jobs import DemoJob, dump, write_flag
 from tests.liveserver import start_dashboard
 from tests.test_stacks import wait_for
-from trainer_bridge import redisbus, runfiles
+from trainer_bridge.rundir import redisbus, runfiles
 
 pytestmark = pytest.mark.msrun
 

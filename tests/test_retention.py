@@ -23,7 +23,7 @@ from app.checkpoints.verify import Verifier
 from tests import ckptcraft
 from tests.conftest import FAST_SETTINGS
 from tests.heartbeats import heartbeat, write_job
-from trainer_bridge import ckptindex, runfiles
+from trainer_bridge.rundir import ckptindex, runfiles
 
 TOKEN = "Kx9-retention-test-token-7Qz2mW4vT8pL"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

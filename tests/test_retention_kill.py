@@ -20,7 +20,7 @@ from app.audit import AuditLog
 from app.checkpoints import retention as rt
 from tests import ckptcraft
 from tests.heartbeats import write_job
-from trainer_bridge import ckptindex
+from trainer_bridge.rundir import ckptindex
 
 WORLD = 32
 KILLS = 60

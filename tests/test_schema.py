@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.heartbeats import heartbeat, write_heartbeat, write_job
-from trainer_bridge import runfiles, schema
+from trainer_bridge.rundir import runfiles, schema
 
 TOKEN = "s3cret-operator-token-for-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -22,7 +22,7 @@ from app import create_app
 from tests import ckptcraft
 from tests.conftest import FAST_SETTINGS
 from tests.heartbeats import heartbeat, write_heartbeat, write_job
-from trainer_bridge import runfiles
+from trainer_bridge.rundir import runfiles
 
 TOKEN = "Kx9-security-test-token-7Qz2mW4vT8pL"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

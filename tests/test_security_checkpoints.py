@@ -21,8 +21,8 @@ from tests import ckptcraft
 from tests.ckptcraft import HOSTILE_CKPT, HOSTILE_SAFETENSORS, ckpt, entry, tensor
 from tests.conftest import FAST_SETTINGS
 from tests.heartbeats import write_job
-from trainer_bridge import ckptindex, ckptmeta
 from trainer_bridge.bridge import find_resume_point, served_requests
+from trainer_bridge.rundir import ckptindex, ckptmeta
 
 HOSTILE = [(name, ".ckpt", data) for name, data in HOSTILE_CKPT.items()] + [
     (name, ".safetensors", data) for name, data in HOSTILE_SAFETENSORS.items()

@@ -35,7 +35,8 @@ from app import create_app
 from app.incidents import stacks as incident_stacks
 from tests.conftest import FAST_SETTINGS
 from tests.heartbeats import heartbeat, write_heartbeat, write_job
-from trainer_bridge import runfiles, stackfiles, stacks
+from trainer_bridge import stacks
+from trainer_bridge.rundir import runfiles, stackfiles
 
 TOKEN = "Hx7-hostile-files-token-Qp3vT9mW2kZ"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -434,7 +435,7 @@ def test_bridge_heartbeats_go_on_and_the_flag_is_still_seen(reporter_factory, ru
 
 
 def test_safeio_refuses_every_kind_without_blocking(tmp_path):
-    from trainer_bridge import safeio  # the one helper both sides use (new with this test)
+    from trainer_bridge.rundir import safeio  # the one helper both sides use (new with this test)
 
     outside = outside_file(tmp_path)
     for kind in KINDS:

@@ -21,7 +21,8 @@ from app.incidents.stacks import describe, route
 from app.ranks.heartbeats import Stopped
 from tests.heartbeats import HOST, heartbeat, write_heartbeat, write_job
 from tests.test_stacks import HANGER, wait_for
-from trainer_bridge import runfiles, stacks
+from trainer_bridge import stacks
+from trainer_bridge.rundir import runfiles
 
 TOKEN = "stack-token"
 

@@ -23,7 +23,7 @@ import pytest
 from tests.faults import Dashboard
 from tests.heartbeats import heartbeat
 from tests.jobs import DemoJob, dump
-from trainer_bridge import runfiles
+from trainer_bridge.rundir import runfiles
 
 pytestmark = [pytest.mark.msrun]
 

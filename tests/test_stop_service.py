@@ -11,7 +11,7 @@ import pytest
 from app.audit import AuditLog
 from app.errors import ApiError
 from app.stop.service import StopService
-from trainer_bridge import runfiles
+from trainer_bridge.rundir import runfiles
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from app.edge.auth import json_body, require_operator
 from app.errors import ApiError
 from app.extensions import rankwatch, socketio
 from app.push import CHECKPOINTS_EVENT, VERIFY_EVENT
-from trainer_bridge import runfiles
+from trainer_bridge.rundir import runfiles
 
 bp = Blueprint("checkpoints", __name__)
 bp.record_once(

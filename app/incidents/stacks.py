@@ -31,7 +31,8 @@ from app.incidents.proof import prove_rank
 from app.ranks.health import TERMINAL_STATES
 from app.ranks.heartbeats import Stopped, probe_process
 from app.ranks.state import RunState
-from trainer_bridge import runfiles, safeio, schema, stacks
+from trainer_bridge import stacks
+from trainer_bridge.rundir import runfiles, safeio, schema
 
 ENDED = ("exited", "finished", "failed")
 # Capture files kept parsed in memory, by their size on disk (a capture is

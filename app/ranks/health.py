@@ -44,7 +44,7 @@ on this host, or msrun's own words, which ``app.ranks.state`` hands in as
 a host that went silent as one while other hosts still report (a machine or
 network failure, named within ``stall_min_s`` instead of ``dead_after_s``),
 and **corrupt**, for a rank whose heartbeat file does not validate against
-``trainer_bridge.schema`` (the reason names the field, and the row keeps the
+``trainer_bridge.rundir.schema`` (the reason names the field, and the row keeps the
 last valid heartbeat's figures).
 
 Why work and not the wall step time: in synchronous data parallelism every
@@ -217,7 +217,7 @@ class StepWindow:
         self.split_ms: tuple[float, float] | None = None
 
     def add(self, hb: Mapping[str, Any], trusted: bool = False) -> None:
-        """Take in one heartbeat. ``trusted``: validated by ``trainer_bridge.schema``
+        """Take in one heartbeat. ``trusted``: validated by ``trainer_bridge.rundir.schema``
         (finite, non-negative step times), so they need no check, which matters
         at thousands of heartbeats a second."""
         seq = hb.get("seq")

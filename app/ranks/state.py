@@ -45,7 +45,7 @@ from app.ranks.heartbeats import (  # noqa: F401  (re-exported: tests and tools 
 from app.ranks.judging import VerdictBoard
 from app.ranks.rows import make_row, with_age
 from app.stop.jobend import JobFacts
-from trainer_bridge import runfiles
+from trainer_bridge.rundir import runfiles
 
 # How many missing ranks a status message names before it summarises.
 NAMED_RANKS = 8

@@ -35,7 +35,7 @@ from app.audit import OBSERVED, SYSTEM, AuditError, AuditLog
 from app.edge.auth import MAX_TEXT
 from app.errors import ApiError
 from app.stop.jobend import JobFacts, log_stage
-from trainer_bridge import runfiles, safeio
+from trainer_bridge.rundir import runfiles, safeio
 
 STAGES = ("requested", "seen", "agreed", "saving", "saved", "exited")
 # The lock that orders flag writes between dashboards and ``rankwatch stop``;

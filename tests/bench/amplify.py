@@ -32,7 +32,7 @@ import psutil
 
 from tests.heartbeats import heartbeat, write_heartbeat, write_job
 from tests.liveserver import start_dashboard
-from trainer_bridge import runfiles
+from trainer_bridge.rundir import runfiles
 
 REQUESTS = (
     (1, "/api/ranks"),

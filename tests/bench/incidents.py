@@ -138,7 +138,7 @@ def bench_live(ranks: int, workdir: Path, hang_after: float = 40.0, window: floa
     import psutil
 
     from tests.liveserver import REPO, start_dashboard
-    from trainer_bridge import runfiles
+    from trainer_bridge.rundir import runfiles
 
     run_dir = workdir / "live"
     with Receiver() as receiver:

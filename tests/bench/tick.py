@@ -32,7 +32,7 @@ from app.ranks.state import RunState
 from app.stop.service import StopService
 from tests.bench.ingest import start_redis
 from tests.heartbeats import heartbeat, write_heartbeat, write_job
-from trainer_bridge import redisbus
+from trainer_bridge.rundir import redisbus
 
 
 def measure(ranks: int, ticks: int, workdir: Path, redis_url: str | None, profile: bool) -> dict:

@@ -19,7 +19,7 @@ import signal
 from collections import deque
 
 from app.ranks.logmode.patterns import EXCEPTION, LAUNCHER, MAX_LINE, SCHEDULER, WORKER, Pattern
-from trainer_bridge import schema
+from trainer_bridge.rundir import schema
 
 # Lines of a traceback read before giving up on finding its exception line.
 TRACEBACK_MAX_LINES = 400

@@ -1,4 +1,4 @@
-"""msrun's log directory as heartbeats: one per rank, built through ``trainer_bridge.schema``.
+"""msrun's log directory as heartbeats: one per rank, built through ``trainer_bridge.rundir.schema``.
 
 ``LogDir.poll(now)`` is called once per watcher tick. It lists the directory
 once, reads only what each log appended since the last tick (``Tailer``),
@@ -38,7 +38,7 @@ from pathlib import Path
 from app.ranks.logmode.parser import LauncherLog, SchedulerLog, WorkerLog, cut
 from app.ranks.logmode.tailer import Tailer
 from app.ranks.logmode.writers import find_writers, parent_of
-from trainer_bridge import schema
+from trainer_bridge.rundir import schema
 
 WORKER_NAME = re.compile(r".*_(\d{1,7})\.log")
 SCHEDULER_NAME = "scheduler.log"

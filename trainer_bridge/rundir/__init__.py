@@ -1,0 +1,13 @@
+"""The run-directory contract: the only code the trainer and the dashboard share.
+
+Everything one process writes into ``RUN/`` and another reads is drawn here,
+once: the paths and the stop flag (``runfiles``), the typed files
+(``schema``, ``stackfiles``), opening them safely (``safeio``), the Redis
+channel beside the files (``redisbus``), checkpoint sets and their
+metadata (``ckptindex``, ``ckptmeta``, ``ckpthealth``), msrun's launch line
+(``launch``) and py-spy (``pyspy``).
+
+It imports the standard library and pydantic, never MindSpore, so the
+dashboard can import it on a machine without an accelerator; ``make lint``
+checks that rule (import-linter, ``pyproject.toml``).
+"""
