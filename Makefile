@@ -41,6 +41,7 @@ test-slow: venv
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 format: venv
 	$(VENV)/bin/ruff format .

@@ -78,7 +78,7 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     from app.incidents.monitor import Incidents
     from app.incidents.stacks import StackService
     from app.ranks.logmode import resolve_dir
-    from trainer_bridge.stacks import find_pyspy
+    from trainer_bridge.rundir.pyspy import find_pyspy
 
     incidents = Incidents.from_config(app.config, state, stop, run.audit, socketio.start_background_task)
     # A flood of wrong tokens or codes (app.edge.auth.settle) is an alert, once a minute at most.

@@ -35,7 +35,6 @@ from app import create_app
 from app.incidents import stacks as incident_stacks
 from tests.conftest import FAST_SETTINGS
 from tests.heartbeats import heartbeat, write_heartbeat, write_job
-from trainer_bridge import stacks
 from trainer_bridge.rundir import runfiles, stackfiles
 
 TOKEN = "Hx7-hostile-files-token-Qp3vT9mW2kZ"
@@ -289,11 +288,11 @@ def test_writes_and_unlinks_never_follow_a_symlinked_directory(dashboard, run_di
     os.unlink(stacks_dir)
     stacks_dir.mkdir()
     os.symlink(outside, stackfiles.runfiles.stack_captures_dir(run_dir, 0))
-    capture = stacks.build_capture(
+    capture = stackfiles.build_capture(
         rank=0, captured_at=time.time(), source="py-spy", trigger="request", threads=[]
     )
     with pytest.raises(OSError):
-        stacks.write_capture(run_dir, capture)
+        stackfiles.write_capture(run_dir, capture)
     assert all(v.exists() for v in victims)
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from trainer_bridge import stacks
-from trainer_bridge.rundir import runfiles, schema
+from trainer_bridge.rundir import pyspy, runfiles, schema, stackfiles
 
 # "ready" is printed from inside hang_here, so a reader of that line knows where the main thread is.
 HANGER = """
@@ -57,8 +57,8 @@ def hanger():
     proc.wait()
 
 
-def captures(run_dir: Path, rank: int) -> list[stacks.Capture]:
-    return [stacks.load_capture(p) for p in stacks.capture_files(run_dir, rank)]
+def captures(run_dir: Path, rank: int) -> list[stackfiles.Capture]:
+    return [stackfiles.load_capture(p) for p in stackfiles.capture_files(run_dir, rank)]
 
 
 def blocked_in_here(event: threading.Event) -> None:
@@ -99,7 +99,7 @@ def test_a_deep_stack_is_cut_to_its_innermost_frames():
 
     threads, _ = dive(300)
     main = threads[0]
-    assert len(main["frames"]) == stacks.MAX_FRAMES
+    assert len(main["frames"]) == stackfiles.MAX_FRAMES
     assert main["frames"][0]["function"].endswith("dive") and main["omitted"] > 240
 
 
@@ -109,37 +109,37 @@ def test_a_capture_never_exceeds_its_file_bound():
         {"id": i, "name": f"t{i}", "training": i == 0, "frames": [frame] * 64, "omitted": 0, "native": []}
         for i in range(64)
     ]
-    capture = stacks.build_capture(
+    capture = stackfiles.build_capture(
         rank=3, captured_at=time.time(), source="bridge", trigger="request", threads=threads
     )
-    assert len(capture.to_json()) <= stacks.MAX_CAPTURE_BYTES
+    assert len(capture.to_json()) <= stackfiles.MAX_CAPTURE_BYTES
     assert capture.threads[0].training and capture.threads_omitted > 0
     assert "more threads left out" in capture.text
 
 
 def test_load_capture_refuses_oversized_and_invalid_files(tmp_path):
     big = tmp_path / "big.json"
-    big.write_bytes(b" " * (stacks.MAX_CAPTURE_BYTES + 1))
+    big.write_bytes(b" " * (stackfiles.MAX_CAPTURE_BYTES + 1))
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"rank": -1, "captured_at": 1.0, "source": "bridge", "trigger": "request"}))
     for path, words in ((big, "more than"), (bad, "rank")):
         with pytest.raises(schema.SchemaError, match=words):
-            stacks.load_capture(path)
+            stackfiles.load_capture(path)
 
 
 # ------------------------------------------------------------------ the bridge side
 
 
 def test_watcher_answers_a_request_file_and_ignores_one_from_before_it_started(run_dir):
-    old = stacks.Request(request_id="from-the-last-job", requested_at=1.0)
-    stacks.write_request(run_dir, 0, old)
+    old = stackfiles.Request(request_id="from-the-last-job", requested_at=1.0)
+    stackfiles.write_request(run_dir, 0, old)
     watcher = stacks.StackWatcher(run_dir, 0, "host-a")
     facts = {"steps": 5, "since_step_s": 0.1, "step_s": 0.05, "global_step": 5, "stepping": True}
     watcher.poll(**facts)
     time.sleep(0.3)  # nothing may come; a negative cannot be polled for
     assert captures(run_dir, 0) == []
 
-    stacks.write_request(run_dir, 0, stacks.Request(request_id="req-1", requested_at=time.time()))
+    stackfiles.write_request(run_dir, 0, stackfiles.Request(request_id="req-1", requested_at=time.time()))
     watcher.poll(**facts)
     got = wait_for(lambda: captures(run_dir, 0), "a capture answering req-1")
     capture = got[0]
@@ -149,7 +149,7 @@ def test_watcher_answers_a_request_file_and_ignores_one_from_before_it_started(r
     assert "Thread" in capture.text and "test_watcher_answers_a_request_file" in capture.text
     # The same file again is no new request; the job-wide file is one.
     watcher.poll(**facts)
-    stacks.write_request(run_dir, None, stacks.Request(request_id="all-1", requested_at=time.time()))
+    stackfiles.write_request(run_dir, None, stackfiles.Request(request_id="all-1", requested_at=time.time()))
     watcher.poll(**facts)
     got = wait_for(lambda: len(captures(run_dir, 0)) == 2 and captures(run_dir, 0), "the job-wide request")
     assert got[0].request_id == "all-1"
@@ -177,13 +177,13 @@ def test_captures_are_bounded_per_trigger_so_a_stall_survives_a_burst_of_request
     monkeypatch.setenv(stacks.NATIVE_ENV, "off")
     watcher = stacks.StackWatcher(run_dir, 0)
     watcher.capture("stall", None, True, {})
-    for i in range(stacks.KEEP_PER_TRIGGER + 3):
+    for i in range(stackfiles.KEEP_PER_TRIGGER + 3):
         time.sleep(0.002)  # names carry milliseconds
         watcher.capture("request", f"r{i}", False, {})
     got = captures(run_dir, 0)
-    assert [c.trigger for c in got].count("request") == stacks.KEEP_PER_TRIGGER
+    assert [c.trigger for c in got].count("request") == stackfiles.KEEP_PER_TRIGGER
     assert [c.trigger for c in got].count("stall") == 1
-    assert got[0].request_id == f"r{stacks.KEEP_PER_TRIGGER + 2}"
+    assert got[0].request_id == f"r{stackfiles.KEEP_PER_TRIGGER + 2}"
 
 
 def test_a_bad_request_file_or_an_unwritable_directory_never_raises(run_dir, caplog):
@@ -195,7 +195,7 @@ def test_a_bad_request_file_or_an_unwritable_directory_never_raises(run_dir, cap
     assert "ignoring unreadable stack request" in caplog.text
     # The captures' directory is a file: the capture is logged, not raised.
     runfiles.stack_captures_dir(run_dir, 0).write_text("not a directory")
-    stacks.write_request(run_dir, 0, stacks.Request(request_id="r", requested_at=time.time()))
+    stackfiles.write_request(run_dir, 0, stackfiles.Request(request_id="r", requested_at=time.time()))
     watcher.poll(steps=1, since_step_s=0.0, step_s=0.1, global_step=1, stepping=True)
     wait_for(lambda: "cannot write a stack capture" in caplog.text, "the failure to be logged")
 
@@ -210,7 +210,7 @@ def test_a_bad_stall_setting_keeps_the_default(monkeypatch, caplog):
 
 
 def test_pyspy_reads_a_running_process_with_native_frames(hanger):
-    threads, _ = stacks.pyspy_threads(stacks.pyspy_dump(hanger.pid, native=True), hanger.pid)
+    threads, _ = pyspy.pyspy_threads(pyspy.pyspy_dump(hanger.pid, native=True), hanger.pid)
     main = threads[0]
     assert main["training"] and main["frames"][0]["function"] == "hang_here"
     assert main["native"], "native frames below hang_here (the sleep)"
@@ -219,22 +219,22 @@ def test_pyspy_reads_a_running_process_with_native_frames(hanger):
 
 def test_pyspy_reads_a_stopped_process(hanger):
     os.kill(hanger.pid, signal.SIGSTOP)
-    threads, _ = stacks.pyspy_threads(stacks.pyspy_dump(hanger.pid, native=False), hanger.pid)
+    threads, _ = pyspy.pyspy_threads(pyspy.pyspy_dump(hanger.pid, native=False), hanger.pid)
     assert threads[0]["frames"][0]["function"] == "hang_here"
 
 
 def test_pyspy_says_why_it_cannot_read_a_process(monkeypatch):
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
-    with pytest.raises(stacks.PySpyError, match=str(proc.pid)):
-        stacks.pyspy_dump(proc.pid, native=False)
+    with pytest.raises(pyspy.PySpyError, match=str(proc.pid)):
+        pyspy.pyspy_dump(proc.pid, native=False)
     # No py-spy on PATH nor beside the interpreter.
     monkeypatch.setenv("PATH", "")
     monkeypatch.setattr(sys, "executable", "/nonexistent/bin/python")
-    with pytest.raises(stacks.PySpyError, match="not installed"):
-        stacks.pyspy_dump(proc.pid, native=False)
+    with pytest.raises(pyspy.PySpyError, match="not installed"):
+        pyspy.pyspy_dump(proc.pid, native=False)
 
 
 def test_the_readme_documents_the_capture_file_as_the_schema_says():
     page = (Path(__file__).resolve().parents[1] / "docs" / "incidents.md").read_text(encoding="utf-8")
-    assert schema.markdown_table(stacks.Capture) in page
+    assert schema.markdown_table(stackfiles.Capture) in page

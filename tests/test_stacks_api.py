@@ -22,7 +22,7 @@ from app.ranks.heartbeats import Stopped
 from tests.heartbeats import HOST, heartbeat, write_heartbeat, write_job
 from tests.test_stacks import HANGER, wait_for
 from trainer_bridge import stacks
-from trainer_bridge.rundir import runfiles
+from trainer_bridge.rundir import runfiles, stackfiles
 
 TOKEN = "stack-token"
 
@@ -177,7 +177,7 @@ def test_post_all_writes_one_request_and_says_who_cannot_answer(client, run_dir)
     assert r.status_code == 202
     body = r.get_json()
     assert body["bridge"] == [0, 1] and list(body["cannot"]) == ["2"]
-    assert stacks.read_request(run_dir, None).request_id == body["request_id"]
+    assert stackfiles.read_request(run_dir, None).request_id == body["request_id"]
 
 
 # ------------------------------------------------------------------ grouping
@@ -194,14 +194,14 @@ def fake_capture(run_dir, rank: int, frames: list[tuple], native: list[str] = ()
             "native": [{"function": f, "file": "libmindspore_cluster.so", "line": 0} for f in native],
         }
     ]
-    capture = stacks.build_capture(
+    capture = stackfiles.build_capture(
         rank=rank,
         captured_at=at or time.time(),
         source="bridge",
         trigger="stall",
         threads=threads,
     )
-    stacks.write_capture(run_dir, capture)
+    stackfiles.write_capture(run_dir, capture)
 
 
 LIB = "/venv/lib/python3.11/site-packages/mindspore"

@@ -22,7 +22,7 @@ from app.incidents.proof import START_WITHIN_S, prove_rank
 from tests.heartbeats import heartbeat, write_heartbeat, write_job
 from tests.test_stacks import HANGER, wait_for
 from tests.test_stacks_api import app, auth  # noqa: F401  (the app fixture, with its token)
-from trainer_bridge import stacks
+from trainer_bridge.rundir import pyspy, stackfiles
 
 
 @pytest.fixture
@@ -70,7 +70,7 @@ def refused(client, run_dir, rank=1) -> str:
     assert r.status_code == 409 and body["status"] == 409, body
     everyone = client.post("/api/stacks", json={}, headers=auth()).get_json()
     assert rank not in everyone["py_spy"] and str(rank) in everyone["cannot"], everyone
-    assert not stacks.capture_files(run_dir, rank), "nothing was dumped"
+    assert not stackfiles.capture_files(run_dir, rank), "nothing was dumped"
     return body["error"]
 
 
@@ -163,22 +163,22 @@ def test_a_pyspy_earlier_on_path_is_not_run(tmp_path, monkeypatch, spawn):
     fake.write_text(f"#!/bin/sh\ntouch {marker}\necho '[]'\n")
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
-    monkeypatch.delenv(stacks.PYSPY_ENV, raising=False)
+    monkeypatch.delenv(pyspy.PYSPY_ENV, raising=False)
     proc = spawn([sys.executable, "-c", HANGER])
 
-    exe = stacks.find_pyspy()
+    exe = pyspy.find_pyspy()
     assert exe == str(Path(sys.executable).parent / "py-spy")
-    threads, _ = stacks.pyspy_threads(stacks.pyspy_dump(proc.pid, native=False), proc.pid)
+    threads, _ = pyspy.pyspy_threads(pyspy.pyspy_dump(proc.pid, native=False), proc.pid)
     assert threads[0]["frames"][0]["function"] == "hang_here"
     assert not marker.exists(), "the py-spy found on PATH ran"
 
     # An absolute setting is used as given; a bare name is refused, not looked up.
-    monkeypatch.setenv(stacks.PYSPY_ENV, str(fake))
-    assert stacks.find_pyspy() == str(fake)
-    monkeypatch.setenv(stacks.PYSPY_ENV, "py-spy")
-    assert stacks.find_pyspy() is None
-    with pytest.raises(stacks.PySpyError, match=stacks.PYSPY_ENV):
-        stacks.pyspy_dump(proc.pid, native=False)
+    monkeypatch.setenv(pyspy.PYSPY_ENV, str(fake))
+    assert pyspy.find_pyspy() == str(fake)
+    monkeypatch.setenv(pyspy.PYSPY_ENV, "py-spy")
+    assert pyspy.find_pyspy() is None
+    with pytest.raises(pyspy.PySpyError, match=pyspy.PYSPY_ENV):
+        pyspy.pyspy_dump(proc.pid, native=False)
     assert not marker.exists()
 
 

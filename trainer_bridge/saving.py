@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer_bridge.rundir import runfiles
-from trainer_bridge.rundir.ckptindex import ORIGIN_BRIDGE, CheckpointSet, Index
+from trainer_bridge.rundir.ckptindex import ORIGIN_BRIDGE, Index, resume_set
 
 __all__ = [
     "ResumePoint",
@@ -28,7 +28,6 @@ __all__ = [
     "data_position",
     "find_resume_point",
     "load_state",
-    "resume_set",
     "save_state",
     "served_requests",
 ]
@@ -87,31 +86,6 @@ def find_resume_point(
     if cset is None:
         return None
     return ResumePoint(cset.global_step, cset.epoch, Path(cset.file_for(rank).abspath))
-
-
-def resume_set(index: Index, step: int | None = None, unhealthy: Container[str] = ()) -> CheckpointSet | None:
-    """The set a relaunch resumes from (``find_resume_point``'s choice; the dashboard asks it too).
-
-    Sets in ``unhealthy`` (ids: ``ckpthealth.unhealthy``) are passed over
-    when no step is pinned. A pinned step that names no complete set is a
-    ValueError (see ``find_resume_point``).
-    """
-    complete = [s for s in index.sets if s.complete]
-    if step is None:
-        cset = next((s for s in complete if s.origin == ORIGIN_BRIDGE and s.id not in unhealthy), None)
-    else:
-        matches = sorted(
-            (s for s in complete if s.global_step == step), key=lambda s: s.origin != ORIGIN_BRIDGE
-        )
-        if not matches:
-            have = sorted({s.global_step for s in complete if s.global_step is not None})
-            raise ValueError(
-                f"GracefulExitBridge: resume_step={step}, but {index.run_dir} has no "
-                f"checkpoint set complete across {index.world_size} ranks at that global step "
-                f"(complete sets: {have or 'none'})"
-            )
-        cset = matches[0]
-    return cset
 
 
 def data_position(global_step: int, per_epoch: int) -> tuple[int, int]:

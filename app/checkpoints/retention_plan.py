@@ -15,9 +15,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from trainer_bridge import saving
 from trainer_bridge.rundir import runfiles, safeio, schema
-from trainer_bridge.rundir.ckptindex import MAX_DEPTH, ORIGIN_BRIDGE, CheckpointSet, Index
+from trainer_bridge.rundir.ckptindex import MAX_DEPTH, ORIGIN_BRIDGE, CheckpointSet, Index, resume_set
 
 MODES = ("off", "dry_run", "on")
 OVERRIDE_NAME = "retention.json"
@@ -200,7 +199,7 @@ def plan(
     """
     unhealthy = unhealthy or {}
     pinned = set(policy.pinned)
-    resume = saving.resume_set(index, unhealthy=unhealthy)
+    resume = resume_set(index, unhealthy=unhealthy)
     healthy = next((s for s in index.sets if s.complete and s.id not in unhealthy), None)
     newer_complete = False  # a complete set newer than the one at hand was seen
     complete_seen = 0

@@ -37,7 +37,7 @@ from app.checkpoints.relaunch import relaunch_command
 from app.checkpoints.verify import Verifier
 from app.errors import ApiError
 from app.push import Changed
-from trainer_bridge import native, saving
+from trainer_bridge import native
 from trainer_bridge.rundir import ckpthealth, ckptindex, runfiles, safeio
 from trainer_bridge.rundir.ckptindex import (
     ORIGIN_BRIDGE,
@@ -76,8 +76,8 @@ def _fingerprint(index: Index) -> tuple:
 
 
 def bridge_default(index: Index) -> CheckpointSet | None:
-    """The set the bridge loads on an unchanged relaunch (``saving.resume_set``, the bridge's own choice)."""
-    return saving.resume_set(index, unhealthy=ckpthealth.unhealthy(index.run_dir, index))
+    """The set the bridge loads on an unchanged relaunch (``ckptindex.resume_set``, the bridge's own choice)."""
+    return ckptindex.resume_set(index, unhealthy=ckpthealth.unhealthy(index.run_dir, index))
 
 
 class CheckpointService:

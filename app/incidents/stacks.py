@@ -9,7 +9,7 @@ Who captures a rank (``route``):
 * **nobody**, and the answer says why: a rank that has ended, or one on
   another host that its bridge cannot answer for.
 
-Captures, whoever took them, are ``trainer_bridge.stacks.Capture`` files in
+Captures, whoever took them, are ``trainer_bridge.rundir.stackfiles.Capture`` files in
 ``RUN/rankwatch/stacks/rank_{r}/``. Grouping compares the training thread's
 Python frames, so "every rank waiting in the same AllReduce" is one group
 whatever the ranks' step numbers, and the odd one out stands alone.
@@ -31,8 +31,7 @@ from app.incidents.proof import prove_rank
 from app.ranks.health import TERMINAL_STATES
 from app.ranks.heartbeats import Stopped, probe_process
 from app.ranks.state import RunState
-from trainer_bridge import stacks
-from trainer_bridge.rundir import runfiles, safeio, schema
+from trainer_bridge.rundir import pyspy, runfiles, safeio, schema, stackfiles
 
 ENDED = ("exited", "finished", "failed")
 # Capture files kept parsed in memory, by their size on disk (a capture is
@@ -130,10 +129,10 @@ def training_thread(capture: dict) -> dict | None:
     return next((t for t in capture["threads"] if t["training"]), None)
 
 
-def _write_request(run_dir: Path, rank: int | None, request: stacks.Request) -> None:
+def _write_request(run_dir: Path, rank: int | None, request: stackfiles.Request) -> None:
     """Leave the request file for the bridges; 507 if it cannot be (a full disk, a symlinked ``stacks/``)."""
     try:
-        stacks.write_request(run_dir, rank, request)
+        stackfiles.write_request(run_dir, rank, request)
     except (OSError, safeio.UnsafePath) as e:
         why = safeio.why(e) if isinstance(e, OSError) else str(e)
         raise ApiError(507, f"cannot write the stack request file: {why}") from None
@@ -150,7 +149,7 @@ class StackService:
         start_task: Callable,
         hostname: str | None = None,
         probe: Callable = probe_process,
-        pyspy: Callable[[], str | None] = stacks.find_pyspy,
+        pyspy: Callable[[], str | None] = pyspy.find_pyspy,
         log_dir: str | os.PathLike | None = None,
     ):
         self.run_dir = Path(run_dir) if run_dir else None
@@ -184,7 +183,7 @@ class StackService:
         if hit is not None and hit[0] == key:
             return hit[1]
         try:
-            capture = stacks.load_capture(path).to_dict()
+            capture = stackfiles.load_capture(path).to_dict()
         except (OSError, schema.SchemaError):
             capture = None
         with self._lock:
@@ -198,7 +197,7 @@ class StackService:
         return capture
 
     def _files(self, rank: int) -> list[Path]:
-        """``stacks.capture_files``, listed again only when the directory changed or ``LIST_TTL_S`` passed.
+        """``stackfiles.capture_files``, listed again only when the directory changed or ``LIST_TTL_S`` passed.
 
         A tokenless viewer can ask for every rank's stacks as often as it
         likes: each request then costs one ``stat`` per rank, and a directory
@@ -215,7 +214,7 @@ class StackService:
         # The TTL covers a change within the mtime's granularity (a clock tick).
         if hit is not None and hit[0] == key and now - hit[1] < LIST_TTL_S:
             return hit[2]
-        files = stacks.capture_files(self.run_dir, rank)
+        files = stackfiles.capture_files(self.run_dir, rank)
         with self._lock:
             if len(self._listings) > schema.MAX_RANKS:
                 self._listings.clear()
@@ -234,8 +233,8 @@ class StackService:
 
     def get(self, rank: int, now: float, trigger: str | None = None) -> dict:
         """``GET /api/ranks/<rank>/stack``: the newest capture, with its age and any pending request."""
-        if trigger is not None and trigger not in stacks.TRIGGERS:
-            raise ApiError(400, f"query parameter 'trigger' must be one of {', '.join(stacks.TRIGGERS)}")
+        if trigger is not None and trigger not in stackfiles.TRIGGERS:
+            raise ApiError(400, f"query parameter 'trigger' must be one of {', '.join(stackfiles.TRIGGERS)}")
         capture = self.newest(rank, trigger)
         if capture is None:
             pending = self._pending_for(rank, None)
@@ -269,7 +268,7 @@ class StackService:
         with self._lock:
             pending = self._pending.get(rank)
         if pending is None:
-            request = stacks.read_request(self.run_dir, rank) if self.run_dir else None
+            request = stackfiles.read_request(self.run_dir, rank) if self.run_dir else None
             if request is None:
                 return None
             pending = {**request.to_dict(), "via": "bridge"}
@@ -301,7 +300,7 @@ class StackService:
                 why = f"{why} ({how})"
         if via is None:
             raise ApiError(409, f"cannot capture rank {rank}: {why}")
-        request = stacks.Request(
+        request = stackfiles.Request(
             request_id=runfiles.new_request_id(), requested_at=now, requested_by=who, native=native
         )
         if via == "bridge":
@@ -317,7 +316,7 @@ class StackService:
         """``POST /api/stacks``: ask every rank (one request file for all bridges, py-spy for the rest)."""
         run_dir = self._need_run_dir()
         rows = self.state.snapshot(now)["ranks"]
-        request = stacks.Request(
+        request = stackfiles.Request(
             request_id=runfiles.new_request_id(), requested_at=now, requested_by=who, native=native
         )
         pyspy = self._pyspy() is not None
@@ -352,14 +351,14 @@ class StackService:
         return prove_rank(row["pid"], rank, started_at, self._need_run_dir(), self.log_dir)
 
     def _pyspy_capture(
-        self, rank: int, row: dict, request: stacks.Request, stopped: bool, started_at: float | None
+        self, rank: int, row: dict, request: stackfiles.Request, stopped: bool, started_at: float | None
     ) -> None:
         try:
             # Again just before the dump: the pid may have changed hands since the request.
             proven, how = self._prove(rank, row, started_at)
             if not proven:
-                raise stacks.PySpyError(how)
-            stacks.capture_pyspy(
+                raise pyspy.PySpyError(how)
+            pyspy.capture_pyspy(
                 self.run_dir,
                 rank,
                 row["pid"],
@@ -370,7 +369,7 @@ class StackService:
                 global_step=row.get("global_step"),
                 exe=self._pyspy(),
             )
-        except (stacks.PySpyError, OSError, schema.SchemaError) as e:
+        except (pyspy.PySpyError, OSError, schema.SchemaError) as e:
             with self._lock:
                 pending = self._pending.get(rank)
                 if pending is not None and pending["request_id"] == request.request_id:

@@ -46,7 +46,7 @@ from tests.heartbeats import heartbeat, write_heartbeat, write_job
 from tests.jobs import DemoJob
 from tests.receiver import Receiver
 from tests.test_stacks import HANGER
-from trainer_bridge import stacks
+from trainer_bridge.rundir import pyspy
 
 TICK_S = 0.5
 TOKEN = "bench"
@@ -245,7 +245,7 @@ def bench_capture(workdir: Path, requests: int = 10) -> dict:
         latencies = []
         for _ in range(requests):
             started = time.perf_counter()
-            stacks.capture_pyspy(workdir / "pyspy", 0, proc.pid, None, request_id=None, native=False)
+            pyspy.capture_pyspy(workdir / "pyspy", 0, proc.pid, None, request_id=None, native=False)
             latencies.append(time.perf_counter() - started)
         out["py-spy (stopped process)"] = (latencies, None)
     finally:

@@ -1,7 +1,7 @@
 """Which checkpoint sets are unhealthy, from the files alone (no MindSpore).
 
 Two kinds of evidence, shown per set by the checkpoint browser and honoured
-by the bridge's resume (``saving.resume_set`` passes over these sets):
+by the bridge's resume (``ckptindex.resume_set`` passes over these sets):
 
 * MindFormers' ``health_ckpts.json`` (its ``CheckpointMonitor`` with
   ``use_checkpoint_health_monitor``, written by rank 0): a list of

@@ -41,6 +41,7 @@ import os
 import re
 import time
 from collections import defaultdict
+from collections.abc import Container
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -436,3 +437,28 @@ def safe_path(run_dir: str | os.PathLike, rel: str) -> Path:
     if not _inside(root, resolved):
         raise ValueError(f"safe_path: {rel!r} leads outside the run directory (through a symlink)")
     return Path(resolved)
+
+
+def resume_set(index: Index, step: int | None = None, unhealthy: Container[str] = ()) -> CheckpointSet | None:
+    """The set a relaunch resumes from: the bridge's choice (``saving.find_resume_point``), and the dashboard's answer.
+
+    Sets in ``unhealthy`` (ids: ``ckpthealth.unhealthy``) are passed over
+    when no step is pinned. A pinned step that names no complete set is a
+    ValueError, raised alike on every rank before any collective.
+    """
+    complete = [s for s in index.sets if s.complete]
+    if step is None:
+        cset = next((s for s in complete if s.origin == ORIGIN_BRIDGE and s.id not in unhealthy), None)
+    else:
+        matches = sorted(
+            (s for s in complete if s.global_step == step), key=lambda s: s.origin != ORIGIN_BRIDGE
+        )
+        if not matches:
+            have = sorted({s.global_step for s in complete if s.global_step is not None})
+            raise ValueError(
+                f"GracefulExitBridge: resume_step={step}, but {index.run_dir} has no "
+                f"checkpoint set complete across {index.world_size} ranks at that global step "
+                f"(complete sets: {have or 'none'})"
+            )
+        cset = matches[0]
+    return cset
