@@ -73,7 +73,7 @@ def test_a_long_header_is_refused_before_it_is_parsed(tmp_path, monkeypatch):
 
 def test_entry_and_field_counts_are_bounded(tmp_path, monkeypatch):
     """A file made of many tiny entries, or one message padded with unknown fields."""
-    monkeypatch.setattr(ckptmeta, "MAX_ENTRIES", 10)
+    monkeypatch.setattr(ckptmeta.ckpt, "MAX_ENTRIES", 10)  # where the ckpt parser reads it
     many = ckptcraft.write(
         tmp_path / "many.ckpt", ckpt(*[entry(f"p{i}", tensor([1], "Float32", b"\0" * 4)) for i in range(11)])
     )
