@@ -1,33 +1,21 @@
 """Shared fixtures: a temporary run directory, the app and its clients, a live server, a browser.
 
-Other test modules may define their own fixtures for their own areas (the
-checkpoint tests do); these are the dashboard's.
+Fixtures only: the helpers they and the tests share live in ``tests/helpers/``.
+Security and fault tests live with the area they attack; their file names
+give them the ``security`` and ``faults`` markers (``-m security``).
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
-from app import create_app
 from app.extensions import socketio
+from tests.helpers.app import FAST_SETTINGS, make_app
 from tests.helpers.liveserver import launch_chromium, start_dashboard
-
-# Small thresholds so that a test sees a rank turn stalled, then dead, in seconds.
-FAST_SETTINGS = {
-    "TICK_S": 0.1,
-    "STALL_MIN_S": 1.5,
-    "STALL_FACTOR": 5.0,
-    "DEAD_AFTER_S": 4.0,
-    "PROCESS_CHECK_AFTER_S": 1.0,
-    "CHART_REFRESH_S": 0.5,
-    # Log-mode warnings wait this long for a bridge's first heartbeat (the default is minutes).
-    "BRIDGE_GRACE_S": 2.0,
-}
 
 
 @pytest.fixture
@@ -40,7 +28,8 @@ def run_dir():
 
 @pytest.fixture
 def app(run_dir):
-    app = create_app({"RUN_DIR": str(run_dir), "TESTING": True, **FAST_SETTINGS})
+    """The dashboard on ``run_dir``: ``FAST_SETTINGS`` and the operator token ``TOKEN``."""
+    app = make_app(run_dir)
     yield app
     # The watcher (if a Socket.IO client started it) must not outlive its app.
     app.extensions["rankwatch"].watcher.stop()
@@ -58,26 +47,6 @@ def sio(app, client):
     yield sio
     if sio.is_connected():
         sio.disconnect()
-
-
-def wait_for_event(
-    sio, names: str | tuple[str, ...], predicate=lambda payload: True, timeout: float = 15.0
-) -> dict:
-    """Poll ``sio.get_received()`` for an event in ``names`` whose payload passes ``predicate``.
-
-    Events the watcher pushes arrive from its thread; this waits for them with
-    a deadline instead of a fixed sleep.
-    """
-    names = (names,) if isinstance(names, str) else names
-    deadline = time.monotonic() + timeout
-    seen = []
-    while time.monotonic() < deadline:
-        for event in sio.get_received():
-            seen.append(event["name"])
-            if event["name"] in names and predicate(event["args"][0]):
-                return event["args"][0]
-        socketio.sleep(0.02)
-    raise AssertionError(f"no matching {names!r} within {timeout} s; got {seen}")
 
 
 @pytest.fixture
@@ -152,3 +121,12 @@ def simulator(run_dir):
     yield start
     for sim in sims:
         sim.stop()
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        name = item.path.name
+        if name.startswith("test_security_") or name.endswith("_hostile.py") or "hostile" in name:
+            item.add_marker(pytest.mark.security)
+        if name.startswith("test_faults_"):
+            item.add_marker(pytest.mark.faults)

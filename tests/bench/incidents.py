@@ -43,9 +43,9 @@ from pathlib import Path
 from app import create_app
 from tests.bench.scale import percentile
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
+from tests.helpers.incidents import HANGER
 from tests.helpers.jobs import DemoJob
 from tests.helpers.receiver import Receiver
-from tests.incidents.test_stacks import HANGER
 from trainer_bridge.rundir import pyspy
 
 TICK_S = 0.5

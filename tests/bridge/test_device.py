@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
+from tests.helpers.app import wait_for
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
-from tests.incidents.test_stacks import wait_for
 from trainer_bridge.device import DeviceProbe, parse_npu_smi, parse_nvidia_smi
 from trainer_bridge.rundir import schema
 

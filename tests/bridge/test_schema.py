@@ -18,19 +18,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.helpers.app import TOKEN, make_app
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from trainer_bridge.rundir import runfiles, schema
 
-TOKEN = "s3cret-operator-token-for-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture
 def app(run_dir):
-    from app import create_app
-    from tests.conftest import FAST_SETTINGS
 
-    app = create_app({"RUN_DIR": str(run_dir), "TESTING": True, "TOKEN": TOKEN, **FAST_SETTINGS})
+    app = make_app(run_dir)
     yield app
     app.extensions["rankwatch"].watcher.stop()
 

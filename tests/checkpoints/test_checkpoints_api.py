@@ -12,7 +12,6 @@ never leak between tests. Helpers are shared with the browser test.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -26,49 +25,27 @@ from mindspore import nn
 from mindspore.train import CheckpointConfig, Model, ModelCheckpoint
 
 from app import create_app
-from tests.checkpoints.test_ckptindex import _Samples
-from tests.checkpoints.test_ckptmeta import Small, save_small
-from tests.conftest import FAST_SETTINGS, wait_for_event
+from tests.helpers.app import FAST_SETTINGS, TOKEN, wait_for_event
+from tests.helpers.checkpoints import (
+    BRIDGE,
+    DAMAGED,
+    STEPS_PER_EPOCH,
+    Small,
+    _Samples,
+    bridge_id,
+    save_bridge_set,
+    save_small,
+    write_damaged,
+)
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from trainer_bridge.rundir import runfiles
 
 REPO = Path(__file__).resolve().parents[2]
-TOKEN = "checkpoint-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-STEPS_PER_EPOCH = 8
-BRIDGE = "checkpoints/rank_{rank}/rankwatch-{E}_{S}.ckpt"
 MODELCKPT = "ckpt/rank_{rank}/train-{E}_{S}.ckpt"
 SAFETENSORS = "st/rank_{rank}/model-{E}_{S}.safetensors"
 CRC = "crc/rank_{rank}/net-{E}_{S}.ckpt"
-DAMAGED = "damaged/rank_{rank}/net-{E}_{S}.ckpt"
 TTP = "ttp/tft_saved_checkpoints-step_{G}/rank_{rank}/ttp_rank_{rank}-{E}_{S}.ckpt"
-
-
-def bridge_id(global_step: int) -> str:
-    return f"{BRIDGE}#g{global_step}"
-
-
-def save_bridge_set(run: Path, global_step: int, ranks=(0, 1)) -> list[Path]:
-    """Rank files exactly as the bridge saves them on a stop (a net without optimizer, so
-    ``global_step`` may go into ``append_dict``)."""
-    epoch, step = divmod(global_step - 1, STEPS_PER_EPOCH)
-    paths = []
-    for r in ranks:
-        paths.append(
-            save_small(
-                runfiles.checkpoint_path(run, r, epoch + 1, step + 1),
-                {
-                    "epoch_num": epoch + 1,
-                    "step_num": global_step,
-                    "batch_num": STEPS_PER_EPOCH,
-                    "global_step": global_step,
-                    "rankwatch_request_id": f"req-{global_step}",
-                    "rankwatch_rank": r,
-                    "rankwatch_world_size": len(ranks),
-                },
-            )
-        )
-    return paths
 
 
 def _train_with_modelcheckpoint(run: Path) -> None:
@@ -115,30 +92,6 @@ def write_layouts(run: Path) -> None:
             run / "ttp" / "tft_saved_checkpoints-step_12" / f"rank_{r}" / f"ttp_rank_{r}-2_4.ckpt",
             {"epoch_num": 2, "step_num": 12, "batch_num": STEPS_PER_EPOCH, "global_step": 12},
         )
-
-
-def write_damaged(run: Path, series: str, name: str, global_step: int) -> None:
-    """Rank 0 good; rank 1 truncated, 2 empty, 3 random bytes, 4 JSON renamed .ckpt."""
-    epoch, step = divmod(global_step - 1, STEPS_PER_EPOCH)
-    good = save_small(
-        run / series / "rank_0" / name,
-        {
-            "epoch_num": epoch + 1,
-            "step_num": global_step,
-            "batch_num": STEPS_PER_EPOCH,
-            "global_step": global_step,
-        },
-    )
-    bad = {
-        1: good.read_bytes()[:300],
-        2: b"",
-        3: b"\x93" + os.urandom(2000),
-        4: json.dumps({"GracefulExit": 1}).encode(),
-    }
-    for r, content in bad.items():
-        path = run / series / f"rank_{r}" / name
-        path.parent.mkdir(parents=True)
-        path.write_bytes(content)
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 from playwright.sync_api import expect
 
-from tests.checkpoints.test_checkpoints_api import DAMAGED, TOKEN, bridge_id, save_bridge_set, write_damaged
-from tests.checkpoints.test_ckptmeta import save_small
+from tests.helpers.app import TOKEN
+from tests.helpers.checkpoints import DAMAGED, bridge_id, save_bridge_set, save_small, write_damaged
 
 pytestmark = pytest.mark.browser
 

@@ -15,12 +15,11 @@ import signal
 
 import mindspore as ms
 import mindspore.dataset as mds
-import numpy as np
 import pytest
 from mindspore import nn
 from mindspore.train import Callback, CheckpointConfig, Model, ModelCheckpoint, OnRequestExit
 
-from tests.checkpoints.test_ckptmeta import Small, save_small
+from tests.helpers.checkpoints import Small, _Samples, save_small
 from trainer_bridge.rundir import ckptindex, ckptmeta, runfiles
 from trainer_bridge.rundir.ckptindex import (
     ORIGIN_BRIDGE,
@@ -36,21 +35,6 @@ from trainer_bridge.rundir.ckptmeta import MetaCache
 
 STEPS_PER_EPOCH = 8
 FLAG_AFTER_STEP = 5  # OnRequestExit sees the flag at the next step's start and saves at its end
-
-
-class _Samples:
-    """16 random samples; GeneratorDataset wants ``__getitem__`` and arrays, not numpy scalars."""
-
-    def __init__(self):
-        rng = np.random.default_rng(0)
-        self.x = rng.normal(size=(16, 16)).astype(np.float32)
-        self.y = rng.integers(0, 3, 16).astype(np.int32)
-
-    def __getitem__(self, i):
-        return self.x[i], np.asarray(self.y[i])
-
-    def __len__(self):
-        return len(self.x)
 
 
 class _RaiseFlag(Callback):

@@ -21,35 +21,14 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from mindspore import Parameter, Tensor, nn
+from mindspore import Parameter, Tensor
 
+from tests.helpers.checkpoints import Small, save_small
 from trainer_bridge.rundir import ckptmeta
 from trainer_bridge.rundir.ckptmeta import MetaCache, read_meta, steps_from_name
 
 REPO = Path(__file__).resolve().parents[2]
 APPEND = {"epoch_num": 3, "step_num": 21, "batch_num": 8, "global_step": 21, "rankwatch_request_id": "abc"}
-
-
-class Small(nn.Cell):
-    """Two Dense layers: big enough to have real tensors, small enough to be quick."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Dense(16, 12)
-        self.fc2 = nn.Dense(12, 3)
-
-    def construct(self, x):
-        return self.fc2(self.fc1(x))
-
-
-def save_small(path, append_dict=None, fmt="ckpt", **kwargs) -> Path:
-    """Save a fresh ``Small`` at ``path`` with MindSpore and return the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    ms.save_checkpoint(
-        Small(), str(path), append_dict=dict(append_dict) if append_dict else None, format=fmt, **kwargs
-    )
-    return path
 
 
 def loaded_view(path, fmt="ckpt", **kwargs):

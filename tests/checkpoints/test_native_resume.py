@@ -19,7 +19,7 @@ import textwrap
 import pytest
 
 from app import create_app
-from tests.conftest import FAST_SETTINGS
+from tests.helpers.app import FAST_SETTINGS
 from tests.helpers.jobs import JOB_TIMEOUT_S
 from trainer_bridge.demo.mnist import write_mnist
 from trainer_bridge.rundir import runfiles

@@ -10,7 +10,6 @@ import errno
 import json
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -18,35 +17,13 @@ import pytest
 from app import create_app
 from app.audit import AuditLog
 from app.checkpoints import retention as rt
-from app.checkpoints.service import CheckpointService
-from app.checkpoints.verify import Verifier
-from tests.conftest import FAST_SETTINGS
 from tests.helpers import ckptcraft
+from tests.helpers.app import FAST_SETTINGS, TOKEN
+from tests.helpers.checkpoints import CONFIG, OLD, periodic, retention, sid
 from tests.helpers.heartbeats import heartbeat, write_job
 from trainer_bridge.rundir import ckptindex, runfiles
 
-TOKEN = "Kx9-retention-test-token-7Qz2mW4vT8pL"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-OLD = time.time() - 3600  # files older than any settle time
-CONFIG = {
-    "RETENTION_MODE": "off",
-    "RETENTION_KEEP": 3,
-    "RETENTION_EVERY": 0,
-    "RETENTION_SETTLE_S": 30.0,
-    "RETENTION_TMP_AGE_S": 600.0,
-}
-
-
-def periodic(run_dir: Path, step: int, ranks=(0, 1), mtime: float = OLD, extra=b"", **extras) -> None:
-    """``ckpt/rank_{r}/net-1_{step}.ckpt`` for each rank: a ModelCheckpoint-like periodic set."""
-    for r in ranks:
-        body = ckptcraft.ckpt(
-            ckptcraft.entry("w", ckptcraft.tensor([4], "Float32", b"\0" * 16)) + extra,
-            *(ckptcraft.scalar_int(k, v) for k, v in extras.items()),
-            global_step=step,
-        )
-        p = ckptcraft.write(run_dir / f"ckpt/rank_{r}/net-1_{step}.ckpt", body)
-        os.utime(p, (mtime, mtime))
 
 
 def stop_set(run_dir: Path, step: int, ranks=(0, 1)) -> None:
@@ -55,17 +32,6 @@ def stop_set(run_dir: Path, step: int, ranks=(0, 1)) -> None:
             run_dir / f"checkpoints/rank_{r}/rankwatch-1_{step}.ckpt", ckptcraft.ckpt(global_step=step)
         )
         os.utime(p, (OLD, OLD))
-
-
-def sid(step: int) -> str:
-    return f"ckpt/rank_{{rank}}/net-{{E}}_{{S}}.ckpt#g{step}"
-
-
-def retention(run_dir: Path, **config) -> rt.Retention:
-    service = CheckpointService(
-        str(run_dir), AuditLog(run_dir / "rankwatch/audit.sqlite3"), scan_s=0.0, verifier=Verifier(None, None)
-    )
-    return rt.Retention(service, CONFIG | config)
 
 
 def actions(plan: rt.Plan) -> dict:

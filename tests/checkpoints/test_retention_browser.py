@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from playwright.sync_api import expect
 
-from tests.checkpoints.test_checkpoints_api import TOKEN
-from tests.checkpoints.test_retention import periodic, sid
+from tests.helpers.app import TOKEN
+from tests.helpers.checkpoints import periodic, sid
 from tests.helpers.heartbeats import write_job
 
 pytestmark = pytest.mark.browser

@@ -47,7 +47,7 @@ def gc(run_dir: Path) -> int:
     if pid == 0:  # the child: apply and leave, never back into pytest
         code = 1
         try:
-            from tests.checkpoints.test_retention import retention
+            from tests.helpers.checkpoints import retention
 
             r = retention(run_dir, RETENTION_KEEP=3, RETENTION_SETTLE_S=1.0)
             code = 0 if not r.apply(None, WORLD, {}, who="cli")["failed"] else 2

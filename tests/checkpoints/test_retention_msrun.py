@@ -15,7 +15,7 @@ import time
 import pytest
 
 from app import create_app
-from tests.conftest import FAST_SETTINGS
+from tests.helpers.app import FAST_SETTINGS
 from tests.helpers.jobs import JOB_TIMEOUT_S, DemoJob, write_flag
 from trainer_bridge.rundir import ckptindex
 from trainer_bridge.rundir.ckptindex import ORIGIN_BRIDGE, ORIGIN_PERIODIC

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from app import create_app
-from tests.conftest import FAST_SETTINGS
 from tests.helpers import ckptcraft
+from tests.helpers.app import FAST_SETTINGS
 from tests.helpers.ckptcraft import HOSTILE_CKPT, HOSTILE_SAFETENSORS, ckpt, entry, tensor
 from tests.helpers.heartbeats import write_job
 from trainer_bridge.bridge import find_resume_point, served_requests

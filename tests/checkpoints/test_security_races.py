@@ -20,11 +20,10 @@ from pathlib import Path
 import pytest
 
 from app import create_app
-from tests.conftest import FAST_SETTINGS
 from tests.helpers import ckptcraft
+from tests.helpers.app import FAST_SETTINGS, TOKEN
 from tests.helpers.heartbeats import write_job
 
-TOKEN = "Kx9-security-test-token-7Qz2mW4vT8pL"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 TRIES = 3000
 SECRET = b"outside the run directory: never served"

@@ -23,7 +23,7 @@ from click.testing import CliRunner
 from app.audit import AuditLog
 from app.cli import main
 from app.ranks.health import VERDICT_GLYPH
-from tests.checkpoints.test_checkpoints_api import bridge_id, save_bridge_set
+from tests.helpers.checkpoints import bridge_id, save_bridge_set
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from trainer_bridge.rundir import runfiles
 
@@ -247,7 +247,7 @@ def test_status_watch_follows_the_files_until_ctrl_c(run_dir):
 
 def test_every_audit_row_reaches_open_pages(run_dir, sio):
     """A stop from a shell, and a second one that only joins it, are pushed as stop_status."""
-    from tests.conftest import wait_for_event
+    from tests.helpers.app import wait_for_event
 
     write_ranks(run_dir, 2)
     audit = AuditLog(runfiles.state_dir(run_dir) / "audit.sqlite3")

@@ -28,7 +28,7 @@ from click.testing import CliRunner
 
 from app.cli import main
 from app.config import GROUPS, SETTINGS
-from tests.checkpoints.test_checkpoints_api import save_bridge_set
+from tests.helpers.checkpoints import save_bridge_set
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 
 REPO = Path(__file__).resolve().parents[2]

@@ -17,13 +17,13 @@ import urllib.request
 import pytest
 from playwright.sync_api import expect
 
+from tests.helpers.app import TOKEN
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from tests.helpers.liveserver import start_dashboard
 from trainer_bridge.rundir import redisbus, runfiles
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
-TOKEN = "cluster-operator-token"
 TTL_S = 2.0
 UI_TIMEOUT_MS = 60_000
 WORLD = 2

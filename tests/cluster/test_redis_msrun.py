@@ -16,10 +16,9 @@ import urllib.request
 
 import pytest
 
-from tests.conftest import FAST_SETTINGS
+from tests.helpers.app import FAST_SETTINGS, wait_for
 from tests.helpers.jobs import DemoJob, dump, write_flag
 from tests.helpers.liveserver import start_dashboard
-from tests.incidents.test_stacks import wait_for
 from trainer_bridge.rundir import redisbus, runfiles
 
 pytestmark = pytest.mark.msrun

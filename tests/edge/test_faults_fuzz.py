@@ -31,13 +31,12 @@ from hypothesis import strategies as st
 
 from app import create_app
 from app.extensions import socketio
-from tests.checkpoints.test_checkpoints_api import save_bridge_set
-from tests.conftest import FAST_SETTINGS
 from tests.helpers import ckptcraft
+from tests.helpers.app import FAST_SETTINGS, TOKEN
+from tests.helpers.checkpoints import save_bridge_set
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from trainer_bridge.rundir import runfiles
 
-TOKEN = "fuzz-operator-token"
 MAX_BODY = 4096  # small, so oversized bodies are cheap to generate
 EXAMPLES = 200  # per route and test: the test client answers in about a millisecond
 

@@ -19,18 +19,17 @@ import urllib.request
 import pytest
 
 from app import create_app
-from tests.conftest import FAST_SETTINGS
 from tests.helpers import ckptcraft
+from tests.helpers.app import FAST_SETTINGS, TOKEN, make_app
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from trainer_bridge.rundir import runfiles
 
-TOKEN = "Kx9-security-test-token-7Qz2mW4vT8pL"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture
 def app(run_dir):
-    app = create_app({"RUN_DIR": str(run_dir), "TESTING": True, "TOKEN": TOKEN, **FAST_SETTINGS})
+    app = make_app(run_dir)
     yield app
     app.extensions["rankwatch"].watcher.stop()
 

@@ -18,7 +18,8 @@ from urllib.parse import urlparse
 
 import pytest
 
-TOKEN = "hostile-test-operator-token-Q7x2"
+from tests.helpers.app import TOKEN
+
 HOSTILE_ADDRS = [f"127.0.0.{i}" for i in range(2, 10)]  # 8 addresses, under MAX_CONNS_PER_ADDR each
 DEADLINE_S = 90
 

@@ -15,12 +15,10 @@ import pytest
 from app import create_app
 from app.incidents.alerts import AlertDesk, ranks_text
 from app.incidents.webhooks import WebhookSender, parse_urls, redact
-from tests.conftest import FAST_SETTINGS
+from tests.helpers.app import FAST_SETTINGS, TOKEN, wait_for
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
+from tests.helpers.incidents import Sent
 from tests.helpers.receiver import Receiver, quiet_port
-from tests.incidents.test_stacks import wait_for
-
-TOKEN = "alert-token"
 
 
 def sender_for(tmp_path, *urls, give_up_s=120.0):
@@ -100,22 +98,6 @@ def test_a_refused_alert_is_given_up_at_once(tmp_path):
 
 
 # ------------------------------------------------------------------ the desk's filters
-
-
-class Sent:
-    """A stand-in sender that records payloads: the desk's decisions, without the network."""
-
-    enabled = True
-    version = 0
-
-    def __init__(self):
-        self.payloads = []
-
-    def send(self, payload, dedup_key=None):
-        self.payloads.append(payload)
-
-    def was_sent(self, key):
-        return False
 
 
 def desk(**kw) -> tuple[AlertDesk, Sent]:

@@ -13,15 +13,15 @@ import threading
 import pytest
 from playwright.sync_api import expect
 
+from tests.helpers.app import TOKEN
 from tests.helpers.heartbeats import HOST, heartbeat, write_heartbeat, write_job
+from tests.helpers.incidents import COLLECTIVE, HUNG, WAITING, fake_capture
 from tests.helpers.liveserver import sign_in
-from tests.incidents.test_stacks_api import COLLECTIVE, HUNG, WAITING, fake_capture
 from trainer_bridge import stacks
 
 pytestmark = pytest.mark.browser
 
 WAIT_MS = 30_000
-TOKEN = "browser-incidents"
 
 
 def answer_requests_until(stop: threading.Event, run_dir) -> None:

@@ -25,18 +25,14 @@ import urllib.request
 
 import pytest
 
-from app import create_app
 from app.incidents.stacks import collective, training_thread
-from tests.conftest import FAST_SETTINGS
+from tests.helpers.app import FAST_SETTINGS, TOKEN, make_app, wait_for
 from tests.helpers.jobs import JOB_TIMEOUT_S, DemoJob, dump
 from tests.helpers.liveserver import start_dashboard
 from tests.helpers.receiver import Receiver, quiet_port
-from tests.incidents.test_stacks import wait_for
 from trainer_bridge.rundir import runfiles
 
 pytestmark = pytest.mark.msrun
-
-TOKEN = "incident-token"
 
 
 def http(server, method: str, path: str, body: dict | None = None, token: str | None = TOKEN):
@@ -68,7 +64,7 @@ def test_a_hung_rank_is_named_by_its_stack(run_dir, front):
         extra=["--hang-rank", "1", "--hang-at", "15"] + (["--loop"] if loop else []),
         env={"RANKWATCH_STALL_CAPTURE_S": "3"},
     ).start()
-    app = create_app({"RUN_DIR": str(run_dir), "TESTING": True, "TOKEN": TOKEN, **FAST_SETTINGS})
+    app = make_app(run_dir)
     client = app.test_client()
     try:
 
@@ -292,7 +288,7 @@ def test_a_rank_without_the_bridge_is_captured_by_pyspy_from_its_log_row(tmp_pat
         extra=["--no-bridge", "--monitors", "--hang-rank", "1", "--hang-at", "15"],
         env={"GLOG_v": "2"},
     )
-    app = create_app({"RUN_DIR": str(run), "TESTING": True, "TOKEN": TOKEN, **FAST_SETTINGS})
+    app = make_app(run)
     client = app.test_client()
     auth = {"Authorization": f"Bearer {TOKEN}"}
     with job:

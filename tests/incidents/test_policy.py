@@ -13,7 +13,7 @@ from app.audit import AuditLog
 from app.incidents.alerts import AlertDesk
 from app.incidents.policy import Policy, Rule, parse_mode, parse_rules
 from app.stop.service import StopService
-from tests.incidents.test_alerts import Sent
+from tests.helpers.incidents import Sent
 from trainer_bridge.rundir import runfiles
 
 

@@ -18,31 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.app import wait_for
+from tests.helpers.incidents import HANGER
 from trainer_bridge import stacks
 from trainer_bridge.rundir import pyspy, runfiles, schema, stackfiles
-
-# "ready" is printed from inside hang_here, so a reader of that line knows where the main thread is.
-HANGER = """
-import sys, threading, time
-def hang_here():
-    print("ready", flush=True)
-    while True:
-        time.sleep(3600)
-def side():
-    time.sleep(3600)
-threading.Thread(target=side, name="side-worker", daemon=True).start()
-hang_here()
-"""
-
-
-def wait_for(predicate, what: str, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture

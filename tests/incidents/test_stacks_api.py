@@ -19,26 +19,11 @@ import pytest
 
 from app.incidents.stacks import describe, route
 from app.ranks.heartbeats import Stopped
+from tests.helpers.app import operator, wait_for
 from tests.helpers.heartbeats import HOST, heartbeat, write_heartbeat, write_job
-from tests.incidents.test_stacks import HANGER, wait_for
+from tests.helpers.incidents import COLLECTIVE, HANGER, HUNG, WAITING, fake_capture
 from trainer_bridge import stacks
 from trainer_bridge.rundir import runfiles, stackfiles
-
-TOKEN = "stack-token"
-
-
-@pytest.fixture
-def app(run_dir):
-    from app import create_app
-    from tests.conftest import FAST_SETTINGS
-
-    app = create_app({"RUN_DIR": str(run_dir), "TESTING": True, "TOKEN": TOKEN, **FAST_SETTINGS})
-    yield app
-    app.extensions["rankwatch"].watcher.stop()
-
-
-def auth() -> dict:
-    return {"Authorization": f"Bearer {TOKEN}"}
 
 
 def row(**fields) -> dict:
@@ -86,9 +71,9 @@ def test_post_needs_the_token_and_a_json_body(client, run_dir):
     r = client.post("/api/ranks/0/stack", json={})
     assert r.status_code == 401 and r.get_json()["status"] == 401
     assert not runfiles.stack_request_path(run_dir, 0).exists()
-    assert client.post("/api/ranks/0/stack", data="x", headers=auth()).status_code == 415
-    assert client.post("/api/ranks/0/stack", json={"native": "yes"}, headers=auth()).status_code == 400
-    assert client.post("/api/ranks/7/stack", json={}, headers=auth()).status_code == 404
+    assert client.post("/api/ranks/0/stack", data="x", headers=operator()).status_code == 415
+    assert client.post("/api/ranks/0/stack", json={"native": "yes"}, headers=operator()).status_code == 400
+    assert client.post("/api/ranks/7/stack", json={}, headers=operator()).status_code == 404
     assert client.post("/api/stacks", json={}).status_code == 401
 
 
@@ -96,7 +81,7 @@ def test_a_bridge_rank_answers_a_post_through_the_run_directory(client, run_dir)
     write_job(run_dir, 1)
     write_heartbeat(run_dir, heartbeat(0, 1))  # this process, on this host
     watcher = stacks.StackWatcher(run_dir, 0, HOST)
-    r = client.post("/api/ranks/0/stack", json={"who": "alice"}, headers=auth())
+    r = client.post("/api/ranks/0/stack", json={"who": "alice"}, headers=operator())
     assert r.status_code == 202
     ask = r.get_json()
     assert ask["via"] == "bridge" and ask["requested_by"] == "alice"
@@ -143,7 +128,7 @@ def test_a_stopped_rank_is_captured_by_pyspy(client, run_dir, stopped_rank):
         lambda: client.get("/api/ranks").get_json()["ranks"][1]["health"] == "stalled",
         "rank 1 to be found stopped",
     )
-    r = client.post("/api/ranks/1/stack", json={"native": True}, headers=auth())
+    r = client.post("/api/ranks/1/stack", json={"native": True}, headers=operator())
     assert r.status_code == 202, r.get_json()
     assert r.get_json()["via"] == "py-spy" and "stopped" in r.get_json()["why"]
 
@@ -163,7 +148,7 @@ def test_a_rank_nobody_can_capture_gets_409_with_the_reason(client, run_dir):
     write_job(run_dir, 1)
     now = time.time()
     write_heartbeat(run_dir, heartbeat(0, 1, host="node-b", pid=4242, now=now - 60))  # dead, elsewhere
-    r = client.post("/api/ranks/0/stack", json={}, headers=auth())
+    r = client.post("/api/ranks/0/stack", json={}, headers=operator())
     assert r.status_code == 409
     error = r.get_json()["error"]
     assert "node-b" in error and "py-spy dump --pid 4242" in error
@@ -173,7 +158,7 @@ def test_post_all_writes_one_request_and_says_who_cannot_answer(client, run_dir)
     write_job(run_dir, 3)
     write_heartbeat(run_dir, heartbeat(0, 3))
     write_heartbeat(run_dir, heartbeat(1, 3))
-    r = client.post("/api/stacks", json={}, headers=auth())
+    r = client.post("/api/stacks", json={}, headers=operator())
     assert r.status_code == 202
     body = r.get_json()
     assert body["bridge"] == [0, 1] and list(body["cannot"]) == ["2"]
@@ -181,37 +166,6 @@ def test_post_all_writes_one_request_and_says_who_cannot_answer(client, run_dir)
 
 
 # ------------------------------------------------------------------ grouping
-
-
-def fake_capture(run_dir, rank: int, frames: list[tuple], native: list[str] = (), at: float | None = None):
-    threads = [
-        {
-            "id": 1000 + rank,
-            "name": "MainThread",
-            "training": True,
-            "frames": [{"function": f, "file": p, "line": n, "code": None} for f, p, n in frames],
-            "omitted": 0,
-            "native": [{"function": f, "file": "libmindspore_cluster.so", "line": 0} for f in native],
-        }
-    ]
-    capture = stackfiles.build_capture(
-        rank=rank,
-        captured_at=at or time.time(),
-        source="bridge",
-        trigger="stall",
-        threads=threads,
-    )
-    stackfiles.write_capture(run_dir, capture)
-
-
-LIB = "/venv/lib/python3.11/site-packages/mindspore"
-HUNG = [("hang_here", "/job/train.py", 42), ("Hang.on_train_step_end", "/job/train.py", 50)]
-WAITING = [
-    ("_CellGraphExecutor._exec_pip", f"{LIB}/graph/api.py", 2432),
-    ("Model._train_process", f"{LIB}/train/model.py", 1265),
-    ("main", "/job/train.py", 230),
-]
-COLLECTIVE = ["pthread_cond_timedwait", "mindspore::fl::server::CollectiveOpsImpl::AllReduce<float>"]
 
 
 def test_grouping_reads_like_a_diagnosis(client, run_dir):

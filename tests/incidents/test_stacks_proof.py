@@ -19,9 +19,9 @@ import psutil
 import pytest
 
 from app.incidents.proof import START_WITHIN_S, prove_rank
+from tests.helpers.app import make_app, operator, wait_for
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
-from tests.incidents.test_stacks import HANGER, wait_for
-from tests.incidents.test_stacks_api import app, auth  # noqa: F401  (the app fixture, with its token)
+from tests.helpers.incidents import HANGER
 from trainer_bridge.rundir import pyspy, stackfiles
 
 
@@ -65,17 +65,17 @@ def as_stopped_rank(client, run_dir, proc, *, started_at=None, rank=1):
 
 
 def refused(client, run_dir, rank=1) -> str:
-    r = client.post(f"/api/ranks/{rank}/stack", json={}, headers=auth())
+    r = client.post(f"/api/ranks/{rank}/stack", json={}, headers=operator())
     body = r.get_json()
     assert r.status_code == 409 and body["status"] == 409, body
-    everyone = client.post("/api/stacks", json={}, headers=auth()).get_json()
+    everyone = client.post("/api/stacks", json={}, headers=operator()).get_json()
     assert rank not in everyone["py_spy"] and str(rank) in everyone["cannot"], everyone
     assert not stackfiles.capture_files(run_dir, rank), "nothing was dumped"
     return body["error"]
 
 
 def dumped(client, rank=1) -> dict:
-    r = client.post(f"/api/ranks/{rank}/stack", json={}, headers=auth())
+    r = client.post(f"/api/ranks/{rank}/stack", json={}, headers=operator())
     assert r.status_code == 202 and r.get_json()["via"] == "py-spy", r.get_json()
 
     def answered():
@@ -183,22 +183,11 @@ def test_a_pyspy_earlier_on_path_is_not_run(tmp_path, monkeypatch, spawn):
 
 
 def test_the_dashboard_runs_the_pyspy_of_its_setting(run_dir, spawn, tmp_path):
-    from app import create_app
-    from tests.conftest import FAST_SETTINGS
-
     marker = tmp_path / "ran"
     fake = tmp_path / "py-spy"
     fake.write_text(f"#!/bin/sh\ntouch {marker}\necho '[]'\n")
     fake.chmod(0o755)
-    app_ = create_app(
-        {
-            "RUN_DIR": str(run_dir),
-            "TESTING": True,
-            "TOKEN": "stack-token",
-            "PYSPY_PATH": str(fake),
-            **FAST_SETTINGS,
-        }
-    )
+    app_ = make_app(run_dir, PYSPY_PATH=str(fake))
     try:
         client = app_.test_client()
         proc = spawn([sys.executable, "-c", HANGER, "--run-dir", str(run_dir)])

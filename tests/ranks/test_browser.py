@@ -12,20 +12,11 @@ import pytest
 from playwright.sync_api import expect
 
 from tests.bench.simulate import Simulator
+from tests.helpers.browser import WAIT_MS, cell
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from tests.helpers.liveserver import start_dashboard
 
 pytestmark = pytest.mark.browser
-
-WAIT_MS = 30_000
-
-
-def row(page, rank: int):
-    return page.locator(f'#rank-table tbody tr[data-rank="{rank}"]')
-
-
-def cell(page, rank: int, col: str):
-    return row(page, rank).locator(f'td[data-col="{col}"]')
 
 
 def test_table_fills_and_follows_the_heartbeat_files(live_server, page, run_dir, console_errors):

@@ -8,7 +8,7 @@ import time
 from app.extensions import socketio
 from app.ranks.state import RunState
 from app.watcher import Watcher
-from tests.conftest import wait_for_event
+from tests.helpers.app import wait_for_event
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 
 

@@ -10,14 +10,14 @@ import re
 import pytest
 from playwright.sync_api import expect
 
+from tests.helpers.app import TOKEN
+from tests.helpers.browser import LAPTOP, horizontal_overflow
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from tests.helpers.liveserver import sign_in
 
 pytestmark = pytest.mark.browser
 
 WAIT_MS = 30_000
-LAPTOP = {"width": 1366, "height": 768}
-TOKEN = "layout-token"
 NPU = {
     "kind": "npu",
     "index": 3,
@@ -39,16 +39,6 @@ def laptop(browser):
     page = context.new_page()
     yield page
     context.close()
-
-
-def horizontal_overflow(page) -> dict:
-    return page.evaluate(
-        """() => {
-          const wrap = document.querySelector('#rank-table').closest('.table-wrap');
-          const doc = document.documentElement;
-          return {table: wrap.scrollWidth - wrap.clientWidth, page: doc.scrollWidth - doc.clientWidth};
-        }"""
-    )
 
 
 def test_the_rank_table_fits_a_laptop_without_scrolling_sideways(

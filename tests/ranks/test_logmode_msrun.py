@@ -16,7 +16,7 @@ import time
 import pytest
 
 from app import create_app
-from tests.conftest import FAST_SETTINGS
+from tests.helpers.app import FAST_SETTINGS
 from tests.helpers.jobs import DemoJob, JobFailed, dump
 
 pytestmark = pytest.mark.msrun

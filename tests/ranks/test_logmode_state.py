@@ -24,10 +24,10 @@ from app.ranks.health import judge_all
 from app.ranks.logmode import resolve_dir
 from app.ranks.logmode.patterns import LAUNCHER, SCHEDULER, WORKER
 from app.ranks.state import RunState
-from tests.conftest import FAST_SETTINGS
+from tests.helpers.app import FAST_SETTINGS
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
-from tests.ranks.test_judging import TH as JUDGING_TH
-from tests.ranks.test_judging import Rank as JudgedRank
+from tests.helpers.ranks import TH as JUDGING_TH
+from tests.helpers.ranks import Rank as JudgedRank
 
 LOSS = "epoch: {e} step: {s}, loss is {loss}\n"
 

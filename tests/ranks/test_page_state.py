@@ -16,14 +16,13 @@ from axe_playwright_python.sync_playwright import Axe
 from playwright.sync_api import expect
 
 from app.audit import AuditLog
+from tests.helpers.app import TOKEN
+from tests.helpers.browser import WAIT_MS, cell
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
+from tests.helpers.incidents import COLLECTIVE, WAITING, fake_capture
 from tests.helpers.liveserver import sign_in, start_dashboard
-from tests.incidents.test_stacks_api import COLLECTIVE, WAITING, fake_capture
-from tests.ranks.test_browser import WAIT_MS, cell
 
 pytestmark = pytest.mark.browser
-
-TOKEN = "page-state-token"
 
 
 @pytest.fixture

@@ -15,8 +15,8 @@ from app import create_app, large
 from app.prometheus import DEVICE_GAUGES, PREFIX, RANK_GAUGES
 from app.ranks.health import VERDICTS
 from app.stop.service import STAGES
-from tests.checkpoints.test_checkpoints_api import save_bridge_set
-from tests.conftest import FAST_SETTINGS
+from tests.helpers.app import FAST_SETTINGS
+from tests.helpers.checkpoints import save_bridge_set
 from tests.helpers.heartbeats import HOST, heartbeat, write_heartbeat, write_job
 from trainer_bridge.rundir import runfiles
 

@@ -13,7 +13,7 @@ import pytest
 from app.config import from_env
 from app.ranks import heartbeats as reader_module
 from app.ranks.state import RunState, probe_process, read_history_tail
-from tests.conftest import FAST_SETTINGS
+from tests.helpers.app import FAST_SETTINGS
 from tests.helpers.heartbeats import heartbeat, process_started, write_heartbeat, write_job
 from trainer_bridge.rundir import runfiles, schema
 

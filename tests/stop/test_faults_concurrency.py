@@ -16,12 +16,11 @@ import pytest
 from playwright.sync_api import expect
 
 from tests.bench.simulate import Simulator
+from tests.helpers.app import TOKEN
 from tests.helpers.faults import UI_TIMEOUT_MS, Dashboard, measure
 from trainer_bridge.rundir import runfiles
 
 pytestmark = pytest.mark.browser
-
-TOKEN = "two-operators-token"
 
 
 def operator_page(browser, url: str, who: str, responses: list):

@@ -9,12 +9,11 @@ from __future__ import annotations
 import pytest
 from playwright.sync_api import expect
 
+from tests.helpers.app import TOKEN
+from tests.helpers.browser import WAIT_MS, cell
 from tests.helpers.liveserver import sign_in
-from tests.ranks.test_browser import WAIT_MS, cell
 
 pytestmark = pytest.mark.browser
-
-TOKEN = "logstop-browser-token"
 
 
 @pytest.mark.parametrize("live_env", [{"TOKEN": TOKEN}], indirect=True)

@@ -24,6 +24,7 @@ import urllib.request
 
 import pytest
 
+from tests.helpers.app import TOKEN
 from tests.helpers.jobs import JOB_TIMEOUT_S, DemoJob, JobFailed
 from tests.helpers.liveserver import start_dashboard
 from trainer_bridge.rundir import runfiles
@@ -31,7 +32,6 @@ from trainer_bridge.rundir.ckptmeta import read_meta
 
 pytestmark = pytest.mark.msrun
 
-TOKEN = "logstop-operator-token"
 NATIVE = ["--no-bridge", "--native-exit", "--monitors"]
 
 

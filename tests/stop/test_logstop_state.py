@@ -24,7 +24,7 @@ from click.testing import CliRunner
 from app.cli import main
 from app.config import from_env
 from app.ranks.state import RunState
-from tests.conftest import FAST_SETTINGS
+from tests.helpers.app import FAST_SETTINGS
 from trainer_bridge.rundir import runfiles
 
 REPO = Path(__file__).resolve().parents[2]

@@ -31,13 +31,11 @@ from pathlib import Path
 
 import pytest
 
-from app import create_app
 from app.incidents import stacks as incident_stacks
-from tests.conftest import FAST_SETTINGS
+from tests.helpers.app import TOKEN, make_app
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from trainer_bridge.rundir import runfiles, stackfiles
 
-TOKEN = "Hx7-hostile-files-token-Qp3vT9mW2kZ"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 # Only a hang detector: a call that needs this long has hung.
 HANG_S = 60.0
@@ -149,7 +147,7 @@ def dashboard(run_dir):
     apps = []
 
     def make():
-        app = create_app({"RUN_DIR": str(run_dir), "TESTING": True, "TOKEN": TOKEN, **FAST_SETTINGS})
+        app = make_app(run_dir)
         apps.append(app)
         return app.test_client()
 

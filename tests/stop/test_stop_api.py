@@ -7,17 +7,16 @@ import json
 import pytest
 
 from app import create_app
-from tests.conftest import FAST_SETTINGS, wait_for_event
+from tests.helpers.app import TOKEN, make_app, wait_for_event
 from tests.helpers.heartbeats import heartbeat, write_heartbeat
 from trainer_bridge.rundir import runfiles
 
-TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture
 def app(run_dir):
-    app = create_app({"RUN_DIR": str(run_dir), "TESTING": True, "TOKEN": TOKEN, **FAST_SETTINGS})
+    app = make_app(run_dir)
     yield app
     app.extensions["rankwatch"].watcher.stop()
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import expect
 
+from tests.helpers.app import TOKEN
 from tests.helpers.jobs import JOB_TIMEOUT_S, DemoJob
 from tests.helpers.liveserver import start_dashboard
 from trainer_bridge.demo.mnist import write_mnist
@@ -26,7 +27,6 @@ from trainer_bridge.rundir.ckptmeta import read_meta
 
 pytestmark = [pytest.mark.msrun, pytest.mark.browser]
 
-TOKEN = "e2e-operator-token"
 # Generous upper bounds for a shared 2-core machine; never a speed assertion.
 UI_TIMEOUT_MS = 120_000
 
