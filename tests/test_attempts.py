@@ -1,0 +1,174 @@
+"""attempts.jsonl without MindSpore: the reader against garbage, the fold, the writer against a bad
+file, what a launch's heartbeats say about its end, and which ranks count as another live launch.
+
+The msrun side (launch, stop, relaunch, pinned relaunch, a refused second launch) is
+tests/test_attempts_msrun.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from tests.heartbeats import HOST, heartbeat, write_heartbeat
+from trainer_bridge import attempts, runfiles, schema
+from trainer_bridge.saving import ResumePoint
+
+
+def start(n: int, launch: str, **extra) -> dict:
+    rec = {
+        "kind": "start",
+        "attempt": n,
+        "launch": launch,
+        "started_at": 1.7e9 + n,
+        "world_size": 2,
+        "hosts": ["a"],
+        "first_step": 1,
+    }
+    return rec | extra
+
+
+def end(n: int, launch: str, **extra) -> dict:
+    return {"kind": "end", "attempt": n, "launch": launch, "end": "finished", "last_step": 10} | extra
+
+
+def write_lines(run_dir, lines: list) -> None:
+    path = runfiles.attempts_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        for ln in lines:
+            f.write((ln if isinstance(ln, bytes) else json.dumps(ln).encode()) + b"\n")
+
+
+def test_reader_skips_garbage_and_folds_the_rest(tmp_path):
+    write_lines(
+        tmp_path,
+        [
+            start(1, "aaa"),
+            b"\x00\xff\xfe not json at all",
+            b'{"kind": "start", "attempt": 2',  # a torn append
+            b"[" * 100_000,  # nesting past the line bound and the parser's depth
+            b'"a string"',
+            b"{}",
+            {"kind": "teapot", "attempt": 1, "launch": "aaa"},
+            start(2, "bbb", world_size=-3),  # out of range: not a start line
+            start(2, "bbb", attempt=True),  # true is not an int
+            end(7, "zzz"),  # no start line for it
+            end(1, "other", end="failed"),  # another launch's line for attempt 1
+            end(1, "aaa", end="graceful_stop", request_id="r1", requested_by="policy", last_step=40),
+            start(2, "bbb", resumed_from={"set": "s40", "global_step": 40}, first_step=41),
+            {"kind": "hosts", "attempt": 2, "launch": "bbb", "hosts": ["a", "b"], "host_count": 2},
+            b"x" * (attempts.MAX_LINE_BYTES + 10),
+        ],
+    )
+    records, skipped = attempts.read_lines(tmp_path)
+    assert skipped == 9  # the two lines for attempts 7 and "other" are valid, and ignored by the fold
+    rows = attempts.fold(records)
+    assert [r["attempt"] for r in rows] == [1, 2]
+    first, second = rows
+    assert first["end"] == "graceful_stop" and first["request_id"] == "r1" and first["last_step"] == 40
+    assert first["stop_by"] == "policy"
+    assert second["end"] is None and second["hosts"] == ["a", "b"]
+    assert second["resumed_from"] == {"set": "s40", "global_step": 40} and second["first_step"] == 41
+
+
+def test_reader_reads_a_bounded_tail(tmp_path):
+    """A file far past the bound: only its newest bytes are read; the cut line is dropped."""
+    lines = []
+    for n in range(1, 20_001):
+        lines += [start(n, f"l{n}"), end(n, f"l{n}", last_step=n)]
+    write_lines(tmp_path, lines)
+    assert runfiles.attempts_path(tmp_path).stat().st_size > 4 * attempts.MAX_TAIL_BYTES
+    records, skipped = attempts.read_lines(tmp_path)
+    assert skipped == 0
+    rows = attempts.fold(records)
+    assert rows[-1]["attempt"] == 20_000 and rows[-1]["end"] == "finished"
+    assert len(rows) <= attempts.MAX_ATTEMPTS
+    assert [r["attempt"] for r in rows] == list(range(rows[0]["attempt"], 20_001))
+
+
+def test_reader_and_writer_refuse_a_fifo_without_blocking(tmp_path, caplog):
+    path = runfiles.attempts_path(tmp_path)
+    path.parent.mkdir(parents=True)
+    os.mkfifo(path)
+    try:
+        attempts.read_lines(tmp_path)
+    except OSError:
+        pass
+    else:
+        raise AssertionError("a FIFO read as attempts")
+    log = attempts.AttemptLog(tmp_path, "abc", 2, HOST, os.getpid())
+    log.begin(started_at=time.time(), resumed=None, first_step=1, beats=[])
+    log.end(state="finished", last_step=3, stop=None, error=None, flag_raw=None)
+    assert log.number is None  # nothing written, nothing raised
+    assert "attempts.jsonl" in caplog.text
+
+
+def test_writer_numbers_seals_a_silent_attempt_and_reports_the_replay(tmp_path):
+    """Attempt 1 wrote no end line and left heartbeats at step 30: attempt 2 seals it as killed."""
+    write_lines(tmp_path, [start(1, "one")])
+    beats = [(r, heartbeat(r, 2, global_step=30 + r, launch="one", now=time.time() - 100)) for r in range(2)]
+    log = attempts.AttemptLog(tmp_path, "two", 2, HOST, os.getpid())
+    point = ResumePoint(20, 1, tmp_path / "x.ckpt", "set-20")
+    log.begin(started_at=time.time(), resumed=point, first_step=21, beats=beats)
+    assert log.number == 2 and log.replayed == [21, 31]
+    log.end(
+        state="exited",
+        last_step=25,
+        stop={"request_id": "req-9", "source": "flag"},
+        error=None,
+        flag_raw={"requested_by": "alice"},
+    )
+    rows = attempts.fold(attempts.read_lines(tmp_path)[0])
+    assert rows[0]["end"] == "killed" and rows[0]["last_step"] == 31 and rows[0]["sealed_by"] == 2
+    assert rows[1]["resumed_from"] == {"set": "set-20", "global_step": 20}
+    assert rows[1]["replayed"] == [21, 31] and rows[1]["previous_last_step"] == 31
+    assert rows[1]["end"] == "graceful_stop" and rows[1]["stop_by"] == "operator"
+    assert rows[1]["request_id"] == "req-9" and rows[1]["last_step"] == 25
+
+
+def test_outcome_of_heartbeats():
+    hb = lambda r, state, **kw: heartbeat(r, 2, state=state, **kw)  # noqa: E731
+    assert attempts.outcome([])["end"] == "unknown"
+    failed = attempts.outcome([hb(0, "training"), hb(1, "failed", error="ValueError: boom")])
+    assert failed["end"] == "failed" and failed["error"] == "rank 1: ValueError: boom"
+    assert attempts.outcome([hb(0, "training"), hb(1, "exited")])["end"] == "killed"
+    stop = {"request_id": "r", "source": "flag", "stage": "exited", "stop_step": 5}
+    done = attempts.outcome([hb(0, "exited", stop=stop), hb(1, "exited", stop=stop)])
+    assert done["end"] == "graceful_stop" and done["request_id"] == "r"
+    assert attempts.outcome([hb(0, "finished"), hb(1, "finished")])["end"] == "finished"
+
+
+def test_live_ranks_of_another_launch():
+    """Alive: not ended, fresh, and on this host a running process (a real one, and a real dead one)."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    now = time.time()
+    beats = [
+        (0, heartbeat(0, 6, launch="other")),  # this process: alive
+        (1, heartbeat(1, 6, launch="other", pid=dead.pid)),  # its process is gone
+        (2, heartbeat(2, 6, launch="other", state="exited")),  # said it ended
+        (3, heartbeat(3, 6, launch="other", host="elsewhere", now=now - 5)),  # another host, fresh
+        (4, heartbeat(4, 6, launch="other", host="elsewhere", now=now - attempts.LIVE_AGE_S - 5)),
+        (5, heartbeat(5, 6, launch="mine")),  # this launch's own
+    ]
+    live = attempts.live_ranks(beats, own_launch="mine", host=HOST, now=now)
+    assert [r.rank for r in live] == [0, 3]
+    message = attempts.refusal("/runs/x", live)
+    assert f"rank 0 (pid {os.getpid()} on {HOST}" in message and "rank 3 (pid" in message
+    assert "on elsewhere, heartbeat 5." in message and "/runs/x" in message
+
+
+def test_read_heartbeats_skips_bad_files(tmp_path):
+    write_heartbeat(tmp_path, heartbeat(0, 2, launch="x"))
+    sdir = runfiles.state_dir(tmp_path)
+    (sdir / "rank_1.json").write_text("{not json")
+    (sdir / "rank_2.json").write_text(json.dumps(heartbeat(5, 6)))  # names another rank
+    os.mkfifo(sdir / "rank_3.json")
+    (sdir / "rank_4.json").symlink_to(sdir / "rank_0.json")
+    beats = attempts.read_heartbeats(tmp_path)
+    assert [r for r, _ in beats] == [0]
+    assert schema.Heartbeat.model_fields["launch"].default is None
