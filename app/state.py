@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from app import logmode
+from app.attempts import launch_conflict
 from app.health import TERMINAL_STATES, Thresholds
 from app.jobend import JobFacts
 from app.judging import VerdictBoard
@@ -405,6 +406,9 @@ class RunState:
                 if from_log == reported
                 else f"{note} ({from_log} of them from their worker logs only: no heartbeats from them yet)"
             )
+        conflict = launch_conflict(latest, self._ended)
+        if conflict:
+            return status("conflict", conflict)
         missing = self._board.missing()
         if not reported:
             return status(

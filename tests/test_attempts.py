@@ -172,3 +172,65 @@ def test_read_heartbeats_skips_bad_files(tmp_path):
     beats = attempts.read_heartbeats(tmp_path)
     assert [r for r, _ in beats] == [0]
     assert schema.Heartbeat.model_fields["launch"].default is None
+
+
+# ------------------------------------------------------------------ the dashboard
+
+
+def test_api_attempts_judges_the_newest_from_its_heartbeats(client, run_dir):
+    """The newest attempt wrote no end line: live, its last step follows the heartbeats; its ranks
+    gone (a real dead process) and no msrun, it is killed. Garbage lines are counted, not fatal."""
+    write_lines(run_dir, [start(1, "one"), end(1, "one", end="failed", error="rank 1: OOM"), b"\x00garbage"])
+    write_lines_more = runfiles.attempts_path(run_dir).open("ab")
+    write_lines_more.write(json.dumps(start(2, "two", first_step=1)).encode() + b"\n")
+    write_lines_more.close()
+    for r in range(2):
+        write_heartbeat(run_dir, heartbeat(r, 2, global_step=12 + r, launch="two"))
+    body = client.get("/api/attempts").get_json()
+    assert body["skipped_lines"] == 1
+    first, second = body["attempts"]
+    assert first["end"] == "failed" and first["error"] == "rank 1: OOM" and first["stop_by"] is None
+    assert second["end"] is None and second["last_step"] == 13 and second["resumed_text"] == "a fresh start"
+    rank = client.get("/api/ranks/0").get_json()["rank"]
+    assert rank["launch"] == "two" and rank["resumed_from"] is None
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    resumed = {"global_step": 10, "epoch": 1, "path": "checkpoints/rank_0/x.ckpt", "set": "bridge:10"}
+    for r in range(2):
+        write_heartbeat(
+            run_dir,
+            heartbeat(
+                r,
+                2,
+                seq=2,
+                global_step=14,
+                launch="two",
+                pid=dead.pid,
+                now=time.time() - 60,
+                resumed_from=resumed,
+            ),
+        )
+    deadline = time.monotonic() + 60
+    while True:
+        second = client.get("/api/attempts").get_json()["attempts"][1]
+        if second["end"] is not None or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert second["end"] == "killed" and second["last_step"] == 14 and "heartbeats" in second["inferred"]
+    rank = client.get("/api/ranks/1").get_json()["rank"]
+    assert rank["resumed_from"] == "resumed from global step 10 (set bridge:10)"
+
+
+def test_two_live_launches_are_said_loudly(client, run_dir):
+    """Ranks of two launches alive at once (this process stands for both): the run status says so."""
+    write_heartbeat(run_dir, heartbeat(0, 2, launch="aaa"))
+    write_heartbeat(run_dir, heartbeat(1, 2, launch="bbb"))
+    run = client.get("/api/summary").get_json()["run"]
+    assert run["status"] == "conflict"
+    assert "TWO LAUNCHES" in run["message"] and "launch aaa: rank 0" in run["message"]
+    write_heartbeat(run_dir, heartbeat(1, 2, launch="aaa"))
+    deadline = time.monotonic() + 30
+    while client.get("/api/summary").get_json()["run"]["status"] == "conflict":
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
