@@ -7,11 +7,14 @@ tests/test_attempts_msrun.py.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
 import sys
 import time
+
+import pytest
 
 from tests.heartbeats import HOST, heartbeat, write_heartbeat
 from trainer_bridge import attempts, runfiles, schema
@@ -105,6 +108,64 @@ def test_reader_and_writer_refuse_a_fifo_without_blocking(tmp_path, caplog):
     log.end(state="finished", last_step=3, stop=None, error=None, flag_raw=None)
     assert log.number is None  # nothing written, nothing raised
     assert "attempts.jsonl" in caplog.text
+
+
+@pytest.fixture
+def full_state_dir(tmp_path):
+    """``RUN/rankwatch`` as a tiny tmpfs filled to ENOSPC (root only), with a valid attempt 1 in it."""
+    state = runfiles.state_dir(tmp_path)
+    state.mkdir(parents=True)
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(state)], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        write_lines(tmp_path, [start(1, "one"), end(1, "one")])
+        # Up to a page boundary: tmpfs would take a short append into the file's last page.
+        path = runfiles.attempts_path(tmp_path)
+        with open(path, "ab") as f:
+            f.write(b"#" * (4095 - path.stat().st_size) + b"\n")
+        fd = os.open(state / "filler", os.O_WRONLY | os.O_CREAT)
+        try:
+            while True:
+                os.write(fd, b"\0" * 4096)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+        finally:
+            os.close(fd)
+        yield tmp_path
+    finally:
+        subprocess.run(["umount", str(state)], capture_output=True)
+
+
+def test_writer_on_a_full_disk_logs_once_and_goes_on(full_state_dir, caplog):
+    log = attempts.AttemptLog(full_state_dir, "two", 2, HOST, os.getpid())
+    log.begin(started_at=time.time(), resumed=None, first_step=1, beats=[])
+    log.end(state="finished", last_step=3, stop=None, error=None, flag_raw=None)
+    log.end(state="failed", last_step=3, stop=None, error="x", flag_raw=None)
+    assert log.number is None
+    said = [r.getMessage() for r in caplog.records if "attempts.jsonl" in r.getMessage()]
+    assert len(said) == 1 and "No space left" in said[0], said
+    assert [r["attempt"] for r in attempts.fold(attempts.read_lines(full_state_dir)[0])] == [1]
+
+
+def test_roll_call_writes_the_hosts_once_every_rank_reported(tmp_path):
+    log = attempts.AttemptLog(tmp_path, "two", 3, HOST, os.getpid())
+    log.begin(started_at=time.time(), resumed=None, first_step=1, beats=[])
+    write_heartbeat(tmp_path, heartbeat(1, 3, launch="two", host="node-b"))
+    write_heartbeat(tmp_path, heartbeat(2, 3, launch="old", host="node-c"))  # not this launch's yet
+    log.roll_call()
+    assert attempts.fold(attempts.read_lines(tmp_path)[0])[0]["hosts"] == [HOST]
+    write_heartbeat(tmp_path, heartbeat(2, 3, launch="two", host="node-c"))
+    log.roll_call()
+    log.roll_call()
+    records, _ = attempts.read_lines(tmp_path)
+    assert [r["kind"] for r in records] == ["start", "hosts"]
+    row = attempts.fold(records)[0]
+    assert row["hosts"] == sorted([HOST, "node-b", "node-c"]) and row["host_count"] == 3
 
 
 def test_writer_numbers_seals_a_silent_attempt_and_reports_the_replay(tmp_path):
