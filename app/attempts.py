@@ -104,24 +104,90 @@ def answer(run_dir: Path | None, heartbeats: Mapping[int, dict | None], job_over
     return {"attempts": rows, "skipped_lines": skipped, "error": error}
 
 
-def launch_conflict(latest: Mapping[int, dict | None], ended: Mapping[int, object]) -> str | None:
-    """The loud sentence when ranks of two launches are alive at once in one run directory, else None."""
+class LaunchWatch:
+    """Which launch each rank's heartbeat names, to say loudly when two launches write at once.
+
+    Two launches' ranks may sit side by side (rank 0 of one, rank 1 of the
+    other), or take turns at the same file (both have a rank 0): a rank whose
+    heartbeat goes back to a launch it named before is the second kind. Either
+    is reported, and the warning stays ``STICKY_S`` after it was last seen, so
+    a page that looks between two rewrites still shows it. ``observe`` costs
+    one dict update per changed heartbeat; ``conflict`` looks at every rank
+    only while more than one launch is shown.
+    """
+
+    STICKY_S = 60.0
+
+    def __init__(self):
+        self._now: dict[int, str] = {}  # rank -> the launch its newest heartbeat names
+        self._before: dict[int, str] = {}  # rank -> the launch it named before that
+        self._ranks: dict[str, set[int]] = {}
+        self._flipped: tuple[float, int, str, str] | None = None  # (when, rank, launch, launch)
+        self._said: tuple[float, str] | None = None
+
+    def observe(self, rank: int, hb: Mapping | None, now: float) -> None:
+        launch = hb.get("launch") if hb is not None else None
+        old = self._now.get(rank)
+        if launch == old:
+            return
+        if old is not None and launch is not None and self._before.get(rank) == launch:
+            self._flipped = (now, rank, old, launch)
+        if old is not None:
+            self._ranks[old].discard(rank)
+            if not self._ranks[old]:
+                del self._ranks[old]
+            self._before[rank] = old
+        if launch is None:
+            self._now.pop(rank, None)
+            return
+        self._now[rank] = launch
+        self._ranks.setdefault(launch, set()).add(rank)
+
+    def conflict(
+        self, latest: Mapping[int, dict | None], ended: Mapping[int, object], now: float
+    ) -> str | None:
+        """The loud sentence while (or up to ``STICKY_S`` after) two launches wrote at once, else None."""
+        sentence = None
+        if len(self._ranks) > 1:
+            sentence = _side_by_side(self._ranks, latest, ended)
+        flipped = self._flipped
+        if sentence is None and flipped is not None and now - flipped[0] <= self.STICKY_S:
+            _, rank, a, b = flipped
+            sentence = (
+                f"TWO LAUNCHES ARE WRITING TO THIS RUN DIRECTORY: rank {rank}'s heartbeat went from launch "
+                f"{a} to {b} and back, so two jobs take turns at the same files. Stop one of them; a bridge "
+                "of this version refuses to start beside a live launch."
+            )
+        if sentence is not None:
+            self._said = (now, sentence)
+            return sentence
+        if self._said is not None and now - self._said[0] <= self.STICKY_S:
+            return f"{self._said[1]} (last seen {now - self._said[0]:.0f} s ago)"
+        return None
+
+
+def _side_by_side(
+    ranks: Mapping[str, set[int]], latest: Mapping[int, dict | None], ended: Mapping[int, object]
+) -> str | None:
     live: dict[str, list[dict]] = {}
-    for rank, hb in latest.items():
-        if hb is None or rank in ended or hb.get("state") in attempts.TERMINAL or not hb.get("launch"):
-            continue
-        live.setdefault(hb["launch"], []).append(hb)
+    for launch, members in ranks.items():
+        for rank in sorted(members):
+            hb = latest.get(rank)
+            if hb is None or rank in ended or hb.get("state") in attempts.TERMINAL:
+                continue
+            live.setdefault(launch, []).append(hb)
+            if len(live[launch]) > NAMED:
+                break
     if len(live) < 2:
         return None
 
     def named(beats: list[dict]) -> str:
-        ranks = sorted(beats, key=lambda hb: hb["rank"])
         text = ", ".join(
-            f"rank {hb['rank']} (pid {hb.get('pid')} on {hb.get('host')})" for hb in ranks[:NAMED]
+            f"rank {hb['rank']} (pid {hb.get('pid')} on {hb.get('host')})" for hb in beats[:NAMED]
         )
-        return text + (f" and {len(ranks) - NAMED} more" if len(ranks) > NAMED else "")
+        return text + (" and more" if len(beats) > NAMED else "")
 
-    groups = sorted(live.items(), key=lambda kv: min(hb["rank"] for hb in kv[1]))
+    groups = sorted(live.items(), key=lambda kv: kv[1][0]["rank"])
     told = "; ".join(f"launch {launch}: {named(beats)}" for launch, beats in groups)
     return (
         f"TWO LAUNCHES ARE WRITING TO THIS RUN DIRECTORY ({len(groups)} launches): {told}. Their "

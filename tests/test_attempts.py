@@ -283,15 +283,42 @@ def test_api_attempts_judges_the_newest_from_its_heartbeats(client, run_dir):
     assert rank["resumed_from"] == "resumed from global step 10 (set bridge:10)"
 
 
-def test_two_live_launches_are_said_loudly(client, run_dir):
-    """Ranks of two launches alive at once (this process stands for both): the run status says so."""
-    write_heartbeat(run_dir, heartbeat(0, 2, launch="aaa"))
-    write_heartbeat(run_dir, heartbeat(1, 2, launch="bbb"))
-    run = client.get("/api/summary").get_json()["run"]
-    assert run["status"] == "conflict"
-    assert "TWO LAUNCHES" in run["message"] and "launch aaa: rank 0" in run["message"]
-    write_heartbeat(run_dir, heartbeat(1, 2, launch="aaa"))
+def _launch_of(client, rank: int, launch: str) -> None:
     deadline = time.monotonic() + 30
-    while client.get("/api/summary").get_json()["run"]["status"] == "conflict":
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    while client.get(f"/api/ranks/{rank}").get_json()["rank"]["launch"] != launch:
+        assert time.monotonic() < deadline, f"rank {rank} never showed launch {launch}"
+        time.sleep(0.1)
+
+
+def test_two_live_launches_are_said_loudly(client, run_dir):
+    """Ranks of two launches alive at once (this process stands for both): the run status says so,
+    side by side and taking turns at one file; a relaunch (one launch after the other) does not."""
+    write_heartbeat(run_dir, heartbeat(0, 2, launch="aaa"))
+    write_heartbeat(run_dir, heartbeat(1, 2, launch="aaa"))
+    _launch_of(client, 1, "aaa")
+    write_heartbeat(run_dir, heartbeat(0, 2, seq=2, launch="bbb"))  # a relaunch reaches rank 0 first
+    _launch_of(client, 0, "bbb")
+    run = client.get("/api/summary").get_json()["run"]
+    assert run["status"] == "conflict" and "launch aaa: rank 1" in run["message"]
+    assert "launch bbb: rank 0" in run["message"]
+    write_heartbeat(run_dir, heartbeat(1, 2, seq=2, launch="bbb"))  # ...then rank 1: one launch again
+    _launch_of(client, 1, "bbb")
+    assert (
+        client.get("/api/summary").get_json()["run"]["message"].endswith("s ago)")
+    )  # still said, for a while
+
+    fresh = client.application.extensions["rankwatch"].state
+    fresh._launches = type(fresh._launches)()  # forget what was seen: a relaunch alone is no conflict
+    write_heartbeat(run_dir, heartbeat(0, 2, seq=3, launch="ccc"))
+    write_heartbeat(run_dir, heartbeat(1, 2, seq=3, launch="ccc"))
+    _launch_of(client, 0, "ccc")
+    _launch_of(client, 1, "ccc")
+    assert client.get("/api/summary").get_json()["run"]["status"] == "running"
+
+    # Two jobs taking turns at rank 0's file: ccc, ddd, ccc.
+    write_heartbeat(run_dir, heartbeat(0, 2, seq=4, launch="ddd"))
+    _launch_of(client, 0, "ddd")
+    write_heartbeat(run_dir, heartbeat(0, 2, seq=5, launch="ccc"))
+    _launch_of(client, 0, "ccc")
+    run = client.get("/api/summary").get_json()["run"]
+    assert run["status"] == "conflict" and "went from launch ddd to ccc and back" in run["message"]
