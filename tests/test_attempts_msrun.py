@@ -24,6 +24,7 @@ from playwright.sync_api import expect
 from tests.heartbeats import HOST
 from tests.jobs import JOB_TIMEOUT_S, DemoJob, write_flag
 from tests.liveserver import start_dashboard
+from tests.test_page_state import serious
 from trainer_bridge import attempts, runfiles
 from trainer_bridge.demo.__main__ import TRAIN_SCRIPT, free_port, job_env, msrun_command
 
@@ -169,6 +170,7 @@ def test_attempts_refusal_resume_replay_kill(tmp_path, browser, console_errors, 
         step_cell = page.locator("#rank-table tbody td[data-col='global_step']").first
         expect(step_cell).to_have_attribute("title", re.compile(f"resumed from global step {s} "))
         page.screenshot(path=str(tmp_path / "attempts.png"), full_page=True)
+        assert serious(page) == []
         assert console_errors == []
     finally:
         for j in (a, c, d):
