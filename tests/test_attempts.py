@@ -218,6 +218,9 @@ def test_live_ranks_of_another_launch():
     ]
     live = attempts.live_ranks(beats, own_launch="mine", host=HOST, now=now)
     assert [r.rank for r in live] == [0, 3]
+    # This very process's earlier run (an interrupted notebook cell) is not another launch.
+    mine = attempts.live_ranks(beats, own_launch="mine", host=HOST, now=now, own_pid=os.getpid())
+    assert [r.rank for r in mine] == [3]
     message = attempts.refusal("/runs/x", live)
     assert f"rank 0 (pid {os.getpid()} on {HOST}" in message and "rank 3 (pid" in message
     assert "on elsewhere, heartbeat 5." in message and "/runs/x" in message

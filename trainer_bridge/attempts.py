@@ -95,11 +95,18 @@ def live_ranks(
     host: str,
     now: float,
     probe: Callable[[int, float | None], str | None] = probe_process,
+    own_pid: int | None = None,
 ) -> list[LiveRank]:
-    """Ranks not of ``own_launch`` that are alive: not ended, a fresh heartbeat, and (on this host) a live pid."""
+    """Ranks not of ``own_launch`` that are alive: not ended, a fresh heartbeat, and (on this host) a live pid.
+
+    ``own_pid``'s heartbeat on this host is this very process's earlier run
+    (a notebook cell interrupted and run again), never another job.
+    """
     live = []
     for rank, hb in beats:
         if own_launch is not None and hb.get("launch") == own_launch:
+            continue
+        if own_pid is not None and hb.get("host") == host and hb.get("pid") == own_pid:
             continue
         if hb["state"] in TERMINAL:
             continue
