@@ -68,6 +68,21 @@ def _stat(path: Path) -> tuple | None:
 _cache = _Cache()
 
 
+def served_by(run_dir: str | os.PathLike, request_id: str | None) -> int | None:
+    """The attempt that stopped gracefully for ``request_id``, by attempts.jsonl; None if none did."""
+    if request_id is None:
+        return None
+    rows, _, _ = _cache.rows(Path(run_dir))
+    return next(
+        (
+            r["attempt"]
+            for r in reversed(rows)
+            if r["end"] == "graceful_stop" and r["request_id"] == request_id
+        ),
+        None,
+    )
+
+
 def answer(run_dir: Path | None, heartbeats: Mapping[int, dict | None], job_over: str | None) -> dict:
     """``/api/attempts``: every attempt, oldest first, the newest completed from the live heartbeats.
 

@@ -16,6 +16,9 @@ import time
 
 import pytest
 
+from app.audit import AuditLog
+from app.jobend import JobFacts
+from app.stop_service import StopService
 from tests.heartbeats import HOST, heartbeat, write_heartbeat
 from trainer_bridge import attempts, runfiles, schema
 from trainer_bridge.saving import ResumePoint
@@ -325,3 +328,32 @@ def test_two_live_launches_are_said_loudly(client, run_dir):
     _launch_of(client, 0, "ccc")
     run = client.get("/api/summary").get_json()["run"]
     assert run["status"] == "conflict" and "went from launch ddd to ccc and back" in run["message"]
+
+
+def test_a_late_dashboard_credits_the_stop_to_the_attempt_that_served_it(tmp_path):
+    """The dashboard was down while attempt 1 stopped for req-x; attempt 2 (resumed, the flag still
+    says stop, which the bridge knows is served) is what it sees: the stop is attempt 1's, completed,
+    not "not obeyed" by attempt 2, and the flag is re-armed."""
+    service = StopService(
+        str(tmp_path), AuditLog(tmp_path / "audit.sqlite3"), deadline_s=900, auto_rearm=True
+    )
+    rid, *_ = service.request("npu 3 ECC", "alice", None)
+    requested_at = json.loads(runfiles.flag_path(tmp_path).read_text())["requested_at"]
+    write_lines(
+        tmp_path,
+        [
+            start(1, "one"),
+            end(1, "one", end="graceful_stop", request_id=rid, requested_by="alice"),
+            start(2, "two", first_step=9),
+        ],
+    )
+    later = {r: heartbeat(r, 2, launch="two", started_at=requested_at + 5) for r in (0, 1)}
+    status = service.status(later, 2, time.time())
+    assert status["state"] == "idle" and status["request"] is None
+    last = status["last_stop"]
+    assert (last["request_id"], last["outcome"], last["attempt"]) == (rid, "completed", 1)
+    service.tick(later, 2, JobFacts(ended={0: (time.time(), "gone"), 1: (time.time(), "gone")}))
+    rows = service.audit.rows()
+    assert [r["action"] for r in rows] == ["rearm", "complete", "request"]
+    assert rows[1]["outcome"].startswith("completed: attempt 1, an earlier launch")
+    assert not runfiles.read_flag(tmp_path).exit

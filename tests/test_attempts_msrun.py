@@ -7,7 +7,8 @@
 3. relaunch D pinned to A's older set (``RANKWATCH_RESUME_STEP``): it replays C's steps;
    kill it with SIGKILL;
 4. ``attempts.jsonl`` holds three attempts, and the dashboard (API and page, in Chromium)
-   shows them: two graceful stops told apart, the replayed range, and the kill.
+   shows them: two graceful stops told apart, the replayed range, and the kill; the stop
+   panel of a dashboard started only now credits C's stop to attempt 2.
 """
 
 from __future__ import annotations
@@ -167,6 +168,11 @@ def test_attempts_refusal_resume_replay_kill(tmp_path, browser, console_errors, 
         killed = page.locator("#attempts-list li[data-end='killed']")
         expect(killed).to_contain_text(f"resumed from global step {s}")
         expect(killed).to_contain_text(f"trained global steps {s + 1}–{s2} again")
+        # The dashboard was not watching when C stopped for req-c: the stop is C's, not "not obeyed" by D.
+        expect(page.locator("#stop-headline")).to_contain_text(
+            "No stop requested. Last stop: completed", timeout=UI_TIMEOUT_MS
+        )
+        expect(page.locator("#stop-headline")).to_contain_text("by policy, attempt 2.")
         step_cell = page.locator("#rank-table tbody td[data-col='global_step']").first
         expect(step_cell).to_have_attribute("title", re.compile(f"resumed from global step {s} "))
         page.screenshot(path=str(tmp_path / "attempts.png"), full_page=True)
