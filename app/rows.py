@@ -1,6 +1,6 @@
 """A rank's row: the fields of ``/api/ranks`` and the Socket.IO row payloads.
 
-``app/metrics.py`` describes every field; ``make_row`` builds them from a
+``app/ranks/metrics.py`` describes every field; ``make_row`` builds them from a
 validated heartbeat (``schema.Heartbeat.to_dict()``) and a verdict.
 """
 
@@ -10,8 +10,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from app.health import Verdict
-from trainer_bridge.attempts import resumed_text
+from app.ranks.health import Verdict
+from trainer_bridge.rundir.attempts import resumed_text
 
 
 def _int(value: Any) -> int | None:

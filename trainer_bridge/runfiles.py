@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer_bridge import safeio
-from trainer_bridge.safeio import FileTooLarge, NotRegular  # noqa: F401  (re-exported)
+from trainer_bridge.rundir import safeio
+from trainer_bridge.rundir.safeio import FileTooLarge, NotRegular  # noqa: F401  (re-exported)
 
 HEARTBEAT_SCHEMA = 1
 FLAG_NAME = "graceful_exit.json"
@@ -88,7 +88,7 @@ def job_path(run_dir: str | os.PathLike) -> Path:
 
 
 def attempts_path(run_dir: str | os.PathLike) -> Path:
-    """Each launch of the job in this run directory (``trainer_bridge.attempts``)."""
+    """Each launch of the job in this run directory (``trainer_bridge.rundir.attempts``)."""
     return state_dir(run_dir) / "attempts.jsonl"
 
 

@@ -1,5 +1,5 @@
 // The attempts timeline: each launch of the job in this run directory, from
-// /api/attempts (app/attempts.py), oldest first. A human stop, a policy stop,
+// /api/attempts (app/ranks/attempts.py), oldest first. A human stop, a policy stop,
 // a crash and a kill each read (and look) different: data-end and
 // data-stop-by carry the kind for the stylesheet and for tests.
 

@@ -2,7 +2,7 @@
 file, what a launch's heartbeats say about its end, and which ranks count as another live launch.
 
 The msrun side (launch, stop, relaunch, pinned relaunch, a refused second launch) is
-tests/test_attempts_msrun.py.
+tests/ranks/test_attempts_msrun.py.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import time
 import pytest
 
 from app.audit import AuditLog
-from app.jobend import JobFacts
-from app.stop_service import StopService
-from tests.heartbeats import HOST, heartbeat, write_heartbeat
-from trainer_bridge import attempts, runfiles, schema
+from app.stop.jobend import JobFacts
+from app.stop.service import StopService
+from tests.helpers.heartbeats import HOST, heartbeat, write_heartbeat
+from trainer_bridge.rundir import attempts, runfiles, schema
 from trainer_bridge.saving import ResumePoint
 
 

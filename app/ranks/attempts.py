@@ -1,10 +1,10 @@
 """The run's attempts as the dashboard shows them (``GET /api/attempts``, the page's timeline).
 
-``attempts.jsonl`` (``trainer_bridge.attempts``) says how each launch began
+``attempts.jsonl`` (``trainer_bridge.rundir.attempts``) says how each launch began
 and, once it wrote its end line, how it ended. The newest attempt has no end
 line while it runs, and never gets one if it was killed: its end is then
 judged from its ranks' heartbeats by the same rule the next launch's rank 0
-uses when it seals it (``trainer_bridge.attempts.outcome``), once the
+uses when it seals it (``trainer_bridge.rundir.attempts.outcome``), once the
 dashboard sees every rank ended and msrun gone.
 
 The file is read again only when its stat changes (it grows by two lines a
@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
 
-from trainer_bridge import attempts, runfiles, safeio, schema
+from trainer_bridge.rundir import attempts, runfiles, safeio, schema
 
 # Run directories whose folded attempts are kept (a runs root will watch many).
 CACHED_RUNS = 64

@@ -27,8 +27,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from trainer_bridge import runfiles, safeio, schema
-from trainer_bridge.liveness import Stopped, probe_process
+from trainer_bridge.rundir import runfiles, safeio, schema
+from trainer_bridge.rundir.liveness import Stopped, probe_process
 
 log = logging.getLogger("trainer_bridge")
 

@@ -22,12 +22,12 @@ import urllib.request
 import pytest
 from playwright.sync_api import expect
 
-from tests.heartbeats import HOST
-from tests.jobs import JOB_TIMEOUT_S, DemoJob, write_flag
-from tests.liveserver import start_dashboard
-from tests.test_page_state import serious
-from trainer_bridge import attempts, runfiles
+from tests.helpers.heartbeats import HOST
+from tests.helpers.jobs import JOB_TIMEOUT_S, DemoJob, write_flag
+from tests.helpers.liveserver import start_dashboard
+from tests.ranks.test_page_state import serious
 from trainer_bridge.demo.__main__ import TRAIN_SCRIPT, free_port, job_env, msrun_command
+from trainer_bridge.rundir import attempts, runfiles
 
 pytestmark = [pytest.mark.msrun, pytest.mark.browser]
 
