@@ -4,7 +4,7 @@
 ``trainer_bridge.rundir.runfiles`` and the checkpoint reader, never imports mindspore.
 """
 
-__all__ = ["GracefulExitBridge", "find_resume_point"]
+__all__ = ["GracefulExitBridge", "LaunchRefused", "find_resume_point"]
 
 
 def __getattr__(name):

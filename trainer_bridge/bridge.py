@@ -18,10 +18,17 @@ from pathlib import Path
 from mindspore.train import Callback
 
 from trainer_bridge import loop as _loop
-from trainer_bridge.engine import Engine, Settings
+from trainer_bridge.engine import Engine, LaunchRefused, Settings
 from trainer_bridge.saving import ResumePoint, Served, find_resume_point, served_requests
 
-__all__ = ["GracefulExitBridge", "ResumePoint", "Served", "find_resume_point", "served_requests"]
+__all__ = [
+    "GracefulExitBridge",
+    "LaunchRefused",
+    "ResumePoint",
+    "Served",
+    "find_resume_point",
+    "served_requests",
+]
 
 log = logging.getLogger("trainer_bridge")
 

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -37,11 +39,15 @@ from trainer_bridge import saving
 from trainer_bridge.agreement import Agreement
 from trainer_bridge.counters import Counters
 from trainer_bridge.reporter import Reporter
-from trainer_bridge.rundir import ckpthealth, runfiles
+from trainer_bridge.rundir import attempts, ckpthealth, runfiles
 from trainer_bridge.rundir.ckptindex import scan
 from trainer_bridge.saving import NOTHING_SERVED, ResumePoint
 
 log = logging.getLogger("trainer_bridge")
+
+
+class LaunchRefused(RuntimeError):
+    """Another launch's ranks are alive in this run directory: this one does not start."""
 
 
 @dataclass(frozen=True)
@@ -141,6 +147,8 @@ class Engine:
         self._stopping = False
         self._sigterm_count = 0
         self._previous_sigterm = None
+        self.launch: str | None = None
+        self.attempts: attempts.AttemptLog | None = None
 
     # ----------------------------------------------------------------- resume
     def find_resume(self) -> ResumePoint | None:
@@ -203,6 +211,7 @@ class Engine:
             os.environ.get("MS_ENABLE_GRACEFUL_EXIT") == "1" and ms.get_context("device_target") == "Ascend"
         )
         vote_sum = _sum_all_reduce() if self.world > 1 and not self.native else None
+        beats = self._guard_launch(vote_sum)
         if point is not None:
             self._agree_on_resume(vote_sum, point)
             missing = saving.load_state(point.path, self.cells)
@@ -239,12 +248,78 @@ class Engine:
             batch_size=batch_size,
             resumed=point,
             front_end=front_end,
+            launch=self.launch,
+            attempts=self.attempts,
         )
+        self._begin_attempt(point, global_step, beats)
         self.reporter.start()
         if s.handle_sigterm and threading.current_thread() is threading.main_thread():
             self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
         self.counters.last_step_end = time.perf_counter()
         return global_step
+
+    def _guard_launch(self, vote_sum) -> list[tuple[int, dict]]:
+        """Refuse to start beside a live launch of another job; agree on this launch's id.
+
+        Rank 0 reads the heartbeats before any rank of this launch writes one
+        (every rank waits in the AllReduce below until rank 0 has looked), so
+        whatever is alive there belongs to another launch. The same
+        AllReduce carries rank 0's verdict and its random launch id (two
+        24-bit halves, exact in float32) to every rank: all refuse together,
+        and all heartbeats of this launch carry one id. Returns rank 0's
+        heartbeats (the previous launch's), for its start line.
+        """
+        if self.launch is not None:
+            return []  # a second run on the same bridge: the same launch
+        beats: list[tuple[int, dict]] = []
+        live: list[attempts.LiveRank] = []
+        halves = (0, 0)
+        if self.rank == 0:
+            halves = (secrets.randbelow(1 << 24), secrets.randbelow(1 << 24))
+            try:
+                beats = attempts.read_heartbeats(self.run_dir)
+                live = attempts.live_ranks(
+                    beats, own_launch=None, host=socket.gethostname(), now=time.time(), own_pid=os.getpid()
+                )
+            except Exception as e:  # noqa: BLE001 - a bad run directory must not stop training here
+                log.warning("rankwatch: could not check for another launch (training continues): %s", e)
+                beats, live = [], []
+        # Native mode keeps the step votes in MindSpore's graph, but the launch check needs one collective too.
+        carrier = vote_sum or (_sum_all_reduce() if self.world > 1 else None)
+        refused = float(bool(live))
+        if carrier is not None:
+            refused, a, b = carrier(refused, float(halves[0]), float(halves[1]))
+            halves = (int(a), int(b))
+        if refused > 0.5:
+            message = (
+                attempts.refusal(self.run_dir, live)
+                if live
+                else f"rankwatch: refusing to start: rank 0 found another launch's ranks alive in "
+                f"{self.run_dir} (rank 0's log names them)"
+            )
+            log.error("%s", message)
+            raise LaunchRefused(message)
+        self.launch = f"{halves[0]:06x}{halves[1]:06x}"
+        if self.rank == 0:
+            self.attempts = attempts.AttemptLog(
+                self.run_dir, self.launch, self.world, socket.gethostname(), os.getpid()
+            )
+        return beats
+
+    def _begin_attempt(self, point: ResumePoint | None, global_step: int, beats) -> None:
+        """Rank 0: this launch's start line in attempts.jsonl, and one line on the terminal."""
+        log_ = self.attempts
+        if log_ is None or log_.number is not None:
+            return
+        log_.begin(
+            started_at=self.reporter.started_at, resumed=point, first_step=global_step + 1, beats=beats
+        )
+        what = "a fresh start" if point is None else attempts.resumed_text(point.global_step, point.set_id)
+        again = (
+            f"; it trains global steps {log_.replayed[0]}-{log_.replayed[1]} again" if log_.replayed else ""
+        )
+        number = f"attempt {log_.number} of this run, " if log_.number else ""
+        log.warning("rankwatch: %s%s%s", number, what, again)
 
     def step_begin(self) -> None:
         now = time.perf_counter()

@@ -23,6 +23,7 @@ from trainer_bridge.beatsink import BeatSink
 from trainer_bridge.counters import Counters, Snapshot
 from trainer_bridge.device import DeviceProbe
 from trainer_bridge.rundir import launch, runfiles, safeio, schema
+from trainer_bridge.rundir.attempts import AttemptLog
 from trainer_bridge.saving import ResumePoint, Served
 from trainer_bridge.stacks import StackWatcher
 
@@ -48,6 +49,8 @@ class Reporter:
         sync_interval_s: written into ``job.json`` (rank 0).
         batch_size: for ``samples_per_s``.
         resumed: the set this launch resumed from, for ``resumed_from``.
+        launch: the launch's id, the same on every rank of it (heartbeat ``launch``).
+        attempts: rank 0's ``attempts.jsonl`` writer: its hosts roll call and end line.
     """
 
     latest: Reporter | None = None
@@ -66,6 +69,8 @@ class Reporter:
         batch_size: int | None,
         resumed: ResumePoint | None,
         front_end: str | None = None,
+        launch: str | None = None,
+        attempts: AttemptLog | None = None,
     ):
         self.run_dir = run_dir
         self.rank, self.world = rank, world
@@ -76,6 +81,8 @@ class Reporter:
         self.sync_interval_s = sync_interval_s
         self.batch_size = batch_size
         self.front_end = front_end
+        self.launch = launch
+        self.attempts = attempts
         self.state = "starting"
         self.reporter_cpu_ms = 0.0
         self.loss: float | None = None
@@ -93,6 +100,7 @@ class Reporter:
                 "global_step": resumed.global_step,
                 "epoch": resumed.epoch,
                 "path": os.path.relpath(resumed.path, self.run_dir),
+                "set": resumed.set_id,
             }
         self._totals = (0.0, 0.0, 0)  # (in, out, steps) at the previous heartbeat
         self._last_step_ms = None
@@ -106,7 +114,7 @@ class Reporter:
         self._bad_flag_logged: set = set()
         self._logged: set[str] = set()
         self._seq = 0
-        self._started_at = time.time()
+        self.started_at = self._started_at = time.time()
         self._wake = threading.Event()
         self._closed = threading.Event()
         self._lock = threading.Lock()  # one writer at a time: the thread, or close()
@@ -211,7 +219,23 @@ class Reporter:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=5)
         self._write_heartbeat()
+        self._end_attempt()
         self.sink.close()
+
+    def _end_attempt(self) -> None:
+        """Rank 0: this launch's end line in attempts.jsonl, as the rank's state now says."""
+        if self.attempts is None:
+            return
+        try:
+            self.attempts.end(
+                state=self.state,
+                last_step=self.counters.global_step,
+                stop=self.stop,
+                error=self.error,
+                flag_raw=self.request.raw if self.request is not None else None,
+            )
+        except Exception as e:  # noqa: BLE001 - the end of training must not fail on our file
+            self._log_once("attempt-end", "rankwatch: attempts.jsonl end line not written: %s", e)
 
     def _run(self) -> None:
         next_beat = 0.0
@@ -219,6 +243,8 @@ class Reporter:
             cpu = time.thread_time()
             try:
                 self._poll_flag()
+                if self.attempts is not None:
+                    self.attempts.roll_call()
                 snap = self.counters.snapshot()
                 # stacks: answer requests, and capture once when no step ends for too long.
                 self.stacks.poll(
@@ -349,6 +375,7 @@ class Reporter:
             },
             stop=self.stop,
             resumed_from=self.resumed_from,
+            launch=self.launch,
             error=_clip(self.error, schema.MAX_ERROR),
             warnings=[
                 _clip(w, schema.MAX_WARNING)
@@ -445,6 +472,7 @@ class Reporter:
                 self.error = f"{kind.__name__}: {value}"
                 if self._closed.is_set():
                     self._write_heartbeat()
+                    self._end_attempt()
                 else:
                     self.close()
             previous(kind, value, tb)

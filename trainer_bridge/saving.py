@@ -40,6 +40,7 @@ class ResumePoint:
     global_step: int
     epoch: int | None
     path: Path
+    set_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ def find_resume_point(
     cset = resume_set(index, step, unhealthy)
     if cset is None:
         return None
-    return ResumePoint(cset.global_step, cset.epoch, Path(cset.file_for(rank).abspath))
+    return ResumePoint(cset.global_step, cset.epoch, Path(cset.file_for(rank).abspath), cset.id)
 
 
 def data_position(global_step: int, per_epoch: int) -> tuple[int, int]:

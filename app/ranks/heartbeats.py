@@ -19,12 +19,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import psutil
 from pydantic import TypeAdapter, ValidationError
 
 from app.ranks.health import StepWindow
 from app.ranks.rows import _loss
 from trainer_bridge.rundir import runfiles, safeio, schema
+from trainer_bridge.rundir.liveness import Stopped, Unreaped, probe_process  # noqa: F401  (shared with the bridge)
 from trainer_bridge.rundir.redisbus import RedisUnavailable, Subscriber
 
 HEARTBEAT_NAME = re.compile(r"rank_(\d+)\.json")
@@ -42,41 +42,6 @@ CLOCK_AHEAD_TOLERANCE_S = 2.0
 REDIS_FILE_SCAN_S = 5.0
 
 ProcessProbe = Callable[[int, "float | None"], "str | None"]
-
-
-class Stopped(str):
-    """A probe's answer for a process that exists but is stopped (SIGSTOP, a debugger)."""
-
-
-class Unreaped(str):
-    """A probe's answer for a process that has exited but is a zombie: asked again later,
-    so the row's words follow once its parent reaps it (or is gone itself)."""
-
-
-def probe_process(pid: int, started_at: float | None) -> str | None:
-    """Why the process ``pid`` is known to be gone, or None if it runs (or cannot be told).
-
-    A pid can be reused after the rank dies, so a process created after the
-    rank's bridge started is not the rank. A stopped process is not gone: the
-    answer is then a ``Stopped`` sentence.
-    """
-    try:
-        proc = psutil.Process(pid)
-        with proc.oneshot():  # one read of /proc/PID/stat for both answers
-            created = proc.create_time()
-            status = proc.status()
-    except psutil.NoSuchProcess:
-        return f"process {pid} is gone"
-    except psutil.AccessDenied:
-        return None
-    if status == psutil.STATUS_ZOMBIE:
-        return Unreaped(f"process {pid} has exited (not yet reaped by its parent)")
-    # create_time is rounded to clock ticks: allow a second of slack.
-    if started_at is not None and created > started_at + 1.0:
-        return f"pid {pid} now belongs to a newer process; the rank's process is gone"
-    if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
-        return Stopped(f"process {pid} is stopped (SIGSTOP or a debugger; kill -CONT {pid} resumes it)")
-    return None
 
 
 def read_history_tail(run_dir: str | os.PathLike, rank: int, points: int) -> list[tuple]:

@@ -15,6 +15,7 @@ from importlib import metadata, resources
 
 from flask import Blueprint, Response, current_app, jsonify, render_template, request, send_file, url_for
 
+from app.attempts import answer as attempts_answer
 from app.errors import ApiError
 from app.extensions import rankwatch
 from app.large import large_answer
@@ -61,7 +62,7 @@ def page_config() -> dict:
                 "STRAGGLER_RATIO",
             )
         },
-        "urls": {"history": url_for("ranks.api_history")},
+        "urls": {"history": url_for("ranks.api_history"), "attempts": url_for("ranks.api_attempts")},
     }
 
 
@@ -127,6 +128,15 @@ def api_rank(rank: int):
     if found is None:
         raise ApiError(404, f"rank {rank} is not part of this job")
     return jsonify(found)
+
+
+@bp.get("/api/attempts")
+def api_attempts():
+    """Every launch of the job in this run directory, oldest first (app/attempts.py)."""
+    now = time.time()
+    state = fresh_state(now)
+    beats, _ = state.heartbeats()
+    return jsonify(attempts_answer(state.run_dir, beats, state.job_ended()))
 
 
 @bp.get("/api/summary")

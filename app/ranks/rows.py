@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from app.ranks.health import Verdict
+from trainer_bridge.rundir.attempts import resumed_text
 
 
 def _int(value: Any) -> int | None:
@@ -53,6 +54,7 @@ def make_row(
     device = hb["device"] or _EMPTY
     stop = hb["stop"] or _EMPTY
     kind = device.get("kind")
+    resumed = hb.get("resumed_from")
     return {
         "rank": rank,
         "health": verdict.health,
@@ -77,6 +79,8 @@ def make_row(
         "device_temp_c": _round(device.get("temp_c"), 1),
         "device_health": device.get("health"),
         "stop_stage": stop.get("stage"),
+        "launch": hb.get("launch"),
+        "resumed_from": resumed_text(resumed["global_step"], resumed.get("set")) if resumed else None,
         "warnings": list(hb.get("warnings") or ()),
         # Millisecond precision is all a clock comparison needs, and saves bytes.
         "time": _round(hb.get("time"), 3),

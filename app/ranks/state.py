@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from app.attempts import LaunchWatch
 from app.push import DELTA_EVENT, SNAPSHOT_EVENT, Changed, changed_fields
 from app.ranks import logmode
 from app.ranks.health import TERMINAL_STATES, Thresholds
@@ -106,6 +107,7 @@ class RunState:
         self._summary_pushed = Changed()
         self._run: dict = {}
         self._run_pushed = Changed()
+        self._launches = LaunchWatch()  # two launches writing at once (app/attempts.py)
         # Ranks can only be added by a delta; anything else (a run directory
         # deleted, a heartbeat removed) needs every client to take a snapshot.
         self._needs_snapshot = True
@@ -165,6 +167,7 @@ class RunState:
                 self._from_log.add(r)
             else:
                 self._from_log.discard(r)
+            self._launches.observe(r, slot.hb if slot is not None and not from_log else None, now)
             if slot is None:
                 board.observe(r, None, None, None, 0)
             else:
@@ -405,6 +408,9 @@ class RunState:
                 if from_log == reported
                 else f"{note} ({from_log} of them from their worker logs only: no heartbeats from them yet)"
             )
+        conflict = self._launches.conflict(latest, self._ended, self.scanned_at)
+        if conflict:
+            return status("conflict", conflict)
         missing = self._board.missing()
         if not reported:
             return status(

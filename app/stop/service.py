@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from contextlib import contextmanager
 from typing import Any
 
+from app.attempts import served_by
 from app.audit import OBSERVED, SYSTEM, AuditError, AuditLog
 from app.edge.auth import MAX_TEXT
 from app.errors import ApiError
@@ -307,6 +308,14 @@ class StopService:
         if rid is None:
             return
         done = self._completed(rid, ranks, world_size, facts, active["requested_at"])
+        # A dashboard that was not watching when the ranks stopped sees only a later launch:
+        # attempts.jsonl says whether an earlier one stopped for this request.
+        earlier = (
+            served_by(self.run_dir, rid)
+            if not done and _relaunched_since(ranks, active["requested_at"])
+            else None
+        )
+        done = done or earlier is not None
         ignored = not done and facts is not None and facts.job_ended(world_size)
         if not (done or ignored):
             return
@@ -321,7 +330,17 @@ class StopService:
             except AuditError as e:
                 log.error("stop: cannot read the audit trail: %s", e)
                 recorded = False
-            if not recorded:
+            if not recorded and earlier is not None:
+                self._audit(
+                    "complete",
+                    basis=OBSERVED,
+                    who=SYSTEM,
+                    request_id=rid,
+                    outcome=f"completed: attempt {earlier}, an earlier launch of this run, stopped for it "
+                    "(rankwatch/attempts.jsonl)",
+                    detail={"attempt": earlier},
+                )
+            elif not recorded:
                 status = self.status(ranks, world_size, time.time(), facts=facts)
                 self._audit(
                     "complete",
@@ -474,11 +493,15 @@ class StopService:
         }
         if request is None:
             return base
-        if active is None and _relaunched_since(ranks, request["requested_at"]):
-            # The stop was served and the flag cleared, and every rank reporting now is a
-            # process started after it: a later launch, which that stop is not about.
-            base.update(request=None, last_stop={**request, "outcome": _outcome(flag)})
-            return base
+        if _relaunched_since(ranks, request["requested_at"]):
+            # Every rank reporting now is a process started after the request: a later launch,
+            # which that stop is not about, once the flag is cleared or an earlier attempt
+            # stopped for it (attempts.jsonl; the bridge leaves a served flag alone).
+            earlier = served_by(self.run_dir, request["request_id"])
+            if active is None or earlier is not None:
+                outcome = _outcome(flag) if active is None else "completed"
+                base.update(request=None, last_stop={**request, "outcome": outcome, "attempt": earlier})
+                return base
         rid = request["request_id"]
         stages = self._stages(rid, ranks, facts, request["requested_at"])
         requested_at = request["requested_at"] or now

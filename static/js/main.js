@@ -8,6 +8,7 @@ import { SummaryStrip } from "./summary.js";
 import { Charts } from "./charts.js";
 import { StopControls } from "./stop.js";
 import { Incidents } from "./incidents.js";
+import { Attempts } from "./attempts.js";
 
 const config = JSON.parse($(SEL.config).textContent);
 const store = new RankStore();
@@ -31,6 +32,7 @@ socket.on("ranks_snapshot", (msg) => {
 });
 const stop = new StopControls(socket);
 const incidents = new Incidents(socket);
+const attempts = new Attempts(config.urls.attempts);
 socket.on("ranks_delta", (msg) => {
   charts.addRows(store.applyDelta(msg));
   redraw();
@@ -51,4 +53,4 @@ setInterval(() => {
 }, 1000);
 
 // For the scale benchmark and for looking around from the browser console.
-window.rankwatch = { store, table, charts, socket, stop, summary, incidents };
+window.rankwatch = { store, table, charts, socket, stop, summary, incidents, attempts };

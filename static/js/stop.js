@@ -32,7 +32,8 @@ function lastStop(last) {
   const l = object(last);
   if (!l) return "";
   return ` Last stop: ${l.outcome || "completed"}, requested ${formatClock(l.requested_at)}`
-    + (l.requested_by ? ` by ${l.requested_by}` : "") + ", by an earlier launch of this run.";
+    + (l.requested_by ? ` by ${l.requested_by}` : "")
+    + (Number.isInteger(l.attempt) ? `, attempt ${l.attempt}.` : ", by an earlier launch of this run.");
 }
 
 // Who did an audited action, in plain words (the API's basis, README "Audit trail").

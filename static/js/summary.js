@@ -98,6 +98,9 @@ export class SummaryStrip {
     if (run.status === "missing" || run.status === "waiting" || !world) {
       state = "none";
       text = "No job yet";
+    } else if (run.status === "conflict") {
+      state = "bad";
+      text = `${GLYPH.dead} Two launches in one run directory`;
     } else if (run.status === "unreadable") {
       state = "bad";
       text = `${GLYPH.dead} Run directory unreadable`;

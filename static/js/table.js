@@ -385,7 +385,9 @@ export class RankTable {
         if (row.global_step === null || row.global_step === undefined) {
           return row.epoch ? `${formatNumber(row.epoch)} / ${formatNumber(row.step)}` : "–";
         }
-        return `${formatNumber(row.epoch)} / ${formatNumber(row.step)} (${formatCount(row.global_step)})`;
+        // A resumed launch is marked; the cell's title says from where (set and global step).
+        return `${formatNumber(row.epoch)} / ${formatNumber(row.step)} (${formatCount(row.global_step)})`
+          + (row.resumed_from ? " ↻" : "");
       case "heartbeat_age_s":
         return isNumber(row.time) ? formatValue(m, Math.max(0, now - row.time)) : "–";
       case "reason": {
@@ -427,6 +429,7 @@ export class RankTable {
       } else {
         td.textContent = text;
         if (m.name === "reason" || m.name === "host") td.title = text;
+        if (m.name === "global_step") td.title = row.resumed_from || "";
         if (m.name === "heartbeat_age_s") td.title = row.source === "log" ? LOG_ONLY.age : "";
         if (LIVE_COLS.has(m.name)) {
           td.title = ENDED.has(row.health) && isNumber(row[m.name])

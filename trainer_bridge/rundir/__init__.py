@@ -5,9 +5,10 @@ once: the paths and the stop flag (``runfiles``), the typed files
 (``schema``, ``stackfiles``), opening them safely (``safeio``), the Redis
 channel beside the files (``redisbus``), checkpoint sets and their
 metadata (``ckptindex``, ``ckptmeta``, ``ckpthealth``), msrun's launch line
-(``launch``) and py-spy (``pyspy``).
+(``launch``), each launch of the job (``attempts``), whether a rank's
+process lives (``liveness``) and py-spy (``pyspy``).
 
-It imports the standard library and pydantic, never MindSpore, so the
+It imports the standard library, pydantic and psutil, never MindSpore, so the
 dashboard can import it on a machine without an accelerator; ``make lint``
 checks that rule (import-linter, ``pyproject.toml``).
 """

@@ -10,6 +10,7 @@ Layout (``RUN`` is the directory given to ``--run-dir``)::
     RUN/rankwatch/rank_{r}.json            rank r's heartbeat, rewritten ~1 Hz
     RUN/rankwatch/rank_{r}.history.jsonl   rank r's chart history, bounded
     RUN/rankwatch/rank_{r}.history.jsonl.1 the previous history segment
+    RUN/rankwatch/attempts.jsonl           one start and one end line per launch (rank 0)
     RUN/rankwatch/audit.sqlite3            the dashboard's audit trail
     RUN/rankwatch/stacks/rank_{r}.request.json  asks rank r for a stack capture
     RUN/rankwatch/stacks/all.request.json  asks every rank for one
@@ -84,6 +85,11 @@ def history_path(run_dir: str | os.PathLike, rank: int) -> Path:
 
 def job_path(run_dir: str | os.PathLike) -> Path:
     return state_dir(run_dir) / "job.json"
+
+
+def attempts_path(run_dir: str | os.PathLike) -> Path:
+    """Each launch of the job in this run directory (``trainer_bridge.rundir.attempts``)."""
+    return state_dir(run_dir) / "attempts.jsonl"
 
 
 def stacks_dir(run_dir: str | os.PathLike) -> Path:

@@ -47,6 +47,10 @@ from trainer_bridge.rundir.runfiles import (
 )
 
 __all__ = [
+    "AttemptEnd",
+    "AttemptHosts",
+    "AttemptResume",
+    "AttemptStart",
     "BridgeCost",
     "CheckpointRef",
     "Device",
@@ -86,6 +90,7 @@ Pid = Annotated[int, Field(ge=1, le=1 << 22)]  # Linux's largest pid_max
 Host = Annotated[str, Field(min_length=1, max_length=253)]
 Path_ = Annotated[str, Field(max_length=MAX_PATH)]
 RequestId = Annotated[str, Field(min_length=1, max_length=MAX_REQUEST_ID)]
+LaunchId = Annotated[str, Field(pattern=r"^[A-Za-z0-9._:-]{1,64}$")]
 
 
 class SchemaError(ValueError):
@@ -174,6 +179,9 @@ class ResumedFrom(_Model):
     global_step: Count = Field(description="the set's global step")
     epoch: Count | None = Field(None, description="its epoch")
     path: Path_ = Field(description="this rank's file, relative to the run directory")
+    set: Annotated[str, Field(max_length=2 * MAX_PATH)] | None = Field(
+        None, description="the set's id, as the checkpoint browser names it"
+    )
 
 
 class Heartbeat(_Model):
@@ -239,7 +247,12 @@ class Heartbeat(_Model):
     )
     bridge_cost: BridgeCost | None = Field(None, description="what the bridge costs this rank so far (below)")
     stop: StopRecord | None = Field(None, description="the stop lifecycle (below), once a stop is under way")
-    resumed_from: ResumedFrom | None = Field(None, description="`{global_step, epoch, path}`")
+    resumed_from: ResumedFrom | None = Field(None, description="`{global_step, epoch, path, set}`")
+    launch: LaunchId | None = Field(
+        None,
+        description="the launch this rank belongs to, the same on every rank of it "
+        "(`attempts.jsonl` maps it to an attempt)",
+    )
     error: Annotated[str, Field(max_length=MAX_ERROR)] | None = Field(
         None, description='why the rank failed (`state == "failed"`)'
     )
@@ -327,6 +340,79 @@ class RetentionFile(_Model):
     )
     pinned: Annotated[list[Annotated[str, Field(max_length=MAX_SET_ID)]], Field(max_length=MAX_PINS)] = Field(
         default_factory=list, description="ids of the sets never deleted"
+    )
+
+
+# An attempt line names at most this many hosts (a job's hosts beyond are counted, not named).
+MAX_ATTEMPT_HOSTS = 256
+AttemptNo = Annotated[int, Field(ge=1, le=10**9)]
+Hosts = Annotated[list[Host], Field(max_length=MAX_ATTEMPT_HOSTS)]
+
+
+class AttemptResume(_Model):
+    """The checkpoint set an attempt resumed from."""
+
+    set: Annotated[str, Field(max_length=2 * MAX_PATH)] | None = Field(description="the set's id")
+    global_step: Count = Field(description="the set's global step")
+
+
+class AttemptStart(_Model):
+    """A start line of ``RUN/rankwatch/attempts.jsonl``, appended by rank 0 when a launch begins."""
+
+    kind: Literal["start"] = Field(description="`start`")
+    attempt: AttemptNo = Field(description="1 for the run's first launch, then +1 per launch")
+    launch: LaunchId = Field(description="the launch's id, as in its ranks' heartbeats")
+    started_at: UnixTime = Field(description="when rank 0's bridge started")
+    world_size: WorldSize = Field(description="ranks in the launch")
+    hosts: Hosts = Field(description="hosts of its ranks known so far (rank 0's at start)")
+    host_count: Annotated[int, Field(ge=0, le=MAX_RANKS)] | None = Field(
+        None, description="how many hosts in all, when more than `hosts` names"
+    )
+    pid: Pid | None = Field(None, description="rank 0's process id")
+    resumed_from: AttemptResume | None = Field(
+        None, description="`{set, global_step}`, or null: a fresh start"
+    )
+    first_step: Count = Field(description="the first global step this attempt trains")
+    previous_last_step: Count | None = Field(
+        None, description="the last global step the previous attempt trained, as known at start"
+    )
+    replayed: Annotated[list[Count], Field(min_length=2, max_length=2)] | None = Field(
+        None,
+        description="`[from, to]`: global steps the previous attempt had trained that this one trains again "
+        "(it resumed from an older set); null when it goes on after the last step",
+    )
+
+
+class AttemptHosts(_Model):
+    """A hosts line: the hosts of every rank, once rank 0 has seen each rank's first heartbeat."""
+
+    kind: Literal["hosts"] = Field(description="`hosts`")
+    attempt: AttemptNo = Field(description="as in its start line")
+    launch: LaunchId = Field(description="as in its start line")
+    hosts: Hosts = Field(description="the hosts of the launch's ranks")
+    host_count: Annotated[int, Field(ge=0, le=MAX_RANKS)] = Field(description="how many hosts in all")
+
+
+class AttemptEnd(_Model):
+    """An end line: how an attempt ended, by rank 0, or by the next attempt's rank 0 when it wrote none."""
+
+    kind: Literal["end"] = Field(description="`end`")
+    attempt: AttemptNo = Field(description="as in its start line")
+    launch: LaunchId = Field(description="as in its start line")
+    ended_at: UnixTime | None = Field(None, description="when it ended (the last heartbeat, if sealed later)")
+    end: Literal["graceful_stop", "finished", "failed", "killed", "unknown"] = Field(
+        description="`graceful_stop`, `finished`, `failed`, `killed` (its ranks vanished without a word) "
+        "or `unknown`"
+    )
+    last_step: Count | None = Field(None, description="the last global step it trained")
+    request_id: RequestId | None = Field(None, description="the stop request it served (`graceful_stop`)")
+    requested_by: Annotated[str, Field(max_length=200)] | None = Field(
+        None, description="who asked for that stop (the flag's `requested_by`; `policy` for the stop policy)"
+    )
+    source: Literal["flag", "sigterm"] | None = Field(None, description="what asked: the flag or SIGTERM")
+    error: Annotated[str, Field(max_length=MAX_ERROR)] | None = Field(None, description="why it failed")
+    sealed_by: AttemptNo | None = Field(
+        None, description="the attempt that wrote this line from the heartbeats left behind, if not itself"
     )
 
 
@@ -514,6 +600,9 @@ README_TABLES = {
     "history": HistoryLine,
     "job": Job,
     "retention": RetentionFile,
+    "attempt_start": AttemptStart,
+    "attempt_hosts": AttemptHosts,
+    "attempt_end": AttemptEnd,
 }
 
 

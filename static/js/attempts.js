@@ -1,0 +1,106 @@
+// The attempts timeline: each launch of the job in this run directory, from
+// /api/attempts (app/ranks/attempts.py), oldest first. A human stop, a policy stop,
+// a crash and a kill each read (and look) different: data-end and
+// data-stop-by carry the kind for the stylesheet and for tests.
+
+import { $ } from "./dom.js";
+import { formatClock, formatCount, plural } from "./format.js";
+
+const POLL_MS = 5000;
+
+function steps(a) {
+  const first = a.first_step;
+  const last = a.last_step;
+  if (last === null || last === undefined) return `from global step ${formatCount(first)}`;
+  if (last < first) return "no step trained";
+  return `global steps ${formatCount(first)}–${formatCount(last)}`;
+}
+
+// Why the attempt ended, in words: who stopped it, or that it crashed.
+export function endText(a) {
+  switch (a.end) {
+    case null: case undefined: return "running";
+    case "graceful_stop": {
+      const req = a.request_id ? ` (request ${a.request_id})` : "";
+      if (a.stop_by === "policy") return `stopped by the stop policy${req}`;
+      if (a.stop_by === "sigterm") return "stopped on SIGTERM";
+      return `stopped by ${a.requested_by || "an operator"}${req}`;
+    }
+    case "finished": return "finished";
+    case "failed": return `crashed: ${a.error || "a rank failed"}`;
+    case "killed": return "killed: its ranks vanished without a word";
+    default: return "ended, how is unknown";
+  }
+}
+
+export class Attempts {
+  constructor(url) {
+    this.url = url;
+    this.list = $("#attempts-list");
+    this.note = $("#attempts-note");
+    this.last = "";
+    if (!this.list || !url) return;
+    this.load();
+    setInterval(() => { if (!document.hidden) this.load(); }, POLL_MS);
+  }
+
+  async load() {
+    let body;
+    try {
+      const r = await fetch(this.url);
+      body = await r.json();
+      if (!r.ok) throw new Error(body.error || `HTTP ${r.status}`);
+    } catch (err) {
+      this.note.textContent = `Attempts unavailable: ${err.message}`;
+      return;
+    }
+    const key = JSON.stringify(body);
+    if (key === this.last) return;
+    this.last = key;
+    this.render(body);
+  }
+
+  render(body) {
+    const rows = Array.isArray(body.attempts) ? body.attempts : [];
+    if (!rows.length) {
+      const li = document.createElement("li");
+      li.className = "muted";
+      li.textContent = "No attempt recorded yet.";
+      this.list.replaceChildren(li);
+    } else {
+      this.list.replaceChildren(...rows.map((a) => this.item(a)));
+    }
+    const notes = [];
+    if (body.error) notes.push(body.error);
+    if (body.skipped_lines) notes.push(`${plural(body.skipped_lines, "line")} of attempts.jsonl skipped as invalid`);
+    if (notes.length) this.note.textContent = notes.join("; ");
+  }
+
+  item(a) {
+    const li = document.createElement("li");
+    li.dataset.attempt = a.attempt;
+    li.dataset.end = a.end || "running";
+    if (a.stop_by) li.dataset.stopBy = a.stop_by;
+    const hosts = Array.isArray(a.hosts) ? a.hosts.join(", ") : "";
+    const head = document.createElement("span");
+    head.textContent = `Attempt ${a.attempt} · started ${formatClock(a.started_at, true)} · `
+      + `${plural(a.world_size, "rank")} on ${hosts || "?"} · ${a.resumed_text} · ${steps(a)}`;
+    li.append(head);
+    if (Array.isArray(a.replayed)) {
+      const replay = document.createElement("span");
+      replay.className = "attempt-replay";
+      replay.textContent = ` · trained global steps ${formatCount(a.replayed[0])}–${formatCount(a.replayed[1])} `
+        + "again (a branch: it resumed from an older set)";
+      li.append(replay);
+    }
+    const end = document.createElement("span");
+    end.className = "attempt-end";
+    const when = a.ended_at ? ` at ${formatClock(a.ended_at)}` : "";
+    end.textContent = ` · ${endText(a)}${a.end ? when : ""}`;
+    li.append(end);
+    if (a.inferred || a.sealed_by) {
+      li.title = a.inferred || `no end line of its own: attempt ${a.sealed_by} judged it from its ranks' heartbeats`;
+    }
+    return li;
+  }
+}

@@ -1,0 +1,186 @@
+"""Attempts end to end, with real msrun jobs (2 ranks, CPU) in one run directory, in one sequence:
+
+1. launch A; a second launch B in the same directory while A trains is refused, naming A's
+   ranks, and A trains on;
+2. stop A gracefully (a human's request), relaunch C: it resumes at S+1; stop C (the policy's
+   request);
+3. relaunch D pinned to A's older set (``RANKWATCH_RESUME_STEP``): it replays C's steps;
+   kill it with SIGKILL;
+4. ``attempts.jsonl`` holds three attempts, and the dashboard (API and page, in Chromium)
+   shows them: two graceful stops told apart, the replayed range, and the kill; the stop
+   panel of a dashboard started only now credits C's stop to attempt 2.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+import urllib.request
+
+import pytest
+from playwright.sync_api import expect
+
+from tests.helpers.heartbeats import HOST
+from tests.helpers.jobs import JOB_TIMEOUT_S, DemoJob, write_flag
+from tests.helpers.liveserver import start_dashboard
+from tests.ranks.test_page_state import serious
+from trainer_bridge.demo.__main__ import TRAIN_SCRIPT, free_port, job_env, msrun_command
+from trainer_bridge.rundir import attempts, runfiles
+
+pytestmark = [pytest.mark.msrun, pytest.mark.browser]
+
+UI_TIMEOUT_MS = 120_000
+SAMPLES = 2000
+
+
+def job(run, **kw) -> DemoJob:
+    return DemoJob(run, epochs=50, samples=SAMPLES, step_delay=0.05, **kw)
+
+
+def launches(j: DemoJob) -> set:
+    return {hb.get("launch") for hb in j.heartbeats() if hb}
+
+
+def rows(run) -> list[dict]:
+    records, skipped = attempts.read_lines(run)
+    assert skipped == 0
+    return attempts.fold(records)
+
+
+def refused_launch(run, tmp_path) -> tuple[int, str]:
+    """msrun with the demo's worker in ``run`` while A trains; its logs elsewhere, so A's stay whole."""
+    logs = tmp_path / "b_logs"
+    data = run / "mnist"
+    cmd = msrun_command(
+        run,
+        2,
+        ["--run-dir", str(run), "--data-dir", str(data), "--epochs", "50", "--step-delay", "0.05"],
+        free_port(),
+        TRAIN_SCRIPT,
+    )
+    cmd = [f"--log_dir={logs}" if a.startswith("--log_dir=") else a for a in cmd]
+    with open(tmp_path / "b.out", "wb") as out:
+        done = subprocess.run(cmd, env=job_env(), stdout=out, stderr=subprocess.STDOUT, timeout=JOB_TIMEOUT_S)
+    return done.returncode, (logs / "worker_0.log").read_text(errors="replace")
+
+
+def test_attempts_refusal_resume_replay_kill(tmp_path, browser, console_errors, page):
+    run = tmp_path / "run"
+
+    # 1. A trains; B is refused and A trains on.
+    a = job(run).start()
+    c = d = server = None
+    try:
+        a.wait_for_step(3)
+        beats = a.heartbeats()
+        (launch_a,) = launches(a)
+        pids_a = [hb["pid"] for hb in beats]
+        code, said = refused_launch(run, tmp_path)
+        assert code != 0
+        assert "refusing to start: another launch of a job is training in" in said, said[-3000:]
+        for r, pid in enumerate(pids_a):
+            assert f"rank {r} (pid {pid} on {HOST}, heartbeat " in said
+        past = max(hb["global_step"] for hb in a.heartbeats()) + 5
+        a.wait_until(
+            lambda hbs: all(h and h["global_step"] >= past and h["launch"] == launch_a for h in hbs),
+            "A training on after the refused launch",
+        )
+        assert [hb["pid"] for hb in a.heartbeats()] == pids_a
+
+        # 2. A human stops A; C resumes at S+1; the policy stops C.
+        write_flag(run, "req-a", requested_by="alice", reason="test")
+        assert a.wait() == 0, a.logs()
+        s, _ = a.stopped_together()
+        c = job(run).start()
+        c.wait_until(
+            lambda hbs: all(
+                h and h.get("launch") not in (None, launch_a) and h["global_step"] >= s + 3 for h in hbs
+            ),
+            "C past S+3",
+        )
+        assert all(hb["resumed_from"]["global_step"] == s for hb in c.heartbeats())
+        set_id = c.heartbeats()[0]["resumed_from"]["set"]
+        assert set_id
+        assert (
+            f"rankwatch: attempt 2 of this run, resumed from global step {s} (set {set_id})"
+            in c.worker_log(0)
+        )
+        assert all(c.steps_logged(r)[0] == s + 1 for r in range(2))
+        write_flag(run, "req-c", requested_by="policy", reason="rule: stalled")
+        assert c.wait() == 0, c.logs()
+        s2, _ = c.stopped_together()
+        assert s2 > s + 2
+
+        # 3. D pinned to A's set replays S+1..S2; then it is killed.
+        (launch_c,) = {hb["launch"] for hb in c.heartbeats()}
+        d = job(run, env={runfiles.RESUME_STEP_ENV: str(s)}).start()
+        d.wait_until(
+            lambda hbs: all(
+                h and h.get("launch") not in (None, launch_a, launch_c) and h["global_step"] >= s + 2
+                for h in hbs
+            ),
+            "D past S+2",
+        )
+        (launch_d,) = launches(d)
+        assert f"it trains global steps {s + 1}-{s2} again" in d.worker_log(0)
+        d.kill()
+
+        # 4. The file, then the dashboard.
+        first, second, third = rows(run)
+        assert [x["launch"] for x in (first, second, third)] == [launch_a, launch_c, launch_d]
+        assert first["resumed_from"] is None and first["first_step"] == 1
+        assert first["end"] == "graceful_stop" and first["request_id"] == "req-a"
+        assert first["stop_by"] == "operator" and first["requested_by"] == "alice" and first["last_step"] == s
+        assert first["hosts"] == [HOST] and first["world_size"] == 2
+        assert second["resumed_from"] == {"set": set_id, "global_step": s} and second["first_step"] == s + 1
+        assert second["replayed"] is None and second["previous_last_step"] == s
+        assert (
+            second["end"] == "graceful_stop" and second["stop_by"] == "policy" and second["last_step"] == s2
+        )
+        assert third["resumed_from"]["global_step"] == s and third["first_step"] == s + 1
+        assert third["replayed"] == [s + 1, s2] and third["end"] is None
+
+        server = start_dashboard(run, tmp_path / "dashboard.log", env={"RANKWATCH_TICK_S": "0.2"})
+        deadline = time.monotonic() + 120
+        while True:
+            with urllib.request.urlopen(f"{server.url}/api/attempts") as r:
+                body = json.load(r)
+            if body["attempts"][-1]["end"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        last = body["attempts"][-1]
+        assert last["end"] == "killed" and last["last_step"] >= s + 2 and last["inferred"], last
+        with urllib.request.urlopen(f"{server.url}/api/ranks") as r:
+            ranks = json.load(r)["ranks"]
+        assert {row["resumed_from"] for row in ranks} == {f"resumed from global step {s} (set {set_id})"}
+
+        page.goto(server.url)
+        items = page.locator("#attempts-list li")
+        expect(items).to_have_count(3, timeout=UI_TIMEOUT_MS)
+        expect(
+            page.locator("#attempts-list li[data-end='graceful_stop'][data-stop-by='operator']")
+        ).to_contain_text("stopped by alice (request req-a)")
+        expect(
+            page.locator("#attempts-list li[data-end='graceful_stop'][data-stop-by='policy']")
+        ).to_contain_text("stopped by the stop policy")
+        killed = page.locator("#attempts-list li[data-end='killed']")
+        expect(killed).to_contain_text(f"resumed from global step {s}")
+        expect(killed).to_contain_text(f"trained global steps {s + 1}–{s2} again")
+        # The dashboard was not watching when C stopped for req-c: the stop is C's, not "not obeyed" by D.
+        expect(page.locator("#stop-headline")).to_contain_text(
+            "No stop requested. Last stop: completed", timeout=UI_TIMEOUT_MS
+        )
+        expect(page.locator("#stop-headline")).to_contain_text("by policy, attempt 2.")
+        step_cell = page.locator("#rank-table tbody td[data-col='global_step']").first
+        expect(step_cell).to_have_attribute("title", re.compile(f"resumed from global step {s} "))
+        page.screenshot(path=str(tmp_path / "attempts.png"), full_page=True)
+        assert serious(page) == []
+        assert console_errors == []
+    finally:
+        for j in (a, c, d):
+            if j is not None:
+                j.kill()
+        if server is not None:
+            server.stop()
