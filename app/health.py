@@ -78,6 +78,8 @@ VERDICTS = (
     "stalled",
     "dead",
     "node_lost",
+    # Only a hub shows it (app/agent/hub.py): the agent of the rank's host went silent.
+    "agent_lost",
     "exited",
     "finished",
     "failed",
