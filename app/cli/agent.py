@@ -47,13 +47,21 @@ import click
     help="Every rank's full row is sent at least this often, spread over the digests.",
 )
 @click.option(
+    "--host",
+    default="",
+    help="The host name this node's ranks report (their heartbeats' `host`) [default: this machine's]; "
+    "set it where the agent's own name differs, e.g. a Kubernetes pod without hostNetwork.",
+)
+@click.option(
     "--buffer",
     default=300,
     show_default=True,
     type=click.IntRange(1, 100_000),
     help="Digests kept while Redis is unreachable (the oldest are dropped first).",
 )
-def agent(run_dir: Path, url: str, run: str, interval_s: float, resync_s: float, buffer: int) -> None:
+def agent(
+    run_dir: Path, url: str, run: str, interval_s: float, resync_s: float, host: str, buffer: int
+) -> None:
     """Publish this host's ranks to Redis as one digest a second (run one per node)."""
     from app.agent.digest import check_run
     from app.agent.runner import Agent, run_forever
@@ -68,7 +76,15 @@ def agent(run_dir: Path, url: str, run: str, interval_s: float, resync_s: float,
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
     key = config["REDIS_KEY"].encode() if config["REDIS_KEY"] else None
     worker = Agent(
-        run_dir, url, name, config, key=key, interval_s=interval_s, resync_s=resync_s, buffer=buffer
+        run_dir,
+        url,
+        name,
+        config,
+        key=key,
+        host=host or None,
+        interval_s=interval_s,
+        resync_s=resync_s,
+        buffer=buffer,
     )
     stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
