@@ -113,7 +113,7 @@ def test_two_nodes_without_a_shared_directory_show_every_rank_from_digests(tmp_p
         "node-b"
     }
     # The same fields as a dashboard reading the files itself.
-    assert set(v["ranks"][0]) == set(dg.Row.model_fields) | {"heartbeat_age_s"}
+    assert set(v["ranks"][0]) == set(dg.ROW_FIELDS) | {"heartbeat_age_s"}
     assert v["run"]["transport"] == "agents" and v["run"]["hosts"] == 2 and v["run"]["refused"] == 0
     assert v["summary"]["counts"]["healthy"] == 8 and v["world_size"] == 8
     hosts = {h["host"]: h for h in v["hosts"]}
@@ -148,7 +148,7 @@ def test_hostile_digests_are_refused_counted_and_change_nothing(tmp_path, hub, a
     replay = client.xrevrange(stream, count=1)[0][1]
     state = hub.extensions["rankwatch"].state
     before = {r: dict(row) for r, row in state.hub.rows.items()}
-    seq = state.hub.hosts["node-a"].digest.seq
+    seq = state.hub.hosts["node-a"].digest["seq"]
     key = KEY.encode()
 
     def good(**over) -> dict:
@@ -189,7 +189,9 @@ def test_hostile_digests_are_refused_counted_and_change_nothing(tmp_path, hub, a
     assert "refused" in v["run"]["message"]
     assert [h["host"] for h in v["hosts"]] == ["node-a"]
     # Nothing else changed: the rows are the agent's, no forged verdict, and its next digest is taken.
-    assert all(r["health"] == "healthy" for r in v["ranks"]) and state.hub.hosts["node-a"].digest.seq >= seq
+    assert (
+        all(r["health"] == "healthy" for r in v["ranks"]) and state.hub.hosts["node-a"].digest["seq"] >= seq
+    )
     assert {r: row["pid"] for r, row in state.hub.rows.items()} == {
         r: row["pid"] for r, row in before.items()
     }
@@ -197,7 +199,7 @@ def test_hostile_digests_are_refused_counted_and_change_nothing(tmp_path, hub, a
     def heard_again():
         a.beat()
         v = view(hub)
-        return v if state.hub.hosts["node-a"].digest.seq > seq + 1 else None
+        return v if state.hub.hosts["node-a"].digest["seq"] > seq + 1 else None
 
     later = wait_for(heard_again, "the agent heard again")
     assert later["run"]["refused"] == len(hostile)
@@ -241,7 +243,7 @@ def test_redis_killed_and_restarted_the_agent_buffers_and_everything_recovers(
     state = hub.extensions["rankwatch"].state
     redis_server.stop()
     down_at = time.time()
-    seq = state.hub.hosts["node-a"].digest.seq
+    seq = state.hub.hosts["node-a"].digest["seq"]
     v = wait_for(
         lambda: (a.beat(), v := view(hub))[0] is None and "unreachable" in v["run"]["message"] and v,
         "Redis down",
@@ -255,7 +257,7 @@ def test_redis_killed_and_restarted_the_agent_buffers_and_everything_recovers(
     def recovered():
         a.beat()
         v = view(hub)
-        back = state.hub.hosts["node-a"].digest.seq > seq + 1
+        back = state.hub.hosts["node-a"].digest["seq"] > seq + 1
         return v if back and "unreachable" not in v["run"]["message"] else None
 
     v = wait_for(recovered, "the hub hearing the agent again", timeout=120)

@@ -154,17 +154,18 @@ class Hub(redisbus._Guarded):
             digest = dg.parse(fields, self.run, self.key)
         except dg.Refused as e:
             return self._refuse(str(e))
-        host = digest.host
+        host = digest["host"]
         view = self.hosts.get(host)
-        if view is not None and (digest.boot, digest.seq) <= (view.digest.boot, view.digest.seq):
+        if view is not None and (digest["boot"], digest["seq"]) <= (view.digest["boot"], view.digest["seq"]):
             return self._refuse(
                 f"a digest for host {host[:100]!r} not newer than the last one (a replay, or an older agent)"
             )
-        for entry in digest.rows:
-            owner = self.owner.get(entry.row.rank)
+        entries = digest.pop("rows")  # the host view keeps the figures, not the rows
+        for entry in entries:
+            owner = self.owner.get(entry["row"]["rank"])
             if owner is not None and owner != host and not self.hosts[owner].lost:
                 return self._refuse(
-                    f"a digest for host {host[:100]!r} claiming rank {entry.row.rank}, "
+                    f"a digest for host {host[:100]!r} claiming rank {entry['row']['rank']}, "
                     f"whose agent on {owner[:100]!r} reports"
                 )
         if view is None:
@@ -172,19 +173,19 @@ class Hub(redisbus._Guarded):
         view.digest, view.heard_at = digest, now
         self.accepted += 1
         changed = set()
-        for entry in digest.rows:
-            rank = entry.row.rank
+        for entry in entries:
+            row = entry["row"]
+            rank = row["rank"]
             old = self.owner.get(rank)
             if old is not None and old != host:
                 self.hosts[old].ranks.discard(rank)
             self.owner[rank] = host
             view.ranks.add(rank)
-            row = entry.row.model_dump()
             self.rows[rank] = row
             self.beats[rank] = {
-                "stop": entry.stop.model_dump() if entry.stop is not None else None,
-                "started_at": entry.started_at,
-                "sync_every": entry.sync_every,
+                "stop": entry.get("stop"),
+                "started_at": entry.get("started_at"),
+                "sync_every": entry.get("sync_every"),
                 "state": row["state"],
                 "time": row["time"],
                 "step_time_mean_ms": row["step_time_mean_ms"],
@@ -209,7 +210,7 @@ class Hub(redisbus._Guarded):
             **row,
             "health": "agent_lost",
             "reason": (
-                f"the agent on host {view.digest.host} has sent no digest for {ago:.0f} s: this rank's "
+                f"the agent on host {view.digest['host']} has sent no digest for {ago:.0f} s: this rank's "
                 f"state is unknown (last known: {row['health']}); it may still be training. "
                 "A node that is gone shows as node lost only while its agent reports"
             ),
@@ -226,19 +227,19 @@ class Hub(redisbus._Guarded):
                 {
                     "host": host,
                     "status": "agent_lost" if view.lost else "reporting",
-                    "agent": d.agent,
+                    "agent": d["agent"],
                     "digest_age_s": round(max(0.0, now - view.heard_at), 1),
-                    "seq": d.seq,
-                    "attempt": d.attempt,
-                    "ranks": list(d.ranks) if d.ranks else None,
-                    "n": d.n,
-                    "counts": dict(d.counts),
-                    "global_step": list(d.global_step) if d.global_step else None,
-                    "step_time_ms": list(d.step_time_ms) if d.step_time_ms else None,
-                    "slowest": d.slowest.model_dump() if d.slowest else None,
-                    "stalest": d.stalest,
-                    "stop_stages": dict(d.stop_stages),
-                    "flag": d.flag,
+                    "seq": d["seq"],
+                    "attempt": d["attempt"],
+                    "ranks": list(d["ranks"]) if d["ranks"] else None,
+                    "n": d["n"],
+                    "counts": dict(d["counts"]),
+                    "global_step": list(d["global_step"]) if d["global_step"] else None,
+                    "step_time_ms": list(d["step_time_ms"]) if d["step_time_ms"] else None,
+                    "slowest": d["slowest"],
+                    "stalest": d["stalest"],
+                    "stop_stages": dict(d["stop_stages"]),
+                    "flag": d.get("flag"),
                 }
             )
         return out
@@ -246,15 +247,14 @@ class Hub(redisbus._Guarded):
     def figures(self, counts: dict, threshold_ratio: float) -> dict:
         """The summary strip's job-wide figures, from the hosts' digests (O(hosts), not O(ranks))."""
         live = [v.digest for v in self.hosts.values() if not v.lost]
-        slowest = (
-            max((d.slowest.step_time_ms, d.slowest.rank, d) for d in live if d.slowest is not None)
-            if any(d.slowest is not None for d in live)
-            else None
+        slowest = max(
+            ((d["slowest"]["step_time_ms"], d["slowest"]["rank"]) for d in live if d["slowest"] is not None),
+            default=None,
         )
-        medians = [d.step_time_ms[0] for d in live if d.step_time_ms is not None]
         worst = None
         if slowest is not None:
-            ms, rank, _ = slowest
+            ms, rank = slowest
+            medians = [d["step_time_ms"][0] for d in live if d["step_time_ms"] is not None]
             mid = float(statistics.median(medians)) if medians else ms
             row = self.rows.get(rank)
             worst = {
@@ -267,9 +267,9 @@ class Hub(redisbus._Guarded):
                 "straggler": row is not None and row["health"] == "straggler",
                 "threshold_ratio": threshold_ratio,
             }
-        rates = [d.samples_per_s for d in live if d.samples_per_s is not None]
-        lasts = [d.last_step_at for d in live if d.last_step_at is not None]
-        steps = [d.global_step[2] for d in live if d.global_step is not None]
+        rates = [d["samples_per_s"] for d in live if d["samples_per_s"] is not None]
+        lasts = [d["last_step_at"] for d in live if d["last_step_at"] is not None]
+        steps = [d["global_step"][2] for d in live if d["global_step"] is not None]
         return {
             "counts": counts,
             "reported": len(self.rows),
@@ -280,7 +280,7 @@ class Hub(redisbus._Guarded):
         }
 
     def world_size(self) -> int:
-        declared = max((v.digest.world_size or 0 for v in self.hosts.values()), default=0)
+        declared = max((v.digest["world_size"] or 0 for v in self.hosts.values()), default=0)
         return max(declared, max(self.rows, default=-1) + 1)
 
     # ------------------------------------------------------------------ the stop, to the agents

@@ -10,6 +10,7 @@ stop service writes, which the hub mirrors to the agents.
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -38,6 +39,11 @@ def hub_state(run_dir: str | None, config: Mapping[str, Any]) -> HubState | None
     name = run_name(config, run_dir)
     if name is None:
         return None
+    # A hub keeps a row per rank and a digest per host, and replaces a few of
+    # them every millisecond: with the default thresholds the collector scans
+    # that live heap again and again (a third of the hub's CPU, measured with
+    # tests/bench/agents.py); rows hold no cycles, so collect less often.
+    gc.set_threshold(50_000, 50, 100)
     hub = Hub(config["REDIS_URL"], name, redis_key(config), float(config["AGENT_LOST_S"]))
     return HubState(run_dir, config, hub)
 
