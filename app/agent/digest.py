@@ -140,6 +140,17 @@ class Digest(TypedDict):
 
 _DIGEST = TypeAdapter(Digest)
 _STOP = TypeAdapter(StopRecord)
+_ENTRY = TypeAdapter(RankEntry)
+
+
+def entry_problem(entry: dict) -> str | None:
+    """Why a hub would refuse this rank entry (the agent leaves such a row out), or None."""
+    try:
+        _ENTRY.validate_json(json.dumps(entry, allow_nan=False))
+    except (ValidationError, ValueError) as e:
+        errors = e.errors() if isinstance(e, ValidationError) else []
+        return ".".join(map(str, errors[0]["loc"])) if errors else str(e)
+    return None
 
 
 class Refused(ValueError):

@@ -124,6 +124,7 @@ class Agent:
         self.flag_version: float | None = None
         self._resync_seen: bytes | None = None
         self.flag_error: str | None = None
+        self._bad_rows: dict[int, str] = {}
 
     def tick(self, now: float) -> dict:
         """One round: scan, digest, send, apply the hub's flag. Returns the digest built."""
@@ -166,16 +167,21 @@ class Agent:
         for rank in chosen:
             row = by_rank[rank]
             hb = beats.get(rank) or {}
-            entries.append(
-                {
-                    "row": row,
-                    "stop": hb.get("stop"),
-                    "started_at": hb.get("started_at"),
-                    "sync_every": hb.get("sync_every"),
-                }
-            )
+            entry = {
+                "row": row,
+                "stop": hb.get("stop"),
+                "started_at": hb.get("started_at"),
+                "sync_every": hb.get("sync_every"),
+            }
             self._sent[rank] = _key(row)
             self._pending.pop(rank, None)
+            # One row the hub would refuse must not cost the whole host its digest.
+            problem = dg.entry_problem(entry)
+            if problem is None:
+                entries.append(entry)
+            elif self._bad_rows.get(rank) != problem:
+                self._bad_rows[rank] = problem
+                log.warning("rankwatch agent: rank %d's row left out of the digest (field %s)", rank, problem)
         self.seq += 1
         return {
             "v": dg.VERSION,
