@@ -471,6 +471,13 @@ SETTINGS: list[Setting] = [
         "(their last figures; not counted as ended), until its next digest.",
     ),
     Setting(
+        "HUB_GROUP",
+        "",
+        "With agents: the Redis consumer group this dashboard reads the digests through. Empty: one of "
+        "its own, so every dashboard process shows every host. Processes given the same name split the "
+        "digests between them (the load divides, and each shows only the hosts it read).",
+    ),
+    Setting(
         "RETENTION_MODE",
         "off",
         'Checkpoint retention (docs/checkpoints.md, "Retention"): `off` (default: only the plan is '
@@ -574,7 +581,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("Several dashboards (Redis)", ("REDIS_URL", "REDIS_JOB", "REDIS_KEY", "LEADER_TTL_S")),
-    ("Agents (Redis)", ("AGENTS", "RUN", "AGENT_LOST_S")),
+    ("Agents (Redis)", ("AGENTS", "RUN", "AGENT_LOST_S", "HUB_GROUP")),
 )
 
 

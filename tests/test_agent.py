@@ -303,3 +303,35 @@ def test_the_hub_flag_reaches_every_agent_run_directory(tmp_path, hub, agents):
 
     flags = wait_for(everywhere, "the flag in both nodes' run directories", timeout=60)
     assert flags[0].request_id == written.request_id and flags[0].exit
+
+
+def test_hubs_of_their_own_each_read_every_digest_hubs_of_one_group_split_them(tmp_path, redis_server):
+    from app.agent.hub import Hub
+
+    node = Node(tmp_path, "node-a", range(0, 2), 2)
+    node.beat()
+    agent = Agent(node.dir, redis_server.url, RUN, from_env(), host="node-a")
+    own = [Hub(redis_server.url, RUN, None, 30.0) for _ in range(2)]
+    shared = [Hub(redis_server.url, RUN, None, 30.0, group="hubs") for _ in range(2)]
+    hubs = own + shared
+    try:
+        for hub in hubs:
+            hub.poll(time.time())  # each joins (its group starts at the stream's end)
+        for _ in range(3):
+            agent.tick(time.time())
+            for hub in hubs:
+                hub.poll(time.time())
+        # Each own group gets every digest; the shared group's first reader takes them all.
+        assert [hub.accepted for hub in hubs] == [3, 3, 3, 0]
+        agent.tick(time.time())
+        shared[1].poll(time.time())
+        shared[0].poll(time.time())
+        assert [hub.accepted for hub in shared] == [3, 1]
+        assert sorted(own[0].rows) == sorted(own[1].rows) == [0, 1]
+    finally:
+        for hub in hubs:
+            hub.close()
+        agent.outbox.close()
+    # A hub's own group goes with it; the shared one stays for the others.
+    groups = redis_py.Redis.from_url(redis_server.url).xinfo_groups(dg.keys(RUN)[0])
+    assert [g["name"] for g in groups] == [b"hubs"]

@@ -1,8 +1,11 @@
 """The hub: a dashboard's reader of the agents' host digests (``app/agent/digest.py``).
 
 It reads the run's digest stream through a consumer group (``XREADGROUP``
-then ``XACK``): dashboard processes that share the group name split the
-entries between them. Each digest updates its host's figures and the rows
+then ``XACK``). By default each dashboard process has a group of its own
+(removed when it stops), so each reads every digest and shows every host.
+Processes given the same group name (``HUB_GROUP``) split the entries
+between them instead: the load divides, and each shows only the hosts it
+read (merging their partial views through the leader is not built yet). Each digest updates its host's figures and the rows
 it carries; a rank's row is the one its host's agent last sent.
 
 **Agent lost.** A host whose agent sent no digest for ``lost_after_s``
@@ -34,8 +37,6 @@ from trainer_bridge import redisbus
 
 log = logging.getLogger(__name__)
 
-GROUP = "hub"
-
 
 @dataclass
 class HostView:
@@ -55,7 +56,7 @@ class Hub(redisbus._Guarded):
         key: bytes | None,
         lost_after_s: float,
         *,
-        group: str = GROUP,
+        group: str = "",
         batch: int = 2000,
         **kw,
     ):
@@ -63,8 +64,9 @@ class Hub(redisbus._Guarded):
         self.run = dg.check_run(run)
         self.key = key
         self.lost_after_s = lost_after_s
-        self.group = group
         self.consumer = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.own_group = not group
+        self.group = group or f"hub:{self.consumer}"
         self.batch = batch
         self.stream, self.flag_key, self.resync_key = dg.keys(run)
         self.hosts: dict[str, HostView] = {}
@@ -298,7 +300,10 @@ class Hub(redisbus._Guarded):
 
     def close(self) -> None:
         try:
-            self._call(lambda client: client.xgroup_delconsumer(self.stream, self.group, self.consumer))
+            if self.own_group:
+                self._call(lambda client: client.xgroup_destroy(self.stream, self.group))
+            else:
+                self._call(lambda client: client.xgroup_delconsumer(self.stream, self.group, self.consumer))
         except Exception:  # a consumer left in the group is harmless; shutdown must not fail on it
             pass
         super().close()

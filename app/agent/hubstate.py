@@ -44,7 +44,9 @@ def hub_state(run_dir: str | None, config: Mapping[str, Any]) -> HubState | None
     # that live heap again and again (a third of the hub's CPU, measured with
     # tests/bench/agents.py); rows hold no cycles, so collect less often.
     gc.set_threshold(50_000, 50, 100)
-    hub = Hub(config["REDIS_URL"], name, redis_key(config), float(config["AGENT_LOST_S"]))
+    hub = Hub(
+        config["REDIS_URL"], name, redis_key(config), float(config["AGENT_LOST_S"]), group=config["HUB_GROUP"]
+    )
     return HubState(run_dir, config, hub)
 
 
