@@ -10,6 +10,7 @@ stop service writes, which the hub mirrors to the agents.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 from collections.abc import Mapping
@@ -47,6 +48,8 @@ def hub_state(run_dir: str | None, config: Mapping[str, Any]) -> HubState | None
     hub = Hub(
         config["REDIS_URL"], name, redis_key(config), float(config["AGENT_LOST_S"]), group=config["HUB_GROUP"]
     )
+    # The hub's own consumer group goes when the process ends cleanly (a crashed one leaves a small group behind).
+    atexit.register(hub.close)
     return HubState(run_dir, config, hub)
 
 
