@@ -335,3 +335,18 @@ def test_hubs_of_their_own_each_read_every_digest_hubs_of_one_group_split_them(t
     # A hub's own group goes with it; the shared one stays for the others.
     groups = redis_py.Redis.from_url(redis_server.url).xinfo_groups(dg.keys(RUN)[0])
     assert [g["name"] for g in groups] == [b"hubs"]
+
+
+def test_a_relaunch_with_fewer_ranks_on_a_host_drops_the_others_from_the_view(tmp_path, hub, agents):
+    a = Node(tmp_path, "node-a", range(0, 4), 4)
+    agents(a)
+    wait_for(lambda: ranks_healthy(hub, [a], 4), "4 healthy ranks", timeout=120)
+    for r in (2, 3):
+        runfiles.heartbeat_path(a.dir, r).unlink()
+    a.ranks, a.world = range(0, 2), 2
+    v = wait_for(lambda: ranks_healthy(hub, [a], 2), "only ranks 0 and 1 left", timeout=120)
+    assert [r["rank"] for r in v["ranks"]] == [0, 1] and v["summary"]["counts"]["healthy"] == 2
+    assert v["hosts"][0]["ranks"] == [0, 1] and v["world_size"] == 2
+    # Those who watch get a whole snapshot: a removal is no delta.
+    state = hub.extensions["rankwatch"].state
+    assert state.take_delta(time.time())[0] == "ranks_snapshot"

@@ -75,6 +75,7 @@ class Hub(redisbus._Guarded):
             int, dict
         ] = {}  # rank -> {stop, started_at, sync_every, state, ...} for the stop service
         self.owner: dict[int, str] = {}
+        self.removed: set[int] = set()  # ranks gone from every host since the caller last took them
         self.accepted = 0
         self.refused = 0
         self.refused_last: str | None = None
@@ -194,6 +195,13 @@ class Hub(redisbus._Guarded):
                 "step_time_ms": row["step_time_ms"],
             }
             changed.add(rank)
+        # Ranks the host no longer has (a relaunch placed fewer, or others, on it) leave the view.
+        low, high = digest["ranks"] or (0, -1)
+        for rank in [r for r in view.ranks if not low <= r <= high]:
+            view.ranks.discard(rank)
+            del self.owner[rank], self.rows[rank], self.beats[rank]
+            self.removed.add(rank)
+            changed.discard(rank)
         if view.lost:
             view.lost = False
             changed |= view.ranks
@@ -299,11 +307,14 @@ class Hub(redisbus._Guarded):
         self._flag_sent = sent
 
     def close(self) -> None:
-        try:
-            if self.own_group:
-                self._call(lambda client: client.xgroup_destroy(self.stream, self.group))
-            else:
-                self._call(lambda client: client.xgroup_delconsumer(self.stream, self.group, self.consumer))
-        except Exception:  # a consumer left in the group is harmless; shutdown must not fail on it
-            pass
+        """Leave the group (remove this process's own); quietly, since Redis may be gone at exit."""
+        client = self._client
+        if client is not None:
+            try:
+                if self.own_group:
+                    client.xgroup_destroy(self.stream, self.group)
+                else:
+                    client.xgroup_delconsumer(self.stream, self.group, self.consumer)
+            except Exception:  # a group or consumer left behind is harmless; shutdown must not fail on it
+                pass
         super().close()

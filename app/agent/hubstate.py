@@ -73,7 +73,17 @@ class HubState(RunState):
             self._redis_error = None
         except redisbus.RedisUnavailable as e:
             changed, self._redis_error = set(), str(e)
+        for rank in self.hub.removed:
+            old = self._rows.pop(rank, None)
+            if old is not None:
+                self._counts[old["health"]] -= 1
+                self._sent.pop(rank, None)
+                self._dirty.discard(rank)
+                self._needs_snapshot = True  # a removal is no delta
+        self.hub.removed.clear()
         for rank in changed:
+            if rank not in self.hub.rows:
+                continue  # changed, then gone, in one read
             row = self.hub.shown(rank, now)
             old = self._rows.get(rank)
             if old is not None:
