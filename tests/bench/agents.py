@@ -70,7 +70,8 @@ def host_digests(first: int, count: int, url: str, stop) -> None:
             )
             for r in range(h * RANKS_PER_HOST, (h + 1) * RANKS_PER_HOST)
         ]
-        hosts.append((name, rows))
+        # The figures of a steady host do not change: computed once, so the simulator keeps up.
+        hosts.append((name, rows, figures(rows)))
     seq = 0
     period = 1.0
     next_at = time.monotonic()
@@ -78,7 +79,7 @@ def host_digests(first: int, count: int, url: str, stop) -> None:
         seq += 1
         now = time.time()
         pipe = client.pipeline(transaction=False)
-        for i, (name, rows) in enumerate(hosts):
+        for i, (name, rows, figs) in enumerate(hosts):
             row = rows[seq % RANKS_PER_HOST]
             row.update(time=round(now, 3), seq=seq, global_step=seq * 20, last_step_at=round(now, 3))
             digest = {
@@ -95,7 +96,7 @@ def host_digests(first: int, count: int, url: str, stop) -> None:
                 "n": RANKS_PER_HOST,
                 "flag": None,
                 "rows": [{"row": row, "stop": None, "started_at": boot, "sync_every": 16}],
-                **figures(rows),
+                **figs,
             }
             pipe.xadd(stream, dg.encode(digest, key), maxlen=dg.STREAM_MAXLEN, approximate=True)
             if i % 500 == 499:
@@ -167,6 +168,52 @@ def measure_hub(hosts: int, seconds: float, warmup: float, workers: int, workdir
     }
 
 
+def measure_drain(hosts: int, workdir: Path, url: str) -> dict:
+    """The hub's cost per digest at saturation, in this process: a full stream drained by scans.
+
+    The simulator first fills the stream (``STREAM_MAXLEN`` digests) while
+    nobody reads; then ``HubState.scan`` and ``take_delta`` (what the
+    watcher does each tick) take them all in. Without the web server
+    around it, and with every digest read in batches, this is the hub's
+    ceiling: 1e6 / (us per digest) digests a second per core.
+    """
+    import redis
+
+    from app.agent import digest as dg
+    from app.agent.hubstate import hub_state
+    from app.config import from_env
+
+    hub_dir = workdir / "drain" / RUN
+    hub_dir.mkdir(parents=True)
+    config = {**from_env(), "REDIS_URL": url, "AGENTS": True, "REDIS_KEY": KEY, "AGENT_LOST_S": 3600.0}
+    redis.Redis.from_url(url).delete(dg.keys(RUN)[0])
+    state = hub_state(str(hub_dir), config)
+    state.scan(time.time())  # joins the stream at its end
+    stop = multiprocessing.Event()
+    proc = multiprocessing.Process(target=host_digests, args=(0, hosts, url, stop))
+    proc.start()
+    client = redis.Redis.from_url(url)
+    while client.xlen(dg.keys(RUN)[0]) < dg.STREAM_MAXLEN * 0.9:
+        time.sleep(0.5)
+    stop.set()
+    proc.join()
+    cpu0 = time.process_time()
+    while True:
+        before = state.hub.accepted
+        state.scan(time.time())
+        state.take_delta(time.time())
+        if state.hub.accepted == before:
+            break
+    cpu = time.process_time() - cpu0
+    digests = state.hub.accepted
+    state.hub.close()
+    return {
+        "digests": digests,
+        "cpu_s": cpu,
+        "us_per_digest": cpu / digests * 1e6 if digests else float("nan"),
+    }
+
+
 def measure_agent(ranks: int, seconds: float, warmup: float, workdir: Path, url: str) -> dict:
     run_dir = workdir / "node" / RUN
     run_dir.mkdir(parents=True)
@@ -207,6 +254,11 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(tmp)
         redis_proc, url = start_redis(workdir)
         try:
+            drain = measure_drain(args.hosts, workdir, url)
+            print(
+                f"hub (drain, in-process): {drain['digests']} digests in {drain['cpu_s']:.2f} s CPU, "
+                f"{drain['us_per_digest']:.1f} us/digest = {1e6 / drain['us_per_digest']:.0f} digests/s per core"
+            )
             hub = measure_hub(args.hosts, args.seconds, args.warmup, args.workers, workdir, url)
             print(
                 f"hub: {hub['hosts']} hosts ({hub['heard']} heard), {hub['digests_per_s']:.0f} digests/s, "
