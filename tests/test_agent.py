@@ -350,3 +350,19 @@ def test_a_relaunch_with_fewer_ranks_on_a_host_drops_the_others_from_the_view(tm
     # Those who watch get a whole snapshot: a removal is no delta.
     state = hub.extensions["rankwatch"].state
     assert state.take_delta(time.time())[0] == "ranks_snapshot"
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--redis", "foo"], "Invalid value for --redis"),
+        (["--redis", "redis://127.0.0.1:1/0", "--run", "no spaces/here"], "Invalid value for --run"),
+    ],
+)
+def test_agent_refuses_a_bad_url_or_run_name_at_once(tmp_path, args, said):
+    from click.testing import CliRunner
+
+    from app.cli import main
+
+    result = CliRunner().invoke(main, ["agent", "--run-dir", str(tmp_path / "run"), *args])
+    assert result.exit_code == 2 and said in result.output, result.output

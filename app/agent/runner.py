@@ -64,6 +64,12 @@ class Outbox(redisbus._Guarded):
     def send(self, digest: dict) -> tuple[bytes | None, bytes | None] | None:
         """Queue ``digest`` and flush the queue; (flag value, resync value), or None if Redis is away."""
         if len(self.pending) == self.pending.maxlen:
+            if not self.dropped:
+                log.warning(
+                    "rankwatch agent: %d digests wait for redis; dropping the oldest from now on "
+                    "(the hub catches up from the next digests' rows and resync)",
+                    len(self.pending),
+                )
             self.dropped += 1
         self.pending.append(dg.encode(digest, self.key))
 

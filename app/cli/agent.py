@@ -73,6 +73,12 @@ def agent(
         check_run(name)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--run") from None
+    from trainer_bridge import redisbus
+
+    try:
+        redisbus.connect(url).close()  # only parses the URL: Redis may well be down now
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--redis") from None
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
     key = config["REDIS_KEY"].encode() if config["REDIS_KEY"] else None
     worker = Agent(
