@@ -403,3 +403,50 @@ def test_ranks_without_the_bridge_reach_the_hub_from_their_worker_logs(tmp_path,
         for p in ranks:
             p.kill()
             p.wait()
+
+
+def test_an_agent_lost_is_alerted(tmp_path, redis_server, agents):
+    from tests.receiver import Receiver
+
+    a = Node(tmp_path, "node-a", range(0, 2), 4)
+    b = Node(tmp_path, "node-b", range(2, 4), 4)
+    hub_dir = tmp_path / "alerting-hub" / RUN
+    hub_dir.mkdir(parents=True)
+    with Receiver() as receiver:
+        app = create_app(
+            {
+                "RUN_DIR": str(hub_dir),
+                "TESTING": True,
+                "REDIS_URL": redis_server.url,
+                "REDIS_KEY": KEY,
+                "AGENTS": True,
+                "AGENT_LOST_S": 3.0,
+                **FAST_SETTINGS,
+                "WEBHOOK_URL": receiver.url,
+                "ALERT_GROUP_S": 0.5,
+            }
+        )
+        watcher = app.extensions["rankwatch"].watcher
+        try:
+            agents(a)
+            agent_b = agents(b)
+
+            def tick_until(health: str, count: int):
+                a.beat()
+                b.beat()
+                watcher.tick()
+                counts = app.extensions["rankwatch"].state.summary(time.time())["summary"]["counts"]
+                return counts[health] == count
+
+            wait_for(lambda: tick_until("healthy", 4), "4 healthy ranks", timeout=120)
+            agent_b.kill()
+            wait_for(lambda: tick_until("agent_lost", 2), "node-b's ranks agent lost", timeout=60)
+            got = receiver.wait_for(
+                lambda got: [p for p in got if "agent_lost" in json.dumps(p)] or (watcher.tick() and None),
+                "an alert naming agent_lost",
+            )
+            assert "agent on host node-b" in json.dumps(got) or "agent lost" in json.dumps(got), got
+        finally:
+            app.extensions["rankwatch"].incidents.alerts.sender.close()
+            app.extensions["rankwatch"].state.hub.close()
+            watcher.stop()
