@@ -188,6 +188,8 @@ def test_hostile_digests_are_refused_counted_and_change_nothing(tmp_path, hub, a
         timeout=60,
     )
     assert v["run"]["refused"] == len(hostile), v["run"]
+    health = hub.test_client().get("/api/health").get_json()["hub"]
+    assert health["refused"] == len(hostile) and health["accepted"] > 0 and health["hosts"] == 1, health
     assert "refused" in v["run"]["message"]
     assert [h["host"] for h in v["hosts"]] == ["node-a"]
     # Nothing else changed: the rows are the agent's, no forged verdict, and its next digest is taken.

@@ -227,10 +227,10 @@ class Hub(redisbus._Guarded):
             "score": None,
         }
 
-    def host_rows(self, now: float) -> list[dict]:
-        """One row per host: its agent, whether it reports, and its digest's figures."""
+    def host_rows(self, now: float, hosts) -> list[dict]:
+        """One row per host of ``hosts``: its agent, whether it reports, and its digest's figures."""
         out = []
-        for host in sorted(self.hosts):
+        for host in sorted(hosts):
             view = self.hosts[host]
             d = view.digest
             out.append(
@@ -287,6 +287,18 @@ class Hub(redisbus._Guarded):
             "throughput": round(sum(rates), 1) if rates else None,
             "last_step_at": max(lasts) if lasts else None,
             "global_step": max(steps) if steps else None,
+        }
+
+    def status(self) -> dict:
+        """This process's reading of the digests, for ``GET /api/health``."""
+        return {
+            "run": self.run,
+            "group": self.group,
+            "hosts": len(self.hosts),
+            "agents_lost": sum(1 for v in self.hosts.values() if v.lost),
+            "accepted": self.accepted,
+            "refused": self.refused,
+            "refused_last": self.refused_last,
         }
 
     def world_size(self) -> int:

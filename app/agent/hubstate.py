@@ -64,7 +64,6 @@ class HubState(RunState):
         super()._clear()
         self._counts = dict.fromkeys(VERDICTS, 0)
         self._redis_error: str | None = None
-        self._flag_key: tuple | None = None
 
     def _scan(self, now: float) -> None:
         self.scanned_at = now
@@ -143,15 +142,18 @@ class HubState(RunState):
         }
 
     def page(self, now, health, start, count):
+        """``RunState.page`` and the host rows of the page's ranks (an answer bounded by the page)."""
         body, total = super().page(now, health, start, count)
         with self._lock:
-            body["hosts"] = self.hub.host_rows(now)
+            hosts = {self.hub.owner[r["rank"]] for r in body["ranks"] if r["rank"] in self.hub.owner}
+            body["hosts"] = self.hub.host_rows(now, hosts)
         return body, total
 
     def heartbeats(self) -> tuple[dict[int, dict | None], int]:
         """What each rank's agent said of its stop record, state and start (the stop service reads these)."""
         with self._lock:
-            return {r: dict(b) for r, b in self.hub.beats.items()}, self._world
+            # Each digest replaces a rank's record, never changes it: sharing them is safe.
+            return dict(self.hub.beats), self._world
 
     def started_at(self, rank: int) -> float | None:
         with self._lock:

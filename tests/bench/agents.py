@@ -112,10 +112,10 @@ def host_digests(first: int, count: int, url: str, stop) -> None:
 
 
 def host_seq_sum(url: str) -> tuple[int, int]:
-    with urllib.request.urlopen(url + "/api/ranks?per_page=1", timeout=120) as r:
-        body = json.loads(r.read())
-    hosts = body.get("hosts") or []
-    return sum(h["seq"] for h in hosts), len(hosts)
+    """(digests the dashboard took in, hosts it heard), from ``GET /api/health``."""
+    with urllib.request.urlopen(url + "/api/health", timeout=120) as r:
+        hub = json.loads(r.read())["hub"]
+    return hub["accepted"], hub["hosts"]
 
 
 def measure_hub(hosts: int, seconds: float, warmup: float, workers: int, workdir: Path, url: str) -> dict:
