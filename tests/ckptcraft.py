@@ -1,7 +1,7 @@
 """Checkpoint files crafted byte by byte, as a hostile or buggy writer could leave them.
 
 ``.ckpt`` is protobuf (``Checkpoint { repeated Value { tag, TensorProto { dims,
-tensor_type, tensor_content } } }``, see ``trainer_bridge/ckptmeta.py``) and
+tensor_type, tensor_content } } }``, see ``trainer_bridge/rundir/ckptmeta.py``) and
 ``.safetensors`` an 8-byte length plus a JSON header; these helpers write
 either with any dims, shapes, types and lengths a test wants, including
 ones no MindSpore would write. The security tests and the fuzz suite share

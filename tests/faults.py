@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from tests.liveserver import LiveServer, rank_rows, start_dashboard
+from tests.helpers.liveserver import LiveServer, rank_rows, start_dashboard
 
 # Generous upper bounds for a shared 2-core machine; never a speed assertion.
 WAIT_S = 240.0

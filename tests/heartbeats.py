@@ -1,4 +1,4 @@
-"""Heartbeats in the bridge's exact format (``trainer_bridge.schema.Heartbeat``).
+"""Heartbeats in the bridge's exact format (``trainer_bridge.rundir.schema.Heartbeat``).
 
 Used by the tests and by the scale simulator, so both exercise the dashboard
 with the files a real rank writes.
@@ -15,7 +15,7 @@ from typing import Any
 
 import psutil
 
-from trainer_bridge import runfiles, schema
+from trainer_bridge.rundir import runfiles, schema
 
 HOST = socket.gethostname()
 

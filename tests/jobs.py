@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 
-from trainer_bridge import runfiles
+from trainer_bridge.rundir import runfiles
 
 # Upper bounds only: a job that takes longer is broken, not slow.
 JOB_TIMEOUT_S = 300

@@ -114,7 +114,7 @@ def start_dashboard(
 ) -> LiveServer:
     """Start ``python -m app`` on a free port and wait until it answers.
 
-    ``prefix`` runs it through another command first (``tests/netns.py``
+    ``prefix`` runs it through another command first (``tests/helpers/netns.py``
     gives the dashboard a node's host name that way).
 
     Polls ``/api/summary``; fails at once, with the server's output, if the
@@ -155,7 +155,7 @@ def sign_in(page, url: str, token: str) -> None:
     """Open the page and enter the operator token in its dialog, as an operator does.
 
     (The page takes no ``#token=`` any more: the printed link carries a
-    single-use ``#login=`` code, app/login.py.)
+    single-use ``#login=`` code, app/edge/login.py.)
     """
     page.goto(url)
     page.click("#token-open")

@@ -14,7 +14,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from tests.liveserver import free_port
+from tests.helpers.liveserver import free_port
 
 
 def quiet_port() -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import time
 
-from tests.liveserver import free_port
+from tests.helpers.liveserver import free_port
 
 
 class RedisServer:

@@ -13,12 +13,12 @@ import time
 import pytest
 
 from app import create_app
-from app.alerts import AlertDesk, ranks_text
-from app.webhooks import WebhookSender, parse_urls, redact
+from app.incidents.alerts import AlertDesk, ranks_text
+from app.incidents.webhooks import WebhookSender, parse_urls, redact
 from tests.conftest import FAST_SETTINGS
-from tests.heartbeats import heartbeat, write_heartbeat, write_job
-from tests.receiver import Receiver, quiet_port
-from tests.test_stacks import wait_for
+from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
+from tests.helpers.receiver import Receiver, quiet_port
+from tests.incidents.test_stacks import wait_for
 
 TOKEN = "alert-token"
 

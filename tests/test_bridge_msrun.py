@@ -8,9 +8,9 @@ import signal
 import numpy as np
 import pytest
 
-from tests.jobs import DemoJob, dump, write_flag
-from trainer_bridge import runfiles
-from trainer_bridge.ckptmeta import read_meta
+from tests.helpers.jobs import DemoJob, dump, write_flag
+from trainer_bridge.rundir import runfiles
+from trainer_bridge.rundir.ckptmeta import read_meta
 
 pytestmark = pytest.mark.msrun
 
@@ -110,7 +110,7 @@ def test_corrupt_flag_neither_stops_nor_crashes_training(tmp_path):
     log line: a one-epoch job could end on a fast machine before the
     reporter's next poll, and then there would be nothing to check.
     """
-    from tests.faults import Dashboard, poll_until
+    from tests.helpers.faults import Dashboard, poll_until
 
     run = tmp_path / "run"
     job = DemoJob(run, epochs=50).start()

@@ -6,8 +6,8 @@ import functools
 import subprocess
 import sys
 
-from trainer_bridge import runfiles
 from trainer_bridge.agreement import Agreement, next_interval
+from trainer_bridge.rundir import runfiles
 from trainer_bridge.saving import Served, append_fields, checkpoint_file, data_position
 
 

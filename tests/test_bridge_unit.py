@@ -13,7 +13,7 @@ from mindspore import nn  # noqa: E402
 from mindspore.train import Callback, Model  # noqa: E402
 
 from trainer_bridge import GracefulExitBridge, runfiles  # noqa: E402
-from trainer_bridge.ckptmeta import read_meta  # noqa: E402
+from trainer_bridge.rundir.ckptmeta import read_meta  # noqa: E402
 
 STEPS_PER_EPOCH = 8
 

@@ -12,8 +12,8 @@ import pytest
 from playwright.sync_api import expect
 
 from tests.bench.simulate import Simulator
-from tests.heartbeats import heartbeat, write_heartbeat, write_job
-from tests.liveserver import start_dashboard
+from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
+from tests.helpers.liveserver import start_dashboard
 
 pytestmark = pytest.mark.browser
 

@@ -26,11 +26,11 @@ from mindspore import nn
 from mindspore.train import CheckpointConfig, Model, ModelCheckpoint
 
 from app import create_app
+from tests.checkpoints.test_ckptindex import _Samples
+from tests.checkpoints.test_ckptmeta import Small, save_small
 from tests.conftest import FAST_SETTINGS, wait_for_event
-from tests.heartbeats import heartbeat, write_heartbeat, write_job
-from tests.test_ckptindex import _Samples
-from tests.test_ckptmeta import Small, save_small
-from trainer_bridge import runfiles
+from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
+from trainer_bridge.rundir import runfiles
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "checkpoint-test-token"

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 from playwright.sync_api import expect
 
-from tests.test_checkpoints_api import DAMAGED, TOKEN, bridge_id, save_bridge_set, write_damaged
-from tests.test_ckptmeta import save_small
+from tests.checkpoints.test_checkpoints_api import DAMAGED, TOKEN, bridge_id, save_bridge_set, write_damaged
+from tests.checkpoints.test_ckptmeta import save_small
 
 pytestmark = pytest.mark.browser
 

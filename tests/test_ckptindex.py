@@ -1,4 +1,4 @@
-"""trainer_bridge.ckptindex on a run directory filled by real MindSpore.
+"""trainer_bridge.rundir.ckptindex on a run directory filled by real MindSpore.
 
 One module-scoped run directory holds every layout: a real ``Model.train``
 with two ``ModelCheckpoint`` callbacks (ranks 0 and 1) and ``OnRequestExit``
@@ -20,9 +20,9 @@ import pytest
 from mindspore import nn
 from mindspore.train import Callback, CheckpointConfig, Model, ModelCheckpoint, OnRequestExit
 
-from tests.test_ckptmeta import Small, save_small
-from trainer_bridge import ckptindex, ckptmeta, runfiles
-from trainer_bridge.ckptindex import (
+from tests.checkpoints.test_ckptmeta import Small, save_small
+from trainer_bridge.rundir import ckptindex, ckptmeta, runfiles
+from trainer_bridge.rundir.ckptindex import (
     ORIGIN_BRIDGE,
     ORIGIN_NATIVE,
     ORIGIN_PERIODIC,
@@ -32,7 +32,7 @@ from trainer_bridge.ckptindex import (
     safe_path,
     scan,
 )
-from trainer_bridge.ckptmeta import MetaCache
+from trainer_bridge.rundir.ckptmeta import MetaCache
 
 STEPS_PER_EPOCH = 8
 FLAG_AFTER_STEP = 5  # OnRequestExit sees the flag at the next step's start and saves at its end

@@ -1,4 +1,4 @@
-"""trainer_bridge.ckptmeta against files written by real MindSpore.
+"""trainer_bridge.rundir.ckptmeta against files written by real MindSpore.
 
 Every expectation about a good file is checked against what
 ``mindspore.load_checkpoint`` returns for the same file, so the hand-written
@@ -23,8 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mindspore import Parameter, Tensor, nn
 
-from trainer_bridge import ckptmeta
-from trainer_bridge.ckptmeta import MetaCache, read_meta, steps_from_name
+from trainer_bridge.rundir import ckptmeta
+from trainer_bridge.rundir.ckptmeta import MetaCache, read_meta, steps_from_name
 
 REPO = Path(__file__).resolve().parents[1]
 APPEND = {"epoch_num": 3, "step_num": 21, "batch_num": 8, "global_step": 21, "rankwatch_request_id": "abc"}
@@ -353,7 +353,7 @@ def test_cache_is_bounded(files, tmp_path):
 
 def test_modules_do_not_import_mindspore():
     code = (
-        "import sys, trainer_bridge.ckptmeta, trainer_bridge.ckptindex; "
+        "import sys, trainer_bridge.rundir.ckptmeta, trainer_bridge.rundir.ckptindex; "
         "bad = [m for m in ('mindspore', 'google.protobuf', 'numpy') if m in sys.modules]; "
         "sys.exit(f'imported {bad}' if bad else 0)"
     )

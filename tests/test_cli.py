@@ -22,10 +22,10 @@ from click.testing import CliRunner
 
 from app.audit import AuditLog
 from app.cli import main
-from app.health import VERDICT_GLYPH
-from tests.heartbeats import heartbeat, write_heartbeat, write_job
-from tests.test_checkpoints_api import bridge_id, save_bridge_set
-from trainer_bridge import runfiles
+from app.ranks.health import VERDICT_GLYPH
+from tests.checkpoints.test_checkpoints_api import bridge_id, save_bridge_set
+from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
+from trainer_bridge.rundir import runfiles
 
 REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 60

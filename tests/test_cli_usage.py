@@ -28,8 +28,8 @@ from click.testing import CliRunner
 
 from app.cli import main
 from app.config import GROUPS, SETTINGS
-from tests.heartbeats import heartbeat, write_heartbeat, write_job
-from tests.test_checkpoints_api import save_bridge_set
+from tests.checkpoints.test_checkpoints_api import save_bridge_set
+from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 
 REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 120
@@ -282,7 +282,7 @@ def test_version_and_help_load_neither_the_engines_nor_flask_nor_rich():
         "        main(argv, standalone_mode=False)\n"
         "    except SystemExit:\n"
         "        pass\n"
-        "heavy = ('flask', 'rich', 'numpy', 'pydantic', 'gunicorn', 'app.state', 'app.services')\n"
+        "heavy = ('flask', 'rich', 'numpy', 'pydantic', 'gunicorn', 'app.ranks.state', 'app.services')\n"
         "print('LOADED', sorted(m for m in heavy if m in sys.modules))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=ENV, capture_output=True, text=True)
@@ -359,7 +359,7 @@ def test_status_gives_the_pages_reason_for_the_same_rank_at_the_same_moment(run_
     Its own judgement would say "too few steps yet to compare"; the page says
     the rank is within the straggler ratio. ``status`` prints the page's.
     """
-    from tests.liveserver import start_dashboard
+    from tests.helpers.liveserver import start_dashboard
 
     runtime = tmp_path / "runtime"
     runtime.mkdir(mode=0o700)

@@ -17,9 +17,9 @@ import urllib.request
 import pytest
 from playwright.sync_api import expect
 
-from tests.heartbeats import heartbeat, write_heartbeat, write_job
-from tests.liveserver import start_dashboard
-from trainer_bridge import redisbus, runfiles
+from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
+from tests.helpers.liveserver import start_dashboard
+from trainer_bridge.rundir import redisbus, runfiles
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 

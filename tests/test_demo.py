@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs import DemoJob, dump
-from tests.liveserver import free_port
-from trainer_bridge import ckptindex, runfiles
+from tests.helpers.jobs import DemoJob, dump
+from tests.helpers.liveserver import free_port
+from trainer_bridge.rundir import ckptindex, runfiles
 
 pytestmark = pytest.mark.msrun
 

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from tests.heartbeats import heartbeat, write_heartbeat, write_job
-from tests.test_stacks import wait_for
-from trainer_bridge import schema
+from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
+from tests.incidents.test_stacks import wait_for
 from trainer_bridge.device import DeviceProbe, parse_npu_smi, parse_nvidia_smi
+from trainer_bridge.rundir import schema
 
 NPU_SMI_INFO = """\
 +------------------------------------------------------------------------------------------------+

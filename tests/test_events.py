@@ -6,10 +6,10 @@ import threading
 import time
 
 from app import socketio
-from app.state import RunState
+from app.ranks.state import RunState
 from app.watcher import Watcher
 from tests.conftest import wait_for_event
-from tests.heartbeats import heartbeat, write_heartbeat, write_job
+from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 
 
 def test_connect_sends_a_snapshot_to_that_client_only(app, client, run_dir):

@@ -16,8 +16,8 @@ import pytest
 from playwright.sync_api import expect
 
 from tests.bench.simulate import Simulator
-from tests.faults import UI_TIMEOUT_MS, Dashboard, measure
-from trainer_bridge import runfiles
+from tests.helpers.faults import UI_TIMEOUT_MS, Dashboard, measure
+from trainer_bridge.rundir import runfiles
 
 pytestmark = pytest.mark.browser
 

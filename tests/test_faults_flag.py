@@ -1,7 +1,7 @@
 """The flag file under stress, in a real msrun job.
 
 (A torn flag write and garbage from another tool are in
-``tests/test_bridge_msrun.py::test_corrupt_flag_neither_stops_nor_crashes_training``,
+``tests/bridge/test_bridge_msrun.py::test_corrupt_flag_neither_stops_nor_crashes_training``,
 which also checks that the dashboard reports the flag as unreadable.)
 
 Here: the stop flag is written while the ranks save a periodic checkpoint
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.faults import measure
-from tests.jobs import DemoJob, dump, write_flag
-from trainer_bridge import ckptindex
+from tests.helpers.faults import measure
+from tests.helpers.jobs import DemoJob, dump, write_flag
+from trainer_bridge.rundir import ckptindex
 
 pytestmark = pytest.mark.msrun
 

@@ -30,11 +30,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from app import create_app, socketio
-from tests import ckptcraft
+from tests.checkpoints.test_checkpoints_api import save_bridge_set
 from tests.conftest import FAST_SETTINGS
-from tests.heartbeats import heartbeat, write_heartbeat, write_job
-from tests.test_checkpoints_api import save_bridge_set
-from trainer_bridge import runfiles
+from tests.helpers import ckptcraft
+from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
+from trainer_bridge.rundir import runfiles
 
 TOKEN = "fuzz-operator-token"
 MAX_BODY = 4096  # small, so oversized bodies are cheap to generate
@@ -535,7 +535,7 @@ def test_engineio_polling_refusal_has_the_error_shape(fuzz_app):
 
 def test_engineio_polling_garbage_is_refused_without_500_or_hang(fuzz_app, fuzz_run):
     """Raw long-polling traffic below the Socket.IO test client: python-engineio hung a
-    request thread for good on a POSTed PING/NOOP/unknown packet (app/sockguard.py)."""
+    request thread for good on a POSTed PING/NOOP/unknown packet (app/edge/sockguard.py)."""
     client = fuzz_app.test_client()
     before = fingerprint(fuzz_run, fuzz_app)
 
@@ -650,8 +650,8 @@ def good_rank(global_step: int) -> bytes:
 @settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(checkpoint_file)
 def test_checkpoint_headers_never_raise_in_the_reader_index_or_resume_scan(tmp_path_factory, example):
-    from trainer_bridge import ckptindex, ckptmeta
     from trainer_bridge.bridge import find_resume_point, served_requests
+    from trainer_bridge.rundir import ckptindex, ckptmeta
 
     ext, data = example
     run = tmp_path_factory.mktemp("ckpt-fuzz")

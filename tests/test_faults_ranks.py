@@ -8,7 +8,7 @@
 * One rank slowed by 1.5x the step time: a straggler with the expected
   score; and across healthy runs no rank is ever flagged.
 
-Durations are measured and reported (``tests.faults.measure``), never asserted.
+Durations are measured and reported (``tests.helpers.faults.measure``), never asserted.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import pytest
 from playwright.sync_api import expect
 
 from app.config import from_env
-from app.state import RunState
-from tests.faults import UI_TIMEOUT_MS, WAIT_S, Dashboard, cell, measure, poll_until
-from tests.jobs import DemoJob, dump
-from trainer_bridge import ckptindex
+from app.ranks.state import RunState
+from tests.helpers.faults import UI_TIMEOUT_MS, WAIT_S, Dashboard, cell, measure, poll_until
+from tests.helpers.jobs import DemoJob, dump
+from trainer_bridge.rundir import ckptindex
 
 pytestmark = [pytest.mark.msrun]
 

@@ -30,9 +30,9 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import expect
 
-from tests.faults import UI_TIMEOUT_MS, Dashboard, cell, measure
-from tests.jobs import DemoJob, dump
-from trainer_bridge import runfiles
+from tests.helpers.faults import UI_TIMEOUT_MS, Dashboard, cell, measure
+from tests.helpers.jobs import DemoJob, dump
+from trainer_bridge.rundir import runfiles
 
 pytestmark = [pytest.mark.msrun, pytest.mark.browser]
 

@@ -9,8 +9,17 @@ import time
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.health import VERDICTS, StepWindow, Thresholds, judge, judge_all, judge_sequences, peer_median, score
-from tests.heartbeats import heartbeat
+from app.ranks.health import (
+    VERDICTS,
+    StepWindow,
+    Thresholds,
+    judge,
+    judge_all,
+    judge_sequences,
+    peer_median,
+    score,
+)
+from tests.helpers.heartbeats import heartbeat
 
 TH = Thresholds()
 T0 = 1_800_000_000.0
@@ -184,8 +193,8 @@ def test_split_window_medians_ride_out_one_odd_heartbeat_and_stalls_keep_the_las
 
 def test_summary_slowest_rank_uses_the_same_work(run_dir):
     from app.config import from_env
-    from app.state import RunState
-    from tests.heartbeats import write_heartbeat, write_job
+    from app.ranks.state import RunState
+    from tests.helpers.heartbeats import write_heartbeat, write_job
 
     write_job(run_dir, 2)
     now = time.time()

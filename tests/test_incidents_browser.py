@@ -13,9 +13,9 @@ import threading
 import pytest
 from playwright.sync_api import expect
 
-from tests.heartbeats import HOST, heartbeat, write_heartbeat, write_job
-from tests.liveserver import sign_in
-from tests.test_stacks_api import COLLECTIVE, HUNG, WAITING, fake_capture
+from tests.helpers.heartbeats import HOST, heartbeat, write_heartbeat, write_job
+from tests.helpers.liveserver import sign_in
+from tests.incidents.test_stacks_api import COLLECTIVE, HUNG, WAITING, fake_capture
 from trainer_bridge import stacks
 
 pytestmark = pytest.mark.browser

@@ -28,11 +28,11 @@ import pytest
 from app import create_app
 from app.incidents.stacks import collective, training_thread
 from tests.conftest import FAST_SETTINGS
-from tests.jobs import JOB_TIMEOUT_S, DemoJob, dump
-from tests.liveserver import start_dashboard
-from tests.receiver import Receiver, quiet_port
-from tests.test_stacks import wait_for
-from trainer_bridge import runfiles
+from tests.helpers.jobs import JOB_TIMEOUT_S, DemoJob, dump
+from tests.helpers.liveserver import start_dashboard
+from tests.helpers.receiver import Receiver, quiet_port
+from tests.incidents.test_stacks import wait_for
+from trainer_bridge.rundir import runfiles
 
 pytestmark = pytest.mark.msrun
 

@@ -30,8 +30,8 @@ import pytest
 from playwright.sync_api import expect
 
 from app.audit import AuditLog
-from tests.jobs import DemoJob
-from trainer_bridge import runfiles
+from tests.helpers.jobs import DemoJob
+from trainer_bridge.rundir import runfiles
 
 pytestmark = [pytest.mark.slow, pytest.mark.msrun, pytest.mark.browser]
 

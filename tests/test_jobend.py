@@ -1,11 +1,11 @@
-"""The log ranks' stop stages and the job's end, as pure facts (``app.jobend`` and the stop service)."""
+"""The log ranks' stop stages and the job's end, as pure facts (``app.stop.jobend`` and the stop service)."""
 
 from __future__ import annotations
 
 from app.audit import AuditLog
-from app.jobend import JobFacts, log_stage
-from app.stop_service import StopService
-from trainer_bridge import runfiles
+from app.stop.jobend import JobFacts, log_stage
+from app.stop.service import StopService
+from trainer_bridge.rundir import runfiles
 
 T0 = 1_000_000.0
 

@@ -15,8 +15,8 @@ import random
 import pytest
 
 from app import judging
-from app.health import StepWindow, Thresholds, judge_all
-from tests.heartbeats import heartbeat
+from app.ranks.health import StepWindow, Thresholds, judge_all
+from tests.helpers.heartbeats import heartbeat
 
 TH = Thresholds(straggler_min_steps=4, straggler_window=8, stall_min_s=5.0, dead_after_s=12.0)
 

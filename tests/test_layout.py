@@ -10,8 +10,8 @@ import re
 import pytest
 from playwright.sync_api import expect
 
-from tests.heartbeats import heartbeat, write_heartbeat, write_job
-from tests.liveserver import sign_in
+from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
+from tests.helpers.liveserver import sign_in
 
 pytestmark = pytest.mark.browser
 

@@ -1,6 +1,6 @@
 """The leader lock and the watcher's roles (app/cluster.py) against a real redis-server, in process.
 
-The browser tests with two dashboard processes are in tests/test_cluster.py.
+The browser tests with two dashboard processes are in tests/cluster/test_cluster.py.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 from app import create_app, socketio
 from app.cluster import Cluster
 from app.config import from_env
-from app.state import DELTA_EVENT, SNAPSHOT_EVENT
-from tests.heartbeats import heartbeat, write_heartbeat, write_job
-from trainer_bridge import redisbus
+from app.ranks.state import DELTA_EVENT, SNAPSHOT_EVENT
+from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
+from trainer_bridge.rundir import redisbus
 
 TTL_S = 1.0
 
@@ -77,7 +77,7 @@ def test_a_follower_pushes_nothing_while_redis_answers_and_its_own_view_while_it
     app = _cluster_app(run_dir, redis_server.url, LEADER_TTL_S=60.0)
     watcher = app.extensions["rankwatch"].watcher
     assert socketio.server.manager is watcher.cluster.queue
-    # No page yet, so no relay to wait for (tests/test_cluster.py has pages on both).
+    # No page yet, so no relay to wait for (tests/cluster/test_cluster.py has pages on both).
     assert watcher.tick() is None and not watcher.leading  # it reads, but the leader pushes
     assert watcher.state.scanned_at is not None
 

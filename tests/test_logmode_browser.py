@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 from playwright.sync_api import expect
 
-from tests.heartbeats import heartbeat, write_heartbeat
-from tests.test_browser import WAIT_MS, cell, row
+from tests.helpers.heartbeats import heartbeat, write_heartbeat
+from tests.ranks.test_browser import WAIT_MS, cell, row
 
 pytestmark = pytest.mark.browser
 

@@ -17,7 +17,7 @@ import pytest
 
 from app import create_app
 from tests.conftest import FAST_SETTINGS
-from tests.jobs import DemoJob, JobFailed, dump
+from tests.helpers.jobs import DemoJob, JobFailed, dump
 
 pytestmark = pytest.mark.msrun
 

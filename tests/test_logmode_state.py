@@ -20,14 +20,14 @@ import pytest
 
 from app import judging
 from app.config import from_env
-from app.health import judge_all
-from app.logmode import resolve_dir
-from app.logmode.patterns import LAUNCHER, SCHEDULER, WORKER
-from app.state import RunState
+from app.ranks.health import judge_all
+from app.ranks.logmode import resolve_dir
+from app.ranks.logmode.patterns import LAUNCHER, SCHEDULER, WORKER
+from app.ranks.state import RunState
 from tests.conftest import FAST_SETTINGS
-from tests.heartbeats import heartbeat, write_heartbeat, write_job
-from tests.test_judging import TH as JUDGING_TH
-from tests.test_judging import Rank as JudgedRank
+from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
+from tests.ranks.test_judging import TH as JUDGING_TH
+from tests.ranks.test_judging import Rank as JudgedRank
 
 LOSS = "epoch: {e} step: {s}, loss is {loss}\n"
 
@@ -292,7 +292,7 @@ def test_a_log_without_any_step_line_says_so_after_a_while(run_dir):
 
 @pytest.mark.parametrize("seed", range(20))
 def test_the_verdict_board_equals_judge_all_for_log_ranks(seed):
-    """The incremental board (app.judging) and the reference rules agree when some ranks are log ranks."""
+    """The incremental board (app.ranks.judging) and the reference rules agree when some ranks are log ranks."""
     rnd = random.Random(seed)
     world = rnd.choice([2, 5, 9])
     now = 1_800_000_000.0

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from app.logmode.reader import LogDir
-from app.logmode.tailer import BUDGET, FIRST_BYTES, MAX_LINE, Tailer
+from app.ranks.logmode.reader import LogDir
+from app.ranks.logmode.tailer import BUDGET, FIRST_BYTES, MAX_LINE, Tailer
 
 GB = 1 << 30
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 from playwright.sync_api import expect
 
-from tests.liveserver import sign_in
-from tests.test_browser import WAIT_MS, cell
+from tests.helpers.liveserver import sign_in
+from tests.ranks.test_browser import WAIT_MS, cell
 
 pytestmark = pytest.mark.browser
 

@@ -24,10 +24,10 @@ import urllib.request
 
 import pytest
 
-from tests.jobs import JOB_TIMEOUT_S, DemoJob, JobFailed
-from tests.liveserver import start_dashboard
-from trainer_bridge import runfiles
-from trainer_bridge.ckptmeta import read_meta
+from tests.helpers.jobs import JOB_TIMEOUT_S, DemoJob, JobFailed
+from tests.helpers.liveserver import start_dashboard
+from trainer_bridge.rundir import runfiles
+from trainer_bridge.rundir.ckptmeta import read_meta
 
 pytestmark = pytest.mark.msrun
 

@@ -5,7 +5,7 @@ A stand-in for msrun (a real process) starts two workers whose stdout is
 directory. It reaps its workers only once the test lets it (so a killed
 worker stays a zombie until then), then prints msrun's last words
 ("Distributed job exited with exception") and exits. The whole msrun is in
-``tests/test_logstop_msrun.py``; here each moment can be held still.
+``tests/stop/test_logstop_msrun.py``; here each moment can be held still.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from click.testing import CliRunner
 
 from app.cli import main
 from app.config import from_env
-from app.state import RunState
+from app.ranks.state import RunState
 from tests.conftest import FAST_SETTINGS
-from trainer_bridge import runfiles
+from trainer_bridge.rundir import runfiles
 
 REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 60
@@ -149,7 +149,7 @@ def test_the_run_ends_when_every_rank_died_and_msrun_said_so(run_dir, msrun):
 
 def test_a_stop_the_job_ended_without_obeying_is_not_obeyed_and_re_armed(run_dir, msrun):
     from app.audit import AuditLog
-    from app.stop_service import StopService
+    from app.stop.service import StopService
 
     st = make_state(run_dir)
     poll(st, training, "showed both ranks training")

@@ -14,9 +14,9 @@ import re
 import numpy as np
 import pytest
 
-from tests.jobs import DemoJob, dump, write_flag
-from trainer_bridge import runfiles
-from trainer_bridge.ckptmeta import read_meta
+from tests.helpers.jobs import DemoJob, dump, write_flag
+from trainer_bridge.rundir import runfiles
+from trainer_bridge.rundir.ckptmeta import read_meta
 
 pytestmark = pytest.mark.msrun
 

@@ -1,7 +1,7 @@
 """A real two-node job on one machine: network namespaces, two msrun launchers, one run directory.
 
 Node 0 runs msrun's scheduler and ranks 0-1, node 1 runs ranks 2-3 against
-node 0's address (``tests/netns.py``). The dashboard runs with node 0's host
+node 0's address (``tests/helpers/netns.py``). The dashboard runs with node 0's host
 name, so it can ask psutil about ranks 0-1 only: ranks 2-3 are judged from
 their heartbeats alone, as on a real second machine.
 """
@@ -15,10 +15,10 @@ import time
 
 import pytest
 
-from tests.faults import Dashboard, measure
-from tests.netns import TwoNodes, kill_tree, skip_reason
-from trainer_bridge import runfiles
+from tests.helpers.faults import Dashboard, measure
+from tests.helpers.netns import TwoNodes, kill_tree, skip_reason
 from trainer_bridge.demo.mnist import write_mnist
+from trainer_bridge.rundir import runfiles
 
 pytestmark = [pytest.mark.msrun, pytest.mark.netns]
 

@@ -20,9 +20,9 @@ import pytest
 
 from app import create_app
 from tests.conftest import FAST_SETTINGS
-from tests.jobs import JOB_TIMEOUT_S
-from trainer_bridge import runfiles
+from tests.helpers.jobs import JOB_TIMEOUT_S
 from trainer_bridge.demo.mnist import write_mnist
+from trainer_bridge.rundir import runfiles
 
 pytestmark = pytest.mark.msrun
 

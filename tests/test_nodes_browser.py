@@ -12,8 +12,8 @@ import threading
 import pytest
 from playwright.sync_api import expect
 
-from tests.heartbeats import heartbeat, write_heartbeat, write_job
-from tests.test_layout import LAPTOP, horizontal_overflow
+from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
+from tests.ranks.test_layout import LAPTOP, horizontal_overflow
 
 pytestmark = pytest.mark.browser
 

@@ -2,7 +2,7 @@
 ranks, empty states, contrast and words.
 
 A real ``python -m app`` and Chromium; heartbeats in the bridge's format, written by the
-test (``tests/heartbeats.py``) or by the scale simulator, and msrun-format worker logs.
+test (``tests/helpers/heartbeats.py``) or by the scale simulator, and msrun-format worker logs.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from axe_playwright_python.sync_playwright import Axe
 from playwright.sync_api import expect
 
 from app.audit import AuditLog
-from tests.heartbeats import heartbeat, write_heartbeat, write_job
-from tests.liveserver import sign_in, start_dashboard
-from tests.test_browser import WAIT_MS, cell
-from tests.test_stacks_api import COLLECTIVE, WAITING, fake_capture
+from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
+from tests.helpers.liveserver import sign_in, start_dashboard
+from tests.incidents.test_stacks_api import COLLECTIVE, WAITING, fake_capture
+from tests.ranks.test_browser import WAIT_MS, cell
 
 pytestmark = pytest.mark.browser
 

@@ -1,7 +1,7 @@
 """The stop policy on a real stop service, audit trail and flag file, with the clock in the test's hands.
 
 The end-to-end check (a fake ``npu-smi`` in a real msrun job) is in
-``tests/test_incidents_msrun.py``; these pin the rules' semantics.
+``tests/incidents/test_incidents_msrun.py``; these pin the rules' semantics.
 """
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 
 from app import create_app
-from app.alerts import AlertDesk
 from app.audit import AuditLog
-from app.policy import Policy, Rule, parse_mode, parse_rules
-from app.stop_service import StopService
-from tests.test_alerts import Sent
-from trainer_bridge import runfiles
+from app.incidents.alerts import AlertDesk
+from app.incidents.policy import Policy, Rule, parse_mode, parse_rules
+from app.stop.service import StopService
+from tests.incidents.test_alerts import Sent
+from trainer_bridge.rundir import runfiles
 
 
 def test_rules_are_data_and_a_bad_one_names_the_setting():

@@ -12,13 +12,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from app import create_app, large
-from app.health import VERDICTS
 from app.prometheus import DEVICE_GAUGES, PREFIX, RANK_GAUGES
-from app.stop_service import STAGES
+from app.ranks.health import VERDICTS
+from app.stop.service import STAGES
+from tests.checkpoints.test_checkpoints_api import save_bridge_set
 from tests.conftest import FAST_SETTINGS
-from tests.heartbeats import HOST, heartbeat, write_heartbeat, write_job
-from tests.test_checkpoints_api import save_bridge_set
-from trainer_bridge import runfiles
+from tests.helpers.heartbeats import HOST, heartbeat, write_heartbeat, write_job
+from trainer_bridge.rundir import runfiles
 
 REPO = Path(__file__).resolve().parents[1]
 GRAFANA = REPO / "static" / "grafana" / "rankwatch.json"

@@ -1,4 +1,4 @@
-"""Heartbeats over Redis: a real ``redis-server`` on a loopback port (fixture ``redis_server``, tests/redisserver.py)."""
+"""Heartbeats over Redis: a real ``redis-server`` on a loopback port (fixture ``redis_server``, tests/helpers/redisserver.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import time
 import pytest
 
 from app.config import from_env
-from app.reader import REDIS_FILE_SCAN_S as READ_FILES_EVERY
-from app.state import RunState
-from tests.heartbeats import heartbeat, write_heartbeat, write_job
-from trainer_bridge import redisbus, runfiles
+from app.ranks.heartbeats import REDIS_FILE_SCAN_S as READ_FILES_EVERY
+from app.ranks.state import RunState
+from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from trainer_bridge.beatsink import FILE_EVERY_S, BeatSink
+from trainer_bridge.rundir import redisbus, runfiles
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
 

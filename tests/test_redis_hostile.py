@@ -19,11 +19,11 @@ import pytest
 
 from app.cluster import QueueCodec, channel
 from app.config import from_env
-from app.state import RunState
-from tests.heartbeats import heartbeat, write_job
-from tests.liveserver import free_port, start_dashboard
-from trainer_bridge import redisbus
+from app.ranks.state import RunState
+from tests.helpers.heartbeats import heartbeat, write_job
+from tests.helpers.liveserver import free_port, start_dashboard
 from trainer_bridge.beatsink import BeatSink
+from trainer_bridge.rundir import redisbus
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
 

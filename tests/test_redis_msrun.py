@@ -17,10 +17,10 @@ import urllib.request
 import pytest
 
 from tests.conftest import FAST_SETTINGS
-from tests.jobs import DemoJob, dump, write_flag
-from tests.liveserver import start_dashboard
-from tests.test_stacks import wait_for
-from trainer_bridge import redisbus, runfiles
+from tests.helpers.jobs import DemoJob, dump, write_flag
+from tests.helpers.liveserver import start_dashboard
+from tests.incidents.test_stacks import wait_for
+from trainer_bridge.rundir import redisbus, runfiles
 
 pytestmark = pytest.mark.msrun
 

@@ -1,6 +1,6 @@
 """Issue 18: checkpoint retention -- the keep rules, the invariants, plan then apply, health, disk.
 
-Synthetic checkpoint files in the real formats (tests/ckptcraft.py), indexed
+Synthetic checkpoint files in the real formats (tests/helpers/ckptcraft.py), indexed
 by the real index, deleted by the real deleter.
 """
 
@@ -20,10 +20,10 @@ from app.audit import AuditLog
 from app.checkpoints import retention as rt
 from app.checkpoints.service import CheckpointService
 from app.checkpoints.verify import Verifier
-from tests import ckptcraft
 from tests.conftest import FAST_SETTINGS
-from tests.heartbeats import heartbeat, write_job
-from trainer_bridge import ckptindex, runfiles
+from tests.helpers import ckptcraft
+from tests.helpers.heartbeats import heartbeat, write_job
+from trainer_bridge.rundir import ckptindex, runfiles
 
 TOKEN = "Kx9-retention-test-token-7Qz2mW4vT8pL"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

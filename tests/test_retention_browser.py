@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from playwright.sync_api import expect
 
-from tests.heartbeats import write_job
-from tests.test_checkpoints_api import TOKEN
-from tests.test_retention import periodic, sid
+from tests.checkpoints.test_checkpoints_api import TOKEN
+from tests.checkpoints.test_retention import periodic, sid
+from tests.helpers.heartbeats import write_job
 
 pytestmark = pytest.mark.browser
 

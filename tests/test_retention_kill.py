@@ -18,9 +18,9 @@ from pathlib import Path
 
 from app.audit import AuditLog
 from app.checkpoints import retention as rt
-from tests import ckptcraft
-from tests.heartbeats import write_job
-from trainer_bridge import ckptindex
+from tests.helpers import ckptcraft
+from tests.helpers.heartbeats import write_job
+from trainer_bridge.rundir import ckptindex
 
 WORLD = 32
 KILLS = 60
@@ -47,7 +47,7 @@ def gc(run_dir: Path) -> int:
     if pid == 0:  # the child: apply and leave, never back into pytest
         code = 1
         try:
-            from tests.test_retention import retention
+            from tests.checkpoints.test_retention import retention
 
             r = retention(run_dir, RETENTION_KEEP=3, RETENTION_SETTLE_S=1.0)
             code = 0 if not r.apply(None, WORLD, {}, who="cli")["failed"] else 2

@@ -16,9 +16,9 @@ import pytest
 
 from app import create_app
 from tests.conftest import FAST_SETTINGS
-from tests.jobs import JOB_TIMEOUT_S, DemoJob, write_flag
-from trainer_bridge import ckptindex
-from trainer_bridge.ckptindex import ORIGIN_BRIDGE, ORIGIN_PERIODIC
+from tests.helpers.jobs import JOB_TIMEOUT_S, DemoJob, write_flag
+from trainer_bridge.rundir import ckptindex
+from trainer_bridge.rundir.ckptindex import ORIGIN_BRIDGE, ORIGIN_PERIODIC
 
 pytestmark = pytest.mark.msrun
 

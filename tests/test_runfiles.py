@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer_bridge import runfiles
+from trainer_bridge.rundir import runfiles
 
 
 @pytest.mark.parametrize(

@@ -18,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.heartbeats import heartbeat, write_heartbeat, write_job
-from trainer_bridge import runfiles, schema
+from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
+from trainer_bridge.rundir import runfiles, schema
 
 TOKEN = "s3cret-operator-token-for-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -186,7 +186,7 @@ def test_a_heartbeat_from_the_future_is_clamped_and_flagged(client, run_dir):
 
 
 def test_history_lines_are_validated(run_dir):
-    from app.state import read_history_tail
+    from app.ranks.state import read_history_tail
 
     healthy_job(run_dir, 1)
     with open(runfiles.history_path(run_dir, 0), "ab") as f:

@@ -19,10 +19,10 @@ import urllib.request
 import pytest
 
 from app import create_app
-from tests import ckptcraft
 from tests.conftest import FAST_SETTINGS
-from tests.heartbeats import heartbeat, write_heartbeat, write_job
-from trainer_bridge import runfiles
+from tests.helpers import ckptcraft
+from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
+from trainer_bridge.rundir import runfiles
 
 TOKEN = "Kx9-security-test-token-7Qz2mW4vT8pL"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -164,7 +164,7 @@ def test_a_bad_flag_does_not_block_the_stop(client, run_dir, case):
 def test_the_stop_service_survives_stop_records_it_cannot_use(tmp_path):
     """Below the schema: the service itself reads whatever a rank's ``stop`` holds."""
     from app.audit import AuditLog
-    from app.stop_service import StopService
+    from app.stop.service import StopService
 
     service = StopService(str(tmp_path), AuditLog(tmp_path / "a.sqlite3"), deadline_s=900, auto_rearm=True)
     runfiles.write_flag(tmp_path, True, request_id="req-1", requested_at="soon")
@@ -373,7 +373,7 @@ def test_guessing_from_the_operator_s_address_never_locks_the_operator_out(app, 
 
 def test_rotating_addresses_trips_the_global_limit_with_a_log_line_and_an_alert(run_dir, caplog):
     """All of 127.0.0.0/8 is this machine: one address per guess gained a fresh backoff each time."""
-    from tests.receiver import Receiver
+    from tests.helpers.receiver import Receiver
 
     with Receiver() as hook:
         app = create_app(
@@ -473,7 +473,7 @@ def test_the_pages_have_no_inline_script_or_handler(client):
 
 
 def test_login_codes_work_once_and_expire():
-    from app.login import LoginCodes
+    from app.edge.login import LoginCodes
 
     clock = FakeClock()
     codes = LoginCodes(ttl_s=600, clock=clock)
@@ -503,8 +503,8 @@ def test_the_login_routes(app, client):
 
 
 def test_serve_prints_a_single_use_url_and_never_the_token(run_dir, tmp_path, monkeypatch):
-    from app.login import mint_login_url
-    from tests.liveserver import start_dashboard
+    from app.edge.login import mint_login_url
+    from tests.helpers.liveserver import start_dashboard
 
     runtime = tmp_path / "runtime"
     runtime.mkdir(mode=0o700)
@@ -529,7 +529,7 @@ def test_serve_prints_a_single_use_url_and_never_the_token(run_dir, tmp_path, mo
         assert fresh.startswith(server.url + "/#login=") and token not in fresh
         assert _post(server.url + "/api/login", {"code": fresh.split("#login=")[1]})["token"] == token
         out = subprocess.run(
-            [sys.executable, "-m", "app.login", "--url", server.url],
+            [sys.executable, "-m", "app.edge.login", "--url", server.url],
             capture_output=True,
             text=True,
             env={**os.environ, "XDG_RUNTIME_DIR": str(runtime)},

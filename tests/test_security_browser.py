@@ -13,7 +13,7 @@ import time
 import pytest
 from playwright.sync_api import expect
 
-from tests.heartbeats import heartbeat, write_heartbeat, write_job
+from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 
 pytestmark = pytest.mark.browser
 

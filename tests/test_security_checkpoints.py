@@ -4,7 +4,7 @@ A 2.9 KB ``.ckpt`` whose tensor claimed 300 dims of 2^62 made the index scan
 raise (formatting a 5,000-digit byte count), so every checkpoint route
 answered 500 and the bridge's resume scan would have crashed a relaunch; a
 50,000-dim header took seconds, and nested or huge-shape ``.safetensors``
-headers did the same. Each file of ``tests/ckptcraft.py`` is read here by
+headers did the same. Each file of ``tests/helpers/ckptcraft.py`` is read here by
 the reader, the index, the bridge's resume scan and the API.
 """
 
@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 
 from app import create_app
-from tests import ckptcraft
-from tests.ckptcraft import HOSTILE_CKPT, HOSTILE_SAFETENSORS, ckpt, entry, tensor
 from tests.conftest import FAST_SETTINGS
-from tests.heartbeats import write_job
-from trainer_bridge import ckptindex, ckptmeta
+from tests.helpers import ckptcraft
+from tests.helpers.ckptcraft import HOSTILE_CKPT, HOSTILE_SAFETENSORS, ckpt, entry, tensor
+from tests.helpers.heartbeats import write_job
 from trainer_bridge.bridge import find_resume_point, served_requests
+from trainer_bridge.rundir import ckptindex, ckptmeta
 
 HOSTILE = [(name, ".ckpt", data) for name, data in HOSTILE_CKPT.items()] + [
     (name, ".safetensors", data) for name, data in HOSTILE_SAFETENSORS.items()

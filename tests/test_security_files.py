@@ -14,7 +14,7 @@ A call that never returns is the failure these tests look for. Each route is
 called on a thread, and the thread's ``join`` timeout is only a hang
 detector: generous, and never a claim about speed. The end-to-end case, a
 real 2-rank msrun job stopped gracefully with all the hostile files in
-place at once, is ``tests/test_stop_hostile_files.py``.
+place at once, is ``tests/stop/test_stop_hostile_files.py``.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ import pytest
 from app import create_app
 from app.incidents import stacks as incident_stacks
 from tests.conftest import FAST_SETTINGS
-from tests.heartbeats import heartbeat, write_heartbeat, write_job
-from trainer_bridge import runfiles, stackfiles, stacks
+from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
+from trainer_bridge import stacks
+from trainer_bridge.rundir import runfiles, stackfiles
 
 TOKEN = "Hx7-hostile-files-token-Qp3vT9mW2kZ"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from app import create_app
-from tests import ckptcraft
 from tests.conftest import FAST_SETTINGS
-from tests.heartbeats import write_job
+from tests.helpers import ckptcraft
+from tests.helpers.heartbeats import write_job
 
 TOKEN = "Kx9-security-test-token-7Qz2mW4vT8pL"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

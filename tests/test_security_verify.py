@@ -16,11 +16,11 @@ import pytest
 
 from app import create_app
 from app.checkpoints.verify import _Worker
-from tests import ckptcraft
-from tests.ckptcraft import HOSTILE_CKPT, HOSTILE_SAFETENSORS, ckpt, entry, tensor
 from tests.conftest import FAST_SETTINGS, wait_for_event
-from tests.heartbeats import write_job
-from trainer_bridge.safeio import open_file
+from tests.helpers import ckptcraft
+from tests.helpers.ckptcraft import HOSTILE_CKPT, HOSTILE_SAFETENSORS, ckpt, entry, tensor
+from tests.helpers.heartbeats import write_job
+from trainer_bridge.rundir.safeio import open_file
 
 TOKEN = "Kx9-security-test-token-7Qz2mW4vT8pL"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

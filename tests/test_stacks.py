@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer_bridge import runfiles, schema, stacks
+from trainer_bridge import stacks
+from trainer_bridge.rundir import runfiles, schema
 
 # "ready" is printed from inside hang_here, so a reader of that line knows where the main thread is.
 HANGER = """

@@ -18,10 +18,11 @@ import psutil
 import pytest
 
 from app.incidents.stacks import describe, route
-from app.reader import Stopped
-from tests.heartbeats import HOST, heartbeat, write_heartbeat, write_job
-from tests.test_stacks import HANGER, wait_for
-from trainer_bridge import runfiles, stacks
+from app.ranks.heartbeats import Stopped
+from tests.helpers.heartbeats import HOST, heartbeat, write_heartbeat, write_job
+from tests.incidents.test_stacks import HANGER, wait_for
+from trainer_bridge import stacks
+from trainer_bridge.rundir import runfiles
 
 TOKEN = "stack-token"
 

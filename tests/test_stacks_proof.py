@@ -19,9 +19,9 @@ import psutil
 import pytest
 
 from app.incidents.proof import START_WITHIN_S, prove_rank
-from tests.heartbeats import heartbeat, write_heartbeat, write_job
-from tests.test_stacks import HANGER, wait_for
-from tests.test_stacks_api import app, auth  # noqa: F401  (the app fixture, with its token)
+from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
+from tests.incidents.test_stacks import HANGER, wait_for
+from tests.incidents.test_stacks_api import app, auth  # noqa: F401  (the app fixture, with its token)
 from trainer_bridge import stacks
 
 

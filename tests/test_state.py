@@ -12,10 +12,10 @@ import pytest
 
 from app import reader as reader_module
 from app.config import from_env
-from app.state import RunState, probe_process, read_history_tail
+from app.ranks.state import RunState, probe_process, read_history_tail
 from tests.conftest import FAST_SETTINGS
-from tests.heartbeats import heartbeat, process_started, write_heartbeat, write_job
-from trainer_bridge import runfiles, schema
+from tests.helpers.heartbeats import heartbeat, process_started, write_heartbeat, write_job
+from trainer_bridge.rundir import runfiles, schema
 
 
 def make_state(run_dir, **overrides) -> RunState:

@@ -8,8 +8,8 @@ import pytest
 
 from app import create_app
 from tests.conftest import FAST_SETTINGS, wait_for_event
-from tests.heartbeats import heartbeat, write_heartbeat
-from trainer_bridge import runfiles
+from tests.helpers.heartbeats import heartbeat, write_heartbeat
+from trainer_bridge.rundir import runfiles
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import expect
 
-from tests.jobs import JOB_TIMEOUT_S, DemoJob
-from tests.liveserver import start_dashboard
-from trainer_bridge import runfiles
-from trainer_bridge.ckptmeta import read_meta
+from tests.helpers.jobs import JOB_TIMEOUT_S, DemoJob
+from tests.helpers.liveserver import start_dashboard
 from trainer_bridge.demo.mnist import write_mnist
+from trainer_bridge.rundir import runfiles
+from trainer_bridge.rundir.ckptmeta import read_meta
 
 pytestmark = [pytest.mark.msrun, pytest.mark.browser]
 

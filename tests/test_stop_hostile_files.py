@@ -1,7 +1,7 @@
 """Issue 19: the graceful stop completes on a real 2-rank msrun job with hostile files in the run directory.
 
 One job carries every hostile file at once (the per-path, per-kind fuzzer
-is ``tests/test_security_files.py``): a FIFO at ``stacks/all.request.json``
+is ``tests/stop/test_security_files.py``): a FIFO at ``stacks/all.request.json``
 and at a rank's request (which froze every rank's reporter thread, so no
 rank ever saw the flag), a FIFO at the flag lock, a FIFO heartbeat for a rank
 the job does not have (which froze the watcher), a symlinked heartbeat
@@ -20,10 +20,10 @@ import tempfile
 
 import pytest
 
-from tests.faults import Dashboard
-from tests.heartbeats import heartbeat
-from tests.jobs import DemoJob, dump
-from trainer_bridge import runfiles
+from tests.helpers.faults import Dashboard
+from tests.helpers.heartbeats import heartbeat
+from tests.helpers.jobs import DemoJob, dump
+from trainer_bridge.rundir import runfiles
 
 pytestmark = [pytest.mark.msrun]
 

@@ -10,8 +10,8 @@ import pytest
 
 from app.audit import AuditLog
 from app.errors import ApiError
-from app.stop_service import StopService
-from trainer_bridge import runfiles
+from app.stop.service import StopService
+from trainer_bridge.rundir import runfiles
 
 
 @pytest.fixture

@@ -33,7 +33,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from app.agent import digest as dg
-from trainer_bridge import redisbus
+from trainer_bridge.rundir import redisbus
 
 log = logging.getLogger(__name__)
 

@@ -19,10 +19,10 @@ from typing import Any
 
 from app.agent import digest as dg
 from app.agent.hub import Hub
-from app.health import VERDICTS
+from app.ranks.health import VERDICTS
+from app.ranks.state import RunState
 from app.services import redis_key
-from app.state import RunState
-from trainer_bridge import redisbus, runfiles
+from trainer_bridge.rundir import redisbus, runfiles
 
 
 def run_name(config: Mapping[str, Any], run_dir: str | os.PathLike | None) -> str | None:

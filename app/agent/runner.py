@@ -39,10 +39,10 @@ from pathlib import Path
 from typing import Any
 
 from app.agent import digest as dg
-from app.health import TERMINAL_STATES
-from app.judging import ALIVE
-from app.state import RunState
-from trainer_bridge import redisbus, runfiles
+from app.ranks.health import TERMINAL_STATES
+from app.ranks.judging import ALIVE
+from app.ranks.state import RunState
+from trainer_bridge.rundir import redisbus, runfiles
 
 log = logging.getLogger("rankwatch.agent")
 

@@ -73,7 +73,7 @@ def agent(
         check_run(name)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--run") from None
-    from trainer_bridge import redisbus
+    from trainer_bridge.rundir import redisbus
 
     try:
         redisbus.connect(url).close()  # only parses the URL: Redis may well be down now

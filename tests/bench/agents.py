@@ -6,7 +6,7 @@
   ``--hosts`` agents of 8 ranks each: every host adds one digest a second to
   the run's stream on a real ``redis-server`` (started here on a free
   loopback port), built as a real agent builds it (``app.agent.digest``:
-  the same fields, rows made by ``app.rows.make_row`` from heartbeats in the
+  the same fields, rows made by ``app.ranks.rows.make_row`` from heartbeats in the
   bridge's format, one row per digest from the rolling resync, signed with a
   key). A real dashboard (``python -m app`` with ``RANKWATCH_AGENTS``) reads
   them. After a warm-up, the digests it took in over the window are the
@@ -36,7 +36,7 @@ from pathlib import Path
 import psutil
 
 from tests.bench.ingest import start_redis
-from tests.liveserver import REPO, start_dashboard
+from tests.helpers.liveserver import REPO, start_dashboard
 
 RUN = "bench"
 KEY = "bench-key"
@@ -49,9 +49,9 @@ def host_digests(first: int, count: int, url: str, stop) -> None:
 
     from app.agent import digest as dg
     from app.agent.runner import figures
-    from app.health import Verdict
-    from app.rows import make_row
-    from tests.heartbeats import heartbeat
+    from app.ranks.health import Verdict
+    from app.ranks.rows import make_row
+    from tests.helpers.heartbeats import heartbeat
 
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     client = redis.Redis.from_url(url)

@@ -1,11 +1,11 @@
 """``rankwatch agent`` and the hub, with a real redis-server and real agent processes.
 
 The heartbeat files are written in the bridge's exact format by the test
-(``tests/heartbeats.py``), one run directory per simulated node, each at
+(``tests/helpers/heartbeats.py``), one run directory per simulated node, each at
 its own local path with the same base name, as on nodes without a shared
 filesystem. The hub is the dashboard's app (``create_app``) on a run
 directory of that base name that holds no heartbeat at all, scanned by the
-test. Jobs under msrun are in ``tests/test_agent_msrun.py``. Every wait
+test. Jobs under msrun are in ``tests/cluster/test_agent_msrun.py``. Every wait
 polls for an event; nothing asserts a duration.
 """
 
@@ -23,11 +23,11 @@ from app import create_app
 from app.agent import digest as dg
 from app.agent.runner import Agent
 from app.config import from_env
-from tests.agents import AgentProcess
 from tests.conftest import FAST_SETTINGS
-from tests.heartbeats import heartbeat, write_heartbeat
-from tests.test_stacks import wait_for
-from trainer_bridge import runfiles
+from tests.helpers.agents import AgentProcess
+from tests.helpers.heartbeats import heartbeat, write_heartbeat
+from tests.incidents.test_stacks import wait_for
+from trainer_bridge.rundir import runfiles
 
 KEY = "agent-test-key"
 RUN = "job"
@@ -408,7 +408,7 @@ def test_ranks_without_the_bridge_reach_the_hub_from_their_worker_logs(tmp_path,
 
 
 def test_an_agent_lost_is_alerted(tmp_path, redis_server, agents):
-    from tests.receiver import Receiver
+    from tests.helpers.receiver import Receiver
 
     a = Node(tmp_path, "node-a", range(0, 2), 4)
     b = Node(tmp_path, "node-b", range(2, 4), 4)

@@ -15,12 +15,12 @@ import urllib.request
 
 import pytest
 
-from tests.agents import AgentProcess
 from tests.conftest import FAST_SETTINGS
-from tests.jobs import DemoJob, dump
-from tests.liveserver import start_dashboard
-from tests.test_stacks import wait_for
-from trainer_bridge import runfiles
+from tests.helpers.agents import AgentProcess
+from tests.helpers.jobs import DemoJob, dump
+from tests.helpers.liveserver import start_dashboard
+from tests.incidents.test_stacks import wait_for
+from trainer_bridge.rundir import runfiles
 
 pytestmark = pytest.mark.msrun
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.liveserver import REPO
+from tests.helpers.liveserver import REPO
 
 
 class AgentProcess:

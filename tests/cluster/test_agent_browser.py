@@ -13,11 +13,11 @@ import threading
 import pytest
 from playwright.sync_api import expect
 
-from tests.agents import AgentProcess
+from tests.cluster.test_agent import RUN, Node
 from tests.conftest import FAST_SETTINGS
-from tests.liveserver import start_dashboard
-from tests.test_agent import RUN, Node
-from tests.test_nodes_browser import RANK_ROWS, WAIT_MS, node_row
+from tests.helpers.agents import AgentProcess
+from tests.helpers.liveserver import start_dashboard
+from tests.ranks.test_nodes_browser import RANK_ROWS, WAIT_MS, node_row
 
 pytestmark = pytest.mark.browser
 
