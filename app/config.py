@@ -451,6 +451,33 @@ SETTINGS: list[Setting] = [
         "follower takes over at most this long after the leader died.",
     ),
     Setting(
+        "AGENTS",
+        False,
+        "With `REDIS_URL`: the job runs `rankwatch agent` on every node (docs/production.md, "
+        '"One agent per node"), and this dashboard shows the ranks from the agents\' host digests '
+        "instead of reading heartbeats. The run's name in Redis is `RUN`, else the run directory's "
+        "base name, the same as the agents' `--run`.",
+    ),
+    Setting(
+        "RUN",
+        "",
+        "With `REDIS_URL`: the run's name the agents publish under (their `--run`); setting it turns "
+        "`AGENTS` on. Letters, digits, `.`, `_` and `-`.",
+    ),
+    Setting(
+        "AGENT_LOST_S",
+        10.0,
+        "With agents: a host whose agent sent no digest for this long shows its ranks as `agent lost` "
+        "(their last figures; not counted as ended), until its next digest.",
+    ),
+    Setting(
+        "HUB_GROUP",
+        "",
+        "With agents: the Redis consumer group this dashboard reads the digests through. Empty: one of "
+        "its own, so every dashboard process shows every host. Processes given the same name split the "
+        "digests between them (the load divides, and each shows only the hosts it read).",
+    ),
+    Setting(
         "RETENTION_MODE",
         "off",
         'Checkpoint retention (docs/checkpoints.md, "Retention"): `off` (default: only the plan is '
@@ -554,6 +581,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("Several dashboards (Redis)", ("REDIS_URL", "REDIS_JOB", "REDIS_KEY", "LEADER_TTL_S")),
+    ("Agents (Redis)", ("AGENTS", "RUN", "AGENT_LOST_S", "HUB_GROUP")),
 )
 
 

@@ -76,8 +76,12 @@ def open_run(
     )
     # The retention plan and its automatic mode (app/checkpoints/retention.py).
     checkpoints.retention = Retention(checkpoints, config)
+    from app.agent.hubstate import hub_state
+
     return Run(
-        state=RunState(run_dir, config, redis=redis_subscriber(config, run_dir)),
+        # With agents (app/agent/), every node's ranks come from their digests in Redis.
+        state=hub_state(run_dir, config)
+        or RunState(run_dir, config, redis=redis_subscriber(config, run_dir)),
         audit=audit,
         stop=StopService(
             run_dir or ".",

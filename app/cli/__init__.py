@@ -30,6 +30,7 @@ COMMANDS = {
     "stop": "app.cli.stop:stop",
     "checkpoints": "app.cli.checkpoints:checkpoints",
     "login": "app.cli.login:login",
+    "agent": "app.cli.agent:agent",
 }
 
 

@@ -34,7 +34,7 @@ from app.incidents.webhooks import WebhookSender
 
 # Verdicts worth an alert on the way in; "healthy" is announced only as a
 # recovery from one of them.
-ALERTING = ("stalled", "dead", "node_lost", "failed", "straggler")
+ALERTING = ("stalled", "dead", "node_lost", "agent_lost", "failed", "straggler")
 RECOVERED = "healthy"
 VERDICT_EVENT = "verdict"
 SUMMARY_EVENT = "verdicts"

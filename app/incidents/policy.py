@@ -53,7 +53,7 @@ RULES = {
     "node_lost": "a host's ranks are node_lost (all silent together while other hosts report) for N s",
 }
 # Verdicts of ranks that cannot take part in a graceful stop.
-CANNOT_ANSWER = ("stalled", "dead", "node_lost", "pending", "corrupt")
+CANNOT_ANSWER = ("stalled", "dead", "node_lost", "agent_lost", "pending", "corrupt")
 MAX_REASON = 500  # the stop API's limit on a reason (app.edge.auth.MAX_TEXT)
 
 

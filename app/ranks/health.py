@@ -78,6 +78,8 @@ VERDICTS = (
     "stalled",
     "dead",
     "node_lost",
+    # Only a hub shows it (app/agent/hub.py): the agent of the rank's host went silent.
+    "agent_lost",
     "exited",
     "finished",
     "failed",
@@ -98,6 +100,7 @@ VERDICT_HELP = {
     "pending": "has not written a heartbeat yet",
     "corrupt": "its heartbeat file is invalid (too large, not JSON, or a field out of bounds)",
     "node_lost": "every rank of its host went silent together while other hosts report: a machine or network failure",
+    "agent_lost": "the agent of its host sent no digest for AGENT_LOST_S: its state is unknown (it may be training)",
 }
 
 # A shape per verdict, so that colour is never the only cue (the page's
@@ -113,6 +116,7 @@ VERDICT_GLYPH = {
     "failed": "!",
     "pending": "…",
     "node_lost": "⨯",
+    "agent_lost": "⊘",
     "corrupt": "?",
 }
 

@@ -154,6 +154,9 @@ def api_health():
         body |= {"role": "only", "redis": None}
     else:
         body |= cluster.status()
+    hub = getattr(rankwatch().state, "hub", None)  # with agents (app/agent/hub.py)
+    if hub is not None:
+        body["hub"] = hub.status()
     return jsonify(body)
 
 

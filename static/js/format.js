@@ -4,7 +4,7 @@
 export const GLYPH = Object.freeze({
   starting: "○", healthy: "✓", straggler: "▲", stalled: "‖", dead: "✕",
   exited: "■", finished: "★", failed: "!", pending: "…",
-  node_lost: "⨯", corrupt: "?",
+  node_lost: "⨯", agent_lost: "⊘", corrupt: "?",
 });
 
 // A verdict as people read it: "node_lost" is "node lost".

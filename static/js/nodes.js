@@ -11,7 +11,7 @@ import { isNumber } from "./format.js";
 export const NODES_OPEN_MAX_RANKS = 64;
 
 // A node with a rank in one of these is highlighted in its summary row.
-export const UNHEALTHY = Object.freeze(new Set(["stalled", "dead", "failed", "node_lost", "straggler"]));
+export const UNHEALTHY = Object.freeze(new Set(["stalled", "dead", "failed", "node_lost", "agent_lost", "straggler"]));
 
 // Ranks that are still stepping: only their step times can name a slowest rank.
 const STEPPING = new Set(["healthy", "straggler"]);

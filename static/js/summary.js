@@ -4,7 +4,7 @@ import { SEL, $, $all } from "./dom.js";
 import { GLYPH, formatCount, formatNumber, formatSeconds, isNumber, plural, verdictLabel } from "./format.js";
 
 // Verdicts that turn the page's state red; straggler first would read oddly, so worst first.
-const TROUBLE = ["node_lost", "dead", "failed", "stalled", "corrupt", "straggler"];
+const TROUBLE = ["node_lost", "agent_lost", "dead", "failed", "stalled", "corrupt", "straggler"];
 
 export class SummaryStrip {
   // onFilter(verdict) is called when a verdict count is clicked.

@@ -18,7 +18,7 @@ import { NODES_OPEN_MAX_RANKS } from "./nodes.js";
 
 // Worst first, so sorting by verdict brings trouble to the top.
 const SEVERITY = [
-  "node_lost", "dead", "failed", "stalled", "corrupt", "straggler", "pending", "starting", "healthy", "exited", "finished",
+  "node_lost", "agent_lost", "dead", "failed", "stalled", "corrupt", "straggler", "pending", "starting", "healthy", "exited", "finished",
 ];
 const RENDER_LOG_MAX = 100000;
 // A rank read from msrun's worker log (source "log", README "Log mode") has

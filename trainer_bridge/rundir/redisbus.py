@@ -92,7 +92,8 @@ def signature(key: bytes, purpose: str, job: str, name: str, data: bytes) -> byt
     rank 3's heartbeat cannot be replayed as rank 5's, nor one job's as another's.
     """
     head = f"rankwatch/{purpose}\0{job}\0{name}\0".encode()
-    return hmac.new(key, head + data, hashlib.sha256).hexdigest().encode()
+    # hmac.digest: OpenSSL's one-shot HMAC, the same bytes as hmac.new's at a fraction of the cost.
+    return hmac.digest(key, head + data, "sha256").hex().encode()
 
 
 def signed(key: bytes | None, purpose: str, job: str, name: str, data: bytes, sig) -> bool:

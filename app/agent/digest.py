@@ -1,0 +1,244 @@
+"""The host digest: what one agent says about its host once a second, and how a hub checks it.
+
+Keys, per run (``rankwatch:run:{run}``; the run's name is the same on every
+node, by default the run directory's base name):
+
+``{p}:digests``  a stream, one entry per digest (``h`` host, ``d`` the
+                 digest's JSON, ``s`` its signature with a key), trimmed
+                 (``MAXLEN ~``) to about ``STREAM_MAXLEN`` entries;
+``{p}:flag``     the stop flag as the hub's run directory holds it, for the
+                 agents to write into theirs (``flag_value``);
+``{p}:resync``   when a hub last asked every agent for all its rows.
+
+A digest's size does not grow with the ranks on the host: counts by
+verdict, a few figures, and at most ``MAX_ROWS`` rows: those whose verdict,
+state or stop stage changed, plus a few of a rolling full resynchronisation.
+Everything in a digest is untrusted at the hub (whoever can write to Redis
+can add an entry): ``parse`` refuses what is too big, malformed or badly
+signed, before anything is allocated per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Annotated, Any, Literal, NotRequired
+
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
+
+# pydantic needs typing_extensions' TypedDict before Python 3.12.
+from typing_extensions import TypedDict
+
+from app.ranks.health import VERDICTS
+from trainer_bridge.rundir import redisbus
+from trainer_bridge.rundir.schema import Count, Host, Millis, Pid, Rank, StopRecord, UnixTime, WorldSize
+
+VERSION = 1
+# A digest larger than this is refused unread (a real one of MAX_ROWS rows is far smaller).
+MAX_DIGEST_BYTES = 256 * 1024
+# Rows per digest: the changed ones first; more wait for the next digest.
+MAX_ROWS = 64
+# Ranks one host may claim (a 1024-rank host is no host of today's clusters).
+MAX_HOST_RANKS = 1024
+# Digests kept in the stream: at 1 Hz, a few seconds of a 12,500-host job.
+STREAM_MAXLEN = 50_000
+RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+Text = Annotated[str, Field(max_length=500)]
+Reason = Annotated[str, Field(max_length=4000)]
+Short = Annotated[str, Field(max_length=100)]
+Float = Annotated[float, Field(ge=-1e15, le=1e15)]
+Loss = Annotated[float, Field(allow_inf_nan=False)]
+
+
+# TypedDicts, not models: the validator hands out plain dicts, so a hub keeps
+# no model objects per host and rows need no dump (both matter at 12,500 digests a second).
+_STRICT = ConfigDict(strict=True, extra="forbid")  # a field nobody writes is refused
+
+
+class Row(TypedDict):
+    """A rank's row exactly as ``app.ranks.rows.make_row`` builds it (the fields of ``/api/ranks``)."""
+
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    rank: Rank
+    health: Literal[VERDICTS]
+    reason: Reason
+    score: Float | None
+    state: Short | None
+    epoch: Count | None
+    step: Count | None
+    global_step: Count | None
+    loss: Loss | None
+    step_time_ms: Millis | None
+    step_time_mean_ms: Millis | None
+    samples_per_s: Annotated[float, Field(ge=0, le=1e12)] | None
+    host: Host | None
+    pid: Pid | None
+    cpu_percent: Annotated[float, Field(ge=0, le=1e5)] | None
+    rss_bytes: Count | None
+    device: Short | None
+    device_util_percent: Float | None
+    device_mem_used_bytes: Count | None
+    device_mem_total_bytes: Count | None
+    device_temp_c: Float | None
+    device_health: Short | None
+    stop_stage: Short | None
+    warnings: Annotated[list[Text], Field(max_length=10)]
+    time: UnixTime | None
+    last_step_at: UnixTime | None
+    seq: Count | None
+    source: Literal["bridge", "log"]
+    clock_skew_s: Float | None
+
+
+ROW_FIELDS = tuple(Row.__annotations__)
+
+
+class RankEntry(TypedDict):
+    """One rank in a digest: its row, and what the stop service reads from its heartbeat."""
+
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    row: Row
+    # schema.StopRecord, checked apart (stops are rare): a plain dict here.
+    stop: NotRequired[dict | None]
+    started_at: NotRequired[UnixTime | None]
+    sync_every: NotRequired[Annotated[int, Field(ge=1, le=10**6)] | None]
+
+
+class Slowest(TypedDict):
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    rank: Rank
+    step_time_ms: Millis
+
+
+class Digest(TypedDict):
+    """One host's digest (see the module's docstring)."""
+
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    v: Literal[VERSION]
+    run: Short
+    host: Host
+    agent: Short  # host:pid:tag of the agent process
+    boot: UnixTime  # when the agent started: (boot, seq) orders its digests across restarts
+    seq: Count
+    time: UnixTime
+    attempt: UnixTime | None  # when this host's ranks started: a relaunch is a new attempt
+    world_size: WorldSize | None
+    ranks: tuple[Rank, Rank] | None  # lowest and highest rank on the host
+    n: Annotated[int, Field(ge=0, le=MAX_HOST_RANKS)]
+    counts: dict[Literal[VERDICTS], Annotated[int, Field(ge=0, le=MAX_HOST_RANKS)]]
+    global_step: tuple[Count, Count, Count] | None  # min, median, max
+    step_time_ms: tuple[Millis, Millis] | None  # median, max
+    slowest: Slowest | None
+    stalest: Rank | None
+    last_step_at: UnixTime | None
+    samples_per_s: Annotated[float, Field(ge=0, le=1e15)] | None
+    stop_stages: dict[Short, Annotated[int, Field(ge=0, le=MAX_HOST_RANKS)]]
+    flag: NotRequired[Annotated[float, Field(ge=0)] | None]  # the hub flag's version this agent applied
+    rows: Annotated[list[RankEntry], Field(max_length=MAX_ROWS)]
+
+
+_DIGEST = TypeAdapter(Digest)
+_STOP = TypeAdapter(StopRecord)
+_ENTRY = TypeAdapter(RankEntry)
+
+
+def entry_problem(entry: dict) -> str | None:
+    """Why a hub would refuse this rank entry (the agent leaves such a row out), or None."""
+    try:
+        _ENTRY.validate_json(json.dumps(entry, allow_nan=False))
+    except (ValidationError, ValueError) as e:
+        errors = e.errors() if isinstance(e, ValidationError) else []
+        return ".".join(map(str, errors[0]["loc"])) if errors else str(e)
+    return None
+
+
+class Refused(ValueError):
+    """A digest the hub will not use; the message says why (never its content)."""
+
+
+def keys(run: str) -> tuple[str, str, str]:
+    """(digest stream, flag, resync request) keys of ``run``."""
+    prefix = f"rankwatch:run:{run}"
+    return f"{prefix}:digests", f"{prefix}:flag", f"{prefix}:resync"
+
+
+def check_run(name: str) -> str:
+    """``name`` if it can name a run in Redis; ValueError otherwise."""
+    if not RUN_NAME.fullmatch(name or ""):
+        raise ValueError(f"a run name is 1 to 128 letters, digits, '.', '_' or '-', not {name!r}")
+    return name
+
+
+def encode(digest: dict, key: bytes | None) -> dict[str, bytes]:
+    """A digest as a stream entry's fields, signed with ``key`` when there is one."""
+    body = json.dumps(digest, separators=(",", ":"), allow_nan=False).encode()
+    fields = {"h": digest["host"].encode(), "d": body}
+    if key is not None:
+        fields["s"] = redisbus.signature(key, "digest", digest["run"], digest["host"], body)
+    return fields
+
+
+def parse(fields: dict, run: str, key: bytes | None) -> Digest:
+    """The digest of a stream entry, checked; Refused says why not."""
+    host, body = fields.get(b"h"), fields.get(b"d")
+    if not isinstance(host, bytes) or not isinstance(body, bytes):
+        raise Refused("an entry without a host or a digest")
+    if len(body) > MAX_DIGEST_BYTES or len(host) > 253:
+        raise Refused(f"a digest of {len(body)} bytes (at most {MAX_DIGEST_BYTES})")
+    name = host.decode(errors="replace")
+    if not redisbus.signed(key, "digest", run, name, body, fields.get(b"s")):
+        raise Refused(
+            f"a digest for host {name[:100]!r}, {'badly signed' if fields.get(b's') else 'unsigned'}"
+        )
+    try:
+        digest = _DIGEST.validate_json(body)
+        for entry in digest["rows"]:
+            if entry.get("stop") is not None:
+                entry["stop"] = _STOP.validate_python(entry["stop"]).to_dict()
+    except ValidationError as e:
+        where = ".".join(map(str, e.errors()[0]["loc"])) if e.errors() else "?"
+        raise Refused(f"a malformed digest for host {name[:100]!r} (field {where})") from None
+    if digest["host"] != name or digest["run"] != run:
+        raise Refused(
+            f"a digest whose entry names host {name[:100]!r} but whose body names another host or run"
+        )
+    low, high = digest["ranks"] or (0, -1)
+    if digest["ranks"] is not None and (high < low or high - low >= MAX_HOST_RANKS):
+        raise Refused(f"a digest for host {name[:100]!r} claiming ranks {low} to {high}")
+    for entry in digest["rows"]:
+        row = entry["row"]
+        if not low <= row["rank"] <= high or (row["host"] is not None and row["host"] != name):
+            raise Refused(
+                f"a digest for host {name[:100]!r} with a row of rank {row['rank']} "
+                f"(host {str(row['host'])[:100]!r}) outside its ranks"
+            )
+    return digest
+
+
+def flag_value(raw: bytes, version: float, key: bytes | None, run: str) -> bytes:
+    """The ``{p}:flag`` value: the flag file's bytes and its version, signed with a key."""
+    body = json.dumps({"flag": raw.decode(), "version": version}, separators=(",", ":")).encode()
+    sig = redisbus.signature(key, "flag", run, "hub", body).decode() if key is not None else ""
+    return json.dumps({"body": body.decode(), "sig": sig}, separators=(",", ":")).encode()
+
+
+def open_flag(value: bytes, key: bytes | None, run: str) -> tuple[bytes, float]:
+    """(flag file bytes, version) of a ``{p}:flag`` value; ValueError if unsigned, bad or malformed."""
+    if len(value) > 4 * 65536:
+        raise ValueError("a flag value too large")
+    outer = json.loads(value)
+    if not isinstance(outer, dict) or not isinstance(outer.get("body"), str):
+        raise ValueError("a malformed flag value")
+    body = outer["body"].encode()
+    if not redisbus.signed(key, "flag", run, "hub", body, outer.get("sig") or None):
+        raise ValueError("an unsigned or badly signed flag value")
+    inner: Any = json.loads(body)
+    if not (
+        isinstance(inner, dict)
+        and isinstance(inner.get("flag"), str)
+        and isinstance(inner.get("version"), int | float)
+        and not isinstance(inner.get("version"), bool)
+    ):
+        raise ValueError("a malformed flag value")
+    return inner["flag"].encode(), float(inner["version"])

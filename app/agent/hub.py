@@ -1,0 +1,332 @@
+"""The hub: a dashboard's reader of the agents' host digests (``app/agent/digest.py``).
+
+It reads the run's digest stream through a consumer group (``XREADGROUP``
+then ``XACK``). By default each dashboard process has a group of its own
+(removed when it stops), so each reads every digest and shows every host.
+Processes given the same group name (``HUB_GROUP``) split the entries
+between them instead: the load divides, and each shows only the hosts it
+read (merging their partial views through the leader is not built yet). Each digest updates its host's figures and the rows
+it carries; a rank's row is the one its host's agent last sent.
+
+**Agent lost.** A host whose agent sent no digest for ``lost_after_s``
+(by this process's clock, while Redis answers) is ``agent lost``: its
+ranks' rows say so, with their last known figures, and they are not
+counted as ended, since only the agent is known to be gone, not the ranks.
+The next digest from that host ends it. While Redis is unreachable nobody
+can be heard, so nobody is judged lost; the clocks restart when it returns.
+
+**Refused digests** are counted and the last reason kept (never their
+content): too big, malformed, badly signed or unsigned with a key, for a
+rank another host's live agent owns, or not newer than the last one
+accepted from that host (a replay: ``(boot, seq)`` orders each agent's
+digests, across its restarts). A refused digest changes nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import statistics
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from app.agent import digest as dg
+from trainer_bridge.rundir import redisbus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HostView:
+    digest: dg.Digest
+    heard_at: float  # this process's clock when the last digest came
+    ranks: set[int] = field(default_factory=set)
+    lost: bool = False
+
+
+class Hub(redisbus._Guarded):
+    """Every host's newest digest and every rank's newest row, for one run."""
+
+    def __init__(
+        self,
+        url: str,
+        run: str,
+        key: bytes | None,
+        lost_after_s: float,
+        *,
+        group: str = "",
+        batch: int = 2000,
+        **kw,
+    ):
+        super().__init__(url, run, **kw)
+        self.run = dg.check_run(run)
+        self.key = key
+        self.lost_after_s = lost_after_s
+        self.consumer = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.own_group = not group
+        self.group = group or f"hub:{self.consumer}"
+        self.batch = batch
+        self.stream, self.flag_key, self.resync_key = dg.keys(run)
+        self.hosts: dict[str, HostView] = {}
+        self.rows: dict[int, dict] = {}  # rank -> the row its agent last sent
+        self.beats: dict[
+            int, dict
+        ] = {}  # rank -> {stop, started_at, sync_every, state, ...} for the stop service
+        self.owner: dict[int, str] = {}
+        self.removed: set[int] = set()  # ranks gone from every host since the caller last took them
+        self.accepted = 0
+        self.refused = 0
+        self.refused_last: str | None = None
+        self._grouped = False
+        self._down_since: float | None = None
+        self._flag_sent: tuple | None = None
+
+    # ------------------------------------------------------------------ reading
+    def poll(self, now: float) -> set[int]:
+        """Read what came since the last call; the ranks whose shown row may have changed.
+
+        Raises RedisUnavailable when Redis cannot be reached.
+        """
+        try:
+            entries = self._call(self._read)
+        except redisbus.RedisUnavailable:
+            if self._down_since is None:
+                self._down_since = now
+            self._grouped = False
+            raise
+        changed: set[int] = set()
+        if self._down_since is not None:
+            # Nobody could be heard while Redis was away: every agent's clock starts again now.
+            for view in self.hosts.values():
+                view.heard_at = max(view.heard_at, now)
+            self._down_since = None
+            self._flag_sent = None
+        for fields in entries:
+            changed |= self._apply(fields, now)
+        for host, view in self.hosts.items():
+            lost = now - view.heard_at > self.lost_after_s
+            if lost != view.lost:
+                view.lost = lost
+                changed |= view.ranks
+                log.warning(
+                    "rankwatch hub: the agent on host %s %s",
+                    host[:100],
+                    f"sent no digest for {now - view.heard_at:.0f} s: agent lost" if lost else "is back",
+                )
+        return changed
+
+    def _read(self, client) -> list[dict]:
+        import redis
+
+        if not self._grouped:
+            try:
+                client.xgroup_create(self.stream, self.group, id="$", mkstream=True)
+            except redis.ResponseError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise
+            # A hub that starts (or lost Redis's state) asks every agent for all its rows.
+            client.set(self.resync_key, f"{time.time():.6f}")
+            self._grouped = True
+        out: list[dict] = []
+        while True:
+            try:
+                got = client.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=self.batch)
+            except redis.ResponseError as e:
+                if "NOGROUP" not in str(e):
+                    raise
+                self._grouped = False  # Redis restarted empty: the group is made again next tick
+                return out
+            entries = got[0][1] if got else []
+            if entries:
+                client.xack(self.stream, self.group, *[entry_id for entry_id, _ in entries])
+            out.extend(fields for _, fields in entries)
+            if len(entries) < self.batch or len(out) >= 10 * self.batch:
+                return out
+
+    def _refuse(self, why: str) -> set[int]:
+        self.refused += 1
+        self.refused_last = why
+        if self.refused == 1:
+            log.warning("rankwatch hub: refused %s: is something else writing to redis?", why)
+        return set()
+
+    def _apply(self, fields: dict, now: float) -> set[int]:
+        try:
+            digest = dg.parse(fields, self.run, self.key)
+        except dg.Refused as e:
+            return self._refuse(str(e))
+        host = digest["host"]
+        view = self.hosts.get(host)
+        if view is not None and (digest["boot"], digest["seq"]) <= (view.digest["boot"], view.digest["seq"]):
+            return self._refuse(
+                f"a digest for host {host[:100]!r} not newer than the last one (a replay, or an older agent)"
+            )
+        entries = digest.pop("rows")  # the host view keeps the figures, not the rows
+        for entry in entries:
+            owner = self.owner.get(entry["row"]["rank"])
+            if owner is not None and owner != host and not self.hosts[owner].lost:
+                return self._refuse(
+                    f"a digest for host {host[:100]!r} claiming rank {entry['row']['rank']}, "
+                    f"whose agent on {owner[:100]!r} reports"
+                )
+        if view is None:
+            view = self.hosts[host] = HostView(digest, now)
+        view.digest, view.heard_at = digest, now
+        self.accepted += 1
+        changed = set()
+        for entry in entries:
+            row = entry["row"]
+            rank = row["rank"]
+            old = self.owner.get(rank)
+            if old is not None and old != host:
+                self.hosts[old].ranks.discard(rank)
+            self.owner[rank] = host
+            view.ranks.add(rank)
+            self.rows[rank] = row
+            self.beats[rank] = {
+                "stop": entry.get("stop"),
+                "started_at": entry.get("started_at"),
+                "sync_every": entry.get("sync_every"),
+                "state": row["state"],
+                "time": row["time"],
+                "step_time_mean_ms": row["step_time_mean_ms"],
+                "step_time_ms": row["step_time_ms"],
+            }
+            changed.add(rank)
+        # Ranks the host no longer has (a relaunch placed fewer, or others, on it) leave the view.
+        low, high = digest["ranks"] or (0, -1)
+        for rank in [r for r in view.ranks if not low <= r <= high]:
+            view.ranks.discard(rank)
+            del self.owner[rank], self.rows[rank], self.beats[rank]
+            self.removed.add(rank)
+            changed.discard(rank)
+        if view.lost:
+            view.lost = False
+            changed |= view.ranks
+            log.warning("rankwatch hub: the agent on host %s is back", host[:100])
+        return changed
+
+    # ------------------------------------------------------------------ what is shown
+    def shown(self, rank: int, now: float) -> dict:
+        """Rank ``rank``'s row as the page shows it: its agent's, or ``agent_lost`` with its last figures."""
+        row = self.rows[rank]
+        view = self.hosts[self.owner[rank]]
+        if not view.lost:
+            return row
+        ago = now - view.heard_at
+        return {
+            **row,
+            "health": "agent_lost",
+            "reason": (
+                f"the agent on host {view.digest['host']} has sent no digest for {ago:.0f} s: this rank's "
+                f"state is unknown (last known: {row['health']}); it may still be training. "
+                "A node that is gone shows as node lost only while its agent reports"
+            ),
+            "score": None,
+        }
+
+    def host_rows(self, now: float, hosts) -> list[dict]:
+        """One row per host of ``hosts``: its agent, whether it reports, and its digest's figures."""
+        out = []
+        for host in sorted(hosts):
+            view = self.hosts[host]
+            d = view.digest
+            out.append(
+                {
+                    "host": host,
+                    "status": "agent_lost" if view.lost else "reporting",
+                    "agent": d["agent"],
+                    "digest_age_s": round(max(0.0, now - view.heard_at), 1),
+                    "seq": d["seq"],
+                    "attempt": d["attempt"],
+                    "ranks": list(d["ranks"]) if d["ranks"] else None,
+                    "n": d["n"],
+                    "counts": dict(d["counts"]),
+                    "global_step": list(d["global_step"]) if d["global_step"] else None,
+                    "step_time_ms": list(d["step_time_ms"]) if d["step_time_ms"] else None,
+                    "slowest": d["slowest"],
+                    "stalest": d["stalest"],
+                    "stop_stages": dict(d["stop_stages"]),
+                    "flag": d.get("flag"),
+                }
+            )
+        return out
+
+    def figures(self, counts: dict, threshold_ratio: float) -> dict:
+        """The summary strip's job-wide figures, from the hosts' digests (O(hosts), not O(ranks))."""
+        live = [v.digest for v in self.hosts.values() if not v.lost]
+        slowest = max(
+            ((d["slowest"]["step_time_ms"], d["slowest"]["rank"]) for d in live if d["slowest"] is not None),
+            default=None,
+        )
+        worst = None
+        if slowest is not None:
+            ms, rank = slowest
+            medians = [d["step_time_ms"][0] for d in live if d["step_time_ms"] is not None]
+            mid = float(statistics.median(medians)) if medians else ms
+            row = self.rows.get(rank)
+            worst = {
+                "rank": rank,
+                "step_time_ms": round(ms, 2),
+                "median_ms": round(mid, 2),
+                "gap_ms": round(ms - mid, 2),
+                "ratio": round(ms / mid, 2) if mid > 0 else None,
+                "basis": "step",
+                "straggler": row is not None and row["health"] == "straggler",
+                "threshold_ratio": threshold_ratio,
+            }
+        rates = [d["samples_per_s"] for d in live if d["samples_per_s"] is not None]
+        lasts = [d["last_step_at"] for d in live if d["last_step_at"] is not None]
+        steps = [d["global_step"][2] for d in live if d["global_step"] is not None]
+        return {
+            "counts": counts,
+            "reported": len(self.rows),
+            "slowest": worst,
+            "throughput": round(sum(rates), 1) if rates else None,
+            "last_step_at": max(lasts) if lasts else None,
+            "global_step": max(steps) if steps else None,
+        }
+
+    def status(self) -> dict:
+        """This process's reading of the digests, for ``GET /api/health``."""
+        return {
+            "run": self.run,
+            "group": self.group,
+            "hosts": len(self.hosts),
+            "agents_lost": sum(1 for v in self.hosts.values() if v.lost),
+            "accepted": self.accepted,
+            "refused": self.refused,
+            "refused_last": self.refused_last,
+        }
+
+    def world_size(self) -> int:
+        declared = max((v.digest["world_size"] or 0 for v in self.hosts.values()), default=0)
+        return max(declared, max(self.rows, default=-1) + 1)
+
+    # ------------------------------------------------------------------ the stop, to the agents
+    def publish_flag(self, raw: bytes, version: float) -> None:
+        """Put the hub's flag (its file's bytes) where the agents read it, once per change."""
+        sent = (raw, version)
+        if sent == self._flag_sent:
+            return
+        value = dg.flag_value(raw, version, self.key, self.run)
+        try:
+            self._call(lambda client: client.set(self.flag_key, value))
+        except redisbus.RedisUnavailable:
+            return
+        self._flag_sent = sent
+
+    def close(self) -> None:
+        """Leave the group (remove this process's own); quietly, since Redis may be gone at exit."""
+        client = self._client
+        if client is not None:
+            try:
+                if self.own_group:
+                    client.xgroup_destroy(self.stream, self.group)
+                else:
+                    client.xgroup_delconsumer(self.stream, self.group, self.consumer)
+            except Exception:  # a group or consumer left behind is harmless; shutdown must not fail on it
+                pass
+        super().close()

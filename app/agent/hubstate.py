@@ -1,0 +1,160 @@
+"""A dashboard's view of a run served by agents: ``RunState`` with its rows from the digests.
+
+``hub_state`` builds it when ``REDIS_URL`` is set and ``AGENTS`` is on or
+``RUN`` names the run. Everything the page, the API, the pushes and the
+stop service read from ``RunState`` (rows, deltas, summary, run status,
+each rank's stop record) then comes from the hub (``app/agent/hub.py``);
+the dashboard's own run directory holds no heartbeats, only the flag the
+stop service writes, which the hub mirrors to the agents.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from app.agent import digest as dg
+from app.agent.hub import Hub
+from app.ranks.health import VERDICTS
+from app.ranks.state import RunState
+from app.services import redis_key
+from trainer_bridge.rundir import redisbus, runfiles
+
+
+def run_name(config: Mapping[str, Any], run_dir: str | os.PathLike | None) -> str | None:
+    """The run's name in Redis when this dashboard reads agents' digests, else None."""
+    if not config.get("REDIS_URL"):
+        return None
+    if config.get("RUN"):
+        return dg.check_run(config["RUN"])
+    if config.get("AGENTS") and run_dir:
+        return dg.check_run(Path(run_dir).resolve().name)
+    return None
+
+
+def hub_state(run_dir: str | None, config: Mapping[str, Any]) -> HubState | None:
+    name = run_name(config, run_dir)
+    if name is None:
+        return None
+    # A hub keeps a row per rank and a digest per host, and replaces a few of
+    # them every millisecond: with the default thresholds the collector scans
+    # that live heap again and again (a third of the hub's CPU, measured with
+    # tests/bench/agents.py); rows hold no cycles, so collect less often.
+    gc.set_threshold(50_000, 50, 100)
+    hub = Hub(
+        config["REDIS_URL"], name, redis_key(config), float(config["AGENT_LOST_S"]), group=config["HUB_GROUP"]
+    )
+    # The hub's own consumer group goes when the process ends cleanly (a crashed one leaves a small group behind).
+    atexit.register(hub.close)
+    return HubState(run_dir, config, hub)
+
+
+class HubState(RunState):
+    """``RunState`` whose rows, summary and run status come from the agents' digests."""
+
+    def __init__(self, run_dir, config, hub: Hub):
+        self.hub = hub
+        super().__init__(run_dir, config)
+
+    def _clear(self) -> None:
+        super()._clear()
+        self._counts = dict.fromkeys(VERDICTS, 0)
+        self._redis_error: str | None = None
+
+    def _scan(self, now: float) -> None:
+        self.scanned_at = now
+        try:
+            changed = self.hub.poll(now)
+            self._redis_error = None
+        except redisbus.RedisUnavailable as e:
+            changed, self._redis_error = set(), str(e)
+        for rank in self.hub.removed:
+            old = self._rows.pop(rank, None)
+            if old is not None:
+                self._counts[old["health"]] -= 1
+                self._sent.pop(rank, None)
+                self._dirty.discard(rank)
+                self._needs_snapshot = True  # a removal is no delta
+        self.hub.removed.clear()
+        for rank in changed:
+            if rank not in self.hub.rows:
+                continue  # changed, then gone, in one read
+            row = self.hub.shown(rank, now)
+            old = self._rows.get(rank)
+            if old is not None:
+                self._counts[old["health"]] -= 1
+            self._counts[row["health"]] += 1
+            self._rows[rank] = row
+            self._dirty.add(rank)
+        self._world = self.hub.world_size()
+        self._summary = {
+            "world_size": self._world,
+            **self.hub.figures(dict(self._counts), self.thresholds.straggler_ratio),
+        }
+        self._run = self._hub_status()
+        self._mirror_flag()
+
+    def _mirror_flag(self) -> None:
+        """Publish this dashboard's flag file (the stop service writes it) whenever it changes."""
+        if self.run_dir is None:
+            return
+        path = runfiles.flag_path(self.run_dir)
+        try:
+            st = path.stat()
+            raw = runfiles.read_capped(path)
+        except (OSError, runfiles.FileTooLarge):
+            return
+        self.hub.publish_flag(raw, st.st_mtime_ns / 1e9)
+
+    def _hub_status(self) -> dict:
+        hub = self.hub
+        lost = [h for h, v in hub.hosts.items() if v.lost]
+        if not hub.hosts:
+            kind, message = (
+                "waiting",
+                f"No agent has published a digest for run {hub.run!r} yet: start `rankwatch agent "
+                f"--run-dir RUN --redis URL --run {hub.run}` on every node.",
+            )
+        else:
+            kind = "running"
+            message = (
+                f"{len(self._rows)} ranks on {len(hub.hosts)} hosts, through their agents (run {hub.run!r})."
+            )
+        if lost:
+            named = ", ".join(sorted(lost)[:8]) + (f" and {len(lost) - 8} more" if len(lost) > 8 else "")
+            message += f" Agent lost on {named}: no digest for {hub.lost_after_s:g} s."
+        if self._redis_error:
+            message += f" Redis is unreachable ({self._redis_error}): the rows are as last heard."
+        if hub.refused:
+            message += f" {hub.refused} digest(s) refused, the last {hub.refused_last}."
+        return {
+            "status": kind,
+            "message": message,
+            "run_dir": str(self.run_dir or ""),
+            "transport": "agents",
+            "hosts": len(hub.hosts),
+            "agents_lost": len(lost),
+            "refused": hub.refused,
+        }
+
+    def page(self, now, health, start, count):
+        """``RunState.page`` and the host rows of the page's ranks (an answer bounded by the page)."""
+        body, total = super().page(now, health, start, count)
+        with self._lock:
+            hosts = {self.hub.owner[r["rank"]] for r in body["ranks"] if r["rank"] in self.hub.owner}
+            body["hosts"] = self.hub.host_rows(now, hosts)
+        return body, total
+
+    def heartbeats(self) -> tuple[dict[int, dict | None], int]:
+        """What each rank's agent said of its stop record, state and start (the stop service reads these)."""
+        with self._lock:
+            # Each digest replaces a rank's record, never changes it: sharing them is safe.
+            return dict(self.hub.beats), self._world
+
+    def started_at(self, rank: int) -> float | None:
+        with self._lock:
+            return (self.hub.beats.get(rank) or {}).get("started_at")

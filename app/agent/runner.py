@@ -1,0 +1,287 @@
+"""``rankwatch agent``: read this host's ranks, judge them, publish one digest a second.
+
+The agent reads its host's run directory with the dashboard's own
+``RunState``: the same reader (heartbeat files, msrun worker logs), the
+same ``VerdictBoard`` and the same rows, and its process probes work, since
+the ranks run here. It publishes only the ranks whose heartbeats name this
+host, so agents on nodes that share a run directory do not claim each
+other's ranks.
+
+Each digest (``app/agent/digest.py``) carries the rows whose verdict, state
+or stop stage changed since the last digest (at most ``MAX_ROWS``, the rest
+next time), and a few more from a rolling resynchronisation that goes
+through every rank once per ``resync_s``, so a hub that starts late or
+missed a digest catches up; a hub that asks (``{p}:resync``) gets every row
+over the next digests.
+
+Redis away: digests wait in a bounded buffer (the oldest dropped first)
+and go out in order once Redis answers; nothing here blocks or stops the
+training, which never talks to the agent.
+
+The stop: the hub mirrors its run directory's flag to ``{p}:flag``; when
+its version is newer than the one applied, the agent writes the same flag
+into its host's run directory with ``runfiles.write_flag``, the bridge's and
+the dashboard's own writer, and its digests carry the ranks' stop stages.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import statistics
+import time
+import uuid
+from collections import Counter, deque
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from app.agent import digest as dg
+from app.ranks.health import TERMINAL_STATES
+from app.ranks.judging import ALIVE
+from app.ranks.state import RunState
+from trainer_bridge.rundir import redisbus, runfiles
+
+log = logging.getLogger("rankwatch.agent")
+
+STEPPING = ("training", "stopping")
+
+
+class Outbox(redisbus._Guarded):
+    """The agent's one Redis connection: digests out (buffered while Redis is away), flag and resync in."""
+
+    def __init__(self, url: str, run: str, key: bytes | None, buffer: int, **kw):
+        super().__init__(url, run, **kw)
+        self.run = run
+        self.key = key
+        self.stream, self.flag_key, self.resync_key = dg.keys(run)
+        self.pending: deque[dict] = deque(maxlen=buffer)
+        self.dropped = 0
+        self.sent = 0
+
+    def send(self, digest: dict) -> tuple[bytes | None, bytes | None] | None:
+        """Queue ``digest`` and flush the queue; (flag value, resync value), or None if Redis is away."""
+        if len(self.pending) == self.pending.maxlen:
+            if not self.dropped:
+                log.warning(
+                    "rankwatch agent: %d digests wait for redis; dropping the oldest from now on "
+                    "(the hub catches up from the next digests' rows and resync)",
+                    len(self.pending),
+                )
+            self.dropped += 1
+        self.pending.append(dg.encode(digest, self.key))
+
+        def flush(client):
+            pipe = client.pipeline(transaction=False)
+            for fields in self.pending:
+                pipe.xadd(self.stream, fields, maxlen=dg.STREAM_MAXLEN, approximate=True)
+            pipe.mget(self.flag_key, self.resync_key)
+            return pipe.execute()[-1]
+
+        try:
+            flag, resync = self._call(flush)
+        except redisbus.RedisUnavailable:
+            return None
+        self.sent += len(self.pending)
+        self.pending.clear()
+        return flag, resync
+
+
+def _key(row: Mapping) -> tuple:
+    return row["health"], row["state"], row["stop_stage"]
+
+
+def _median(values: list[float]) -> float:
+    return float(statistics.median(values))
+
+
+class Agent:
+    """One host's agent: ``tick(now)`` reads, judges, builds and sends one digest."""
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        url: str,
+        run: str,
+        config: Mapping[str, Any],
+        *,
+        key: bytes | None = None,
+        host: str | None = None,
+        interval_s: float = 1.0,
+        resync_s: float = 10.0,
+        buffer: int = 300,
+    ):
+        self.run_dir = Path(run_dir)
+        self.run = dg.check_run(run)
+        self.host = host or socket.gethostname()
+        self.state = RunState(self.run_dir, config, hostname=self.host)
+        self.outbox = Outbox(url, run, key, buffer)
+        self.key = key
+        self.interval_s = interval_s
+        self.resync_s = resync_s
+        self.token = f"{self.host}:{os.getpid()}:{uuid.uuid4().hex[:8]}"[:100]
+        self.boot = time.time()
+        self.seq = 0
+        self._sent: dict[int, tuple] = {}
+        self._pending: dict[int, None] = {}  # changed ranks not sent yet, in order
+        self._cursor = 0
+        self.flag_version: float | None = None
+        self._resync_seen: bytes | None = None
+        self.flag_error: str | None = None
+        self._bad_rows: dict[int, str] = {}
+
+    def tick(self, now: float) -> dict:
+        """One round: scan, digest, send, apply the hub's flag. Returns the digest built."""
+        self.state.scan(now)
+        digest = self.build(now)
+        answer = self.outbox.send(digest)
+        if answer is not None:
+            flag, resync = answer
+            if resync is not None and resync != self._resync_seen:
+                if self._resync_seen is not None:  # the first value read is an old request: nothing new
+                    self._pending.update(dict.fromkeys(sorted(self._sent)))
+                self._resync_seen = resync
+            if flag is not None:
+                self.apply_flag(flag)
+        return digest
+
+    def build(self, now: float) -> dict:
+        rows = [row for row in self.state.rows() if row["host"] == self.host][: dg.MAX_HOST_RANKS]
+        beats, world = self.state.heartbeats()
+        by_rank = {row["rank"]: row for row in rows}
+        for rank in set(self._sent) - set(by_rank):
+            del self._sent[rank]
+            self._pending.pop(rank, None)
+        for rank, row in by_rank.items():
+            if self._sent.get(rank) != _key(row):
+                self._pending[rank] = None
+        chosen = list(self._pending)[: dg.MAX_ROWS]
+        ordered = sorted(by_rank)
+        if ordered:
+            spread = max(1, math.ceil(len(ordered) * self.interval_s / self.resync_s))
+            for _ in range(min(spread, len(ordered))):
+                if len(chosen) >= dg.MAX_ROWS:
+                    break
+                self._cursor %= len(ordered)
+                rank = ordered[self._cursor]
+                self._cursor += 1
+                if rank not in chosen:
+                    chosen.append(rank)
+        entries = []
+        for rank in chosen:
+            row = by_rank[rank]
+            hb = beats.get(rank) or {}
+            entry = {
+                "row": row,
+                "stop": hb.get("stop"),
+                "started_at": hb.get("started_at"),
+                "sync_every": hb.get("sync_every"),
+            }
+            self._sent[rank] = _key(row)
+            self._pending.pop(rank, None)
+            # One row the hub would refuse must not cost the whole host its digest.
+            problem = dg.entry_problem(entry)
+            if problem is None:
+                entries.append(entry)
+            elif self._bad_rows.get(rank) != problem:
+                self._bad_rows[rank] = problem
+                log.warning("rankwatch agent: rank %d's row left out of the digest (field %s)", rank, problem)
+        self.seq += 1
+        return {
+            "v": dg.VERSION,
+            "run": self.run,
+            "host": self.host,
+            "agent": self.token,
+            "boot": self.boot,
+            "seq": self.seq,
+            "time": now,
+            "attempt": min(
+                (s for r in by_rank if (s := (beats.get(r) or {}).get("started_at"))), default=None
+            ),
+            "world_size": world or None,
+            "ranks": [ordered[0], ordered[-1]] if ordered else None,
+            "n": len(ordered),
+            "flag": self.flag_version,
+            "rows": entries,
+            **figures(rows),
+        }
+
+    def apply_flag(self, value: bytes) -> None:
+        """Write the hub's flag into this host's run directory when it is newer than the one applied."""
+        try:
+            raw, version = dg.open_flag(value, self.key, self.run)
+            flag = runfiles.parse_flag(raw)
+        except (ValueError, runfiles.FlagError) as e:
+            if self.flag_error != str(e):
+                log.warning("rankwatch agent: ignored the hub's stop flag in redis: %s", e)
+            self.flag_error = str(e)
+            return
+        self.flag_error = None
+        if self.flag_version is not None and version <= self.flag_version:
+            return
+        try:
+            current = runfiles.read_flag(self.run_dir)
+        except runfiles.FlagError:
+            current = None
+        if current is None or current.raw != flag.raw:
+            extra = {k: v for k, v in flag.raw.items() if k != runfiles.FLAG_KEY}
+            try:
+                runfiles.write_flag(self.run_dir, flag.exit, **extra)
+            except OSError as e:
+                log.warning("rankwatch agent: cannot write the stop flag in %s: %s", self.run_dir, e)
+                return  # tried again next tick: the version stays unapplied
+            log.warning(
+                "rankwatch agent: wrote the hub's stop flag (GracefulExit %d, request %s) in %s",
+                int(flag.exit),
+                flag.request_id,
+                self.run_dir,
+            )
+        self.flag_version = version
+
+
+def figures(rows: list[dict]) -> dict:
+    """The host's figures (counts, steps, step times, slowest and stalest rank) from its rows."""
+    counts = Counter(row["health"] for row in rows)
+    steps = sorted(g for row in rows if (g := row["global_step"]) is not None)
+    alive = [row for row in rows if row["health"] in ALIVE and row["state"] in STEPPING]
+    times = [
+        (t, row["rank"])
+        for row in alive
+        if (t := row["step_time_mean_ms"] or row["step_time_ms"]) is not None
+    ]
+    live = [
+        (row["time"], row["rank"])
+        for row in rows
+        if row["time"] is not None and row["state"] not in TERMINAL_STATES
+    ]
+    last = [t for row in rows if (t := row["last_step_at"]) is not None]
+    rates = [r for row in alive if (r := row["samples_per_s"]) is not None]
+    worst = max(times) if times else None
+    return {
+        "counts": dict(counts),
+        "global_step": [steps[0], int(statistics.median_low(steps)), steps[-1]] if steps else None,
+        "step_time_ms": [round(_median([t for t, _ in times]), 2), worst[0]] if times else None,
+        "slowest": {"rank": worst[1], "step_time_ms": worst[0]} if worst else None,
+        "stalest": min(live)[1] if live else None,
+        "last_step_at": max(last) if last else None,
+        "samples_per_s": round(sum(rates), 1) if rates else None,
+        "stop_stages": dict(Counter(s for row in rows if (s := row["stop_stage"]) is not None)),
+    }
+
+
+def run_forever(agent: Agent, stopping=None) -> None:
+    """Tick every ``interval_s`` until ``stopping`` is set; one bad tick is logged, never fatal."""
+    deadline = time.monotonic()
+    while stopping is None or not stopping.is_set():
+        try:
+            agent.tick(time.time())
+        except Exception:
+            log.exception("rankwatch agent: tick failed; the next one starts again from the files")
+        deadline = max(deadline + agent.interval_s, time.monotonic() + agent.interval_s / 2)
+        wait = max(0.0, deadline - time.monotonic())
+        if stopping is not None:
+            stopping.wait(wait)
+        else:
+            time.sleep(wait)

@@ -1,0 +1,81 @@
+"""Ranks from agents in the page: two nodes' rows from their digests, then one agent lost.
+
+Real ``python -m app`` (with ``RANKWATCH_AGENTS``), real ``rankwatch agent``
+processes, a real redis-server and Chromium; the heartbeats are written in
+the bridge's format into each simulated node's own run directory by a
+thread, and the dashboard's directory holds none.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from playwright.sync_api import expect
+
+from tests.cluster.test_agent import RUN, Node
+from tests.helpers.agents import AgentProcess
+from tests.helpers.app import FAST_SETTINGS
+from tests.helpers.liveserver import start_dashboard
+from tests.ranks.test_nodes_browser import RANK_ROWS, WAIT_MS, node_row
+
+pytestmark = pytest.mark.browser
+
+
+def test_the_page_shows_every_node_from_digests_and_an_agent_lost(
+    tmp_path, redis_server, page, console_errors
+):
+    nodes = [Node(tmp_path, "gpu-a", range(0, 3), 6), Node(tmp_path, "gpu-b", range(3, 6), 6)]
+    done = threading.Event()
+
+    def beat():
+        while not done.is_set():
+            for node in nodes:
+                node.beat()
+            done.wait(0.3)
+
+    writer = threading.Thread(target=beat, daemon=True)
+    writer.start()
+    settings = {f"RANKWATCH_{k}": str(v) for k, v in FAST_SETTINGS.items()}
+    agents = [
+        AgentProcess(
+            n.dir, redis_server.url, tmp_path / f"agent-{n.host}.log", host=n.host, env=settings
+        ).start()
+        for n in nodes
+    ]
+    hub_dir = tmp_path / "hub" / RUN
+    hub_dir.mkdir(parents=True)
+    server = start_dashboard(
+        hub_dir,
+        tmp_path / "dashboard.log",
+        env={
+            **settings,
+            "RANKWATCH_REDIS_URL": redis_server.url,
+            "RANKWATCH_AGENTS": "1",
+            "RANKWATCH_AGENT_LOST_S": "3",
+        },
+    )
+    try:
+        page.goto(server.url + "/")
+        expect(page.locator(RANK_ROWS)).to_have_count(6, timeout=WAIT_MS)
+        expect(page.locator('[data-summary="world_size"]')).to_have_text("6 on 2 hosts", timeout=WAIT_MS)
+        a, b = node_row(page, "gpu-a"), node_row(page, "gpu-b")
+        for row in (a, b):
+            expect(row.locator('.node-verdicts [data-verdict="healthy"]')).to_have_text(
+                "✓ healthy 3", timeout=WAIT_MS
+            )
+
+        agents[1].kill()
+        expect(b.locator('.node-verdicts [data-verdict="agent_lost"]')).to_have_text(
+            "⊘ agent lost 3", timeout=WAIT_MS
+        )
+        expect(b).to_have_attribute("data-unhealthy", "")
+        expect(a.locator('.node-verdicts [data-verdict="healthy"]')).to_have_text("✓ healthy 3")
+        expect(page.locator('#rank-table tbody tr[data-rank="4"]')).to_contain_text("agent on host gpu-b")
+    finally:
+        done.set()
+        writer.join(timeout=30)
+        for agent in agents:
+            agent.stop()
+        server.stop()
+    assert console_errors == []

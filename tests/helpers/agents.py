@@ -1,0 +1,52 @@
+"""Real ``rankwatch agent`` processes for the agent tests (``python -m app.cli agent ...``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.helpers.liveserver import REPO
+
+
+class AgentProcess:
+    """One agent subprocess; its output goes to ``log``."""
+
+    def __init__(
+        self, run_dir: Path, url: str, log: Path, *, run: str | None = None, host: str | None = None, env=None
+    ):
+        self.cmd = [sys.executable, "-m", "app.cli", "agent", "--run-dir", str(run_dir), "--redis", url]
+        self.cmd += ["--run", run] if run else []
+        self.cmd += ["--host", host] if host else []
+        self.env = {**os.environ, **(env or {})}
+        self.log_path = log
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> AgentProcess:
+        out = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=self.env, stdout=out, stderr=subprocess.STDOUT)
+        out.close()
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def kill(self) -> None:
+        """SIGKILL: an agent that dies without a word."""
+        if self.alive():
+            self.proc.kill()
+        if self.proc is not None:
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.alive():
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
