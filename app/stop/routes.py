@@ -33,7 +33,7 @@ def _live():
 
 
 def _require_run_dir() -> None:
-    if not current_app.config["RUN_DIR"]:
+    if rankwatch().state.run_dir is None:
         raise ApiError(409, "the dashboard was started without a run directory (--run-dir)")
 
 

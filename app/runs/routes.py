@@ -1,0 +1,39 @@
+"""``GET /api/runs`` and, under ``--runs ROOT``, the landing page ``/``: the runs table.
+
+Registered after ``app/runs/scoping.py`` has twinned the per-run routes, so
+these two are served once, not per run.
+"""
+
+from __future__ import annotations
+
+from flask import Flask, g, jsonify, render_template, request, url_for
+
+from app.runs.rows import PER_PAGE_DEFAULT, STATES, Rows, parse_args
+
+
+def register(app: Flask, rows: Rows) -> None:
+    registry = rows.registry
+    app.extensions["rankwatch_rows"] = rows
+
+    def api_runs():
+        body = rows.table(**parse_args(request.args))
+        for row in body["runs"]:
+            row["url"] = url_for("main.index", run_id=row["id"])
+        return jsonify(body)
+
+    app.add_url_rule("/api/runs", "runs.api_runs", api_runs, methods=["GET"])
+
+    @app.before_request
+    def landing():
+        # Under --runs, "/" (main.index without a run) is the runs table.
+        if registry.is_root and request.endpoint == "main.index" and g.get("run_id") is None:
+            return render_template(
+                "runs.html",
+                runs_config={
+                    "api": url_for("runs.api_runs"),
+                    "per_page": PER_PAGE_DEFAULT,
+                    "states": list(STATES),
+                },
+                root=app.config["RUNS_ROOT"],
+            )
+        return None
