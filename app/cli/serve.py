@@ -97,7 +97,8 @@ def config_from(settings: dict, runs: str | None = None) -> dict:
         raise click.UsageError("give --run-dir RUN (one run) or --runs ROOT (every run under ROOT), not both")
     if not config["RUN_DIR"] and not config["RUNS_ROOT"]:
         raise click.UsageError(
-            "--run-dir RUN or --runs ROOT is required (or set RANKWATCH_RUN_DIR / RANKWATCH_RUNS_ROOT)"
+            "--run-dir is required (or --runs ROOT for every run under ROOT; "
+            "or set RANKWATCH_RUN_DIR / RANKWATCH_RUNS_ROOT)"
         )
     if config["READ_TIMEOUT_S"] <= PING_INTERVAL_S:
         raise click.BadParameter(

@@ -1,0 +1,139 @@
+"""A root of runs served for real (``python -m app --runs ROOT``): odd run names through real HTTP.
+
+And ``--run-dir RUN``: today's URLs stay, and ``/api/runs/<name>/X`` answers as ``/api/X``.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+from tests.heartbeats import heartbeat, write_heartbeat, write_job
+from tests.liveserver import start_dashboard
+
+TOKEN = "runs-http-operator-token-0123456789"
+ODD = [
+    "with space",
+    "team/exp 1",
+    "ünï/日本",
+    "a%2Fb",
+    "..dots",
+    "...",
+    "-leading-dash",
+    "tilde~7E~2F",
+    "q?x#y",
+]
+
+
+def get(url: str, token: str | None = None, data: dict | None = None) -> tuple[int, bytes]:
+    headers = {"Accept": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    if data is not None:
+        headers["Content-Type"] = "application/json"
+    request = urllib.request.Request(
+        url,
+        headers=headers,
+        data=None if data is None else json.dumps(data).encode(),
+        method="POST" if data else "GET",
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def fake_run(root, rel: str, step: int) -> None:
+    run = root / rel
+    write_job(run, 1)
+    write_heartbeat(run, heartbeat(0, 1, global_step=step))
+
+
+def test_odd_run_names_over_real_http(tmp_path):
+    root = tmp_path / "root"
+    for i, rel in enumerate(ODD):
+        fake_run(root, rel, 100 + i)
+    fake_run(tmp_path, "outside", 7)
+    (root / "escape").symlink_to(tmp_path / "outside")
+    server = start_dashboard(root, tmp_path / "dashboard.log", env={"RANKWATCH_TOKEN": TOKEN}, runs_root=True)
+    try:
+        status, body = get(server.url + "/api/runs?per_page=500")
+        assert status == 200, body
+        table = json.loads(body)
+        assert sorted(r["id"] for r in table["runs"]) == sorted(ODD)
+        assert {"path": "escape", "reason": "a symlink: not followed"} in table["discovery"]["skipped"]
+        for row in table["runs"]:
+            i = ODD.index(row["id"])
+            assert row["global_step"] == 100 + i and row["world_size"] == 1 and row["live"]
+            assert row["state"] == "training" and not row["needs_attention"]
+            # The console: the page knows its run, and its JSON routes are that run's.
+            status, page = get(server.url + row["url"])
+            assert status == 200 and f'data-run="{html.escape(row["id"])}"' in page.decode()
+            api = server.url + "/api" + row["url"]
+            status, summary = get(api + "summary")
+            assert status == 200, summary
+            summary = json.loads(summary)
+            assert summary["run"]["run_dir"] == str(root / row["id"])
+            assert summary["summary"]["global_step"] == 100 + i
+        status, body = get(server.url + "/api/runs?q=" + urllib.parse.quote("日本"))
+        assert [r["id"] for r in json.loads(body)["runs"]] == ["ünï/日本"]
+
+        # Nothing outside the root is reachable, however the id is written; errors keep their shape.
+        for path in (
+            "escape",
+            "..%2Foutside",
+            "%2E%2E",
+            "..",
+            "team~2F..~2Foutside",
+            "team~2fexp%201",
+            "a~41",
+        ):
+            status, body = get(f"{server.url}/api/runs/{path}/summary")
+            assert status == 404, (path, body)
+            assert set(json.loads(body)) == {"error", "status"}
+        status, body = get(server.url + "/api/ranks")
+        assert status == 404 and "/api/runs/<id>/ranks" in json.loads(body)["error"]
+
+        # A stop acts on the run in its URL, and on no other.
+        target = next(r for r in table["runs"] if r["id"] == "team/exp 1")
+        status, body = get(
+            server.url + "/api" + target["url"] + "exit", TOKEN, {"reason": "test", "who": "t"}
+        )
+        assert status == 202 and json.loads(body)["created"], body
+        flagged = sorted(str(p.parent.relative_to(root)) for p in root.rglob("graceful_exit.json"))
+        assert flagged == ["team/exp 1"]
+        status, body = get(server.url + "/api" + target["url"] + "exit")
+        assert json.loads(body)["state"] == "requested"
+        # The new run appears without a restart (the scan's period, polled).
+        fake_run(root, "late arrival", 5)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            ids = [r["id"] for r in json.loads(get(server.url + "/api/runs?per_page=500")[1])["runs"]]
+            if "late arrival" in ids:
+                break
+            time.sleep(0.2)
+        assert "late arrival" in ids
+    finally:
+        server.stop()
+
+
+def test_run_dir_keeps_its_urls_and_answers_under_its_name(app, client, run_dir):
+    write_job(run_dir, 2)
+    for r in range(2):
+        write_heartbeat(run_dir, heartbeat(r, 2, global_step=42))
+    name = run_dir.name
+    old = client.get("/api/summary").get_json()
+    new = client.get(f"/api/runs/{name}/summary").get_json()
+    assert new["summary"] == old["summary"] and new["run"] == old["run"]
+    rows = client.get("/api/runs").get_json()["runs"]
+    assert [(r["id"], r["global_step"], r["world_size"]) for r in rows] == [(name, 42, 2)]
+    assert rows[0]["url"] == f"/runs/{name}/"
+    assert 'data-api="/api"' in client.get("/").get_data(as_text=True)
+    page = client.get(f"/runs/{name}/").get_data(as_text=True)
+    assert f'data-api="/api/runs/{name}"' in page and f'href="/runs/{name}/checkpoints"' in page
+    assert client.get("/api/runs/other/summary").status_code == 404
