@@ -204,7 +204,9 @@ class Registry:
 
 def close(rw: Rankwatch) -> None:
     """Stop a container's watcher (the audit trail holds no connection between calls)."""
+    watcher = getattr(rw, "watcher", None)  # the CLI's engines have none
     try:
-        rw.watcher.stop(timeout=2.0)
+        if watcher is not None:
+            watcher.stop(timeout=2.0)
     except Exception:
         log.exception("stopping a run's watcher failed")
