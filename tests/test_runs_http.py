@@ -137,3 +137,41 @@ def test_run_dir_keeps_its_urls_and_answers_under_its_name(app, client, run_dir)
     page = client.get(f"/runs/{name}/").get_data(as_text=True)
     assert f'data-api="/api/runs/{name}"' in page and f'href="/runs/{name}/checkpoints"' in page
     assert client.get("/api/runs/other/summary").status_code == 404
+
+
+def test_pushes_do_not_mix_runs(tmp_path):
+    """A run's console hears its run only: each run's watcher pushes to that run's rooms."""
+    from app import create_app
+    from app.extensions import socketio
+    from tests.conftest import FAST_SETTINGS
+
+    for rel, world in (("x", 1), ("team/y", 3)):
+        write_job(tmp_path / rel, world)
+        for r in range(world):
+            write_heartbeat(tmp_path / rel, heartbeat(r, world, seq=1))
+    app = create_app({"RUNS_ROOT": str(tmp_path), "TESTING": True, **FAST_SETTINGS})
+    registry = app.extensions["rankwatch_runs"]
+    client = app.test_client()
+    try:
+        assert not socketio.test_client(app, flask_test_client=client, auth={"run": "nope"}).is_connected()
+        clients = {
+            rel: socketio.test_client(app, flask_test_client=client, auth={"page": "ranks", "run": rel})
+            for rel in ("x", "team/y")
+        }
+        worlds = {"x": 1, "team/y": 3}
+        for rel, sio in clients.items():
+            got = [e for e in sio.get_received() if e["name"] == "ranks_snapshot"]
+            assert [e["args"][0]["world_size"] for e in got] == [worlds[rel]]
+        for seq in (2, 3):
+            for rel, world in worlds.items():
+                for r in range(world):
+                    write_heartbeat(tmp_path / rel, heartbeat(r, world, seq=seq))
+                registry.get(rel).watcher.tick()
+        for rel, sio in clients.items():
+            pushed = [e["args"][0] for e in sio.get_received() if e["name"].startswith("ranks_")]
+            assert pushed and {p["world_size"] for p in pushed} == {worlds[rel]}, (rel, pushed)
+            ranks = {row["rank"] for p in pushed for row in p.get("rows", p.get("ranks", []))}
+            assert ranks <= set(range(worlds[rel])) and ranks
+            sio.disconnect()
+    finally:
+        registry.stop()
