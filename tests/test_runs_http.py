@@ -175,3 +175,47 @@ def test_pushes_do_not_mix_runs(tmp_path):
             sio.disconnect()
     finally:
         registry.stop()
+
+
+def test_runs_table_attention_first_filters_and_pages(tmp_path):
+    from app import create_app
+    from tests.conftest import FAST_SETTINGS
+
+    def run(rel, states):
+        write_job(tmp_path / rel, len(states))
+        for r, s in enumerate(states):
+            write_heartbeat(tmp_path / rel, heartbeat(r, len(states), seq=5, state=s))
+
+    run("a-healthy", ["training", "training"])
+    run("b-done", ["finished", "finished"])
+    run("c-stopped", ["exited", "exited"])
+    run("z-crashed", ["training", "failed"])
+    app = create_app({"RUNS_ROOT": str(tmp_path), "TESTING": True, **FAST_SETTINGS})
+    client = app.test_client()
+    try:
+        body = client.get("/api/runs").get_json()
+        states = {r["id"]: r["state"] for r in body["runs"]}
+        assert states == {
+            "a-healthy": "training",
+            "b-done": "finished",
+            "c-stopped": "stopped",
+            "z-crashed": "failed",
+        }
+        assert [r["id"] for r in body["runs"]][0] == "z-crashed" and body["needs_attention"] == 1
+        assert body["runs"][0]["health_counts"] == {"healthy": 1, "failed": 1}
+        assert [r["id"] for r in client.get("/api/runs?state=attention").get_json()["runs"]] == ["z-crashed"]
+        assert [r["id"] for r in client.get("/api/runs?state=finished").get_json()["runs"]] == ["b-done"]
+        paged = client.get("/api/runs?sort=-id&per_page=1&page=2").get_json()
+        assert [r["id"] for r in paged["runs"]] == ["c-stopped"] and paged["pages"] == 4
+        for bad in ("state=nope", "sort=size", "page=0", "per_page=x", "q=" + "x" * 300):
+            r = client.get("/api/runs?" + bad)
+            assert r.status_code == 400 and set(r.get_json()) == {"error", "status"}, bad
+        # The landing page: a server-paged table, its filter and search labelled.
+        page = client.get("/").get_data(as_text=True)
+        assert (
+            'id="runs-table"' in page
+            and '<label for="runs-state">' in page
+            and '<label for="runs-q">' in page
+        )
+    finally:
+        app.extensions["rankwatch_runs"].stop()
