@@ -60,7 +60,9 @@ def test_odd_run_names_over_real_http(tmp_path):
         fake_run(root, rel, 100 + i)
     fake_run(tmp_path, "outside", 7)
     (root / "escape").symlink_to(tmp_path / "outside")
-    server = start_dashboard(root, tmp_path / "dashboard.log", env={"RANKWATCH_TOKEN": TOKEN}, runs_root=True)
+    # Heartbeats written once: thresholds no loaded machine reaches, so every run reads as training.
+    env = {"RANKWATCH_TOKEN": TOKEN, "RANKWATCH_STALL_MIN_S": "600", "RANKWATCH_DEAD_AFTER_S": "900"}
+    server = start_dashboard(root, tmp_path / "dashboard.log", env=env, runs_root=True)
     try:
         status, body = get(server.url + "/api/runs?per_page=500")
         assert status == 200, body
@@ -179,7 +181,6 @@ def test_pushes_do_not_mix_runs(tmp_path):
 
 def test_runs_table_attention_first_filters_and_pages(tmp_path):
     from app import create_app
-    from tests.conftest import FAST_SETTINGS
 
     def run(rel, states):
         write_job(tmp_path / rel, len(states))
@@ -190,7 +191,10 @@ def test_runs_table_attention_first_filters_and_pages(tmp_path):
     run("b-done", ["finished", "finished"])
     run("c-stopped", ["exited", "exited"])
     run("z-crashed", ["training", "failed"])
-    app = create_app({"RUNS_ROOT": str(tmp_path), "TESTING": True, **FAST_SETTINGS})
+    # Heartbeats written once: thresholds no loaded machine reaches, so the verdicts are the states'.
+    app = create_app(
+        {"RUNS_ROOT": str(tmp_path), "TESTING": True, "STALL_MIN_S": 600.0, "DEAD_AFTER_S": 900.0}
+    )
     client = app.test_client()
     try:
         body = client.get("/api/runs").get_json()
@@ -210,6 +214,18 @@ def test_runs_table_attention_first_filters_and_pages(tmp_path):
         for bad in ("state=nope", "sort=size", "page=0", "per_page=x", "q=" + "x" * 300):
             r = client.get("/api/runs?" + bad)
             assert r.status_code == 400 and set(r.get_json()) == {"error", "status"}, bad
+        # Engines are bounded: past the cap the least recently used run's are dropped (its watcher stopped).
+        registry = app.extensions["rankwatch_runs"]
+        registry.cap = 2
+        registry.tick()
+        assert len(registry.open_ids()) == 2
+        assert all(registry.peek(i).watcher.running for i in registry.open_ids())
+        # ... and a dropped run is rebuilt on its next request, answering as before.
+        dropped = next(i for i in states if i not in registry.open_ids())
+        assert client.get(f"/api/runs/{dropped}/summary").get_json()["run"]["run_dir"] == str(
+            tmp_path / dropped
+        )
+        assert len(registry.open_ids()) == 2 and dropped in registry.open_ids()
         # The landing page: a server-paged table, its filter and search labelled.
         page = client.get("/").get_data(as_text=True)
         assert (
