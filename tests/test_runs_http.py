@@ -100,6 +100,8 @@ def test_odd_run_names_over_real_http(tmp_path):
             assert set(json.loads(body)) == {"error", "status"}
         status, body = get(server.url + "/api/ranks")
         assert status == 404 and "/api/runs/<id>/ranks" in json.loads(body)["error"]
+        status, body = get(server.url + "/api/health")
+        assert status == 200 and json.loads(body)["role"] == "only"
 
         # A stop acts on the run in its URL, and on no other.
         target = next(r for r in table["runs"] if r["id"] == "team/exp 1")

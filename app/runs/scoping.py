@@ -25,11 +25,13 @@ from app.errors import ApiError
 from app.runs import ids
 
 RUN_ARG = "run_id"
-# Served once for every run: the assets, and the session and login that one token covers.
+# Served once for every run: the assets, the session and login that one token covers, and
+# /api/health (this dashboard process, for a load balancer's probe).
 APP_WIDE = {
     "static",
     "main.plotly_js",
     "main.plotly_css",
+    "main.api_health",
     "stop.api_session",
     "stop.api_login",
     "stop.api_login_code",
