@@ -242,6 +242,8 @@ class Discovery:
             child = _join(rel, name)
             if self.on_enter is not None:
                 self.on_enter(child)
+            if self._unchanged_leaf(fd, name, child):
+                continue
             try:
                 cfd = safeio.open_subdir(fd, name)
             except OSError as e:
@@ -253,6 +255,28 @@ class Discovery:
                 self._skip(child, _reason(e))
             finally:
                 os.close(cfd)
+
+    def _unchanged_leaf(self, fd: int, name: str, rel: str) -> bool:
+        """Whether ``rel`` is a directory with nothing to look at whose key held: one ``stat``, no open.
+
+        A root of many empty (or run-less) directories then costs one system
+        call per directory on each scan. Anything else is opened and walked.
+        """
+        old = self._listings.get(rel)
+        if old is None or old.subdirs or old.markers or old.has_log_dir:
+            return False
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except OSError:
+            return False
+        if not stat.S_ISDIR(st.st_mode) or _key(st) != old.key or (st.st_dev, st.st_ino) in self._seen:
+            return False
+        self._seen.add((st.st_dev, st.st_ino))
+        self._budget -= old.entries
+        self._next_listings[rel] = old
+        for s in old.skipped:
+            self._skip(s.path, s.reason)
+        return True
 
     def _listing(self, fd: int, rel: str, key: tuple) -> _Listing | None:
         """The directory's listing: the last one if its key holds, else read now (bounded)."""

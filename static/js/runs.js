@@ -2,6 +2,11 @@
 // at a time, refreshed every few seconds; only the rows on screen are fetched.
 
 import { GLYPH, formatSeconds } from "./format.js";
+import { token } from "./token.js";
+
+// The printed link (#login=<code>) lands here under --runs: the token it
+// trades for stays in this tab's sessionStorage for every run's console.
+token.adoptFromUrl();
 
 const config = JSON.parse(document.getElementById("runs-config").textContent);
 const REFRESH_MS = 5000;
