@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -104,10 +106,28 @@ def test_two_jobs_one_root_stop_one(tmp_path, page, console_errors):
         )
         rows = wait_rows(server, lambda rows: rows[A]["state"] == "stopped", "A's row to say stopped", (b,))
         assert rows[A]["health_counts"] == {"exited": 2}, dump(rows[A])
+        assert rows[A]["last_stop"]["requested_by"] == "tester" and rows[B]["last_stop"] is None, dump(rows)
         step = max(h["global_step"] for h in b.heartbeats())
         b.wait_for_step(step + 3)
         assert all(h["state"] == "training" for h in b.heartbeats())
         assert runs(server)[B]["state"] == "training"
+        # The landing row says so, and the shell's table (the same rows) too.
+        page.goto(server.url + "/")
+        expect(page.locator(f'#runs-table tbody tr[data-run="{A}"] td[data-col="state"]')).to_have_text(
+            "stopped"
+        )
+        expect(page.locator(f'#runs-table tbody tr[data-run="{A}"] td[data-col="stop"]')).to_contain_text(
+            "tester"
+        )
+        cli = subprocess.run(
+            [sys.executable, "-m", "app.cli", "runs", str(root), "--json"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert cli.returncode == 0, cli.stderr
+        shell = {r["id"]: r["state"] for r in json.loads(cli.stdout)["runs"]}
+        assert shell == {A: "stopped", B: "training"}, cli.stdout
         flag = runfiles.read_json_or_none(runfiles.flag_path(root / B))
         assert flag is None or not flag.get("GracefulExit"), flag
         page.goto("about:blank")

@@ -52,10 +52,16 @@ def row_from(run_id: str, entry, state, stop, checkpoints, now: float, tick_s: f
     summary = head["summary"]
     counts = {k: v for k, v in summary.get("counts", {}).items() if v}
     heartbeats, world = state.heartbeats()
-    stop_state = None
+    stop_state = last_stop = None
     if stop is not None and state.run_dir is not None:
         status = stop.status(heartbeats, world, now, logs=state.log_stop_facts(), facts=state.job_facts())
         stop_state = status.get("state")
+        request = status.get("request") or status.get("last_stop")
+        if isinstance(request, dict):
+            last_stop = {k: request.get(k) for k in ("request_id", "requested_by", "requested_at", "reason")}
+            last_stop["state"] = stop_state if status.get("request") else "completed by an earlier launch"
+    beats = [hb for hb in heartbeats.values() if hb]
+    times = [hb["time"] for hb in beats if isinstance(hb.get("time"), (int, float))]
     newest = None
     if checkpoints is not None:
         cset = checkpoints.index(world).newest_complete
@@ -75,6 +81,9 @@ def row_from(run_id: str, entry, state, stop, checkpoints, now: float, tick_s: f
         "needs_attention": name in ("failed", "stalled") or any(counts.get(v) for v in TROUBLE),
         "newest_complete_set": newest,
         "stop_state": stop_state,
+        "last_stop": last_stop,
+        "hosts": len({hb.get("host") for hb in beats}),
+        "oldest_heartbeat_age_s": round(max(0.0, now - min(times)), 1) if times else None,
         # Attempts come from rankwatch/attempts.jsonl (issue 17, section 3): null until that lands.
         "attempts": None,
         "status_message": head["run"]["message"],

@@ -1,7 +1,7 @@
 // The runs table (landing page under --runs): one server page of GET /api/runs
 // at a time, refreshed every few seconds; only the rows on screen are fetched.
 
-import { GLYPH, formatSeconds } from "./format.js";
+import { GLYPH, formatClock, formatSeconds } from "./format.js";
 import { token } from "./token.js";
 
 // The printed link (#login=<code>) lands here under --runs: the token it
@@ -50,10 +50,11 @@ function row(r, now) {
   tr.append(
     cell("id", a),
     cell("state", r.needs_attention ? `⚠ ${r.state}` : r.state),
-    cell("world", r.world_size ?? "–"),
+    cell("world", r.hosts > 1 ? `${r.world_size} on ${r.hosts} hosts` : String(r.world_size ?? "–")),
     cell("step", r.global_step == null ? "–" : r.global_step.toLocaleString()),
     cell("health", verdicts(r.health_counts || {})),
     cell("ckpt", r.newest_complete_set ? `step ${r.newest_complete_set.global_step ?? "?"}` : "–"),
+    cell("stop", r.last_stop ? `${r.last_stop.state}, by ${r.last_stop.requested_by || "?"} at ${formatClock(r.last_stop.requested_at)}` : "–"),
     cell("activity", r.last_activity == null ? "–" : `${formatSeconds(Math.max(0, now - r.last_activity))} ago`),
   );
   return tr;
