@@ -216,6 +216,22 @@ def test_runs_table_attention_first_filters_and_pages(tmp_path):
         for bad in ("state=nope", "sort=size", "page=0", "per_page=x", "q=" + "x" * 300):
             r = client.get("/api/runs?" + bad)
             assert r.status_code == 400 and set(r.get_json()) == {"error", "status"}, bad
+        # /metrics: every open run's series with a run label (not job: Prometheus's own), parseable.
+        from prometheus_client.parser import text_string_to_metric_families
+
+        families = {
+            f.name: f for f in text_string_to_metric_families(client.get("/metrics").get_data(as_text=True))
+        }
+        step = families["rankwatch_rank_global_step"].samples
+        assert {s.labels["run"] for s in step} == set(states) and all("job" not in s.labels for s in step)
+        assert len(families["rankwatch_build_info"].samples) == 1
+        one = client.get("/runs/b-done/metrics").get_data(as_text=True)
+        assert {
+            s.labels.get("run")
+            for f in text_string_to_metric_families(one)
+            for s in f.samples
+            if f.name.startswith("rankwatch_rank")
+        } == {"b-done"}
         # Engines are bounded: past the cap the least recently used run's are dropped (its watcher stopped).
         registry = app.extensions["rankwatch_runs"]
         registry.cap = 2

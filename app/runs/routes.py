@@ -6,8 +6,9 @@ these two are served once, not per run.
 
 from __future__ import annotations
 
-from flask import Flask, g, jsonify, render_template, request, url_for
+from flask import Flask, Response, g, jsonify, render_template, request, url_for
 
+from app.errors import ApiError
 from app.runs.rows import PER_PAGE_DEFAULT, STATES, Rows, parse_args
 
 
@@ -36,4 +37,26 @@ def register(app: Flask, rows: Rows) -> None:
                 },
                 root=app.config["RUNS_ROOT"],
             )
+        if registry.is_root and request.endpoint == "main.prometheus_metrics":
+            return runs_metrics()
         return None
+
+    def runs_metrics():
+        """Under --runs, /metrics is every open run's series, /runs/<id>/metrics that run's; each with ``run``."""
+        from app.runs.metrics import exposition
+
+        raw = request.args.get("per_rank")
+        if raw not in (None, "0", "1"):
+            raise ApiError(400, f"query parameter 'per_rank' must be 0 or 1, not {raw!r}")
+        run_id = g.get("run_id")
+        if run_id is not None:
+            chosen = [(run_id, registry.get(run_id))]
+        else:
+            chosen = [(i, rw) for i in registry.open_ids() if (rw := registry.peek(i)) is not None]
+        body, content_type = exposition(
+            chosen,
+            request.headers.get("Accept"),
+            app.config["METRICS_PER_RANK_MAX"],
+            None if raw is None else raw == "1",
+        )
+        return Response(body, content_type=content_type)

@@ -38,6 +38,10 @@ APP_WIDE = {
 }
 
 
+# Under --runs, served without a run too: "/" is the runs table, /metrics every open run's series.
+ROOT_WIDE = {"main.index", "main.prometheus_metrics"}
+
+
 def twin_path(path: str) -> str:
     if path.startswith("/api/"):
         return f"/api/runs/<run:{RUN_ARG}>/" + path[len("/api/") :]
@@ -84,7 +88,7 @@ def install(app: Flask, registry) -> None:
         run_id = g.get("run_id")
         if run_id is not None:
             registry.get(run_id)  # ApiError 404 for a run that is not here
-        elif registry.is_root and request.endpoint in scoped and request.endpoint != "main.index":
+        elif registry.is_root and request.endpoint in scoped and request.endpoint not in ROOT_WIDE:
             raise ApiError(
                 404,
                 f"this dashboard serves the runs under {app.config['RUNS_ROOT']}: each run's routes are "
