@@ -18,8 +18,8 @@ def register(app: Flask, rows: Rows) -> None:
 
     def api_runs():
         body = rows.table(**parse_args(request.args))
-        for row in body["runs"]:
-            row["url"] = url_for("main.index", run_id=row["id"])
+        # Copies: an idle run's row is shared with the cache.
+        body["runs"] = [{**row, "url": url_for("main.index", run_id=row["id"])} for row in body["runs"]]
         return jsonify(body)
 
     app.add_url_rule("/api/runs", "runs.api_runs", api_runs, methods=["GET"])

@@ -83,7 +83,8 @@ def row_from(run_id: str, entry, state, stop, checkpoints, now: float, tick_s: f
         "stop_state": stop_state,
         "last_stop": last_stop,
         "hosts": len({hb.get("host") for hb in beats}),
-        "oldest_heartbeat_age_s": round(max(0.0, now - min(times)), 1) if times else None,
+        # A time, not an age: an idle run's row is kept while its files do not change.
+        "oldest_heartbeat_at": min(times) if times else None,
         # Attempts come from rankwatch/attempts.jsonl (issue 17, section 3): null until that lands.
         "attempts": None,
         "status_message": head["run"]["message"],
