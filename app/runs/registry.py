@@ -82,6 +82,8 @@ class Registry:
         self._lock = threading.RLock()
         self._task = None
         self._stopping = threading.Event()
+        # Called after each scan of the loop (the runs table reads idle rows ahead: app/runs/rows.py).
+        self.on_tick: Callable[[], object] | None = None
 
     @property
     def is_root(self) -> bool:
@@ -174,6 +176,8 @@ class Registry:
             for run_id in [r for r in self._open if not self._keep(r, now)]:
                 self._drop(run_id)
             self._trim()
+        if self.on_tick is not None:
+            self.on_tick()
 
     def ensure_started(self) -> None:
         """Start the loop (the server's worker calls this); with ``--run-dir``, that run's watcher."""

@@ -15,6 +15,7 @@ from app.runs.rows import PER_PAGE_DEFAULT, STATES, Rows, parse_args
 def register(app: Flask, rows: Rows) -> None:
     registry = rows.registry
     app.extensions["rankwatch_rows"] = rows
+    registry.on_tick = rows.warm
 
     def api_runs():
         body = rows.table(**parse_args(request.args))

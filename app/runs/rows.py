@@ -119,6 +119,26 @@ class Rows:
             self._cache[run_id] = (entry.signature, row)
         return row
 
+    def warm(self, budget_s: float = 2.0) -> int:
+        """Read idle runs' rows not kept yet, for at most ``budget_s``; how many were read.
+
+        The registry's loop calls it after each scan, so the first visitor of a
+        root of thousands of finished runs does not wait for all of them.
+        """
+        deadline = time.monotonic() + budget_s
+        now, done = time.time(), 0
+        for run_id, entry in self.registry.entries().items():
+            if time.monotonic() > deadline:
+                break
+            if entry is None or entry.live:
+                continue
+            with self._lock:
+                cached = self._cache.get(run_id)
+            if cached is None or cached[0] != entry.signature:
+                self.row(run_id, entry, now)
+                done += 1
+        return done
+
     def table(
         self,
         *,
