@@ -4,7 +4,7 @@ Nothing happens at import time, and nothing heavy is imported: every
 ``app.*`` import runs this file first, and ``rankwatch --version`` must not
 pay for Flask. ``create_app`` imports what it builds: the app, its
 ``RunState`` and its (not yet started) ``Watcher``; the server
-(``app/server.py``) starts the watcher in its worker, or else the first
+(``app/edge/server.py``) starts the watcher in its worker, or else the first
 Socket.IO client does. The shared objects live in ``app/extensions.py``.
 """
 
@@ -37,10 +37,10 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     """Build the dashboard. ``config`` overrides the settings read from the environment."""
     from flask import Flask
 
-    from app.auth import BoundedJSONProvider, Limits, ensure_token, token_weakness
     from app.config import coerce_all, from_env
+    from app.edge.auth import BoundedJSONProvider, Limits, ensure_token, token_weakness
+    from app.edge.login import LoginCodes
     from app.extensions import socketio
-    from app.login import LoginCodes
 
     static, templates = asset_dirs()
     app = Flask(__name__, static_folder=str(static), template_folder=str(templates))
@@ -74,7 +74,7 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
         app.config, None if app.config["RUNS_ROOT"] else (app.config["RUN_DIR"] or None), cluster=cluster
     )
     incidents = rw.incidents
-    # A flood of wrong tokens or codes (app.auth.settle) is an alert, once a minute at most.
+    # A flood of wrong tokens or codes (app.edge.auth.settle) is an alert, once a minute at most.
     app.extensions["rankwatch_limits"].on_flood = lambda text: incidents.alerts.once(
         f"auth-flood:{int(time.time() // 60)}", "auth_flood", text
     )
@@ -83,7 +83,7 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     # Blueprints before init_app: importing one registers its Socket.IO
     # handlers, which Flask-SocketIO carries over to every later init_app only
     # while no server exists yet (one app per test relies on that).
-    from app.main import bp as main_bp
+    from app.ranks import bp as main_bp
 
     app.register_blueprint(main_bp)
     from app.stop import bp as stop_bp
@@ -113,21 +113,21 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     runs_routes.register(app, Rows(registry, open_run, app.config))
 
     # Threading, not eventlet/gevent: the watcher does blocking file I/O, and
-    # gunicorn's threaded worker with simple-websocket (app/server.py) needs
+    # gunicorn's threaded worker with simple-websocket (app/edge/server.py) needs
     # no monkey-patching.
     # client_manager is passed even when None: init_app keeps the options of
     # an earlier call (an earlier app in the same process, in tests).
     socketio.init_app(app, async_mode="threading", client_manager=cluster.queue if cluster else None)
-    # In front of Engine.IO: malformed long-polling POSTs get a 400 (app/sockguard.py).
-    from app.sockguard import SocketGuard
+    # In front of Engine.IO: malformed long-polling POSTs get a 400 (app/edge/sockguard.py).
+    from app.edge.sockguard import SocketGuard
 
     app.wsgi_app = SocketGuard(app.wsgi_app)
     # Outermost: a request for a host this dashboard is not (DNS rebinding) reaches nothing.
-    from app.hostguard import HostAllowlist, HostGuard
+    from app.edge.hostguard import HostAllowlist, HostGuard
 
     app.wsgi_app = HostGuard(app.wsgi_app, HostAllowlist(app.config["HOST"], app.config["ALLOWED_HOSTS"]))
-    from app.main.plotly_csp import style_attribute_hashes
-    from app.secheaders import SecurityHeaders, content_security_policy
+    from app.edge.secheaders import SecurityHeaders, content_security_policy
+    from app.ranks.plotly_csp import style_attribute_hashes
 
     app.wsgi_app = SecurityHeaders(app.wsgi_app, content_security_policy(style_attribute_hashes()))
     return app

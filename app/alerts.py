@@ -1,7 +1,7 @@
 """What is worth an alert, and how many: verdict changes, stops and the policy's actions.
 
 ``AlertDesk`` turns events into webhook payloads and hands them to
-``app.webhooks.WebhookSender``. Every payload has ``event``, ``text`` (one
+``app.incidents.webhooks.WebhookSender``. Every payload has ``event``, ``text`` (one
 line a person can read, so Slack- or Feishu-style incoming webhooks show it
 as it is), ``job`` (the run directory) and ``at`` (Unix seconds); verdict
 events add ``rank``, ``health``, ``reason`` and ``previous``.
@@ -30,7 +30,7 @@ import collections
 import time
 from collections.abc import Callable, Iterable
 
-from app.webhooks import WebhookSender
+from app.incidents.webhooks import WebhookSender
 
 # Verdicts worth an alert on the way in; "healthy" is announced only as a
 # recovery from one of them.

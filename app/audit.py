@@ -41,7 +41,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from trainer_bridge import safeio
+from trainer_bridge.rundir import safeio
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS audit (

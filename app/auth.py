@@ -2,10 +2,10 @@
 
 Reading needs nothing. Stop, cancel, re-arm and delete need the operator token
 (setting ``TOKEN``, i.e. ``RANKWATCH_TOKEN``; generated at start when unset,
-and handed to the page through a single-use login link, ``app.login``) as
+and handed to the page through a single-use login link, ``app.edge.login``) as
 ``Authorization: Bearer <token>``. Every token check backs off after wrong
 guesses (failures only: the right token is never refused), and each client's
-changes are rate-limited (``app.ratelimit``). The page keeps the
+changes are rate-limited (``app.edge.ratelimit``). The page keeps the
 token in the tab's ``sessionStorage`` and sends that header itself, so no
 cookie ever authorises a request: a cross-site form or script cannot ride on
 the operator's session (CSRF). As a second guard, a request whose ``Origin``
@@ -29,8 +29,8 @@ from urllib.parse import urlsplit
 from flask import current_app, request
 from flask.json.provider import DefaultJSONProvider
 
+from app.edge.ratelimit import Backoff, Bucket, retry_after
 from app.errors import ApiError
-from app.ratelimit import Backoff, Bucket, retry_after
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Several dashboard processes behind one Redis (opt-in: ``REDIS_URL``).
 
 Each process serves its own pages and JSON API. The Redis that carries the
-heartbeats (``trainer_bridge/redisbus.py``) is also Flask-SocketIO's message
+heartbeats (``trainer_bridge/rundir/redisbus.py``) is also Flask-SocketIO's message
 queue: an event one process emits reaches the pages connected to every
 process (``RedisQueue``, on the channel ``rankwatch:{job}:socketio``).
 
@@ -41,7 +41,7 @@ from typing import NoReturn
 
 import socketio
 
-from trainer_bridge import redisbus
+from trainer_bridge.rundir import redisbus
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ if TYPE_CHECKING:
     from app.checkpoints.service import CheckpointService
     from app.incidents.monitor import Incidents
     from app.incidents.stacks import StackService
-    from app.state import RunState
-    from app.stop_service import StopService
+    from app.ranks.state import RunState
+    from app.stop.service import StopService
     from app.watcher import Watcher
 
 socketio = SocketIO()

@@ -18,8 +18,8 @@ from contextlib import contextmanager
 
 from flask import current_app
 
+from app.edge.ratelimit import retry_after
 from app.errors import ApiError
-from app.ratelimit import retry_after
 
 # 4,096 rows are a few megabytes, which any number of clients may have at once.
 LARGE_ANSWER_RANKS = 4096

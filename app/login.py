@@ -230,10 +230,10 @@ def mint_login_url(url: str | None = None, run_dir: str | None = None, timeout: 
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m app.login``: the same command as ``rankwatch login``."""
+    """``python -m app.edge.login``: the same command as ``rankwatch login``."""
     from app.cli.login import login
 
-    login.main(argv, prog_name="python -m app.login")
+    login.main(argv, prog_name="python -m app.edge.login")
 
 
 if __name__ == "__main__":

@@ -39,10 +39,10 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from app.alerts import AlertDesk, ranks_text
 from app.audit import AuditLog
 from app.errors import ApiError
-from app.stop_service import StopService
+from app.incidents.alerts import AlertDesk, ranks_text
+from app.stop.service import StopService
 
 WHO = "policy"
 MODES = ("off", "dry_run", "on")
@@ -54,7 +54,7 @@ RULES = {
 }
 # Verdicts of ranks that cannot take part in a graceful stop.
 CANNOT_ANSWER = ("stalled", "dead", "node_lost", "pending", "corrupt")
-MAX_REASON = 500  # the stop API's limit on a reason (app.auth.MAX_TEXT)
+MAX_REASON = 500  # the stop API's limit on a reason (app.edge.auth.MAX_TEXT)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ Above ``METRICS_PER_RANK_MAX`` ranks only summaries are served (ranks per
 verdict, per host and verdict, per stop stage), as Ray does with its
 cardinality levels; ``?per_rank=1`` asks for every rank anyway.
 
-The descriptions come from ``app/metrics.py`` (the page's column help),
+The descriptions come from ``app/ranks/metrics.py`` (the page's column help),
 with the unit conversion said once below.
 """
 
@@ -48,9 +48,9 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 
-from app.health import ENDED_VERDICTS, VERDICTS
-from app.metrics import METRICS_BY_NAME
-from app.stop_service import STAGES
+from app.ranks.health import ENDED_VERDICTS, VERDICTS
+from app.ranks.metrics import METRICS_BY_NAME
+from app.stop.service import STAGES
 
 PREFIX = "rankwatch_"
 

@@ -11,7 +11,7 @@ at most ``global_per_min`` failures a minute count in all: past them every
 wrong attempt waits until the oldest is a minute old, so rotating source
 addresses (all of 127.0.0.0/8 is this machine) gains nothing. The backoff
 applies to failures only: a right token is accepted even while its address
-or everyone waits (app/auth.py checks it first), so nobody can lock the
+or everyone waits (app/edge/auth.py checks it first), so nobody can lock the
 operator out by guessing wrong.
 
 ``Bucket``: a token bucket per address for the writes an operator makes

@@ -4,7 +4,7 @@
 changed: one ``os.scandir`` of ``RUN/rankwatch/`` and a ``stat`` per
 heartbeat file, and a file is read only when its (inode, mtime, size)
 changed, which every atomic rewrite guarantees. Everything read is validated
-against ``trainer_bridge.schema`` first (the run directory is shared and
+against ``trainer_bridge.rundir.schema`` first (the run directory is shared and
 untrusted); a heartbeat that fails leaves the rank's last valid one in
 place and says why in ``RankSlot.error``.
 """
@@ -22,10 +22,10 @@ from typing import Any
 import psutil
 from pydantic import TypeAdapter, ValidationError
 
-from app.health import StepWindow
-from app.rows import _loss
-from trainer_bridge import runfiles, safeio, schema
-from trainer_bridge.redisbus import RedisUnavailable, Subscriber
+from app.ranks.health import StepWindow
+from app.ranks.rows import _loss
+from trainer_bridge.rundir import runfiles, safeio, schema
+from trainer_bridge.rundir.redisbus import RedisUnavailable, Subscriber
 
 HEARTBEAT_NAME = re.compile(r"rank_(\d+)\.json")
 # Bytes read from the end of a history file per wanted line; the bridge's
@@ -204,7 +204,7 @@ class RunReader:
         self.run_dir = run_dir
         self.window = window
         self.points = points
-        # Heartbeats over Redis instead of files (trainer_bridge.redisbus), when configured.
+        # Heartbeats over Redis instead of files (trainer_bridge.rundir.redisbus), when configured.
         self.redis = redis
         self.redis_error: str | None = None
         self._next_file_scan = 0.0

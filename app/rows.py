@@ -1,6 +1,6 @@
 """A rank's row: the fields of ``/api/ranks`` and the Socket.IO row payloads.
 
-``app/metrics.py`` describes every field; ``make_row`` builds them from a
+``app/ranks/metrics.py`` describes every field; ``make_row`` builds them from a
 validated heartbeat (``schema.Heartbeat.to_dict()``) and a verdict.
 """
 
@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from app.health import Verdict
+from app.ranks.health import Verdict
 
 
 def _int(value: Any) -> int | None:

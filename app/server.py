@@ -67,7 +67,7 @@ from gunicorn.app.base import BaseApplication
 from gunicorn.workers.gthread import TConn, ThreadWorker
 
 from app import create_app, login
-from app.httpwire import CONTINUE, MAX_HEAD_BYTES, RECV_BYTES, TOO_LARGE, Head, answer
+from app.edge.httpwire import CONTINUE, MAX_HEAD_BYTES, RECV_BYTES, TOO_LARGE, Head, answer
 
 log = logging.getLogger(__name__)
 
@@ -424,7 +424,7 @@ class Server(BaseApplication):
 def announce(app: Flask, url: str) -> None:
     """The start-up lines; ``Rankwatch: open URL`` is the one to open (the demo repeats it).
 
-    The URL carries a single-use login code, never the token (``app/login.py``):
+    The URL carries a single-use login code, never the token (``app/edge/login.py``):
     these lines end up in logs.
     """
     watched = app.config["RUN_DIR"] or f"the runs under {app.config['RUNS_ROOT']}"

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.audit import AuditLog
-from app.state import RunState
-from app.stop_service import StopService
-from trainer_bridge import runfiles
+from app.ranks.state import RunState
+from app.stop.service import StopService
+from trainer_bridge.rundir import runfiles
 
 
 @dataclass
@@ -33,10 +33,10 @@ def audit_path(run_dir: str | None, config: Mapping[str, Any]):
 
 
 def redis_subscriber(config: Mapping[str, Any], run_dir: str | None):
-    """The Redis heartbeat reader when ``REDIS_URL`` is set (trainer_bridge/redisbus.py), else None."""
+    """The Redis heartbeat reader when ``REDIS_URL`` is set (trainer_bridge/rundir/redisbus.py), else None."""
     if not config["REDIS_URL"] or not run_dir:
         return None
-    from trainer_bridge import redisbus
+    from trainer_bridge.rundir import redisbus
 
     job = config["REDIS_JOB"] or redisbus.job_key(run_dir)
     return redisbus.Subscriber(config["REDIS_URL"], job, key=redis_key(config))

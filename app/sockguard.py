@@ -1,6 +1,6 @@
 """A guard in front of the Engine.IO endpoint for what python-engineio mishandles.
 
-Found by ``tests/test_faults_fuzz.py`` (python-engineio 4.15): a long-polling
+Found by ``tests/edge/test_faults_fuzz.py`` (python-engineio 4.15): a long-polling
 POST that carries a packet a client never sends there (a PING ``2``, a
 NOOP ``6``, an OPEN ``0``, an unknown type) or a body over the size limit
 makes engineio disconnect the session with ``close(wait=True)``, which waits
@@ -29,7 +29,7 @@ CLIENT_POLLING_TYPES = frozenset("1345b")
 SEPARATOR = "\x1e"  # Engine.IO v4 record separator between packets in one payload
 # A Socket.IO EVENT ("4" MESSAGE + "2" EVENT, an optional namespace and ack id)
 # named like a lifecycle event: python-socketio would run the connect handler
-# again for it (app/main/events.py refuses that too, for WebSocket frames).
+# again for it (app/ranks/events.py refuses that too, for WebSocket frames).
 RESERVED_EVENT = re.compile(r'^42(?:/[^,]*,)?\d*\s*\[\s*"(?:connect|disconnect|connect_error)"')
 
 

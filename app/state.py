@@ -4,8 +4,8 @@
 the view is older than a tick). Its cost follows what changed, not the size
 of the job:
 
-* ``app.reader`` stats every heartbeat file and reads only the changed ones;
-* ``app.judging`` re-judges only the ranks whose verdict can have changed
+* ``app.ranks.heartbeats`` stats every heartbeat file and reads only the changed ones;
+* ``app.ranks.judging`` re-judges only the ranks whose verdict can have changed
   (a vector pass over all ranks finds them) and keeps the summary's
   figures in arrays;
 * a rank's process is probed (psutil) only when its heartbeat is late;
@@ -15,7 +15,7 @@ of the job:
 A restarted dashboard rebuilds the same view: the rows from the heartbeat
 files, the charts from the ``rank_{r}.history.jsonl`` tails.
 
-Ranks without the bridge are read from msrun's worker logs (``app.logmode``),
+Ranks without the bridge are read from msrun's worker logs (``app.ranks.logmode``),
 which yields the same validated heartbeats; a rank's own heartbeat file,
 when there is one, wins over its log.
 """
@@ -31,11 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from app import logmode
-from app.health import TERMINAL_STATES, Thresholds
-from app.jobend import JobFacts
-from app.judging import VerdictBoard
 from app.push import DELTA_EVENT, SNAPSHOT_EVENT, Changed, changed_fields
-from app.reader import (  # noqa: F401  (re-exported: tests and tools import them from here)
+from app.ranks.health import TERMINAL_STATES, Thresholds
+from app.ranks.heartbeats import (  # noqa: F401  (re-exported: tests and tools import them from here)
     ProcessProbe,
     RankSlot,
     RunReader,
@@ -44,8 +42,10 @@ from app.reader import (  # noqa: F401  (re-exported: tests and tools import the
     probe_process,
     read_history_tail,
 )
-from app.rows import make_row, with_age
-from trainer_bridge import runfiles
+from app.ranks.judging import VerdictBoard
+from app.ranks.rows import make_row, with_age
+from app.stop.jobend import JobFacts
+from trainer_bridge.rundir import runfiles
 
 # How many missing ranks a status message names before it summarises.
 NAMED_RANKS = 8
@@ -95,7 +95,7 @@ class RunState:
         self._beats_expected = False  # ...while the bridge may still report (LogView.heartbeats_expected)
         # rank -> ((pid, started_at), probed at, why gone or None)
         self._probes: dict[int, tuple] = {}
-        # rank -> (first seen ended, why): a final state, or its process gone (app.jobend)
+        # rank -> (first seen ended, why): a final state, or its process gone (app.stop.jobend)
         self._ended: dict[int, tuple[float, str]] = {}
         self._launcher_gone: str | None = None
         self._launcher_alive = False
@@ -255,7 +255,7 @@ class RunState:
         )
 
     def job_facts(self) -> JobFacts:
-        """What the stop service needs beyond the heartbeats (see ``app.jobend``)."""
+        """What the stop service needs beyond the heartbeats (see ``app.stop.jobend``)."""
         with self._lock:
             return self._facts()
 
@@ -277,7 +277,7 @@ class RunState:
         """
         board = self._board
         late = set(board.late(now, self.check_after_s, local_only=True))
-        # Ranks shown from their logs: msrun's own words about their end count too (app.logmode).
+        # Ranks shown from their logs: msrun's own words about their end count too (app.ranks.logmode).
         log_late = {r for r in board.late(now, self.check_after_s) if r in self._from_log}
         for r in set(self._probes) - late - log_late:
             del self._probes[r]

@@ -14,7 +14,7 @@ is flagged late; the ranks at the lowest stage are the ones holding the
 others up.
 
 A rank shown only from msrun's worker log reports no stages: its stage comes
-from what the log shows (``app.jobend.log_stage``), so an ``OnRequestExit``
+from what the log shows (``app.stop.jobend.log_stage``), so an ``OnRequestExit``
 stop completes and re-arms by the same rule. A stop that the job can no
 longer obey (every rank ended without exiting for it, msrun gone) ends as
 ``not_obeyed``: audited so, and re-armed, so that a relaunch trains.
@@ -32,10 +32,10 @@ from contextlib import contextmanager
 from typing import Any
 
 from app.audit import OBSERVED, SYSTEM, AuditError, AuditLog
-from app.auth import MAX_TEXT
+from app.edge.auth import MAX_TEXT
 from app.errors import ApiError
-from app.jobend import JobFacts, log_stage
-from trainer_bridge import runfiles, safeio
+from app.stop.jobend import JobFacts, log_stage
+from trainer_bridge.rundir import runfiles, safeio
 
 STAGES = ("requested", "seen", "agreed", "saving", "saved", "exited")
 # The lock that orders flag writes between dashboards and ``rankwatch stop``;
@@ -442,7 +442,7 @@ class StopService:
         msrun's worker logs, whose stop stages nobody reports, and whether
         their logs show that the script obeys the flag (OnRequestExit).
         ``facts`` is ``RunState.job_facts()``: the log ranks' stages and
-        which ranks have ended (see ``app.jobend``).
+        which ranks have ended (see ``app.stop.jobend``).
         """
         flag, flag_error = self.read_flag()
         active = self._active(flag)

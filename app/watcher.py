@@ -1,7 +1,7 @@
 """The one background loop: scan the run directory, push what changed.
 
 It is started once, under a lock, by the server's worker before it serves
-(``app/server.py``; ``python -m app`` and ``rankwatch serve``), or
+(``app/edge/server.py``; ``python -m app`` and ``rankwatch serve``), or
 else by the first Socket.IO client (nothing runs at import time or in
 ``create_app``, so tests choose), and it uses
 ``socketio.sleep`` so that it follows whatever async mode Flask-SocketIO runs.
@@ -38,8 +38,8 @@ from flask_socketio import SocketIO
 
 from app import push
 from app.push import CHECKPOINTS_EVENT, STOP_EVENT
-from app.state import RunState
-from app.stop_service import StopService
+from app.ranks.state import RunState
+from app.stop.service import StopService
 
 if TYPE_CHECKING:
     from app.checkpoints.service import CheckpointService

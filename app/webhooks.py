@@ -59,7 +59,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from app.audit import WRITE_TIMEOUT_S, connect_pinned
-from trainer_bridge import safeio
+from trainer_bridge.rundir import safeio
 
 log = logging.getLogger(__name__)
 

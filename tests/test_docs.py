@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from app.config import SETTINGS
-from app.health import VERDICTS
-from app.main.events import EVENTS
-from app.metrics import METRICS
-from tests.heartbeats import heartbeat
-from trainer_bridge import schema
+from app.ranks.events import EVENTS
+from app.ranks.health import VERDICTS
+from app.ranks.metrics import METRICS
+from tests.helpers.heartbeats import heartbeat
+from trainer_bridge.rundir import schema
 
 ROOT = Path(__file__).resolve().parents[1]
 # The README is the front door; the reference lives in docs/, one page per area.
@@ -75,7 +75,7 @@ def test_verdict_is_documented(verdict):
 
 @pytest.mark.parametrize("page", sorted(PAGES), ids=lambda p: p.name)
 def test_schema_tables_are_generated_from_the_schema(page):
-    # Regenerate with: python -m trainer_bridge.schema docs/run-directory.md
+    # Regenerate with: python -m trainer_bridge.rundir.schema docs/run-directory.md
     assert schema.render_readme(PAGES[page]) == PAGES[page]
 
 

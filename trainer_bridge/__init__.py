@@ -1,7 +1,7 @@
 """Rankwatch's trainer side: import this in a MindSpore training script.
 
 ``GracefulExitBridge`` is loaded lazily so that the dashboard, which shares
-``trainer_bridge.runfiles`` and the checkpoint reader, never imports mindspore.
+``trainer_bridge.rundir.runfiles`` and the checkpoint reader, never imports mindspore.
 """
 
 __all__ = ["GracefulExitBridge", "find_resume_point"]

@@ -1,7 +1,7 @@
 """Where one rank's heartbeats go: its heartbeat file, and Redis when ``RANKWATCH_REDIS_URL`` is set.
 
 Without Redis every heartbeat replaces ``rankwatch/rank_{r}.json``, as
-always. With it (``trainer_bridge/redisbus.py``) every heartbeat is
+always. With it (``trainer_bridge/rundir/redisbus.py``) every heartbeat is
 published, and the file is replaced only every ``FILE_EVERY_S`` seconds and
 whenever the rank's ``state`` is not ``training`` (a stop's stages, the
 exit, a failure): enough for a restarted dashboard, for ``rankwatch stop``
@@ -21,7 +21,7 @@ import logging
 import os
 import time
 
-from trainer_bridge import redisbus, runfiles
+from trainer_bridge.rundir import redisbus, runfiles
 
 # Seconds between heartbeat files while Redis carries the heartbeats.
 FILE_EVERY_S = 10.0

@@ -22,8 +22,8 @@ import json
 import os
 from collections.abc import Mapping
 
-from trainer_bridge import runfiles
-from trainer_bridge.ckptindex import Index
+from trainer_bridge.rundir import runfiles
+from trainer_bridge.rundir.ckptindex import Index
 
 HEALTH_FILE = "health_ckpts.json"
 # A health record is ~60 bytes a save: this is tens of thousands of saves.

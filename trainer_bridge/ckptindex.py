@@ -44,9 +44,15 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer_bridge import runfiles
-from trainer_bridge.ckptmeta import FORMATS, TTP_STEP_DIR_RE, CheckpointMeta, MetaCache, steps_from_name
-from trainer_bridge.schema import MAX_RANKS
+from trainer_bridge.rundir import runfiles
+from trainer_bridge.rundir.ckptmeta import (
+    FORMATS,
+    TTP_STEP_DIR_RE,
+    CheckpointMeta,
+    MetaCache,
+    steps_from_name,
+)
+from trainer_bridge.rundir.schema import MAX_RANKS
 
 ORIGIN_BRIDGE = "graceful stop"
 ORIGIN_TTP = "TTP"

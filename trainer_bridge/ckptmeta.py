@@ -57,7 +57,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-from trainer_bridge import safeio
+from trainer_bridge.rundir import safeio
 
 # Payloads up to this size are read so that scalars can be decoded; anything
 # larger is skipped with a seek.

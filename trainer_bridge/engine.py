@@ -33,11 +33,12 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
-from trainer_bridge import ckpthealth, runfiles, saving
+from trainer_bridge import saving
 from trainer_bridge.agreement import Agreement
-from trainer_bridge.ckptindex import scan
 from trainer_bridge.counters import Counters
 from trainer_bridge.reporter import Reporter
+from trainer_bridge.rundir import ckpthealth, runfiles
+from trainer_bridge.rundir.ckptindex import scan
 from trainer_bridge.saving import NOTHING_SERVED, ResumePoint
 
 log = logging.getLogger("trainer_bridge")

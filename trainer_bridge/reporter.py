@@ -2,7 +2,7 @@
 
 The training thread only updates a ``Counters`` object (a few numbers per
 step) and calls the stop-stage methods here; this thread turns them into
-files: the heartbeat and its history (``trainer_bridge/schema.py``), the
+files: the heartbeat and its history (``trainer_bridge/rundir/schema.py``), the
 flag poll, the device sample, and the stack captures of ``StackWatcher``.
 Nothing it does can stop training: a reporter error is logged once per kind
 and the thread carries on.
@@ -19,10 +19,10 @@ import threading
 import time
 from pathlib import Path
 
-from trainer_bridge import launch, runfiles, safeio, schema
 from trainer_bridge.beatsink import BeatSink
 from trainer_bridge.counters import Counters, Snapshot
 from trainer_bridge.device import DeviceProbe
+from trainer_bridge.rundir import launch, runfiles, safeio, schema
 from trainer_bridge.saving import ResumePoint, Served
 from trainer_bridge.stacks import StackWatcher
 

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer_bridge import safeio
-from trainer_bridge.safeio import FileTooLarge, NotRegular  # noqa: F401  (re-exported)
+from trainer_bridge.rundir import safeio
+from trainer_bridge.rundir.safeio import FileTooLarge, NotRegular  # noqa: F401  (re-exported)
 
 HEARTBEAT_SCHEMA = 1
 FLAG_NAME = "graceful_exit.json"

@@ -18,8 +18,8 @@ from collections.abc import Container
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer_bridge import runfiles
-from trainer_bridge.ckptindex import ORIGIN_BRIDGE, CheckpointSet, Index
+from trainer_bridge.rundir import runfiles
+from trainer_bridge.rundir.ckptindex import ORIGIN_BRIDGE, CheckpointSet, Index
 
 __all__ = [
     "ResumePoint",
@@ -154,7 +154,7 @@ def append_fields(
     if "global_step" not in param_names:
         append["global_step"] = global_step
     if loss is not None:
-        # The set's health evidence (trainer_bridge/ckpthealth.py): 0 flags weights saved after a NaN.
+        # The set's health evidence (trainer_bridge/rundir/ckpthealth.py): 0 flags weights saved after a NaN.
         append["rankwatch_loss_finite"] = int(math.isfinite(loss))
     return append
 

@@ -5,7 +5,7 @@ and writes ``to_json()``; the dashboard, the log reader and the test helpers
 build rows from the same classes, and everything the dashboard reads from
 the run directory is validated against them first. The README's schema
 tables are generated from the field descriptions here
-(``python -m trainer_bridge.schema``), and a docs test keeps them equal.
+(``python -m trainer_bridge.rundir.schema``), and a docs test keeps them equal.
 
 Why validate what our own bridge wrote: the run directory is shared. Any
 rank (a buggy one, a hostile one, another user's tool) can leave any bytes
@@ -36,7 +36,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from trainer_bridge.runfiles import (
+from trainer_bridge.rundir.runfiles import (
     HEARTBEAT_SCHEMA,
     MAX_FILE_BYTES,
     MAX_REQUEST_ID,
@@ -526,7 +526,7 @@ def render_readme(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m trainer_bridge.schema [docs/run-directory.md]``: print the tables, or rewrite them in place."""
+    """``python -m trainer_bridge.rundir.schema [docs/run-directory.md]``: print the tables, or rewrite them in place."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
         for name, model in README_TABLES.items():

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError
 
-from trainer_bridge import runfiles, safeio, schema
+from trainer_bridge.rundir import runfiles, safeio, schema
 
 TRIGGERS = ("request", "stall")
 SOURCES = ("bridge", "py-spy")

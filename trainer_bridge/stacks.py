@@ -23,7 +23,7 @@ short-lived thread of its own, so neither a slow py-spy nor a deep stack
 delays a heartbeat, and it works while the training thread is blocked in a
 collective or a C call.
 
-The files' format, their text and their bounds are ``trainer_bridge.stackfiles``
+The files' format, their text and their bounds are ``trainer_bridge.rundir.stackfiles``
 (re-exported here). Layout (see ``runfiles``)::
 
     RUN/rankwatch/stacks/rank_{r}.request.json   asks rank r for a capture
@@ -51,8 +51,8 @@ import threading
 import time
 from pathlib import Path
 
-from trainer_bridge import runfiles, schema
-from trainer_bridge.stackfiles import (  # noqa: F401  (re-exported: one import for both sides)
+from trainer_bridge.rundir import runfiles, schema
+from trainer_bridge.rundir.stackfiles import (  # noqa: F401  (re-exported: one import for both sides)
     FRAME_FILE,
     FRAME_TEXT,
     KEEP_PER_TRIGGER,

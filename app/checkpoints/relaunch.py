@@ -1,6 +1,6 @@
 """The relaunch command (msrun, its options, the environment) and the loop code of a resume answer.
 
-``job.json`` (``trainer_bridge.launch``) records msrun's command line and
+``job.json`` (``trainer_bridge.rundir.launch``) records msrun's command line and
 the ``MS_*``-style variables the job ran with, and whether the bridge was
 attached as a callback or through ``bridge.loop``. Every value comes from a
 file any rank can write: names are checked, values quoted, lists bounded.
@@ -14,7 +14,7 @@ import re
 import shlex
 from collections.abc import Mapping
 
-from trainer_bridge.launch import ENV_NAME, MAX_ARGS, MAX_ENV, is_msrun
+from trainer_bridge.rundir.launch import ENV_NAME, MAX_ARGS, MAX_ENV, is_msrun
 
 # Options the relaunch command sets itself (from the ranks and hosts it sees).
 SET_HERE = frozenset({"--worker_num", "--local_worker_num", "--master_addr", "--node_rank", "--join"})

@@ -2,7 +2,7 @@
 
 The plan is a pure function of the index, the policy and what the ranks are
 doing (``app.checkpoints.retention_plan.plan``); applying it deletes through
-``CheckpointService.remove_set`` (``trainer_bridge.safeio``'s descriptor walk), so the
+``CheckpointService.remove_set`` (``trainer_bridge.rundir.safeio``'s descriptor walk), so the
 browser's delete, the policy, the page's Apply and ``rankwatch checkpoints
 gc`` all remove files the same way (docs/checkpoints.md, "Retention").
 
@@ -40,7 +40,7 @@ from app.checkpoints.retention_plan import (
     read_override,
 )
 from app.errors import ApiError
-from trainer_bridge import ckpthealth, runfiles, safeio, schema
+from trainer_bridge.rundir import ckpthealth, runfiles, safeio, schema
 
 __all__ = [
     "MODES",

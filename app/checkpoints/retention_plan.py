@@ -1,6 +1,6 @@
 """The retention plan: which checkpoint sets to keep, which to delete, and why (pure).
 
-``plan`` is a function of the index (``trainer_bridge.ckptindex``), the
+``plan`` is a function of the index (``trainer_bridge.rundir.ckptindex``), the
 policy (settings over the run's ``rankwatch/retention.json``) and what the
 ranks are doing; ``app.checkpoints.retention`` applies it. Also here: the
 leftovers of unfinished saves, and whether the next save fits on the disk.
@@ -15,8 +15,9 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from trainer_bridge import runfiles, safeio, saving, schema
-from trainer_bridge.ckptindex import MAX_DEPTH, ORIGIN_BRIDGE, CheckpointSet, Index
+from trainer_bridge import saving
+from trainer_bridge.rundir import runfiles, safeio, schema
+from trainer_bridge.rundir.ckptindex import MAX_DEPTH, ORIGIN_BRIDGE, CheckpointSet, Index
 
 MODES = ("off", "dry_run", "on")
 OVERRIDE_NAME = "retention.json"

@@ -1,7 +1,7 @@
 """The checkpoint browser's page and API (README, "Checkpoint browser" and "JSON API").
 
 Reads need no token. Delete changes state, so it needs the operator token
-and a JSON body (``app.auth``). Deep verify only reads the files, but it
+and a JSON body (``app.edge.auth``). Deep verify only reads the files, but it
 starts a MindSpore process that costs memory, so it needs the token too.
 """
 
@@ -12,12 +12,12 @@ import time
 from flask import current_app, jsonify, render_template, request, send_file, url_for
 
 from app import push
-from app.auth import json_body, require_operator
 from app.checkpoints import bp
+from app.edge.auth import json_body, require_operator
 from app.errors import ApiError
 from app.extensions import rankwatch, socketio
 from app.push import CHECKPOINTS_EVENT, VERIFY_EVENT
-from trainer_bridge import runfiles
+from trainer_bridge.rundir import runfiles
 
 WHO_DEFAULT = "operator"
 

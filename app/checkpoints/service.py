@@ -11,7 +11,7 @@ World size: a set is complete when every rank of the *job* has a readable
 file in it, so the job's world size (``job.json``, else the heartbeats) is
 used when known; without a job, each layout counts up to its highest rank.
 
-Indexing and the layouts are ``trainer_bridge.ckptindex``'s; this module adds
+Indexing and the layouts are ``trainer_bridge.rundir.ckptindex``'s; this module adds
 what the dashboard needs around them: the API body, which sets are
 protected from deletion, how to resume from a set, the download check and
 the delete itself. It never imports mindspore (``verify`` loads files in a
@@ -37,8 +37,9 @@ from app.checkpoints.relaunch import relaunch_command
 from app.checkpoints.verify import Verifier
 from app.errors import ApiError
 from app.push import Changed
-from trainer_bridge import ckpthealth, ckptindex, native, runfiles, safeio, saving
-from trainer_bridge.ckptindex import (
+from trainer_bridge import native, saving
+from trainer_bridge.rundir import ckpthealth, ckptindex, runfiles, safeio
+from trainer_bridge.rundir.ckptindex import (
     ORIGIN_BRIDGE,
     ORIGIN_NATIVE,
     ORIGIN_TTP,
@@ -46,7 +47,7 @@ from trainer_bridge.ckptindex import (
     CheckpointSet,
     Index,
 )
-from trainer_bridge.ckptmeta import MetaCache
+from trainer_bridge.rundir.ckptmeta import MetaCache
 
 NO_RUN_DIR = "the dashboard was started without a run directory (--run-dir)"
 TTP_NOTE = (
@@ -213,7 +214,7 @@ class CheckpointService:
         (the audit database, the job's data) can be fetched. ``safe_path``
         refuses ``..``, absolute paths and symlinks that leave the run
         directory (a 400 that says so); the file is then opened through
-        ``trainer_bridge.safeio``, one directory at a time without following a symlink,
+        ``trainer_bridge.rundir.safeio``, one directory at a time without following a symlink,
         so a directory swapped for a symlink since any check cannot redirect
         it. Returns (the open file, its name for the download, its size).
         """
@@ -314,7 +315,7 @@ class CheckpointService:
         makes the set partial for every reader, so no interruption can leave
         it looking complete (``app/checkpoints/retention.py``).
 
-        Through ``trainer_bridge.safeio``: each unlink is made on a descriptor of the
+        Through ``trainer_bridge.rundir.safeio``: each unlink is made on a descriptor of the
         file's own directory reached without following a symlink, so a
         directory swapped for a symlink since the scan cannot make it remove
         a file outside the run directory.

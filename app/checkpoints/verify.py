@@ -15,10 +15,10 @@ memory, so it needs the operator token (``POST /api/checkpoints/verify``),
 only one runs at a time in the dashboard (another answers 409), and each file:
 
 * is opened here, under the run directory without following a symlink
-  (``trainer_bridge.safeio``), and handed to the worker as an open descriptor, which
+  (``trainer_bridge.rundir.safeio``), and handed to the worker as an open descriptor, which
   is what the worker loads (a directory swapped for a symlink meanwhile
   changes nothing);
-* is read by ``trainer_bridge.ckptmeta`` first: a header the reader cannot
+* is read by ``trainer_bridge.rundir.ckptmeta`` first: a header the reader cannot
   believe (a 64-byte file claiming a 40000x40000 tensor, a truncated one) is
   failed with that reason and never given to MindSpore;
 * is loaded under a memory limit sized from the file (``verify_worker``).
@@ -52,9 +52,9 @@ from pathlib import Path
 
 from app.errors import ApiError
 from app.push import VERIFY_EVENT
-from trainer_bridge import safeio
-from trainer_bridge.ckptindex import CheckpointFile
-from trainer_bridge.ckptmeta import read_meta
+from trainer_bridge.rundir import safeio
+from trainer_bridge.rundir.ckptindex import CheckpointFile
+from trainer_bridge.rundir.ckptmeta import read_meta
 
 WORKER = Path(__file__).with_name("verify_worker.py")
 EVENT_FIELDS = ("set", "state", "done", "total", "file", "ok", "error", "crc")

@@ -47,7 +47,7 @@ import sys
 import time
 
 # A .ckpt saved with crc_check=True ends in b"crc_num" and 10 digits (see
-# trainer_bridge/ckptmeta.py); a .safetensors one keeps "crc_num" in __metadata__.
+# trainer_bridge/rundir/ckptmeta.py); a .safetensors one keeps "crc_num" in __metadata__.
 CRC_MARK = b"crc_num"
 CKPT_TRAILER = 17
 SAFETENSORS_MAX_HEADER = 100 * 1000 * 1000

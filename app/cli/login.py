@@ -1,4 +1,4 @@
-"""``rankwatch login``: a fresh single-use login link for a running dashboard (``app/login.py``)."""
+"""``rankwatch login``: a fresh single-use login link for a running dashboard (``app/edge/login.py``)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def login(url: str | None, run_dir: str | None) -> None:
     dashboard for a code with the token from its private server file. The
     link works once, and for LOGIN_TTL_S seconds (2 min by default).
     """
-    from app.login import mint_login_url
+    from app.edge.login import mint_login_url
 
     try:
         click.echo(mint_login_url(url, run_dir))

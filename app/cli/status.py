@@ -1,7 +1,7 @@
 """``rankwatch status --run-dir RUN [--watch]``: the rank table in a terminal.
 
 The rows are the page's: when a dashboard of this user serves the run
-(its server file, ``app/login.py``), they are that dashboard's ``/api/ranks``
+(its server file, ``app/edge/login.py``), they are that dashboard's ``/api/ranks``
 at this moment; otherwise ``RunState``'s, judged here from the files as the
 dashboard judges them (the same thresholds, from the same ``RANKWATCH_*``
 variables). The reason cell is composed as the page composes it.
@@ -29,14 +29,14 @@ from app.cli.common import (
     verdict_text,
 )
 from app.cli.runs import existing_root, print_table, runs_table
-from app.health import VERDICTS
+from app.ranks.health import VERDICTS
 
 if TYPE_CHECKING:
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
-    from app.state import RunState
+    from app.ranks.state import RunState
 
 # Lines the header, the summary and the table's frame take in --watch.
 CHROME_LINES = 10
@@ -148,7 +148,7 @@ def dashboard_snapshot(run_dir: Path, health: list[str]) -> tuple[dict, str] | N
     import urllib.parse
     import urllib.request
 
-    from app.login import running_dashboards
+    from app.edge.login import running_dashboards
 
     here = os.path.realpath(run_dir)
     for info in running_dashboards():

@@ -2,7 +2,7 @@
 
 ``stacks.py`` reads, requests and groups stack captures; ``monitor.py`` is
 the watcher's incident step (alerts from verdict changes and stops, and the
-policy of ``app.policy``); ``routes.py`` serves them (README, "When a job
+policy of ``app.incidents.policy``); ``routes.py`` serves them (README, "When a job
 hangs").
 """
 

@@ -15,14 +15,14 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from app.alerts import AlertDesk
 from app.audit import AuditLog
-from app.policy import Policy, parse_mode, parse_rules
+from app.incidents.alerts import AlertDesk
+from app.incidents.policy import Policy, parse_mode, parse_rules
+from app.incidents.webhooks import WebhookSender, parse_urls
 from app.push import DELTA_EVENT, SNAPSHOT_EVENT, Changed
 from app.push import INCIDENTS_EVENT as EVENT
-from app.state import RunState
-from app.stop_service import StopService
-from app.webhooks import WebhookSender, parse_urls
+from app.ranks.state import RunState
+from app.stop.service import StopService
 
 # The row fields alerts and the policy read.
 KEEP = ("health", "reason", "host", "device", "device_health")

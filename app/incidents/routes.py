@@ -1,7 +1,7 @@
 """The stack, alert and policy API (README, "JSON API" and "When a job hangs").
 
 Reading needs no token. Asking for a capture needs the operator token and a
-JSON body (``app.auth``): it makes a trainer, or py-spy, do work.
+JSON body (``app.edge.auth``): it makes a trainer, or py-spy, do work.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 
 from flask import jsonify, request
 
-from app.auth import json_body, require_operator
+from app.edge.auth import json_body, require_operator
 from app.errors import ApiError
 from app.extensions import rankwatch
 from app.incidents import bp

@@ -25,13 +25,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from app.alerts import ranks_text
 from app.errors import ApiError
-from app.health import TERMINAL_STATES
+from app.incidents.alerts import ranks_text
 from app.incidents.proof import prove_rank
-from app.reader import Stopped, probe_process
-from app.state import RunState
-from trainer_bridge import runfiles, safeio, schema, stacks
+from app.ranks.health import TERMINAL_STATES
+from app.ranks.heartbeats import Stopped, probe_process
+from app.ranks.state import RunState
+from trainer_bridge import stacks
+from trainer_bridge.rundir import runfiles, safeio, schema
 
 ENDED = ("exited", "finished", "failed")
 # Capture files kept parsed in memory, by their size on disk (a capture is

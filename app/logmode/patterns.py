@@ -4,10 +4,10 @@ A pattern has a ``kind`` (what the line means to the reader), a ``needle``
 (a literal every such line contains: ``needle in line`` is a C-speed
 prefilter, so a line that matches nothing costs a few substring checks,
 not a dozen regular expressions), a regular expression with named groups,
-an ``example`` (a line as the program writes it; ``tests/test_logmode_patterns.py``
+an ``example`` (a line as the program writes it; ``tests/ranks/test_logmode_patterns.py``
 parses every example) and ``origin`` (where the format string lives).
 
-The named groups are the vocabulary of ``app.logmode.parser``: ``epoch``,
+The named groups are the vocabulary of ``app.ranks.logmode.parser``: ``epoch``,
 ``step`` (within the epoch), ``loss``, ``spe`` (steps per epoch),
 ``step_ms``, ``pid``, ``rank``, ``node``, ``host``, ``world``, ``code``,
 ``message``. A pattern whose counters start at 0 says so with ``base=0``.
@@ -37,7 +37,7 @@ from typing import Any
 
 import re2
 
-from app.logmode.tailer import MAX_LINE
+from app.ranks.logmode.tailer import MAX_LINE
 
 
 def _rx(pattern: str) -> Any:
@@ -259,5 +259,5 @@ LAUNCHER: tuple[Pattern, ...] = (
     ),
 )
 
-# Which list reads which file (app.logmode.reader decides a file's role by its name).
+# Which list reads which file (app.ranks.logmode.reader decides a file's role by its name).
 BY_ROLE = {"worker": WORKER, "scheduler": SCHEDULER, "launcher": LAUNCHER}

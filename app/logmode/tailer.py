@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 
-from trainer_bridge import safeio
+from trainer_bridge.rundir import safeio
 
 # A MindSpore log line is a few hundred bytes; a C++ stack line can be long.
 MAX_LINE = 4096

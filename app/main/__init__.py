@@ -5,4 +5,4 @@ from flask import Blueprint
 bp = Blueprint("main", __name__)
 bp.record_once(lambda setup: setup.app.extensions["rankwatch"].nav.append(("main.index", "Ranks")))
 
-from app.main import events, routes  # noqa: E402,F401  (they register on bp and socketio)
+from app.ranks import events, routes  # noqa: E402,F401  (they register on bp and socketio)

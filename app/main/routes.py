@@ -17,11 +17,11 @@ from flask import Response, current_app, jsonify, render_template, request, send
 
 from app.errors import ApiError
 from app.extensions import rankwatch
-from app.health import VERDICT_HELP, VERDICTS
 from app.large import large_answer
-from app.main import bp, plotly_csp
-from app.metrics import as_json as metrics_json
 from app.prometheus import exposition
+from app.ranks import bp, plotly_csp
+from app.ranks.health import VERDICT_HELP, VERDICTS
+from app.ranks.metrics import as_json as metrics_json
 
 # /api/ranks pages: 500 rows are about 280 kB of JSON; a client may ask for up to 1,000.
 PER_PAGE_DEFAULT = 500
@@ -90,7 +90,7 @@ def plotly_js():
 
 @bp.get("/vendor/plotly.css")
 def plotly_css():
-    """Plotly's own CSS as a stylesheet, so the CSP needs no inline styles (app/main/plotly_csp.py)."""
+    """Plotly's own CSS as a stylesheet, so the CSP needs no inline styles (app/ranks/plotly_csp.py)."""
     response = Response(plotly_csp.plotly_css(), mimetype="text/css")
     response.cache_control.max_age = 24 * 3600
     return response

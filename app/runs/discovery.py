@@ -10,7 +10,7 @@ A run's own subdirectories are not searched for more runs.
 components (``app/runs/ids.py`` puts it in a URL).
 
 **Incremental.** Each directory is opened (relative to its parent's
-descriptor, ``O_NOFOLLOW``: ``trainer_bridge.safeio.open_subdir``) and
+descriptor, ``O_NOFOLLOW``: ``trainer_bridge.rundir.safeio.open_subdir``) and
 ``fstat``-ed; its listing is read again only when its (device, inode,
 mtime) changed, so an unchanged tree costs one open and one ``fstat`` per
 directory, never a ``scandir``. New runs appear on the next scan and deleted
@@ -39,11 +39,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from app.logmode import DEFAULT_DIR
-from app.logmode.reader import WORKER_NAME
-from app.reader import HEARTBEAT_NAME
-from trainer_bridge import safeio
-from trainer_bridge.runfiles import FLAG_NAME, STATE_DIR
+from app.ranks.heartbeats import HEARTBEAT_NAME
+from app.ranks.logmode import DEFAULT_DIR
+from app.ranks.logmode.reader import WORKER_NAME
+from trainer_bridge.rundir import safeio
+from trainer_bridge.rundir.runfiles import FLAG_NAME, STATE_DIR
 
 DEFAULT_DEPTH = 3
 DEFAULT_IDLE_S = 300.0

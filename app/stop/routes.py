@@ -1,6 +1,6 @@
 """The stop API (README, "JSON API"): request, follow, cancel, re-arm, audit.
 
-Every state change needs the operator token (``app.auth``) and a JSON body
+Every state change needs the operator token (``app.edge.auth``) and a JSON body
 that passes ``json_body``; checks happen before anything is written.
 """
 
@@ -11,10 +11,10 @@ import time
 from flask import Response, current_app, jsonify, request
 
 from app.audit import AuditError
-from app.auth import check_token, json_body, over_write_budget, require_operator, settle
+from app.edge.auth import check_token, json_body, over_write_budget, require_operator, settle
+from app.edge.login import login_url
 from app.errors import ApiError
 from app.extensions import rankwatch
-from app.login import login_url
 from app.stop import bp
 
 WHO_DEFAULT = "operator"
@@ -61,7 +61,7 @@ def api_session():
 def api_login():
     """Trade a single-use login code (from the ``#login=`` URL) for the token, once."""
     body = json_body({"code": (str, True)})
-    # Redeemed first: a live code works whatever others guessed (app.auth.settle).
+    # Redeemed first: a live code works whatever others guessed (app.edge.auth.settle).
     ok = current_app.extensions["rankwatch_login"].redeem(body["code"])
     settle(ok, "login codes")
     if not ok:

@@ -1,4 +1,4 @@
-// Turning row values into text, by the metric's unit (app/metrics.py).
+// Turning row values into text, by the metric's unit (app/ranks/metrics.py).
 
 // A shape per verdict, so that colour is never the only cue.
 export const GLYPH = Object.freeze({

@@ -17,7 +17,7 @@ export const token = {
     window.dispatchEvent(new Event("rankwatch-token"));
   },
   // `python -m app` prints a URL ending in #login=<code>: a single-use code
-  // (app/login.py). Drop it from the address bar at once, then trade it for
+  // (app/edge/login.py). Drop it from the address bar at once, then trade it for
   // the token; what stays in the history is a code that no longer works.
   async adoptFromUrl() {
     const match = location.hash.match(/(?:^#|&)login=([^&]+)/);

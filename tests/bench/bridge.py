@@ -37,8 +37,8 @@ import urllib.request
 from pathlib import Path
 
 from tests.bench import ab
-from tests.jobs import DemoJob
-from tests.liveserver import start_dashboard
+from tests.helpers.jobs import DemoJob
+from tests.helpers.liveserver import start_dashboard
 
 TOKEN = "bench-token"
 
@@ -97,7 +97,7 @@ import numpy as np, mindspore as ms, mindspore.dataset as ds
 from mindspore import nn
 from mindspore.train import Callback, Model, OnRequestExit
 from trainer_bridge import GracefulExitBridge
-from trainer_bridge.runfiles import flag_path, write_flag
+from trainer_bridge.rundir.runfiles import flag_path, write_flag
 
 run_dir, which, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
 write_flag(run_dir, False)

@@ -22,8 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from trainer_bridge.ckptindex import scan
-from trainer_bridge.ckptmeta import MetaCache, read_meta
+from trainer_bridge.rundir.ckptindex import scan
+from trainer_bridge.rundir.ckptmeta import MetaCache, read_meta
 
 RANKS = 8
 APPEND = {"epoch_num": 1, "step_num": 48, "batch_num": 64, "global_step": 48, "rankwatch_request_id": "bench"}

@@ -35,9 +35,9 @@ from pathlib import Path
 import psutil
 
 from app.config import from_env
-from app.logmode.reader import LogDir
-from app.state import RunState
-from tests.liveserver import REPO, start_dashboard
+from app.ranks.logmode.reader import LogDir
+from app.ranks.state import RunState
+from tests.helpers.liveserver import REPO, start_dashboard
 
 
 def sizes(log_dir: Path) -> dict[Path, int]:

@@ -15,8 +15,8 @@ import argparse
 import time
 
 from app.checkpoints import retention as rt
-from trainer_bridge import ckpthealth, ckptindex
-from trainer_bridge.ckptmeta import CheckpointMeta
+from trainer_bridge.rundir import ckpthealth, ckptindex
+from trainer_bridge.rundir.ckptmeta import CheckpointMeta
 
 
 def synthetic_index(sets: int, ranks: int) -> ckptindex.Index:

@@ -14,7 +14,7 @@ import shutil
 import tempfile
 import time
 
-from tests.heartbeats import heartbeat, write_heartbeat, write_job
+from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 
 
 def make_root(n: int) -> str:

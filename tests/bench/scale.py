@@ -37,8 +37,8 @@ from pathlib import Path
 from playwright.sync_api import sync_playwright
 
 from tests.bench.ingest import start_redis
-from tests.liveserver import REPO, launch_chromium, start_dashboard
-from trainer_bridge import runfiles
+from tests.helpers.liveserver import REPO, launch_chromium, start_dashboard
+from trainer_bridge.rundir import runfiles
 
 TARGET_P95_S = 1.5
 TARGET_CORES = 0.5
@@ -57,7 +57,7 @@ def total_seq(run_dir: Path, ranks: int, redis_url: str | None = None) -> int:
 
         import redis
 
-        from trainer_bridge import redisbus
+        from trainer_bridge.rundir import redisbus
 
         _, latest, _ = redisbus.keys(redisbus.job_key(run_dir))
         beats = redis.Redis.from_url(redis_url).hgetall(latest).values()

@@ -12,7 +12,7 @@ process cannot write 1024 heartbeats a second on a busy machine; large jobs
 are split over ``--workers`` processes (real ranks are separate processes too).
 
 ``--redis URL`` publishes the heartbeats to Redis instead, as the bridge
-does with ``RANKWATCH_REDIS_URL`` (``trainer_bridge/redisbus.py``): every
+does with ``RANKWATCH_REDIS_URL`` (``trainer_bridge/rundir/redisbus.py``): every
 heartbeat due at one moment goes out in one pipeline, so one process can
 simulate 16,384 ranks; heartbeat files are then written once every
 ``--file-every`` seconds, like the bridge's lower rate.
@@ -39,8 +39,8 @@ import threading
 import time
 from pathlib import Path
 
-from tests.heartbeats import heartbeat, write_heartbeat, write_job
-from trainer_bridge import runfiles
+from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
+from trainer_bridge.rundir import runfiles
 
 
 class Simulator:
@@ -64,7 +64,7 @@ class Simulator:
         self.run_dir = Path(run_dir)
         self.redis = None
         if redis_url:
-            from trainer_bridge import redisbus
+            from trainer_bridge.rundir import redisbus
 
             self.redis = redisbus.connect(redis_url)
             self.stream, self.latest, _ = redisbus.keys(redisbus.job_key(self.run_dir))

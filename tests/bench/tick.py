@@ -28,11 +28,11 @@ from pathlib import Path
 
 from app.audit import AuditLog
 from app.config import from_env
-from app.state import RunState
-from app.stop_service import StopService
+from app.ranks.state import RunState
+from app.stop.service import StopService
 from tests.bench.ingest import start_redis
-from tests.heartbeats import heartbeat, write_heartbeat, write_job
-from trainer_bridge import redisbus
+from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
+from trainer_bridge.rundir import redisbus
 
 
 def measure(ranks: int, ticks: int, workdir: Path, redis_url: str | None, profile: bool) -> dict:

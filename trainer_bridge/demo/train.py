@@ -31,7 +31,7 @@ from mindspore.train import (
 
 from trainer_bridge import GracefulExitBridge
 from trainer_bridge.native import on_request_exit_resume
-from trainer_bridge.runfiles import flag_path
+from trainer_bridge.rundir.runfiles import flag_path
 
 
 def create_dataset(data_dir: str, batch_size: int, rank: int, world: int, shuffle: bool = True) -> ds.Dataset:

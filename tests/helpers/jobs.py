@@ -1,0 +1,181 @@
+"""Drive real demo jobs (``python -m trainer_bridge.demo``) from tests and benchmarks.
+
+Waiting is always "poll the run directory until a condition holds or the
+process died", never a fixed sleep; the timeouts are generous upper bounds for
+a shared 2-core machine, not assertions about speed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from trainer_bridge.rundir import runfiles
+
+# Upper bounds only: a job that takes longer is broken, not slow.
+JOB_TIMEOUT_S = 300
+
+
+class JobFailed(AssertionError):
+    pass
+
+
+class DemoJob:
+    """One ``msrun`` demo job writing into ``run_dir``."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        ranks: int = 2,
+        epochs: int = 2,
+        samples: int = 2000,
+        step_delay: float = 0.0,
+        extra: list[str] | None = None,
+        env: dict | None = None,
+    ):
+        self.run_dir = Path(run_dir)
+        self.ranks = ranks
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "trainer_bridge.demo",
+            "--run-dir",
+            str(self.run_dir),
+            "--ranks",
+            str(ranks),
+            "--epochs",
+            str(epochs),
+            "--samples",
+            str(samples),
+            "--step-delay",
+            str(step_delay),
+            "--step-log",
+            # No periodic checkpoints unless a test asks (extra's --ckpt-every wins).
+            "--ckpt-every",
+            "0",
+            *(extra or []),
+        ]
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+        self.output_path = self.run_dir.parent / f"{self.run_dir.name}.launcher.log"
+
+    def start(self) -> DemoJob:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._out = open(self.output_path, "ab")
+        # A new session, so a test can signal the whole job without hitting pytest.
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=self._out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
+        return self
+
+    def __enter__(self) -> DemoJob:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.kill()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            # msrun starts each worker in a process group of its own (it kills
+            # them with killpg), so the launcher's group does not hold them:
+            # without this they trained on, orphaned, after a test ended.
+            try:
+                workers = psutil.Process(self.proc.pid).children(recursive=True)
+            except psutil.Error:
+                workers = []
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            for worker in workers:
+                try:
+                    worker.kill()
+                except psutil.Error:
+                    pass
+            self.proc.wait()
+        if getattr(self, "_out", None):
+            self._out.close()
+
+    def wait(self, timeout: float = JOB_TIMEOUT_S) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise JobFailed(f"job did not finish within {timeout} s\n{self.logs()}") from None
+
+    # ---------------------------------------------------------------- state
+    def heartbeat(self, rank: int) -> dict | None:
+        return runfiles.read_json_or_none(runfiles.heartbeat_path(self.run_dir, rank))
+
+    def heartbeats(self) -> list[dict | None]:
+        return [self.heartbeat(r) for r in range(self.ranks)]
+
+    def wait_until(self, predicate, what: str, timeout: float = JOB_TIMEOUT_S, poll: float = 0.1):
+        """Poll ``predicate(heartbeats)`` until truthy; fail early if the job died."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate(self.heartbeats())
+            if value:
+                return value
+            if self.proc.poll() is not None:
+                value = predicate(self.heartbeats())
+                if value:
+                    return value
+                raise JobFailed(f"job exited ({self.proc.returncode}) before {what}\n{self.logs()}")
+            time.sleep(poll)
+        raise JobFailed(f"timed out waiting for {what}\n{self.logs()}")
+
+    def wait_for_step(self, step: int) -> list[dict]:
+        return self.wait_until(
+            lambda hbs: hbs if all(h and h["global_step"] >= step for h in hbs) else None,
+            f"every rank past step {step}",
+        )
+
+    def stopped_together(self) -> tuple[int, list[dict]]:
+        """Assert the graceful stop's promise; return ``(stop step, each rank's stop record)``.
+
+        Every rank exited for the same stop, at the same stop step, and none
+        ran a step past it (``--step-log``).
+        """
+        hbs = self.heartbeats()
+        assert all(h and h["state"] == "exited" for h in hbs), dump(hbs)
+        stops = [h["stop"] for h in hbs]
+        stop_step = stops[0]["stop_step"]
+        assert all(s["stop_step"] == stop_step and s["stage"] == "exited" for s in stops), dump(stops)
+        assert [self.steps_logged(r)[-1] for r in range(self.ranks)] == [stop_step] * self.ranks
+        return stop_step, stops
+
+    def steps_logged(self, rank: int) -> list[int]:
+        """Global steps rank ``rank`` printed (``--step-log``), in order."""
+        text = self.worker_log(rank)
+        return [int(m) for m in re.findall(r"^step (\d+) epoch", text, re.M)]
+
+    def worker_log(self, rank: int) -> str:
+        path = self.run_dir / "msrun_logs" / f"worker_{rank}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def logs(self, tail: int = 40) -> str:
+        parts = []
+        logs = self.run_dir / "msrun_logs"
+        for path in [self.output_path, logs / "launcher.log", *sorted(logs.glob("worker_*.log"))]:
+            if path.exists():
+                lines = [
+                    ln
+                    for ln in path.read_text(errors="replace").splitlines()
+                    if not ln.startswith(("[WARNING]", "[INFO]"))
+                ]
+                parts.append(f"--- {path.name}\n" + "\n".join(lines[-tail:]))
+        return "\n".join(parts)
+
+
+def write_flag(run_dir: Path, request_id: str = "req-test", **extra) -> dict:
+    return runfiles.write_flag(run_dir, True, request_id=request_id, requested_at=time.time(), **extra)
+
+
+def dump(obj) -> str:
+    return json.dumps(obj, indent=1, default=str)
