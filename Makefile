@@ -30,7 +30,7 @@ demo: venv
 	$(VENV)/bin/rankwatch demo --run-dir $(RUN) --ranks $(RANKS) --port $(PORT)
 
 test: venv
-	$(PY) -m pytest -ra
+	$(PY) -m pytest -ra --durations=40
 
 test-fast: venv
 	$(PY) -m pytest -ra -m "$(FAST)"

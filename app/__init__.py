@@ -35,17 +35,12 @@ def asset_dirs() -> tuple[Path, Path]:
 
 def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     """Build the dashboard. ``config`` overrides the settings read from the environment."""
-    import functools
-
     from flask import Flask
 
-    from app import push
     from app.config import coerce_all, from_env
     from app.edge.auth import BoundedJSONProvider, Limits, ensure_token, token_weakness
     from app.edge.login import LoginCodes
-    from app.extensions import Rankwatch, socketio
-    from app.services import open_run
-    from app.watcher import Watcher
+    from app.extensions import socketio
 
     static, templates = asset_dirs()
     app = Flask(__name__, static_folder=str(static), template_folder=str(templates))
@@ -68,48 +63,20 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
 
     errors.register(app)
 
-    run = open_run(
-        app.config["RUN_DIR"] or None,
-        app.config,
-        start_task=socketio.start_background_task,
-        emit=functools.partial(push.emit, socketio),
-    )
-    state, stop, checkpoints = run.state, run.stop, run.checkpoints
-    from app.incidents.monitor import Incidents
-    from app.incidents.stacks import StackService
-    from app.ranks.logmode import resolve_dir
-    from trainer_bridge.rundir.pyspy import find_pyspy
-
-    incidents = Incidents.from_config(app.config, state, stop, run.audit, socketio.start_background_task)
-    # A flood of wrong tokens or codes (app.edge.auth.settle) is an alert, once a minute at most.
-    app.extensions["rankwatch_limits"].on_flood = lambda text: incidents.alerts.once(
-        f"auth-flood:{int(time.time() // 60)}", "auth_flood", text
-    )
     from app.cluster import Cluster
+    from app.runs.container import build
 
     # Several dashboards behind one Redis: its message queue and leader lock (app/cluster.py).
     cluster = Cluster.from_config(app.config, app.config["RUN_DIR"] or None)
-    rw = app.extensions["rankwatch"] = Rankwatch(
-        state=state,
-        watcher=Watcher(
-            socketio,
-            state,
-            app.config["TICK_S"],
-            stop=stop,
-            checkpoints=checkpoints,
-            incidents=incidents,
-            cluster=cluster,
-        ),
-        stop=stop,
-        checkpoints=checkpoints,
-        stacks=StackService(
-            app.config["RUN_DIR"] or None,
-            state,
-            start_task=socketio.start_background_task,
-            pyspy=functools.partial(find_pyspy, app.config["PYSPY_PATH"]),
-            log_dir=resolve_dir(app.config["RUN_DIR"] or None, app.config["LOG_DIR"]),
-        ),
-        incidents=incidents,
+    # One run (--run-dir): its container is the app's, at today's URLs. A root of
+    # runs (--runs): the registry holds one per run, and this one stands empty.
+    rw = app.extensions["rankwatch"] = build(
+        app.config, None if app.config["RUNS_ROOT"] else (app.config["RUN_DIR"] or None), cluster=cluster
+    )
+    incidents = rw.incidents
+    # A flood of wrong tokens or codes (app.edge.auth.settle) is an alert, once a minute at most.
+    app.extensions["rankwatch_limits"].on_flood = lambda text: incidents.alerts.once(
+        f"auth-flood:{int(time.time() // 60)}", "auth_flood", text
     )
     app.context_processor(lambda: {"nav_links": rw.nav})
 
@@ -125,6 +92,22 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     # In nav order: the ranks page first.
     for routes in (ranks_routes, stop_routes, checkpoints_routes, incidents_routes, edge_routes):
         app.register_blueprint(routes.bp)
+    # Every route above, once more per run (/runs/<id>/, /api/runs/<id>/...), and the runs table.
+    from app.runs import routes as runs_routes
+    from app.runs import scoping
+    from app.runs.registry import Registry, single_id
+    from app.runs.rows import Rows
+    from app.services import open_run
+
+    registry = Registry(
+        app.config,
+        lambda path, run_id: build(app.config, path, room=run_id),
+        single=None if app.config["RUNS_ROOT"] else (single_id(app.config["RUN_DIR"] or "."), rw),
+        start_task=socketio.start_background_task,
+        sleep=socketio.sleep,
+    )
+    scoping.install(app, registry)
+    runs_routes.register(app, Rows(registry, open_run, app.config))
 
     # Threading, not eventlet/gevent: the watcher does blocking file I/O, and
     # gunicorn's threaded worker with simple-websocket (app/edge/server.py) needs

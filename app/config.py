@@ -91,6 +91,27 @@ SETTINGS: list[Setting] = [
         "a relative path is taken from the run directory. Only new bytes are read each tick.",
     ),
     Setting(
+        "RUNS_ROOT",
+        "",
+        "A directory of runs (`rankwatch serve --runs ROOT`): every run below it, to RUNS_DEPTH levels, "
+        "is listed on the landing page `/` and has its own console at `/runs/<id>/`. A run is a directory "
+        "holding `rankwatch/`, msrun worker logs (LOG_DIR) or a `graceful_exit.json`; its id is its path "
+        "relative to ROOT. Symlinks are not followed. Give either this or RUN_DIR.",
+    ),
+    Setting(
+        "RUNS_DEPTH",
+        3,
+        "How many directory levels below RUNS_ROOT are searched for runs (1: only its children). A run's "
+        "own subdirectories are never searched.",
+    ),
+    Setting(
+        "RUN_IDLE_S",
+        300.0,
+        "A run is live while one of its heartbeats or worker logs was written within this many seconds; "
+        "live runs (and the ones being viewed) keep their engines loaded and are read every tick, idle "
+        "ones are read when their files change.",
+    ),
+    Setting(
         "PYSPY_PATH",
         "",
         "An absolute path to the `py-spy` the dashboard runs to capture a local rank its bridge "
@@ -509,7 +530,10 @@ SETTINGS_BY_NAME = {s.name: s for s in SETTINGS}
 # How ``rankwatch serve --help`` groups the settings, in this order; a setting
 # not listed here is shown under "Other settings".
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("Run directory and address", ("RUN_DIR", "LOG_DIR", "HOST", "PORT", "ALLOWED_HOSTS")),
+    (
+        "Run directory and address",
+        ("RUN_DIR", "LOG_DIR", "RUNS_ROOT", "RUNS_DEPTH", "RUN_IDLE_S", "HOST", "PORT", "ALLOWED_HOSTS"),
+    ),
     (
         "Health verdicts",
         (

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from flask import current_app
+from flask import current_app, g
 from flask_socketio import SocketIO
 
 if TYPE_CHECKING:
@@ -39,8 +39,14 @@ class Rankwatch:
     # Stack captures, alerts and the stop policy (app/incidents/).
     stacks: StackService | None = None
     incidents: Incidents | None = None
+    # The run its pushes are for (app/push.py's rooms): None for the one run of --run-dir.
+    room: str | None = None
 
 
 def rankwatch() -> Rankwatch:
-    """The current app's state, watcher and nav."""
+    """The engines of the run this request is about: the run in its URL (``g.run_id``, set by
+    ``app/runs/scoping.py``), else the app's one run (``--run-dir``)."""
+    run_id = g.get("run_id")
+    if run_id is not None:
+        return current_app.extensions["rankwatch_runs"].get(run_id)
     return current_app.extensions["rankwatch"]

@@ -21,6 +21,7 @@ a room spans every process, as Flask-SocketIO's message queue relays it;
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -47,20 +48,30 @@ PAGE_OF = {
 }
 
 
-def rooms(page: object) -> tuple[str, ...]:
+def room(page: str, run: str | None = None) -> str:
+    """A page's room; of one run's page when ``run`` (under ``--runs``), so pushes never mix runs.
+
+    JSON, because a run id may hold any character: two runs never share a room.
+    """
+    return page if run is None else json.dumps([run, page])
+
+
+def rooms(page: object, run: str | None = None) -> tuple[str, ...]:
     """The rooms a client joins: its page's, or every page's when it names none we know."""
-    return (page,) if page in PAGES else PAGES
+    return tuple(room(p, run) for p in ((page,) if page in PAGES else PAGES))
 
 
 def wants(page: object, event: str) -> bool:
     """Whether a client of ``page`` is sent ``event``."""
-    return PAGE_OF[event] in rooms(page)
+    return page not in PAGES or PAGE_OF[event] == page
 
 
-def emit(socketio, event: str, payload: Any, *, to: str | None = None, local: bool = False) -> None:
-    """Push ``event`` to its page's room, or to one client (``to``, a sid); ``local``: this process only."""
+def emit(
+    socketio, event: str, payload: Any, *, to: str | None = None, local: bool = False, run: str | None = None
+) -> None:
+    """Push ``event`` to its page's room (of ``run``), or to one client (``to``, a sid); ``local``: this process only."""
     kwargs = {"ignore_queue": True} if local else {}
-    socketio.emit(event, payload, to=to or PAGE_OF[event], **kwargs)
+    socketio.emit(event, payload, to=to or room(PAGE_OF[event], run), **kwargs)
 
 
 _NOTHING = object()

@@ -62,8 +62,11 @@ class Watcher:
         checkpoints: CheckpointService | None = None,
         incidents: Incidents | None = None,
         cluster: Cluster | None = None,
+        room: str | None = None,
     ):
         self.socketio = socketio
+        # The run whose pages hear this loop (app/push.py's rooms); None for --run-dir's.
+        self.room = room
         self.cluster = cluster
         # Whether the last tick led (always, without a cluster), and whether Redis answered.
         self.leading = cluster is None
@@ -92,7 +95,7 @@ class Watcher:
     def _emit(self, event: str, payload: dict, local: bool = False) -> None:
         # Without Redis only this process's pages can hear it; publishing would fail (and log) every tick.
         local = local or (self.cluster is not None and not self.cluster.reachable)
-        push.emit(self.socketio, event, payload, local=local)
+        push.emit(self.socketio, event, payload, local=local, run=self.room)
 
     def tick(self) -> tuple[str, dict] | None:
         """Scan once and push the result; returns what was pushed."""

@@ -111,7 +111,7 @@ def _push_now(service, world) -> None:
     """Every page shows a change an operator made now, rather than at the watcher's next scan."""
     pushed = service.poll(world)
     if pushed is not None:
-        push.emit(socketio, CHECKPOINTS_EVENT, pushed)
+        push.emit(socketio, CHECKPOINTS_EVENT, pushed, run=rankwatch().room)
 
 
 @bp.post("/api/checkpoints/verify")

@@ -27,6 +27,7 @@ COMMANDS = {
     "serve": "app.cli.serve:serve",
     "demo": "app.cli:demo_command",
     "status": "app.cli.status:status",
+    "runs": "app.cli.runs:runs",
     "stop": "app.cli.stop:stop",
     "checkpoints": "app.cli.checkpoints:checkpoints",
     "login": "app.cli.login:login",

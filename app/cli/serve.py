@@ -57,15 +57,25 @@ def settings_params(f):
     cls=GroupedCommand, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110}
 )
 @settings_params
-def serve(**settings) -> None:
-    """Serve the dashboard on a run directory: --run-dir RUN [--host H] [--port P].
+@click.option(
+    "--runs",
+    "runs",
+    metavar="ROOT",
+    default=None,
+    help="Serve every run under ROOT: a landing page of runs, a console per run (as --runs-root).",
+)
+def serve(runs: str | None = None, **settings) -> None:
+    """Serve the dashboard on a run directory (--run-dir RUN) or a root of runs (--runs ROOT).
 
     Every setting is an option below and an environment variable; the
     README's "Dashboard settings" explains each one.
     """
-    config = config_from(settings)
+    config = config_from(settings, runs)
     check_port(config["HOST"], config["PORT"])
-    if not Path(config["RUN_DIR"]).is_dir():
+    if config["RUNS_ROOT"]:
+        if not Path(config["RUNS_ROOT"]).is_dir():
+            raise click.BadParameter(f"{plain(config['RUNS_ROOT'])} is not a directory", param_hint="--runs")
+    elif not Path(config["RUN_DIR"]).is_dir():
         click.echo(
             f"Rankwatch: {plain(config['RUN_DIR'])} does not exist (yet): the dashboard waits for the "
             "job to create it; if that is a typo, Ctrl-C and check --run-dir",
@@ -77,11 +87,19 @@ def serve(**settings) -> None:
     run_server(config)
 
 
-def config_from(settings: dict) -> dict:
+def config_from(settings: dict, runs: str | None = None) -> dict:
     """The settings' values by name (``RUN_DIR``...), checked as a whole."""
     config = dict(settings)
-    if not config["RUN_DIR"]:
-        raise click.UsageError("--run-dir is required (or set RANKWATCH_RUN_DIR)")
+    config.pop("runs", None)
+    if runs:
+        config["RUNS_ROOT"] = runs
+    if config["RUN_DIR"] and config["RUNS_ROOT"]:
+        raise click.UsageError("give --run-dir RUN (one run) or --runs ROOT (every run under ROOT), not both")
+    if not config["RUN_DIR"] and not config["RUNS_ROOT"]:
+        raise click.UsageError(
+            "--run-dir is required (or --runs ROOT for every run under ROOT; "
+            "or set RANKWATCH_RUN_DIR / RANKWATCH_RUNS_ROOT)"
+        )
     if config["READ_TIMEOUT_S"] <= PING_INTERVAL_S:
         raise click.BadParameter(
             f"must exceed Engine.IO's ping interval of {PING_INTERVAL_S} s, "
@@ -95,7 +113,8 @@ def parse(argv: list[str], prog: str) -> dict:
     """The settings ``argv`` gives (``app.__main__.parse_args``); exits on a bad one, as the command does."""
     try:
         with serve.make_context(prog, list(argv)) as ctx:
-            return config_from(ctx.params)
+            params = dict(ctx.params)
+            return config_from(params, params.pop("runs", None))
     except click.ClickException as e:
         e.show(sys.stderr)
         raise SystemExit(e.exit_code) from None

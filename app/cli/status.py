@@ -19,15 +19,16 @@ import click
 from app.cli.common import (
     SEVERITY,
     console,
+    existing_run_dir,
     fmt_bytes,
     fmt_number,
     fmt_seconds,
     open_cli_run,
     plain,
-    run_dir_option,
     untrusted,
     verdict_text,
 )
+from app.cli.runs import existing_root, print_table, runs_table
 from app.ranks.health import VERDICTS
 
 if TYPE_CHECKING:
@@ -205,7 +206,20 @@ def view(source: Source, health: list[str], limit: int | None) -> Group:
 
 
 @click.command()
-@run_dir_option
+@click.option(
+    "--run-dir",
+    envvar="RANKWATCH_RUN_DIR",
+    type=click.Path(path_type=Path),
+    callback=existing_run_dir,
+    help="The job's run directory (the trainers' run_dir); env RANKWATCH_RUN_DIR.",
+)
+@click.option(
+    "--runs",
+    "runs_root",
+    type=click.Path(path_type=Path),
+    callback=existing_root,
+    help="Instead of one run: the table of every run under this root (as `rankwatch runs ROOT`).",
+)
 @click.option("--watch", is_flag=True, help="Redraw every --interval seconds until Ctrl-C.")
 @click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True)
 @click.option(
@@ -214,8 +228,13 @@ def view(source: Source, health: list[str], limit: int | None) -> Group:
     default="",
     help=f"Only these verdicts, comma-separated ({', '.join(VERDICTS)}).",
 )
-def status(run_dir: Path, watch: bool, interval: float, health: str) -> None:
-    """Every rank's verdict and figures, as the dashboard shows them."""
+def status(run_dir: Path | None, runs_root: Path | None, watch: bool, interval: float, health: str) -> None:
+    """Every rank's verdict and figures, as the dashboard shows them (--runs ROOT: every run's row)."""
+    if runs_root is not None:
+        print_table(runs_table(runs_root, per_page=500))
+        return
+    if run_dir is None:
+        raise click.UsageError("--run-dir is required (or --runs ROOT for the table of runs)")
     wanted = [h for h in health.split(",") if h]
     unknown = sorted(set(wanted) - set(VERDICTS))
     if unknown:

@@ -415,11 +415,11 @@ class Server(BaseApplication):
 
     def _post_worker_init(self, worker):
         # In the worker: a thread started in the parent would not survive the fork.
-        self.flask_app.extensions["rankwatch"].watcher.ensure_started()
+        self.flask_app.extensions["rankwatch_runs"].ensure_started()
 
     def _worker_exit(self, server, worker):
         # A clean stop hands the leader lock over at once (app/cluster.py), not after its TTL.
-        self.flask_app.extensions["rankwatch"].watcher.stop(timeout=2.0)
+        self.flask_app.extensions["rankwatch_runs"].stop(timeout=2.0)
 
 
 def announce(app: Flask, url: str) -> None:
@@ -428,7 +428,8 @@ def announce(app: Flask, url: str) -> None:
     The URL carries a single-use login code, never the token (``app/edge/login.py``):
     these lines end up in logs.
     """
-    print(f"Rankwatch: watching {app.config['RUN_DIR']} on {url}", file=sys.stderr)
+    watched = app.config["RUN_DIR"] or f"the runs under {app.config['RUNS_ROOT']}"
+    print(f"Rankwatch: watching {watched} on {url}", file=sys.stderr)
     print(login.announce(app, url, terminal=sys.stderr.isatty()), file=sys.stderr, flush=True)
 
 

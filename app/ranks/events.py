@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 
-from flask import current_app, request
+from flask import current_app, g, request
 from flask_socketio import join_room
 
 from app import push
@@ -26,6 +26,7 @@ from app.push import (
     STOP_EVENT,
     VERIFY_EVENT,
 )
+from app.runs.scoping import run_known
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +73,15 @@ def on_connect(auth=None):
         log.info("refused a re-sent connect from %s", request.sid)
         return
     page = auth.get("page") if isinstance(auth, dict) else None
-    for room in push.rooms(page):
-        join_room(room)
+    # A run's console names its run (app/runs/scoping.py); an unknown one is refused.
+    run = auth.get("run") if isinstance(auth, dict) else None
+    if run is not None:
+        if not isinstance(run, str) or not run_known(run):
+            return False
+        g.run_id = run
     rw = rankwatch()
+    for room in push.rooms(page, rw.room):
+        join_room(room)
     rw.watcher.ensure_started()
     now = time.time()
     rw.state.refresh(now, rw.watcher.tick_s)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from flask import Blueprint, Response, current_app, jsonify, request
+from flask import Blueprint, Response, jsonify, request
 
 from app.audit import AuditError
 from app.edge.auth import json_body, over_write_budget, require_operator
@@ -33,7 +33,7 @@ def _live():
 
 
 def _require_run_dir() -> None:
-    if not current_app.config["RUN_DIR"]:
+    if rankwatch().state.run_dir is None:
         raise ApiError(409, "the dashboard was started without a run directory (--run-dir)")
 
 

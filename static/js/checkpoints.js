@@ -1,6 +1,7 @@
 // The checkpoint browser's entry point: the answer line ("resume from here"),
 // the set table, the dialogs, and the Socket.IO stream that keeps them live.
 
+import { socketAuth } from "./base.js";
 import { $ } from "./dom.js";
 import { CKPT, el } from "./checkpoints_dom.js";
 import { SetTable, epochLabel, rankList } from "./checkpoints_table.js";
@@ -115,7 +116,7 @@ function renderAnswer() {
 }
 
 // io comes from the vendored socket.io client loaded before this module.
-const socket = io({ transports: ["websocket", "polling"], tryAllTransports: true, auth: { page: "checkpoints" } });
+const socket = io({ transports: ["websocket", "polling"], tryAllTransports: true, auth: socketAuth("checkpoints") });
 const connection = $(CKPT.connection);
 socket.on("connect", () => {
   connection.dataset.state = "live";

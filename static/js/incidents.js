@@ -4,6 +4,7 @@
 // pushes `incidents` when the policy or the deliveries changed; stacks are
 // fetched when asked for. No inline script or handler: everything is bound here.
 
+import { api } from "./base.js";
 import { SEL, $, setCodeText } from "./dom.js";
 import { formatClock, formatSeconds, plural, verdictLabel } from "./format.js";
 import { token, operatorFetch } from "./token.js";
@@ -109,7 +110,7 @@ class StackDialog {
 
   async load() {
     const rank = this.rank;
-    const res = await getJson(`/api/ranks/${rank}/stack`);
+    const res = await getJson(api(`/api/ranks/${rank}/stack`));
     if (rank !== this.rank) return null;
     if (!res.ok) {
       text($(SEL.stackMeta), "");
@@ -146,7 +147,7 @@ class StackDialog {
     this.renderButtons();
     const rank = this.rank;
     try {
-      const res = await operatorFetch(`/api/ranks/${rank}/stack`, { native: $(SEL.stackNative).checked });
+      const res = await operatorFetch(api(`/api/ranks/${rank}/stack`), { native: $(SEL.stackNative).checked });
       if (!res.ok) {
         this.message(res.status === 401 ? "The operator token was refused; enter it again." : res.body.error);
         return;
@@ -158,7 +159,7 @@ class StackDialog {
       const deadline = Date.now() + WAIT_MS;
       while (Date.now() < deadline && rank === this.rank && this.dialog.open) {
         await sleep(POLL_MS);
-        const got = await getJson(`/api/ranks/${rank}/stack`);
+        const got = await getJson(api(`/api/ranks/${rank}/stack`));
         if (got.ok && got.body.request_id === asked.request_id) {
           this.render(got.body);
           return;
@@ -206,7 +207,7 @@ class StackGroups {
   }
 
   async load(requestId) {
-    const res = await getJson(requestId ? `/api/stacks?request=${encodeURIComponent(requestId)}` : "/api/stacks");
+    const res = await getJson(api(requestId ? `/api/stacks?request=${encodeURIComponent(requestId)}` : "/api/stacks"));
     if (!res.ok) {
       this.error(res.body.error);
       return null;
@@ -253,7 +254,7 @@ class StackGroups {
     const button = $(SEL.stacksCaptureAll);
     button.disabled = true;
     try {
-      const res = await operatorFetch("/api/stacks", {});
+      const res = await operatorFetch(api("/api/stacks"), {});
       if (!res.ok) {
         this.error(res.status === 401 ? "The operator token was refused; enter it again." : res.body.error);
         return;
@@ -339,7 +340,7 @@ export class Incidents {
   }
 
   async loadOnce() {
-    const [policy, alerts] = await Promise.all([getJson("/api/policy"), getJson("/api/alerts?limit=20")]);
+    const [policy, alerts] = await Promise.all([getJson(api("/api/policy")), getJson(api("/api/alerts?limit=20"))]);
     if (policy.ok) this.policy.render(policy.body);
     if (alerts.ok) this.alerts.render(alerts.body, alerts.body.rows);
   }

@@ -2,6 +2,7 @@
 // audit trail. The server pushes `stop_status` (README, "Socket.IO events");
 // actions go through operatorFetch with the token.
 
+import { api } from "./base.js";
 import { SEL, $ } from "./dom.js";
 import { formatBytes, formatClock, formatFixed, formatNumber, formatSeconds, isNumber } from "./format.js";
 import { token, checkToken, operatorFetch } from "./token.js";
@@ -127,7 +128,7 @@ export class StopControls {
       e.preventDefault();
       this.confirmStop();
     });
-    $(SEL.stopCancel).addEventListener("click", () => this.act("/api/exit/cancel", "Cancel the stop request?"));
+    $(SEL.stopCancel).addEventListener("click", () => this.act(api("/api/exit/cancel"), "Cancel the stop request?"));
     $(SEL.stopRearm).addEventListener("click", () => this.rearm());
   }
 
@@ -186,7 +187,7 @@ export class StopControls {
     $(SEL.stopDialog).showModal();
     $(SEL.stopReason).focus();
     try {
-      const r = await fetch("/api/exit");
+      const r = await fetch(api("/api/exit"));
       const s = await r.json();
       const est = s.estimate || {};
       text($(SEL.estimateRanks), est.ranks ?? "–");
@@ -209,7 +210,7 @@ export class StopControls {
     const body = { reason: $(SEL.stopReason).value.trim() };
     const who = $(SEL.stopWho).value.trim();
     if (who) body.who = who;
-    const res = await operatorFetch("/api/exit", body);
+    const res = await operatorFetch(api("/api/exit"), body);
     if (res.ok) {
       $(SEL.stopDialog).close();
       this.loadAudit();
@@ -236,7 +237,7 @@ export class StopControls {
     const question = force
       ? "Not every rank has exited. Clear the stop flag anyway? Ranks that have not stopped will train on."
       : "Clear the stop flag, so that a relaunch trains instead of stopping?";
-    this.act("/api/exit/rearm", question, force ? { force: true } : {});
+    this.act(api("/api/exit/rearm"), question, force ? { force: true } : {});
   }
 
   // -- the lifecycle -------------------------------------------------------------
@@ -370,7 +371,7 @@ export class StopControls {
   async loadAudit() {
     let rows;
     try {
-      const r = await fetch("/api/audit?limit=20");
+      const r = await fetch(api("/api/audit?limit=20"));
       rows = list((await r.json()).rows).filter(object);
     } catch (err) {
       console.error("rankwatch: audit trail unavailable:", err);

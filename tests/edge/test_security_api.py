@@ -35,11 +35,15 @@ def app(run_dir):
 
 
 def json_routes(app) -> list[str]:
-    """Every route that takes a JSON body (path parameters filled in: rank 0)."""
+    """Every route that takes a JSON body (path parameters filled in: rank 0).
+
+    Not the per-run twins (app/runs/scoping.py): the same views, and twice the
+    routes would pass the operator's write rate here.
+    """
     return sorted(
         re.sub(r"<(?:int:)?\w+>", "0", rule.rule)
         for rule in app.url_map.iter_rules()
-        if "POST" in rule.methods
+        if "POST" in rule.methods and "run_id" not in rule.arguments
     )
 
 

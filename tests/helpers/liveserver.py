@@ -111,19 +111,26 @@ def start_dashboard(
     env: dict | None = None,
     timeout: float = 60.0,
     prefix: list[str] | None = None,
+    runs_root: bool = False,
 ) -> LiveServer:
     """Start ``python -m app`` on a free port and wait until it answers.
 
     ``prefix`` runs it through another command first (``tests/helpers/netns.py``
     gives the dashboard a node's host name that way).
 
-    Polls ``/api/summary``; fails at once, with the server's output, if the
+    ``runs_root``: ``run_dir`` is a root of runs (``--runs ROOT``).
+
+    Polls ``/api/summary`` (``/api/runs`` for a root); fails at once, with the server's output, if the
     process exits instead of coming up.
     """
     port = free_port()
     log_file = open(log_path, "wb")
     proc = subprocess.Popen(
-        [*(prefix or []), sys.executable, "-m", "app", "--run-dir", str(run_dir), "--port", str(port)],
+        [
+            *(prefix or []),
+            *(sys.executable, "-m", "app", "--runs" if runs_root else "--run-dir", str(run_dir)),
+            *("--port", str(port)),
+        ],
         cwd=REPO,
         # The log is a file, where the dashboard leaves its login link out by
         # default (LOGIN_LINK): tests that sign in read the link from it.
@@ -138,7 +145,9 @@ def start_dashboard(
         if proc.poll() is not None:
             raise RuntimeError(f"dashboard exited with {proc.returncode}:\n{server.log()}")
         try:
-            with urllib.request.urlopen(server.url + "/api/summary", timeout=2):
+            with urllib.request.urlopen(
+                server.url + ("/api/runs" if runs_root else "/api/summary"), timeout=2
+            ):
                 return server
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             if time.monotonic() > deadline:

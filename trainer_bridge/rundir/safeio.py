@@ -324,6 +324,16 @@ def open_dir(root: str | os.PathLike, rel: str, *, create: bool = False) -> int:
         return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
 
 
+def open_subdir(dir_fd: int, name: str) -> int:
+    """A descriptor of the directory ``name`` in the open directory ``dir_fd``, never through a symlink.
+
+    OSError with ``ELOOP``/``ENOTDIR`` for a symlink or a non-directory (a
+    walk of a tree: one step of ``parent_fd``'s, for a caller that keeps
+    the parent open across many children).
+    """
+    return os.open(name, _DIR_FLAGS | os.O_NONBLOCK, dir_fd=dir_fd)
+
+
 @contextmanager
 def pinned_dir(root: str | os.PathLike, rel: str, *, create: bool = False) -> Iterator[str]:
     """A path naming the directory ``rel`` under ``root`` as walked now (``/proc/self/fd/N``).

@@ -1,0 +1,227 @@
+"""One row per run: ``GET /api/runs``, the landing page and ``rankwatch runs``/``status --runs``.
+
+A row is read from the run's engines, the ones its console uses (the open
+container of a live or viewed run; for an idle run, ``open_run``'s, opened
+for the row and closed): the verdict counts and the global step are the
+summary strip's, the run status is ``RunState``'s, the stop is
+``StopService``'s, the newest complete set is the checkpoint index's.
+Nothing is judged again here; ``run_state`` only names the run's state
+from those answers. An idle run's row is kept while its directories do not
+change (discovery's signature), so a root of finished runs is read once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from app.errors import ApiError
+
+STATES = ("training", "stopping", "stopped", "finished", "failed", "stalled", "idle")
+# Verdicts that put a run first: a rank in trouble.
+TROUBLE = ("straggler", "stalled", "dead", "node_lost", "failed", "corrupt")
+SORTS = ("attention", "id", "state", "world_size", "global_step", "last_activity")
+PER_PAGE_DEFAULT = 50
+PER_PAGE_MAX = 500
+MAX_QUERY = 200
+
+
+def run_state(status: str, counts: Mapping[str, int], stop_state: str | None, live: bool) -> str:
+    """The run's state in one word, from ``RunState``'s run status, its verdict counts and the stop's state."""
+    if stop_state in ("requested", "stopping"):
+        return "stopping"
+    if counts.get("failed") or counts.get("dead") or counts.get("node_lost") or counts.get("corrupt"):
+        return "failed"
+    if status == "ended":
+        if counts.get("exited"):
+            return "stopped"
+        return "finished" if counts.get("finished") else "failed"
+    if counts.get("stalled"):
+        return "stalled"
+    if status in ("running", "starting") and live:
+        return "training"
+    return "idle"
+
+
+def row_from(run_id: str, entry, state, stop, checkpoints, now: float, tick_s: float) -> dict:
+    """The row of one run from its engines (``RunState``, ``StopService``, ``CheckpointService``)."""
+    state.refresh(now, tick_s)
+    head = state.summary(now)
+    summary = head["summary"]
+    counts = {k: v for k, v in summary.get("counts", {}).items() if v}
+    heartbeats, world = state.heartbeats()
+    stop_state = last_stop = None
+    if stop is not None and state.run_dir is not None:
+        status = stop.status(heartbeats, world, now, logs=state.log_stop_facts(), facts=state.job_facts())
+        stop_state = status.get("state")
+        request = status.get("request") or status.get("last_stop")
+        if isinstance(request, dict):
+            last_stop = {k: request.get(k) for k in ("request_id", "requested_by", "requested_at", "reason")}
+            last_stop["state"] = stop_state if status.get("request") else "completed by an earlier launch"
+    beats = [hb for hb in heartbeats.values() if hb]
+    times = [hb["time"] for hb in beats if isinstance(hb.get("time"), (int, float))]
+    newest = None
+    if checkpoints is not None:
+        cset = checkpoints.index(world).newest_complete
+        if cset is not None:
+            newest = {"id": cset.id, "global_step": cset.global_step, "mtime": cset.mtime}
+    live = bool(entry.live) if entry is not None else head["run"]["status"] == "running"
+    name = run_state(head["run"]["status"], counts, stop_state, live)
+    return {
+        "id": run_id,
+        "state": name,
+        "live": live,
+        "last_activity": entry.last_activity if entry is not None else summary.get("last_step_at"),
+        "world_size": head["world_size"],
+        "global_step": summary.get("global_step"),
+        "throughput": summary.get("throughput"),
+        "health_counts": counts,
+        "needs_attention": name in ("failed", "stalled") or any(counts.get(v) for v in TROUBLE),
+        "newest_complete_set": newest,
+        "stop_state": stop_state,
+        "last_stop": last_stop,
+        "hosts": len({hb.get("host") for hb in beats}),
+        # A time, not an age: an idle run's row is kept while its files do not change.
+        "oldest_heartbeat_at": min(times) if times else None,
+        # Attempts come from rankwatch/attempts.jsonl (issue 17, section 3): null until that lands.
+        "attempts": None,
+        "status_message": head["run"]["message"],
+    }
+
+
+class Rows:
+    """The rows of a registry's runs, the idle ones cached by their discovery signature."""
+
+    def __init__(self, registry, open_run: Callable, config: Mapping[str, Any]):
+        self.registry = registry
+        self._open_run = open_run
+        self.config = config
+        self._cache: dict[str, tuple[tuple, dict]] = {}
+        self._lock = threading.Lock()
+
+    def row(self, run_id: str, entry, now: float) -> dict:
+        tick_s = self.config["TICK_S"]
+        rw = self.registry.peek(run_id)
+        if rw is None and (entry is None or entry.live):
+            rw = self.registry.get(run_id, touch=False)
+        if rw is not None:
+            return row_from(run_id, entry, rw.state, rw.stop, rw.checkpoints, now, tick_s)
+        with self._lock:
+            cached = self._cache.get(run_id)
+        if cached is not None and cached[0] == entry.signature:
+            return cached[1]
+        # The engines for this row only (the audit trail opens a connection per call: nothing to close).
+        run = self._open_run(entry.path, {**self.config, "RUN_DIR": entry.path})
+        row = row_from(run_id, entry, run.state, run.stop, run.checkpoints, now, tick_s)
+        with self._lock:
+            self._cache[run_id] = (entry.signature, row)
+        return row
+
+    def warm(self, budget_s: float = 2.0) -> int:
+        """Read idle runs' rows not kept yet, for at most ``budget_s``; how many were read.
+
+        The registry's loop calls it after each scan, so the first visitor of a
+        root of thousands of finished runs does not wait for all of them.
+        """
+        deadline = time.monotonic() + budget_s
+        now, done = time.time(), 0
+        for run_id, entry in self.registry.entries().items():
+            if time.monotonic() > deadline:
+                break
+            if entry is None or entry.live:
+                continue
+            with self._lock:
+                cached = self._cache.get(run_id)
+            if cached is None or cached[0] != entry.signature:
+                self.row(run_id, entry, now)
+                done += 1
+        return done
+
+    def table(
+        self,
+        *,
+        page: int = 1,
+        per_page: int = PER_PAGE_DEFAULT,
+        state: str | None = None,
+        q: str | None = None,
+        sort: str = "attention",
+        now: float | None = None,
+    ) -> dict:
+        """One page of the rows, filtered and sorted (``GET /api/runs``'s body)."""
+        now = time.time() if now is None else now
+        entries = self.registry.entries()
+        with self._lock:
+            for gone in set(self._cache) - set(entries):
+                del self._cache[gone]
+        wanted = [i for i in entries if not q or q.casefold() in i.casefold()]
+        rows = [self.row(i, entries[i], now) for i in wanted]
+        counts = {s: 0 for s in STATES}
+        for r in rows:
+            counts[r["state"]] += 1
+        attention = sum(1 for r in rows if r["needs_attention"])
+        if state == "attention":
+            rows = [r for r in rows if r["needs_attention"]]
+        elif state:
+            rows = [r for r in rows if r["state"] == state]
+        desc = sort.startswith("-")
+        key = sort.lstrip("-")
+        if key == "attention":
+            rows.sort(key=lambda r: (not r["needs_attention"], not r["live"], r["id"]))
+        elif key == "state":
+            rows.sort(key=lambda r: (STATES.index(r["state"]), r["id"]), reverse=desc)
+        elif key == "id":
+            rows.sort(key=lambda r: r["id"], reverse=desc)
+        else:
+            # None last whichever the direction.
+            have = sorted(
+                (r for r in rows if r[key] is not None), key=lambda r: (r[key], r["id"]), reverse=desc
+            )
+            rows = have + sorted((r for r in rows if r[key] is None), key=lambda r: r["id"])
+        start = (page - 1) * per_page
+        discovery = self.registry.discovery
+        return {
+            "runs": rows[start : start + per_page],
+            "total": len(rows),
+            "page": page,
+            "per_page": per_page,
+            "pages": max(1, -(-len(rows) // per_page)),
+            "sort": sort,
+            "state": state or None,
+            "q": q or None,
+            "counts": counts,
+            "needs_attention": attention,
+            "discovery": discovery.status() if discovery is not None else None,
+        }
+
+
+def parse_args(args: Mapping[str, str]) -> dict:
+    """``page``, ``per_page``, ``state``, ``q`` and ``sort`` from a query string; ApiError 400 if bad."""
+
+    def positive(name: str, default: int, top: int) -> int:
+        raw = args.get(name)
+        if raw is None:
+            return default
+        if not (raw.isascii() and raw.isdigit()) or len(raw) > 9 or int(raw) <= 0:
+            raise ApiError(400, f"query parameter {name!r} must be a positive integer, not {raw[:40]!r}")
+        return min(int(raw), top)
+
+    state = args.get("state") or None
+    if state is not None and state not in (*STATES, "attention"):
+        raise ApiError(400, f"state must be one of {', '.join((*STATES, 'attention'))}, not {state[:40]!r}")
+    sort = args.get("sort") or "attention"
+    if sort.lstrip("-") not in SORTS or sort.count("-") > 1:
+        raise ApiError(
+            400, f"sort must be one of {', '.join(SORTS)} (a leading - for descending), not {sort[:40]!r}"
+        )
+    q = args.get("q") or None
+    if q is not None and len(q) > MAX_QUERY:
+        raise ApiError(400, f"q is longer than {MAX_QUERY} characters")
+    return {
+        "page": positive("page", 1, 10**6),
+        "per_page": positive("per_page", PER_PAGE_DEFAULT, PER_PAGE_MAX),
+        "state": state,
+        "q": q,
+        "sort": sort,
+    }

@@ -1,0 +1,98 @@
+// The runs table (landing page under --runs): one server page of GET /api/runs
+// at a time, refreshed every few seconds; only the rows on screen are fetched.
+
+import { GLYPH, formatClock, formatSeconds } from "./format.js";
+import { token } from "./token.js";
+
+// The printed link (#login=<code>) lands here under --runs: the token it
+// trades for stays in this tab's sessionStorage for every run's console.
+token.adoptFromUrl();
+
+const config = JSON.parse(document.getElementById("runs-config").textContent);
+const REFRESH_MS = 5000;
+const body = document.querySelector("#runs-table tbody");
+const stateSelect = document.getElementById("runs-state");
+const search = document.getElementById("runs-q");
+const pageLabel = document.getElementById("runs-page");
+const summary = document.getElementById("runs-summary");
+const empty = document.getElementById("runs-empty");
+const view = { page: 1, sort: "attention", state: "", q: "" };
+let pages = 1;
+let timer = null;
+
+function cell(col, content) {
+  const td = document.createElement("td");
+  td.dataset.col = col;
+  if (content instanceof Node) td.append(content);
+  else td.textContent = content;
+  return td;
+}
+
+function verdicts(counts) {
+  const span = document.createElement("span");
+  for (const [name, n] of Object.entries(counts)) {
+    const b = document.createElement("span");
+    b.className = `badge run-badge verdict-${name}`;
+    b.textContent = `${GLYPH[name] || ""} ${n} ${name}`.trim();
+    span.append(b);
+  }
+  return span;
+}
+
+function row(r, now) {
+  const tr = document.createElement("tr");
+  tr.dataset.run = r.id;
+  tr.dataset.state = r.state;
+  if (r.needs_attention) tr.dataset.attention = "";
+  const a = document.createElement("a");
+  a.href = r.url;
+  a.textContent = r.id;
+  tr.append(
+    cell("id", a),
+    cell("state", r.needs_attention ? `⚠ ${r.state}` : r.state),
+    cell("world", r.hosts > 1 ? `${r.world_size} on ${r.hosts} hosts` : String(r.world_size ?? "–")),
+    cell("step", r.global_step == null ? "–" : r.global_step.toLocaleString()),
+    cell("health", verdicts(r.health_counts || {})),
+    cell("ckpt", r.newest_complete_set ? `step ${r.newest_complete_set.global_step ?? "?"}` : "–"),
+    cell("stop", r.last_stop ? `${r.last_stop.state}, by ${r.last_stop.requested_by || "?"} at ${formatClock(r.last_stop.requested_at)}` : "–"),
+    cell("activity", r.last_activity == null ? "–" : `${formatSeconds(Math.max(0, now - r.last_activity))} ago`),
+  );
+  return tr;
+}
+
+async function load() {
+  const params = new URLSearchParams({ page: view.page, per_page: config.per_page, sort: view.sort });
+  if (view.state) params.set("state", view.state);
+  if (view.q) params.set("q", view.q);
+  try {
+    const r = await fetch(`${config.api}?${params}`, { headers: { Accept: "application/json" } });
+    const data = await r.json();
+    if (!r.ok) throw new Error(data.error || `HTTP ${r.status}`);
+    const now = Date.now() / 1000;
+    body.replaceChildren(...data.runs.map((x) => row(x, now)));
+    pages = data.pages;
+    empty.hidden = data.runs.length > 0;
+    pageLabel.textContent = `page ${data.page} of ${data.pages}`;
+    summary.textContent = `${data.total} run${data.total === 1 ? "" : "s"}, ${data.needs_attention} need${data.needs_attention === 1 ? "s" : ""} attention`;
+  } catch (err) {
+    summary.textContent = `runs unavailable: ${err.message}`;
+  }
+  clearTimeout(timer);
+  timer = setTimeout(load, REFRESH_MS);
+}
+
+stateSelect.addEventListener("change", () => { view.state = stateSelect.value; view.page = 1; load(); });
+search.addEventListener("input", () => { view.q = search.value.trim(); view.page = 1; load(); });
+document.getElementById("runs-tools").addEventListener("submit", (e) => e.preventDefault());
+document.getElementById("runs-prev").addEventListener("click", () => { if (view.page > 1) { view.page -= 1; load(); } });
+document.getElementById("runs-next").addEventListener("click", () => { if (view.page < pages) { view.page += 1; load(); } });
+for (const button of document.querySelectorAll("#runs-table th button")) {
+  button.addEventListener("click", () => {
+    const key = button.dataset.sort;
+    view.sort = view.sort === key ? `-${key}` : key;
+    for (const th of document.querySelectorAll("#runs-table th")) th.setAttribute("aria-sort", "none");
+    button.parentElement.setAttribute("aria-sort", view.sort.startsWith("-") ? "descending" : "ascending");
+    load();
+  });
+}
+load();
