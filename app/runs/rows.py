@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from app import attempts
 from app.errors import ApiError
 
 STATES = ("training", "stopping", "stopped", "finished", "failed", "stalled", "idle")
@@ -85,8 +86,8 @@ def row_from(run_id: str, entry, state, stop, checkpoints, now: float, tick_s: f
         "hosts": len({hb.get("host") for hb in beats}),
         # A time, not an age: an idle run's row is kept while its files do not change.
         "oldest_heartbeat_at": min(times) if times else None,
-        # Attempts come from rankwatch/attempts.jsonl (issue 17, section 3): null until that lands.
-        "attempts": None,
+        # Launches of the job in this run directory (rankwatch/attempts.jsonl; 0 before the first).
+        "attempts": len(attempts.answer(state.run_dir, heartbeats, state.job_ended())["attempts"]),
         "status_message": head["run"]["message"],
     }
 
