@@ -41,6 +41,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from app.errors import Unavailable
 from trainer_bridge.rundir import safeio
 
 SCHEMA = """
@@ -80,8 +81,8 @@ def csv_cell(value):
     return value
 
 
-class AuditError(Exception):
-    """The trail cannot be read or written (a corrupt, locked or unwritable database)."""
+class AuditError(Unavailable):
+    """The trail cannot be read or written (a corrupt, locked or unwritable database): a 503."""
 
 
 class _Pinned(sqlite3.Connection):

@@ -13,7 +13,7 @@ from flask import Blueprint, current_app, jsonify, render_template, request, sen
 
 from app import push
 from app.edge.auth import json_body, require_operator
-from app.errors import ApiError
+from app.errors import BadRequest, NotFound
 from app.extensions import rankwatch, socketio
 from app.push import CHECKPOINTS_EVENT, VERIFY_EVENT
 from trainer_bridge.rundir import runfiles
@@ -36,7 +36,7 @@ def _world() -> int:
 def _arg(name: str) -> str:
     value = request.args.get(name, "")
     if not value:
-        raise ApiError(400, f"query parameter {name!r} is required")
+        raise BadRequest(f"query parameter {name!r} is required")
     return value
 
 
@@ -136,7 +136,7 @@ def api_verify_status():
     status = service.verifier.status(set_id)
     if status is None:
         service.find(set_id, _world())  # an unknown set is a 404 that says so
-        raise ApiError(404, "no deep verify of this set has run since the dashboard started")
+        raise NotFound("no deep verify of this set has run since the dashboard started")
     return jsonify(status)
 
 

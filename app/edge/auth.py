@@ -29,8 +29,8 @@ from urllib.parse import urlsplit
 from flask import current_app, request
 from flask.json.provider import DefaultJSONProvider
 
-from app.edge.ratelimit import Backoff, Bucket, retry_after
-from app.errors import ApiError
+from app.edge.ratelimit import Backoff, Bucket
+from app.errors import BadRequest, Forbidden, NotJson, Throttled, WrongToken
 
 log = logging.getLogger(__name__)
 
@@ -108,10 +108,8 @@ def settle(ok: bool, what: str) -> None:
         return
     wait = limits.backoff.wait_s(key)
     if wait > 0:
-        raise ApiError(
-            429,
-            f"too many wrong {what} (from {key} or in all): try again in {max(1, round(wait))} s",
-            headers=retry_after(wait),
+        raise Throttled(
+            f"too many wrong {what} (from {key} or in all): try again in {max(1, round(wait))} s", wait
         )
     if limits.backoff.failed(key):
         text = (
@@ -136,10 +134,8 @@ def count_write() -> None:
     key = request.remote_addr or "?"
     wait = over_write_budget()
     if wait > 0:
-        raise ApiError(
-            429,
-            f"too many changes from {key} in a short time: try again in {max(1, round(wait))} s",
-            headers=retry_after(wait),
+        raise Throttled(
+            f"too many changes from {key} in a short time: try again in {max(1, round(wait))} s", wait
         )
 
 
@@ -151,19 +147,18 @@ def require_operator(count: bool = True) -> None:
     """
     site = request.headers.get("Sec-Fetch-Site")
     if site not in (None, "same-origin", "none"):
-        raise ApiError(403, f"cross-site request refused (Sec-Fetch-Site: {site})")
+        raise Forbidden(f"cross-site request refused (Sec-Fetch-Site: {site})")
     origin = request.headers.get("Origin")
     if origin and urlsplit(origin).netloc != request.host:
-        raise ApiError(403, f"cross-origin request refused (Origin: {origin})")
+        raise Forbidden(f"cross-origin request refused (Origin: {origin})")
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
-        raise ApiError(
-            401,
+        raise WrongToken(
             "operator token required: send 'Authorization: Bearer <token>' "
             "(RANKWATCH_TOKEN, or open the login link the dashboard printed; rankwatch login prints a new one)",
         )
     if not check_token(token.strip()):
-        raise ApiError(401, "wrong operator token")
+        raise WrongToken("wrong operator token")
     if count:
         count_write()
 
@@ -189,32 +184,32 @@ def json_body(fields: dict[str, tuple[type, bool]]) -> dict[str, Any]:
     errors that name the problem; nothing is changed before this passes.
     """
     if not request.is_json:
-        raise ApiError(415, "send a JSON body with 'Content-Type: application/json'")
+        raise NotJson("send a JSON body with 'Content-Type: application/json'")
     data = request.get_data()
     try:
         body = current_app.json.loads(data) if data else None
     except ValueError as e:  # UnicodeDecodeError is one too
-        raise ApiError(400, f"the body is not valid JSON: {str(e)[:200]}") from None
+        raise BadRequest(f"the body is not valid JSON: {str(e)[:200]}") from None
     body = {} if body is None else body
     if not isinstance(body, dict):
-        raise ApiError(400, f"the body must be a JSON object, not {type(body).__name__}")
+        raise BadRequest(f"the body must be a JSON object, not {type(body).__name__}")
     unknown = sorted(set(body) - set(fields))
     if unknown:
-        raise ApiError(400, f"unknown field(s): {', '.join(unknown)}; expected {', '.join(fields) or 'none'}")
+        raise BadRequest(f"unknown field(s): {', '.join(unknown)}; expected {', '.join(fields) or 'none'}")
     out = {}
     for name, (kind, required) in fields.items():
         if name not in body or body[name] is None:
             if required:
-                raise ApiError(400, f"field {name!r} is required")
+                raise BadRequest(f"field {name!r} is required")
             continue
         value = body[name]
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise ApiError(400, f"field {name!r} must be {kind.__name__}, not {type(value).__name__}")
+            raise BadRequest(f"field {name!r} must be {kind.__name__}, not {type(value).__name__}")
         if isinstance(value, str):
             value = value.strip()
             if len(value) > MAX_TEXT:
-                raise ApiError(400, f"field {name!r} is longer than {MAX_TEXT} characters")
+                raise BadRequest(f"field {name!r} is longer than {MAX_TEXT} characters")
             if required and not value:
-                raise ApiError(400, f"field {name!r} must not be empty")
+                raise BadRequest(f"field {name!r} must not be empty")
         out[name] = value
     return out

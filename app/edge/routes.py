@@ -10,7 +10,7 @@ from flask import Blueprint, current_app, jsonify, request
 
 from app.edge.auth import check_token, json_body, require_operator, settle
 from app.edge.login import login_url
-from app.errors import ApiError
+from app.errors import WrongToken
 
 bp = Blueprint("edge", __name__)
 
@@ -20,7 +20,7 @@ def api_session():
     """Check a token typed into the page; the page keeps it in sessionStorage."""
     body = json_body({"token": (str, True)})
     if not check_token(body["token"]):
-        raise ApiError(401, "wrong operator token")
+        raise WrongToken("wrong operator token")
     return jsonify({"ok": True})
 
 
@@ -32,8 +32,7 @@ def api_login():
     ok = current_app.extensions["rankwatch_login"].redeem(body["code"])
     settle(ok, "login codes")
     if not ok:
-        raise ApiError(
-            401,
+        raise WrongToken(
             "this login link is used up or expired: open a new one "
             "(rankwatch login prints it), or enter the token",
         )

@@ -11,7 +11,7 @@ import time
 from flask import Blueprint, jsonify, request
 
 from app.edge.auth import json_body, require_operator
-from app.errors import ApiError
+from app.errors import BadRequest
 from app.extensions import rankwatch
 
 bp = Blueprint("incidents", __name__)
@@ -51,7 +51,7 @@ def api_stacks():
     """
     request_id = request.args.get("request")
     if request_id is not None and not 0 < len(request_id) <= 128:
-        raise ApiError(400, "query parameter 'request' must be a request id (1 to 128 characters)")
+        raise BadRequest("query parameter 'request' must be a request id (1 to 128 characters)")
     return jsonify(rankwatch().stacks.grouped(_fresh_now(), request_id))
 
 
@@ -74,7 +74,7 @@ def api_alerts():
     """The webhook targets and delivery attempts, newest first; ``?limit=N`` (1 to 10000, default 100)."""
     raw = request.args.get("limit", "100")
     if not (raw.isascii() and raw.isdigit()) or len(raw) > 5 or not 0 < int(raw) <= 10000:
-        raise ApiError(400, f"query parameter 'limit' must be an integer from 1 to 10000, not {raw!r}")
+        raise BadRequest(f"query parameter 'limit' must be an integer from 1 to 10000, not {raw!r}")
     incidents = rankwatch().incidents
     status = incidents.alerts_status()
     del status["recent"]

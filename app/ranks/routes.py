@@ -15,7 +15,7 @@ from importlib import metadata, resources
 
 from flask import Blueprint, Response, current_app, jsonify, render_template, request, send_file, url_for
 
-from app.errors import ApiError
+from app.errors import BadRequest, NotFound, RankNotFound
 from app.extensions import rankwatch
 from app.large import large_answer
 from app.prometheus import exposition
@@ -72,7 +72,7 @@ def positive_int_arg(name: str) -> int | None:
     # isascii: str.isdigit() also accepts "²", which int() refuses; and int()
     # refuses more than 4300 digits. Either was a 500.
     if not (raw.isascii() and raw.isdigit()) or len(raw) > 18 or int(raw) <= 0:
-        raise ApiError(400, f"query parameter {name!r} must be a positive integer, not {raw!r}")
+        raise BadRequest(f"query parameter {name!r} must be a positive integer, not {raw!r}")
     return int(raw)
 
 
@@ -106,16 +106,16 @@ def api_ranks():
     wanted = [h for h in request.args.get("health", "").split(",") if h]
     unknown = sorted(set(wanted) - set(VERDICTS))
     if unknown:
-        raise ApiError(400, f"unknown verdict {', '.join(unknown)}; expected some of {', '.join(VERDICTS)}")
+        raise BadRequest(f"unknown verdict {', '.join(unknown)}; expected some of {', '.join(VERDICTS)}")
     page = positive_int_arg("page") or 1
     per_page = positive_int_arg("per_page") or PER_PAGE_DEFAULT
     if per_page > PER_PAGE_MAX:
-        raise ApiError(400, f"query parameter 'per_page' may be at most {PER_PAGE_MAX}, not {per_page}")
+        raise BadRequest(f"query parameter 'per_page' may be at most {PER_PAGE_MAX}, not {per_page}")
     now = time.time()
     body, total = fresh_state(now).page(now, wanted, (page - 1) * per_page, per_page)
     pages = max(1, math.ceil(total / per_page))
     if page > pages:
-        raise ApiError(404, f"page {page} is past the last page, {pages} ({total} rows, {per_page} a page)")
+        raise NotFound(f"page {page} is past the last page, {pages} ({total} rows, {per_page} a page)")
     return jsonify(body | {"page": page, "per_page": per_page, "total": total, "pages": pages})
 
 
@@ -125,7 +125,7 @@ def api_rank(rank: int):
     now = time.time()
     found = fresh_state(now).rank(rank, now)
     if found is None:
-        raise ApiError(404, f"rank {rank} is not part of this job")
+        raise RankNotFound(rank)
     return jsonify(found)
 
 
@@ -172,7 +172,7 @@ def prometheus_metrics():
     """
     raw = request.args.get("per_rank")
     if raw not in (None, "0", "1"):
-        raise ApiError(400, f"query parameter 'per_rank' must be 0 or 1, not {raw!r}")
+        raise BadRequest(f"query parameter 'per_rank' must be 0 or 1, not {raw!r}")
     rw = rankwatch()
     world = fresh_state(time.time()).world_size()
     per_rank = world <= current_app.config["METRICS_PER_RANK_MAX"] if raw is None else raw == "1"

@@ -10,9 +10,8 @@ import time
 
 from flask import Blueprint, Response, current_app, jsonify, request
 
-from app.audit import AuditError
 from app.edge.auth import json_body, over_write_budget, require_operator
-from app.errors import ApiError
+from app.errors import BadRequest, NoRunDir
 from app.extensions import rankwatch
 
 bp = Blueprint("stop", __name__)
@@ -34,14 +33,7 @@ def _live():
 
 def _require_run_dir() -> None:
     if not current_app.config["RUN_DIR"]:
-        raise ApiError(409, "the dashboard was started without a run directory (--run-dir)")
-
-
-def _audit_rows(**kwargs) -> list[dict]:
-    try:
-        return rankwatch().stop.audit.rows(**kwargs)
-    except AuditError as e:
-        raise ApiError(503, str(e)) from None
+        raise NoRunDir()
 
 
 def _who(body: dict) -> str:
@@ -116,19 +108,18 @@ def api_audit():
     raw = request.args.get("limit", "200")
     # isascii: str.isdigit() also accepts "²", which int() refuses (a 500).
     if not (raw.isascii() and raw.isdigit()) or len(raw) > 5 or not 0 < int(raw) <= 10000:
-        raise ApiError(400, f"query parameter 'limit' must be an integer from 1 to 10000, not {raw!r}")
-    return jsonify({"rows": _audit_rows(limit=int(raw))})
+        raise BadRequest(f"query parameter 'limit' must be an integer from 1 to 10000, not {raw!r}")
+    return jsonify({"rows": rankwatch().stop.audit.rows(limit=int(raw))})
 
 
 @bp.get("/api/audit.csv")
 def api_audit_csv():
-    """The whole trail, streamed a few hundred rows at a time (never built in memory)."""
-    try:
-        chunks = rankwatch().stop.audit.iter_csv()
-    except AuditError as e:
-        raise ApiError(503, str(e)) from None
+    """The whole trail, streamed a few hundred rows at a time (never built in memory).
+
+    A trail that cannot be opened is a 503 (``AuditError`` is ``Unavailable``).
+    """
     return Response(
-        chunks,
+        rankwatch().stop.audit.iter_csv(),
         mimetype="text/csv",
         headers={"Content-Disposition": "attachment; filename=rankwatch-audit.csv"},
     )
