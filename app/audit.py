@@ -67,6 +67,8 @@ OBSERVED = "observed"
 BASES = (AUTHENTICATED, OBSERVED)
 # The watcher's name in the ``who`` column (rows it writes are observed).
 SYSTEM = "rankwatch"
+# Longest accepted free text (reason, operator name): an audit row, not an essay.
+MAX_TEXT = 500
 _SELECT = "SELECT " + ", ".join(COLUMNS) + " FROM audit"
 # A spreadsheet evaluates a cell that starts with one of these (OWASP, "CSV Injection").
 FORMULA_START = ("=", "+", "-", "@", "\t", "\r")

@@ -10,8 +10,8 @@ token in the tab's ``sessionStorage`` and sends that header itself, so no
 cookie ever authorises a request: a cross-site form or script cannot ride on
 the operator's session (CSRF). As a second guard, a request whose ``Origin``
 or ``Sec-Fetch-Site`` says it came from another site is refused, and bodies
-must be ``application/json``, which a cross-site form cannot send without a
-CORS preflight that this app never grants.
+must be ``application/json`` (``app.edge.params``), which a cross-site form
+cannot send without a CORS preflight that this app never grants.
 """
 
 from __future__ import annotations
@@ -23,19 +23,14 @@ import secrets
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 from urllib.parse import urlsplit
 
 from flask import current_app, request
-from flask.json.provider import DefaultJSONProvider
 
 from app.edge.ratelimit import Backoff, Bucket
-from app.errors import BadRequest, Forbidden, NotJson, Throttled, WrongToken
+from app.errors import Forbidden, Throttled, WrongToken
 
 log = logging.getLogger(__name__)
-
-# Longest accepted free text (reason, operator name): an audit row, not an essay.
-MAX_TEXT = 500
 
 
 @dataclass
@@ -161,55 +156,3 @@ def require_operator(count: bool = True) -> None:
         raise WrongToken("wrong operator token")
     if count:
         count_write()
-
-
-class BoundedJSONProvider(DefaultJSONProvider):
-    """Flask's JSON, except that absurd nesting is invalid JSON (a 400), not a RecursionError (a 500).
-
-    ``[`` x 1000 in a body overflowed the decoder's recursion limit, which
-    Flask does not treat as a decoding error.
-    """
-
-    def loads(self, s, **kwargs):
-        try:
-            return super().loads(s, **kwargs)
-        except RecursionError:
-            raise ValueError("nested too deeply") from None
-
-
-def json_body(fields: dict[str, tuple[type, bool]]) -> dict[str, Any]:
-    """The request's JSON object, checked against ``{name: (type, required)}``.
-
-    Unknown fields, wrong types, over-long text and non-JSON bodies are 4xx
-    errors that name the problem; nothing is changed before this passes.
-    """
-    if not request.is_json:
-        raise NotJson("send a JSON body with 'Content-Type: application/json'")
-    data = request.get_data()
-    try:
-        body = current_app.json.loads(data) if data else None
-    except ValueError as e:  # UnicodeDecodeError is one too
-        raise BadRequest(f"the body is not valid JSON: {str(e)[:200]}") from None
-    body = {} if body is None else body
-    if not isinstance(body, dict):
-        raise BadRequest(f"the body must be a JSON object, not {type(body).__name__}")
-    unknown = sorted(set(body) - set(fields))
-    if unknown:
-        raise BadRequest(f"unknown field(s): {', '.join(unknown)}; expected {', '.join(fields) or 'none'}")
-    out = {}
-    for name, (kind, required) in fields.items():
-        if name not in body or body[name] is None:
-            if required:
-                raise BadRequest(f"field {name!r} is required")
-            continue
-        value = body[name]
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise BadRequest(f"field {name!r} must be {kind.__name__}, not {type(value).__name__}")
-        if isinstance(value, str):
-            value = value.strip()
-            if len(value) > MAX_TEXT:
-                raise BadRequest(f"field {name!r} is longer than {MAX_TEXT} characters")
-            if required and not value:
-                raise BadRequest(f"field {name!r} must not be empty")
-        out[name] = value
-    return out

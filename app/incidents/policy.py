@@ -54,7 +54,7 @@ RULES = {
 }
 # Verdicts of ranks that cannot take part in a graceful stop.
 CANNOT_ANSWER = ("stalled", "dead", "node_lost", "pending", "corrupt")
-MAX_REASON = 500  # the stop API's limit on a reason (app.edge.auth.MAX_TEXT)
+MAX_REASON = 500  # the stop API's limit on a reason (app.audit.MAX_TEXT)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from app.errors import BadRequest, CannotWrite, CaptureRefused, NoRunDir, NotFound, RankNotFound
+from app.errors import CannotWrite, CaptureRefused, NoRunDir, NotFound, RankNotFound
 from app.incidents.alerts import ranks_text
 from app.incidents.proof import prove_rank
 from app.ranks.health import TERMINAL_STATES
@@ -232,9 +232,7 @@ class StackService:
         return None
 
     def get(self, rank: int, now: float, trigger: str | None = None) -> dict:
-        """``GET /api/ranks/<rank>/stack``: the newest capture, with its age and any pending request."""
-        if trigger is not None and trigger not in stackfiles.TRIGGERS:
-            raise BadRequest(f"query parameter 'trigger' must be one of {', '.join(stackfiles.TRIGGERS)}")
+        """``GET /api/ranks/<rank>/stack``: the newest capture (of ``trigger``, one of ``stackfiles.TRIGGERS``), with its age and any pending request."""
         capture = self.newest(rank, trigger)
         if capture is None:
             pending = self._pending_for(rank, None)

@@ -31,8 +31,7 @@ from collections.abc import Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from app.audit import OBSERVED, SYSTEM, AuditError, AuditLog
-from app.edge.auth import MAX_TEXT
+from app.audit import MAX_TEXT, OBSERVED, SYSTEM, AuditError, AuditLog
 from app.errors import CannotWrite, StopRefused
 from app.stop.jobend import JobFacts, log_stage
 from trainer_bridge.rundir import runfiles, safeio
