@@ -12,12 +12,11 @@ bug: it is logged with its traceback and answered as a 500 in that shape.
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 from flask import Flask, current_app, jsonify, render_template, request
 from werkzeug.exceptions import HTTPException
-
-from app.edge.ratelimit import retry_after
 
 
 class RankwatchError(Exception):
@@ -158,7 +157,9 @@ def error_response(status: int, message: str, headers: dict[str, str] | None = N
 
 def handle_exception(exc: Exception):
     if isinstance(exc, RankwatchError):
-        headers = retry_after(exc.retry_after_s) if exc.retry_after_s is not None else None
+        # Whole seconds, at least 1: a client that retries at once would be refused again.
+        wait = exc.retry_after_s
+        headers = None if wait is None else {"Retry-After": str(max(1, math.ceil(wait)))}
         return error_response(exc.status, exc.message, headers)
     if isinstance(exc, HTTPException):
         return error_response(exc.code or 500, exc.description or exc.name)
