@@ -264,10 +264,10 @@ class StacksAnswered(Query):
     ] = None
 
 
-def _echo(raw: Any) -> str:
-    """A refused value as the answer quotes it: short enough to read."""
-    text = repr(raw if len(str(raw)) <= 60 else f"{str(raw)[:57]}...")
-    return text
+def _echo(raw: str | None) -> str:
+    """A refused value as the answer quotes it, cut to be readable (a query may be kilobytes)."""
+    raw = raw or ""
+    return repr(raw if len(raw) <= 60 else raw[:57] + "...")
 
 
 def _query_problem(model: type[Query], e: ValidationError, args: dict[str, str]) -> str:
