@@ -15,7 +15,7 @@ import pytest
 
 from app import create_app
 from app.extensions import socketio
-from tests.liveserver import launch_chromium, start_dashboard
+from tests.helpers.liveserver import launch_chromium, start_dashboard
 
 # Small thresholds so that a test sees a rank turn stalled, then dead, in seconds.
 FAST_SETTINGS = {
@@ -127,10 +127,10 @@ def console_errors(page):
 
 @pytest.fixture
 def redis_server(tmp_path):
-    """A real redis-server on a loopback port (tests/redisserver.py); skips if Debian's is not installed."""
+    """A real redis-server on a loopback port (tests/helpers/redisserver.py); skips if Debian's is not installed."""
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed")
-    from tests.redisserver import RedisServer
+    from tests.helpers.redisserver import RedisServer
 
     server = RedisServer(tmp_path).start()
     yield server

@@ -11,7 +11,7 @@ from app.config import SETTINGS
 from app.ranks.events import EVENTS
 from app.ranks.health import VERDICTS
 from app.ranks.metrics import METRICS
-from tests.heartbeats import heartbeat
+from tests.helpers.heartbeats import heartbeat
 from trainer_bridge.rundir import schema
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,6 +1,6 @@
 """A guard in front of the Engine.IO endpoint for what python-engineio mishandles.
 
-Found by ``tests/test_faults_fuzz.py`` (python-engineio 4.15): a long-polling
+Found by ``tests/edge/test_faults_fuzz.py`` (python-engineio 4.15): a long-polling
 POST that carries a packet a client never sends there (a PING ``2``, a
 NOOP ``6``, an OPEN ``0``, an unknown type) or a body over the size limit
 makes engineio disconnect the session with ``close(wait=True)``, which waits

@@ -101,7 +101,7 @@ VERDICT_HELP = {
 }
 
 # A shape per verdict, so that colour is never the only cue (the page's
-# static/js/format.js GLYPH holds the same; tests/test_cli.py checks they agree).
+# static/js/format.js GLYPH holds the same; tests/cli/test_cli.py checks they agree).
 VERDICT_GLYPH = {
     "starting": "○",
     "healthy": "✓",

@@ -13,7 +13,7 @@ the ranks where a test came out differently, or whose heartbeat changed.
 Stragglers are always re-judged: their reasons quote numbers.
 
 The rules stay in ``app.ranks.health`` (pure, tested on heartbeat sequences); this
-module only decides whom to ask, and ``tests/test_judging.py`` checks on
+module only decides whom to ask, and ``tests/ranks/test_judging.py`` checks on
 random job histories that the board's verdicts equal ``judge_all``'s.
 """
 

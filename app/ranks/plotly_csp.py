@@ -18,7 +18,7 @@ So this module reads the installed bundle once and gives the page:
 
 If a future Plotly lays its bundle out differently, both come back empty:
 the charts still draw, the browser reports the blocked styles, and the CSP
-browser test (``tests/test_security_browser.py``) says which.
+browser test (``tests/edge/test_security_browser.py``) says which.
 """
 
 from __future__ import annotations

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import psutil
 
-from tests.heartbeats import heartbeat, write_heartbeat, write_job
-from tests.liveserver import start_dashboard
+from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
+from tests.helpers.liveserver import start_dashboard
 from trainer_bridge.rundir import runfiles
 
 REQUESTS = (

@@ -37,8 +37,8 @@ import urllib.request
 from pathlib import Path
 
 from tests.bench import ab
-from tests.jobs import DemoJob
-from tests.liveserver import start_dashboard
+from tests.helpers.jobs import DemoJob
+from tests.helpers.liveserver import start_dashboard
 
 TOKEN = "bench-token"
 

@@ -3,7 +3,7 @@
 ``.venv/bin/python -m tests.bench.incidents [--ranks 1024] [--ticks 40] [--skip-capture]``
 
 * **tick**: 1,024 ranks in the bridge's heartbeat format
-  (``tests/heartbeats.py``), first healthy, then all hung together (they
+  (``tests/helpers/heartbeats.py``), first healthy, then all hung together (they
   keep writing heartbeats but finish no step, as ranks blocked in one
   AllReduce do). Two watchers read the same files tick for tick: the
   baseline without the incident step, and one with alerts (to a real
@@ -42,10 +42,10 @@ from pathlib import Path
 
 from app import create_app
 from tests.bench.scale import percentile
-from tests.heartbeats import heartbeat, write_heartbeat, write_job
-from tests.jobs import DemoJob
-from tests.receiver import Receiver
-from tests.test_stacks import HANGER
+from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
+from tests.helpers.jobs import DemoJob
+from tests.helpers.receiver import Receiver
+from tests.incidents.test_stacks import HANGER
 from trainer_bridge.rundir import pyspy
 
 TICK_S = 0.5
@@ -137,7 +137,7 @@ def bench_live(ranks: int, workdir: Path, hang_after: float = 40.0, window: floa
 
     import psutil
 
-    from tests.liveserver import REPO, start_dashboard
+    from tests.helpers.liveserver import REPO, start_dashboard
     from trainer_bridge.rundir import runfiles
 
     run_dir = workdir / "live"

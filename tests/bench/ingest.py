@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.liveserver import REPO, free_port, rank_rows, start_dashboard
+from tests.helpers.liveserver import REPO, free_port, rank_rows, start_dashboard
 
 FS_CALLS = ("newfstatat", "statx", "stat", "lstat", "openat", "getdents64", "read", "close", "fstat")
 

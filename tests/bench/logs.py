@@ -37,7 +37,7 @@ import psutil
 from app.config import from_env
 from app.ranks.logmode.reader import LogDir
 from app.ranks.state import RunState
-from tests.liveserver import REPO, start_dashboard
+from tests.helpers.liveserver import REPO, start_dashboard
 
 
 def sizes(log_dir: Path) -> dict[Path, int]:

@@ -37,7 +37,7 @@ from pathlib import Path
 from playwright.sync_api import sync_playwright
 
 from tests.bench.ingest import start_redis
-from tests.liveserver import REPO, launch_chromium, start_dashboard
+from tests.helpers.liveserver import REPO, launch_chromium, start_dashboard
 from trainer_bridge.rundir import runfiles
 
 TARGET_P95_S = 1.5

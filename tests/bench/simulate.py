@@ -39,7 +39,7 @@ import threading
 import time
 from pathlib import Path
 
-from tests.heartbeats import heartbeat, write_heartbeat, write_job
+from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from trainer_bridge.rundir import runfiles
 
 

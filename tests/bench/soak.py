@@ -36,7 +36,7 @@ from pathlib import Path
 from playwright.sync_api import sync_playwright
 
 from tests.bench.scale import wait_for_file
-from tests.liveserver import REPO, launch_chromium, rank_rows, start_dashboard
+from tests.helpers.liveserver import REPO, launch_chromium, rank_rows, start_dashboard
 from trainer_bridge.rundir import runfiles
 
 MIB = 1024 * 1024

@@ -31,7 +31,7 @@ from app.config import from_env
 from app.ranks.state import RunState
 from app.stop.service import StopService
 from tests.bench.ingest import start_redis
-from tests.heartbeats import heartbeat, write_heartbeat, write_job
+from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from trainer_bridge.rundir import redisbus
 
 

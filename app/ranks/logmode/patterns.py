@@ -4,7 +4,7 @@ A pattern has a ``kind`` (what the line means to the reader), a ``needle``
 (a literal every such line contains: ``needle in line`` is a C-speed
 prefilter, so a line that matches nothing costs a few substring checks,
 not a dozen regular expressions), a regular expression with named groups,
-an ``example`` (a line as the program writes it; ``tests/test_logmode_patterns.py``
+an ``example`` (a line as the program writes it; ``tests/ranks/test_logmode_patterns.py``
 parses every example) and ``origin`` (where the format string lives).
 
 The named groups are the vocabulary of ``app.ranks.logmode.parser``: ``epoch``,

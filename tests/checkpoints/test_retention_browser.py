@@ -1,0 +1,48 @@
+"""Issue 18: the retention plan on the checkpoint page, in headless Chromium against a real
+``python -m app`` process: the column, the policy and disk line, and one Apply button."""
+
+from __future__ import annotations
+
+import pytest
+from playwright.sync_api import expect
+
+from tests.checkpoints.test_checkpoints_api import TOKEN
+from tests.checkpoints.test_retention import periodic, sid
+from tests.helpers.heartbeats import write_job
+
+pytestmark = pytest.mark.browser
+
+WAIT_MS = 60_000
+LIVE = {"CHECKPOINT_SCAN_S": 0.3, "TOKEN": TOKEN}
+
+
+@pytest.mark.parametrize("live_env", [LIVE], indirect=True)
+def test_the_plan_shows_as_a_column_and_apply_deletes_it(live_server, page, run_dir, console_errors):
+    write_job(run_dir, 2)
+    for step in (10, 20, 30, 40):
+        periodic(run_dir, step)
+    page.goto(live_server.url + "/checkpoints")
+    row = lambda step: page.locator(f'#ckpt-table tr.set-row[data-set-id="{sid(step)}"]')  # noqa: E731
+    cell = lambda step: row(step).locator('td[data-col="retention"]')  # noqa: E731
+    expect(cell(40)).to_contain_text("kept: newest complete healthy", timeout=WAIT_MS)
+    expect(cell(30)).to_contain_text("kept: newest 3 complete")
+    expect(cell(10)).to_contain_text("will free")
+    expect(page.locator('#ckpt-table thead th[data-col="retention"]')).to_have_text("Retention")
+    expect(page.locator("#ckpt-retention-policy")).to_contain_text("Retention off: keep the newest 3")
+    expect(page.locator("#ckpt-retention-disk")).to_contain_text("free on their filesystem")
+    button = page.locator("#ckpt-retention-apply")
+    expect(button).to_contain_text("delete 1")
+    page.evaluate(f"sessionStorage.setItem('rankwatch.token', {TOKEN!r})")
+    # Pin set 10, then unpin it: the column and the button follow.
+    cell(10).locator("button", has_text="Pin").click()
+    expect(cell(10)).to_contain_text("kept: pinned", timeout=WAIT_MS)
+    expect(button).to_be_hidden()
+    cell(10).locator("button", has_text="Unpin").click()
+    expect(cell(10)).to_contain_text("will free", timeout=WAIT_MS)
+    page.once("dialog", lambda d: d.accept())
+    button.click()
+    expect(page.locator("#ckpt-flash")).to_contain_text("Retention deleted 1", timeout=WAIT_MS)
+    expect(row(10)).to_have_count(0, timeout=WAIT_MS)
+    expect(button).to_be_hidden(timeout=WAIT_MS)
+    assert not (run_dir / "ckpt/rank_0/net-1_10.ckpt").exists()
+    assert console_errors == []

@@ -1,0 +1,158 @@
+"""The default demo, as ``make demo`` runs it: a real 2-rank msrun job and the dashboard.
+
+What a newcomer must see: one line to open; a job still training after
+150 s (it trains for at least 15 minutes); a loss that has visibly fallen
+(below 60% of its first value); a complete checkpoint set while it runs;
+and, after a graceful stop, a second run that resumes from the stop's set.
+Every wait polls with a deadline; 150 s is a minimum duration, not a speed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.jobs import DemoJob, dump
+from tests.helpers.liveserver import free_port
+from trainer_bridge.rundir import ckptindex, runfiles
+
+pytestmark = pytest.mark.msrun
+
+REPO = Path(__file__).resolve().parents[2]
+MIN_RUNNING_S = 150
+LOSS_FRACTION = 0.6
+DEADLINE_S = 900
+
+
+def first_loss(run: Path, rank: int) -> float | None:
+    """The first loss the rank reported: the first line of its chart history."""
+    path = runfiles.history_path(run, rank)
+    if not path.exists():
+        return None
+    with open(path) as f:
+        for line in f:
+            loss = json.loads(line).get("loss")
+            if loss is not None:
+                return loss
+    return None
+
+
+def demo_job(run: Path, port: int) -> DemoJob:
+    job = DemoJob(run)
+    # The demo with its defaults, exactly as make demo starts it (on a free port).
+    job.cmd = [
+        sys.executable,
+        "-m",
+        "trainer_bridge.demo",
+        "--run-dir",
+        str(run),
+        "--dashboard",
+        "--port",
+        str(port),
+    ]
+    return job
+
+
+def open_line(job: DemoJob, timeout: float = 300) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = job.output_path.read_text(errors="replace") if job.output_path.exists() else ""
+        found = re.findall(r"^rankwatch demo: open (http://\S+)$", text, re.M)
+        if found:
+            assert len(found) == 1, text
+            return found[0]
+        assert job.proc.poll() is None, job.logs()
+        time.sleep(0.2)
+    raise AssertionError(f"the demo printed no URL to open\n{job.logs()}")
+
+
+@pytest.mark.timeout(2 * DEADLINE_S + 300)
+def test_the_default_demo_trains_learns_checkpoints_and_resumes(tmp_path):
+    run = tmp_path / "demo"
+    job = demo_job(run, free_port()).start()
+    second = None
+    try:
+        started = time.monotonic()
+        url = open_line(job)
+        with urllib.request.urlopen(url.split("#")[0], timeout=30) as r:
+            assert r.status == 200
+        # The printed URL carries a single-use login code, never the token: trade it as the page does.
+        login = urllib.request.Request(
+            url.split("#")[0] + "api/login",
+            data=json.dumps({"code": url.split("#login=")[1]}).encode(),
+            method="POST",
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(login, timeout=30) as r:
+            token = json.loads(r.read())["token"]
+
+        def progress(hbs):
+            running = time.monotonic() - started >= MIN_RUNNING_S
+            first = [first_loss(run, r) for r in range(2)]
+            losses = [h and h.get("loss") for h in hbs]
+            learnt = (
+                None not in first and None not in losses and sum(losses) / 2 < LOSS_FRACTION * sum(first) / 2
+            )
+            complete = [s for s in ckptindex.scan(run, 2).sets if s.complete]
+            return (first, losses, complete) if running and learnt and complete else None
+
+        first, losses, complete = job.wait_until(
+            progress, "150 s of training, a falling loss and a complete set", timeout=DEADLINE_S
+        )
+        assert job.proc.poll() is None, "the demo ended before 150 s"
+        assert all(h["state"] == "training" for h in job.heartbeats()), dump(job.heartbeats())
+        print(
+            f"\ndemo after {time.monotonic() - started:.0f} s: loss {first} -> {losses}; "
+            f"complete sets {[s.id for s in complete]}"
+        )
+
+        # Stop it gracefully, as the button does, then relaunch: it resumes from the stop's set.
+        req = urllib.request.Request(
+            url.split("#")[0] + "api/exit",
+            data=json.dumps({"reason": "demo test"}).encode(),
+            method="POST",
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"},
+        )
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status == 202
+        stopped = job.wait_until(
+            lambda hbs: hbs if all(h and h["state"] == "exited" for h in hbs) else None, "every rank exited"
+        )
+        stop_step = stopped[0]["stop"]["stop_step"]
+        job.kill()  # the demo keeps its dashboard up until Ctrl-C
+
+        second = demo_job(run, free_port()).start()
+        resumed = second.wait_until(
+            lambda hbs: (
+                hbs
+                if all(h and h.get("resumed_from") and h["global_step"] > stop_step for h in hbs)
+                else None
+            ),
+            "both ranks resumed and trained on",
+            timeout=DEADLINE_S,
+        )
+        assert [h["resumed_from"]["global_step"] for h in resumed] == [stop_step, stop_step], dump(resumed)
+        assert all(h["state"] == "training" for h in resumed), dump(resumed)
+    finally:
+        job.kill()
+        if second is not None:
+            second.kill()
+
+
+def test_the_demo_says_what_it_does():
+    out = subprocess.run(
+        [sys.executable, "-m", "trainer_bridge.demo", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0
+    assert "--minutes" in out.stdout and "--ckpt-every" in out.stdout

@@ -1,0 +1,152 @@
+"""Two "nodes" on one machine: Linux network namespaces joined by a veth pair.
+
+A real multi-node ``msrun`` job needs each node to own its address: two
+launchers in one network namespace both think they are the master (both
+see ``127.0.0.1`` as local) and both start a scheduler, and the loser's
+``msrun`` exits 1. Here node 0 and node 1 each get a namespace, an address
+on a private /24 and a host name of their own (``unshare --uts``), so node 0
+alone runs the scheduler and node 1's workers reach it across the veth,
+as on two machines. They share the file system, as cluster nodes share the
+run directory.
+
+``TwoNodes`` creates everything on entry and removes it on exit (also after
+a failure); ``skip_reason()`` says why a machine cannot do it (not root, no
+``ip``), so the test is skipped with that reason there. CI runs as root.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from trainer_bridge.demo.__main__ import job_env
+
+TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "trainer_bridge" / "demo" / "train.py"
+
+
+def skip_reason() -> str | None:
+    """Why network namespaces cannot be made here, or None if they can."""
+    if os.geteuid() != 0:
+        return "network namespaces need root (CI runs as root)"
+    for tool in ("ip", "unshare"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` is not installed (Debian: iproute2, util-linux)"
+    probe = f"rwprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot create a network namespace: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _run(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+
+@dataclass
+class Node:
+    index: int
+    netns: str
+    addr: str
+    hostname: str
+
+    def prefix(self) -> list[str]:
+        """Run a command inside this node: its network namespace and its own host name."""
+        return ["ip", "netns", "exec", self.netns, *self.hostname_prefix()]
+
+    def hostname_prefix(self) -> list[str]:
+        """Run a command with this node's host name only (in the caller's network)."""
+        return ["unshare", "--uts", "sh", "-c", f'hostname {self.hostname} && exec "$@"', "node"]
+
+
+class TwoNodes:
+    """Two namespaced nodes, ``nodes[0]`` (the master) and ``nodes[1]``, joined by a veth pair."""
+
+    def __init__(self):
+        tag = uuid.uuid4().hex[:6]
+        subnet = 10 + int(tag[:2], 16) % 200  # a private /24 per test run
+        self.nodes = [
+            Node(i, f"rw{tag}n{i}", f"10.77.{subnet}.{i + 1}", f"rwnode{i}-{tag}") for i in range(2)
+        ]
+        self._veth = (f"rw{tag}a", f"rw{tag}b")
+        self._procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> TwoNodes:
+        try:
+            for node in self.nodes:
+                _run("ip", "netns", "add", node.netns)
+                _run("ip", "-n", node.netns, "link", "set", "lo", "up")
+            a, b = self._veth
+            _run("ip", "link", "add", a, "type", "veth", "peer", "name", b)
+            for node, dev in zip(self.nodes, self._veth, strict=True):
+                _run("ip", "link", "set", dev, "netns", node.netns)
+                _run("ip", "-n", node.netns, "addr", "add", f"{node.addr}/24", "dev", dev)
+                _run("ip", "-n", node.netns, "link", "set", dev, "up")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for proc in self._procs:
+            kill_tree(proc)
+        for node in self.nodes:
+            # Deleting a namespace also deletes the veth end inside it, and its peer.
+            subprocess.run(["ip", "netns", "del", node.netns], capture_output=True)
+
+    def msrun(
+        self,
+        node: int,
+        run_dir: Path,
+        train_args: list[str],
+        *,
+        local_workers: int = 2,
+        master_port: int = 8118,
+        log_path: Path,
+    ) -> subprocess.Popen:
+        """Start node ``node``'s msrun launcher (its own process group) with the demo's worker."""
+        me, master = self.nodes[node], self.nodes[0]
+        cmd = [
+            *me.prefix(),
+            sys.executable, "-m", "mindspore.parallel.cluster.run",
+            f"--worker_num={local_workers * len(self.nodes)}", f"--local_worker_num={local_workers}",
+            f"--node_rank={node}", f"--master_addr={master.addr}", f"--master_port={master_port}",
+            "--join=True", f"--log_dir={run_dir / 'msrun_logs'}",
+            str(TRAIN_SCRIPT), *train_args,
+        ]  # fmt: skip
+        out = open(log_path, "ab")
+        proc = subprocess.Popen(
+            cmd, env=job_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        out.close()
+        self._procs.append(proc)
+        return proc
+
+
+def kill_tree(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """Signal a launcher's process group and every descendant (msrun gives each worker its own group)."""
+    if proc.poll() is not None:
+        return
+    try:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        tree = []
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+    for child in tree:
+        try:
+            child.send_signal(sig)
+        except psutil.Error:
+            pass
+    if sig == signal.SIGKILL:
+        proc.wait()

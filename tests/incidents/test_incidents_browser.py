@@ -1,0 +1,88 @@
+"""The incident views in headless Chromium against a real ``python -m app``.
+
+A rank's Stack action, Capture now (answered by a real ``StackWatcher`` in
+this process, which is the ranks' pid in the heartbeats), Copy, the grouped
+view, and the policy's armed rules. Waits are Playwright's ``expect`` with
+generous timeouts.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from playwright.sync_api import expect
+
+from tests.helpers.heartbeats import HOST, heartbeat, write_heartbeat, write_job
+from tests.helpers.liveserver import sign_in
+from tests.incidents.test_stacks_api import COLLECTIVE, HUNG, WAITING, fake_capture
+from trainer_bridge import stacks
+
+pytestmark = pytest.mark.browser
+
+WAIT_MS = 30_000
+TOKEN = "browser-incidents"
+
+
+def answer_requests_until(stop: threading.Event, run_dir) -> None:
+    """Rank 1's reporter: poll for stack requests, as the bridge does five times a second."""
+    watcher = stacks.StackWatcher(run_dir, 1, HOST)
+    while not stop.wait(0.1):
+        watcher.poll(steps=7, since_step_s=0.1, step_s=0.05, global_step=7, stepping=True)
+
+
+@pytest.mark.parametrize(
+    "live_env",
+    [{"TOKEN": TOKEN, "POLICY_MODE": "dry_run", "POLICY_RULES": "stalled:60,device_unhealthy:30"}],
+    indirect=True,
+)
+def test_stack_dialog_grouped_view_and_policy(live_server, page, run_dir, console_errors):
+    write_job(run_dir, 3)
+    for r in range(3):
+        write_heartbeat(run_dir, heartbeat(r, 3))
+    fake_capture(run_dir, 0, WAITING, COLLECTIVE)
+    fake_capture(run_dir, 1, HUNG)
+    fake_capture(run_dir, 2, WAITING, COLLECTIVE)
+    stop = threading.Event()
+    rank1 = threading.Thread(target=answer_requests_until, args=(stop, run_dir), daemon=True)
+    rank1.start()
+    try:
+        sign_in(page, live_server.url, TOKEN)
+        stack_button = page.locator('#rank-table tbody tr[data-rank="1"] button[data-stack-rank="1"]')
+        expect(stack_button).to_be_visible(timeout=WAIT_MS)
+        stack_button.click()
+        dialog = page.locator("#stack-dialog")
+        expect(dialog).to_be_visible()
+        expect(page.locator("#stack-dialog-title")).to_have_text("Stack of rank 1")
+        expect(page.locator("#stack-text")).to_contain_text("hang_here (/job/train.py:42)", timeout=WAIT_MS)
+        expect(page.locator("#stack-meta")).to_contain_text("automatically")
+
+        page.locator("#stack-capture").click()
+        expect(page.locator("#stack-meta")).to_contain_text("on request", timeout=WAIT_MS)
+        expect(page.locator("#stack-text")).to_contain_text("answer_requests_until")
+        expect(page.locator("#stack-text")).to_contain_text("(training thread)")
+        page.locator("#stack-copy").click()
+        expect(page.locator("#stack-copy")).not_to_have_text("Copy")
+        page.locator("#stack-close").click()
+        expect(dialog).to_be_hidden()
+
+        # Rank 1 now shows the fresh capture (this process's threads), so the
+        # grouped view finds ranks 0 and 2 together in AllReduce.
+        page.locator("#stacks-load").click()
+        summary = page.locator("#stacks-text")
+        # Names are code, not raw Markdown: no backtick reaches the page.
+        expect(summary).to_contain_text("ranks 0, 2 waiting in AllReduce", timeout=WAIT_MS)
+        expect(summary.locator("code", has_text="AllReduce").first).to_be_visible()
+        assert "`" not in summary.text_content()
+        expect(page.locator("#stacks-groups > li")).to_have_count(2)
+        expect(page.locator("#stacks-copy")).to_be_visible()
+
+        expect(page.locator("#policy-mode")).to_have_text("dry run")
+        rules = page.locator("#policy-rules li")
+        expect(rules).to_have_count(2)
+        expect(rules.first).to_contain_text("stalled:60")
+        expect(page.locator("#alerts-note")).to_contain_text("No webhook configured")
+    finally:
+        stop.set()
+        rank1.join()
+    assert console_errors == []

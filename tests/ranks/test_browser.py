@@ -1,0 +1,137 @@
+"""The page in headless Chromium against a real ``python -m app`` process.
+
+Waits are Playwright's ``expect``/``wait_for_function`` with generous
+timeouts (the machine is shared with training jobs); nothing asserts how fast.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlparse
+
+import pytest
+from playwright.sync_api import expect
+
+from tests.bench.simulate import Simulator
+from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
+from tests.helpers.liveserver import start_dashboard
+
+pytestmark = pytest.mark.browser
+
+WAIT_MS = 30_000
+
+
+def row(page, rank: int):
+    return page.locator(f'#rank-table tbody tr[data-rank="{rank}"]')
+
+
+def cell(page, rank: int, col: str):
+    return row(page, rank).locator(f'td[data-col="{col}"]')
+
+
+def test_table_fills_and_follows_the_heartbeat_files(live_server, page, run_dir, console_errors):
+    write_job(run_dir, 3)
+    for r in range(3):
+        write_heartbeat(run_dir, heartbeat(r, 3, seq=1, global_step=10))
+    page.goto(live_server.url + "/")
+    expect(page.locator("#rank-table tbody tr")).to_have_count(3, timeout=WAIT_MS)
+    expect(cell(page, 1, "global_step")).to_contain_text("(10)", timeout=WAIT_MS)
+    expect(page.locator('[data-summary="world_size"]')).to_have_text("3")
+
+    write_heartbeat(run_dir, heartbeat(1, 3, seq=2, global_step=20, loss=0.125))
+    expect(cell(page, 1, "global_step")).to_contain_text("(20)", timeout=WAIT_MS)
+    expect(cell(page, 1, "loss")).to_have_text("0.1250")
+    expect(cell(page, 0, "global_step")).to_contain_text("(10)")
+    assert console_errors == []
+
+
+def test_a_silent_rank_turns_stalled_then_dead(live_server, page, simulator, console_errors):
+    sim = simulator(2, period_s=0.5)
+    page.goto(live_server.url + "/")
+    expect(cell(page, 1, "health")).to_contain_text("healthy", timeout=WAIT_MS)
+    sim.silence(1)
+    expect(cell(page, 1, "health")).to_contain_text("stalled", timeout=WAIT_MS)
+    # Heartbeats stopped (not only steps): the reason says so.
+    expect(cell(page, 1, "reason")).to_contain_text("no heartbeat for over")
+    expect(cell(page, 1, "health")).to_contain_text("dead", timeout=WAIT_MS)
+    expect(cell(page, 1, "reason")).to_contain_text("no heartbeat for over 4 s")
+    expect(cell(page, 0, "health")).to_contain_text("healthy")
+    expect(page.locator('#verdict-counts [data-verdict="dead"]')).to_have_text("✕ dead 1")
+    assert console_errors == []
+
+
+def test_charts_render_from_local_assets_only(live_server, page, run_dir, simulator, console_errors):
+    foreign = []
+    page.on(
+        "request",
+        lambda req: (
+            foreign.append(req.url)
+            if urlparse(req.url).hostname not in ("127.0.0.1", None) and not req.url.startswith("data:")
+            else None
+        ),
+    )
+    sim = Simulator(run_dir, 3)
+    sim.prefill_history(20)
+    simulator(3)
+    page.goto(live_server.url + "/")
+    for chart in ("#chart-step-time", "#chart-loss"):
+        page.wait_for_function(
+            "sel => { const el = document.querySelector(sel);"
+            " return el && el.data && el.data.length === 3"
+            " && el.data[0].y.filter(v => v !== null).length >= 10; }",
+            arg=chart,
+            timeout=WAIT_MS,
+        )
+        expect(page.locator(f"{chart} .main-svg").first).to_be_visible()
+    expect(page.locator("#heatmap-section")).to_be_hidden()
+    assert foreign == []
+    assert console_errors == []
+
+
+@pytest.mark.parametrize("live_env", [{"PAGE_SIZE": 10}], indirect=True)
+def test_large_job_pages_sorts_filters_and_maps_heat(live_server, page, simulator, console_errors):
+    simulator(20, period_s=0.5, slow={7: 3.0})
+    page.goto(live_server.url + "/")
+    expect(page.locator("#page-info")).to_have_text("1–10 of 20", timeout=WAIT_MS)
+    expect(page.locator("#rank-table tbody tr")).to_have_count(10)
+    expect(cell(page, 7, "health")).to_contain_text("straggler", timeout=WAIT_MS)
+    expect(cell(page, 7, "reason")).to_contain_text("the peer median")
+
+    page.locator('th[data-col="score"] button').click()
+    expect(page.locator('th[data-col="score"]')).to_have_attribute("aria-sort", "ascending")
+    expect(page.locator("#rank-table tbody tr").first).to_have_attribute("data-rank", "7")
+
+    page.locator("#verdict-filter").select_option("straggler")
+    expect(page.locator("#rank-table tbody tr")).to_have_count(1)
+    expect(page.locator("#pager")).to_be_hidden()
+
+    expect(page.locator("#heatmap-section")).to_be_visible(timeout=WAIT_MS)
+    page.wait_for_function(
+        "() => { const el = document.querySelector('#chart-heatmap');"
+        " return el.data && el.data[0].type === 'heatmap' && el.data[0].z.length === 20; }",
+        timeout=WAIT_MS,
+    )
+    assert console_errors == []
+
+
+def test_missing_then_empty_then_partial_run_is_explained(run_dir, tmp_path, page, live_env, console_errors):
+    run = run_dir / "job"
+    server = start_dashboard(run, tmp_path / "dashboard.log", env=live_env)
+    try:
+        page.goto(server.url + "/")
+        message = page.locator("#run-message")
+        expect(message).to_contain_text("does not exist", timeout=WAIT_MS)
+        expect(page.locator("#table-empty")).to_be_visible()
+
+        run.mkdir()
+        expect(message).to_contain_text("The job has not started", timeout=WAIT_MS)
+
+        write_job(run, 4)
+        for r in range(2):
+            write_heartbeat(run, heartbeat(r, 4))
+        expect(message).to_contain_text("2 of 4 ranks have reported; waiting for ranks 2, 3", timeout=WAIT_MS)
+        expect(page.locator("#rank-table tbody tr")).to_have_count(4)
+        expect(cell(page, 3, "health")).to_contain_text("pending")
+        expect(page.locator('[data-summary="world_size"]')).to_have_text("4 (2 reported)")
+    finally:
+        server.stop()
+    assert console_errors == []

@@ -1,0 +1,189 @@
+"""The incremental ``VerdictBoard`` gives exactly ``health.judge_all``'s verdicts.
+
+Random job histories (ranks stepping at different paces, some with the
+in/out split and some without, going silent, stopping, finishing, process
+probes coming and going, time jumping across every threshold) are fed to both;
+after every tick the board's verdicts must equal a from-scratch ``judge_all``
+with the blocker notes, and it must have asked ``judge`` about fewer ranks
+than there are when little changed.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from app.ranks import judging
+from app.ranks.health import StepWindow, Thresholds, judge_all
+from tests.helpers.heartbeats import heartbeat
+
+TH = Thresholds(straggler_min_steps=4, straggler_window=8, stall_min_s=5.0, dead_after_s=12.0)
+
+
+class Rank:
+    def __init__(self, rank: int, world: int, rnd: random.Random, now: float):
+        self.rank, self.world, self.rnd = rank, world, rnd
+        self.window = StepWindow(TH.straggler_window)
+        self.hb = None
+        self.seq = 0
+        self.gstep = 0
+        self.pace = rnd.choice([20.0, 20.0, 20.0, 21.0, 45.0, 100.0])
+        self.split = rnd.random() < 0.8
+        self.started = now
+
+    def beat(self, now: float) -> None:
+        rnd = self.rnd
+        self.seq += 1
+        steps = rnd.choice([0, 1, 3, 8])
+        self.gstep += steps
+        state = rnd.choices(
+            ["training", "starting", "stopping", "saving", "exited", "finished", "failed"],
+            weights=[30, 2, 2, 1, 1, 1, 1],
+        )[0]
+        times = [round(self.pace * rnd.uniform(0.9, 1.1), 3) for _ in range(steps)]
+        self.hb = heartbeat(
+            self.rank,
+            self.world,
+            seq=self.seq,
+            now=now,
+            steps=max(1, steps),
+            step_ms=self.pace,
+            global_step=self.gstep,
+            state=state,
+            step_times_ms=times,
+            step_in_ms=round(self.pace * 0.7, 2) if self.split and steps else None,
+            step_out_ms=round(self.pace * 0.3 * rnd.uniform(0.5, 2), 2) if self.split and steps else None,
+            last_step_at=now - rnd.uniform(0, 2) if self.gstep else None,
+            started_at=self.started,
+            error="boom" if state == "failed" else None,
+        )
+        self.window.add(self.hb)
+
+
+def from_scratch(ranks: dict[int, Rank], world: int, now: float, probes: dict) -> dict:
+    view = set(range(world)) | set(ranks)
+    latest = {r: (ranks[r].hb if r in ranks else None) for r in view}
+    own = {r: (ranks[r].window.median_ms if r in ranks else None) for r in view}
+    split = {r: (ranks[r].window.split_ms if r in ranks else None) for r in view}
+    steps = {r: ranks[r].window.steps for r in view if r in ranks}
+    gone = {r: p[0] for r, p in probes.items() if p[0]}
+    stopped = {r: p[1] for r, p in probes.items() if p[1]}
+    alive = {r for r, p in probes.items() if p[2]}
+    return judge_all(
+        latest, own, now, TH, gone, split, process_stopped=stopped, process_alive=alive, steps=steps
+    )
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_board_equals_judge_all_on_random_histories(seed):
+    rnd = random.Random(seed)
+    world = rnd.choice([1, 2, 5, 9, 16])
+    now = 1_800_000_000.0
+    ranks: dict[int, Rank] = {}
+    board = judging.VerdictBoard(TH)
+    probes: dict[int, tuple] = {}
+    for _tick in range(60):
+        now += rnd.choice([0.1, 0.5, 0.5, 1.0, 3.0, 7.0])
+        board.set_view(set(range(world)) | set(ranks))
+        for r in range(world):
+            if rnd.random() < 0.5 and (r in ranks or rnd.random() < 0.7):
+                ranks.setdefault(r, Rank(r, world, rnd, now)).beat(now)
+                rk = ranks[r]
+                board.observe(r, rk.hb, rk.window.median_ms, rk.window.split_ms, rk.window.steps)
+        for r in list(probes):
+            if rnd.random() < 0.3:
+                del probes[r]
+                board.set_probe(r, None, None, False)
+        if ranks and rnd.random() < 0.3:
+            r = rnd.choice(sorted(ranks))
+            probes[r] = rnd.choice(
+                [
+                    ("process 1 is gone", None, False),
+                    (None, "process 1 is stopped", False),
+                    (None, None, True),
+                ]
+            )
+            board.set_probe(r, *probes[r])
+        board.update(now)
+        expected = from_scratch(ranks, world, now, probes)
+        assert board.verdicts == expected, f"seed {seed}, t={now}"
+        # The summary's counts follow the verdicts.
+        counts = board.summary_figures()["counts"]
+        assert {h: n for h, n in counts.items() if n} == _count(expected)
+
+
+def _count(verdicts):
+    out = {}
+    for v in verdicts.values():
+        out[v.health] = out.get(v.health, 0) + 1
+    return out
+
+
+def test_a_quiet_tick_judges_only_what_moved(monkeypatch):
+    """At 2048 ranks a tick in which 10 ranks wrote asks judge() about those 10, not 2048."""
+    now = 1_800_000_000.0
+    world = 2048
+    board = judging.VerdictBoard(TH)
+    windows = {}
+    board.set_view(set(range(world)))
+    for r in range(world):
+        hb = heartbeat(r, world, seq=1, now=now, step_ms=20.0, steps=8, step_in_ms=14.0, step_out_ms=6.0)
+        windows[r] = StepWindow(TH.straggler_window)
+        windows[r].add(hb)
+        board.observe(r, hb, windows[r].median_ms, windows[r].split_ms, windows[r].steps)
+    board.update(now)
+    calls = []
+    real = judging.judge
+    monkeypatch.setattr(judging, "judge", lambda *a, **k: calls.append(a[0]["rank"]) or real(*a, **k))
+    now += 0.5
+    for r in range(10):
+        hb = heartbeat(r, world, seq=2, now=now, step_ms=20.0, steps=8, step_in_ms=14.0, step_out_ms=6.0)
+        windows[r].add(hb)
+        board.observe(r, hb, windows[r].median_ms, windows[r].split_ms, windows[r].steps)
+    board.update(now)
+    assert sorted(calls) == list(range(10))
+
+
+def _board_with_hosts(
+    now: float, hosts: dict[int, str], ages: dict[int, float], local: set[int] = frozenset()
+):
+    board = judging.VerdictBoard(TH)
+    board.set_view(set(hosts))
+    for r, host in hosts.items():
+        hb = heartbeat(r, len(hosts), seq=1, now=now - ages.get(r, 0.0), host=host, step_ms=20.0, steps=8)
+        hb["last_step_at"] = hb["time"]
+        window = StepWindow(TH.straggler_window)
+        window.add(hb)
+        board.observe(r, hb, window.median_ms, window.split_ms, window.steps, local=r in local)
+    board.update(now)
+    return board
+
+
+def test_a_node_whose_ranks_go_silent_together_is_lost():
+    now = 1_800_000_000.0
+    hosts = {0: "a", 1: "a", 2: "b", 3: "b"}
+    board = _board_with_hosts(now, hosts, {2: 6.0, 3: 6.5})
+    assert [board.verdicts[r].health for r in range(4)] == ["healthy", "healthy", "node_lost", "node_lost"]
+    reason = board.verdicts[2].reason
+    assert (
+        reason.startswith("node b lost: all 2 of its ranks")
+        and "while 1 other host still reports: a machine or network failure" in reason
+    )
+    assert board.summary_figures()["counts"]["node_lost"] == 2
+
+
+@pytest.mark.parametrize(
+    ("ages", "local", "why"),
+    [
+        ({2: 6.0}, set(), "one silent rank of a host that still reports is that rank's problem"),
+        ({0: 6.0, 1: 6.0, 2: 6.0, 3: 6.0}, set(), "everything silent: no host to compare with"),
+        ({2: 6.0, 3: 20.0}, set(), "silent 14 s apart: not together"),
+        ({2: 6.0, 3: 6.0}, {2, 3}, "the dashboard's own host is probed, never guessed lost"),
+        ({2: 4.0, 3: 4.0}, set(), "not yet silent for stall_min_s"),
+    ],
+)
+def test_no_node_is_lost_without_the_whole_node_going_silent_together(ages, local, why):
+    now = 1_800_000_000.0
+    board = _board_with_hosts(now, {0: "a", 1: "a", 2: "b", 3: "b"}, ages, local)
+    assert "node_lost" not in {v.health for v in board.verdicts.values()}, why
