@@ -38,13 +38,12 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     from flask import Flask
 
     from app.config import coerce_all, from_env
-    from app.edge.auth import BoundedJSONProvider, Limits, ensure_token, token_weakness
+    from app.edge.auth import Limits, ensure_token, token_weakness
     from app.edge.login import LoginCodes
     from app.extensions import socketio
 
     static, templates = asset_dirs()
     app = Flask(__name__, static_folder=str(static), template_folder=str(templates))
-    app.json = BoundedJSONProvider(app)
     app.config.update(from_env())
     app.config.update(coerce_all(config or {}))
     app.config["TOKEN_GENERATED"] = ensure_token(app.config)

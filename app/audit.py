@@ -41,6 +41,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from app.errors import Unavailable
 from trainer_bridge.rundir import safeio
 
 SCHEMA = """
@@ -66,6 +67,8 @@ OBSERVED = "observed"
 BASES = (AUTHENTICATED, OBSERVED)
 # The watcher's name in the ``who`` column (rows it writes are observed).
 SYSTEM = "rankwatch"
+# Longest accepted free text (reason, operator name): an audit row, not an essay.
+MAX_TEXT = 500
 _SELECT = "SELECT " + ", ".join(COLUMNS) + " FROM audit"
 # A spreadsheet evaluates a cell that starts with one of these (OWASP, "CSV Injection").
 FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
@@ -80,8 +83,8 @@ def csv_cell(value):
     return value
 
 
-class AuditError(Exception):
-    """The trail cannot be read or written (a corrupt, locked or unwritable database)."""
+class AuditError(Unavailable):
+    """The trail cannot be read or written (a corrupt, locked or unwritable database): a 503."""
 
 
 class _Pinned(sqlite3.Connection):

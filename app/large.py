@@ -18,8 +18,7 @@ from contextlib import contextmanager
 
 from flask import current_app
 
-from app.edge.ratelimit import retry_after
-from app.errors import ApiError
+from app.errors import Busy
 
 # 4,096 rows are a few megabytes, which any number of clients may have at once.
 LARGE_ANSWER_RANKS = 4096
@@ -35,11 +34,7 @@ class LargeAnswers:
     @contextmanager
     def take(self, what: str) -> Iterator[None]:
         if not self._slot.acquire(blocking=False):
-            raise ApiError(
-                503,
-                f"{what}: another answer that large is being built; try again shortly",
-                headers=retry_after(self.last_s),
-            )
+            raise Busy(f"{what}: another answer that large is being built; try again shortly", self.last_s)
         started = time.monotonic()
         try:
             yield

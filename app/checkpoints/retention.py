@@ -39,7 +39,7 @@ from app.checkpoints.retention_plan import (
     policy_for,
     read_override,
 )
-from app.errors import ApiError
+from app.errors import CheckpointRefused, NoRunDir
 from trainer_bridge.rundir import ckpthealth, runfiles, safeio, schema
 
 __all__ = [
@@ -134,7 +134,7 @@ class Retention:
 
     def plan(self, world: int, heartbeats: Mapping[int, dict | None], force: bool = False) -> Plan:
         if self.service.run_dir is None:
-            raise ApiError(409, "the dashboard was started without a run directory (--run-dir)")
+            raise NoRunDir()
         index = self.service.index(world, force)
         errors: list[str] = []
         temps = find_temps(self.service.run_dir, errors)
@@ -173,8 +173,7 @@ class Retention:
         with self._lock, self.service.delete_lock:
             p = self.plan(world, heartbeats, force=True)
             if expected_hash is not None and p.hash != expected_hash:
-                raise ApiError(
-                    409,
+                raise CheckpointRefused(
                     "the retention plan changed since it was shown (a set appeared, changed or went "
                     "away); reload it and apply the new one",
                 )
@@ -241,13 +240,13 @@ class Retention:
                 self.service.find(set_id, world)  # only a listed set can be pinned (404 otherwise)
             current, error = read_override(run_dir)
             if error:
-                raise ApiError(409, f"{error}; fix or remove it before pinning")
+                raise CheckpointRefused(f"{error}; fix or remove it before pinning")
             fields = current.to_dict() if current is not None else {}
             pins = [p for p in fields.get("pinned", []) if p != set_id] + ([set_id] if pinned else [])
             try:
                 obj = schema.build(schema.RetentionFile, **(fields | {"pinned": pins}))
             except schema.SchemaError as e:
-                raise ApiError(409, f"cannot pin: {e}") from None
+                raise CheckpointRefused(f"cannot pin: {e}") from None
             safeio.makedirs(run_dir, runfiles.STATE_DIR)
             runfiles.atomic_write_bytes(override_path(run_dir), obj.to_json(), root=run_dir)
             self.service.audit.record(

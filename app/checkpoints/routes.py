@@ -1,7 +1,7 @@
 """The checkpoint browser's page and API (README, "Checkpoint browser" and "JSON API").
 
 Reads need no token. Delete changes state, so it needs the operator token
-and a JSON body (``app.edge.auth``). Deep verify only reads the files, but it
+and a JSON body (``app.edge.params``). Deep verify only reads the files, but it
 starts a MindSpore process that costs memory, so it needs the token too.
 """
 
@@ -12,8 +12,9 @@ import time
 from flask import Blueprint, current_app, jsonify, render_template, request, send_file, url_for
 
 from app import push
-from app.edge.auth import json_body, require_operator
-from app.errors import ApiError
+from app.edge import params
+from app.edge.auth import require_operator
+from app.errors import NotFound
 from app.extensions import rankwatch, socketio
 from app.push import CHECKPOINTS_EVENT, VERIFY_EVENT
 from trainer_bridge.rundir import runfiles
@@ -31,13 +32,6 @@ def _world() -> int:
     rw = rankwatch()
     rw.state.refresh(time.time(), rw.watcher.tick_s)
     return rw.state.heartbeats()[1]
-
-
-def _arg(name: str) -> str:
-    value = request.args.get(name, "")
-    if not value:
-        raise ApiError(400, f"query parameter {name!r} is required")
-    return value
 
 
 @bp.get("/checkpoints")
@@ -71,7 +65,7 @@ def api_checkpoints():
 @bp.get("/api/checkpoints/file")
 def api_file():
     """Download one checkpoint file the index lists (``?path=`` relative to the run directory)."""
-    f, name, size = rankwatch().checkpoints.open_file(_arg("path"), _world())
+    f, name, size = rankwatch().checkpoints.open_file(params.query(params.FilePath).path, _world())
     # Sent from the descriptor opened after the checks (not re-opened by path),
     # so werkzeug cannot stat it: give the length, and no ranges without it.
     response = send_file(
@@ -86,22 +80,22 @@ def api_resume():
     """The relaunch command and the code that loads the set ``?set=ID``."""
     world = _world()
     heartbeats, _ = rankwatch().state.heartbeats()
-    return jsonify(rankwatch().checkpoints.resume(_arg("set"), world, heartbeats))
+    return jsonify(rankwatch().checkpoints.resume(params.query(params.SetId).set, world, heartbeats))
 
 
 @bp.post("/api/checkpoints/delete")
 def api_delete():
     require_operator()
-    body = json_body({"set": (str, True), "reason": (str, True), "who": (str, False), "force": (bool, False)})
+    body = params.body(params.DeleteSet)
     service = rankwatch().checkpoints
     world = _world()
     result = service.delete(
-        body["set"],
+        body.set,
         world,
-        who=body.get("who") or WHO_DEFAULT,
+        who=body.who or WHO_DEFAULT,
         remote_addr=request.remote_addr,
-        reason=body["reason"],
-        force=body.get("force", False),
+        reason=body.reason,
+        force=body.force,
     )
     _push_now(service, world)
     return jsonify(result)
@@ -122,21 +116,21 @@ def api_verify_start():
     take a few times the set's size in memory (one at a time; see verify.py).
     """
     require_operator()
-    body = json_body({"set": (str, True)})
+    body = params.body(params.VerifySet)
     service = rankwatch().checkpoints
-    _, cset = service.find(body["set"], _world())
+    _, cset = service.find(body.set, _world())
     return jsonify(service.verifier.start(cset.id, cset.files, service.run_dir)), 202
 
 
 @bp.get("/api/checkpoints/verify")
 def api_verify_status():
     """The latest deep verify of ``?set=ID``, with every file's result."""
-    set_id = _arg("set")
+    set_id = params.query(params.SetId).set
     service = rankwatch().checkpoints
     status = service.verifier.status(set_id)
     if status is None:
         service.find(set_id, _world())  # an unknown set is a 404 that says so
-        raise ApiError(404, "no deep verify of this set has run since the dashboard started")
+        raise NotFound("no deep verify of this set has run since the dashboard started")
     return jsonify(status)
 
 
@@ -152,12 +146,12 @@ def api_retention():
 def api_retention_apply():
     """Apply exactly the plan the operator saw (``{"hash"}``); 409 if it changed since."""
     require_operator()
-    body = json_body({"hash": (str, True), "who": (str, False)})
+    body = params.body(params.ApplyPlan)
     service = rankwatch().checkpoints
     world = _world()
     heartbeats, _ = rankwatch().state.heartbeats()
     result = service.retention.apply(
-        body["hash"], world, heartbeats, who=body.get("who") or WHO_DEFAULT, remote_addr=request.remote_addr
+        body.hash, world, heartbeats, who=body.who or WHO_DEFAULT, remote_addr=request.remote_addr
     )
     _push_now(service, world)
     return jsonify(result)
@@ -167,16 +161,14 @@ def api_retention_apply():
 def api_pin():
     """Pin (``"pinned": true``) or unpin a set: retention never deletes a pinned set. Audited."""
     require_operator()
-    body = json_body(
-        {"set": (str, True), "pinned": (bool, True), "who": (str, False), "reason": (str, False)}
-    )
+    body = params.body(params.PinSet)
     return jsonify(
         rankwatch().checkpoints.retention.pin(
-            body["set"],
-            body["pinned"],
+            body.set,
+            body.pinned,
             _world(),
-            who=body.get("who") or WHO_DEFAULT,
+            who=body.who or WHO_DEFAULT,
             remote_addr=request.remote_addr,
-            reason=body.get("reason") or "",
+            reason=body.reason or "",
         )
     )

@@ -35,7 +35,16 @@ from app.audit import AuditLog
 from app.checkpoints import relaunch
 from app.checkpoints.relaunch import relaunch_command
 from app.checkpoints.verify import Verifier
-from app.errors import ApiError
+from app.errors import (
+    NO_RUN_DIR,
+    BadRequest,
+    CheckpointRefused,
+    Forbidden,
+    NoRunDir,
+    NotFound,
+    SetBusy,
+    SetNotFound,
+)
 from app.push import Changed
 from trainer_bridge import native
 from trainer_bridge.rundir import ckpthealth, ckptindex, runfiles, safeio
@@ -49,7 +58,6 @@ from trainer_bridge.rundir.ckptindex import (
 )
 from trainer_bridge.rundir.ckptmeta import MetaCache
 
-NO_RUN_DIR = "the dashboard was started without a run directory (--run-dir)"
 TTP_NOTE = (
     "TTP saves one copy per replica group, not one per rank, so a TTP set can list "
     "missing ranks and still be resumable: a missing rank loads the copy of a rank "
@@ -194,15 +202,11 @@ class CheckpointService:
 
     def find(self, set_id: str, world: int, force: bool = False) -> tuple[Index, CheckpointSet]:
         if self.run_dir is None:
-            raise ApiError(409, NO_RUN_DIR)
+            raise NoRunDir()
         index = self.index(world, force)
         found = next((s for s in index.sets if s.id == set_id), None)
         if found is None:
-            raise ApiError(
-                404,
-                f"no checkpoint set {set_id!r} in the run directory "
-                "(GET /api/checkpoints lists the sets' ids)",
-            )
+            raise SetNotFound(set_id)
         return index, found
 
     # -- download --------------------------------------------------------------------
@@ -219,27 +223,24 @@ class CheckpointService:
         it. Returns (the open file, its name for the download, its size).
         """
         if self.run_dir is None:
-            raise ApiError(409, NO_RUN_DIR)
+            raise NoRunDir()
         try:
             ckptindex.safe_path(self.run_dir, rel)
             safeio.parts(rel)
         except (ValueError, OSError) as e:
-            raise ApiError(400, str(e).removeprefix("safe_path: ")) from None
+            raise BadRequest(str(e).removeprefix("safe_path: ")) from None
         index = self.index(world)
         known = {f.path for s in index.sets for f in s.files} | {f.path for f in index.other_files}
         if rel not in known:
-            raise ApiError(
-                404,
+            raise NotFound(
                 f"{rel!r} is not a checkpoint file of this run "
                 "(only the files GET /api/checkpoints lists can be downloaded)",
             )
         try:
             fd, st = safeio.open_file(os.path.realpath(self.run_dir), rel)
         except OSError as e:
-            raise ApiError(
-                403 if e.errno in (errno.EPERM, errno.EACCES) else 404,
-                f"cannot open {rel!r}: {safeio.why(e)}",
-            ) from None
+            refusal = Forbidden if e.errno in (errno.EPERM, errno.EACCES) else NotFound
+            raise refusal(f"cannot open {rel!r}: {safeio.why(e)}") from None
         # A file name may hold control characters (a newline), which no header can carry.
         return os.fdopen(fd, "rb"), re.sub(r"[\x00-\x1f\x7f]", "_", rel.rsplit("/", 1)[-1]), st.st_size
 
@@ -277,9 +278,9 @@ class CheckpointService:
                     outcome=f"refused: {protected}",
                     detail=detail,
                 )
-                raise ApiError(409, why)
+                raise CheckpointRefused(why)
             if self.verifier.running(cset.id):
-                raise ApiError(409, "a deep verify of this set is running; delete it when it ends")
+                raise SetBusy("a deep verify of this set is running; delete it when it ends")
             deleted, failed, dirs = self.remove_set(cset)
             self.verifier.forget(cset.id)
             outcome = (

@@ -50,7 +50,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from app.errors import ApiError
+from app.errors import SetBusy
 from app.push import VERIFY_EVENT
 from trainer_bridge.rundir import safeio
 from trainer_bridge.rundir.ckptindex import CheckpointFile
@@ -165,8 +165,7 @@ class Verifier:
         with self._lock:
             busy = self._running(None)
             if busy is not None:
-                raise ApiError(
-                    409,
+                raise SetBusy(
                     "a deep verify of this set is already running"
                     if busy == set_id
                     else f"a deep verify of another set ({busy}) is running; one runs at a time",

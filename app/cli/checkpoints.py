@@ -101,7 +101,7 @@ def checkpoints(ctx: click.Context, run_dir: Path | None, set_id: str | None, as
 
     `rankwatch checkpoints gc` prints the retention plan (and applies it with --apply).
     """
-    from app.errors import ApiError
+    from app.errors import RankwatchError
 
     if ctx.invoked_subcommand is not None:
         return
@@ -114,7 +114,7 @@ def checkpoints(ctx: click.Context, run_dir: Path | None, set_id: str | None, as
     chosen = set_id or body["newest_complete"]
     try:
         answer = run.checkpoints.resume(chosen, world, heartbeats) if chosen else None
-    except ApiError as e:
+    except RankwatchError as e:
         raise click.ClickException(e.message) from None
     out = console()
     if as_json:
@@ -165,7 +165,7 @@ def gc(run_dir: Path, keep: int | None, apply_: bool, as_json: bool) -> None:
     """The retention plan: which sets are kept and why, which would be deleted; --apply deletes them."""
     from rich.table import Table
 
-    from app.errors import ApiError
+    from app.errors import RankwatchError
 
     run = open_cli_run(run_dir)
     if keep is not None:
@@ -206,7 +206,7 @@ def gc(run_dir: Path, keep: int | None, apply_: bool, as_json: bool) -> None:
         return
     try:
         result = retention.apply(body["hash"], world, heartbeats, who="cli")
-    except ApiError as e:
+    except RankwatchError as e:
         raise click.ClickException(e.message) from None
     out.print(
         f"Deleted {len(result['deleted'])} item(s), freed {fmt_bytes(result['frees_bytes'])}"

@@ -92,7 +92,7 @@ def existing_root(ctx, param, value: Path | None) -> Path | None:
 @click.option("--per-page", type=click.IntRange(min=1, max=500), default=500, show_default=True)
 def runs(root: Path, as_json: bool, state, q, sort, page, per_page) -> None:
     """Every run under ROOT, those that need attention first, as the landing page lists them."""
-    from app.errors import ApiError
+    from app.errors import BadRequest
     from app.runs.rows import parse_args
 
     try:
@@ -103,8 +103,8 @@ def runs(root: Path, as_json: bool, state, q, sort, page, per_page) -> None:
                 if v
             }
         )
-    except ApiError as e:
-        raise click.UsageError(e.message) from None
+    except BadRequest as e:
+        raise click.UsageError(str(e)) from None
     body = runs_table(root, **query)
     if as_json:
         click.echo(json.dumps(body, indent=1, sort_keys=True))

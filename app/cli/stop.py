@@ -83,7 +83,7 @@ def stop(run_dir: Path, reason: str, who: str, timeout: float | None, no_wait: b
     reason, who = reason.strip(), who.strip() or getpass.getuser()
     if not reason:
         raise click.BadParameter("must not be empty", param_hint="--reason")
-    from app.errors import ApiError
+    from app.errors import RankwatchError
 
     run = open_cli_run(run_dir)
     out = console()
@@ -95,7 +95,7 @@ def stop(run_dir: Path, reason: str, who: str, timeout: float | None, no_wait: b
         raise click.ClickException(f"nothing to stop: {plain(snapshot['run']['message'])}")
     try:
         rid, created, unaudited, unlocked = run.stop.request(reason, who, shell_origin())
-    except ApiError as e:
+    except RankwatchError as e:
         raise click.ClickException(plain(e.message)) from None
     audited = f"not audited: {unaudited}" if unaudited else f"audited in {run.audit.path}"
     if unlocked:

@@ -10,8 +10,8 @@ token in the tab's ``sessionStorage`` and sends that header itself, so no
 cookie ever authorises a request: a cross-site form or script cannot ride on
 the operator's session (CSRF). As a second guard, a request whose ``Origin``
 or ``Sec-Fetch-Site`` says it came from another site is refused, and bodies
-must be ``application/json``, which a cross-site form cannot send without a
-CORS preflight that this app never grants.
+must be ``application/json`` (``app.edge.params``), which a cross-site form
+cannot send without a CORS preflight that this app never grants.
 """
 
 from __future__ import annotations
@@ -23,19 +23,14 @@ import secrets
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 from urllib.parse import urlsplit
 
 from flask import current_app, request
-from flask.json.provider import DefaultJSONProvider
 
-from app.edge.ratelimit import Backoff, Bucket, retry_after
-from app.errors import ApiError
+from app.edge.ratelimit import Backoff, Bucket
+from app.errors import Forbidden, Throttled, WrongToken
 
 log = logging.getLogger(__name__)
-
-# Longest accepted free text (reason, operator name): an audit row, not an essay.
-MAX_TEXT = 500
 
 
 @dataclass
@@ -108,10 +103,8 @@ def settle(ok: bool, what: str) -> None:
         return
     wait = limits.backoff.wait_s(key)
     if wait > 0:
-        raise ApiError(
-            429,
-            f"too many wrong {what} (from {key} or in all): try again in {max(1, round(wait))} s",
-            headers=retry_after(wait),
+        raise Throttled(
+            f"too many wrong {what} (from {key} or in all): try again in {max(1, round(wait))} s", wait
         )
     if limits.backoff.failed(key):
         text = (
@@ -136,10 +129,8 @@ def count_write() -> None:
     key = request.remote_addr or "?"
     wait = over_write_budget()
     if wait > 0:
-        raise ApiError(
-            429,
-            f"too many changes from {key} in a short time: try again in {max(1, round(wait))} s",
-            headers=retry_after(wait),
+        raise Throttled(
+            f"too many changes from {key} in a short time: try again in {max(1, round(wait))} s", wait
         )
 
 
@@ -151,70 +142,17 @@ def require_operator(count: bool = True) -> None:
     """
     site = request.headers.get("Sec-Fetch-Site")
     if site not in (None, "same-origin", "none"):
-        raise ApiError(403, f"cross-site request refused (Sec-Fetch-Site: {site})")
+        raise Forbidden(f"cross-site request refused (Sec-Fetch-Site: {site})")
     origin = request.headers.get("Origin")
     if origin and urlsplit(origin).netloc != request.host:
-        raise ApiError(403, f"cross-origin request refused (Origin: {origin})")
+        raise Forbidden(f"cross-origin request refused (Origin: {origin})")
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
-        raise ApiError(
-            401,
+        raise WrongToken(
             "operator token required: send 'Authorization: Bearer <token>' "
             "(RANKWATCH_TOKEN, or open the login link the dashboard printed; rankwatch login prints a new one)",
         )
     if not check_token(token.strip()):
-        raise ApiError(401, "wrong operator token")
+        raise WrongToken("wrong operator token")
     if count:
         count_write()
-
-
-class BoundedJSONProvider(DefaultJSONProvider):
-    """Flask's JSON, except that absurd nesting is invalid JSON (a 400), not a RecursionError (a 500).
-
-    ``[`` x 1000 in a body overflowed the decoder's recursion limit, which
-    Flask does not treat as a decoding error.
-    """
-
-    def loads(self, s, **kwargs):
-        try:
-            return super().loads(s, **kwargs)
-        except RecursionError:
-            raise ValueError("nested too deeply") from None
-
-
-def json_body(fields: dict[str, tuple[type, bool]]) -> dict[str, Any]:
-    """The request's JSON object, checked against ``{name: (type, required)}``.
-
-    Unknown fields, wrong types, over-long text and non-JSON bodies are 4xx
-    errors that name the problem; nothing is changed before this passes.
-    """
-    if not request.is_json:
-        raise ApiError(415, "send a JSON body with 'Content-Type: application/json'")
-    data = request.get_data()
-    try:
-        body = current_app.json.loads(data) if data else None
-    except ValueError as e:  # UnicodeDecodeError is one too
-        raise ApiError(400, f"the body is not valid JSON: {str(e)[:200]}") from None
-    body = {} if body is None else body
-    if not isinstance(body, dict):
-        raise ApiError(400, f"the body must be a JSON object, not {type(body).__name__}")
-    unknown = sorted(set(body) - set(fields))
-    if unknown:
-        raise ApiError(400, f"unknown field(s): {', '.join(unknown)}; expected {', '.join(fields) or 'none'}")
-    out = {}
-    for name, (kind, required) in fields.items():
-        if name not in body or body[name] is None:
-            if required:
-                raise ApiError(400, f"field {name!r} is required")
-            continue
-        value = body[name]
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise ApiError(400, f"field {name!r} must be {kind.__name__}, not {type(value).__name__}")
-        if isinstance(value, str):
-            value = value.strip()
-            if len(value) > MAX_TEXT:
-                raise ApiError(400, f"field {name!r} is longer than {MAX_TEXT} characters")
-            if required and not value:
-                raise ApiError(400, f"field {name!r} must not be empty")
-        out[name] = value
-    return out

@@ -25,7 +25,6 @@ so a client with many addresses cannot grow them without bound.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import OrderedDict, deque
@@ -122,8 +121,3 @@ class Bucket:
                 item[0] -= 1.0
                 return 0.0
             return (1.0 - item[0]) / self.rate
-
-
-def retry_after(seconds: float) -> dict[str, str]:
-    """The ``Retry-After`` header for a wait, in whole seconds (at least 1)."""
-    return {"Retry-After": str(max(1, math.ceil(seconds)))}

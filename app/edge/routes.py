@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from flask import Blueprint, current_app, jsonify, request
 
-from app.edge.auth import check_token, json_body, require_operator, settle
+from app.edge import params
+from app.edge.auth import check_token, require_operator, settle
 from app.edge.login import login_url
-from app.errors import ApiError
+from app.errors import WrongToken
 
 bp = Blueprint("edge", __name__)
 
@@ -18,22 +19,21 @@ bp = Blueprint("edge", __name__)
 @bp.post("/api/session")
 def api_session():
     """Check a token typed into the page; the page keeps it in sessionStorage."""
-    body = json_body({"token": (str, True)})
-    if not check_token(body["token"]):
-        raise ApiError(401, "wrong operator token")
+    body = params.body(params.SessionCheck)
+    if not check_token(body.token):
+        raise WrongToken("wrong operator token")
     return jsonify({"ok": True})
 
 
 @bp.post("/api/login")
 def api_login():
     """Trade a single-use login code (from the ``#login=`` URL) for the token, once."""
-    body = json_body({"code": (str, True)})
+    body = params.body(params.LoginRedeem)
     # Redeemed first: a live code works whatever others guessed (app.edge.auth.settle).
-    ok = current_app.extensions["rankwatch_login"].redeem(body["code"])
+    ok = current_app.extensions["rankwatch_login"].redeem(body.code)
     settle(ok, "login codes")
     if not ok:
-        raise ApiError(
-            401,
+        raise WrongToken(
             "this login link is used up or expired: open a new one "
             "(rankwatch login prints it), or enter the token",
         )
@@ -44,6 +44,6 @@ def api_login():
 def api_login_code():
     """A new single-use login code, for someone who has the token (``rankwatch login``)."""
     require_operator()
-    json_body({})
+    params.body(params.NoFields)
     code, expires = current_app.extensions["rankwatch_login"].mint()
     return jsonify({"code": code, "expires_at": expires, "login_url": login_url(request.host_url, code)}), 201

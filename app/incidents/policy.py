@@ -40,7 +40,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from app.audit import AuditLog
-from app.errors import ApiError
+from app.errors import RankwatchError
 from app.incidents.alerts import AlertDesk, ranks_text
 from app.stop.service import StopService
 
@@ -54,7 +54,7 @@ RULES = {
 }
 # Verdicts of ranks that cannot take part in a graceful stop.
 CANNOT_ANSWER = ("stalled", "dead", "node_lost", "agent_lost", "pending", "corrupt")
-MAX_REASON = 500  # the stop API's limit on a reason (app.edge.auth.MAX_TEXT)
+MAX_REASON = 500  # the stop API's limit on a reason (app.audit.MAX_TEXT)
 
 
 @dataclass(frozen=True)
@@ -241,7 +241,7 @@ class Policy:
         else:
             try:
                 request_id, created, _, _ = self.stop.request(reason, WHO, None)
-            except ApiError as e:
+            except RankwatchError as e:
                 outcome = f"failed: {e.message}; the policy will not retry"
                 event, text = "policy_failed", f"policy could not stop the job: {e.message} ({reason})"
             else:

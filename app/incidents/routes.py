@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import time
 
-from flask import Blueprint, jsonify, request
+from flask import Blueprint, jsonify
 
-from app.edge.auth import json_body, require_operator
-from app.errors import ApiError
+from app.edge import params
+from app.edge.auth import require_operator
 from app.extensions import rankwatch
 
 bp = Blueprint("incidents", __name__)
@@ -31,15 +31,15 @@ def _fresh_now() -> float:
 def api_stack(rank: int):
     """The rank's newest stack capture; ``?trigger=stall`` (or ``request``) the newest of that kind."""
     now = _fresh_now()
-    return jsonify(rankwatch().stacks.get(rank, now, request.args.get("trigger")))
+    return jsonify(rankwatch().stacks.get(rank, now, params.query(params.StackTrigger).trigger))
 
 
 @bp.post("/api/ranks/<int:rank>/stack")
 def api_stack_request(rank: int):
     require_operator()
-    body = json_body({"native": (bool, False), "who": (str, False)})
+    body = params.body(params.StackRequest)
     now = _fresh_now()
-    answer = rankwatch().stacks.request(rank, body.get("who") or WHO_DEFAULT, body.get("native", False), now)
+    answer = rankwatch().stacks.request(rank, body.who or WHO_DEFAULT, body.native, now)
     return jsonify(answer), 202
 
 
@@ -49,18 +49,16 @@ def api_stacks():
 
     ``?request=ID`` adds ``answered``: how many ranks' newest capture answers request ID.
     """
-    request_id = request.args.get("request")
-    if request_id is not None and not 0 < len(request_id) <= 128:
-        raise ApiError(400, "query parameter 'request' must be a request id (1 to 128 characters)")
+    request_id = params.query(params.StacksAnswered).request
     return jsonify(rankwatch().stacks.grouped(_fresh_now(), request_id))
 
 
 @bp.post("/api/stacks")
 def api_stacks_request():
     require_operator()
-    body = json_body({"native": (bool, False), "who": (str, False)})
+    body = params.body(params.StackRequest)
     now = _fresh_now()
-    answer = rankwatch().stacks.request_all(body.get("who") or WHO_DEFAULT, body.get("native", False), now)
+    answer = rankwatch().stacks.request_all(body.who or WHO_DEFAULT, body.native, now)
     return jsonify(answer), 202
 
 
@@ -72,10 +70,8 @@ def api_policy():
 @bp.get("/api/alerts")
 def api_alerts():
     """The webhook targets and delivery attempts, newest first; ``?limit=N`` (1 to 10000, default 100)."""
-    raw = request.args.get("limit", "100")
-    if not (raw.isascii() and raw.isdigit()) or len(raw) > 5 or not 0 < int(raw) <= 10000:
-        raise ApiError(400, f"query parameter 'limit' must be an integer from 1 to 10000, not {raw!r}")
+    limit = params.query(params.AlertRows).limit
     incidents = rankwatch().incidents
     status = incidents.alerts_status()
     del status["recent"]
-    return jsonify({**status, "rows": incidents.alerts.sender.rows(int(raw))})
+    return jsonify({**status, "rows": incidents.alerts.sender.rows(limit)})

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from app.errors import ApiError
+from app.errors import CannotWrite, CaptureRefused, NoRunDir, NotFound, RankNotFound
 from app.incidents.alerts import ranks_text
 from app.incidents.proof import prove_rank
 from app.ranks.health import TERMINAL_STATES
@@ -135,7 +135,7 @@ def _write_request(run_dir: Path, rank: int | None, request: stackfiles.Request)
         stackfiles.write_request(run_dir, rank, request)
     except (OSError, safeio.UnsafePath) as e:
         why = safeio.why(e) if isinstance(e, OSError) else str(e)
-        raise ApiError(507, f"cannot write the stack request file: {why}") from None
+        raise CannotWrite(f"cannot write the stack request file: {why}") from None
 
 
 class StackService:
@@ -167,7 +167,7 @@ class StackService:
 
     def _need_run_dir(self) -> Path:
         if self.run_dir is None:
-            raise ApiError(409, "the dashboard was started without a run directory (--run-dir)")
+            raise NoRunDir()
         return self.run_dir
 
     # ------------------------------------------------------------------ reading
@@ -232,15 +232,12 @@ class StackService:
         return None
 
     def get(self, rank: int, now: float, trigger: str | None = None) -> dict:
-        """``GET /api/ranks/<rank>/stack``: the newest capture, with its age and any pending request."""
-        if trigger is not None and trigger not in stackfiles.TRIGGERS:
-            raise ApiError(400, f"query parameter 'trigger' must be one of {', '.join(stackfiles.TRIGGERS)}")
+        """``GET /api/ranks/<rank>/stack``: the newest capture (of ``trigger``, one of ``stackfiles.TRIGGERS``), with its age and any pending request."""
         capture = self.newest(rank, trigger)
         if capture is None:
             pending = self._pending_for(rank, None)
             asked = f"; a capture was requested {now - pending['requested_at']:.0f} s ago" if pending else ""
-            raise ApiError(
-                404,
+            raise NotFound(
                 f"no stack capture of rank {rank} yet{asked}: POST /api/ranks/{rank}/stack asks for one "
                 "(a bridge also captures by itself when its rank stops stepping)",
             )
@@ -287,7 +284,7 @@ class StackService:
         run_dir = self._need_run_dir()
         found = self.state.rank(rank, now)
         if found is None:
-            raise ApiError(404, f"rank {rank} is not part of this job")
+            raise RankNotFound(rank)
         row = found["rank"]
         started = self.state.started_at(rank)
         probe = self._probe_local(row, started)
@@ -299,7 +296,7 @@ class StackService:
             else:
                 why = f"{why} ({how})"
         if via is None:
-            raise ApiError(409, f"cannot capture rank {rank}: {why}")
+            raise CaptureRefused(f"cannot capture rank {rank}: {why}")
         request = stackfiles.Request(
             request_id=runfiles.new_request_id(), requested_at=now, requested_by=who, native=native
         )

@@ -12,11 +12,13 @@ import os
 import time
 from functools import cache
 from importlib import metadata, resources
+from typing import Annotated
 
 from flask import Blueprint, Response, current_app, jsonify, render_template, request, send_file, url_for
 
 from app.attempts import answer as attempts_answer
-from app.errors import ApiError
+from app.edge import params
+from app.errors import NotFound, RankNotFound
 from app.extensions import rankwatch
 from app.large import large_answer
 from app.prometheus import exposition
@@ -25,11 +27,24 @@ from app.ranks.health import VERDICT_HELP, VERDICTS
 from app.ranks.metrics import as_json as metrics_json
 
 bp = Blueprint("ranks", __name__)
-bp.record_once(lambda setup: setup.app.extensions["rankwatch"].nav.append(("ranks.index", "Ranks")))
 
 # /api/ranks pages: 500 rows are about 280 kB of JSON; a client may ask for up to 1,000.
 PER_PAGE_DEFAULT = 500
 PER_PAGE_MAX = 1000
+
+
+Verdicts = params.some_of(VERDICTS, "verdict")
+
+
+class RanksPage(params.Query):
+    """``GET /api/ranks``'s ``?page=``, ``?per_page=`` and ``?health=dead,stalled``."""
+
+    page: params.PositiveInt = 1
+    per_page: Annotated[params.PositiveInt, params.at_most(PER_PAGE_MAX)] = PER_PAGE_DEFAULT
+    health: Verdicts = ()
+
+
+bp.record_once(lambda setup: setup.app.extensions["rankwatch"].nav.append(("ranks.index", "Ranks")))
 
 
 @cache
@@ -66,17 +81,6 @@ def page_config() -> dict:
     }
 
 
-def positive_int_arg(name: str) -> int | None:
-    raw = request.args.get(name)
-    if raw is None:
-        return None
-    # isascii: str.isdigit() also accepts "²", which int() refuses; and int()
-    # refuses more than 4300 digits. Either was a 500.
-    if not (raw.isascii() and raw.isdigit()) or len(raw) > 18 or int(raw) <= 0:
-        raise ApiError(400, f"query parameter {name!r} must be a positive integer, not {raw!r}")
-    return int(raw)
-
-
 @bp.get("/")
 def index():
     return render_template(
@@ -104,19 +108,13 @@ def plotly_css():
 def api_ranks():
     """The ranks' rows, a page at a time (``?page=``, ``?per_page=``); ``?health=dead,stalled``
     keeps only those verdicts."""
-    wanted = [h for h in request.args.get("health", "").split(",") if h]
-    unknown = sorted(set(wanted) - set(VERDICTS))
-    if unknown:
-        raise ApiError(400, f"unknown verdict {', '.join(unknown)}; expected some of {', '.join(VERDICTS)}")
-    page = positive_int_arg("page") or 1
-    per_page = positive_int_arg("per_page") or PER_PAGE_DEFAULT
-    if per_page > PER_PAGE_MAX:
-        raise ApiError(400, f"query parameter 'per_page' may be at most {PER_PAGE_MAX}, not {per_page}")
+    q = params.query(RanksPage)
+    page, per_page = q.page, q.per_page
     now = time.time()
-    body, total = fresh_state(now).page(now, wanted, (page - 1) * per_page, per_page)
+    body, total = fresh_state(now).page(now, list(q.health), (page - 1) * per_page, per_page)
     pages = max(1, math.ceil(total / per_page))
     if page > pages:
-        raise ApiError(404, f"page {page} is past the last page, {pages} ({total} rows, {per_page} a page)")
+        raise NotFound(f"page {page} is past the last page, {pages} ({total} rows, {per_page} a page)")
     return jsonify(body | {"page": page, "per_page": per_page, "total": total, "pages": pages})
 
 
@@ -126,7 +124,7 @@ def api_rank(rank: int):
     now = time.time()
     found = fresh_state(now).rank(rank, now)
     if found is None:
-        raise ApiError(404, f"rank {rank} is not part of this job")
+        raise RankNotFound(rank)
     return jsonify(found)
 
 
@@ -163,7 +161,7 @@ def api_health():
 @bp.get("/api/history")
 def api_history():
     """Chart history as a ranks x time-bucket matrix; ``?points=N`` keeps the newest N buckets."""
-    points = positive_int_arg("points")
+    points = params.query(params.HistoryPoints).points
     state = fresh_state(time.time())
     with large_answer(state.world_size(), "the chart history of every rank"):
         return jsonify(state.history(points))
@@ -183,9 +181,7 @@ def prometheus_metrics():
     ``?per_rank=1`` serves every rank's series whatever the job's size, ``?per_rank=0`` only the
     summaries; without it, per-rank series come up to METRICS_PER_RANK_MAX ranks.
     """
-    raw = request.args.get("per_rank")
-    if raw not in (None, "0", "1"):
-        raise ApiError(400, f"query parameter 'per_rank' must be 0 or 1, not {raw!r}")
+    raw = params.query(params.MetricsScope).per_rank
     rw = rankwatch()
     world = fresh_state(time.time()).world_size()
     per_rank = world <= current_app.config["METRICS_PER_RANK_MAX"] if raw is None else raw == "1"

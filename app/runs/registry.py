@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from app.errors import ApiError
+from app.errors import RunNotFound
 from app.runs.discovery import Discovery, RunEntry
 
 if TYPE_CHECKING:
@@ -111,13 +111,13 @@ class Registry:
         return run_id in self.discovery.runs
 
     def get(self, run_id: str, *, touch: bool = True) -> Rankwatch:
-        """The run's container (built now if not open); ApiError 404 for a run that is not here."""
+        """The run's container (built now if not open); RunNotFound for a run that is not here."""
         if self.single is not None:
             if run_id != self.single[0]:
-                raise ApiError(404, f"no run {run_id!r} here: this dashboard serves {self.single[0]!r}")
+                raise RunNotFound(f"no run {run_id!r} here: this dashboard serves {self.single[0]!r}")
             return self.single[1]
         if not self.known(run_id):
-            raise ApiError(404, f"no run {run_id!r} under {self.config['RUNS_ROOT']}")
+            raise RunNotFound(f"no run {run_id!r} under {self.config['RUNS_ROOT']}")
         with self._lock:
             if touch:
                 self._used[run_id] = self.clock()

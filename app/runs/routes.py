@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from flask import Flask, Response, g, jsonify, render_template, request, url_for
 
-from app.errors import ApiError
+from app.edge import params
 from app.runs.rows import PER_PAGE_DEFAULT, STATES, Rows, parse_args
 
 
@@ -46,9 +46,7 @@ def register(app: Flask, rows: Rows) -> None:
         """Under --runs, /metrics is every open run's series, /runs/<id>/metrics that run's; each with ``run``."""
         from app.runs.metrics import exposition
 
-        raw = request.args.get("per_rank")
-        if raw not in (None, "0", "1"):
-            raise ApiError(400, f"query parameter 'per_rank' must be 0 or 1, not {raw!r}")
+        raw = params.query(params.MetricsScope).per_rank
         run_id = g.get("run_id")
         if run_id is not None:
             chosen = [(run_id, registry.get(run_id))]

@@ -15,10 +15,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
 
 from app import attempts
-from app.errors import ApiError
+from app.edge import params
 
 STATES = ("training", "stopping", "stopped", "finished", "failed", "stalled", "idle")
 # Verdicts that put a run first: a rank in trouble.
@@ -197,32 +199,28 @@ class Rows:
         }
 
 
+class RunsQuery(params.Query):
+    """``GET /api/runs``'s query parameters (and ``rankwatch runs``' options)."""
+
+    page: Annotated[int, Field(gt=0, le=10**6, description="a positive integer")] = 1
+    per_page: Annotated[int, Field(gt=0, description="a positive integer")] = PER_PAGE_DEFAULT
+    state: Annotated[
+        Literal[(*STATES, "attention")] | None,
+        Field(description=f"one of {', '.join((*STATES, 'attention'))}"),
+    ] = None
+    q: Annotated[str | None, Field(max_length=MAX_QUERY, description=f"at most {MAX_QUERY} characters")] = (
+        None
+    )
+    sort: Annotated[
+        str,
+        Field(
+            pattern="^-?(" + "|".join(SORTS) + ")$",
+            description=f"one of {', '.join(SORTS)} (a leading - for descending)",
+        ),
+    ] = "attention"
+
+
 def parse_args(args: Mapping[str, str]) -> dict:
-    """``page``, ``per_page``, ``state``, ``q`` and ``sort`` from a query string; ApiError 400 if bad."""
-
-    def positive(name: str, default: int, top: int) -> int:
-        raw = args.get(name)
-        if raw is None:
-            return default
-        if not (raw.isascii() and raw.isdigit()) or len(raw) > 9 or int(raw) <= 0:
-            raise ApiError(400, f"query parameter {name!r} must be a positive integer, not {raw[:40]!r}")
-        return min(int(raw), top)
-
-    state = args.get("state") or None
-    if state is not None and state not in (*STATES, "attention"):
-        raise ApiError(400, f"state must be one of {', '.join((*STATES, 'attention'))}, not {state[:40]!r}")
-    sort = args.get("sort") or "attention"
-    if sort.lstrip("-") not in SORTS or sort.count("-") > 1:
-        raise ApiError(
-            400, f"sort must be one of {', '.join(SORTS)} (a leading - for descending), not {sort[:40]!r}"
-        )
-    q = args.get("q") or None
-    if q is not None and len(q) > MAX_QUERY:
-        raise ApiError(400, f"q is longer than {MAX_QUERY} characters")
-    return {
-        "page": positive("page", 1, 10**6),
-        "per_page": positive("per_page", PER_PAGE_DEFAULT, PER_PAGE_MAX),
-        "state": state,
-        "q": q,
-        "sort": sort,
-    }
+    """``page``, ``per_page``, ``state``, ``q`` and ``sort`` from a query string; ``BadRequest`` if bad."""
+    query = params.validate(RunsQuery, {k: v for k, v in args.items() if v != ""})
+    return query.model_dump() | {"per_page": min(query.per_page, PER_PAGE_MAX)}

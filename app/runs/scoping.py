@@ -21,7 +21,7 @@ from urllib.parse import quote
 from flask import Flask, current_app, g, request
 from werkzeug.routing import Rule
 
-from app.errors import ApiError
+from app.errors import RunNotFound
 from app.runs import ids
 
 RUN_ARG = "run_id"
@@ -87,10 +87,9 @@ def install(app: Flask, registry) -> None:
     def check_run():
         run_id = g.get("run_id")
         if run_id is not None:
-            registry.get(run_id)  # ApiError 404 for a run that is not here
+            registry.get(run_id)  # RunNotFound for a run that is not here
         elif registry.is_root and request.endpoint in scoped and request.endpoint not in ROOT_WIDE:
-            raise ApiError(
-                404,
+            raise RunNotFound(
                 f"this dashboard serves the runs under {app.config['RUNS_ROOT']}: each run's routes are "
                 f"/runs/<id>/ and /api/runs/<id>/{request.path.removeprefix('/api/')} (the ids: GET /api/runs)",
             )

@@ -1,7 +1,7 @@
 """The stop API (README, "JSON API"): request, follow, cancel, re-arm, audit.
 
 Every state change needs the operator token (``app.edge.auth``) and a JSON body
-that passes ``json_body``; checks happen before anything is written.
+that passes ``app.edge.params``; checks happen before anything is written.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import time
 
 from flask import Blueprint, Response, jsonify, request
 
-from app.audit import AuditError
-from app.edge.auth import json_body, over_write_budget, require_operator
-from app.errors import ApiError
+from app.edge import params
+from app.edge.auth import over_write_budget, require_operator
+from app.errors import NoRunDir
 from app.extensions import rankwatch
 
 bp = Blueprint("stop", __name__)
@@ -34,18 +34,11 @@ def _live():
 
 def _require_run_dir() -> None:
     if rankwatch().state.run_dir is None:
-        raise ApiError(409, "the dashboard was started without a run directory (--run-dir)")
+        raise NoRunDir()
 
 
-def _audit_rows(**kwargs) -> list[dict]:
-    try:
-        return rankwatch().stop.audit.rows(**kwargs)
-    except AuditError as e:
-        raise ApiError(503, str(e)) from None
-
-
-def _who(body: dict) -> str:
-    return body.get("who") or WHO_DEFAULT
+def _who(body: params.StopRequest | params.StopChange) -> str:
+    return body.who or WHO_DEFAULT
 
 
 @bp.get("/api/exit")
@@ -67,11 +60,11 @@ def api_exit_request():
     flood of presses cannot grow the trail and the stop still goes through.
     """
     require_operator(count=False)
-    body = json_body({"reason": (str, True), "who": (str, False)})
+    body = params.body(params.StopRequest)
     _require_run_dir()
     over = over_write_budget() > 0
     rid, created, audit_error, lock_error = rankwatch().stop.request(
-        body["reason"], _who(body), request.remote_addr, audit_duplicate=not over
+        body.reason, _who(body), request.remote_addr, audit_duplicate=not over
     )
     answer = {"request_id": rid, "created": created}
     if audit_error:
@@ -84,19 +77,17 @@ def api_exit_request():
 @bp.post("/api/exit/cancel")
 def api_exit_cancel():
     require_operator()
-    body = json_body({"reason": (str, False), "who": (str, False)})
+    body = params.body(params.StopChange)
     ranks, _ = _live()
     rw = rankwatch()
-    rid = rw.stop.cancel(
-        ranks, _who(body), request.remote_addr, body.get("reason"), facts=rw.state.job_facts()
-    )
+    rid = rw.stop.cancel(ranks, _who(body), request.remote_addr, body.reason, facts=rw.state.job_facts())
     return jsonify({"request_id": rid, "cancelled": True})
 
 
 @bp.post("/api/exit/rearm")
 def api_exit_rearm():
     require_operator()
-    body = json_body({"reason": (str, False), "who": (str, False), "force": (bool, False)})
+    body = params.body(params.Rearm)
     ranks, world = _live()
     rw = rankwatch()
     rid = rw.stop.rearm(
@@ -104,8 +95,8 @@ def api_exit_rearm():
         world,
         _who(body),
         request.remote_addr,
-        body.get("reason"),
-        force=body.get("force", False),
+        body.reason,
+        force=body.force,
         facts=rw.state.job_facts(),
     )
     return jsonify({"request_id": rid, "rearmed": True})
@@ -113,22 +104,19 @@ def api_exit_rearm():
 
 @bp.get("/api/audit")
 def api_audit():
-    raw = request.args.get("limit", "200")
-    # isascii: str.isdigit() also accepts "²", which int() refuses (a 500).
-    if not (raw.isascii() and raw.isdigit()) or len(raw) > 5 or not 0 < int(raw) <= 10000:
-        raise ApiError(400, f"query parameter 'limit' must be an integer from 1 to 10000, not {raw!r}")
-    return jsonify({"rows": _audit_rows(limit=int(raw))})
+    """The newest audit rows, newest first; ``?limit=N`` (1 to 10000, default 200)."""
+    limit = params.query(params.AuditRows).limit
+    return jsonify({"rows": rankwatch().stop.audit.rows(limit=limit)})
 
 
 @bp.get("/api/audit.csv")
 def api_audit_csv():
-    """The whole trail, streamed a few hundred rows at a time (never built in memory)."""
-    try:
-        chunks = rankwatch().stop.audit.iter_csv()
-    except AuditError as e:
-        raise ApiError(503, str(e)) from None
+    """The whole trail, streamed a few hundred rows at a time (never built in memory).
+
+    A trail that cannot be opened is a 503 (``AuditError`` is ``Unavailable``).
+    """
     return Response(
-        chunks,
+        rankwatch().stop.audit.iter_csv(),
         mimetype="text/csv",
         headers={"Content-Disposition": "attachment; filename=rankwatch-audit.csv"},
     )

@@ -32,9 +32,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from app.attempts import served_by
-from app.audit import OBSERVED, SYSTEM, AuditError, AuditLog
-from app.edge.auth import MAX_TEXT
-from app.errors import ApiError
+from app.audit import MAX_TEXT, OBSERVED, SYSTEM, AuditError, AuditLog
+from app.errors import CannotWrite, StopRefused
 from app.stop.jobend import JobFacts, log_stage
 from trainer_bridge.rundir import runfiles, safeio
 
@@ -176,7 +175,7 @@ class StopService:
                     request_id=rid,
                     outcome=_unlocked(f"failed: {e.strerror or e}", unlocked),
                 )
-                raise ApiError(507, f"could not write the stop flag: {e.strerror or e}") from None
+                raise CannotWrite(f"could not write the stop flag: {e.strerror or e}") from None
             problem = self._audit(
                 "request",
                 who=who,
@@ -190,13 +189,13 @@ class StopService:
     def _pending_or_refuse(
         self, action: str, who: str, remote_addr: str | None, reason: str | None, refusal: str
     ) -> dict:
-        """The pending request in the flag; if there is none, audit the refusal and answer 409."""
+        """The pending request in the flag; if there is none, audit the refusal and raise ``StopRefused``."""
         active = self._active(self.read_flag()[0])
         if active is None:
             self._audit(
                 action, who=who, remote_addr=remote_addr, reason=reason, outcome=f"refused: {refusal}"
             )
-            raise ApiError(409, refusal)
+            raise StopRefused(refusal)
         return active
 
     def cancel(
@@ -221,8 +220,7 @@ class StopService:
                     request_id=rid,
                     outcome=f"refused: ranks {committed} already agreed",
                 )
-                raise ApiError(
-                    409,
+                raise StopRefused(
                     f"too late to cancel: rank(s) {_ranks_text(committed)} already agreed on the stop step",
                 )
             runfiles.write_flag(
@@ -271,8 +269,7 @@ class StopService:
                     request_id=rid,
                     outcome="refused: the stop has not completed",
                 )
-                raise ApiError(
-                    409,
+                raise StopRefused(
                     "the stop has not completed on every rank; re-arming now lets "
                     "ranks that have not stopped run on (send force: true to do it anyway)",
                 )

@@ -214,9 +214,9 @@ def test_apply_refuses_a_plan_that_changed(job):
     r = retention(job)
     p = r.plan(2, {})
     periodic(job, 50)  # a new set: now 20 goes too
-    from app.errors import ApiError
+    from app.errors import CheckpointRefused
 
-    with pytest.raises(ApiError) as e:
+    with pytest.raises(CheckpointRefused) as e:
         r.apply(p.hash, 2, {}, who="alice")
     assert e.value.status == 409
     assert (job / "ckpt/rank_0/net-1_10.ckpt").exists()

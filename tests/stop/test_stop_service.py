@@ -9,7 +9,7 @@ import time
 import pytest
 
 from app.audit import AuditLog
-from app.errors import ApiError
+from app.errors import StopRefused
 from app.stop.service import StopService
 from trainer_bridge.rundir import runfiles
 
@@ -115,7 +115,7 @@ def test_late_rank_is_flagged_after_the_deadline(tmp_path):
 
 def test_cancel_only_before_agreement(service, tmp_path):
     rid, *_ = service.request("r", "alice", None)
-    with pytest.raises(ApiError) as e:
+    with pytest.raises(StopRefused) as e:
         service.cancel({0: hb(0, rid, "agreed", 4)}, "bob", None, "oops")
     assert e.value.status == 409
     assert runfiles.read_flag(tmp_path).exit  # nothing changed
@@ -167,7 +167,7 @@ def test_after_a_relaunch_the_served_stop_is_the_last_stop_not_the_current_one(s
 def test_rearm_refused_mid_stop_unless_forced(service, tmp_path):
     rid, *_ = service.request("r", "alice", None)
     ranks = {0: hb(0, rid, "saving", 3), 1: hb(1)}
-    with pytest.raises(ApiError) as e:
+    with pytest.raises(StopRefused) as e:
         service.rearm(ranks, 2, "bob", None, None)
     assert e.value.status == 409 and runfiles.read_flag(tmp_path).exit
     service.rearm(ranks, 2, "bob", None, "rank 1 is dead", force=True)
