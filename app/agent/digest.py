@@ -89,6 +89,8 @@ class Row(TypedDict):
     seq: Count | None
     source: Literal["bridge", "log"]
     clock_skew_s: Float | None
+    launch: Short | None
+    resumed_from: Text | None
 
 
 ROW_FIELDS = tuple(Row.__annotations__)

@@ -64,6 +64,9 @@ def install(app: Flask, registry) -> None:
                 methods=rule.methods,
                 defaults=rule.defaults,
                 strict_slashes=rule.strict_slashes,
+                # A run id never holds a "/" (ids.encode), so "//" after /runs/ is a decoded
+                # %2F: refused with a 404 rather than redirected to a path with ".." in it.
+                merge_slashes=False,
             )
         )
     app.extensions["rankwatch_scoped"] = scoped
