@@ -1,7 +1,7 @@
 """``rankwatch serve`` (and ``python -m app``): start the dashboard, one option per setting.
 
 The options are made from ``app.config.SETTINGS`` and grouped as
-``app.config.GROUPS`` says; a flag wins over ``RANKWATCH_<NAME>``, which
+``Setting.group`` says (``app.config.GROUPS`` orders the groups); a flag wins over ``RANKWATCH_<NAME>``, which
 wins over the default. Before the server starts, the port is tried, so a
 port in use is one clear line and a non-zero exit, not gunicorn's retries.
 """
