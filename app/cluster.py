@@ -8,7 +8,7 @@ process (``RedisQueue``, on the channel ``rankwatch:{job}:socketio``).
 Exactly one process, the leader, does what must happen once per job: push
 the rank deltas and the stop lifecycle, record a completed stop and re-arm
 the flag, raise alerts and run the stop policy. Leadership is a lock in
-Redis (``redisbus.Leader``: ``SET key token NX PX ttl`` on
+Redis (``Leader``: ``SET key token NX PX ttl`` on
 ``rankwatch:{job}:leader``): the leader renews it every watcher tick; when
 it dies, its key expires after ``LEADER_TTL_S`` and the next follower to
 try takes it over.
@@ -36,7 +36,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import time
+import uuid
 from typing import NoReturn
 
 import socketio
@@ -189,7 +192,7 @@ class Cluster:
         self.url = url
         self.job = job
         self.queue = RedisQueue(url, job, key)
-        self.lock = redisbus.Leader(url, job, ttl_s, key)
+        self.lock = Leader(url, job, ttl_s, key)
         self.leader = False
         self.changed_at = time.time()  # when this process's role last changed
 
@@ -244,3 +247,125 @@ class Cluster:
                 "refused": {"queue": self.queue.codec.refused, "queue_last": self.queue.codec.refused_last},
             },
         }
+
+
+# With a key, a leader lock signed longer ago than its TTL and this (for
+# clocks that differ between hosts) was not renewed by its holder.
+LOCK_SKEW_S = 30.0
+
+
+class Leader(redisbus.Guarded):
+    """A dashboard process's claim on ``{p}:leader``: ``SET NX PX``, renewed every tick.
+
+    ``step()`` renews the lock when this process holds it and tries to take
+    it otherwise, and returns whether this process leads. While Redis is
+    unreachable nobody can be elected, so ``step()`` keeps the role it had.
+    The lock's value names the holder (``token``): host, pid and a random
+    tag; with ``key``, followed by when it was last renewed and a redisbus.signature
+    of both, made anew at every renewal.
+
+    **Stale locks.** A dashboard always sets the lock with a TTL of
+    ``ttl_s`` and renews it every tick, so a lock that has no TTL, or more
+    than ``ttl_s`` left, was not set by a live dashboard of this job (whoever
+    can write to Redis could otherwise hold the lead for ever): it is deleted
+    and taken over. With ``key``, so is a lock whose value is not redisbus.signed, or
+    was redisbus.signed more than ``ttl_s + LOCK_SKEW_S`` ago (a copied value, renewed
+    by someone without the key). Every dashboard of a job must therefore use
+    the same ``LEADER_TTL_S``.
+    """
+
+    # Compare-and-set and compare-and-delete: only the holder's own value is renewed or released.
+    _RENEW = (
+        "if redis.call('get', KEYS[1]) == ARGV[1] then "
+        "redis.call('set', KEYS[1], ARGV[2], 'PX', ARGV[3]) return 1 end return 0"
+    )
+    _DELETE_IF = (
+        "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+    )
+
+    def __init__(self, url: str, job: str, ttl_s: float, key: bytes | None = None, clock=time.time, **kw):
+        super().__init__(url, job, **kw)
+        self.ttl_s = ttl_s
+        self.key = key
+        self.wall = clock
+        self.token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.value: str | None = None  # what this process last wrote, while it leads
+        self.leads = False
+        self.where = redisbus._safe_url(url)
+        self.taken_over: str | None = None  # the last stale lock this process replaced, and why
+
+    def _new_value(self) -> str:
+        if self.key is None:
+            return self.token
+        at = f"{self.wall():.0f}"
+        return f"{self.token} {at} {redisbus.signature(self.key, 'leader', self.job, at, self.token.encode()).decode()}"
+
+    def _stale(self, client) -> None:
+        """Delete the lock if no live dashboard of this job can have set it (see the class)."""
+        pipe = client.pipeline()  # one transaction: the TTL is the value's
+        pipe.get(self.leader)
+        pipe.pttl(self.leader)
+        raw, pttl = pipe.execute()
+        if raw is None:
+            return
+        why = None
+        if pttl == -1:
+            why = "it has no TTL"
+        elif pttl > self.ttl_s * 1000:
+            why = f"its TTL ({pttl / 1000:.0f} s) is longer than LEADER_TTL_S ({self.ttl_s:g} s)"
+        elif self.key is not None:
+            parts = raw.split(b" ")
+            at = parts[1].decode(errors="replace") if len(parts) == 3 else ""
+            if not (
+                len(parts) == 3 and redisbus.signed(self.key, "leader", self.job, at, parts[0], parts[2])
+            ):
+                why = f"it is not signed with {redisbus.REDIS_KEY_ENV}"
+            elif not abs(self.wall() - float(at)) <= self.ttl_s + LOCK_SKEW_S:
+                why = f"it was signed {self.wall() - float(at):.0f} s ago, not renewed by its holder"
+        if why and client.eval(self._DELETE_IF, 1, self.leader, raw):
+            self.taken_over = f"{raw.partition(b' ')[0].decode(errors='replace')[:100]!r}: {why}"
+            log.warning("rankwatch: took over the leader lock %s", self.taken_over)
+
+    def step(self) -> bool:
+        ttl_ms = int(self.ttl_s * 1000)
+
+        def renew_or_take(client) -> bool:
+            value = self._new_value()
+            if self.leads and self.value is not None:
+                if client.eval(self._RENEW, 1, self.leader, self.value, value, ttl_ms):
+                    self.value = value
+                    return True
+                # Expired (a stall longer than the TTL) or Redis restarted empty: try again.
+            if not client.set(self.leader, value, nx=True, px=ttl_ms):
+                self._stale(client)
+                if not client.set(self.leader, value, nx=True, px=ttl_ms):
+                    return False
+            self.value = value
+            return True
+
+        try:
+            self.leads = self._call(renew_or_take)
+        except redisbus.RedisUnavailable:
+            pass
+        return self.leads
+
+    def holder(self) -> str | None:
+        """The token of the process that holds the lock now (None if nobody, or Redis is down)."""
+        try:
+            raw = self._call(lambda client: client.get(self.leader))
+        except redisbus.RedisUnavailable:
+            return None
+        return raw.partition(b" ")[0].decode(errors="replace") if raw else None
+
+    def release(self) -> None:
+        """Give the lock up (a clean shutdown), so that a follower need not wait for it to expire."""
+        if not self.leads:
+            return
+        self.leads = False
+        value, self.value = self.value, None
+        if value is None:
+            return
+        try:
+            self._call(lambda client: client.eval(self._DELETE_IF, 1, self.leader, value))
+        except redisbus.RedisUnavailable:
+            pass

@@ -46,7 +46,7 @@ class HostView:
     lost: bool = False
 
 
-class Hub(redisbus._Guarded):
+class Hub(redisbus.Guarded):
     """Every host's newest digest and every rank's newest row, for one run."""
 
     def __init__(

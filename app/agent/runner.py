@@ -49,7 +49,7 @@ log = logging.getLogger("rankwatch.agent")
 STEPPING = ("training", "stopping")
 
 
-class Outbox(redisbus._Guarded):
+class Outbox(redisbus.Guarded):
     """The agent's one Redis connection: digests out (buffered while Redis is away), flag and resync in."""
 
     def __init__(self, url: str, run: str, key: bytes | None, buffer: int, **kw):

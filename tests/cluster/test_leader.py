@@ -10,7 +10,7 @@ import time
 import pytest
 
 from app import create_app
-from app.cluster import Cluster
+from app.cluster import Cluster, Leader
 from app.config import from_env
 from app.extensions import socketio
 from app.ranks.state import DELTA_EVENT, SNAPSHOT_EVENT
@@ -31,7 +31,7 @@ def until(fn, what: str, timeout: float = 30.0):
 
 
 def test_exactly_one_takes_the_lock_and_another_takes_it_over_when_it_expires(redis_server):
-    a, b = (redisbus.Leader(redis_server.url, "job", TTL_S) for _ in range(2))
+    a, b = (Leader(redis_server.url, "job", TTL_S) for _ in range(2))
     assert a.step() is True and b.step() is False
     assert a.step() is True and b.step() is False  # renewed, not taken twice
     assert b.holder() == a.token
@@ -42,14 +42,14 @@ def test_exactly_one_takes_the_lock_and_another_takes_it_over_when_it_expires(re
 
 
 def test_release_hands_the_lock_over_at_once(redis_server):
-    a, b = (redisbus.Leader(redis_server.url, "job", 60.0) for _ in range(2))
+    a, b = (Leader(redis_server.url, "job", 60.0) for _ in range(2))
     assert a.step() and not b.step()
     a.release()
     assert b.step() is True
 
 
 def test_redis_down_keeps_each_role_and_one_leads_again_after(redis_server):
-    a, b = (redisbus.Leader(redis_server.url, "job", TTL_S) for _ in range(2))
+    a, b = (Leader(redis_server.url, "job", TTL_S) for _ in range(2))
     assert a.step() and not b.step()
     redis_server.stop()
     assert a.step() is True and b.step() is False  # no election without Redis
@@ -72,7 +72,7 @@ def test_a_follower_pushes_nothing_while_redis_answers_and_its_own_view_while_it
     write_job(run_dir, 2)
     for r in range(2):
         write_heartbeat(run_dir, heartbeat(r, 2))
-    holder = redisbus.Leader(redis_server.url, redisbus.job_key(run_dir), 60.0)
+    holder = Leader(redis_server.url, redisbus.job_key(run_dir), 60.0)
     assert holder.step()  # another dashboard leads
     # With the same LEADER_TTL_S: a lock with more left than this one's TTL is stale (redisbus.Leader).
     app = _cluster_app(run_dir, redis_server.url, LEADER_TTL_S=60.0)

@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 
-from app.cluster import QueueCodec, channel
+from app.cluster import Leader, QueueCodec, channel
 from app.config import from_env
 from app.ranks.state import RunState
 from tests.helpers.heartbeats import heartbeat, write_job
@@ -248,7 +248,7 @@ def test_a_leader_lock_without_ttl_or_with_a_huge_one_is_taken_over(redis_server
 
     client = redis.Redis.from_url(redis_server.url)
     _, _, key = redisbus.keys("job")
-    dash = redisbus.Leader(redis_server.url, "job", 2.0)
+    dash = Leader(redis_server.url, "job", 2.0)
     client.set(key, "attacker")  # no TTL
     assert dash.step() is True and dash.holder() == dash.token
     assert 0 < client.pttl(key) <= 2000
@@ -256,7 +256,7 @@ def test_a_leader_lock_without_ttl_or_with_a_huge_one_is_taken_over(redis_server
     client.set(key, "attacker", ex=86_400)
     assert dash.step() is True and dash.holder() == dash.token
     # A rightful holder (TTL within bounds) is left alone.
-    other = redisbus.Leader(redis_server.url, "job", 2.0)
+    other = Leader(redis_server.url, "job", 2.0)
     assert other.step() is False and dash.step() is True
 
 
@@ -266,7 +266,7 @@ def test_with_a_key_an_unsigned_or_copied_leader_lock_is_taken_over(redis_server
 
     client = redis.Redis.from_url(redis_server.url)
     _, _, key = redisbus.keys("job")
-    dash = redisbus.Leader(redis_server.url, "job", 2.0, key=KEY.encode())
+    dash = Leader(redis_server.url, "job", 2.0, key=KEY.encode())
     client.set(key, "attacker", px=2000)
     assert dash.step() is True and "not signed" in dash.taken_over
     value = client.get(key)
@@ -274,7 +274,7 @@ def test_with_a_key_an_unsigned_or_copied_leader_lock_is_taken_over(redis_server
     assert token.decode() == dash.token and dash.holder() == dash.token
     dash.release()
     # A signed value, copied: its signature dates from a renewal 100 s ago.
-    old = redisbus.Leader(redis_server.url, "job", 2.0, key=KEY.encode(), clock=lambda: time.time() - 100)
+    old = Leader(redis_server.url, "job", 2.0, key=KEY.encode(), clock=lambda: time.time() - 100)
     assert old.step() is True
     copied = client.get(key)
     old.leads = False  # that dashboard is gone; the attacker renews its value without the key
@@ -282,7 +282,7 @@ def test_with_a_key_an_unsigned_or_copied_leader_lock_is_taken_over(redis_server
     assert dash.step() is True and "signed 100 s ago" in dash.taken_over
     # The leader itself re-signs at every renewal, so it keeps the lead.
     before = client.get(key)
-    later = redisbus.Leader(redis_server.url, "job", 2.0, key=KEY.encode())
+    later = Leader(redis_server.url, "job", 2.0, key=KEY.encode())
     assert later.step() is False and dash.step() is True and dash.step() is True
     assert client.get(key).split(b" ")[0] == before.split(b" ")[0]
 
@@ -332,7 +332,7 @@ def test_a_password_and_an_acl_user_in_the_url_work_and_never_show(locked_redis,
     beat = json.dumps(heartbeat(0, 1, seq=1)).encode()
     assert pub.publish(0, beat), pub.error
     assert sub.poll() == [(0, beat)]
-    lead = redisbus.Leader(url, job, 5.0)
+    lead = Leader(url, job, 5.0)
     assert lead.step() is True and lead.error is None
     assert lead.where == f"redis://rankwatch:***@127.0.0.1:{port}/0"
     # The ACL user reaches only Rankwatch's keys.

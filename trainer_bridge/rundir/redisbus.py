@@ -43,9 +43,7 @@ import hashlib
 import hmac
 import logging
 import os
-import socket
 import time
-import uuid
 
 REDIS_URL_ENV = "RANKWATCH_REDIS_URL"
 REDIS_JOB_ENV = "RANKWATCH_REDIS_JOB"
@@ -60,9 +58,6 @@ STREAM_MIN = 10_000
 SOCKET_TIMEOUT_S = 0.5
 # After a failure, try again at most this often.
 RETRY_S = 5.0
-# With a key, a leader lock signed longer ago than its TTL and this (for
-# clocks that differ between hosts) was not renewed by its holder.
-LOCK_SKEW_S = 30.0
 
 log = logging.getLogger("trainer_bridge")
 
@@ -121,7 +116,7 @@ def connect(url: str):
     )
 
 
-class _Guarded:
+class Guarded:
     """One Redis connection that fails softly: after an error, calls are skipped for ``RETRY_S``."""
 
     def __init__(self, url: str, job: str, clock=time.monotonic):
@@ -166,7 +161,7 @@ class _Guarded:
                 pass
 
 
-class Publisher(_Guarded):
+class Publisher(Guarded):
     """The bridge's side: publish one rank's heartbeats."""
 
     def __init__(self, url: str, job: str, world_size: int, key: bytes | None = None, **kw):
@@ -197,7 +192,7 @@ class Publisher(_Guarded):
         return True
 
 
-class Subscriber(_Guarded):
+class Subscriber(Guarded):
     """The dashboard's side: every rank's newest heartbeat, then only what is new.
 
     ``poll()`` returns ``(rank, heartbeat bytes)`` pairs in arrival order.
@@ -286,123 +281,6 @@ class Subscriber(_Guarded):
                 self._last_id = entry_id
             if len(entries) < self.batch or len(out) >= 4 * self.batch:
                 return out, False
-
-
-class Leader(_Guarded):
-    """A dashboard process's claim on ``{p}:leader``: ``SET NX PX``, renewed every tick.
-
-    ``step()`` renews the lock when this process holds it and tries to take
-    it otherwise, and returns whether this process leads. While Redis is
-    unreachable nobody can be elected, so ``step()`` keeps the role it had.
-    The lock's value names the holder (``token``): host, pid and a random
-    tag; with ``key``, followed by when it was last renewed and a signature
-    of both, made anew at every renewal.
-
-    **Stale locks.** A dashboard always sets the lock with a TTL of
-    ``ttl_s`` and renews it every tick, so a lock that has no TTL, or more
-    than ``ttl_s`` left, was not set by a live dashboard of this job (whoever
-    can write to Redis could otherwise hold the lead for ever): it is deleted
-    and taken over. With ``key``, so is a lock whose value is not signed, or
-    was signed more than ``ttl_s + LOCK_SKEW_S`` ago (a copied value, renewed
-    by someone without the key). Every dashboard of a job must therefore use
-    the same ``LEADER_TTL_S``.
-    """
-
-    # Compare-and-set and compare-and-delete: only the holder's own value is renewed or released.
-    _RENEW = (
-        "if redis.call('get', KEYS[1]) == ARGV[1] then "
-        "redis.call('set', KEYS[1], ARGV[2], 'PX', ARGV[3]) return 1 end return 0"
-    )
-    _DELETE_IF = (
-        "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
-    )
-
-    def __init__(self, url: str, job: str, ttl_s: float, key: bytes | None = None, clock=time.time, **kw):
-        super().__init__(url, job, **kw)
-        self.ttl_s = ttl_s
-        self.key = key
-        self.wall = clock
-        self.token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self.value: str | None = None  # what this process last wrote, while it leads
-        self.leads = False
-        self.where = _safe_url(url)
-        self.taken_over: str | None = None  # the last stale lock this process replaced, and why
-
-    def _new_value(self) -> str:
-        if self.key is None:
-            return self.token
-        at = f"{self.wall():.0f}"
-        return (
-            f"{self.token} {at} {signature(self.key, 'leader', self.job, at, self.token.encode()).decode()}"
-        )
-
-    def _stale(self, client) -> None:
-        """Delete the lock if no live dashboard of this job can have set it (see the class)."""
-        pipe = client.pipeline()  # one transaction: the TTL is the value's
-        pipe.get(self.leader)
-        pipe.pttl(self.leader)
-        raw, pttl = pipe.execute()
-        if raw is None:
-            return
-        why = None
-        if pttl == -1:
-            why = "it has no TTL"
-        elif pttl > self.ttl_s * 1000:
-            why = f"its TTL ({pttl / 1000:.0f} s) is longer than LEADER_TTL_S ({self.ttl_s:g} s)"
-        elif self.key is not None:
-            parts = raw.split(b" ")
-            at = parts[1].decode(errors="replace") if len(parts) == 3 else ""
-            if not (len(parts) == 3 and signed(self.key, "leader", self.job, at, parts[0], parts[2])):
-                why = f"it is not signed with {REDIS_KEY_ENV}"
-            elif not abs(self.wall() - float(at)) <= self.ttl_s + LOCK_SKEW_S:
-                why = f"it was signed {self.wall() - float(at):.0f} s ago, not renewed by its holder"
-        if why and client.eval(self._DELETE_IF, 1, self.leader, raw):
-            self.taken_over = f"{raw.partition(b' ')[0].decode(errors='replace')[:100]!r}: {why}"
-            log.warning("rankwatch: took over the leader lock %s", self.taken_over)
-
-    def step(self) -> bool:
-        ttl_ms = int(self.ttl_s * 1000)
-
-        def renew_or_take(client) -> bool:
-            value = self._new_value()
-            if self.leads and self.value is not None:
-                if client.eval(self._RENEW, 1, self.leader, self.value, value, ttl_ms):
-                    self.value = value
-                    return True
-                # Expired (a stall longer than the TTL) or Redis restarted empty: try again.
-            if not client.set(self.leader, value, nx=True, px=ttl_ms):
-                self._stale(client)
-                if not client.set(self.leader, value, nx=True, px=ttl_ms):
-                    return False
-            self.value = value
-            return True
-
-        try:
-            self.leads = self._call(renew_or_take)
-        except RedisUnavailable:
-            pass
-        return self.leads
-
-    def holder(self) -> str | None:
-        """The token of the process that holds the lock now (None if nobody, or Redis is down)."""
-        try:
-            raw = self._call(lambda client: client.get(self.leader))
-        except RedisUnavailable:
-            return None
-        return raw.partition(b" ")[0].decode(errors="replace") if raw else None
-
-    def release(self) -> None:
-        """Give the lock up (a clean shutdown), so that a follower need not wait for it to expire."""
-        if not self.leads:
-            return
-        self.leads = False
-        value, self.value = self.value, None
-        if value is None:
-            return
-        try:
-            self._call(lambda client: client.eval(self._DELETE_IF, 1, self.leader, value))
-        except RedisUnavailable:
-            pass
 
 
 def _stream_id(raw: bytes) -> tuple[int, int]:
