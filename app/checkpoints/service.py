@@ -215,20 +215,19 @@ class CheckpointService:
         """Open a checkpoint file the index lists, by its path relative to the run directory.
 
         Only listed files are served, so nothing else in the run directory
-        (the audit database, the job's data) can be fetched. ``safe_path``
-        refuses ``..``, absolute paths and symlinks that leave the run
-        directory (a 400 that says so); the file is then opened through
-        ``trainer_bridge.rundir.safeio``, one directory at a time without following a symlink,
-        so a directory swapped for a symlink since any check cannot redirect
-        it. Returns (the open file, its name for the download, its size).
+        (the audit database, the job's data) can be fetched. ``safeio.parts``
+        refuses ``..`` and absolute paths (a 400 that says so); the file is then
+        opened through ``trainer_bridge.rundir.safeio``, one directory at a time
+        without following a symlink, so no symlink, placed before or swapped in
+        after any check, can redirect it. Returns (the open file, its name for
+        the download, its size).
         """
         if self.run_dir is None:
             raise NoRunDir()
         try:
-            ckptindex.safe_path(self.run_dir, rel)
             safeio.parts(rel)
-        except (ValueError, OSError) as e:
-            raise BadRequest(str(e).removeprefix("safe_path: ")) from None
+        except safeio.UnsafePath as e:
+            raise BadRequest(str(e)) from None
         index = self.index(world)
         known = {f.path for s in index.sets for f in s.files} | {f.path for f in index.other_files}
         if rel not in known:

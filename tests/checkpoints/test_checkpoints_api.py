@@ -269,8 +269,10 @@ def traps(run_dir, tmp_path):
         ("path=%2e%2e%2foutside%2frank_0%2fleak-1_1.ckpt", 400),
         ("path=%252e%252e%252foutside", 404),
         ("path=/etc/passwd", 400),
-        ("path=checkpoints/rank_0/leak-1_1.ckpt", 400),  # a symlink out of the run directory
-        ("path=linked/rank_0/leak-1_1.ckpt", 400),  # through a symlinked directory
+        # A symlink out of the run directory, or through a symlinked directory: the index
+        # lists no symlink, so it is not a checkpoint of this run (and safeio never follows one).
+        ("path=checkpoints/rank_0/leak-1_1.ckpt", 404),
+        ("path=linked/rank_0/leak-1_1.ckpt", 404),
         ("path=rankwatch/audit.sqlite3", 404),  # inside, but not a checkpoint
         ("path=rankwatch/hidden-1_1.ckpt", 404),  # a checkpoint the index does not list
         ("path=checkpoints/rank_0/nothing-1_1.ckpt", 404),

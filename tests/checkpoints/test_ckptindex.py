@@ -28,7 +28,6 @@ from trainer_bridge.rundir.ckptindex import (
     ORIGIN_TTP,
     classify,
     newest_complete_set,
-    safe_path,
     scan,
 )
 from trainer_bridge.rundir.ckptmeta import MetaCache
@@ -333,18 +332,3 @@ def test_missing_run_dir(tmp_path):
 )
 def test_classify(path, origin, rank, layout):
     assert classify(tuple(path.split("/"))) == (origin, rank, layout)
-
-
-def test_safe_path(run, tmp_path):
-    assert (
-        safe_path(run, "checkpoints/rank_0/rankwatch-1_6.ckpt")
-        == runfiles.checkpoint_path(run, 0, 1, 6).resolve()
-    )
-    with pytest.raises(ValueError, match=r"contains '\.\.'"):
-        safe_path(run, "checkpoints/../../etc/passwd")
-    with pytest.raises(ValueError, match="is absolute"):
-        safe_path(run, "/etc/passwd")
-    with pytest.raises(ValueError, match="outside the run directory"):
-        safe_path(run, "linked/rank_0/leak-1_1.ckpt")
-    with pytest.raises(ValueError, match="non-empty"):
-        safe_path(run, "")

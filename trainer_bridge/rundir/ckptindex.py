@@ -43,7 +43,6 @@ import time
 from collections import defaultdict
 from collections.abc import Container
 from dataclasses import dataclass
-from pathlib import Path
 
 from trainer_bridge.rundir import runfiles
 from trainer_bridge.rundir.ckptmeta import (
@@ -417,26 +416,6 @@ def newest_complete_set(
     """
     index = scan(run_dir, world_size=world_size, cache=cache)
     return next((s for s in index.sets if s.complete and (origin is None or s.origin == origin)), None)
-
-
-def safe_path(run_dir: str | os.PathLike, rel: str) -> Path:
-    """Resolve a user-given path relative to ``run_dir``, refusing any way out of it.
-
-    Raises ValueError for an empty or absolute path, a ``..`` component, or a
-    path that resolves (through symlinks) outside the run directory. The file
-    need not exist; the resolved path is returned.
-    """
-    if not isinstance(rel, str) or not rel or "\0" in rel:
-        raise ValueError("safe_path: the path must be a non-empty string")
-    if os.path.isabs(rel) or rel.startswith(("/", "\\")):
-        raise ValueError(f"safe_path: {rel!r} is absolute; give a path relative to the run directory")
-    if ".." in re.split(r"[/\\]", rel):
-        raise ValueError(f"safe_path: {rel!r} contains '..'; paths must stay inside the run directory")
-    root = os.path.realpath(run_dir)
-    resolved = os.path.realpath(os.path.join(root, rel))
-    if not _inside(root, resolved):
-        raise ValueError(f"safe_path: {rel!r} leads outside the run directory (through a symlink)")
-    return Path(resolved)
 
 
 def resume_set(index: Index, step: int | None = None, unhealthy: Container[str] = ()) -> CheckpointSet | None:
