@@ -50,7 +50,7 @@ from prometheus_client.exposition import choose_encoder
 
 from app.ranks.health import ENDED_VERDICTS, VERDICTS
 from app.ranks.metrics import METRICS_BY_NAME
-from app.stop.service import STAGES
+from app.stop.status import STAGES
 
 PREFIX = "rankwatch_"
 

@@ -36,7 +36,7 @@ def shell_origin() -> str:
 
 def reached(row: dict) -> list[str]:
     """The stages a rank has reached, in order (one poll may skip several: heartbeats are ~1 Hz)."""
-    from app.stop.service import STAGES
+    from app.stop.status import STAGES
 
     last = STAGES.index(row["stage"])
     return [s for s in STAGES[: last + 1] if s == "requested" or s in row["at"] or s == row["stage"]]
@@ -126,7 +126,7 @@ def follow(run, rid: str, deadline: float, out) -> int:
     """Print stage changes until every rank exited; returns the exit status."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from app.stop.service import STAGES
+    from app.stop.status import STAGES
 
     told: dict[int, int] = {}  # rank -> how many of its stages were printed
     counts_told: tuple | None = None

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from app import create_app, large
 from app.prometheus import DEVICE_GAUGES, PREFIX, RANK_GAUGES
 from app.ranks.health import VERDICTS
-from app.stop.service import STAGES
+from app.stop.status import STAGES
 from tests.helpers.app import FAST_SETTINGS
 from tests.helpers.checkpoints import save_bridge_set
 from tests.helpers.heartbeats import HOST, heartbeat, write_heartbeat, write_job
