@@ -10,7 +10,7 @@ while the optimizer's ``global_step`` has the shape ``(1,)``: its own reload
 ``on_request_exit_resume`` rewrites that one entry with the optimizer's
 shape, once, so the callback's own reload works, and says where training
 stopped. The checkpoint browser offers this function's source as the
-resume code for an ``OnRequestExit`` set (``app.checkpoints.service``), so
+resume code for an ``OnRequestExit`` set (``app.checkpoints.resume``), so
 it imports what it needs inside and uses MindSpore only: a script without
 Rankwatch installed can paste it.
 """

@@ -161,7 +161,7 @@ def test_unhealthy_sets_are_flagged_skipped_by_resume_and_the_newest_healthy_kep
     assert "NaN" in next(v for k, v in p.health.items() if k.endswith("#g50"))
     # The bridge's resume passes over set 50 to 45; the page says why.
     index = r.service.index(2, force=True)
-    from app.checkpoints.service import bridge_default
+    from app.checkpoints.resume import bridge_default
     from trainer_bridge import saving
 
     assert bridge_default(index).global_step == 45

@@ -219,7 +219,7 @@ def run_pasted(command: str, tmp_path) -> list[str]:
 
 
 def test_a_hostile_host_name_is_refused_and_never_reaches_the_shell(tmp_path):
-    from app.checkpoints.service import relaunch_command
+    from app.checkpoints.relaunch import relaunch_command
 
     marker = tmp_path / "pwned"
     job = {"argv": ["train.py"], "world_size": 2}
@@ -235,7 +235,7 @@ def test_a_hostile_host_name_is_refused_and_never_reaches_the_shell(tmp_path):
 
 
 def test_every_value_of_the_relaunch_command_is_quoted(tmp_path):
-    from app.checkpoints.service import relaunch_command
+    from app.checkpoints.relaunch import relaunch_command
 
     marker = tmp_path / "pwned"
     argv = [
