@@ -36,9 +36,17 @@ from trainer_bridge.rundir import runfiles
 pytestmark = [pytest.mark.slow, pytest.mark.msrun, pytest.mark.browser]
 
 REPO = Path(__file__).resolve().parents[2]
-IGNORE = shutil.ignore_patterns(
-    ".git", ".venv", "build", "dist", "runs", "*.egg-info", "__pycache__", ".*_cache", ".hypothesis"
-)
+_ANYWHERE = shutil.ignore_patterns("*.egg-info", "__pycache__", ".*_cache", ".hypothesis")
+# Only at the top of the checkout: app/runs/ and tests/runs/ are code, /runs/ is the demo's output.
+_TOP = {".git", ".venv", "build", "dist", "runs"}
+
+
+def not_on_a_fresh_machine(folder: str, names: list[str]) -> set[str]:
+    """What a fresh machine would not have: the checkout's own build and run output, caches."""
+    top = _TOP & set(names) if Path(folder).resolve() == REPO else set()
+    return top | _ANYWHERE(folder, names)
+
+
 TIMEOUT_S = 900
 UI_TIMEOUT_MS = 60_000
 
@@ -58,7 +66,7 @@ def fresh_venv(tmp_path_factory):
     """(the venv's bin directory, an environment for it): the wheel installed as a user would."""
     root = tmp_path_factory.mktemp("fresh-machine")
     src, dist, venv = root / "src", root / "dist", root / "venv"
-    shutil.copytree(REPO, src, ignore=IGNORE)
+    shutil.copytree(REPO, src, ignore=not_on_a_fresh_machine)
     started = time.monotonic()
     run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(dist), str(src)])
     built = time.monotonic()
