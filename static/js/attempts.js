@@ -45,6 +45,7 @@ export class Attempts {
   }
 
   async load() {
+    if (!this.list || !this.url) return;
     let body;
     try {
       const r = await fetch(this.url);

@@ -27,9 +27,20 @@ function redraw() {
 const socket = io({ transports: ["websocket", "polling"], tryAllTransports: true, auth: socketAuth("ranks") });
 socket.on("connect", () => summary.setConnection("live", "live"));
 socket.on("disconnect", () => summary.setConnection("down", "reconnecting…"));
+// The attempts list polls every few seconds; a change of the run's status (a launch
+// starting, the job ending) also ends or begins an attempt, so it is read again at once.
+let runStatus = null;
+function followRunStatus() {
+  const now = store.run ? store.run.status : null;
+  if (now !== runStatus) {
+    runStatus = now;
+    attempts.load();
+  }
+}
 socket.on("ranks_snapshot", (msg) => {
   charts.addRows(store.applySnapshot(msg));
   redraw();
+  followRunStatus();
 });
 const stop = new StopControls(socket);
 const incidents = new Incidents(socket);
@@ -37,6 +48,7 @@ const attempts = new Attempts(config.urls.attempts);
 socket.on("ranks_delta", (msg) => {
   charts.addRows(store.applyDelta(msg));
   redraw();
+  followRunStatus();
 });
 
 fetch(config.urls.history)
