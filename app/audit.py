@@ -37,6 +37,7 @@ import io
 import json
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -138,6 +139,22 @@ def connect_pinned(path: Path, root: str | os.PathLike | None, timeout: float) -
 # (every watcher tick) waits less. Bounded both: anyone who can write the run
 # directory can hold a lock on the file, and a stop must not wait on it.
 WRITE_TIMEOUT_S = 2.0
+
+# Connections of this process set WAL mode and the schema one at a time: two of them
+# switching a new database to WAL at once get SQLITE_BUSY at once (SQLite does not wait
+# there), and the row the losing thread was about to write was lost.
+_PREPARE_LOCK = threading.Lock()
+
+
+def prepare_wal(conn: sqlite3.Connection, schema: str, migrate=None) -> None:
+    """WAL mode, ``schema`` (idempotent DDL) and ``migrate(conn)``, under this process's lock."""
+    with _PREPARE_LOCK:
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.executescript(schema)
+        if migrate is not None:
+            migrate(conn)
+
+
 READ_TIMEOUT_S = 0.5
 
 
@@ -154,9 +171,7 @@ class AuditLog:
             why = safeio.why(e) if isinstance(e, OSError) else str(e)
             raise AuditError(f"cannot open the audit trail {self.path}: {why}") from None
         try:
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.executescript(SCHEMA)
-            self._migrate(conn)
+            prepare_wal(conn, SCHEMA, self._migrate)
         except sqlite3.Error as e:
             conn.close()
             raise AuditError(f"cannot use the audit trail {self.path}: {e}") from None

@@ -58,7 +58,7 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from app.audit import WRITE_TIMEOUT_S, connect_pinned
+from app.audit import WRITE_TIMEOUT_S, connect_pinned, prepare_wal
 from trainer_bridge.rundir import safeio
 
 log = logging.getLogger(__name__)
@@ -173,9 +173,6 @@ class WebhookSender:
         self._closed = False
         self._recent: collections.deque = collections.deque(maxlen=RECENT_MAX)
         self._recent_lock = threading.Lock()
-        # One receiver's delivery thread opens the log at a time: two connections switching a
-        # new database to WAL at once get SQLITE_BUSY at once, without waiting, and a row was lost.
-        self._db_lock = threading.Lock()
         # Bumped by every attempt, so the watcher pushes the page's list only when it changed.
         self.version = 0
         self.raised = 0  # alerts handed to send(), for tests and the benchmark
@@ -350,15 +347,13 @@ class WebhookSender:
             log.warning("alerts: cannot write the delivery log %s: %s", self.db_path, e)
 
     def _connect(self) -> sqlite3.Connection:
-        with self._db_lock:
-            try:
-                conn = connect_pinned(self.db_path, self.db_root, WRITE_TIMEOUT_S)
-            except OSError as e:  # a symlink, FIFO or directory where the database should be
-                raise sqlite3.OperationalError(f"cannot open {self.db_path}: {safeio.why(e)}") from None
-            try:
-                conn.execute("PRAGMA journal_mode=WAL")
-                conn.executescript(SCHEMA)
-            except BaseException:
-                conn.close()
-                raise
-            return conn
+        try:
+            conn = connect_pinned(self.db_path, self.db_root, WRITE_TIMEOUT_S)
+        except OSError as e:  # a symlink, FIFO or directory where the database should be
+            raise sqlite3.OperationalError(f"cannot open {self.db_path}: {safeio.why(e)}") from None
+        try:
+            prepare_wal(conn, SCHEMA)  # one delivery thread at a time (app/audit.py says why)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
