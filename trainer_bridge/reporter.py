@@ -114,7 +114,7 @@ class Reporter:
         self._bad_flag_logged: set = set()
         self._logged: set[str] = set()
         self._seq = 0
-        self.started_at = self._started_at = time.time()
+        self.started_at = time.time()
         self._wake = threading.Event()
         self._closed = threading.Event()
         self._lock = threading.Lock()  # one writer at a time: the thread, or close()
@@ -364,7 +364,7 @@ class Reporter:
             device=self._device.sample(),
             time=time.time(),
             last_step_at=self._last_step_at(snap),
-            started_at=self._started_at,
+            started_at=self.started_at,
             seq=self._seq,
             sync_every=snap.sync_every,
             bridge_cost={
@@ -443,7 +443,7 @@ class Reporter:
             job = schema.build(
                 schema.Job,
                 world_size=self.world,
-                started_at=self._started_at,
+                started_at=self.started_at,
                 host=self._host,
                 pid=os.getpid(),
                 argv=[_clip(a, schema.MAX_PATH) for a in sys.argv[:256]],
