@@ -108,7 +108,9 @@ class Served:
         )
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
-        deadline = time.monotonic() + 120
+        # Event-driven: the first start of a fresh venv compiles every module, which a loaded
+        # machine can stretch past any short deadline; only a hung start hits TIMEOUT_S.
+        deadline = time.monotonic() + TIMEOUT_S
         while not any(ln.startswith("Rankwatch: open ") for ln in self.lines):
             assert self.proc.poll() is None, "\n".join(self.lines)
             assert time.monotonic() < deadline, "\n".join(self.lines)
