@@ -244,7 +244,7 @@ def variant(name: str):
         "nice-reporter": [("_run", Reporter, nice_run)],
         "no-reporter": [("_run", Reporter, lambda self: None)],
         "no-poll": [("_poll_flag", Reporter, lambda self, force=False: None)],
-        "no-psutil": [("_process_stats", Reporter, lambda self: (None, None))],
+        "no-psutil": [("_process_stats", Reporter, lambda self: (None, None, None))],
         "no-loss": [("take_loss", Reporter, no_loss)],
         "hooks-only": [("_run", Reporter, lambda self: None), ("take_loss", Reporter, no_loss)],
         "no-step-begin": [("on_train_step_begin", GracefulExitBridge, lambda self, rc: None)],
