@@ -4,8 +4,12 @@ It reads the run's digest stream through a consumer group (``XREADGROUP``
 then ``XACK``). By default each dashboard process has a group of its own
 (removed when it stops), so each reads every digest and shows every host.
 Processes given the same group name (``HUB_GROUP``) split the entries
-between them instead: the load divides, and each shows only the hosts it
-read (merging their partial views through the leader is not built yet). Each digest updates its host's figures and the rows
+between them instead: the load divides, but the split is by entry, not by
+host, so with N processes each hears a host's agent about once every N
+intervals. Each still shows every host, with rows up to the agents'
+resync period late; N intervals must stay well under ``lost_after_s``, or
+hosts flap to agent lost. Merging the processes' partial views through the
+leader, which would lift that limit, is not built yet. Each digest updates its host's figures and the rows
 it carries; a rank's row is the one its host's agent last sent.
 
 **Agent lost, node lost.** A host whose agent sent no digest for
