@@ -83,15 +83,24 @@ def served_by(run_dir: str | os.PathLike, request_id: str | None) -> int | None:
     )
 
 
-def answer(run_dir: Path | None, heartbeats: Mapping[int, dict | None], job_over: str | None) -> dict:
+def answer(
+    run_dir: Path | None,
+    heartbeats: Mapping[int, dict | None],
+    job_over: str | None,
+    from_logs: list[dict] | None = None,
+) -> dict:
     """``/api/attempts``: every attempt, oldest first, the newest completed from the live heartbeats.
 
     ``heartbeats``: each rank's newest bridge heartbeat (``RunState.heartbeats``);
-    ``job_over``: why the job is over, or None while it may run (``RunState.job_ended``).
+    ``job_over``: why the job is over, or None while it may run (``RunState.job_ended``);
+    ``from_logs``: the attempts inferred from msrun's worker logs (``RunState.log_attempts``),
+    the answer when the bridge wrote none (a script without it).
     """
     if run_dir is None:
         return {"attempts": [], "skipped_lines": 0, "error": None}
     rows, skipped, error = _cache.rows(run_dir)
+    if not rows and from_logs:
+        return {"attempts": _log_rows(from_logs, job_over), "skipped_lines": 0, "error": error}
     rows = copy.deepcopy(rows)
     for row in rows[:-1]:
         if row["end"] is None:
@@ -117,6 +126,15 @@ def answer(run_dir: Path | None, heartbeats: Mapping[int, dict | None], job_over
             attempts.resumed_text(resumed["global_step"], resumed["set"]) if resumed else "a fresh start"
         )
     return {"attempts": rows, "skipped_lines": skipped, "error": error}
+
+
+def _log_rows(rows: list[dict], job_over: str | None) -> list[dict]:
+    """Attempts read from the logs: the open one ended once the job is over, every one with its words."""
+    for row in rows:
+        if row["end"] is None and job_over:
+            row["end"], row["inferred"] = "unknown", f"read from msrun's worker logs ({job_over})"
+        row["resumed_text"] = "not known from the logs (the script has no Rankwatch bridge)"
+    return rows
 
 
 class LaunchWatch:

@@ -4,16 +4,32 @@ It reads the run's digest stream through a consumer group (``XREADGROUP``
 then ``XACK``). By default each dashboard process has a group of its own
 (removed when it stops), so each reads every digest and shows every host.
 Processes given the same group name (``HUB_GROUP``) split the entries
-between them instead: the load divides, and each shows only the hosts it
-read (merging their partial views through the leader is not built yet). Each digest updates its host's figures and the rows
+between them instead: the load divides, but the split is by entry, not by
+host, so with N processes each hears a host's agent about once every N
+intervals. Each still shows every host, with rows up to the agents'
+resync period late; N intervals must stay well under ``lost_after_s``, or
+hosts flap to agent lost. Merging the processes' partial views through the
+leader, which would lift that limit, is not built yet. Each digest updates its host's figures and the rows
 it carries; a rank's row is the one its host's agent last sent.
 
-**Agent lost.** A host whose agent sent no digest for ``lost_after_s``
-(by this process's clock, while Redis answers) is ``agent lost``: its
-ranks' rows say so, with their last known figures, and they are not
-counted as ended, since only the agent is known to be gone, not the ranks.
-The next digest from that host ends it. While Redis is unreachable nobody
-can be heard, so nobody is judged lost; the clocks restart when it returns.
+**Agent lost, node lost.** A host whose agent sent no digest for
+``lost_after_s`` (by this process's clock, while Redis answers) is
+``agent lost``: its ranks' rows say so, with their last known figures, and
+they are not counted as ended, since only the agent is known to be gone,
+not the ranks. The other hosts then tell the two cases apart, because the
+ranks of a data-parallel job step together (every step's collective needs
+every rank):
+
+* if the other hosts' ranks stepped well after the silent host's last
+  digest and still step, its ranks are training: only the agent is gone
+  (``agent lost``, and the reason says how we know);
+* if every other host's ranks are stalled, the silent node is the one
+  nobody can see, and likely gone (a machine or network failure): ``node
+  lost``.
+
+Otherwise (one host, or no evidence yet) it stays ``agent lost``. The next
+digest from that host ends either. While Redis is unreachable nobody can be
+heard, so nobody is judged lost; the clocks restart when it returns.
 
 **Refused digests** are counted and the last reason kept (never their
 content): too big, malformed, badly signed or unsigned with a key, for a
@@ -44,6 +60,9 @@ class HostView:
     heard_at: float  # this process's clock when the last digest came
     ranks: set[int] = field(default_factory=set)
     lost: bool = False
+    # While lost: True when the node looks gone, False when its ranks evidently train, None unknown.
+    gone: bool | None = None
+    evidence: str = ""
 
 
 class Hub(redisbus.Guarded):
@@ -115,6 +134,48 @@ class Hub(redisbus.Guarded):
                     host[:100],
                     f"sent no digest for {now - view.heard_at:.0f} s: agent lost" if lost else "is back",
                 )
+        changed |= self._judge_lost(now)
+        return changed
+
+    def _judge_lost(self, now: float) -> set[int]:
+        """Node lost or only the agent: each lost host judged by the other hosts' progress.
+
+        O(hosts) per poll, and only while some host is lost.
+        """
+        lost = [v for v in self.hosts.values() if v.lost]
+        if not lost:
+            return set()
+        live = [v.digest for v in self.hosts.values() if not v.lost]
+        stepped = max((d["last_step_at"] for d in live if d["last_step_at"] is not None), default=None)
+        # Every other host has ranks stalled and none still training at its pace.
+        stalled = bool(live) and all(
+            d["counts"].get("stalled", 0) > 0
+            and not any(d["counts"].get(v, 0) for v in ("healthy", "straggler", "starting"))
+            for d in live
+        )
+        changed: set[int] = set()
+        for view in lost:
+            silent_since = view.digest["time"]
+            # Stepping well after its silence began, and still stepping now.
+            if stepped is not None and stepped > max(
+                silent_since + self.lost_after_s / 2, now - self.lost_after_s
+            ):
+                gone = False
+                evidence = (
+                    f"the other hosts' ranks stepped {stepped - silent_since:.0f} s after its last digest, "
+                    "which a data-parallel job cannot do without this host's ranks: they are training"
+                )
+            elif stalled:
+                gone = True
+                evidence = (
+                    f"its agent and ranks went silent {now - view.heard_at:.0f} s ago and every other "
+                    "host's ranks are stalled: the node is likely gone (a machine or network failure)"
+                )
+            else:
+                gone, evidence = None, ""
+            if gone != view.gone:  # the evidence's wording is kept from the moment the judgement changed
+                changed |= view.ranks
+                view.gone, view.evidence = gone, evidence
         return changed
 
     def _read(self, client) -> list[dict]:
@@ -203,7 +264,7 @@ class Hub(redisbus.Guarded):
             self.removed.add(rank)
             changed.discard(rank)
         if view.lost:
-            view.lost = False
+            view.lost, view.gone, view.evidence = False, None, ""
             changed |= view.ranks
             log.warning("rankwatch hub: the agent on host %s is back", host[:100])
         return changed
@@ -216,13 +277,25 @@ class Hub(redisbus.Guarded):
         if not view.lost:
             return row
         ago = now - view.heard_at
+        host = view.digest["host"]
+        if view.gone:
+            return {
+                **row,
+                "health": "node_lost",
+                "reason": f"host {host}: {view.evidence} (last known: {row['health']})",
+                "score": None,
+            }
+        known = (
+            f"{view.evidence}; only the agent is gone"
+            if view.gone is False
+            else "it may still be training: the other hosts' progress shows which, once it is clear"
+        )
         return {
             **row,
             "health": "agent_lost",
             "reason": (
-                f"the agent on host {view.digest['host']} has sent no digest for {ago:.0f} s: this rank's "
-                f"state is unknown (last known: {row['health']}); it may still be training. "
-                "A node that is gone shows as node lost only while its agent reports"
+                f"the agent on host {host} has sent no digest for {ago:.0f} s: this rank's "
+                f"state is not reported (last known: {row['health']}); {known}"
             ),
             "score": None,
         }

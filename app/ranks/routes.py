@@ -134,7 +134,7 @@ def api_attempts():
     now = time.time()
     state = fresh_state(now)
     beats, _ = state.heartbeats()
-    return jsonify(attempts_answer(state.run_dir, beats, state.job_ended()))
+    return jsonify(attempts_answer(state.run_dir, beats, state.job_ended(), state.log_attempts()))
 
 
 @bp.get("/api/summary")

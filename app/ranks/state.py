@@ -368,6 +368,11 @@ class RunState(RunStatus):
             hb = self._board.latest.get(rank)
             return hb.get("started_at") if hb else None
 
+    def log_attempts(self) -> list[dict]:
+        """The attempts inferred from msrun's worker logs (``app/ranks/logmode/attempts.py``); [] without logs."""
+        with self._lock:
+            return self._logs.dir.attempts.rows() if self._logs is not None else []
+
     def log_stop_facts(self) -> dict | None:
         """What the stop panel says about ranks shown only from their worker logs (None: there are none)."""
         with self._lock:

@@ -88,8 +88,11 @@ def row_from(run_id: str, entry, state, stop, checkpoints, now: float, tick_s: f
         "hosts": len({hb.get("host") for hb in beats}),
         # A time, not an age: an idle run's row is kept while its files do not change.
         "oldest_heartbeat_at": min(times) if times else None,
-        # Launches of the job in this run directory (rankwatch/attempts.jsonl; 0 before the first).
-        "attempts": len(attempts.answer(state.run_dir, heartbeats, state.job_ended())["attempts"]),
+        # Launches of the job in this run directory (rankwatch/attempts.jsonl, else msrun's
+        # logs starting over; 0 before the first).
+        "attempts": len(
+            attempts.answer(state.run_dir, heartbeats, state.job_ended(), state.log_attempts())["attempts"]
+        ),
         "status_message": head["run"]["message"],
     }
 

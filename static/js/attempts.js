@@ -99,6 +99,13 @@ export class Attempts {
     const when = a.ended_at ? ` at ${formatClock(a.ended_at)}` : "";
     end.textContent = ` · ${endText(a)}${a.end ? when : ""}`;
     li.append(end);
+    if (a.note) {
+      // Log mode: msrun emptied this attempt's worker logs when it relaunched the job.
+      const note = document.createElement("span");
+      note.className = "attempt-note";
+      note.textContent = ` · ${a.note}`;
+      li.append(note);
+    }
     if (a.inferred || a.sealed_by) {
       li.title = a.inferred || `no end line of its own: attempt ${a.sealed_by} judged it from its ranks' heartbeats`;
     }

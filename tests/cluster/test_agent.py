@@ -231,11 +231,44 @@ def test_agent_killed_is_agent_lost_then_back(tmp_path, hub, agents):
     assert (
         "agent on host node-b" in v["ranks"][2]["reason"] and "last known: healthy" in v["ranks"][2]["reason"]
     )
+
+    def known_training():
+        v = lost()
+        return v if v and "they are training; only the agent is gone" in v["ranks"][2]["reason"] else None
+
+    # node-a's ranks keep stepping, which they could not without node-b's: node-b's ranks train.
+    v = wait_for(known_training, "node-a's progress shows node-b's ranks training", timeout=60)
     assert v["summary"]["counts"]["agent_lost"] == 2 and v["run"]["agents_lost"] == 1
     assert {h["host"]: h["status"] for h in v["hosts"]} == {"node-a": "reporting", "node-b": "agent_lost"}
     agents(b)
     v = wait_for(lambda: ranks_healthy(hub, [a, b], 4), "node-b back", timeout=120)
     assert v["run"]["agents_lost"] == 0
+
+
+def test_a_node_gone_with_its_agent_while_the_others_stall_is_node_lost(tmp_path, hub, agents):
+    a = Node(tmp_path, "node-a", range(0, 2), 4)
+    b = Node(tmp_path, "node-b", range(2, 4), 4)
+    agents(a)
+    agent_b = agents(b)
+    wait_for(lambda: ranks_healthy(hub, [a, b], 4), "4 healthy ranks", timeout=120)
+    # node-b goes away whole: its agent and its ranks. node-a's ranks, blocked in the step's
+    # collective, keep writing heartbeats but step no more.
+    agent_b.kill()
+    frozen_step, frozen_at = a.seq * 20, time.time()
+
+    def node_lost():
+        a.beat(global_step=frozen_step, last_step_at=frozen_at)
+        v = view(hub)
+        healths = [r["health"] for r in v["ranks"]]
+        return v if healths == ["stalled", "stalled", "node_lost", "node_lost"] else None
+
+    v = wait_for(node_lost, "node-b node lost, node-a's ranks stalled", timeout=90)
+    assert "host node-b" in v["ranks"][2]["reason"] and "node is likely gone" in v["ranks"][2]["reason"]
+    assert v["summary"]["counts"]["node_lost"] == 2
+    assert {h["host"]: h["status"] for h in v["hosts"]} == {"node-a": "reporting", "node-b": "agent_lost"}
+    # The node comes back (a relaunch): its agent's first digest ends the judgement.
+    agents(b)
+    wait_for(lambda: ranks_healthy(hub, [a, b], 4), "node-b back", timeout=120)
 
 
 def test_redis_killed_and_restarted_the_agent_buffers_and_everything_recovers(

@@ -74,6 +74,7 @@ class WorkerLog:
         "step",
         "spe",
         "global_step",
+        "first_global_step",
         "loss",
         "step_ms",
         "step_mean_ms",
@@ -96,6 +97,7 @@ class WorkerLog:
         self.step: int | None = None
         self.spe: int | None = None  # steps per epoch, once known
         self.global_step: int | None = None
+        self.first_global_step: int | None = None  # the first step line's: where this launch began
         self.loss: float | None = None
         self.step_ms: float | None = None  # the newest step line's own figure (MindFormers)
         self.step_mean_ms: float | None = None  # TimeMonitor's mean over the last epoch
@@ -215,6 +217,8 @@ class WorkerLog:
         loss = _float(g.get("loss"))
         self.loss = loss
         self.step_ms = _ms(g.get("step_ms"))
+        if self.first_global_step is None:
+            self.first_global_step = self.global_step
         self.steps += 1
         if self.error is not None:
             # Training went on after the error, so it was not fatal: keep it as a warning.

@@ -35,6 +35,7 @@ import stat
 from collections import deque
 from pathlib import Path
 
+from app.ranks.logmode.attempts import LogAttempts
 from app.ranks.logmode.parser import LauncherLog, SchedulerLog, WorkerLog, cut
 from app.ranks.logmode.tailer import Tailer
 from app.ranks.logmode.writers import find_writers, parent_of
@@ -159,6 +160,7 @@ class LogDir:
         self.error: str | None = None  # why the directory cannot be read
         self.problems: list[str] = []  # what was left out, and why
         self.lines = 0  # lines folded so far (the benchmark's count)
+        self.attempts = LogAttempts()  # relaunches, seen as logs that started over
 
     # -- the directory -----------------------------------------------------------------
 
@@ -263,6 +265,7 @@ class LogDir:
             return False
         lr.error = None
         if lr.tailer.reset:
+            self.attempts.started_over(lr.rank)
             lr.restart()
         lr.stat_key = (st.st_ino, st.st_mtime_ns, st.st_size)
         lr.file_key = (st.st_dev, st.st_ino)
@@ -397,6 +400,7 @@ class LogDir:
         lr.seq = beat.seq
         lr.new_steps = 0
         lr.heartbeat = beat.to_dict()
+        self.attempts.observe(lr.heartbeat, log.first_global_step)
 
     def gone(self, rank: int) -> str | None:
         """What msrun's logs say about the end of ``rank``'s process, if anything."""
