@@ -47,14 +47,15 @@ def steps_logged(run_dir, rank: int) -> list[int]:
     return [int(m) for m in re.findall(r"^step (\d+) epoch", text, re.M)]
 
 
-def launch(nodes: TwoNodes, run_dir, tmp_path, tag: str) -> list[subprocess.Popen]:
-    data = write_mnist(run_dir / "mnist", samples=2000)
-    args = ["--run-dir", str(run_dir), "--data-dir", str(data), "--epochs", "50"]
-    args += ["--step-delay", "0.05", "--step-log"]
-    return [
-        nodes.msrun(n, run_dir, args, log_path=tmp_path / f"{tag}-node{n}.log")
-        for n in range(len(nodes.nodes))
-    ]
+def launch(nodes: TwoNodes, run_dirs: list, tmp_path, tag: str) -> list[subprocess.Popen]:
+    """Both launchers; node ``n`` trains in ``run_dirs[n]`` (the same path twice for a shared directory)."""
+    procs = []
+    for n, run_dir in enumerate(run_dirs):
+        data = write_mnist(run_dir / "mnist", samples=2000)
+        args = ["--run-dir", str(run_dir), "--data-dir", str(data), "--epochs", "50"]
+        args += ["--step-delay", "0.05", "--step-log"]
+        procs.append(nodes.msrun(n, run_dir, args, log_path=tmp_path / f"{tag}-node{n}.log"))
+    return procs
 
 
 def launcher_logs(tmp_path) -> str:
@@ -85,7 +86,7 @@ def test_two_nodes_stop_together_resume_and_a_lost_node_is_named(nodes, tmp_path
     false_loss = FalseLoss()
     try:
         # --- both nodes train; the dashboard sees two hosts --------------------------------
-        launchers = launch(nodes, run_dir, tmp_path, "first")
+        launchers = launch(nodes, [run_dir] * 2, tmp_path, "first")
         rows = dash.wait_rows(
             false_loss(
                 lambda rows: (
@@ -117,7 +118,7 @@ def test_two_nodes_stop_together_resume_and_a_lost_node_is_named(nodes, tmp_path
         measure("multinode_stop_step", stop_step, "step")
 
         # --- the relaunch resumes at S+1 on every rank and is not stopped by the old flag -
-        launchers = launch(nodes, run_dir, tmp_path, "second")
+        launchers = launch(nodes, [run_dir] * 2, tmp_path, "second")
         dash.wait_rows(
             false_loss(
                 lambda rows: (

@@ -11,12 +11,26 @@ from tests.helpers.liveserver import REPO
 
 
 class AgentProcess:
-    """One agent subprocess; its output goes to ``log``."""
+    """One agent subprocess; its output goes to ``log``.
+
+    ``prefix`` runs it through another command first (a node of
+    ``tests/helpers/netns.py``, whose commands all ``exec``: the process
+    killed is the agent itself).
+    """
 
     def __init__(
-        self, run_dir: Path, url: str, log: Path, *, run: str | None = None, host: str | None = None, env=None
+        self,
+        run_dir: Path,
+        url: str,
+        log: Path,
+        *,
+        run: str | None = None,
+        host: str | None = None,
+        env=None,
+        prefix: list[str] | None = None,
     ):
-        self.cmd = [sys.executable, "-m", "app.cli", "agent", "--run-dir", str(run_dir), "--redis", url]
+        self.cmd = [*(prefix or []), sys.executable, "-m", "app.cli", "agent"]
+        self.cmd += ["--run-dir", str(run_dir), "--redis", url]
         self.cmd += ["--run", run] if run else []
         self.cmd += ["--host", host] if host else []
         self.env = {**os.environ, **(env or {})}

@@ -7,7 +7,12 @@ see ``127.0.0.1`` as local) and both start a scheduler, and the loser's
 on a private /24 and a host name of their own (``unshare --uts``), so node 0
 alone runs the scheduler and node 1's workers reach it across the veth,
 as on two machines. They share the file system, as cluster nodes share the
-run directory.
+run directory (tests that want no shared directory give each node its own path).
+
+``TwoNodes(uplink=True)`` also joins node 0 to the root namespace by a second
+veth pair on a /30 of its own (``root_addr`` here, ``uplink_addr`` in node 0):
+the test process can then reach a server in node 0 (Redis, on the address
+node 1 reaches too) without routing between the namespaces.
 
 ``TwoNodes`` creates everything on entry and removes it on exit (also after
 a failure); ``skip_reason()`` says why a machine cannot do it (not root, no
@@ -70,13 +75,16 @@ class Node:
 class TwoNodes:
     """Two namespaced nodes, ``nodes[0]`` (the master) and ``nodes[1]``, joined by a veth pair."""
 
-    def __init__(self):
+    def __init__(self, uplink: bool = False):
         tag = uuid.uuid4().hex[:6]
         subnet = 10 + int(tag[:2], 16) % 200  # a private /24 per test run
         self.nodes = [
             Node(i, f"rw{tag}n{i}", f"10.77.{subnet}.{i + 1}", f"rwnode{i}-{tag}") for i in range(2)
         ]
         self._veth = (f"rw{tag}a", f"rw{tag}b")
+        self._uplink = (f"rw{tag}r", f"rw{tag}u") if uplink else None
+        self.root_addr = f"10.78.{subnet}.2" if uplink else None
+        self.uplink_addr = f"10.78.{subnet}.1" if uplink else None
         self._procs: list[subprocess.Popen] = []
 
     def __enter__(self) -> TwoNodes:
@@ -90,6 +98,15 @@ class TwoNodes:
                 _run("ip", "link", "set", dev, "netns", node.netns)
                 _run("ip", "-n", node.netns, "addr", "add", f"{node.addr}/24", "dev", dev)
                 _run("ip", "-n", node.netns, "link", "set", dev, "up")
+            if self._uplink:
+                root_dev, node_dev = self._uplink
+                netns = self.nodes[0].netns
+                _run("ip", "link", "add", root_dev, "type", "veth", "peer", "name", node_dev)
+                _run("ip", "link", "set", node_dev, "netns", netns)
+                _run("ip", "addr", "add", f"{self.root_addr}/30", "dev", root_dev)
+                _run("ip", "link", "set", root_dev, "up")
+                _run("ip", "-n", netns, "addr", "add", f"{self.uplink_addr}/30", "dev", node_dev)
+                _run("ip", "-n", netns, "link", "set", node_dev, "up")
         except BaseException:
             self.__exit__()
             raise
@@ -101,6 +118,8 @@ class TwoNodes:
         for node in self.nodes:
             # Deleting a namespace also deletes the veth end inside it, and its peer.
             subprocess.run(["ip", "netns", "del", node.netns], capture_output=True)
+        if self._uplink:  # gone with node 0's namespace, unless the setup failed before moving it there
+            subprocess.run(["ip", "link", "del", self._uplink[0]], capture_output=True)
 
     def msrun(
         self,

@@ -1,4 +1,10 @@
-"""A real ``redis-server`` on a loopback port, for the Redis tests (fixture ``redis_server`` in conftest)."""
+"""A real ``redis-server`` on a loopback port, for the Redis tests (fixture ``redis_server`` in conftest).
+
+``bind`` and ``prefix`` put it elsewhere: ``prefix`` runs it through another
+command first (a network namespace, ``tests/helpers/netns.py``) and ``bind``
+lists its addresses there, the first of which ``url`` names (protected mode is
+off then, or Redis would refuse the other namespaces' clients).
+"""
 
 from __future__ import annotations
 
@@ -9,24 +15,30 @@ from tests.helpers.liveserver import free_port
 
 
 class RedisServer:
-    def __init__(self, tmp_path):
+    def __init__(self, tmp_path, bind: tuple[str, ...] = ("127.0.0.1",), prefix: list[str] | None = None):
         self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.bind = bind
+        self.prefix = prefix or []
+        self.url = f"redis://{bind[0]}:{self.port}/0"
         self.log = tmp_path / f"redis-{self.port}.log"
         self.proc = None
 
     def start(self) -> RedisServer:
         self.proc = subprocess.Popen(
             [
+                *self.prefix,
                 "redis-server",
                 "--port",
                 str(self.port),
                 "--bind",
-                "127.0.0.1",
+                *self.bind,
                 "--save",
                 "",
                 "--appendonly",
                 "no",
+                # Bound beyond loopback (only in a test's own network namespace), it must accept peers.
+                "--protected-mode",
+                "yes" if self.bind == ("127.0.0.1",) else "no",
             ],
             stdout=open(self.log, "ab"),
             stderr=subprocess.STDOUT,
