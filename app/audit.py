@@ -14,7 +14,8 @@ dashboard restart. Schema (one table, append-only)::
         reason      TEXT,           -- the operator's reason
         outcome     TEXT NOT NULL,  -- accepted | duplicate | refused: ... | completed: ...
         detail      TEXT,           -- JSON with anything else worth keeping
-        basis       TEXT NOT NULL DEFAULT 'authenticated'  -- authenticated | observed
+        basis       TEXT NOT NULL DEFAULT 'authenticated',  -- authenticated | observed
+        run         TEXT            -- the run id (its path below the runs root, else its name)
     )
 
 ``basis`` says what a row rests on. ``authenticated``: a request that
@@ -24,6 +25,14 @@ from files in the run directory (the watcher's ``complete`` and automatic
 else who can write there, can forge. A trail written before the column
 existed (``PRAGMA user_version`` 0) is migrated when first opened: its rows by
 "rankwatch" become ``observed``, the others ``authenticated``.
+
+``run`` says which run a row is about, so one ``AUDIT_DB`` can serve every
+run of a runs root (or many dashboards): a trail opened for a run with
+``shared`` reads that run's rows only. A trail in the run's own directory
+reads every row (they are all its run's, whatever the run was called when
+they were written). Rows written before the column existed (``user_version``
+below 3) have none: a shared trail cannot say whose they are, so they stay
+in the file and out of every run's view.
 
 Each write opens its own connection (threads and processes may share the
 file) in WAL mode with a busy timeout, so two dashboards, or two operators,
@@ -56,12 +65,27 @@ CREATE TABLE IF NOT EXISTS audit (
     reason      TEXT,
     outcome     TEXT NOT NULL,
     detail      TEXT,
-    basis       TEXT NOT NULL DEFAULT 'authenticated'
+    basis       TEXT NOT NULL DEFAULT 'authenticated',
+    run         TEXT
 );
 CREATE INDEX IF NOT EXISTS audit_request ON audit (request_id);
 """
-SCHEMA_VERSION = 2  # 2: the basis column
-COLUMNS = ("id", "at", "action", "request_id", "who", "remote_addr", "reason", "outcome", "detail", "basis")
+# Created by the migration, after the column exists (an old trail's table has no run yet).
+RUN_INDEX = "CREATE INDEX IF NOT EXISTS audit_run ON audit (run, id)"
+SCHEMA_VERSION = 3  # 2: the basis column; 3: the run column
+COLUMNS = (
+    "id",
+    "at",
+    "action",
+    "request_id",
+    "who",
+    "remote_addr",
+    "reason",
+    "outcome",
+    "detail",
+    "basis",
+    "run",
+)
 ACTIONS = ("request", "cancel", "rearm", "delete", "complete", "policy", "pin")
 AUTHENTICATED = "authenticated"
 OBSERVED = "observed"
@@ -159,10 +183,27 @@ READ_TIMEOUT_S = 0.5
 
 
 class AuditLog:
-    def __init__(self, path: str | Path, root: str | os.PathLike | None = None):
+    def __init__(
+        self,
+        path: str | Path,
+        root: str | os.PathLike | None = None,
+        *,
+        run: str | None = None,
+        shared: bool = False,
+    ):
         self.path = Path(path)
         # The run directory when the trail lives in it: walked without following a symlink.
         self.root = root
+        # The run every row written here is about; with ``shared``, the only run read back.
+        self.run = run
+        self.shared = shared and run is not None
+
+    def _where(self, **equal) -> tuple[str, list]:
+        """A `` WHERE`` clause and its arguments: each column in ``equal`` and, if shared, this run."""
+        if self.shared:
+            equal["run"] = self.run
+        clause = " AND ".join(f"{column} = ?" for column in equal)
+        return (f" WHERE {clause}" if clause else ""), list(equal.values())
 
     def _connect(self, timeout: float = WRITE_TIMEOUT_S) -> sqlite3.Connection:
         try:
@@ -188,6 +229,10 @@ class AuditLog:
             if "basis" not in columns:
                 conn.execute(f"ALTER TABLE audit ADD COLUMN basis TEXT NOT NULL DEFAULT '{AUTHENTICATED}'")
                 conn.execute("UPDATE audit SET basis = ? WHERE who = ?", (OBSERVED, SYSTEM))
+            if "run" not in columns:
+                # Old rows keep none: nothing in them says which run they were about.
+                conn.execute("ALTER TABLE audit ADD COLUMN run TEXT")
+            conn.execute(RUN_INDEX)
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             conn.execute("COMMIT")
         except BaseException:
@@ -218,8 +263,9 @@ class AuditLog:
         conn = self._connect()
         try:
             cur = conn.execute(
-                "INSERT INTO audit (at, action, request_id, who, remote_addr, reason, outcome, detail, basis)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO audit"
+                " (at, action, request_id, who, remote_addr, reason, outcome, detail, basis, run)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     time.time(),
                     action,
@@ -230,6 +276,7 @@ class AuditLog:
                     outcome,
                     json.dumps(detail, sort_keys=True) if detail else None,
                     basis,
+                    self.run,
                 ),
             )
             return cur.lastrowid
@@ -239,16 +286,13 @@ class AuditLog:
             conn.close()
 
     def rows(self, limit: int | None = None, request_id: str | None = None) -> list[dict]:
-        """Newest first. An absent database is an empty trail, not an error."""
+        """Newest first (this run's only, if shared). An absent database is an empty trail, not an error."""
         if not self.path.exists():
             return []
         conn = self._connect(READ_TIMEOUT_S)
         try:
-            sql, args = _SELECT, []
-            if request_id is not None:
-                sql += " WHERE request_id = ?"
-                args.append(request_id)
-            sql += " ORDER BY id DESC"
+            where, args = self._where(**({"request_id": request_id} if request_id is not None else {}))
+            sql = _SELECT + where + " ORDER BY id DESC"
             if limit is not None:
                 sql += " LIMIT ?"
                 args.append(limit)
@@ -264,7 +308,8 @@ class AuditLog:
             return None
         conn = self._connect(READ_TIMEOUT_S)
         try:
-            return conn.execute("SELECT max(id) FROM audit").fetchone()[0]
+            where, args = self._where()
+            return conn.execute("SELECT max(id) FROM audit" + where, args).fetchone()[0]
         except sqlite3.Error as e:
             raise AuditError(f"cannot read the audit trail {self.path}: {e}") from None
         finally:
@@ -281,10 +326,10 @@ class AuditLog:
         The database is opened now (AuditError if it cannot be), read as the
         chunks are taken.
         """
-        return self._csv_chunks(self._connect() if self.path.exists() else None)
+        return self._csv_chunks(self._connect() if self.path.exists() else None, *self._where())
 
     @staticmethod
-    def _csv_chunks(conn: sqlite3.Connection | None) -> Iterator[str]:
+    def _csv_chunks(conn: sqlite3.Connection | None, where: str = "", args=()) -> Iterator[str]:
         out = io.StringIO()
         writer = csv.writer(out)
         writer.writerow(COLUMNS)
@@ -292,7 +337,7 @@ class AuditLog:
         if conn is None:
             return
         try:
-            cursor = conn.execute(_SELECT + " ORDER BY id")
+            cursor = conn.execute(_SELECT + where + " ORDER BY id", args)
             while batch := cursor.fetchmany(_CSV_BATCH):
                 out.seek(0)
                 out.truncate()

@@ -15,6 +15,7 @@ from typing import Any
 
 from app.audit import AuditLog
 from app.ranks.state import RunState
+from app.runs import ids
 from app.stop.service import StopService
 from trainer_bridge.rundir import runfiles
 
@@ -59,18 +60,27 @@ def open_run(
     *,
     start_task: Callable = _thread,
     emit: Callable[[str, dict], None] = lambda event, payload: None,
+    run_id: str | None = None,
 ) -> Run:
     """The view, the audit trail, the stop service and the checkpoint index of ``run_dir``.
 
     ``start_task`` and ``emit`` are how a deep verify runs and reports
     (Socket.IO's in the dashboard; a thread and nobody to tell in the CLI).
+    ``run_id`` is what the audit rows say the run is (by default its path
+    below ``RUNS_ROOT``, else its directory's name: ``app.runs.ids.of_dir``).
     """
     from app.checkpoints.retention import Retention
     from app.checkpoints.service import CheckpointService
     from app.checkpoints.verify import Verifier
 
     # The default trail lives in the run directory: walked from it, following no symlink.
-    audit = AuditLog(audit_path(run_dir, config), root=None if config["AUDIT_DB"] else (run_dir or "."))
+    # A shared one (AUDIT_DB) holds every run's rows: each run reads back its own.
+    audit = AuditLog(
+        audit_path(run_dir, config),
+        root=None if config["AUDIT_DB"] else (run_dir or "."),
+        run=run_id or ids.of_dir(run_dir or ".", config["RUNS_ROOT"]),
+        shared=bool(config["AUDIT_DB"]),
+    )
     checkpoints = CheckpointService(
         run_dir, audit, scan_s=config["CHECKPOINT_SCAN_S"], verifier=Verifier(start_task, emit)
     )

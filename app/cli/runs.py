@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from app.cli.common import console, fmt_seconds, plain, untrusted, verdict_text
+from app.cli.common import console, fmt_bytes, fmt_seconds, plain, untrusted, verdict_text
 
 
 def runs_table(root: Path, **query) -> dict:
@@ -43,8 +43,10 @@ def print_table(body: dict) -> None:
         ("state", "left"),
         ("world", "right"),
         ("global step", "right"),
+        ("loss", "right"),
         ("verdicts", "left"),
         ("newest set", "right"),
+        ("disk", "right"),
         ("last activity", "right"),
     ):
         table.add_column(name, justify=justify)
@@ -59,8 +61,10 @@ def print_table(body: dict) -> None:
             ("⚠ " if r["needs_attention"] else "") + r["state"],
             str(r["world_size"]),
             "–" if r["global_step"] is None else f"{r['global_step']:,}",
+            "–" if r["loss"] is None else f"{r['loss']:.4g}",
             verdicts,
             "–" if newest is None else f"step {newest['global_step']}",
+            ("≥ " if r["disk_truncated"] else "") + fmt_bytes(r["disk_bytes"]),
             "–" if r["last_activity"] is None else fmt_seconds(max(0.0, now - r["last_activity"])) + " ago",
         )
     out = console()

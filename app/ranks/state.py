@@ -405,6 +405,23 @@ class RunState(RunStatus):
             ],
         }
 
+    def loss_spark(self, points: int) -> list[float]:
+        """At most ``points`` losses of the lowest rank's chart history, evenly picked, the newest last.
+
+        The landing page's sparkline: from the points the view already holds
+        (the history tail it was seeded from, then each heartbeat), so it
+        reads no file. A NaN or infinite loss (null in the history) is left out.
+        """
+        with self._lock:
+            slot = next(
+                (s for r in sorted(self._rows) if (s := self._slot(r)) is not None and s.history), None
+            )
+            losses = [p[2] for p in slot.history if p[2] is not None] if slot is not None else []
+        if len(losses) <= points or points < 2:
+            return losses[-points:] if points > 0 else []
+        step = (len(losses) - 1) / (points - 1)
+        return [losses[round(i * step)] for i in range(points)]
+
     def resend(self) -> None:
         """Make the next ``take_delta`` a whole snapshot (a dashboard that just became leader)."""
         with self._lock:

@@ -20,7 +20,6 @@ With ``--run-dir RUN`` the registry holds that one run under its name
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -29,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from app.errors import RunNotFound
 from app.runs.discovery import Discovery, RunEntry
+from app.runs.ids import single_id  # noqa: F401  (create_app imports it from here)
 
 if TYPE_CHECKING:
     from app.extensions import Rankwatch
@@ -41,11 +41,6 @@ OPEN_MAX = 32
 VIEWED_S = 120.0
 # Discovery's period: a new run is listed within this (plus one scan's time).
 SCAN_S = 5.0
-
-
-def single_id(run_dir: str) -> str:
-    """The id of the one run of ``--run-dir``: its directory's name."""
-    return os.path.basename(os.path.normpath(os.path.abspath(run_dir))) or "run"
 
 
 class Registry:

@@ -21,11 +21,14 @@ from pydantic import Field
 
 from app import attempts
 from app.edge import params
+from app.runs.diskuse import DiskUsage
 
 STATES = ("training", "stopping", "stopped", "finished", "failed", "stalled", "idle")
 # Verdicts that put a run first: a rank in trouble.
 TROUBLE = ("straggler", "stalled", "dead", "node_lost", "failed", "corrupt")
-SORTS = ("attention", "id", "state", "world_size", "global_step", "last_activity")
+SORTS = ("attention", "id", "state", "world_size", "global_step", "loss", "disk_bytes", "last_activity")
+# Losses in a row's sparkline (the landing page draws them as an inline SVG).
+SPARK_POINTS = 32
 PER_PAGE_DEFAULT = 50
 PER_PAGE_MAX = 500
 MAX_QUERY = 200
@@ -48,8 +51,13 @@ def run_state(status: str, counts: Mapping[str, int], stop_state: str | None, li
     return "idle"
 
 
-def row_from(run_id: str, entry, state, stop, checkpoints, now: float, tick_s: float) -> dict:
-    """The row of one run from its engines (``RunState``, ``StopService``, ``CheckpointService``)."""
+def row_from(
+    run_id: str, entry, state, stop, checkpoints, now: float, tick_s: float, disk: DiskUsage | None = None
+) -> dict:
+    """The row of one run from its engines (``RunState``, ``StopService``, ``CheckpointService``).
+
+    ``disk`` measures the bytes under the run directory (kept across calls for an open run).
+    """
     state.refresh(now, tick_s)
     head = state.summary(now)
     summary = head["summary"]
@@ -72,6 +80,9 @@ def row_from(run_id: str, entry, state, stop, checkpoints, now: float, tick_s: f
             newest = {"id": cset.id, "global_step": cset.global_step, "mtime": cset.mtime}
     live = bool(entry.live) if entry is not None else head["run"]["status"] == "running"
     name = run_state(head["run"]["status"], counts, stop_state, live)
+    spark = state.loss_spark(SPARK_POINTS)
+    disk = disk if disk is not None else DiskUsage()
+    disk_bytes = disk.measure(state.run_dir, now)
     return {
         "id": run_id,
         "state": name,
@@ -80,6 +91,12 @@ def row_from(run_id: str, entry, state, stop, checkpoints, now: float, tick_s: f
         "world_size": head["world_size"],
         "global_step": summary.get("global_step"),
         "throughput": summary.get("throughput"),
+        # The newest loss of the lowest rank, and up to SPARK_POINTS of its recent ones (oldest first).
+        "loss": spark[-1] if spark else None,
+        "loss_spark": spark,
+        # Bytes of the regular files under the run directory (a lower bound if disk_truncated).
+        "disk_bytes": disk_bytes,
+        "disk_truncated": disk.truncated,
         "health_counts": counts,
         "needs_attention": name in ("failed", "stalled") or any(counts.get(v) for v in TROUBLE),
         "newest_complete_set": newest,
@@ -105,6 +122,8 @@ class Rows:
         self._open_run = open_run
         self.config = config
         self._cache: dict[str, tuple[tuple, dict]] = {}
+        # Open runs' disk measures, kept between rows (an idle run's row is kept instead).
+        self._disk: dict[str, DiskUsage] = {}
         self._lock = threading.Lock()
 
     def row(self, run_id: str, entry, now: float) -> dict:
@@ -113,7 +132,11 @@ class Rows:
         if rw is None and (entry is None or entry.live):
             rw = self.registry.get(run_id, touch=False)
         if rw is not None:
-            return row_from(run_id, entry, rw.state, rw.stop, rw.checkpoints, now, tick_s)
+            with self._lock:
+                disk = self._disk.setdefault(run_id, DiskUsage())
+                # Its files may change while it is open (a set deleted from its console): read again once closed.
+                self._cache.pop(run_id, None)
+            return row_from(run_id, entry, rw.state, rw.stop, rw.checkpoints, now, tick_s, disk)
         with self._lock:
             cached = self._cache.get(run_id)
         if cached is not None and cached[0] == entry.signature:
@@ -161,6 +184,8 @@ class Rows:
         with self._lock:
             for gone in set(self._cache) - set(entries):
                 del self._cache[gone]
+            for closed in [i for i in self._disk if self.registry.peek(i) is None]:
+                del self._disk[closed]
         wanted = [i for i in entries if not q or q.casefold() in i.casefold()]
         rows = [self.row(i, entries[i], now) for i in wanted]
         counts = {s: 0 for s in STATES}

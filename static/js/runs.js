@@ -1,7 +1,7 @@
 // The runs table (landing page under --runs): one server page of GET /api/runs
 // at a time, refreshed every few seconds; only the rows on screen are fetched.
 
-import { GLYPH, formatClock, formatSeconds } from "./format.js";
+import { GLYPH, formatBytes, formatClock, formatSeconds } from "./format.js";
 import { token } from "./token.js";
 
 // The printed link (#login=<code>) lands here under --runs: the token it
@@ -39,6 +39,39 @@ function verdicts(counts) {
   return span;
 }
 
+// The loss sparkline: an inline SVG polyline (a chart library per row would not
+// survive a page of hundreds of rows), scaled to its own min and max.
+const SVG = "http://www.w3.org/2000/svg";
+const SPARK_W = 96;
+const SPARK_H = 20;
+
+function sparkline(values) {
+  const losses = (values || []).filter((v) => typeof v === "number" && Number.isFinite(v));
+  if (losses.length === 0) return "–";
+  const svg = document.createElementNS(SVG, "svg");
+  svg.setAttribute("class", "spark");
+  svg.setAttribute("width", SPARK_W);
+  svg.setAttribute("height", SPARK_H);
+  svg.setAttribute("viewBox", `0 0 ${SPARK_W} ${SPARK_H}`);
+  svg.setAttribute("role", "img");
+  const first = losses[0].toPrecision(3);
+  const last = losses[losses.length - 1].toPrecision(3);
+  svg.setAttribute("aria-label", `loss ${first} to ${last} over the last ${losses.length} points`);
+  const lo = Math.min(...losses);
+  const span = Math.max(...losses) - lo || 1;
+  const dx = losses.length > 1 ? (SPARK_W - 2) / (losses.length - 1) : 0;
+  const line = document.createElementNS(SVG, "polyline");
+  line.setAttribute("fill", "none");
+  line.setAttribute("stroke", "currentColor");
+  line.setAttribute("stroke-width", "1.5");
+  line.setAttribute("points", losses.map((v, i) => `${(1 + i * dx).toFixed(1)},${(SPARK_H - 2 - ((v - lo) / span) * (SPARK_H - 4)).toFixed(1)}`).join(" "));
+  svg.append(line);
+  const title = document.createElementNS(SVG, "title");
+  title.textContent = `loss ${first} → ${last}`;
+  svg.prepend(title);
+  return svg;
+}
+
 function row(r, now) {
   const tr = document.createElement("tr");
   tr.dataset.run = r.id;
@@ -52,8 +85,10 @@ function row(r, now) {
     cell("state", r.needs_attention ? `⚠ ${r.state}` : r.state),
     cell("world", r.hosts > 1 ? `${r.world_size} on ${r.hosts} hosts` : String(r.world_size ?? "–")),
     cell("step", r.global_step == null ? "–" : r.global_step.toLocaleString()),
+    cell("loss", sparkline(r.loss_spark)),
     cell("health", verdicts(r.health_counts || {})),
     cell("ckpt", r.newest_complete_set ? `step ${r.newest_complete_set.global_step ?? "?"}` : "–"),
+    cell("disk", r.disk_bytes == null ? "–" : `${r.disk_truncated ? "≥ " : ""}${formatBytes(r.disk_bytes)}`),
     cell("stop", r.last_stop ? `${r.last_stop.state}, by ${r.last_stop.requested_by || "?"} at ${formatClock(r.last_stop.requested_at)}` : "–"),
     cell("activity", r.last_activity == null ? "–" : `${formatSeconds(Math.max(0, now - r.last_activity))} ago`),
   );

@@ -1,8 +1,12 @@
-"""Two real msrun jobs under one root, one dashboard (``--runs ROOT``), a real browser.
+"""Three real msrun jobs under one root, one dashboard (``--runs ROOT``), a real browser.
 
-Both appear in ``GET /api/runs`` and on the landing page; a run's console
-opens from its row; ``POST /api/runs/<id>/exit`` stops that job (every rank
-together, its row turns to stopped) and the other keeps training.
+All three appear in ``GET /api/runs`` and on the landing page, with a loss
+sparkline and the disk they use; a run's console opens from its row. One
+(A) is stopped from its run page: every rank together, its row turns to
+stopped. One (C) has a rank killed with ``kill -9``: its row says failed and
+comes first, as needing attention. One (B) trains on, healthy, throughout.
+Then A is relaunched: it resumes at S+1, and its row and console show two
+attempts.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -31,7 +36,7 @@ TOKEN = "runs-msrun-operator-token-0123456789"
 # competition for the cores reaches (this test is about runs, not about stragglers).
 CALM = {"RANKWATCH_STALL_MIN_S": "120", "RANKWATCH_STRAGGLER_RATIO": "100"}
 UI_TIMEOUT_MS = 120_000
-A, B = "exp a", "team/b"
+A, B, C = "exp a", "team/b", "crash c"
 
 
 def runs(server) -> dict[str, dict]:
@@ -52,10 +57,19 @@ def wait_rows(server, predicate, what: str, jobs=()) -> dict[str, dict]:
     raise AssertionError(f"timed out waiting for {what}: {dump(rows)}")
 
 
-def test_two_jobs_one_root_stop_one(tmp_path, page, console_errors):
+def job(rel_root, name) -> DemoJob:
+    # More epochs than the test lasts: every job is alive until it is stopped, killed or ended by the test.
+    return DemoJob(rel_root / name, epochs=200, step_delay=0.05)
+
+
+def cell(page, run_id: str, col: str):
+    return page.locator(f'#runs-table tbody tr[data-run="{run_id}"] td[data-col="{col}"]')
+
+
+def test_three_jobs_one_root_stop_one_kill_one_relaunch(tmp_path, page, console_errors):
     root = tmp_path / "root"
-    a = DemoJob(root / A, epochs=20, step_delay=0.05).start()
-    b = DemoJob(root / B, epochs=20, step_delay=0.05).start()
+    a, b, c = job(root, A).start(), job(root, B).start(), job(root, C).start()
+    a2 = None
     server = start_dashboard(
         root,
         tmp_path / "dashboard.log",
@@ -63,66 +77,85 @@ def test_two_jobs_one_root_stop_one(tmp_path, page, console_errors):
         runs_root=True,
     )
     try:
-        a.wait_for_step(3)
-        b.wait_for_step(3)
+        for j in (a, b, c):
+            j.wait_for_step(3)
         rows = wait_rows(
             server,
             lambda rows: all(
-                rows.get(i, {}).get("state") == "training" and rows[i]["world_size"] == 2 for i in (A, B)
+                rows.get(i, {}).get("state") == "training"
+                and rows[i]["world_size"] == 2
+                and rows[i]["loss_spark"]
+                for i in (A, B, C)
             ),
-            "both runs training",
-            (a, b),
+            "the three runs training, with losses",
+            (a, b, c),
         )
-        assert set(rows) == {A, B}, dump(rows)
+        assert set(rows) == {A, B, C}, dump(rows)
+        for i in (A, B, C):
+            # Every regular file under the run counts: at least the ranks' worker logs and heartbeats.
+            assert rows[i]["disk_bytes"] > 0 and not rows[i]["disk_truncated"], dump(rows[i])
+            assert rows[i]["loss"] == rows[i]["loss_spark"][-1]
 
-        # The landing page lists both, is accessible, and opens a run's console from its row.
+        # The landing page lists all three, with a sparkline that says its first and last loss, and is accessible.
         page.goto(server.url + "/")
-        expect(page.locator("#runs-table tbody tr")).to_have_count(2, timeout=UI_TIMEOUT_MS)
-        expect(page.locator(f'#runs-table tbody tr[data-run="{B}"] td[data-col="state"]')).to_have_text(
-            "training"
+        expect(page.locator("#runs-table tbody tr")).to_have_count(3, timeout=UI_TIMEOUT_MS)
+        expect(cell(page, B, "state")).to_have_text("training")
+        expect(cell(page, B, "loss").locator("svg[role=img]")).to_have_attribute(
+            "aria-label", re.compile(r"^loss [\d.]+ to [\d.]+ over the last \d+ points$")
         )
+        expect(cell(page, B, "disk")).to_have_text(re.compile(r"^\d+(\.\d)? (B|KiB|MiB|GiB)$"))
         violations = [
             f"{v['id']} ({v['impact']})"
             for v in Axe().run(page).response["violations"]
             if v["impact"] in ("serious", "critical")
         ]
         assert violations == []
+
+        # A is stopped from its run page, which names the run in the dialog.
         page.locator(f'#runs-table tbody tr[data-run="{A}"] a').click()
         expect(page).to_have_url(re.compile(r"/runs/exp%20a/$"))
         expect(page.locator("#rank-table tbody tr[data-health='healthy']")).to_have_count(
             2, timeout=UI_TIMEOUT_MS
         )
-
-        # A stop of A, through its run-scoped route, stops A only.
-        request = urllib.request.Request(
-            server.url + "/api" + rows[A]["url"] + "exit",
-            data=json.dumps({"reason": "runs e2e", "who": "tester"}).encode(),
-            headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"},
-            method="POST",
-        )
-        with urllib.request.urlopen(request, timeout=30) as r:
-            assert r.status == 202
+        page.click("#token-open")
+        page.fill("#token-input", TOKEN)
+        page.click("#token-save")
+        expect(page.locator("#operator-state")).to_have_text("operator")
+        page.click("#stop-open")
+        expect(page.locator("#stop-dialog .stop-run")).to_have_text(A)
+        page.fill("#stop-reason", "runs e2e")
+        page.fill("#stop-who", "tester")
+        page.click("#stop-confirm")
         assert a.wait() == 0, a.logs()
-        a.stopped_together()
-        # A's console heard its own stop (its run's room).
+        s, _ = a.stopped_together()
         expect(page.locator("#stop-panel")).to_have_attribute(
             "data-state", re.compile("completed|rearmed"), timeout=UI_TIMEOUT_MS
         )
-        rows = wait_rows(server, lambda rows: rows[A]["state"] == "stopped", "A's row to say stopped", (b,))
+        (launch_a,) = {hb["launch"] for hb in a.heartbeats()}
+        rows = wait_rows(server, lambda rows: rows[A]["state"] == "stopped", "A's row to say stopped", (b, c))
         assert rows[A]["health_counts"] == {"exited": 2}, dump(rows[A])
         assert rows[A]["last_stop"]["requested_by"] == "tester" and rows[B]["last_stop"] is None, dump(rows)
-        step = max(h["global_step"] for h in b.heartbeats())
-        b.wait_for_step(step + 3)
-        assert all(h["state"] == "training" for h in b.heartbeats())
-        assert runs(server)[B]["state"] == "training"
-        # The landing row says so, and the shell's table (the same rows) too.
+
+        # C loses a rank to kill -9: its row says failed and comes first (it needs attention).
+        pids_c = [hb["pid"] for hb in c.heartbeats()]
+        os.kill(pids_c[1], signal.SIGKILL)
+        rows = wait_rows(
+            server,
+            lambda rows: rows[C]["state"] == "failed" and rows[C]["needs_attention"],
+            "C's row to say failed",
+            (b,),
+        )
+        assert rows[C]["health_counts"].get("dead"), dump(rows[C])
+        with urllib.request.urlopen(server.url + "/api/runs", timeout=30) as r:
+            table = json.loads(r.read())
+        assert table["runs"][0]["id"] == C and table["needs_attention"] == 1, dump(table)
         page.goto(server.url + "/")
-        expect(page.locator(f'#runs-table tbody tr[data-run="{A}"] td[data-col="state"]')).to_have_text(
-            "stopped"
+        expect(page.locator("#runs-table tbody tr").first).to_have_attribute(
+            "data-run", C, timeout=UI_TIMEOUT_MS
         )
-        expect(page.locator(f'#runs-table tbody tr[data-run="{A}"] td[data-col="stop"]')).to_contain_text(
-            "tester"
-        )
+        expect(cell(page, C, "state")).to_have_text("⚠ failed")
+        expect(cell(page, A, "state")).to_have_text("stopped")
+        expect(cell(page, A, "stop")).to_contain_text("tester")
         cli = subprocess.run(
             [sys.executable, "-m", "app.cli", "runs", str(root), "--json"],
             capture_output=True,
@@ -131,13 +164,43 @@ def test_two_jobs_one_root_stop_one(tmp_path, page, console_errors):
             env={**os.environ, **CALM},
         )
         assert cli.returncode == 0, cli.stderr
-        shell = {r["id"]: r["state"] for r in json.loads(cli.stdout)["runs"]}
-        assert shell == {A: "stopped", B: "training"}, cli.stdout
+        shell = [(r["id"], r["state"]) for r in json.loads(cli.stdout)["runs"]]
+        assert shell[0] == (C, "failed") and dict(shell) == {A: "stopped", B: "training", C: "failed"}, (
+            cli.stdout
+        )
+
+        # B trained on, healthy, through all of it.
+        step = max(h["global_step"] for h in b.heartbeats())
+        b.wait_for_step(step + 3)
+        assert all(h["state"] == "training" for h in b.heartbeats())
+        assert runs(server)[B]["health_counts"] == {"healthy": 2}
         flag = runfiles.read_json_or_none(runfiles.flag_path(root / B))
         assert flag is None or not flag.get("GracefulExit"), flag
+
+        # A relaunched resumes at S+1: its row and its console show two attempts.
+        a2 = job(root, A).start()
+        a2.wait_until(
+            lambda hbs: all(
+                h and h.get("launch") not in (None, launch_a) and h["global_step"] >= s + 2 for h in hbs
+            ),
+            "A's relaunch past S+2",
+        )
+        assert all(a2.steps_logged(r)[0] == s + 1 for r in range(2))
+        rows = wait_rows(
+            server,
+            lambda rows: rows[A]["attempts"] == 2 and rows[A]["state"] == "training",
+            "A's row to show its second attempt, training",
+            (a2, b),
+        )
+        page.goto(server.url + rows[A]["url"])
+        items = page.locator("#attempts-list li")
+        expect(items).to_have_count(2, timeout=UI_TIMEOUT_MS)
+        expect(items.nth(0)).to_have_attribute("data-end", "graceful_stop")
+        expect(items.nth(1)).to_contain_text(re.compile(rf"resumed from global step {s}\b"))
         page.goto("about:blank")
         assert console_errors == []
     finally:
-        a.kill()
-        b.kill()
+        for j in (a, b, c, a2):
+            if j is not None:
+                j.kill()
         server.stop()
