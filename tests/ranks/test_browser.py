@@ -65,10 +65,11 @@ def test_charts_render_from_local_assets_only(live_server, page, run_dir, simula
     simulator(3)
     page.goto(live_server.url + "/")
     for chart in ("#chart-step-time", "#chart-loss"):
+        # The whole run, from the seeded history on: one series (no attempts.jsonl), smoothed over raw.
         page.wait_for_function(
             "sel => { const el = document.querySelector(sel);"
-            " return el && el.data && el.data.length === 3"
-            " && el.data[0].y.filter(v => v !== null).length >= 10; }",
+            " return el && el.data && el.data.some(t => t.meta.kind === 'smoothed'"
+            " && t.y.filter(v => v !== null).length >= 10 && t.x[0] === 20); }",
             arg=chart,
             timeout=WAIT_MS,
         )
