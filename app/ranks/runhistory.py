@@ -47,13 +47,18 @@ import bisect
 import math
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
+
+from app.ranks.heartbeats import read_history_tail
 
 KEEP_WHOLE_S = 3600.0
 THIN_S = 60.0
 # A step is sealed once the run's newest report is this much later than its first:
 # the ranks of a synchronous job report a step within a heartbeat or two of each other.
 OPEN_S = 10.0
+# Sealing passes run at most this often (of data time).
+SEAL_EVERY_S = 2.0
 # Open steps beyond this are sealed early, oldest first (thousands of ranks each
 # reporting a different step of a fast job).
 MAX_OPEN = 4096
@@ -146,6 +151,7 @@ class RunHistory:
         # [from t, to t, one point every s], oldest first, adjacent, covering the thinned past.
         self.thinned: list[list[float]] = []
         self._thinned_until: float | None = None
+        self._binned_until = -math.inf  # points before this are one a bin already: a pass skips them
         self.generation = 0
         self.seeded = False
 
@@ -154,22 +160,44 @@ class RunHistory:
     def __len__(self) -> int:
         return sum(len(s) for s in self._series.values())
 
-    def seed(self, tails: Mapping[int, Sequence[tuple]], launches: Sequence[tuple[float, str]]) -> None:
+    def seed(
+        self,
+        tails: Mapping[int, Sequence[tuple]],
+        launches: Sequence[tuple[float, str]],
+        current: Mapping[int, tuple[float, str]] | None = None,
+    ) -> None:
         """Take the ranks' history tails (``read_history_tail`` points, oldest first) at start.
 
-        ``launches``: (started_at, launch id) of each attempt, oldest first: a tail
-        line names no launch, so it takes the one that had started by its time.
+        A tail line names no launch. One written since the rank's process started
+        (``current``: rank -> (its heartbeat's started_at, launch)) is that launch's;
+        an older one takes the attempt that had started by its time (``launches``:
+        (started_at, launch id) of each attempt, oldest first, from attempts.jsonl).
         """
         starts = [s for s, _ in launches]
+        current = current or {}
         for rank in sorted(tails):
+            began, mine = current.get(rank, (math.inf, None))
             for point in tails[rank]:
                 t = _num(point[0]) if point else None
                 if t is None:
                     continue
                 i = bisect.bisect_right(starts, t) - 1
-                self.feed(rank, point, launches[i][1] if i >= 0 else None, seal=False)
+                launch = mine if t >= began else launches[i][1] if i >= 0 else None
+                self.feed(rank, point, launch, seal=False)
         self.seeded = True
         self._seal()
+
+    def seed_from_files(
+        self, run_dir: Path, beats: Mapping[int, dict | None], launches: Sequence[tuple[float, str]]
+    ) -> None:
+        """``seed`` from the history files of the first ``SEED_RANKS`` ranks with a heartbeat (``beats``)."""
+        ranks = sorted(beats)[:SEED_RANKS]
+        current = {
+            r: (hb["started_at"], hb["launch"])
+            for r in ranks
+            if (hb := beats[r]) is not None and hb.get("launch") and hb.get("started_at") is not None
+        }
+        self.seed({r: read_history_tail(run_dir, r, SEED_LINES) for r in ranks}, launches, current)
 
     def feed_new(self, rank: int, points: Sequence[tuple], launch: str | None) -> None:
         """Feed the points of ``points`` (a rank's chart points, oldest first) newer than those taken."""
@@ -210,7 +238,7 @@ class RunHistory:
             acc[3].append(ms)
         if self._newest is None or t > self._newest:
             self._newest = t
-        if seal and (self._newest - self._sealed_at >= 1.0 or len(self._open) > MAX_OPEN):
+        if seal and (self._newest - self._sealed_at >= SEAL_EVERY_S or len(self._open) > MAX_OPEN):
             self._seal()
 
     @staticmethod
@@ -231,8 +259,11 @@ class RunHistory:
         edge = math.inf if everything else self._newest - OPEN_S
         due = [k for k, acc in self._open.items() if acc[0] < edge]
         if len(self._open) - len(due) > MAX_OPEN:
-            rest = sorted((acc[0], k) for k, acc in self._open.items() if acc[0] >= edge)
-            due += [k for _, k in rest[: len(self._open) - len(due) - MAX_OPEN]]
+            rest = sorted(
+                (k for k, acc in self._open.items() if acc[0] >= edge), key=lambda k: self._open[k][0]
+            )
+            # Down to the low-water mark, so that the next such pass is many points away.
+            due += rest[: len(self._open) - len(due) - int(MAX_OPEN * LOW_WATER)]
         for key in sorted(due, key=lambda k: (k[0] or "", k[1])):
             acc = self._open.pop(key)
             launch, step = key
@@ -263,6 +294,7 @@ class RunHistory:
             finest = min(r[2] for r in self.thinned)
             oldest = next(r for r in self.thinned if r[2] == finest)
             oldest[2] *= 2
+            self._binned_until = min(self._binned_until, oldest[0])
             self._merge_ranges()
             was = len(self)
             self._rebin()
@@ -294,31 +326,46 @@ class RunHistory:
         return None
 
     def _rebin(self) -> None:
-        """One point per bin of each range's interval, for points before ``_thinned_until``."""
+        """One point per bin of each range's interval, for points before ``_thinned_until``.
+
+        Only the points between ``_binned_until`` and ``_thinned_until`` are
+        walked (a bin of one point is copied as it is); the rest is copied by slices.
+        """
+        until = self._thinned_until
+        if until is None:
+            return
         for launch, s in list(self._series.items()):
-            if not len(s) or s.t[0] >= (self._thinned_until or -math.inf):
+            if not len(s) or s.t[0] >= until:
                 continue
+            # Steps of an attempt are trained in time order, so its times are sorted.
+            split = bisect.bisect_left(s.t, until)
+            # From the last point already binned: the new points may share its bin.
+            i = max(0, bisect.bisect_left(s.t, self._binned_until) - 1)
             out = _Series()
-            group: list[int] = []
-            bin_key = None
-            for i in range(len(s)):
-                where = self._interval(s.t[i])
-                key = None if where is None else (where[0], math.floor(s.t[i] / where[1]))
-                if group and (key is None or key != bin_key):
-                    self._emit(s, group, out)
-                    group = []
-                if key is None:
+            for col, src in zip(out.columns(), s.columns(), strict=True):
+                col.extend(src[:i])
+            while i < split:
+                key = self._bin(s.t[i])
+                j = i + 1
+                while key is not None and j < split and self._bin(s.t[j]) == key:
+                    j += 1
+                if j == i + 1:
                     for col, src in zip(out.columns(), s.columns(), strict=True):
                         col.append(src[i])
                 else:
-                    group.append(i)
-                    bin_key = key
-            if group:
-                self._emit(s, group, out)
+                    self._emit(s, range(i, j), out)
+                i = j
+            for col, src in zip(out.columns(), s.columns(), strict=True):
+                col.extend(src[split:])
             self._series[launch] = out
+        self._binned_until = until
+
+    def _bin(self, t: float) -> tuple[int, int] | None:
+        where = self._interval(t)
+        return None if where is None else (where[0], math.floor(t / where[1]))
 
     @staticmethod
-    def _emit(s: _Series, group: list[int], out: _Series) -> None:
+    def _emit(s: _Series, group: range, out: _Series) -> None:
         last = group[-1]
         out.t.append(s.t[last])
         out.step.append(s.step[last])

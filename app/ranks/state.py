@@ -45,7 +45,7 @@ from app.ranks.heartbeats import (  # noqa: F401  (re-exported: tests and tools 
 )
 from app.ranks.judging import VerdictBoard
 from app.ranks.rows import make_row, with_age
-from app.ranks.runhistory import SEED_LINES, SEED_RANKS, RunHistory
+from app.ranks.runhistory import RunHistory
 from app.ranks.runstatus import RunStatus
 from app.stop.jobend import JobFacts
 
@@ -211,9 +211,8 @@ class RunState(RunStatus):
         """Give the whole-run series the changed ranks' new points; seeded from the tails once."""
         hist = self._run_history
         if not hist.seeded and self._slots and self.run_dir is not None:
-            ranks = sorted(self._slots)[:SEED_RANKS]
-            hist.seed(
-                {r: read_history_tail(self.run_dir, r, SEED_LINES) for r in ranks}, launches(self.run_dir)
+            hist.seed_from_files(
+                self.run_dir, {r: s.hb for r, s in self._slots.items()}, launches(self.run_dir)
             )
         for r in changed:
             slot = self._slot(r)

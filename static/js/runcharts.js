@@ -200,6 +200,7 @@ export class RunCharts {
       pair("loss", 2, "");
       pair("step", 3, " median");
       const slowest = pts.map((p) => p[4]);
+      ranged.step.push(...slowest.slice(Math.min(WARMUP_POINTS, Math.max(0, slowest.length - 3))));
       traces.step.push({
         type: "scatter", mode: "lines", x, y: slowest, name: `${name} slowest rank`, legendgroup: name,
         showlegend: false, opacity: 0.5, line: { color, width: 1, dash: "dot" }, text, customdata: steps,

@@ -8,8 +8,9 @@ import math
 
 import pytest
 
-from app.ranks.runhistory import KEEP_WHOLE_S, OPEN_S, THIN_EVERY_S, THIN_S, RunHistory
+from app.ranks.runhistory import KEEP_WHOLE_S, MAX_OPEN, OPEN_S, THIN_EVERY_S, THIN_S, RunHistory
 from app.ranks.state import read_history_tail
+from tests.helpers.app import wait_for
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from trainer_bridge.rundir import runfiles
 
@@ -199,6 +200,17 @@ def test_route_with_one_run_dir(client, run_dir):
     assert client.get("/api/history/run").get_json()["attempts"] == []
     write_job(run_dir, 1)
     for seq in range(1, 4):
-        write_heartbeat(run_dir, heartbeat(0, 1, seq=seq, now=T0 + seq, global_step=seq, launch="L9"))
+        write_heartbeat(
+            run_dir, heartbeat(0, 1, seq=seq, now=T0 + seq, global_step=seq, launch="L9", started_at=T0)
+        )
+    # No attempts.jsonl: the history lines (seeded) take the launch of the heartbeat of their process.
+    wait_for(lambda: client.get("/api/history/run").get_json()["attempts"], "the series")
     body = client.get("/api/history/run").get_json()
     assert [(a["launch"], [p[0] for p in a["points"]]) for a in body["attempts"]] == [("L9", [1, 2, 3])]
+
+
+def test_open_steps_stay_bounded_when_every_rank_reports_another_step():
+    hist = RunHistory(10_000)
+    for r in range(MAX_OPEN + 500):
+        hist.feed(r, (T0 + 0.001 * (r % 7), r, 1.0, 5.0), None if r % 2 else "L1")
+    assert len(hist._open) <= MAX_OPEN and len(hist) + len(hist._open) == MAX_OPEN + 500
