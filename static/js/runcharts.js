@@ -214,23 +214,29 @@ export class RunCharts {
     this.noteThinned();
   }
 
-  // A dotted vertical line and a label where each attempt began (its first step, or its start).
+  // A dotted vertical line and a label where each attempt began (its first step, or its
+  // start); attempts that began at the same step (a replay) share one: "attempts 2, 3".
   marks(shown, xTime) {
+    const at = new Map();
+    shown.forEach((a, i) => {
+      const x = xTime ? (a.started_at ?? a.points[0][1]) * 1000 : (a.first_step ?? a.points[0][0]);
+      if (!at.has(x)) at.set(x, []);
+      at.get(x).push(a.attempt ?? i + 1);
+    });
     const shapes = [];
     const annotations = [];
-    shown.forEach((a, i) => {
-      const x = xTime
-        ? new Date((a.started_at ?? a.points[0][1]) * 1000)
-        : (a.first_step ?? a.points[0][0]);
+    for (const [key, numbers] of at) {
+      const x = xTime ? new Date(key) : key;
       shapes.push({
         type: "line", xref: "x", x0: x, x1: x, yref: "paper", y0: 0, y1: 1,
         line: { color: MARK, width: 1, dash: "dot" },
       });
       annotations.push({
         x, xref: "x", y: 1, yref: "paper", yanchor: "bottom", showarrow: false,
-        text: `attempt ${a.attempt ?? i + 1}`, font: { size: 10, color: MARK },
+        text: `${numbers.length > 1 ? "attempts" : "attempt"} ${numbers.join(", ")}`,
+        font: { size: 10, color: MARK },
       });
-    });
+    }
     return { shapes, annotations };
   }
 
@@ -251,10 +257,11 @@ export class RunCharts {
     const layout = {
       title: { text: name === "step" ? "Step time" : "Loss", font: { size: 14 } },
       margin: { l: 60, r: 20, t: 36, b: 40 },
-      xaxis: { type: xTime ? "date" : "linear", title: { text: xTime ? "" : "global step" } },
+      // No axis title: the x-axis control above says what it is, and the legend needs the room.
+      xaxis: { type: xTime ? "date" : "linear" },
       yaxis: { title: { text: yTitle }, type: log ? "log" : "linear", ...(range ? { range } : { autorange: true }) },
       showlegend: traces.filter((t) => t.meta.kind === "smoothed").length > 1,
-      legend: { orientation: "h", y: -0.25 },
+      legend: { orientation: "h", y: -0.2 },
       uirevision: `${this.xMode}|${log}`,
       datarevision: this.revision,
       ...marks,
