@@ -192,7 +192,9 @@ export class RunCharts {
           type: "scatter", mode: "lines", x, y: raw, name: `${name} (raw)`, legendgroup: name, showlegend: false,
           opacity: 0.25, line: { color, width: 1, dash }, hoverinfo: "skip", meta: meta("raw"),
         }, {
-          type: "scatter", mode: "lines", x, y: ema(raw, w), name: `${name}${label}`, legendgroup: name,
+          // A line of one point draws nothing: a short attempt (a relaunch killed at once) gets markers.
+          type: "scatter", mode: pts.length < 3 ? "lines+markers" : "lines", x, y: ema(raw, w),
+          name: `${name}${label}`, legendgroup: name,
           line: { color, width: 2, dash }, text, customdata: steps, hovertemplate: hover, meta: meta("smoothed"),
         });
         ranged[chart].push(...raw.slice(Math.min(WARMUP_POINTS, Math.max(0, raw.length - 3))));
