@@ -83,6 +83,12 @@ def served_by(run_dir: str | os.PathLike, request_id: str | None) -> int | None:
     )
 
 
+def launches(run_dir: str | os.PathLike) -> list[tuple[float, str]]:
+    """(started_at, launch id) of each attempt, oldest first: which launch a history line's time fell in."""
+    rows, _, _ = _cache.rows(Path(run_dir))
+    return [(r["started_at"], r["launch"]) for r in rows]
+
+
 def answer(
     run_dir: Path | None,
     heartbeats: Mapping[int, dict | None],

@@ -321,9 +321,16 @@ SETTINGS: list[Setting] = [
     Setting(
         "CHART_LINES_MAX_RANKS",
         16,
-        "Up to this many ranks the step-time and loss charts draw one line per rank; "
-        "above it they draw the median and the slowest rank, and a heat map of ranks x "
-        "time shows the rest.",
+        "Above this many ranks the run page adds a heat map of ranks x time (the last "
+        "HISTORY_POINTS buckets of each rank's step time) below the whole-run charts.",
+        group=G_PAGE,
+    ),
+    Setting(
+        "RUN_HISTORY_POINTS",
+        10_000,
+        "Points kept per run for the whole-run step-time and loss charts (one per attempt "
+        "and global step, 40 bytes each). The last hour is kept whole, older points one a "
+        "minute; past the cap the oldest ranges are thinned further, and the page says so.",
         group=G_PAGE,
     ),
     Setting(

@@ -232,6 +232,17 @@ class HistoryPoints(Query):
     points: Annotated[int | None, Field(gt=0, le=MAX_QUERY_INT, description="a positive integer")] = None
 
 
+class RunHistoryQuery(Query):
+    """``GET /api/history/run``'s ``?after=T&generation=G``: only what changed since an earlier answer."""
+
+    after: Annotated[
+        float | None, Field(ge=0, le=MAX_QUERY_INT, allow_inf_nan=False, description="a Unix time in seconds")
+    ] = None
+    generation: Annotated[int | None, Field(ge=0, le=MAX_QUERY_INT, description="a non-negative integer")] = (
+        None
+    )
+
+
 class MetricsScope(Query):
     per_rank: Annotated[Literal["0", "1"] | None, Field(description="0 or 1")] = None
 

@@ -77,7 +77,11 @@ def page_config() -> dict:
                 "STRAGGLER_RATIO",
             )
         },
-        "urls": {"history": url_for("ranks.api_history"), "attempts": url_for("ranks.api_attempts")},
+        "urls": {
+            "history": url_for("ranks.api_history"),
+            "run_history": url_for("ranks.api_run_history"),
+            "attempts": url_for("ranks.api_attempts"),
+        },
     }
 
 
@@ -165,6 +169,20 @@ def api_history():
     state = fresh_state(time.time())
     with large_answer(state.world_size(), "the chart history of every rank"):
         return jsonify(state.history(points))
+
+
+@bp.get("/api/history/run")
+def api_run_history():
+    """The whole run's chart series: per attempt, one point per global step (app/ranks/runhistory.py).
+
+    ``?after=T&generation=G`` (from an earlier answer) sends only the newer points while nothing was thinned.
+    """
+    q = params.query(params.RunHistoryQuery)
+    now = time.time()
+    state = fresh_state(now)
+    beats, _ = state.heartbeats()
+    rows = attempts_answer(state.run_dir, beats, state.job_ended())["attempts"]
+    return jsonify(state.run_history(rows, q.after, q.generation))
 
 
 @bp.get("/api/metrics")

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from app.attempts import LaunchWatch
+from app.attempts import LaunchWatch, launches
 from app.push import DELTA_EVENT, SNAPSHOT_EVENT, Changed, changed_fields
 from app.ranks import logmode
 from app.ranks.health import TERMINAL_STATES, Thresholds
@@ -45,6 +45,7 @@ from app.ranks.heartbeats import (  # noqa: F401  (re-exported: tests and tools 
 )
 from app.ranks.judging import VerdictBoard
 from app.ranks.rows import make_row, with_age
+from app.ranks.runhistory import RunHistory
 from app.ranks.runstatus import RunStatus
 from app.stop.jobend import JobFacts
 
@@ -67,6 +68,7 @@ class RunState(RunStatus):
         self.bucket_s = float(config["CHART_BUCKET_S"])
         self.check_after_s = float(config["PROCESS_CHECK_AFTER_S"])
         self.bridge_grace_s = float(config["BRIDGE_GRACE_S"])
+        self.run_points = int(config["RUN_HISTORY_POINTS"])
         self._probe = probe
         self._hostname = hostname or socket.gethostname()
         self._lock = threading.Lock()
@@ -105,6 +107,7 @@ class RunState(RunStatus):
         self._run: dict = {}
         self._run_pushed = Changed()
         self._launches = LaunchWatch()  # two launches writing at once (app/attempts.py)
+        self._run_history = RunHistory(self.run_points)  # the whole-run charts (app/ranks/runhistory.py)
         # Ranks can only be added by a delta; anything else (a run directory
         # deleted, a heartbeat removed) needs every client to take a snapshot.
         self._needs_snapshot = True
@@ -154,6 +157,7 @@ class RunState(RunStatus):
             world = self._world_size()
             shown = set(self._slots) | set(self._log_slots())
         self._world = world
+        self._feed_run_history(changed)
         board = self._board
         view = set(range(world)) | shown
         board.set_view(view)
@@ -202,6 +206,23 @@ class RunState(RunStatus):
         )
         self._summary = self._make_summary()
         self._run = self._make_run_status()
+
+    def _feed_run_history(self, changed: set[int]) -> None:
+        """Give the whole-run series the changed ranks' new points; seeded from the tails once."""
+        hist = self._run_history
+        if not hist.seeded and self._slots and self.run_dir is not None:
+            hist.seed_from_files(
+                self.run_dir, {r: s.hb for r, s in self._slots.items()}, launches(self.run_dir)
+            )
+        for r in changed:
+            slot = self._slot(r)
+            if slot is not None and slot.history:
+                hist.feed_new(r, slot.history, slot.hb.get("launch") if slot.hb else None)
+
+    def run_history(self, attempts: list[dict], after: float | None, generation: int | None) -> dict:
+        """The whole-run chart series (``/api/history/run``; ``RunHistory.answer``)."""
+        with self._lock:
+            return self._run_history.answer(attempts, after, generation)
 
     def _note_ended(self, now: float, view: set[int]) -> None:
         """Which ranks have ended (a final state, or the process gone) and whether msrun has.

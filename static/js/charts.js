@@ -1,13 +1,16 @@
-// Step time and loss over time, and a ranks x time heat map for large jobs.
+// The run page's charts: the whole run's step time and loss (runcharts.js),
+// and, above CHART_LINES_MAX_RANKS, a ranks x time heat map of step times.
 //
-// History is kept as time buckets (CHART_BUCKET_S), at most HISTORY_POINTS of
-// them, the same way the server's /api/history serves it: the page seeds from
-// that once, then adds a point per heartbeat from the deltas. Charts redraw
-// with Plotly.react at most every CHART_REFRESH_S and only when data changed,
-// which keeps them steady (no flicker, zoom kept through uirevision).
+// The heat map's history is kept as time buckets (CHART_BUCKET_S), at most
+// HISTORY_POINTS of them, the same way the server's /api/history serves it:
+// the page seeds from that once, then adds a point per heartbeat from the
+// deltas. It redraws with Plotly.react at most every CHART_REFRESH_S and only
+// when data changed, which keeps it steady (no flicker, zoom kept through
+// uirevision).
 
 import { SEL, $ } from "./dom.js";
 import { headerLabel, isNumber } from "./format.js";
+import { RunCharts } from "./runcharts.js";
 
 const PLOT_CONFIG = Object.freeze({
   displaylogo: false,
@@ -15,7 +18,7 @@ const PLOT_CONFIG = Object.freeze({
   modeBarButtonsToRemove: ["select2d", "lasso2d"],
 });
 
-// Per-rank step times and losses in aligned time-bucket columns.
+// Per-rank step times in aligned time-bucket columns.
 class History {
   constructor(bucketS, maxColumns) {
     this.bucketS = bucketS;
@@ -23,13 +26,10 @@ class History {
     this.first = null; // bucket index of column 0
     this.len = 0;
     this.step = new Map(); // rank -> [ms or null per column]
-    this.loss = new Map();
-    this.stats = []; // per column: {median, max, maxRank, meanLoss}
-    this.staleFrom = 0; // stats from this column on need recomputing
   }
 
   arrays() {
-    return [...this.step.values(), ...this.loss.values(), this.stats];
+    return [...this.step.values()];
   }
 
   seed(data) {
@@ -39,10 +39,7 @@ class History {
     this.len = width;
     data.ranks.forEach((rank, i) => {
       this.step.set(rank, data.step_time_ms[i]);
-      this.loss.set(rank, data.loss[i]);
     });
-    this.stats = new Array(width).fill(null);
-    this.staleFrom = 0;
     this.trim();
   }
 
@@ -55,7 +52,7 @@ class History {
     return values;
   }
 
-  add(rank, t, stepMs, loss) {
+  add(rank, t, stepMs) {
     const bucket = Math.floor(t / this.bucketS);
     if (this.first === null) this.first = bucket;
     if (bucket < this.first) return;
@@ -63,8 +60,6 @@ class History {
     if (bucket >= end) this.grow(bucket - end + 1);
     const col = bucket - this.first;
     this.row(this.step, rank)[col] = stepMs ?? null;
-    this.row(this.loss, rank)[col] = loss ?? null;
-    this.staleFrom = Math.min(this.staleFrom, col);
   }
 
   grow(n) {
@@ -73,7 +68,6 @@ class History {
       this.first += this.len + n - this.max;
       this.len = 0;
       for (const values of this.arrays()) values.length = 0;
-      this.staleFrom = 0;
       n = this.max;
     }
     for (const values of this.arrays()) {
@@ -89,40 +83,6 @@ class History {
     for (const values of this.arrays()) values.splice(0, drop);
     this.first += drop;
     this.len -= drop;
-    this.staleFrom = Math.max(0, this.staleFrom - drop);
-  }
-
-  // Cross-rank statistics per column, recomputed only for changed columns.
-  updateStats() {
-    for (let col = this.staleFrom; col < this.len; col += 1) {
-      const times = [];
-      let max = null;
-      let maxRank = null;
-      for (const [rank, values] of this.step) {
-        const v = values[col];
-        if (v === null || v === undefined) continue;
-        times.push(v);
-        if (max === null || v > max) {
-          max = v;
-          maxRank = rank;
-        }
-      }
-      let lossSum = 0;
-      let lossN = 0;
-      for (const values of this.loss.values()) {
-        const v = values[col];
-        if (v !== null && v !== undefined) {
-          lossSum += v;
-          lossN += 1;
-        }
-      }
-      times.sort((a, b) => a - b);
-      const mid = times.length >> 1;
-      const median = !times.length ? null
-        : times.length % 2 ? times[mid] : (times[mid - 1] + times[mid]) / 2;
-      this.stats[col] = { median, max, maxRank, meanLoss: lossN ? lossSum / lossN : null };
-    }
-    this.staleFrom = this.len;
   }
 
   // A heatmap row: a heartbeat that lands just after a bucket boundary leaves
@@ -155,11 +115,12 @@ export class Charts {
     this.dirty = false;
     this.revision = 0;
     const metric = new Map(config.metrics.map((m) => [m.name, m]));
-    this.stepTitle = headerLabel(metric.get("step_time_mean_ms"));
-    this.lossTitle = headerLabel(metric.get("loss"));
-    this.el = { step: $(SEL.chartStep), loss: $(SEL.chartLoss), heat: $(SEL.chartHeatmap) };
+    this.run = new RunCharts(config.urls.run_history, PLOT_CONFIG, {
+      step: headerLabel(metric.get("step_time_mean_ms")),
+      loss: headerLabel(metric.get("loss")),
+    });
+    this.el = { heat: $(SEL.chartHeatmap) };
     this.heatSection = $(SEL.heatmapSection);
-    this.emptyNote = { step: $(SEL.chartStepEmpty), loss: $(SEL.chartLossEmpty) };
     setInterval(() => this.refresh(), s.chart_refresh_s * 1000);
   }
 
@@ -178,11 +139,14 @@ export class Charts {
     for (const row of rows) {
       // A time that is not a number would poison every later bucket: skip the row.
       if (!isNumber(row.time)) continue;
-      const point = [row.rank, row.time, num(row.step_time_mean_ms) ?? num(row.step_time_ms), num(row.loss)];
+      const point = [row.rank, row.time, num(row.step_time_mean_ms) ?? num(row.step_time_ms)];
       if (this.seeded) this.history.add(...point);
       else this.early.push(point);
     }
-    if (rows.length) this.dirty = true;
+    if (rows.length) {
+      this.dirty = true;
+      this.run.poke();
+    }
   }
 
   layout(title, yTitle, extra = {}) {
@@ -201,50 +165,13 @@ export class Charts {
   refresh() {
     if (!this.dirty || !this.seeded) return;
     this.dirty = false;
-    this.revision += 1;
     const h = this.history;
-    const x = h.times();
     const ranks = Array.from(h.step.keys()).sort((a, b) => a - b);
     const large = Math.max(this.store.worldSize, ranks.length) > this.linesMax;
-    let stepTraces;
-    let lossTraces;
-    if (large) {
-      h.updateStats();
-      const line = (name, y, extra = {}) => ({ type: "scatter", mode: "lines", name, x, y, ...extra });
-      stepTraces = [
-        line("median of ranks", h.stats.map((s) => s?.median ?? null)),
-        line("slowest rank", h.stats.map((s) => s?.max ?? null), {
-          text: h.stats.map((s) => (s ? `rank ${s.maxRank}` : "")),
-          hovertemplate: "%{text}: %{y} ms<extra></extra>",
-        }),
-      ];
-      lossTraces = [line("mean over ranks", h.stats.map((s) => s?.meanLoss ?? null))];
-    } else {
-      const lines = (map) => ranks.map((rank) => ({
-        type: "scatter", mode: "lines", name: `rank ${rank}`, x, y: map.get(rank),
-      }));
-      stepTraces = lines(h.step);
-      lossTraces = lines(h.loss);
-    }
-    this.draw("step", stepTraces, this.layout("Step time", this.stepTitle));
-    this.draw("loss", lossTraces, this.layout("Loss", this.lossTitle));
     this.heatSection.hidden = !large;
-    if (large) this.heatmap(h, x, ranks);
-  }
-
-  // A chart without a single point says so, instead of Plotly's default axis
-  // (January to November 2000) or sub-second ticks around one instant.
-  draw(name, traces, layout) {
-    const el = this.el[name];
-    const has = traces.some((t) => t.y.some((v) => v !== null && v !== undefined));
-    this.emptyNote[name].hidden = has;
-    if (!has) {
-      if (el.dataset.drawn) Plotly.purge(el);
-      delete el.dataset.drawn;
-      return;
-    }
-    el.dataset.drawn = "";
-    Plotly.react(el, traces, layout, PLOT_CONFIG);
+    if (!large) return;
+    this.revision += 1;
+    this.heatmap(h, h.times(), ranks);
   }
 
   // One row per rank; in a multi-host job, rows by node (the table's node

@@ -8,7 +8,10 @@
    kill it with SIGKILL;
 4. ``attempts.jsonl`` holds three attempts, and the dashboard (API and page, in Chromium)
    shows them: two graceful stops told apart, the replayed range, and the kill; the stop
-   panel of a dashboard started only now credits C's stop to attempt 2.
+   panel of a dashboard started only now credits C's stop to attempt 2; the whole-run
+   charts, seeded from the history files, start at A's first step, mark the three
+   attempts and draw D's replay as a branch of its own; their x-axis, log-scale and
+   smoothing controls change the plot.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import urllib.request
 import pytest
 from playwright.sync_api import expect
 
+from app.ranks.heartbeats import read_history_tail
 from tests.helpers.heartbeats import HOST
 from tests.helpers.jobs import JOB_TIMEOUT_S, DemoJob, write_flag
 from tests.helpers.liveserver import start_dashboard
@@ -64,6 +68,58 @@ def refused_launch(run, tmp_path) -> tuple[int, str]:
     with open(tmp_path / "b.out", "wb") as out:
         done = subprocess.run(cmd, env=job_env(), stdout=out, stderr=subprocess.STDOUT, timeout=JOB_TIMEOUT_S)
     return done.returncode, (logs / "worker_0.log").read_text(errors="replace")
+
+
+# The page's Plotly figures, read back: each smoothed trace's attempt, branch flag and x values.
+SERIES = """sel => { const el = document.querySelector(sel);
+  return el && el.data ? el.data.filter(t => t.meta.kind === 'smoothed')
+    .map(t => ({attempt: t.meta.attempt, branch: t.meta.branch, dash: t.line.dash, x: t.x, y: t.y})) : []; }"""
+LAYOUT = """sel => { const l = document.querySelector(sel).layout;
+  return {x: l.xaxis.type, y: l.yaxis.type, marks: l.shapes.map(m => m.x0), labels: l.annotations.map(a => a.text)}; }"""
+
+
+def check_whole_run_charts(page, run, s: int, s2: int) -> None:
+    """The loss chart over the whole run: A from its first reported step, C on from S+1, D a branch."""
+    # A point is a step with a loss or a step time (a beat before the first step is none).
+    lines = [p for r in range(2) for p in read_history_tail(run, r, 4096)]
+    first = min(p[1] for p in lines if p[1] is not None and (p[2] is not None or p[3] is not None))
+    page.wait_for_function(
+        f"() => ({SERIES})('#chart-loss').length === 3",
+        timeout=UI_TIMEOUT_MS,
+    )
+    a, c, d = page.evaluate(SERIES, "#chart-loss")
+    assert [x["attempt"] for x in (a, c, d)] == [1, 2, 3]
+    assert a["x"][0] == first and max(a["x"]) <= s and not a["branch"]
+    assert min(c["x"]) > s and not c["branch"] and c["dash"] == "solid"
+    # D trained S+1.. again: its own dashed trace, from a mark inside C's steps, neither dropped nor offset.
+    assert d["branch"] and d["dash"] == "dash" and min(d["x"]) > s and s + 1 < max(c["x"]) <= s2
+    layout = page.evaluate(LAYOUT, "#chart-loss")
+    assert layout["x"] == "linear" and layout["y"] == "linear"
+    # C and D both began at S+1: one mark for both.
+    assert layout["marks"] == [1, s + 1] and layout["labels"] == ["attempt 1", "attempts 2, 3"]
+
+    # x-axis: wall time, then back; log scale; smoothing off (the slider, by keyboard) draws the raw line.
+    page.locator("#chart-x").select_option("time")
+    page.wait_for_function("() => document.querySelector('#chart-loss').layout.xaxis.type === 'date'")
+    page.locator("#chart-x").select_option("step")
+    page.locator("#chart-log").check()
+    page.wait_for_function(
+        "() => { const l = document.querySelector('#chart-loss').layout;"
+        " return l.xaxis.type === 'linear' && l.yaxis.type === 'log'; }"
+    )
+    smoothed = page.evaluate(SERIES, "#chart-loss")[0]["y"]
+    raw = page.evaluate(
+        "() => document.querySelector('#chart-loss').data.find(t => t.meta.kind === 'raw' && t.meta.attempt === 1).y"
+    )
+    assert len(raw) > 3 and smoothed != raw
+    page.locator("#chart-smoothing").press("Home")
+    page.wait_for_function(
+        "() => { const d = document.querySelector('#chart-loss').data;"
+        " const s = d.find(t => t.meta.kind === 'smoothed' && t.meta.attempt === 1).y;"
+        " const r = d.find(t => t.meta.kind === 'raw' && t.meta.attempt === 1).y;"
+        " return s.every((v, i) => v === r[i]); }"
+    )
+    expect(page.locator("#chart-smoothing-value")).to_have_text("0.00")
 
 
 def test_attempts_refusal_resume_replay_kill(tmp_path, browser, console_errors, page):
@@ -175,6 +231,7 @@ def test_attempts_refusal_resume_replay_kill(tmp_path, browser, console_errors, 
         expect(page.locator("#stop-headline")).to_contain_text("by policy, attempt 2.")
         step_cell = page.locator("#rank-table tbody td[data-col='global_step']").first
         expect(step_cell).to_have_attribute("title", re.compile(f"resumed from global step {s} "))
+        check_whole_run_charts(page, run, s, s2)
         page.screenshot(path=str(tmp_path / "attempts.png"), full_page=True)
         assert serious(page) == []
         assert console_errors == []

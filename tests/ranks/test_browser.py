@@ -6,6 +6,8 @@ timeouts (the machine is shared with training jobs); nothing asserts how fast.
 
 from __future__ import annotations
 
+import json
+import time
 from urllib.parse import urlparse
 
 import pytest
@@ -15,6 +17,7 @@ from tests.bench.simulate import Simulator
 from tests.helpers.browser import WAIT_MS, cell
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from tests.helpers.liveserver import start_dashboard
+from trainer_bridge.rundir import runfiles
 
 pytestmark = pytest.mark.browser
 
@@ -65,16 +68,50 @@ def test_charts_render_from_local_assets_only(live_server, page, run_dir, simula
     simulator(3)
     page.goto(live_server.url + "/")
     for chart in ("#chart-step-time", "#chart-loss"):
+        # The whole run, from the seeded history on: one series (no attempts.jsonl), smoothed over raw.
         page.wait_for_function(
             "sel => { const el = document.querySelector(sel);"
-            " return el && el.data && el.data.length === 3"
-            " && el.data[0].y.filter(v => v !== null).length >= 10; }",
+            " return el && el.data && el.data.some(t => t.meta.kind === 'smoothed'"
+            " && t.y.filter(v => v !== null).length >= 10 && t.x[0] === 20); }",
             arg=chart,
             timeout=WAIT_MS,
         )
         expect(page.locator(f"{chart} .main-svg").first).to_be_visible()
     expect(page.locator("#heatmap-section")).to_be_hidden()
     assert foreign == []
+    assert console_errors == []
+
+
+def test_the_whole_run_is_charted_and_thinned_ranges_are_said(live_server, page, run_dir, console_errors):
+    """3 h 20 min of history lines, one every 10 s: the last hour whole, older ones one a minute."""
+    write_job(run_dir, 2)
+    now = time.time()
+    for r in range(2):
+        lines = [
+            json.dumps(
+                {
+                    "time": now - 10 * (1200 - i),
+                    "global_step": i + 1,
+                    "loss": round(2.3 / (1 + i / 100), 6),
+                    "step_time_ms": 50.0 + r,
+                    "step_time_mean_ms": 50.0 + r,
+                }
+            )
+            for i in range(1200)
+        ]
+        runfiles.history_path(run_dir, r).write_text("\n".join(lines) + "\n")
+        write_heartbeat(run_dir, heartbeat(r, 2, seq=1, global_step=1201), history=False)
+    page.goto(live_server.url + "/")
+    note = page.locator("#chart-thinned")
+    expect(note).to_contain_text("one point a minute", timeout=WAIT_MS)
+    expect(note).to_contain_text("Thinned to stay bounded: before ")
+    # From the first minute on, with fewer points than lines: 360 of the last hour, 1 a minute before.
+    page.wait_for_function(
+        "() => { const el = document.querySelector('#chart-loss');"
+        " const t = el.data && el.data.find(t => t.meta.kind === 'smoothed');"
+        " return t && t.x[0] <= 6 && t.x.includes(1200) && t.x.length < 600; }",
+        timeout=WAIT_MS,
+    )
     assert console_errors == []
 
 
