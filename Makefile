@@ -29,8 +29,11 @@ $(VENV)/.installed: pyproject.toml
 demo: venv
 	$(VENV)/bin/rankwatch demo --run-dir $(RUN) --ranks $(RANKS) --port $(PORT)
 
+# Two workers (pytest-xdist): most tests wait on msrun jobs, so two at once on
+# 2 cores take about 0.6 of the time one at a time does (docs/benchmarks.md).
+# Debug one test without it: .venv/bin/python -m pytest tests/x.py -k name
 test: venv
-	$(PY) -m pytest -ra --durations=40
+	$(PY) -m pytest -ra --durations=40 -n 2
 
 test-fast: venv
 	$(PY) -m pytest -ra -m "$(FAST)"
