@@ -13,6 +13,8 @@ import os
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from app.large import LARGE_ANSWER_RANKS
+
 ENV_PREFIX = "RANKWATCH_"
 BOOLEANS = {
     "1": True,
@@ -423,6 +425,15 @@ SETTINGS: list[Setting] = [
         100,
         "Table rows per page. Larger jobs are paged so that the browser redraws at most "
         "this many rows per update.",
+        group=G_PAGE,
+    ),
+    Setting(
+        "PAGE_WINDOW_RANKS",
+        LARGE_ANSWER_RANKS,
+        "Above this many ranks the ranks page runs windowed: each browser gets the summary, "
+        "the run status and only the rows on its screen, and the server pages, filters and "
+        "sorts (rank or trouble first), so what a browser receives does not grow with the job. "
+        "Up to it the browser gets every row and does that itself.",
         group=G_PAGE,
     ),
     Setting(
