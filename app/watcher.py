@@ -24,6 +24,11 @@ while that relay works; while Redis is unreachable it pushes its own view
 to its own pages. A follower writes nothing. A process that becomes
 leader, or leads on after an outage, first pushes a whole snapshot to
 everyone: it cannot know what their pages last got.
+
+Above ``PAGE_WINDOW_RANKS`` ranks the ranks page is windowed
+(``app/ranks/window.py``): no rank event goes to the room; every process,
+leader or follower, pushes each of its own clients that client's window,
+from its own view and on this process only.
 """
 
 from __future__ import annotations
@@ -119,7 +124,8 @@ class Watcher:
         now = self.clock()
         self.state.scan(now)
         out = self.state.take_delta(now)
-        if out and not self._tick_windows(now):
+        windowed = self._tick_windows(now)
+        if out and not windowed:
             self._emit(*out)
         status = self._tick_stop(now) if self.stop_service is not None else None
         if self.checkpoints is not None:
