@@ -171,8 +171,6 @@ class Watcher:
                 self.state.resend()
         if not windowed:
             return False
-        manager = self.socketio.server.manager
-        self.windows.keep(lambda sid: manager.is_connected(sid, "/"))
         for sid, event, payload in self.windows.pushes(self.state, now):
             push.emit(self.socketio, event, payload, to=sid, local=True)
         return True

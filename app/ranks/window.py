@@ -132,12 +132,6 @@ class Windows:
         with self._lock:
             self._clients.pop(sid, None)
 
-    def keep(self, connected) -> None:
-        """Forget the clients for which ``connected(sid)`` is False (a disconnect handled elsewhere)."""
-        with self._lock:
-            for sid in [s for s in self._clients if not connected(s)]:
-                del self._clients[sid]
-
     def sids(self) -> list[str]:
         with self._lock:
             return list(self._clients)

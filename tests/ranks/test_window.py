@@ -59,7 +59,10 @@ def test_a_windowed_client_gets_its_window_only_and_its_changes(windowed, run_di
 
     wait_for_event(sio, "ranks_delta", both_seen)
     assert {r["rank"] for p in seen for r in p.get("rows", ())} <= {3, 4, 5}
+    windows = windowed.extensions["rankwatch"].watcher.windows
+    assert len(windows.sids()) == 1
     sio.disconnect()
+    assert windows.sids() == []
 
 
 def test_the_window_filters_and_sorts_on_the_server(windowed, run_dir):
