@@ -13,8 +13,6 @@ import os
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from app.large import LARGE_ANSWER_RANKS
-
 ENV_PREFIX = "RANKWATCH_"
 BOOLEANS = {
     "1": True,
@@ -42,6 +40,10 @@ G_INCIDENTS = "Stacks, alerts and the stop policy"
 G_SERVER = "Server"
 G_REDIS = "Several dashboards (Redis)"
 G_AGENTS = "Agents (Redis)"
+
+# Where a job becomes large for what one answer or one browser holds: app/large.py's
+# one-at-a-time answers and the ranks page's window. Here, as this module imports no Flask.
+LARGE_JOB_RANKS = 4096
 
 
 class Setting(NamedTuple):
@@ -429,7 +431,7 @@ SETTINGS: list[Setting] = [
     ),
     Setting(
         "PAGE_WINDOW_RANKS",
-        LARGE_ANSWER_RANKS,
+        LARGE_JOB_RANKS,
         "Above this many ranks the ranks page runs windowed: each browser gets the summary, "
         "the run status and only the rows on its screen, and the server pages, filters and "
         "sorts (rank or trouble first), so what a browser receives does not grow with the job. "
