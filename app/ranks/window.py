@@ -157,23 +157,34 @@ class Windows:
             client = self._clients.get(sid)
             if client is None:
                 return None
-            return self._whole(client, state, now)
+            return self._whole(client, page_of(state, now, client.view, clamp=True))
 
     def pushes(self, state, now: float) -> list[tuple[str, str, dict]]:
-        """This tick's ``(sid, event, payload)`` for every client whose window changed."""
+        """This tick's ``(sid, event, payload)`` for every client whose window changed.
+
+        Clients with the same window share one ``state.page`` a tick: a hundred
+        browsers on the first page of a 100,000-rank job cost one page, not a hundred.
+        """
         out = []
+        pages: dict[RanksView, tuple[dict, dict]] = {}
+
+        def page(view: RanksView) -> tuple[dict, dict]:
+            if view not in pages:
+                pages[view] = page_of(state, now, view, clamp=True)
+            return pages[view]
+
         with self._lock:
             for sid, client in self._clients.items():
                 if client.fresh:
-                    out.append((sid, SNAPSHOT_EVENT, self._whole(client, state, now)))
+                    out.append((sid, SNAPSHOT_EVENT, self._whole(client, page(client.view))))
                     continue
-                delta = self._delta(client, state, now)
+                delta = self._delta(client, page(client.view), now)
                 if delta is not None:
                     out.append((sid, DELTA_EVENT, delta))
         return out
 
-    def _whole(self, client: _Client, state, now: float) -> dict:
-        body, window = page_of(state, now, client.view, clamp=True)
+    def _whole(self, client: _Client, answer: tuple[dict, dict]) -> dict:
+        body, window = answer
         client.fresh = False
         client.sent = {row["rank"]: _bare(row) for row in body["ranks"]}
         client.order = [row["rank"] for row in body["ranks"]]
@@ -183,8 +194,8 @@ class Windows:
         client.hosts.take(_hosts_key(body.get("hosts")))
         return {**body, "window": window}
 
-    def _delta(self, client: _Client, state, now: float) -> dict | None:
-        body, window = page_of(state, now, client.view, clamp=True)
+    def _delta(self, client: _Client, answer: tuple[dict, dict], now: float) -> dict | None:
+        body, window = answer
         rows: list[dict[str, Any]] = []
         sent = {}
         for row in body["ranks"]:
