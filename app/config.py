@@ -41,6 +41,10 @@ G_SERVER = "Server"
 G_REDIS = "Several dashboards (Redis)"
 G_AGENTS = "Agents (Redis)"
 
+# Where a job becomes large for what one answer or one browser holds: app/large.py's
+# one-at-a-time answers and the ranks page's window. Here, as this module imports no Flask.
+LARGE_JOB_RANKS = 4096
+
 
 class Setting(NamedTuple):
     name: str
@@ -430,6 +434,15 @@ SETTINGS: list[Setting] = [
         100,
         "Table rows per page. Larger jobs are paged so that the browser redraws at most "
         "this many rows per update.",
+        group=G_PAGE,
+    ),
+    Setting(
+        "PAGE_WINDOW_RANKS",
+        LARGE_JOB_RANKS,
+        "Above this many ranks the ranks page runs windowed: each browser gets the summary, "
+        "the run status and only the rows on its screen, and the server pages, filters and "
+        "sorts (rank or trouble first), so what a browser receives does not grow with the job. "
+        "Up to it the browser gets every row and does that itself.",
         group=G_PAGE,
     ),
     Setting(

@@ -18,10 +18,11 @@ from contextlib import contextmanager
 
 from flask import current_app
 
+from app.config import LARGE_JOB_RANKS
 from app.errors import Busy
 
 # 4,096 rows are a few megabytes, which any number of clients may have at once.
-LARGE_ANSWER_RANKS = 4096
+LARGE_ANSWER_RANKS = LARGE_JOB_RANKS
 
 
 class LargeAnswers:

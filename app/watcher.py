@@ -24,6 +24,11 @@ while that relay works; while Redis is unreachable it pushes its own view
 to its own pages. A follower writes nothing. A process that becomes
 leader, or leads on after an outage, first pushes a whole snapshot to
 everyone: it cannot know what their pages last got.
+
+Above ``PAGE_WINDOW_RANKS`` ranks the ranks page is windowed
+(``app/ranks/window.py``): no rank event goes to the room; every process,
+leader or follower, pushes each of its own clients that client's window,
+from its own view and on this process only.
 """
 
 from __future__ import annotations
@@ -37,8 +42,10 @@ from typing import TYPE_CHECKING
 from flask_socketio import SocketIO
 
 from app import push
+from app.large import LARGE_ANSWER_RANKS
 from app.push import CHECKPOINTS_EVENT, STOP_EVENT
 from app.ranks.state import RunState
+from app.ranks.window import Windows
 from app.stop.service import StopService
 
 if TYPE_CHECKING:
@@ -63,8 +70,12 @@ class Watcher:
         incidents: Incidents | None = None,
         cluster: Cluster | None = None,
         room: str | None = None,
+        window_ranks: int = LARGE_ANSWER_RANKS,
     ):
         self.socketio = socketio
+        # The ranks page's windows (app/ranks/window.py): above window_ranks each client gets its own.
+        self.windows = Windows(window_ranks)
+        self.windowed = False
         # The run whose pages hear this loop (app/push.py's rooms); None for --run-dir's.
         self.room = room
         self.cluster = cluster
@@ -113,7 +124,8 @@ class Watcher:
         now = self.clock()
         self.state.scan(now)
         out = self.state.take_delta(now)
-        if out:
+        windowed = self._tick_windows(now)
+        if out and not windowed:
             self._emit(*out)
         status = self._tick_stop(now) if self.stop_service is not None else None
         if self.checkpoints is not None:
@@ -133,14 +145,35 @@ class Watcher:
         """
         now = self.clock()
         self.state.scan(now)
+        windowed = self._tick_windows(now)
         if self.cluster.relaying():
             return None
         out = self.state.take_delta(now)
-        if out:
+        if out and not windowed:
             self._emit(*out, local=True)
         if self.stop_service is not None:
             self._push_stop(self.stop_status(now), local=True)
         return out
+
+    def _tick_windows(self, now: float) -> bool:
+        """Push each windowed client its window's changes; returns whether the page runs windowed.
+
+        Windowed, the room gets no rank event (each client has its own, from
+        this process: ``app/ranks/window.py``); back below the threshold, the
+        room gets a whole snapshot next, as its clients hold only a window.
+        """
+        windowed = self.windows.active(self.state.world_size())
+        if windowed != self.windowed:
+            self.windowed = windowed
+            if windowed:
+                self.windows.refresh_all()
+            else:
+                self.state.resend()
+        if not windowed:
+            return False
+        for sid, event, payload in self.windows.pushes(self.state, now):
+            push.emit(self.socketio, event, payload, to=sid, local=True)
+        return True
 
     def _tick_stop(self, now: float) -> dict:
         ranks, world = self.state.heartbeats()

@@ -141,9 +141,9 @@ class HubState(RunState):
             "refused": hub.refused,
         }
 
-    def page(self, now, health, start, count):
+    def page(self, now, health, start, count, order="rank"):
         """``RunState.page`` and the host rows of the page's ranks (an answer bounded by the page)."""
-        body, total = super().page(now, health, start, count)
+        body, total = super().page(now, health, start, count, order)
         with self._lock:
             hosts = {self.hub.owner[r["rank"]] for r in body["ranks"] if r["rank"] in self.hub.owner}
             body["hosts"] = self.hub.host_rows(now, hosts)

@@ -275,9 +275,12 @@ class StacksAnswered(Query):
     ] = None
 
 
-def _echo(raw: str | None) -> str:
-    """A refused value as the answer quotes it, cut to be readable (a query may be kilobytes)."""
-    raw = raw or ""
+def _echo(raw: object) -> str:
+    """A refused value as the answer quotes it, cut to be readable (a query may be kilobytes).
+
+    Not always text: a Socket.IO event's payload is validated by the same models (``app/ranks/window.py``).
+    """
+    raw = "" if raw is None else raw if isinstance(raw, str) else str(raw)
     return repr(raw if len(raw) <= 60 else raw[:57] + "...")
 
 

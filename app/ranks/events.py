@@ -17,6 +17,8 @@ from flask import current_app, g, request
 from flask_socketio import join_room
 
 from app import push
+from app.edge import params
+from app.errors import BadRequest
 from app.extensions import rankwatch, socketio
 from app.push import (
     CHECKPOINTS_EVENT,
@@ -26,6 +28,7 @@ from app.push import (
     STOP_EVENT,
     VERIFY_EVENT,
 )
+from app.ranks.window import RanksView
 from app.runs.scoping import run_known
 
 log = logging.getLogger(__name__)
@@ -43,6 +46,8 @@ EVENTS = {
     "client when it connects, and to the room when a checkpoint file changed",
     VERIFY_EVENT: "checkpoints page: a deep verify's progress, after it starts and after each file",
 }
+# The one event a page sends: its window, when the ranks page runs windowed (app/ranks/window.py).
+VIEW_EVENT = "ranks_view"
 
 
 def _first_connect(sid: str) -> bool:
@@ -92,7 +97,63 @@ def on_connect(auth=None):
         push.emit(socketio, event, payload, to=request.sid, local=True)
 
     if push.wants(page, SNAPSHOT_EVENT):
-        send(SNAPSHOT_EVENT, rw.state.snapshot(now))
+        windows = rw.watcher.windows
+        _runs_of_sids()[request.sid] = run
+        windows.join(request.sid)
+        if windows.active(rw.state.world_size()):
+            send(SNAPSHOT_EVENT, windows.snapshot(rw.state, now, request.sid))
+        else:
+            send(SNAPSHOT_EVENT, rw.state.snapshot(now))
         send(STOP_EVENT, rw.watcher.stop_status(now))
     if push.wants(page, CHECKPOINTS_EVENT):
         send(CHECKPOINTS_EVENT, rw.checkpoints.body(rw.state.heartbeats()[1]))
+
+
+def _runs_of_sids() -> dict[str, str | None]:
+    """The run each ranks-page client named (None: ``--run-dir``'s), for its later events."""
+    return current_app.extensions.setdefault("rankwatch_sid_runs", {})
+
+
+def _client_run(sid: str):
+    """The engines of the run ``sid`` connected to, or None if it is no ranks-page client here."""
+    runs = _runs_of_sids()
+    if sid not in runs:
+        return None
+    g.run_id = runs[sid]
+    try:
+        return rankwatch()
+    except Exception:  # its run went away (app/runs/registry.py): nothing to show
+        log.info("a ranks-page client's run is gone", exc_info=True)
+        return None
+
+
+@socketio.on(VIEW_EVENT)
+def on_ranks_view(payload=None):
+    """A windowed client's window (``app/ranks/window.py``); answers (the ack) with an error or ``{"ok"}``.
+
+    The window's rows follow as a ``ranks_snapshot`` at the next tick while
+    the page is windowed; below the threshold the view is kept for when it is.
+    """
+    if not isinstance(payload, dict):
+        return _refused(BadRequest("the ranks_view payload must be a JSON object"))
+    try:
+        view = params.validate(RanksView, payload)
+    except BadRequest as e:
+        return _refused(e)
+    rw = _client_run(request.sid)
+    if rw is None or not rw.watcher.windows.set_view(request.sid, view):
+        return _refused(BadRequest("ranks_view is for a client of the ranks page"))
+    return {"ok": True}
+
+
+def _refused(e: BadRequest) -> dict:
+    # The API's one error shape, as the event's ack.
+    return {"error": e.message, "status": e.status}
+
+
+@socketio.on("disconnect")
+def on_disconnect(*_):
+    rw = _client_run(request.sid)
+    _runs_of_sids().pop(request.sid, None)
+    if rw is not None:
+        rw.watcher.windows.leave(request.sid)

@@ -87,6 +87,12 @@ VERDICTS = (
     "corrupt",
 )
 
+# Trouble first: the order of "sort by verdict" (the page's table.js keeps the same list).
+WORST_FIRST = (
+    "node_lost", "agent_lost", "dead", "failed", "stalled", "corrupt", "straggler",
+    "pending", "starting", "healthy", "exited", "finished",
+)  # fmt: skip
+
 # One line per verdict, for the page's legend and the README.
 VERDICT_HELP = {
     "starting": "has reported but not finished its first step yet (compiling the graph)",

@@ -7,12 +7,10 @@ by ``create_app`` alone, as in tests).
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from functools import cache
 from importlib import metadata, resources
-from typing import Annotated
 
 from flask import Blueprint, Response, current_app, jsonify, render_template, request, send_file, url_for
 
@@ -25,24 +23,14 @@ from app.prometheus import exposition
 from app.ranks import plotly_csp
 from app.ranks.health import VERDICT_HELP, VERDICTS
 from app.ranks.metrics import as_json as metrics_json
+from app.ranks.window import (  # noqa: F401  (the page bounds are re-exported: tests import them from here)
+    PER_PAGE_DEFAULT,
+    PER_PAGE_MAX,
+    RanksPage,
+    page_of,
+)
 
 bp = Blueprint("ranks", __name__)
-
-# /api/ranks pages: 500 rows are about 280 kB of JSON; a client may ask for up to 1,000.
-PER_PAGE_DEFAULT = 500
-PER_PAGE_MAX = 1000
-
-
-Verdicts = params.some_of(VERDICTS, "verdict")
-
-
-class RanksPage(params.Query):
-    """``GET /api/ranks``'s ``?page=``, ``?per_page=`` and ``?health=dead,stalled``."""
-
-    page: params.PositiveInt = 1
-    per_page: Annotated[params.PositiveInt, params.at_most(PER_PAGE_MAX)] = PER_PAGE_DEFAULT
-    health: Verdicts = ()
-
 
 bp.record_once(lambda setup: setup.app.extensions["rankwatch"].nav.append(("ranks.index", "Ranks")))
 
@@ -111,15 +99,15 @@ def plotly_css():
 @bp.get("/api/ranks")
 def api_ranks():
     """The ranks' rows, a page at a time (``?page=``, ``?per_page=``); ``?health=dead,stalled``
-    keeps only those verdicts."""
+    keeps only those verdicts, ``?sort=worst`` puts trouble first."""
     q = params.query(RanksPage)
-    page, per_page = q.page, q.per_page
     now = time.time()
-    body, total = fresh_state(now).page(now, list(q.health), (page - 1) * per_page, per_page)
-    pages = max(1, math.ceil(total / per_page))
-    if page > pages:
-        raise NotFound(f"page {page} is past the last page, {pages} ({total} rows, {per_page} a page)")
-    return jsonify(body | {"page": page, "per_page": per_page, "total": total, "pages": pages})
+    body, w = page_of(fresh_state(now), now, q)
+    if q.page > w["pages"]:
+        raise NotFound(
+            f"page {q.page} is past the last page, {w['pages']} ({w['total']} rows, {q.per_page} a page)"
+        )
+    return jsonify(body | {k: w[k] for k in ("page", "per_page", "total", "pages")})
 
 
 @bp.get("/api/ranks/<int:rank>")

@@ -33,7 +33,7 @@ from typing import Any
 from app.attempts import LaunchWatch, launches
 from app.push import DELTA_EVENT, SNAPSHOT_EVENT, Changed, changed_fields
 from app.ranks import logmode
-from app.ranks.health import TERMINAL_STATES, Thresholds
+from app.ranks.health import TERMINAL_STATES, WORST_FIRST, Thresholds
 from app.ranks.heartbeats import (  # noqa: F401  (re-exported: tests and tools import them from here)
     ProcessProbe,
     RankSlot,
@@ -48,6 +48,8 @@ from app.ranks.rows import make_row, with_age
 from app.ranks.runhistory import RunHistory
 from app.ranks.runstatus import RunStatus
 from app.stop.jobend import JobFacts
+
+_SEVERITY = {v: i for i, v in enumerate(WORST_FIRST)}
 
 
 class RunState(RunStatus):
@@ -340,15 +342,22 @@ class RunState(RunStatus):
         with self._lock:
             return self._snapshot(now, set(health) if health else None)
 
-    def page(self, now: float, health: Iterable[str] | None, start: int, count: int) -> tuple[dict, int]:
+    def page(
+        self, now: float, health: Iterable[str] | None, start: int, count: int, order: str = "rank"
+    ) -> tuple[dict, int]:
         """(the view with only the selected rows ``start`` to ``start + count``, how many were selected).
 
-        ``/api/ranks`` pages: only the page's rows are copied (with their age),
-        so a large job's answer costs a page, not the world size.
+        ``/api/ranks`` and the page's window (``app/ranks/window.py``) page
+        here: only the page's rows are copied (with their age), so a large
+        job's answer costs a page, not the world size. ``order`` is ``rank``
+        or ``worst`` (``WORST_FIRST``, by rank within a verdict).
         """
         wanted = set(health) if health else None
         with self._lock:
             chosen = [r for r in sorted(self._rows) if wanted is None or self._rows[r]["health"] in wanted]
+            if order == "worst":
+                rows, last = self._rows, len(WORST_FIRST)
+                chosen.sort(key=lambda r: _SEVERITY.get(rows[r]["health"], last))  # stable: by rank within
             rows = [with_age(self._rows[r], now) for r in chosen[start : start + count]]
             return {**self._head(now), "ranks": rows}, len(chosen)
 

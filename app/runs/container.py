@@ -50,6 +50,7 @@ def build(
             incidents=incidents,
             cluster=cluster,
             room=room,
+            window_ranks=config["PAGE_WINDOW_RANKS"],
         ),
         stop=stop,
         checkpoints=checkpoints,

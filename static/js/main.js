@@ -37,8 +37,14 @@ function followRunStatus() {
     attempts.load();
   }
 }
+// Windowed (app/ranks/window.py), the table's pager, filter and sort ask the server.
+table.onView = (view) => socket.emit("ranks_view", view, (ack) => {
+  if (ack && ack.error) console.warn("rankwatch: window refused:", ack.error);
+});
 socket.on("ranks_snapshot", (msg) => {
   charts.addRows(store.applySnapshot(msg));
+  seedCharts();
+  table.syncView();
   redraw();
   followRunStatus();
 });
@@ -51,13 +57,24 @@ socket.on("ranks_delta", (msg) => {
   followRunStatus();
 });
 
-fetch(config.urls.history)
-  .then((r) => (r.ok ? r.json() : Promise.reject(new Error(`HTTP ${r.status}`))))
-  .then((data) => charts.seed(data))
-  .catch((err) => {
-    console.error("rankwatch: chart history unavailable, starting empty:", err);
+// After the first snapshot: a windowed job's history (every rank's) is not
+// fetched, as its size grows with the job; its charts start from the windows seen.
+let seeding = false;
+function seedCharts() {
+  if (seeding) return;
+  seeding = true;
+  if (store.window) {
     charts.seed(null);
-  });
+    return;
+  }
+  fetch(config.urls.history)
+    .then((r) => (r.ok ? r.json() : Promise.reject(new Error(`HTTP ${r.status}`))))
+    .then((data) => charts.seed(data))
+    .catch((err) => {
+      console.error("rankwatch: chart history unavailable, starting empty:", err);
+      charts.seed(null);
+    });
+}
 
 // Ages move with the clock even when no data arrives.
 setInterval(() => {

@@ -1,4 +1,6 @@
 // The page's copy of the rows, kept current from ranks_snapshot and ranks_delta.
+// Windowed (a job above PAGE_WINDOW_RANKS, app/ranks/window.py), it holds only
+// the rows of the server's window, in the server's order, and the window itself.
 
 import { NodeIndex } from "./nodes.js";
 
@@ -15,11 +17,17 @@ export class RankStore {
     this.hasDevice = false;
     // Ranks by host, for the table's node rows and the heat map's order.
     this.nodes = new NodeIndex();
+    // {page, per_page, total, pages, health, sort} while the server windows the rows, else null.
+    this.window = null;
+    // The window's ranks in the server's order; its hosts' rows (from agents' digests), if any.
+    this.order = [];
+    this.hosts = null;
   }
 
   // More than one host: the table groups its ranks by node.
   multiNode() {
-    return this.nodes.hostCount() > 1;
+    // Windowed, the server's window is the page: no node grouping of a slice of the job.
+    return !this.window && this.nodes.hostCount() > 1;
   }
 
   serverNow() {
@@ -41,6 +49,9 @@ export class RankStore {
   // Returns the rows that carry a heartbeat, for the charts.
   applySnapshot(msg) {
     this._head(msg);
+    this.window = msg.window || null;
+    this.order = msg.ranks.map((row) => row.rank);
+    this.hosts = msg.hosts || null;
     this.rows.clear();
     this.nodes.clear();
     for (const row of msg.ranks) {
@@ -62,7 +73,23 @@ export class RankStore {
       this._noteRow(change);
       if (change.time !== undefined && change.time !== null) beats.push(row);
     }
+    if (msg.hosts) this.hosts = msg.hosts;
+    if (msg.window) this._rewindow(msg.window);
     return beats;
+  }
+
+  // The server's window moved or reordered: keep its rows only, in its order.
+  _rewindow(window) {
+    const { order, ...rest } = window;
+    this.window = rest;
+    this.order = order;
+    const keep = new Set(order);
+    for (const rank of Array.from(this.rows.keys())) if (!keep.has(rank)) this.rows.delete(rank);
+    this.nodes.clear();
+    for (const rank of order) {
+      const row = this.rows.get(rank);
+      if (row) this.nodes.note(rank, row.host);
+    }
   }
 
   takeNewSeqs() {

@@ -46,7 +46,8 @@ export class SummaryStrip {
   render() {
     const s = this.store.summary;
     if (!s) return;
-    const hosts = this.store.nodes.hostCount();
+    // Windowed, the store knows only the window's hosts: not the job's count.
+    const hosts = this.store.window ? 0 : this.store.nodes.hostCount();
     // No job yet: a world size of 0 is not a figure.
     this.set("world_size", !s.world_size ? "–" : (s.reported < s.world_size
       ? `${s.world_size} (${s.reported} reported)` : String(s.world_size))

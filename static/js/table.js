@@ -9,12 +9,18 @@
 // the order of their lowest rank. Each draw records which heartbeats it showed in
 // window.rankwatchRenderLog as [rank, seq, heartbeat time (s), drawn at (ms)],
 // which the scale benchmark reads to measure write-to-screen latency.
+//
+// Windowed (a job above PAGE_WINDOW_RANKS: the store holds only the server's
+// window), paging, the verdict filter and sorting by rank or verdict are the
+// server's: they send the window asked for (onView, the ranks_view event)
+// and the table draws the rows the server sends, in its order.
 
 import { SEL, $ } from "./dom.js";
 import {
   GLYPH, formatCount, formatNumber, formatSeconds, formatValue, headerLabel, isNumber, verdictLabel,
 } from "./format.js";
 import { NODES_OPEN_MAX_RANKS } from "./nodes.js";
+import { SERVER_SORTS, differs, wantedView, windowInfo } from "./serverview.js";
 
 // Worst first, so sorting by verdict brings trouble to the top.
 const SEVERITY = [
@@ -65,6 +71,8 @@ export class RankTable {
     this.scheduled = false;
     this.renderLog = [];
     window.rankwatchRenderLog = this.renderLog;
+    // Set by main.js: sends the window asked for to the server (windowed only).
+    this.onView = () => {};
 
     this.headRow = $(SEL.tableHeadRow);
     this.body = $(SEL.tableBody);
@@ -139,10 +147,25 @@ export class RankTable {
     }
   }
 
+  askServer(page) {
+    this.onView(wantedView(this.pageSize, this.filter, this.sortKey, page));
+  }
+
+  // After a windowed snapshot: the server forgets a window on reconnect, so ask again if it differs.
+  syncView() {
+    const w = this.store.window;
+    const want = w && wantedView(this.pageSize, this.filter, this.sortKey, w.page);
+    if (w && differs(want, w)) this.onView(want);
+  }
+
   sortBy(name) {
+    // Windowed, only the orders the server keeps: by rank, or worst verdict first.
+    if (this.store.window && !(name in SERVER_SORTS)) return;
     this.sortDir = name === this.sortKey ? -this.sortDir : 1;
+    if (this.store.window) this.sortDir = 1;
     this.sortKey = name;
     this.markSort();
+    if (this.store.window) this.askServer(1);
     this.invalidate();
   }
 
@@ -150,10 +173,15 @@ export class RankTable {
     this.filter = verdict;
     this.filterSelect.value = verdict;
     this.page = 0;
+    if (this.store.window) this.askServer(1);
     this.invalidate();
   }
 
   turn(by) {
+    if (this.store.window) {
+      this.askServer(this.store.window.page + by);
+      return;
+    }
     this.page += by;
     this.invalidate();
   }
@@ -175,6 +203,7 @@ export class RankTable {
   }
 
   view() {
+    if (this.store.window) return this.store.order.map((rank) => this.store.rows.get(rank)).filter(Boolean);
     let rows = Array.from(this.store.rows.values());
     if (this.filter) rows = rows.filter((row) => row.health === this.filter);
     const key = this.sortKey;
@@ -216,6 +245,10 @@ export class RankTable {
 
   render() {
     if (this.store.hasDevice !== this.withDevice) this.buildHeader(this.store.hasDevice);
+    if (this.store.window) {
+      this.renderWindow();
+      return;
+    }
     const rows = this.view();
     const multiNode = this.store.multiNode();
     const lines = multiNode ? this.grouped(rows) : rows;
@@ -244,6 +277,20 @@ export class RankTable {
         // The run status line above already says why (missing directory, no job): not twice.
         : "No ranks to show yet.";
     }
+    this.logDrawn();
+  }
+
+  // The server's window: its rows as they came, its page and total in the pager.
+  renderWindow() {
+    const w = this.store.window;
+    const rows = this.view();
+    this.draw(rows, false, this.store.serverNow());
+    this.pager.hidden = false;
+    this.pageInfo.textContent = windowInfo(w, rows.length);
+    $(SEL.pagePrev).disabled = w.page <= 1;
+    $(SEL.pageNext).disabled = w.page >= w.pages;
+    this.empty.hidden = rows.length > 0;
+    if (!rows.length) this.empty.textContent = this.filter ? `No rank is ${this.filter} right now.` : "No ranks to show yet.";
     this.logDrawn();
   }
 

@@ -43,8 +43,13 @@ KEY = "bench-key"
 RANKS_PER_HOST = 8
 
 
-def host_digests(first: int, count: int, url: str, stop) -> None:
-    """One simulator process: hosts ``first`` .. ``first + count - 1``, one digest each per second."""
+def host_digests(first: int, count: int, url: str, stop, flips=None) -> None:
+    """One simulator process: hosts ``first`` .. ``first + count - 1``, one digest each per second.
+
+    ``flips``: ``(hosts, every, queue)``: each of those hosts turns its first
+    rank straggler, then healthy again, every ``every`` digests, and puts
+    ``(rank, verdict, time)`` on ``queue`` as it adds that digest (the window benchmark's p95).
+    """
     import redis
 
     from app.agent import digest as dg
@@ -72,6 +77,7 @@ def host_digests(first: int, count: int, url: str, stop) -> None:
         ]
         # The figures of a steady host do not change: computed once, so the simulator keeps up.
         hosts.append((name, rows, figures(rows)))
+    flip_hosts, flip_every, flip_queue = flips if flips is not None else (frozenset(), 0, None)
     seq = 0
     period = 1.0
     next_at = time.monotonic()
@@ -82,6 +88,13 @@ def host_digests(first: int, count: int, url: str, stop) -> None:
         for i, (name, rows, figs) in enumerate(hosts):
             row = rows[seq % RANKS_PER_HOST]
             row.update(time=round(now, 3), seq=seq, global_step=seq * 20, last_step_at=round(now, 3))
+            sent = [row]
+            if first + i in flip_hosts and seq % flip_every == 0:
+                flipped = rows[0]
+                flipped["health"] = "straggler" if flipped["health"] == "healthy" else "healthy"
+                if flipped is not row:
+                    sent.append(flipped)
+                flip_queue.put((flipped["rank"], flipped["health"], now))
             digest = {
                 "v": dg.VERSION,
                 "run": RUN,
@@ -95,7 +108,7 @@ def host_digests(first: int, count: int, url: str, stop) -> None:
                 "ranks": [rows[0]["rank"], rows[-1]["rank"]],
                 "n": RANKS_PER_HOST,
                 "flag": None,
-                "rows": [{"row": row, "stop": None, "started_at": boot, "sync_every": 16}],
+                "rows": [{"row": r, "stop": None, "started_at": boot, "sync_every": 16} for r in sent],
                 **figs,
             }
             pipe.xadd(stream, dg.encode(digest, key), maxlen=dg.STREAM_MAXLEN, approximate=True)
