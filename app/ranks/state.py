@@ -22,7 +22,6 @@ when there is one, wins over its log.
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 import threading
@@ -30,9 +29,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from app.attempts import LaunchWatch, launches
+from app.attempts import LaunchWatch
 from app.push import DELTA_EVENT, SNAPSHOT_EVENT, Changed, changed_fields
 from app.ranks import logmode
+from app.ranks.chartviews import ChartViews
 from app.ranks.health import TERMINAL_STATES, WORST_FIRST, Thresholds
 from app.ranks.heartbeats import (  # noqa: F401  (re-exported: tests and tools import them from here)
     ProcessProbe,
@@ -52,7 +52,7 @@ from app.stop.jobend import JobFacts
 _SEVERITY = {v: i for i, v in enumerate(WORST_FIRST)}
 
 
-class RunState(RunStatus):
+class RunState(RunStatus, ChartViews):
     """The live view of one run directory; thread-safe (the watcher scans, requests read)."""
 
     def __init__(
@@ -208,23 +208,6 @@ class RunState(RunStatus):
         )
         self._summary = self._make_summary()
         self._run = self._make_run_status()
-
-    def _feed_run_history(self, changed: set[int]) -> None:
-        """Give the whole-run series the changed ranks' new points; seeded from the tails once."""
-        hist = self._run_history
-        if not hist.seeded and self._slots and self.run_dir is not None:
-            hist.seed_from_files(
-                self.run_dir, {r: s.hb for r, s in self._slots.items()}, launches(self.run_dir)
-            )
-        for r in changed:
-            slot = self._slot(r)
-            if slot is not None and slot.history:
-                hist.feed_new(r, slot.history, slot.hb.get("launch") if slot.hb else None)
-
-    def run_history(self, attempts: list[dict], after: float | None, generation: int | None) -> dict:
-        """The whole-run chart series (``/api/history/run``; ``RunHistory.answer``)."""
-        with self._lock:
-            return self._run_history.answer(attempts, after, generation)
 
     def _note_ended(self, now: float, view: set[int]) -> None:
         """Which ranks have ended (a final state, or the process gone) and whether msrun has.
@@ -435,23 +418,6 @@ class RunState(RunStatus):
             ],
         }
 
-    def loss_spark(self, points: int) -> list[float]:
-        """At most ``points`` losses of the lowest rank's chart history, evenly picked, the newest last.
-
-        The landing page's sparkline: from the points the view already holds
-        (the history tail it was seeded from, then each heartbeat), so it
-        reads no file. A NaN or infinite loss (null in the history) is left out.
-        """
-        with self._lock:
-            slot = next(
-                (s for r in sorted(self._rows) if (s := self._slot(r)) is not None and s.history), None
-            )
-            losses = [p[2] for p in slot.history if p[2] is not None] if slot is not None else []
-        if len(losses) <= points or points < 2:
-            return losses[-points:] if points > 0 else []
-        step = (len(losses) - 1) / (points - 1)
-        return [losses[round(i * step)] for i in range(points)]
-
     def resend(self) -> None:
         """Make the next ``take_delta`` a whole snapshot (a dashboard that just became leader)."""
         with self._lock:
@@ -492,41 +458,3 @@ class RunState(RunStatus):
             if not delta:
                 return None
             return DELTA_EVENT, {"now": now, "world_size": self._world, **delta}
-
-    def history(self, points: int | None = None) -> dict:
-        """Chart history as a ranks x time-bucket matrix (``/api/history``).
-
-        Columns are buckets of ``CHART_BUCKET_S`` seconds, the newest ``points``
-        of them ending at the newest point; a cell holds the rank's last value
-        in that bucket, or null. The page seeds its charts from this and then
-        extends them from deltas, so both sides bucket the same way.
-        """
-        points = min(points or self.points, self.points)
-        with self._lock:
-            series = {
-                r: list(s.history) for r in self._rows if (s := self._slot(r)) is not None and s.history
-            }
-            ranks = sorted(self._rows)
-        b = self.bucket_s
-        newest = max((h[-1][0] for h in series.values()), default=None)
-        if newest is None:
-            return {"bucket_s": b, "t": [], "ranks": ranks, "step_time_ms": [], "loss": []}
-        end = math.floor(newest / b)
-        start = max(end - points + 1, min(math.floor(h[0][0] / b) for h in series.values()))
-        width = end - start + 1
-        step_rows, loss_rows = [], []
-        for r in ranks:
-            steps, losses = [None] * width, [None] * width
-            for t, _, loss, step_ms in series.get(r, ()):
-                col = math.floor(t / b) - start
-                if col >= 0:
-                    steps[col], losses[col] = step_ms, loss
-            step_rows.append(steps)
-            loss_rows.append(losses)
-        return {
-            "bucket_s": b,
-            "t": [(start + i) * b for i in range(width)],
-            "ranks": ranks,
-            "step_time_ms": step_rows,
-            "loss": loss_rows,
-        }
