@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.live):
             lives.append(Live(root / "live" / f"train{i:03d}", args.ranks))
         server = start_dashboard(
-            root, workdir / "dashboard.log", env={"RANKWATCH_TOKEN": TOKEN}, runs_root=True
+            root, workdir / "dashboard.log", env={"RANKWATCH_TOKEN": TOKEN}, runs_root=True, timeout=900
         )
         t0 = time.monotonic()
         while get(server.url + "/api/runs?per_page=1")["total"] < args.runs:
