@@ -1,6 +1,9 @@
 """Shared fixtures: a temporary run directory, the app and its clients, a live server, a browser.
 
 Fixtures only: the helpers they and the tests share live in ``tests/helpers/``.
+What a test starts (a demo job, a dashboard, an agent, any process) it starts
+through a ``start_*`` fixture, which ends it after the test whatever happened:
+a failing assertion cannot leak a process, and the test needs no ``finally``.
 Security and fault tests live with the area they attack; their file names
 give them the ``security`` and ``faults`` markers (``-m security``).
 """
@@ -8,14 +11,20 @@ give them the ``security`` and ``faults`` markers (``-m security``).
 from __future__ import annotations
 
 import shutil
+import subprocess
 import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 
 from app.extensions import socketio
+from tests.helpers.agents import AgentProcess
 from tests.helpers.app import FAST_SETTINGS, make_app
-from tests.helpers.liveserver import launch_chromium, start_dashboard
+from tests.helpers.faults import Dashboard
+from tests.helpers.jobs import DemoJob
+from tests.helpers.liveserver import LiveServer, launch_chromium, start_dashboard
+from tests.helpers.receiver import Receiver
 
 
 @pytest.fixture
@@ -86,6 +95,19 @@ def page(browser):
 
 
 @pytest.fixture
+def new_context(browser):
+    """``new_context(**options)``: one more browser context (another user, a viewport), closed after the test."""
+    with ExitStack() as ends:
+
+        def new(**options):
+            context = browser.new_context(**options)
+            ends.callback(context.close)
+            return context
+
+        yield new
+
+
+@pytest.fixture
 def console_errors(page):
     """Errors the page logs or throws; a test asserts the list stays empty."""
     errors: list[str] = []
@@ -121,6 +143,93 @@ def simulator(run_dir):
     yield start
     for sim in sims:
         sim.stop()
+
+
+@pytest.fixture
+def start_job():
+    """``start_job(run_dir, epochs=3, ...)``: a started ``DemoJob`` (a real msrun job), killed after the test.
+
+    ``start_job(job)`` starts a ``DemoJob`` made beforehand (one whose command a test changed).
+    """
+    with ExitStack() as ends:
+
+        def start(run_dir_or_job, **kw) -> DemoJob:
+            job = run_dir_or_job if isinstance(run_dir_or_job, DemoJob) else DemoJob(run_dir_or_job, **kw)
+            ends.callback(job.kill)
+            return job.start()
+
+        yield start
+
+
+@pytest.fixture
+def start_server():
+    """``start_server(run_dir, log_path, ...)``: ``start_dashboard``'s ready ``LiveServer``, stopped after the test."""
+    with ExitStack() as ends:
+
+        def start(*args, **kw) -> LiveServer:
+            server = start_dashboard(*args, **kw)
+            ends.callback(server.stop)
+            return server
+
+        yield start
+
+
+@pytest.fixture
+def start_dash():
+    """``start_dash(run_dir, log_path, **settings)``: a fault tests' ``Dashboard`` (tests/helpers/faults.py), stopped after."""
+    with ExitStack() as ends:
+
+        def start(*args, **kw) -> Dashboard:
+            dash = Dashboard(*args, **kw)
+            ends.callback(dash.stop)
+            return dash
+
+        yield start
+
+
+@pytest.fixture
+def start_agent():
+    """``start_agent(run_dir, redis_url, log, ...)``: a started ``rankwatch agent`` process, stopped after the test."""
+    with ExitStack() as ends:
+
+        def start(*args, **kw) -> AgentProcess:
+            agent = AgentProcess(*args, **kw)
+            ends.callback(agent.stop)
+            return agent.start()
+
+        yield start
+
+
+@pytest.fixture
+def start_process():
+    """``start_process(cmd, **popen_kw)``: a ``subprocess.Popen``, killed after the test if it still runs."""
+    with ExitStack() as ends:
+
+        def start(*args, **kw) -> subprocess.Popen:
+            proc = subprocess.Popen(*args, **kw)
+            ends.callback(_kill, proc)
+            return proc
+
+        yield start
+
+
+@pytest.fixture
+def make_receiver():
+    """``make_receiver(port=None, ...)``: a webhook ``Receiver``, not yet started (``.start()``), stopped after."""
+    with ExitStack() as ends:
+
+        def make(*args, **kw) -> Receiver:
+            receiver = Receiver(*args, **kw)
+            ends.callback(receiver.stop)
+            return receiver
+
+        yield make
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
 
 
 def pytest_collection_modifyitems(items):

@@ -2,7 +2,7 @@
 
 The training thread only updates a ``Counters`` object (a few numbers per
 step) and calls the stop-stage methods here; this thread turns them into
-files: the heartbeat and its history (``trainer_bridge/rundir/schema.py``), the
+files: the heartbeat and its history (``trainer_bridge/rundir/schema/``), the
 flag poll, the device sample, and the stack captures of ``StackWatcher``.
 Nothing it does can stop training: a reporter error is logged once per kind
 and the thread carries on.

@@ -43,7 +43,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-# The default of the LOGIN_TTL_S setting (app/config.py says why).
+# The default of the LOGIN_TTL_S setting (app/config/edge.py says why).
 CODE_TTL_S = 120.0
 # Codes waiting to be used; minting more drops the oldest.
 MAX_CODES = 16

@@ -8,7 +8,7 @@ import signal
 import numpy as np
 import pytest
 
-from tests.helpers.jobs import DemoJob, dump, write_flag
+from tests.helpers.jobs import dump, write_flag
 from trainer_bridge.rundir import runfiles
 from trainer_bridge.rundir.ckptmeta import read_meta
 
@@ -19,17 +19,14 @@ def _stopped(hbs):
     return hbs if all(h and h["state"] == "exited" for h in hbs) else None
 
 
-def test_flag_stops_every_rank_at_one_step_then_resume_ignores_the_served_flag(tmp_path):
+def test_flag_stops_every_rank_at_one_step_then_resume_ignores_the_served_flag(tmp_path, start_job):
     import mindspore as ms
 
     run = tmp_path / "run"
-    job = DemoJob(run, epochs=3).start()
-    try:
-        job.wait_for_step(4)
-        write_flag(run, request_id="req-stop-1", reason="test")
-        assert job.wait() == 0, job.logs()
-    finally:
-        job.kill()
+    job = start_job(run, epochs=3)
+    job.wait_for_step(4)
+    write_flag(run, request_id="req-stop-1", reason="test")
+    assert job.wait() == 0, job.logs()
 
     # Each rank ran exactly up to the agreed step, no further.
     stop_step, stops = job.stopped_together()
@@ -53,11 +50,8 @@ def test_flag_stops_every_rank_at_one_step_then_resume_ignores_the_served_flag(t
     # Relaunch with the same flag still saying GracefulExit 1: resume at the
     # next step and run to the end, because that request was already served.
     assert runfiles.read_flag(run).exit
-    again = DemoJob(run, epochs=3).start()
-    try:
-        assert again.wait() == 0, again.logs()
-    finally:
-        again.kill()
+    again = start_job(run, epochs=3)
+    assert again.wait() == 0, again.logs()
     for r in range(2):
         resumed = again.steps_logged(r)  # msrun rewrote the worker logs
         assert resumed[0] == stop_step + 1, resumed
@@ -69,11 +63,8 @@ def test_flag_stops_every_rank_at_one_step_then_resume_ignores_the_served_flag(t
     # A relaunch whose resume point is past the epochs it asks for (1 step per epoch here,
     # 1 epoch, and the set is at stop_step >= 4) ends cleanly instead of Model.train's
     # "epoch must bigger than initial_epoch" (issue 17): it says so and reports finished.
-    past = DemoJob(run, epochs=1, samples=64).start()
-    try:
-        assert past.wait() == 0, past.logs()
-    finally:
-        past.kill()
+    past = start_job(run, epochs=1, samples=64)
+    assert past.wait() == 0, past.logs()
     for r in range(2):
         log = past.worker_log(r)
         assert f"resumed at global step {stop_step}, past the 1 epochs asked for: nothing to train" in log, (
@@ -84,15 +75,12 @@ def test_flag_stops_every_rank_at_one_step_then_resume_ignores_the_served_flag(t
         assert hb["state"] == "finished" and hb["resumed_from"]["global_step"] == stop_step, dump(hb)
 
 
-def test_sigterm_to_one_rank_stops_every_rank_gracefully(tmp_path):
+def test_sigterm_to_one_rank_stops_every_rank_gracefully(tmp_path, start_job):
     run = tmp_path / "run"
-    job = DemoJob(run, epochs=3).start()
-    try:
-        hbs = job.wait_for_step(4)
-        os.kill(hbs[1]["pid"], signal.SIGTERM)
-        assert job.wait() == 0, job.logs()
-    finally:
-        job.kill()
+    job = start_job(run, epochs=3)
+    hbs = job.wait_for_step(4)
+    os.kill(hbs[1]["pid"], signal.SIGTERM)
+    assert job.wait() == 0, job.logs()
     hbs = job.heartbeats()
     assert _stopped(hbs), dump(hbs)
     stops = [h["stop"] for h in hbs]
@@ -103,18 +91,18 @@ def test_sigterm_to_one_rank_stops_every_rank_gracefully(tmp_path):
         assert read_meta(run / s["checkpoint"]["path"]).global_step == s["stop_step"]
 
 
-def test_corrupt_flag_neither_stops_nor_crashes_training(tmp_path):
+def test_corrupt_flag_neither_stops_nor_crashes_training(tmp_path, start_job, start_dash):
     """A torn and a garbage flag are logged and ignored; training goes on, and a valid flag still stops it.
 
     The job trains until stopped, and each step waits for the bridge's own
     log line: a one-epoch job could end on a fast machine before the
     reporter's next poll, and then there would be nothing to check.
     """
-    from tests.helpers.faults import Dashboard, poll_until
+    from tests.helpers.faults import poll_until
 
     run = tmp_path / "run"
-    job = DemoJob(run, epochs=50).start()
-    dash = Dashboard(run, tmp_path / "dashboard.log")
+    job = start_job(run, epochs=50)
+    dash = start_dash(run, tmp_path / "dashboard.log")
     errors = []
 
     def logged(times):
@@ -123,38 +111,34 @@ def test_corrupt_flag_neither_stops_nor_crashes_training(tmp_path):
             f"rank 0 to log the unreadable flag ({times})",
         )
 
-    try:
-        job.wait_for_step(2)
-        runfiles.flag_path(run).write_bytes(b'{"GracefulExit": 1, "req')  # a torn write
-        # The dashboard says the flag is unreadable (and does not call it a request).
-        errors.append(
-            dash.wait(
-                lambda body: body if body["flag_error"] else None,
-                "GET /api/exit to report the torn flag",
-                path="/api/exit",
-            )
+    job.wait_for_step(2)
+    runfiles.flag_path(run).write_bytes(b'{"GracefulExit": 1, "req')  # a torn write
+    # The dashboard says the flag is unreadable (and does not call it a request).
+    errors.append(
+        dash.wait(
+            lambda body: body if body["flag_error"] else None,
+            "GET /api/exit to report the torn flag",
+            path="/api/exit",
         )
-        logged(1)
-        hbs = job.wait_for_step(max(h["global_step"] for h in job.heartbeats()) + 2)
-        runfiles.flag_path(run).write_bytes(b"\xff\xfe" + os.urandom(62))  # garbage from another tool
-        errors.append(
-            dash.wait(
-                lambda body: (
-                    body if body["flag_error"] and body["flag_error"] != errors[0]["flag_error"] else None
-                ),
-                "GET /api/exit to report the garbage flag",
-                path="/api/exit",
-            )
+    )
+    logged(1)
+    hbs = job.wait_for_step(max(h["global_step"] for h in job.heartbeats()) + 2)
+    runfiles.flag_path(run).write_bytes(b"\xff\xfe" + os.urandom(62))  # garbage from another tool
+    errors.append(
+        dash.wait(
+            lambda body: (
+                body if body["flag_error"] and body["flag_error"] != errors[0]["flag_error"] else None
+            ),
+            "GET /api/exit to report the garbage flag",
+            path="/api/exit",
         )
-        logged(2)
-        # Still training past both, and never stopping for them.
-        job.wait_for_step(max(h["global_step"] for h in job.heartbeats()) + 2)
-        assert all(h["state"] == "training" and h["stop"] is None for h in job.heartbeats()), dump(hbs)
-        write_flag(run, "after-garbage")
-        assert job.wait() == 0, job.logs()
-    finally:
-        job.kill()
-        dash.stop()
+    )
+    logged(2)
+    # Still training past both, and never stopping for them.
+    job.wait_for_step(max(h["global_step"] for h in job.heartbeats()) + 2)
+    assert all(h["state"] == "training" and h["stop"] is None for h in job.heartbeats()), dump(hbs)
+    write_flag(run, "after-garbage")
+    assert job.wait() == 0, job.logs()
     for body in errors:
         assert body["flag_error"].startswith("flag file is not valid JSON"), body
         assert body["flag"] is None and body["state"] == "idle" and body["request"] is None, body

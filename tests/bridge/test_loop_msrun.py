@@ -34,17 +34,14 @@ def _steps(job: DemoJob, rank: int) -> list[tuple[int, str, int]]:
     ]
 
 
-def test_loop_flag_stops_every_rank_at_one_step_saves_optimizer_state_and_resumes(tmp_path):
+def test_loop_flag_stops_every_rank_at_one_step_saves_optimizer_state_and_resumes(tmp_path, start_job):
     import mindspore as ms
 
     run = tmp_path / "run"
-    job = DemoJob(run, epochs=3, samples=SAMPLES, step_delay=0.05, extra=LOOP).start()
-    try:
-        job.wait_for_step(4)
-        write_flag(run, request_id="req-loop-1", reason="test")
-        assert job.wait() == 0, job.logs()
-    finally:
-        job.kill()
+    job = start_job(run, epochs=3, samples=SAMPLES, step_delay=0.05, extra=LOOP)
+    job.wait_for_step(4)
+    write_flag(run, request_id="req-loop-1", reason="test")
+    assert job.wait() == 0, job.logs()
 
     stop_step, stops = job.stopped_together()
     assert all(s["request_id"] == "req-loop-1" for s in stops), dump(stops)
@@ -81,11 +78,8 @@ def test_loop_flag_stops_every_rank_at_one_step_saves_optimizer_state_and_resume
     # same data position, with the optimizer's state, and train to the end.
     first = {r: {(g - 1) % PER_EPOCH: crc for g, crc, _ in _steps(job, r)} for r in range(2)}
     assert runfiles.read_flag(run).exit
-    again = DemoJob(run, epochs=3, samples=SAMPLES, step_delay=0.0, extra=LOOP).start()
-    try:
-        assert again.wait() == 0, again.logs()
-    finally:
-        again.kill()
+    again = start_job(run, epochs=3, samples=SAMPLES, step_delay=0.0, extra=LOOP)
+    assert again.wait() == 0, again.logs()
     for r in range(2):
         steps = _steps(again, r)  # msrun rewrote the worker logs
         assert steps[0][0] == stop_step + 1 and steps[-1][0] == 3 * PER_EPOCH, steps[:3]

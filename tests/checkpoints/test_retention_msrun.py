@@ -44,7 +44,7 @@ def tick_until(rw, job: DemoJob | None, predicate, what: str, timeout: float = J
     raise AssertionError(f"timed out waiting for {what}" + (f"\n{job.logs()}" if job else ""))
 
 
-def test_retention_on_while_a_real_job_saves(tmp_path):
+def test_retention_on_while_a_real_job_saves(tmp_path, start_job):
     run = tmp_path / "run"
     run.mkdir()
     app = create_app(
@@ -60,24 +60,21 @@ def test_retention_on_while_a_real_job_saves(tmp_path):
     )
     rw = app.extensions["rankwatch"]
     extra = ["--ckpt-every", str(EVERY), "--ckpt-keep", "1000"]
-    job = DemoJob(run, epochs=40, step_delay=0.05, extra=extra).start()
-    try:
-        # Sets are collected as the job trains: the policy deleted some while ranks still step.
-        tick_until(rw, job, lambda: len(policy_deletions(rw)) >= 3, "three periodic sets collected")
-        hbs = job.heartbeats()
-        assert all(h and h["state"] == "training" for h in hbs), hbs
-        index = ckptindex.scan(run, 2)
-        periodic = [s for s in index.sets if s.origin == ORIGIN_PERIODIC]
-        assert periodic and all(s.complete for s in periodic[:KEEP])
-        for row in policy_deletions(rw):
-            assert "delete:" in row["reason"] and '"bytes"' in row["detail"]
+    job = start_job(run, epochs=40, step_delay=0.05, extra=extra)
+    # Sets are collected as the job trains: the policy deleted some while ranks still step.
+    tick_until(rw, job, lambda: len(policy_deletions(rw)) >= 3, "three periodic sets collected")
+    hbs = job.heartbeats()
+    assert all(h and h["state"] == "training" for h in hbs), hbs
+    index = ckptindex.scan(run, 2)
+    periodic = [s for s in index.sets if s.origin == ORIGIN_PERIODIC]
+    assert periodic and all(s.complete for s in periodic[:KEEP])
+    for row in policy_deletions(rw):
+        assert "delete:" in row["reason"] and '"bytes"' in row["detail"]
 
-        # A graceful stop: its set is kept, and it is the one the bridge resumes from.
-        write_flag(run, request_id="req-retention", reason="retention test")
-        assert job.wait() == 0, job.logs()
-        stop_step, _ = job.stopped_together()
-    finally:
-        job.kill()
+    # A graceful stop: its set is kept, and it is the one the bridge resumes from.
+    write_flag(run, request_id="req-retention", reason="retention test")
+    assert job.wait() == 0, job.logs()
+    stop_step, _ = job.stopped_together()
     stop_set = tick_until(
         rw,
         None,
@@ -105,18 +102,13 @@ def test_retention_on_while_a_real_job_saves(tmp_path):
     assert all(s.complete for s in index.sets), [(s.id, s.ranks_missing) for s in index.sets]
 
     # The relaunch resumes from the stop set, which retention kept.
-    again = DemoJob(run, epochs=40, step_delay=0.05, extra=extra).start()
-    try:
-        hbs = again.wait_until(
-            lambda hbs: (
-                hbs
-                if all(h and h.get("resumed_from") and h["global_step"] > stop_step for h in hbs)
-                else None
-            ),
-            "every rank resumed and stepping",
-        )
-        assert all(h["resumed_from"]["global_step"] == stop_step for h in hbs), hbs
-        assert again.steps_logged(0)[0] == stop_step + 1
-    finally:
-        again.kill()
-        rw.watcher.stop()
+    again = start_job(run, epochs=40, step_delay=0.05, extra=extra)
+    hbs = again.wait_until(
+        lambda hbs: (
+            hbs if all(h and h.get("resumed_from") and h["global_step"] > stop_step for h in hbs) else None
+        ),
+        "every rank resumed and stepping",
+    )
+    assert all(h["resumed_from"]["global_step"] == stop_step for h in hbs), hbs
+    assert again.steps_logged(0)[0] == stop_step + 1
+    rw.watcher.stop()

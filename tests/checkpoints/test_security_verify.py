@@ -97,7 +97,15 @@ def test_a_header_claiming_more_than_the_file_is_refused_before_loading(client, 
     assert files[0]["seconds"] is None  # no load was attempted
 
 
-def test_the_worker_s_memory_limit_stops_what_the_reader_would_have(run_dir):
+@pytest.fixture
+def worker():
+    """A verify worker process (app/checkpoints/verify.py), closed after the test."""
+    worker = _Worker(sys.executable)
+    yield worker
+    worker.close()
+
+
+def test_the_worker_s_memory_limit_stops_what_the_reader_would_have(run_dir, worker):
     """Below the reader: the review's file given to the worker directly.
 
     MindSpore 2.10 loads a .ckpt whose tensor claims 40000x40000 with no
@@ -105,15 +113,11 @@ def test_the_worker_s_memory_limit_stops_what_the_reader_would_have(run_dir):
     "ok"). Under the worker's memory limit the allocation fails instead.
     """
     path = ckptcraft.write(run_dir / "x/model-1_1.ckpt", HOSTILE_CKPT["40000x40000 in 26 bytes"])
-    worker = _Worker(sys.executable)
-    try:
-        fd, _ = open_file(str(run_dir), "x/model-1_1.ckpt")
-        result = worker.load(str(path), fd, "ckpt")
-        if result is None:  # the loader died of it: also a failure, not an "ok"
-            result = {"ok": False, "error": worker.died()}
-        peak = psutil.Process(worker.proc.pid).memory_info().rss if worker.proc.poll() is None else 0
-    finally:
-        worker.close()
+    fd, _ = open_file(str(run_dir), "x/model-1_1.ckpt")
+    result = worker.load(str(path), fd, "ckpt")
+    if result is None:  # the loader died of it: also a failure, not an "ok"
+        result = {"ok": False, "error": worker.died()}
+    peak = psutil.Process(worker.proc.pid).memory_info().rss if worker.proc.poll() is None else 0
     assert result["ok"] is False, result
     assert "memory limit" in result["error"] or "MemoryError" in result["error"], result
     assert peak < 2 * 1024**3, peak

@@ -136,10 +136,10 @@ def play_ranks_through_the_stop(run: Path, world: int, proc: subprocess.Popen) -
     return rid
 
 
-def test_stop_from_a_shell_waits_prints_each_stage_and_is_audited_like_the_button(run_dir):
+def test_stop_from_a_shell_waits_prints_each_stage_and_is_audited_like_the_button(run_dir, start_process):
     world = 2
     write_ranks(run_dir, world)
-    proc = subprocess.Popen(
+    proc = start_process(
         [
             sys.executable,
             "-m",
@@ -158,12 +158,8 @@ def test_stop_from_a_shell_waits_prints_each_stage_and_is_audited_like_the_butto
         stderr=subprocess.STDOUT,
         text=True,
     )
-    try:
-        rid = play_ranks_through_the_stop(run_dir, world, proc)
-        out, _ = proc.communicate(timeout=WAIT_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    rid = play_ranks_through_the_stop(run_dir, world, proc)
+    out, _ = proc.communicate(timeout=WAIT_S)
     assert proc.returncode == 0, out
     assert f"Stop requested: {rid} (by ops: 'ECC errors')" in out
     for r in range(world):
@@ -199,11 +195,11 @@ def test_verdict_glyphs_match_the_page():
     assert page == VERDICT_GLYPH
 
 
-def test_status_watch_follows_the_files_until_ctrl_c(run_dir):
+def test_status_watch_follows_the_files_until_ctrl_c(run_dir, start_process):
     """In a terminal (a pty), --watch redraws as heartbeats change; Ctrl-C ends it with status 0."""
     write_ranks(run_dir, 2)
     master, slave = pty.openpty()
-    proc = subprocess.Popen(
+    proc = start_process(
         [
             sys.executable,
             "-m",
@@ -240,8 +236,6 @@ def test_status_watch_follows_the_files_until_ctrl_c(run_dir):
         proc.send_signal(signal.SIGINT)
         assert proc.wait(WAIT_S) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
         os.close(master)
 
 

@@ -224,22 +224,19 @@ def loaded(pid: int, library: str) -> bool:
         return False
 
 
-def test_ctrl_c_while_status_watch_loads_ends_it_without_a_traceback(run_dir):
+def test_ctrl_c_while_status_watch_loads_ends_it_without_a_traceback(run_dir, procs):
     """SIGINT once the engines are loading (numpy is mapped): before the first frame."""
     write_job(run_dir, 2)
     for r in range(2):
         write_heartbeat(run_dir, heartbeat(r, 2, global_step=40))
     proc = cli("status", "--run-dir", str(run_dir), "--watch", "--interval", "0.2")
-    try:
-        deadline = time.monotonic() + WAIT_S
-        while not loaded(proc.pid, "_multiarray_umath"):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
-            time.sleep(0.005)
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=WAIT_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    procs.append(proc)
+    deadline = time.monotonic() + WAIT_S
+    while not loaded(proc.pid, "_multiarray_umath"):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=WAIT_S)
     assert proc.returncode in (0, 130) and "Traceback" not in out, out
 
 
@@ -354,37 +351,34 @@ def test_rankwatch_login_prints_a_short_lived_link_that_works_once(run_dir, tmp_
     assert other.exit_code == 1 and "0 running dashboard(s)" in other.output
 
 
-def test_status_gives_the_pages_reason_for_the_same_rank_at_the_same_moment(run_dir, tmp_path, monkeypatch):
+def test_status_gives_the_pages_reason_for_the_same_rank_at_the_same_moment(
+    run_dir, tmp_path, monkeypatch, start_server
+):
     """The dashboard has judged 20 heartbeats of one step each; a process started now has seen one.
 
     Its own judgement would say "too few steps yet to compare"; the page says
     the rank is within the straggler ratio. ``status`` prints the page's.
     """
-    from tests.helpers.liveserver import start_dashboard
-
     runtime = tmp_path / "runtime"
     runtime.mkdir(mode=0o700)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
     write_job(run_dir, 2)
     # No stall while the test reads: the reasons stay what they were when both read them.
-    server = start_dashboard(
+    server = start_server(
         run_dir, tmp_path / "dash.log", env={"XDG_RUNTIME_DIR": str(runtime), "RANKWATCH_STALL_MIN_S": "600"}
     )
-    try:
-        for seq in range(1, 21):
-            for r in range(2):
-                write_heartbeat(run_dir, heartbeat(r, 2, seq=seq, steps=1, global_step=seq, step_ms=200.0))
-            deadline = time.monotonic() + WAIT_S
-            while True:
-                with urllib.request.urlopen(server.url + "/api/ranks", timeout=30) as response:
-                    page = json.loads(response.read())
-                if [row["global_step"] for row in page["ranks"]] == [seq, seq]:
-                    break
-                assert time.monotonic() < deadline, page
-                time.sleep(0.05)
-        result = CliRunner().invoke(main, ["status", "--run-dir", str(run_dir)], terminal_width=250)
-    finally:
-        server.stop()
+    for seq in range(1, 21):
+        for r in range(2):
+            write_heartbeat(run_dir, heartbeat(r, 2, seq=seq, steps=1, global_step=seq, step_ms=200.0))
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            with urllib.request.urlopen(server.url + "/api/ranks", timeout=30) as response:
+                page = json.loads(response.read())
+            if [row["global_step"] for row in page["ranks"]] == [seq, seq]:
+                break
+            assert time.monotonic() < deadline, page
+            time.sleep(0.05)
+    result = CliRunner().invoke(main, ["status", "--run-dir", str(run_dir)], terminal_width=250)
     assert result.exit_code == 0, result.output
     reasons = {row["rank"]: row["reason"] for row in page["ranks"]}
     assert "too few steps" not in reasons[0], reasons

@@ -74,76 +74,66 @@ def open_line(job: DemoJob, timeout: float = 300) -> str:
 
 
 @pytest.mark.timeout(2 * DEADLINE_S + 300)
-def test_the_default_demo_trains_learns_checkpoints_and_resumes(tmp_path):
+def test_the_default_demo_trains_learns_checkpoints_and_resumes(tmp_path, start_job):
     run = tmp_path / "demo"
-    job = demo_job(run, free_port()).start()
-    second = None
-    try:
-        started = time.monotonic()
-        url = open_line(job)
-        with urllib.request.urlopen(url.split("#")[0], timeout=30) as r:
-            assert r.status == 200
-        # The printed URL carries a single-use login code, never the token: trade it as the page does.
-        login = urllib.request.Request(
-            url.split("#")[0] + "api/login",
-            data=json.dumps({"code": url.split("#login=")[1]}).encode(),
-            method="POST",
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(login, timeout=30) as r:
-            token = json.loads(r.read())["token"]
+    job = start_job(demo_job(run, free_port()))
+    started = time.monotonic()
+    url = open_line(job)
+    with urllib.request.urlopen(url.split("#")[0], timeout=30) as r:
+        assert r.status == 200
+    # The printed URL carries a single-use login code, never the token: trade it as the page does.
+    login = urllib.request.Request(
+        url.split("#")[0] + "api/login",
+        data=json.dumps({"code": url.split("#login=")[1]}).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(login, timeout=30) as r:
+        token = json.loads(r.read())["token"]
 
-        def progress(hbs):
-            running = time.monotonic() - started >= MIN_RUNNING_S
-            first = [first_loss(run, r) for r in range(2)]
-            losses = [h and h.get("loss") for h in hbs]
-            learnt = (
-                None not in first and None not in losses and sum(losses) / 2 < LOSS_FRACTION * sum(first) / 2
-            )
-            complete = [s for s in ckptindex.scan(run, 2).sets if s.complete]
-            return (first, losses, complete) if running and learnt and complete else None
+    def progress(hbs):
+        running = time.monotonic() - started >= MIN_RUNNING_S
+        first = [first_loss(run, r) for r in range(2)]
+        losses = [h and h.get("loss") for h in hbs]
+        learnt = None not in first and None not in losses and sum(losses) / 2 < LOSS_FRACTION * sum(first) / 2
+        complete = [s for s in ckptindex.scan(run, 2).sets if s.complete]
+        return (first, losses, complete) if running and learnt and complete else None
 
-        first, losses, complete = job.wait_until(
-            progress, "150 s of training, a falling loss and a complete set", timeout=DEADLINE_S
-        )
-        assert job.proc.poll() is None, "the demo ended before 150 s"
-        assert all(h["state"] == "training" for h in job.heartbeats()), dump(job.heartbeats())
-        print(
-            f"\ndemo after {time.monotonic() - started:.0f} s: loss {first} -> {losses}; "
-            f"complete sets {[s.id for s in complete]}"
-        )
+    first, losses, complete = job.wait_until(
+        progress, "150 s of training, a falling loss and a complete set", timeout=DEADLINE_S
+    )
+    assert job.proc.poll() is None, "the demo ended before 150 s"
+    assert all(h["state"] == "training" for h in job.heartbeats()), dump(job.heartbeats())
+    print(
+        f"\ndemo after {time.monotonic() - started:.0f} s: loss {first} -> {losses}; "
+        f"complete sets {[s.id for s in complete]}"
+    )
 
-        # Stop it gracefully, as the button does, then relaunch: it resumes from the stop's set.
-        req = urllib.request.Request(
-            url.split("#")[0] + "api/exit",
-            data=json.dumps({"reason": "demo test"}).encode(),
-            method="POST",
-            headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"},
-        )
-        with urllib.request.urlopen(req, timeout=30) as r:
-            assert r.status == 202
-        stopped = job.wait_until(
-            lambda hbs: hbs if all(h and h["state"] == "exited" for h in hbs) else None, "every rank exited"
-        )
-        stop_step = stopped[0]["stop"]["stop_step"]
-        job.kill()  # the demo keeps its dashboard up until Ctrl-C
+    # Stop it gracefully, as the button does, then relaunch: it resumes from the stop's set.
+    req = urllib.request.Request(
+        url.split("#")[0] + "api/exit",
+        data=json.dumps({"reason": "demo test"}).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.status == 202
+    stopped = job.wait_until(
+        lambda hbs: hbs if all(h and h["state"] == "exited" for h in hbs) else None, "every rank exited"
+    )
+    stop_step = stopped[0]["stop"]["stop_step"]
+    job.kill()  # the demo keeps its dashboard up until Ctrl-C
 
-        second = demo_job(run, free_port()).start()
-        resumed = second.wait_until(
-            lambda hbs: (
-                hbs
-                if all(h and h.get("resumed_from") and h["global_step"] > stop_step for h in hbs)
-                else None
-            ),
-            "both ranks resumed and trained on",
-            timeout=DEADLINE_S,
-        )
-        assert [h["resumed_from"]["global_step"] for h in resumed] == [stop_step, stop_step], dump(resumed)
-        assert all(h["state"] == "training" for h in resumed), dump(resumed)
-    finally:
-        job.kill()
-        if second is not None:
-            second.kill()
+    second = start_job(demo_job(run, free_port()))
+    resumed = second.wait_until(
+        lambda hbs: (
+            hbs if all(h and h.get("resumed_from") and h["global_step"] > stop_step for h in hbs) else None
+        ),
+        "both ranks resumed and trained on",
+        timeout=DEADLINE_S,
+    )
+    assert [h["resumed_from"]["global_step"] for h in resumed] == [stop_step, stop_step], dump(resumed)
+    assert all(h["state"] == "training" for h in resumed), dump(resumed)
 
 
 def test_the_demo_says_what_it_does():

@@ -24,13 +24,13 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 from playwright.sync_api import expect
 
 from app.audit import AuditLog
-from tests.helpers.jobs import DemoJob
 from trainer_bridge.rundir import runfiles
 
 pytestmark = [pytest.mark.slow, pytest.mark.msrun, pytest.mark.browser]
@@ -111,10 +111,14 @@ class Served:
         # Event-driven: the first start of a fresh venv compiles every module, which a loaded
         # machine can stretch past any short deadline; only a hung start hits TIMEOUT_S.
         deadline = time.monotonic() + TIMEOUT_S
-        while not any(ln.startswith("Rankwatch: open ") for ln in self.lines):
-            assert self.proc.poll() is None, "\n".join(self.lines)
-            assert time.monotonic() < deadline, "\n".join(self.lines)
-            time.sleep(0.1)
+        try:
+            while not any(ln.startswith("Rankwatch: open ") for ln in self.lines):
+                assert self.proc.poll() is None, "\n".join(self.lines)
+                assert time.monotonic() < deadline, "\n".join(self.lines)
+                time.sleep(0.1)
+        except BaseException:
+            self.stop()  # it never came up: the test gets no Served to stop
+            raise
         line = next(ln for ln in self.lines if ln.startswith("Rankwatch: open "))
         self.url = re.search(r"http://[\d.]+:\d+", line).group(0)
 
@@ -131,76 +135,84 @@ class Served:
                 self.proc.kill()
 
 
+@pytest.fixture
+def serve():
+    """``serve(bin_dir, env, cwd, run_dir)``: a ready ``Served``, stopped after the test."""
+    with ExitStack() as ends:
+
+        def start(*args) -> Served:
+            served = Served(*args)
+            ends.callback(served.stop)
+            return served
+
+        yield start
+
+
 @pytest.mark.timeout(2 * TIMEOUT_S)
-def test_a_wheel_installed_without_e_serves_reads_and_stops_a_real_job(fresh_venv, tmp_path, browser):
+def test_a_wheel_installed_without_e_serves_reads_and_stops_a_real_job(
+    fresh_venv, tmp_path, browser, start_job, serve
+):
     bin_dir, env, cwd = fresh_venv
     run_dir = tmp_path / "run"
-    job = DemoJob(run_dir, epochs=200, samples=2000, step_delay=0.05, extra=["--ckpt-every", "10"])
-    served = None
-    try:
-        job.start()
-        job.wait_for_step(25)  # periodic sets from step 10 on (the newest 5 kept)
-        served = Served(bin_dir, env, cwd, run_dir)
-        assert "development server" not in "\n".join(served.lines)
+    job = start_job(run_dir, epochs=200, samples=2000, step_delay=0.05, extra=["--ckpt-every", "10"])
+    job.wait_for_step(25)  # periodic sets from step 10 on (the newest 5 kept)
+    served = serve(bin_dir, env, cwd, run_dir)
+    assert "development server" not in "\n".join(served.lines)
 
-        # Every request both pages make answers 200 (each page in a fresh
-        # context: a cache would answer 304 for what the first page loaded).
-        responses: list[tuple[int, str]] = []
-        for path, ready in (
-            ("/", "#rank-table tbody tr[data-health='healthy']"),
-            ("/checkpoints", "tr.set-row[data-complete='true']"),
-        ):
-            context = browser.new_context()
-            page = context.new_page()
-            page.on("response", lambda r: responses.append((r.status, r.url)))
-            page.goto(served.url + path)
-            expect(page.locator(ready).first).to_be_visible(timeout=UI_TIMEOUT_MS)
-            expect(page.locator(".connection")).to_have_attribute("data-state", "live", timeout=UI_TIMEOUT_MS)
-            context.close()
-        assets = {url.split("?")[0] for status, url in responses}
-        for needed in ("/static/css/rankwatch.css", "/static/js/main.js", "/static/js/table.js",
-                       "/static/js/checkpoints.js", "/static/vendor/socket.io-4.8.4.min.js",
-                       "/vendor/plotly.min.js"):  # fmt: skip
-            assert served.url + needed in assets, sorted(assets)
-        assert [r for r in responses if r[0] != 200] == [], responses
+    # Every request both pages make answers 200 (each page in a fresh
+    # context: a cache would answer 304 for what the first page loaded).
+    responses: list[tuple[int, str]] = []
+    for path, ready in (
+        ("/", "#rank-table tbody tr[data-health='healthy']"),
+        ("/checkpoints", "tr.set-row[data-complete='true']"),
+    ):
+        context = browser.new_context()
+        page = context.new_page()
+        page.on("response", lambda r: responses.append((r.status, r.url)))
+        page.goto(served.url + path)
+        expect(page.locator(ready).first).to_be_visible(timeout=UI_TIMEOUT_MS)
+        expect(page.locator(".connection")).to_have_attribute("data-state", "live", timeout=UI_TIMEOUT_MS)
+        context.close()
+    assets = {url.split("?")[0] for status, url in responses}
+    for needed in ("/static/css/rankwatch.css", "/static/js/main.js", "/static/js/table.js",
+                   "/static/js/checkpoints.js", "/static/vendor/socket.io-4.8.4.min.js",
+                   "/vendor/plotly.min.js"):  # fmt: skip
+        assert served.url + needed in assets, sorted(assets)
+    assert [r for r in responses if r[0] != 200] == [], responses
 
-        status = run([str(bin_dir / "rankwatch"), "status", "--run-dir", str(run_dir)], env=env, cwd=cwd)
-        assert "world size 2" in status.stdout, status.stdout
-        assert len(re.findall(r"^\s+[01]\s+\S+\s+✓ healthy", status.stdout, re.M)) == 2, status.stdout
-        ckpts = run([str(bin_dir / "rankwatch"), "checkpoints", "--run-dir", str(run_dir)], env=env, cwd=cwd)
-        # Whichever periodic sets exist when read: the job trains on meanwhile and
-        # keeps only the newest 5, so how far it got depends on the machine.
-        listed = re.findall(
-            r"ckpt_of_rank/\{rank\}/lenet-\{E\}_\{S\}\.ckpt#g(\d+) .*periodic\s+yes", ckpts.stdout
-        )
-        assert listed and all(int(g) % 10 == 0 for g in listed), ckpts.stdout
-        assert "Resume from" in ckpts.stdout and "msrun --worker_num=2" in ckpts.stdout
+    status = run([str(bin_dir / "rankwatch"), "status", "--run-dir", str(run_dir)], env=env, cwd=cwd)
+    assert "world size 2" in status.stdout, status.stdout
+    assert len(re.findall(r"^\s+[01]\s+\S+\s+✓ healthy", status.stdout, re.M)) == 2, status.stdout
+    ckpts = run([str(bin_dir / "rankwatch"), "checkpoints", "--run-dir", str(run_dir)], env=env, cwd=cwd)
+    # Whichever periodic sets exist when read: the job trains on meanwhile and
+    # keeps only the newest 5, so how far it got depends on the machine.
+    listed = re.findall(
+        r"ckpt_of_rank/\{rank\}/lenet-\{E\}_\{S\}\.ckpt#g(\d+) .*periodic\s+yes", ckpts.stdout
+    )
+    assert listed and all(int(g) % 10 == 0 for g in listed), ckpts.stdout
+    assert "Resume from" in ckpts.stdout and "msrun --worker_num=2" in ckpts.stdout
 
-        demo = subprocess.run(
-            [str(bin_dir / "rankwatch"), "demo", "--no-dashboard"],
-            env=env,
-            cwd=cwd,
-            capture_output=True,
-            text=True,
-        )
-        assert demo.returncode == 1 and "pip install 'rankwatch[trainer]'" in demo.stderr, demo
+    demo = subprocess.run(
+        [str(bin_dir / "rankwatch"), "demo", "--no-dashboard"],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+    )
+    assert demo.returncode == 1 and "pip install 'rankwatch[trainer]'" in demo.stderr, demo
 
-        stop = run(
-            [str(bin_dir / "rankwatch"), "stop", "--run-dir", str(run_dir), "--reason", "fresh-machine test"],
-            env=env,
-            cwd=cwd,
-        )
-        assert job.wait() == 0, job.logs()
-        stop_step, _ = job.stopped_together()
-        assert f"all 2 ranks stopped after step {stop_step}" in stop.stdout, stop.stdout
-        for r in range(2):
-            assert re.search(rf"^rank\s+{r}\s+exited\s+checkpoints/rank_{r}/", stop.stdout, re.M), stop.stdout
+    stop = run(
+        [str(bin_dir / "rankwatch"), "stop", "--run-dir", str(run_dir), "--reason", "fresh-machine test"],
+        env=env,
+        cwd=cwd,
+    )
+    assert job.wait() == 0, job.logs()
+    stop_step, _ = job.stopped_together()
+    assert f"all 2 ranks stopped after step {stop_step}" in stop.stdout, stop.stdout
+    for r in range(2):
+        assert re.search(rf"^rank\s+{r}\s+exited\s+checkpoints/rank_{r}/", stop.stdout, re.M), stop.stdout
 
-        rows = list(reversed(AuditLog(runfiles.state_dir(run_dir) / "audit.sqlite3").rows()))
-        assert [row["action"] for row in rows] == ["request", "complete", "rearm"], rows
-        assert rows[0]["reason"] == "fresh-machine test" and rows[0]["remote_addr"].startswith("shell ")
-        assert rows[1]["outcome"].startswith(f"completed: all 2 ranks stopped after step {stop_step}")
-    finally:
-        job.kill()
-        if served is not None:
-            served.stop()
+    rows = list(reversed(AuditLog(runfiles.state_dir(run_dir) / "audit.sqlite3").rows()))
+    assert [row["action"] for row in rows] == ["request", "complete", "rearm"], rows
+    assert rows[0]["reason"] == "fresh-machine test" and rows[0]["remote_addr"].startswith("shell ")
+    assert rows[1]["outcome"].startswith(f"completed: all 2 ranks stopped after step {stop_step}")

@@ -12,7 +12,6 @@ polls for an event; nothing asserts a duration.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 
@@ -405,7 +404,7 @@ def test_agent_refuses_a_bad_url_or_run_name_at_once(tmp_path, args, said):
     assert result.exit_code == 2 and said in result.output, result.output
 
 
-def test_ranks_without_the_bridge_reach_the_hub_from_their_worker_logs(tmp_path, hub, agents):
+def test_ranks_without_the_bridge_reach_the_hub_from_their_worker_logs(tmp_path, hub, agents, start_process):
     """Log mode on a node: each "rank" is a real process whose stdout is its worker log, as msrun starts them."""
     node = Node(tmp_path, "node-a", range(0), 2)
     logs = node.dir / "msrun_logs"
@@ -419,25 +418,20 @@ def test_ranks_without_the_bridge_reach_the_hub_from_their_worker_logs(tmp_path,
     ranks = []
     for r in (0, 1):
         with open(logs / f"worker_{r}.log", "ab") as out:
-            ranks.append(subprocess.Popen([sys.executable, "-c", script], stdout=out))
-    try:
-        agents(node)
+            ranks.append(start_process([sys.executable, "-c", script], stdout=out))
+    agents(node)
 
-        def log_rows():
-            rows = view(hub)["ranks"]
-            return rows if len(rows) == 2 and all((r["step"] or 0) >= 3 for r in rows) else None
+    def log_rows():
+        rows = view(hub)["ranks"]
+        return rows if len(rows) == 2 and all((r["step"] or 0) >= 3 for r in rows) else None
 
-        rows = wait_for(log_rows, "two ranks from their worker logs at the hub", timeout=120)
-        assert [r["source"] for r in rows] == ["log", "log"] and {r["host"] for r in rows} == {"node-a"}
-        assert [r["pid"] for r in rows] == [p.pid for p in ranks]  # the agent found the writers on its host
-        ranks[1].kill()
-        ranks[1].wait()
-        # Probed by the agent on its host: the process is gone.
-        wait_for(lambda: view(hub)["ranks"][1]["health"] == "dead", "rank 1 dead at the hub", timeout=60)
-    finally:
-        for p in ranks:
-            p.kill()
-            p.wait()
+    rows = wait_for(log_rows, "two ranks from their worker logs at the hub", timeout=120)
+    assert [r["source"] for r in rows] == ["log", "log"] and {r["host"] for r in rows} == {"node-a"}
+    assert [r["pid"] for r in rows] == [p.pid for p in ranks]  # the agent found the writers on its host
+    ranks[1].kill()
+    ranks[1].wait()
+    # Probed by the agent on its host: the process is gone.
+    wait_for(lambda: view(hub)["ranks"][1]["health"] == "dead", "rank 1 dead at the hub", timeout=60)
 
 
 def test_an_agent_lost_is_alerted(tmp_path, redis_server, agents):

@@ -14,16 +14,14 @@ import pytest
 from playwright.sync_api import expect
 
 from tests.cluster.test_agent import RUN, Node
-from tests.helpers.agents import AgentProcess
 from tests.helpers.app import FAST_SETTINGS
-from tests.helpers.liveserver import start_dashboard
 from tests.ranks.test_nodes_browser import RANK_ROWS, WAIT_MS, node_row
 
 pytestmark = pytest.mark.browser
 
 
 def test_the_page_shows_every_node_from_digests_and_an_agent_lost(
-    tmp_path, redis_server, page, console_errors
+    tmp_path, redis_server, page, console_errors, start_agent, start_server
 ):
     nodes = [Node(tmp_path, "gpu-a", range(0, 3), 6), Node(tmp_path, "gpu-b", range(3, 6), 6)]
     done = threading.Event()
@@ -38,14 +36,12 @@ def test_the_page_shows_every_node_from_digests_and_an_agent_lost(
     writer.start()
     settings = {f"RANKWATCH_{k}": str(v) for k, v in FAST_SETTINGS.items()}
     agents = [
-        AgentProcess(
-            n.dir, redis_server.url, tmp_path / f"agent-{n.host}.log", host=n.host, env=settings
-        ).start()
+        start_agent(n.dir, redis_server.url, tmp_path / f"agent-{n.host}.log", host=n.host, env=settings)
         for n in nodes
     ]
     hub_dir = tmp_path / "hub" / RUN
     hub_dir.mkdir(parents=True)
-    server = start_dashboard(
+    server = start_server(
         hub_dir,
         tmp_path / "dashboard.log",
         env={
@@ -75,7 +71,4 @@ def test_the_page_shows_every_node_from_digests_and_an_agent_lost(
     finally:
         done.set()
         writer.join(timeout=30)
-        for agent in agents:
-            agent.stop()
-        server.stop()
     assert console_errors == []

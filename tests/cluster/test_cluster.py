@@ -19,7 +19,6 @@ from playwright.sync_api import expect
 
 from tests.helpers.app import TOKEN
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
-from tests.helpers.liveserver import start_dashboard
 from trainer_bridge.rundir import redisbus, runfiles
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
@@ -110,27 +109,28 @@ def sees_live_updates(page, ranks: Ranks) -> None:
     poll(lambda: step_shown(page) >= target, f"the page shows global step {target}")
 
 
-def start_two(run_dir, tmp_path, redis_url: str):
+@pytest.fixture
+def ranks(run_dir, redis_server):
+    """Two ranks beating into the run directory and Redis (a thread of the test), stopped after it."""
+    ranks = Ranks(run_dir, redis_server.url).start()
+    yield ranks
+    ranks.stop()
+
+
+@pytest.fixture
+def servers(run_dir, tmp_path, redis_server, ranks, start_server):
+    """Two dashboards on the run and one Redis, stopped after the test."""
     env = {
-        "RANKWATCH_REDIS_URL": redis_url,
+        "RANKWATCH_REDIS_URL": redis_server.url,
         "RANKWATCH_TOKEN": TOKEN,
         "RANKWATCH_TICK_S": "0.2",
         "RANKWATCH_LEADER_TTL_S": str(TTL_S),
     }
-    servers = []
-    try:
-        for name in ("a", "b"):
-            servers.append(start_dashboard(run_dir, tmp_path / f"dashboard-{name}.log", env=env))
-    except BaseException:
-        for s in servers:
-            s.stop()
-        raise
-    return servers
+    return [start_server(run_dir, tmp_path / f"dashboard-{name}.log", env=env) for name in ("a", "b")]
 
 
-def open_page(browser, url: str):
-    context = browser.new_context(viewport={"width": 1400, "height": 1000})
-    page = context.new_page()
+def open_page(new_context, url: str):
+    page = new_context(viewport={"width": 1400, "height": 1000}).new_page()
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
     page.goto(url)
@@ -140,111 +140,95 @@ def open_page(browser, url: str):
     return page, errors
 
 
-def test_two_dashboards_share_live_state_a_stop_and_one_leader(redis_server, run_dir, tmp_path, browser):
-    ranks = Ranks(run_dir, redis_server.url).start()
-    servers = start_two(run_dir, tmp_path, redis_server.url)
-    try:
-        leader, follower = poll(lambda: one_leader(servers), "exactly one leader")
-        on_leader, errors_l = open_page(browser, leader.url)
-        on_follower, errors_f = open_page(browser, follower.url)
-        # The follower pushes nothing itself while Redis answers: its page moves
-        # only because the leader's deltas are relayed through the queue.
-        sees_live_updates(on_follower, ranks)
-        sees_live_updates(on_leader, ranks)
-        assert get_json(follower.url + "/api/health")["redis"]["relay"] is True
+def test_two_dashboards_share_live_state_a_stop_and_one_leader(run_dir, new_context, ranks, servers):
+    leader, follower = poll(lambda: one_leader(servers), "exactly one leader")
+    on_leader, errors_l = open_page(new_context, leader.url)
+    on_follower, errors_f = open_page(new_context, follower.url)
+    # The follower pushes nothing itself while Redis answers: its page moves
+    # only because the leader's deltas are relayed through the queue.
+    sees_live_updates(on_follower, ranks)
+    sees_live_updates(on_leader, ranks)
+    assert get_json(follower.url + "/api/health")["redis"]["relay"] is True
 
-        # A stop pressed on the follower's page: written to the flag file by the
-        # follower, pushed by the leader, shown on both pages.
-        on_follower.click("#token-open")
-        on_follower.fill("#token-input", TOKEN)
-        on_follower.click("#token-save")
-        expect(on_follower.locator("#operator-state")).to_have_text("operator")
-        on_follower.click("#stop-open")
-        on_follower.fill("#stop-reason", "cluster test: stop from the other dashboard")
-        on_follower.click("#stop-confirm")
-        poll(
-            lambda: json.loads(runfiles.flag_path(run_dir).read_text())["GracefulExit"] == 1,
-            "the follower writes the flag",
+    # A stop pressed on the follower's page: written to the flag file by the
+    # follower, pushed by the leader, shown on both pages.
+    on_follower.click("#token-open")
+    on_follower.fill("#token-input", TOKEN)
+    on_follower.click("#token-save")
+    expect(on_follower.locator("#operator-state")).to_have_text("operator")
+    on_follower.click("#stop-open")
+    on_follower.fill("#stop-reason", "cluster test: stop from the other dashboard")
+    on_follower.click("#stop-confirm")
+    poll(
+        lambda: json.loads(runfiles.flag_path(run_dir).read_text())["GracefulExit"] == 1,
+        "the follower writes the flag",
+    )
+    for page in (on_leader, on_follower):
+        expect(page.locator("#stop-panel")).to_have_attribute(
+            "data-state", "requested", timeout=UI_TIMEOUT_MS
         )
-        for page in (on_leader, on_follower):
-            expect(page.locator("#stop-panel")).to_have_attribute(
-                "data-state", "requested", timeout=UI_TIMEOUT_MS
-            )
-            expect(page.locator("#stop-request-reason")).to_have_text(
-                "cluster test: stop from the other dashboard"
-            )
+        expect(page.locator("#stop-request-reason")).to_have_text(
+            "cluster test: stop from the other dashboard"
+        )
 
-        # The leader dies without a word: the follower takes the lock over once it expires.
-        killed_at = time.monotonic()
-        leader.kill()
-        poll(lambda: roles([follower]) == ["leader"], "the follower takes over", timeout=TTL_S + 60)
-        print(f"takeover after {time.monotonic() - killed_at:.2f} s (lock TTL {TTL_S} s)")
-        sees_live_updates(on_follower, ranks)
-        expect(on_follower.locator("#stop-panel")).to_have_attribute("data-state", "requested")
-        assert errors_l == [] and errors_f == []
-    finally:
-        ranks.stop()
-        for s in servers:
-            s.stop()
+    # The leader dies without a word: the follower takes the lock over once it expires.
+    killed_at = time.monotonic()
+    leader.kill()
+    poll(lambda: roles([follower]) == ["leader"], "the follower takes over", timeout=TTL_S + 60)
+    print(f"takeover after {time.monotonic() - killed_at:.2f} s (lock TTL {TTL_S} s)")
+    sees_live_updates(on_follower, ranks)
+    expect(on_follower.locator("#stop-panel")).to_have_attribute("data-state", "requested")
+    assert errors_l == [] and errors_f == []
 
 
 def test_redis_killed_mid_run_the_dashboards_serve_from_files_and_recover(
-    redis_server, run_dir, tmp_path, browser
+    redis_server, run_dir, new_context, ranks, servers
 ):
-    ranks = Ranks(run_dir, redis_server.url).start()
-    servers = start_two(run_dir, tmp_path, redis_server.url)
-    try:
-        leader, follower = poll(lambda: one_leader(servers), "exactly one leader")
-        on_follower, errors = open_page(browser, follower.url)
-        sees_live_updates(on_follower, ranks)
+    leader, follower = poll(lambda: one_leader(servers), "exactly one leader")
+    on_follower, errors = open_page(new_context, follower.url)
+    sees_live_updates(on_follower, ranks)
 
-        redis_server.stop()
-        # Both keep answering from the files, and say why.
-        for s in servers:
-            poll(
-                lambda s=s: "Redis is unreachable" in get_json(s.url + "/api/summary")["run"]["message"],
-                f"{s.url} reports Redis unreachable",
-            )
-            health = get_json(s.url + "/api/health")
-            assert health["redis"]["reachable"] is False and health["redis"]["error"]
-            assert get_json(s.url + "/api/ranks")["run"]["transport"] == "files"
-        # No election without Redis: each keeps its role.
-        assert roles([leader, follower]) == ["leader", "follower"]
-        expect(on_follower.locator("#run-message")).to_contain_text(
-            "Redis is unreachable", timeout=UI_TIMEOUT_MS
+    redis_server.stop()
+    # Both keep answering from the files, and say why.
+    for s in servers:
+        poll(
+            lambda s=s: "Redis is unreachable" in get_json(s.url + "/api/summary")["run"]["message"],
+            f"{s.url} reports Redis unreachable",
         )
-        # The follower's page hears nothing from the leader now, so its own dashboard pushes.
-        sees_live_updates(on_follower, ranks)
-        # A stop needs no Redis: the follower writes the flag and shows it on its page.
-        request = urllib.request.Request(
-            follower.url + "/api/exit",
-            data=json.dumps({"reason": "stop while Redis is down"}).encode(),
-            headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"},
-        )
-        with urllib.request.urlopen(request, timeout=10) as resp:
-            assert resp.status == 202
-        assert json.loads(runfiles.flag_path(run_dir).read_text())["GracefulExit"] == 1
-        expect(on_follower.locator("#stop-panel")).to_have_attribute(
-            "data-state", "requested", timeout=UI_TIMEOUT_MS
-        )
+        health = get_json(s.url + "/api/health")
+        assert health["redis"]["reachable"] is False and health["redis"]["error"]
+        assert get_json(s.url + "/api/ranks")["run"]["transport"] == "files"
+    # No election without Redis: each keeps its role.
+    assert roles([leader, follower]) == ["leader", "follower"]
+    expect(on_follower.locator("#run-message")).to_contain_text("Redis is unreachable", timeout=UI_TIMEOUT_MS)
+    # The follower's page hears nothing from the leader now, so its own dashboard pushes.
+    sees_live_updates(on_follower, ranks)
+    # A stop needs no Redis: the follower writes the flag and shows it on its page.
+    request = urllib.request.Request(
+        follower.url + "/api/exit",
+        data=json.dumps({"reason": "stop while Redis is down"}).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"},
+    )
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        assert resp.status == 202
+    assert json.loads(runfiles.flag_path(run_dir).read_text())["GracefulExit"] == 1
+    expect(on_follower.locator("#stop-panel")).to_have_attribute(
+        "data-state", "requested", timeout=UI_TIMEOUT_MS
+    )
 
-        redis_server.start()  # the same port, empty: the old lock is gone
-        for s in servers:
-            poll(
-                lambda s=s: get_json(s.url + "/api/health")["redis"]["reachable"],
-                f"{s.url} reaches Redis again",
-            )
-            poll(
-                lambda s=s: get_json(s.url + "/api/summary")["run"]["transport"] == "redis",
-                f"{s.url} reads heartbeats from Redis again",
-            )
-        poll(lambda: one_leader(servers), "exactly one leader again")
-        expect(on_follower.locator("#run-message")).not_to_contain_text("Redis", timeout=UI_TIMEOUT_MS)
-        sees_live_updates(on_follower, ranks)
-        for s in servers:
-            assert s.proc.poll() is None, s.log()
-        assert errors == []
-    finally:
-        ranks.stop()
-        for s in servers:
-            s.stop()
+    redis_server.start()  # the same port, empty: the old lock is gone
+    for s in servers:
+        poll(
+            lambda s=s: get_json(s.url + "/api/health")["redis"]["reachable"],
+            f"{s.url} reaches Redis again",
+        )
+        poll(
+            lambda s=s: get_json(s.url + "/api/summary")["run"]["transport"] == "redis",
+            f"{s.url} reads heartbeats from Redis again",
+        )
+    poll(lambda: one_leader(servers), "exactly one leader again")
+    expect(on_follower.locator("#run-message")).not_to_contain_text("Redis", timeout=UI_TIMEOUT_MS)
+    sees_live_updates(on_follower, ranks)
+    for s in servers:
+        assert s.proc.poll() is None, s.log()
+    assert errors == []

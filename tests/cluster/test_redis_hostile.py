@@ -383,20 +383,21 @@ def tls_redis(tmp_path):
     proc.wait()
 
 
-def test_a_dashboard_and_a_rank_over_tls_with_an_acl_user_and_a_key(tls_redis, run_dir, tmp_path):
+def test_a_dashboard_and_a_rank_over_tls_with_an_acl_user_and_a_key(
+    tls_redis, run_dir, tmp_path, start_server
+):
     """rediss:// with an ACL user, end to end: a signed heartbeat, the relay and the lead."""
     url, port = tls_redis
     write_job(run_dir, 1)
     plain = redisbus.Publisher(f"redis://rankwatch:rw-pass@127.0.0.1:{port}/0", "job", world_size=1)
     assert not plain.publish(0, b"{}")  # TLS only
-    server = start_dashboard(
+    server = start_server(
         run_dir,
         tmp_path / "dashboard.log",
         env={"RANKWATCH_REDIS_URL": url, "RANKWATCH_REDIS_KEY": KEY, "RANKWATCH_TOKEN": "t" * 32},
     )
-    page = None
+    page = PollingPage(server.url)
     try:
-        page = PollingPage(server.url)
         health = until(
             lambda: (
                 (h := get_json(server.url + "/api/health"))["redis"]["relay"] and h["role"] == "leader" and h
@@ -413,6 +414,4 @@ def test_a_dashboard_and_a_rank_over_tls_with_an_acl_user_and_a_key(tls_redis, r
         )
         assert "rw-pass" not in server.log()
     finally:
-        if page is not None:
-            page.close()
-        server.stop()
+        page.close()

@@ -505,42 +505,39 @@ def test_the_login_routes(app, client):
     assert statuses.count(401) <= 6 and 429 in statuses
 
 
-def test_serve_prints_a_single_use_url_and_never_the_token(run_dir, tmp_path, monkeypatch):
+def test_serve_prints_a_single_use_url_and_never_the_token(run_dir, tmp_path, monkeypatch, start_server):
     from app.edge.login import mint_login_url
-    from tests.helpers.liveserver import start_dashboard
 
     runtime = tmp_path / "runtime"
     runtime.mkdir(mode=0o700)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
     monkeypatch.delenv("RANKWATCH_TOKEN", raising=False)
-    server = start_dashboard(run_dir, tmp_path / "dash.log", env={"XDG_RUNTIME_DIR": str(runtime)})
-    try:
-        log = server.log()
-        printed = re.search(r"open (http://\S+#login=(\S+))", log)
-        assert printed, log
-        code = printed[2]
-        token = _post(server.url + "/api/login", {"code": code})["token"]
-        assert token not in log  # the token itself is printed nowhere
-        with pytest.raises(urllib.error.HTTPError) as used:
-            _post(server.url + "/api/login", {"code": code})
-        assert used.value.code == 401
-        # The server file is private, and a new link can be minted from it.
-        files = list((runtime / "rankwatch").iterdir())
-        assert len(files) == 1 and (files[0].stat().st_mode & 0o777) == 0o600
-        assert ((runtime / "rankwatch").stat().st_mode & 0o777) == 0o700
-        fresh = mint_login_url(run_dir=str(run_dir))
-        assert fresh.startswith(server.url + "/#login=") and token not in fresh
-        assert _post(server.url + "/api/login", {"code": fresh.split("#login=")[1]})["token"] == token
-        out = subprocess.run(
-            [sys.executable, "-m", "app.edge.login", "--url", server.url],
-            capture_output=True,
-            text=True,
-            env={**os.environ, "XDG_RUNTIME_DIR": str(runtime)},
-            timeout=60,
-        )
-        assert out.returncode == 0 and out.stdout.startswith(server.url + "/#login="), out
-    finally:
-        server.stop()
+    server = start_server(run_dir, tmp_path / "dash.log", env={"XDG_RUNTIME_DIR": str(runtime)})
+    log = server.log()
+    printed = re.search(r"open (http://\S+#login=(\S+))", log)
+    assert printed, log
+    code = printed[2]
+    token = _post(server.url + "/api/login", {"code": code})["token"]
+    assert token not in log  # the token itself is printed nowhere
+    with pytest.raises(urllib.error.HTTPError) as used:
+        _post(server.url + "/api/login", {"code": code})
+    assert used.value.code == 401
+    # The server file is private, and a new link can be minted from it.
+    files = list((runtime / "rankwatch").iterdir())
+    assert len(files) == 1 and (files[0].stat().st_mode & 0o777) == 0o600
+    assert ((runtime / "rankwatch").stat().st_mode & 0o777) == 0o700
+    fresh = mint_login_url(run_dir=str(run_dir))
+    assert fresh.startswith(server.url + "/#login=") and token not in fresh
+    assert _post(server.url + "/api/login", {"code": fresh.split("#login=")[1]})["token"] == token
+    out = subprocess.run(
+        [sys.executable, "-m", "app.edge.login", "--url", server.url],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "XDG_RUNTIME_DIR": str(runtime)},
+        timeout=60,
+    )
+    assert out.returncode == 0 and out.stdout.startswith(server.url + "/#login="), out
+    server.stop()
     assert not list((runtime / "rankwatch").iterdir())  # removed at exit
 
 

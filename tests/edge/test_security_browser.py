@@ -56,7 +56,9 @@ def test_both_pages_run_under_the_csp_without_a_violation(live_server, page, run
     assert console_errors == []
 
 
-def test_the_login_link_works_once_and_leaves_nothing_in_the_url(live_server, page, run_dir, console_errors):
+def test_the_login_link_works_once_and_leaves_nothing_in_the_url(
+    live_server, page, run_dir, console_errors, new_context
+):
     """The printed URL carries a code the page trades for the token; the history keeps a dead code."""
     write_job(run_dir, 1)
     write_heartbeat(run_dir, heartbeat(0, 1))
@@ -70,14 +72,11 @@ def test_the_login_link_works_once_and_leaves_nothing_in_the_url(live_server, pa
     assert token and token not in live_server.log()
 
     # The same link again, in a fresh tab (as from the history): it is used up.
-    other = page.context.browser.new_context().new_page()
-    try:
-        other.goto(url)
-        expect(other.locator("#token-error")).to_contain_text("used up or expired", timeout=WAIT_MS)
-        expect(other.locator("#operator-state")).to_have_text("read-only")
-        assert other.evaluate("sessionStorage.getItem('rankwatch.token')") is None
-    finally:
-        other.context.close()
+    other = new_context().new_page()
+    other.goto(url)
+    expect(other.locator("#token-error")).to_contain_text("used up or expired", timeout=WAIT_MS)
+    expect(other.locator("#operator-state")).to_have_text("read-only")
+    assert other.evaluate("sessionStorage.getItem('rankwatch.token')") is None
     assert console_errors == []
 
 

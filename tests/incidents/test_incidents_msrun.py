@@ -28,8 +28,7 @@ import pytest
 from app.incidents.stacks import collective, training_thread
 from tests.helpers.app import FAST_SETTINGS, TOKEN, make_app, wait_for
 from tests.helpers.jobs import JOB_TIMEOUT_S, DemoJob, dump
-from tests.helpers.liveserver import start_dashboard
-from tests.helpers.receiver import Receiver, quiet_port
+from tests.helpers.receiver import quiet_port
 from trainer_bridge.rundir import runfiles
 
 pytestmark = pytest.mark.msrun
@@ -54,135 +53,125 @@ def live_env(**extra) -> dict:
 
 
 @pytest.mark.parametrize("front", ["callback", "loop"])
-def test_a_hung_rank_is_named_by_its_stack(run_dir, front):
+def test_a_hung_rank_is_named_by_its_stack(run_dir, front, start_job):
     """Model.train with the callback, and a functional loop with bridge.loop."""
     loop = front == "loop"
-    job = DemoJob(
+    job = start_job(
         run_dir,
         epochs=3,
         step_delay=0.02,
         extra=["--hang-rank", "1", "--hang-at", "15"] + (["--loop"] if loop else []),
         env={"RANKWATCH_STALL_CAPTURE_S": "3"},
-    ).start()
+    )
     app = make_app(run_dir)
     client = app.test_client()
-    try:
 
-        def health(rank):
-            ranks = client.get("/api/ranks").get_json()["ranks"]
-            return ranks[rank]["health"] if len(ranks) > rank else None
+    def health(rank):
+        ranks = client.get("/api/ranks").get_json()["ranks"]
+        return ranks[rank]["health"] if len(ranks) > rank else None
 
-        job.wait_until(lambda hbs: health(1) == "stalled", "rank 1 to be shown stalled")
+    job.wait_until(lambda hbs: health(1) == "stalled", "rank 1 to be shown stalled")
 
-        def capture(rank, query=""):
-            r = client.get(f"/api/ranks/{rank}/stack{query}")
-            return r.get_json() if r.status_code == 200 else None
+    def capture(rank, query=""):
+        r = client.get(f"/api/ranks/{rank}/stack{query}")
+        return r.get_json() if r.status_code == 200 else None
 
-        hung = job.wait_until(lambda hbs: capture(1, "?trigger=stall"), "rank 1's automatic capture")
-        # The callback hangs in step 15's step_end (15 steps done); the loop inside step 15's body.
-        assert hung["source"] == "bridge" and hung["global_step"] == (14 if loop else 15)
-        main = training_thread(hung)
-        assert main["frames"][0]["function"] == "hang_here", hung["text"]
-        assert "hang_here" in hung["text"]
+    hung = job.wait_until(lambda hbs: capture(1, "?trigger=stall"), "rank 1's automatic capture")
+    # The callback hangs in step 15's step_end (15 steps done); the loop inside step 15's body.
+    assert hung["source"] == "bridge" and hung["global_step"] == (14 if loop else 15)
+    main = training_thread(hung)
+    assert main["frames"][0]["function"] == "hang_here", hung["text"]
+    assert "hang_here" in hung["text"]
 
-        peer = job.wait_until(lambda hbs: capture(0, "?trigger=stall"), "rank 0's automatic capture")
-        frames = [f["function"] for f in training_thread(peer)["frames"]]
-        # Waiting in the step: inside the network's call (Model._train_process, or the
-        # functional loop's jitted train_step), no hook of ours.
-        assert ("main" if loop else "Model._train_process") in frames, peer["text"]
-        assert "hang_here" not in frames, peer["text"]
-        assert "site-packages/mindspore" in training_thread(peer)["frames"][0]["file"]
-        if peer["native"] == "included" and not loop:
-            # In the functional loop the peer waits for MindSpore's async pipeline
-            # (Pipeline::WaitAll, e.g. in Tensor.asnumpy), whose AllReduce runs on
-            # another thread, so only the callback's wait names the collective.
-            assert collective(training_thread(peer)["native"]) == "AllReduce", peer["text"]
+    peer = job.wait_until(lambda hbs: capture(0, "?trigger=stall"), "rank 0's automatic capture")
+    frames = [f["function"] for f in training_thread(peer)["frames"]]
+    # Waiting in the step: inside the network's call (Model._train_process, or the
+    # functional loop's jitted train_step), no hook of ours.
+    assert ("main" if loop else "Model._train_process") in frames, peer["text"]
+    assert "hang_here" not in frames, peer["text"]
+    assert "site-packages/mindspore" in training_thread(peer)["frames"][0]["file"]
+    if peer["native"] == "included" and not loop:
+        # In the functional loop the peer waits for MindSpore's async pipeline
+        # (Pipeline::WaitAll, e.g. in Tensor.asnumpy), whose AllReduce runs on
+        # another thread, so only the callback's wait names the collective.
+        assert collective(training_thread(peer)["native"]) == "AllReduce", peer["text"]
 
-        # Asking needs the token; a fresh capture answers the request.
-        denied = client.post("/api/ranks/1/stack", json={})
-        assert denied.status_code == 401 and denied.get_json()["status"] == 401
-        asked_at = time.monotonic()
-        r = client.post("/api/ranks/1/stack", json={}, headers={"Authorization": f"Bearer {TOKEN}"})
-        assert r.status_code == 202 and r.get_json()["via"] == "bridge"
-        rid = r.get_json()["request_id"]
-        fresh = job.wait_until(
-            lambda hbs: (c := capture(1)) and c["request_id"] == rid and c, "the requested capture"
-        )
-        print(f"\ncapture latency (POST to capture readable): {time.monotonic() - asked_at:.2f} s")
-        assert fresh["trigger"] == "request" and fresh["captured_at"] > hung["captured_at"]
-        assert training_thread(fresh)["frames"][0]["function"] == "hang_here"
+    # Asking needs the token; a fresh capture answers the request.
+    denied = client.post("/api/ranks/1/stack", json={})
+    assert denied.status_code == 401 and denied.get_json()["status"] == 401
+    asked_at = time.monotonic()
+    r = client.post("/api/ranks/1/stack", json={}, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 202 and r.get_json()["via"] == "bridge"
+    rid = r.get_json()["request_id"]
+    fresh = job.wait_until(
+        lambda hbs: (c := capture(1)) and c["request_id"] == rid and c, "the requested capture"
+    )
+    print(f"\ncapture latency (POST to capture readable): {time.monotonic() - asked_at:.2f} s")
+    assert fresh["trigger"] == "request" and fresh["captured_at"] > hung["captured_at"]
+    assert training_thread(fresh)["frames"][0]["function"] == "hang_here"
 
-        grouped = client.get("/api/stacks").get_json()
-        print(f"grouped: {grouped['text']}")
-        assert grouped["captured"] == 2
-        assert "rank 1 in `hang_here` (train.py:" in grouped["text"], grouped["text"]
-    finally:
-        job.kill()
+    grouped = client.get("/api/stacks").get_json()
+    print(f"grouped: {grouped['text']}")
+    assert grouped["captured"] == 2
+    assert "rank 1 in `hang_here` (train.py:" in grouped["text"], grouped["text"]
 
 
-def test_webhooks_announce_a_stopped_rank_and_its_recovery_through_a_receiver_outage(run_dir, tmp_path):
-    receiver = Receiver(quiet_port())  # down until 10 s after the first failed delivery
-    job = DemoJob(run_dir, epochs=12, step_delay=0.05).start()
-    server = start_dashboard(
+def test_webhooks_announce_a_stopped_rank_and_its_recovery_through_a_receiver_outage(
+    run_dir, tmp_path, make_receiver, start_job, start_server
+):
+    receiver = make_receiver(quiet_port())  # down until 10 s after the first failed delivery
+    job = start_job(run_dir, epochs=12, step_delay=0.05)
+    server = start_server(
         run_dir, tmp_path / "dashboard.log", env=live_env(WEBHOOK_URL=receiver.url, ALERT_GROUP_S=1.0)
     )
-    pid = None
-    try:
-        hbs = job.wait_for_step(10)
-        pid = hbs[1]["pid"]
-        os.kill(pid, signal.SIGSTOP)
+    hbs = job.wait_for_step(10)
+    pid = hbs[1]["pid"]
+    os.kill(pid, signal.SIGSTOP)
 
-        def rank1():
-            return http(server, "GET", "/api/ranks")[1]["ranks"][1]
+    def rank1():
+        return http(server, "GET", "/api/ranks")[1]["ranks"][1]
 
-        job.wait_until(lambda _: rank1()["health"] == "stalled", "rank 1 to be shown stalled")
-        assert "stopped" in rank1()["reason"]
+    job.wait_until(lambda _: rank1()["health"] == "stalled", "rank 1 to be shown stalled")
+    assert "stopped" in rank1()["reason"]
 
-        # The stopped rank's bridge cannot answer: py-spy captures it.
-        status, ask = http(server, "POST", "/api/ranks/1/stack", {})
-        assert status == 202 and ask["via"] == "py-spy", ask
-        shot = job.wait_until(
-            lambda _: (
-                (c := http(server, "GET", "/api/ranks/1/stack"))[0] == 200
-                and c[1]["request_id"] == ask["request_id"]
-                and c[1]
-            ),
-            "the py-spy capture of the stopped rank",
-        )
-        assert shot["source"] == "py-spy" and training_thread(shot)["frames"], shot["text"]
+    # The stopped rank's bridge cannot answer: py-spy captures it.
+    status, ask = http(server, "POST", "/api/ranks/1/stack", {})
+    assert status == 202 and ask["via"] == "py-spy", ask
+    shot = job.wait_until(
+        lambda _: (
+            (c := http(server, "GET", "/api/ranks/1/stack"))[0] == 200
+            and c[1]["request_id"] == ask["request_id"]
+            and c[1]
+        ),
+        "the py-spy capture of the stopped rank",
+    )
+    assert shot["source"] == "py-spy" and training_thread(shot)["frames"], shot["text"]
 
-        def failures():
-            rows = http(server, "GET", "/api/alerts")[1]["rows"]
-            return [r for r in rows if r["event"] == "verdict" and r["outcome"].startswith("failed")]
-
-        first = job.wait_until(lambda _: failures(), "a failed delivery to the receiver that is down")[-1]
-        job.wait_until(lambda _: time.time() - first["at"] >= 10.0, "10 s of the receiver being down")
-        receiver.start()
-        got = receiver.wait_for(
-            lambda ps: [p for p in ps if p.get("rank") == 1 and p.get("health") == "stalled"],
-            "rank 1's stalled alert",
-            timeout=JOB_TIMEOUT_S,
-        )
-        stalled = next(p for p in got if p.get("rank") == 1)
-        assert stalled["event"] == "verdict" and "stopped" in stalled["reason"]
-        assert {"event", "text", "job", "at", "rank", "health", "reason"} <= set(stalled)
-        assert stalled["job"] == str(run_dir)
-
-        os.kill(pid, signal.SIGCONT)
-        pid = None
-        receiver.wait_for(
-            lambda ps: [p for p in ps if p.get("rank") == 1 and p.get("health") == "healthy"],
-            "rank 1's recovery alert",
-            timeout=JOB_TIMEOUT_S,
-        )
+    def failures():
         rows = http(server, "GET", "/api/alerts")[1]["rows"]
-        assert any(r["event"] == "verdict" and r["outcome"] == "delivered (HTTP 200)" for r in rows)
-    finally:
-        if pid is not None:
-            os.kill(pid, signal.SIGCONT)
-        job.kill()
-        server.stop()
-        receiver.stop()
+        return [r for r in rows if r["event"] == "verdict" and r["outcome"].startswith("failed")]
+
+    first = job.wait_until(lambda _: failures(), "a failed delivery to the receiver that is down")[-1]
+    job.wait_until(lambda _: time.time() - first["at"] >= 10.0, "10 s of the receiver being down")
+    receiver.start()
+    got = receiver.wait_for(
+        lambda ps: [p for p in ps if p.get("rank") == 1 and p.get("health") == "stalled"],
+        "rank 1's stalled alert",
+        timeout=JOB_TIMEOUT_S,
+    )
+    stalled = next(p for p in got if p.get("rank") == 1)
+    assert stalled["event"] == "verdict" and "stopped" in stalled["reason"]
+    assert {"event", "text", "job", "at", "rank", "health", "reason"} <= set(stalled)
+    assert stalled["job"] == str(run_dir)
+
+    os.kill(pid, signal.SIGCONT)
+    receiver.wait_for(
+        lambda ps: [p for p in ps if p.get("rank") == 1 and p.get("health") == "healthy"],
+        "rank 1's recovery alert",
+        timeout=JOB_TIMEOUT_S,
+    )
+    rows = http(server, "GET", "/api/alerts")[1]["rows"]
+    assert any(r["event"] == "verdict" and r["outcome"] == "delivered (HTTP 200)" for r in rows)
 
 
 NPU_SMI = """#!/bin/sh
@@ -204,77 +193,72 @@ EOF
 """
 
 
-def test_the_policy_stops_the_job_when_a_device_turns_unhealthy(run_dir, tmp_path):
+def test_the_policy_stops_the_job_when_a_device_turns_unhealthy(
+    run_dir, tmp_path, make_receiver, start_job, start_server
+):
     tools = tmp_path / "bin"
     tools.mkdir()
     (tools / "npu-smi").write_text(NPU_SMI)
     (tools / "npu-smi").chmod(0o755)
-    receiver = Receiver().start()
-    job = DemoJob(
+    receiver = make_receiver().start()
+    job = start_job(
         run_dir, epochs=30, step_delay=0.05, env={"PATH": f"{tools}{os.pathsep}{os.environ['PATH']}"}
-    ).start()
+    )
     policy = {"WEBHOOK_URL": receiver.url, "POLICY_RULES": "device_unhealthy:2"}
-    server = start_dashboard(run_dir, tmp_path / "dry.log", env=live_env(POLICY_MODE="dry_run", **policy))
-    try:
-        job.wait_until(lambda hbs: all(h and h["device"] for h in hbs), "the devices to report")
-        assert [h["device"]["health"] for h in job.heartbeats()] == ["OK", "Critical"]
+    server = start_server(run_dir, tmp_path / "dry.log", env=live_env(POLICY_MODE="dry_run", **policy))
+    job.wait_until(lambda hbs: all(h and h["device"] for h in hbs), "the devices to report")
+    assert [h["device"]["health"] for h in job.heartbeats()] == ["OK", "Critical"]
 
-        # Dry run: an audit row and an alert, and the job trains on.
-        dry = receiver.wait_for(lambda ps: [p for p in ps if p["event"] == "policy_dry_run"], "the dry run")[
-            0
-        ]
-        assert dry["rule"] == "device_unhealthy:2" and dry["rank"] == 1 and dry["request_id"] is None
-        at_step = max(h["global_step"] for h in job.heartbeats())
-        job.wait_for_step(at_step + 20)
-        assert not runfiles.read_flag(run_dir)
-        audit = http(server, "GET", "/api/audit")[1]["rows"]
-        assert [r["action"] for r in audit] == ["policy"]
-        assert audit[0]["outcome"].startswith("dry run: would have requested a graceful stop")
-        status, policy_status = http(server, "GET", "/api/policy")
-        assert policy_status["mode"] == "dry_run" and policy_status["rules"][0]["state"] == "fired"
-        server.stop()
+    # Dry run: an audit row and an alert, and the job trains on.
+    dry = receiver.wait_for(lambda ps: [p for p in ps if p["event"] == "policy_dry_run"], "the dry run")[0]
+    assert dry["rule"] == "device_unhealthy:2" and dry["rank"] == 1 and dry["request_id"] is None
+    at_step = max(h["global_step"] for h in job.heartbeats())
+    job.wait_for_step(at_step + 20)
+    assert not runfiles.read_flag(run_dir)
+    audit = http(server, "GET", "/api/audit")[1]["rows"]
+    assert [r["action"] for r in audit] == ["policy"]
+    assert audit[0]["outcome"].startswith("dry run: would have requested a graceful stop")
+    status, policy_status = http(server, "GET", "/api/policy")
+    assert policy_status["mode"] == "dry_run" and policy_status["rules"][0]["state"] == "fired"
+    server.stop()
 
-        # Armed: the same graceful stop as the button.
-        server = start_dashboard(run_dir, tmp_path / "on.log", env=live_env(POLICY_MODE="on", **policy))
-        fired = receiver.wait_for(
-            lambda ps: [p for p in ps if p["event"] == "policy_stop"],
-            "the policy's stop",
-            timeout=JOB_TIMEOUT_S,
-        )[0]
-        assert job.wait() == 0, job.logs()
-        stop_step, stops = job.stopped_together()
-        rid = fired["request_id"]
-        assert {s["request_id"] for s in stops} == {rid}, dump(receiver.events())
-        assert fired["text"].startswith(f"Rankwatch {run_dir}: policy requested a graceful stop ({rid}): ")
-        assert "rank 1 on " in fired["evidence"] and "reports health Critical" in fired["evidence"]
+    # Armed: the same graceful stop as the button.
+    server = start_server(run_dir, tmp_path / "on.log", env=live_env(POLICY_MODE="on", **policy))
+    fired = receiver.wait_for(
+        lambda ps: [p for p in ps if p["event"] == "policy_stop"],
+        "the policy's stop",
+        timeout=JOB_TIMEOUT_S,
+    )[0]
+    assert job.wait() == 0, job.logs()
+    stop_step, stops = job.stopped_together()
+    rid = fired["request_id"]
+    assert {s["request_id"] for s in stops} == {rid}, dump(receiver.events())
+    assert fired["text"].startswith(f"Rankwatch {run_dir}: policy requested a graceful stop ({rid}): ")
+    assert "rank 1 on " in fired["evidence"] and "reports health Critical" in fired["evidence"]
 
-        completed = receiver.wait_for(
-            lambda ps: [p for p in ps if p["event"] == "stop_completed"], "the completion alert"
-        )[0]
-        assert completed["request_id"] == rid and completed["stop_step"] == stop_step
+    completed = receiver.wait_for(
+        lambda ps: [p for p in ps if p["event"] == "stop_completed"], "the completion alert"
+    )[0]
+    assert completed["request_id"] == rid and completed["stop_step"] == stop_step
 
-        def audit_rows():
-            rows = http(server, "GET", "/api/audit")[1]["rows"]
-            return rows if any(r["action"] == "complete" for r in rows) else None
+    def audit_rows():
+        rows = http(server, "GET", "/api/audit")[1]["rows"]
+        return rows if any(r["action"] == "complete" for r in rows) else None
 
-        rows = wait_for(audit_rows, "the completion's audit row", timeout=60)
-        request = next(r for r in rows if r["action"] == "request")
-        assert (request["who"], request["request_id"], request["outcome"]) == ("policy", rid, "accepted")
-        assert request["reason"] == fired["text"].split(f"({rid}): ", 1)[1]
-        assert next(r for r in rows if r["action"] == "complete")["request_id"] == rid
-        policy_rows = [r for r in rows if r["action"] == "policy"]
-        assert [r["outcome"].split(" ")[0] for r in policy_rows] == ["requested", "dry"], dump(policy_rows)
+    rows = wait_for(audit_rows, "the completion's audit row", timeout=60)
+    request = next(r for r in rows if r["action"] == "request")
+    assert (request["who"], request["request_id"], request["outcome"]) == ("policy", rid, "accepted")
+    assert request["reason"] == fired["text"].split(f"({rid}): ", 1)[1]
+    assert next(r for r in rows if r["action"] == "complete")["request_id"] == rid
+    policy_rows = [r for r in rows if r["action"] == "policy"]
+    assert [r["outcome"].split(" ")[0] for r in policy_rows] == ["requested", "dry"], dump(policy_rows)
 
-        # Checkpoints: every rank saved at the stop step, as a complete set.
-        index = http(server, "GET", "/api/checkpoints")[1]
-        assert index["newest_complete"] is not None, dump(index)
-        newest = next(s for s in index["sets"] if s["id"] == index["newest_complete"])
-        assert newest["global_step"] == stop_step and newest["complete"]
-        assert sorted(f["path"] for f in newest["files"]) == sorted(s["checkpoint"]["path"] for s in stops)
-    finally:
-        job.kill()
-        server.stop()
-        receiver.stop()
+    # Checkpoints: every rank saved at the stop step, as a complete set.
+    index = http(server, "GET", "/api/checkpoints")[1]
+    assert index["newest_complete"] is not None, dump(index)
+    newest = next(s for s in index["sets"] if s["id"] == index["newest_complete"])
+    assert newest["global_step"] == stop_step and newest["complete"]
+    assert sorted(f["path"] for f in newest["files"]) == sorted(s["checkpoint"]["path"] for s in stops)
 
 
 def test_a_rank_without_the_bridge_is_captured_by_pyspy_from_its_log_row(tmp_path):

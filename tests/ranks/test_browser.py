@@ -16,7 +16,6 @@ from playwright.sync_api import expect
 from tests.bench.simulate import Simulator
 from tests.helpers.browser import WAIT_MS, cell
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
-from tests.helpers.liveserver import start_dashboard
 from trainer_bridge.rundir import runfiles
 
 pytestmark = pytest.mark.browser
@@ -141,25 +140,24 @@ def test_large_job_pages_sorts_filters_and_maps_heat(live_server, page, simulato
     assert console_errors == []
 
 
-def test_missing_then_empty_then_partial_run_is_explained(run_dir, tmp_path, page, live_env, console_errors):
+def test_missing_then_empty_then_partial_run_is_explained(
+    run_dir, tmp_path, page, live_env, console_errors, start_server
+):
     run = run_dir / "job"
-    server = start_dashboard(run, tmp_path / "dashboard.log", env=live_env)
-    try:
-        page.goto(server.url + "/")
-        message = page.locator("#run-message")
-        expect(message).to_contain_text("does not exist", timeout=WAIT_MS)
-        expect(page.locator("#table-empty")).to_be_visible()
+    server = start_server(run, tmp_path / "dashboard.log", env=live_env)
+    page.goto(server.url + "/")
+    message = page.locator("#run-message")
+    expect(message).to_contain_text("does not exist", timeout=WAIT_MS)
+    expect(page.locator("#table-empty")).to_be_visible()
 
-        run.mkdir()
-        expect(message).to_contain_text("The job has not started", timeout=WAIT_MS)
+    run.mkdir()
+    expect(message).to_contain_text("The job has not started", timeout=WAIT_MS)
 
-        write_job(run, 4)
-        for r in range(2):
-            write_heartbeat(run, heartbeat(r, 4))
-        expect(message).to_contain_text("2 of 4 ranks have reported; waiting for ranks 2, 3", timeout=WAIT_MS)
-        expect(page.locator("#rank-table tbody tr")).to_have_count(4)
-        expect(cell(page, 3, "health")).to_contain_text("pending")
-        expect(page.locator('[data-summary="world_size"]')).to_have_text("4 (2 reported)")
-    finally:
-        server.stop()
+    write_job(run, 4)
+    for r in range(2):
+        write_heartbeat(run, heartbeat(r, 4))
+    expect(message).to_contain_text("2 of 4 ranks have reported; waiting for ranks 2, 3", timeout=WAIT_MS)
+    expect(page.locator("#rank-table tbody tr")).to_have_count(4)
+    expect(cell(page, 3, "health")).to_contain_text("pending")
+    expect(page.locator('[data-summary="world_size"]')).to_have_text("4 (2 reported)")
     assert console_errors == []

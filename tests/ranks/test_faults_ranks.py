@@ -26,7 +26,7 @@ from playwright.sync_api import expect
 
 from app.config import from_env
 from app.ranks.state import RunState
-from tests.helpers.faults import UI_TIMEOUT_MS, WAIT_S, Dashboard, cell, measure, poll_until
+from tests.helpers.faults import UI_TIMEOUT_MS, WAIT_S, cell, measure, poll_until
 from tests.helpers.jobs import DemoJob, dump
 from trainer_bridge.rundir import ckptindex
 
@@ -48,123 +48,111 @@ def files_of(cset) -> dict[str, tuple[int, int]]:
 
 
 @pytest.mark.browser
-def test_kill_9_one_rank_mid_training(tmp_path, page):
+def test_kill_9_one_rank_mid_training(tmp_path, page, start_job, start_dash):
     run = tmp_path / "run"
     run.mkdir()
-    dash = Dashboard(run, tmp_path / "dashboard.log")
-    jobs = []
-    try:
-        page.goto(dash.url)  # the page's Socket.IO client starts the watcher (auto re-arm)
+    dash = start_dash(run, tmp_path / "dashboard.log")
+    page.goto(dash.url)  # the page's Socket.IO client starts the watcher (auto re-arm)
 
-        # 1. A complete set to fall back on: a graceful stop.
-        first = DemoJob(run, epochs=3, step_delay=0.05).start()
-        jobs.append(first)
-        first.wait_for_step(3)
-        status, body = dash.post("/api/exit", {"reason": "fault test: make a set"})
-        assert status == 202, body
-        assert first.wait() == 0, first.logs()
-        index = ckptindex.scan(run, 2)
-        saved = index.newest_complete
-        assert saved is not None and saved.complete, dump(index.to_dict())
-        saved_files = files_of(saved)
+    # 1. A complete set to fall back on: a graceful stop.
+    first = start_job(run, epochs=3, step_delay=0.05)
+    first.wait_for_step(3)
+    status, body = dash.post("/api/exit", {"reason": "fault test: make a set"})
+    assert status == 202, body
+    assert first.wait() == 0, first.logs()
+    index = ckptindex.scan(run, 2)
+    saved = index.newest_complete
+    assert saved is not None and saved.complete, dump(index.to_dict())
+    saved_files = files_of(saved)
 
-        # 2. Relaunch (it resumes from that set), then kill -9 rank 1 mid-training.
-        second = DemoJob(run, epochs=3, step_delay=0.05).start()
-        jobs.append(second)
-        hbs = second.wait_until(
-            lambda hbs: (
-                hbs
-                if all(h and h.get("resumed_from") and h["global_step"] >= saved.global_step + 3 for h in hbs)
-                else None
-            ),
-            "the relaunched ranks to train",
-        )
-        pids = [h["pid"] for h in hbs]
-        dash.wait_rows(
-            lambda rows: all(rows[r]["pid"] == pids[r] and rows[r]["health"] == "healthy" for r in (0, 1)),
-            "the dashboard to show the relaunch",
-        )
-        killed_at = time.monotonic()
-        os.kill(pids[1], signal.SIGKILL)
+    # 2. Relaunch (it resumes from that set), then kill -9 rank 1 mid-training.
+    second = start_job(run, epochs=3, step_delay=0.05)
+    hbs = second.wait_until(
+        lambda hbs: (
+            hbs
+            if all(h and h.get("resumed_from") and h["global_step"] >= saved.global_step + 3 for h in hbs)
+            else None
+        ),
+        "the relaunched ranks to train",
+    )
+    pids = [h["pid"] for h in hbs]
+    dash.wait_rows(
+        lambda rows: all(rows[r]["pid"] == pids[r] and rows[r]["health"] == "healthy" for r in (0, 1)),
+        "the dashboard to show the relaunch",
+    )
+    killed_at = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
 
-        # The dashboard names rank 1 dead (measured: the default PROCESS_CHECK_AFTER_S
-        # is 3 s, so a probe finds the pid gone about 3 s after its last heartbeat).
-        seen = {}
+    # The dashboard names rank 1 dead (measured: the default PROCESS_CHECK_AFTER_S
+    # is 3 s, so a probe finds the pid gone about 3 s after its last heartbeat).
+    seen = {}
 
-        def watch(rows):
-            for r in (0, 1):
-                seen.setdefault((r, rows[r]["health"]), (time.monotonic() - killed_at, rows[r]["reason"]))
-            if gone(pids[0]) and "survivor_gone" not in seen:
-                seen["survivor_gone"] = time.monotonic() - killed_at
-            return rows if rows[1]["health"] == "dead" else None
+    def watch(rows):
+        for r in (0, 1):
+            seen.setdefault((r, rows[r]["health"]), (time.monotonic() - killed_at, rows[r]["reason"]))
+        if gone(pids[0]) and "survivor_gone" not in seen:
+            seen["survivor_gone"] = time.monotonic() - killed_at
+        return rows if rows[1]["health"] == "dead" else None
 
-        rows = dash.wait_rows(watch, "rank 1 to be shown dead", poll=0.05)
-        measure("kill9.time_to_dead", time.monotonic() - killed_at)
-        assert f"process {pids[1]} is gone" in rows[1]["reason"], rows[1]
-        expect(cell(page, 1, "health")).to_contain_text("dead", timeout=UI_TIMEOUT_MS)
-        expect(cell(page, 1, "reason")).to_contain_text(f"process {pids[1]} is gone")
+    rows = dash.wait_rows(watch, "rank 1 to be shown dead", poll=0.05)
+    measure("kill9.time_to_dead", time.monotonic() - killed_at)
+    assert f"process {pids[1]} is gone" in rows[1]["reason"], rows[1]
+    expect(cell(page, 1, "health")).to_contain_text("dead", timeout=UI_TIMEOUT_MS)
+    expect(cell(page, 1, "reason")).to_contain_text(f"process {pids[1]} is gone")
 
-        # The survivor does not wait silently: msrun SIGKILLs every other
-        # worker as soon as one exits abnormally (it polls once a second).
-        poll_until(lambda: gone(pids[0]), "msrun to end the surviving rank", timeout=WAIT_S)
-        measure(
-            "kill9.survivor_exit",
-            seen.get("survivor_gone", time.monotonic() - killed_at),
-            note="rank 0 killed by msrun",
-        )
-        rows = dash.wait_rows(
-            lambda rows: rows if rows[0]["health"] == "dead" else None, "the survivor to be shown dead"
-        )
-        # Killed by msrun, maybe not reaped yet: "is gone" or "has exited".
-        assert re.match(rf"process {pids[0]} (is gone|has exited)", rows[0]["reason"]), rows[0]
-        expect(cell(page, 0, "health")).to_contain_text("dead", timeout=UI_TIMEOUT_MS)
-        measure("kill9.survivor_shown_dead", time.monotonic() - killed_at)
-        stalled = {k: v for k, v in seen.items() if isinstance(k, tuple) and k[1] == "stalled"}
-        measure("kill9.survivor_shown_stalled_first", bool(stalled), unit="", detail=str(stalled))
+    # The survivor does not wait silently: msrun SIGKILLs every other
+    # worker as soon as one exits abnormally (it polls once a second).
+    poll_until(lambda: gone(pids[0]), "msrun to end the surviving rank", timeout=WAIT_S)
+    measure(
+        "kill9.survivor_exit",
+        seen.get("survivor_gone", time.monotonic() - killed_at),
+        note="rank 0 killed by msrun",
+    )
+    rows = dash.wait_rows(
+        lambda rows: rows if rows[0]["health"] == "dead" else None, "the survivor to be shown dead"
+    )
+    # Killed by msrun, maybe not reaped yet: "is gone" or "has exited".
+    assert re.match(rf"process {pids[0]} (is gone|has exited)", rows[0]["reason"]), rows[0]
+    expect(cell(page, 0, "health")).to_contain_text("dead", timeout=UI_TIMEOUT_MS)
+    measure("kill9.survivor_shown_dead", time.monotonic() - killed_at)
+    stalled = {k: v for k, v in seen.items() if isinstance(k, tuple) and k[1] == "stalled"}
+    measure("kill9.survivor_shown_stalled_first", bool(stalled), unit="", detail=str(stalled))
 
-        # 3. The newest complete set is intact and is still the newest complete one.
-        index = ckptindex.scan(run, 2)
-        assert index.newest_complete is not None and index.newest_complete.id == saved.id
-        assert files_of(index.newest_complete) == saved_files
-        assert all(f.ok for f in index.newest_complete.files)
+    # 3. The newest complete set is intact and is still the newest complete one.
+    index = ckptindex.scan(run, 2)
+    assert index.newest_complete is not None and index.newest_complete.id == saved.id
+    assert files_of(index.newest_complete) == saved_files
+    assert all(f.ok for f in index.newest_complete.files)
 
-        # 4. Relaunch: it resumes from that set, while msrun's launcher of the
-        # killed job is still winding down (its scheduler times out the dead node).
-        third = DemoJob(run, epochs=3, step_delay=0.0).start()
-        jobs.append(third)
-        resumed = third.wait_until(
-            lambda hbs: (
-                hbs
-                if all(
-                    h
-                    and h["pid"] not in pids
-                    and h.get("resumed_from")
-                    and h["global_step"] > saved.global_step
-                    for h in hbs
-                )
-                else None
-            ),
-            "the third launch to resume",
-        )
-        assert all(h["resumed_from"]["global_step"] == saved.global_step for h in resumed), dump(resumed)
-        poll_until(lambda: all(third.steps_logged(r) for r in (0, 1)), "the step logs")
-        assert [third.steps_logged(r)[0] for r in (0, 1)] == [saved.global_step + 1] * 2
-        dash.wait_rows(
-            lambda rows: all(rows[r]["health"] == "healthy" and rows[r]["pid"] not in pids for r in (0, 1)),
-            "the dashboard to show the new launch",
-        )
+    # 4. Relaunch: it resumes from that set, while msrun's launcher of the
+    # killed job is still winding down (its scheduler times out the dead node).
+    third = start_job(run, epochs=3, step_delay=0.0)
+    resumed = third.wait_until(
+        lambda hbs: (
+            hbs
+            if all(
+                h and h["pid"] not in pids and h.get("resumed_from") and h["global_step"] > saved.global_step
+                for h in hbs
+            )
+            else None
+        ),
+        "the third launch to resume",
+    )
+    assert all(h["resumed_from"]["global_step"] == saved.global_step for h in resumed), dump(resumed)
+    poll_until(lambda: all(third.steps_logged(r) for r in (0, 1)), "the step logs")
+    assert [third.steps_logged(r)[0] for r in (0, 1)] == [saved.global_step + 1] * 2
+    dash.wait_rows(
+        lambda rows: all(rows[r]["health"] == "healthy" and rows[r]["pid"] not in pids for r in (0, 1)),
+        "the dashboard to show the new launch",
+    )
 
-        poll_until(lambda: second.proc.poll() is not None, "the killed job's msrun to exit")
-        launcher_rc = second.proc.returncode
-        measure("kill9.msrun_launcher_exit", time.monotonic() - killed_at, note=f"exit code {launcher_rc}")
-        assert launcher_rc != 0
-        status, body = dash.post("/api/exit", {"reason": "fault test: done"})
-        assert status == 202, body
-        assert third.wait() == 0, third.logs()
-    finally:
-        for job in jobs:
-            job.kill()
-        dash.stop()
+    poll_until(lambda: second.proc.poll() is not None, "the killed job's msrun to exit")
+    launcher_rc = second.proc.returncode
+    measure("kill9.msrun_launcher_exit", time.monotonic() - killed_at, note=f"exit code {launcher_rc}")
+    assert launcher_rc != 0
+    status, body = dash.post("/api/exit", {"reason": "fault test: done"})
+    assert status == 202, body
+    assert third.wait() == 0, third.logs()
 
 
 # -- kill -9 with no msrun to end the survivors -------------------------------------------
@@ -220,7 +208,7 @@ class UnsupervisedJob(DemoJob):
         return None if any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in self.procs) else 0
 
     def kill(self) -> None:
-        for p in self.procs:
+        for p in getattr(self, "procs", []):
             try:
                 p.kill()
             except psutil.NoSuchProcess:
@@ -230,122 +218,110 @@ class UnsupervisedJob(DemoJob):
 
 
 @pytest.mark.browser
-def test_kill_9_one_rank_without_msrun_to_end_the_survivor(tmp_path, page):
+def test_kill_9_one_rank_without_msrun_to_end_the_survivor(tmp_path, page, start_job, start_dash):
     run = tmp_path / "run"
-    job = UnsupervisedJob(run).start()
-    dash = Dashboard(run, tmp_path / "dashboard.log")
-    try:
-        hbs = job.wait_for_step(3)
-        pids = [h["pid"] for h in hbs]
-        page.goto(dash.url)
-        expect(cell(page, 1, "health")).to_contain_text("healthy", timeout=UI_TIMEOUT_MS)
-        killed_at = time.monotonic()
-        os.kill(pids[1], signal.SIGKILL)
+    job = start_job(UnsupervisedJob(run))
+    dash = start_dash(run, tmp_path / "dashboard.log")
+    hbs = job.wait_for_step(3)
+    pids = [h["pid"] for h in hbs]
+    page.goto(dash.url)
+    expect(cell(page, 1, "health")).to_contain_text("healthy", timeout=UI_TIMEOUT_MS)
+    killed_at = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
 
-        # The survivor is alive (heartbeats) but blocked: stalled, naming the dead peer.
-        rows = dash.wait_rows(
-            lambda rows: rows if rows[1]["health"] == "dead" and rows[0]["health"] == "stalled" else None,
-            "rank 1 dead and rank 0 stalled",
-        )
-        measure("kill9_unsupervised.survivor_shown_stalled", time.monotonic() - killed_at)
-        assert rows[0]["reason"].endswith(
-            "rank 1 is dead: this rank is likely blocked in a collective with it"
-        ), rows[0]
-        expect(cell(page, 0, "reason")).to_contain_text("rank 1 is dead: this rank is likely blocked")
-        expect(cell(page, 0, "health")).to_contain_text("stalled")
+    # The survivor is alive (heartbeats) but blocked: stalled, naming the dead peer.
+    rows = dash.wait_rows(
+        lambda rows: rows if rows[1]["health"] == "dead" and rows[0]["health"] == "stalled" else None,
+        "rank 1 dead and rank 0 stalled",
+    )
+    measure("kill9_unsupervised.survivor_shown_stalled", time.monotonic() - killed_at)
+    assert rows[0]["reason"].endswith(
+        "rank 1 is dead: this rank is likely blocked in a collective with it"
+    ), rows[0]
+    expect(cell(page, 0, "reason")).to_contain_text("rank 1 is dead: this rank is likely blocked")
+    expect(cell(page, 0, "health")).to_contain_text("stalled")
 
-        # Nothing waits forever: MindSpore's cluster heartbeat fails the survivor.
-        hb = job.wait_until(
-            lambda hbs: hbs[0] if hbs[0]["state"] == "failed" else None,
-            "the survivor to fail",
-            timeout=WAIT_S,
-        )
-        measure(
-            "kill9_unsupervised.survivor_failed",
-            time.monotonic() - killed_at,
-            error=hb["error"].splitlines()[0][:150],
-        )
-        assert hb["error"].startswith("RuntimeError: "), hb
-        rows = dash.wait_rows(
-            lambda rows: rows if rows[0]["health"] == "failed" else None, "the survivor shown failed"
-        )
-        assert rows[0]["reason"].startswith("failed: RuntimeError: "), rows[0]
-        expect(cell(page, 0, "health")).to_contain_text("failed", timeout=UI_TIMEOUT_MS)
-        # Its process takes a while longer to wind down (about 20 s here); not
-        # waited for, so as not to spend the suite's time on it.
-        measure(
-            "kill9_unsupervised.survivor_process_gone_at_end",
-            gone(pids[0]),
-            unit="",
-            after_s=round(time.monotonic() - killed_at, 1),
-        )
-    finally:
-        job.kill()
-        dash.stop()
+    # Nothing waits forever: MindSpore's cluster heartbeat fails the survivor.
+    hb = job.wait_until(
+        lambda hbs: hbs[0] if hbs[0]["state"] == "failed" else None,
+        "the survivor to fail",
+        timeout=WAIT_S,
+    )
+    measure(
+        "kill9_unsupervised.survivor_failed",
+        time.monotonic() - killed_at,
+        error=hb["error"].splitlines()[0][:150],
+    )
+    assert hb["error"].startswith("RuntimeError: "), hb
+    rows = dash.wait_rows(
+        lambda rows: rows if rows[0]["health"] == "failed" else None, "the survivor shown failed"
+    )
+    assert rows[0]["reason"].startswith("failed: RuntimeError: "), rows[0]
+    expect(cell(page, 0, "health")).to_contain_text("failed", timeout=UI_TIMEOUT_MS)
+    # Its process takes a while longer to wind down (about 20 s here); not
+    # waited for, so as not to spend the suite's time on it.
+    measure(
+        "kill9_unsupervised.survivor_process_gone_at_end",
+        gone(pids[0]),
+        unit="",
+        after_s=round(time.monotonic() - killed_at, 1),
+    )
 
 
 # -- SIGSTOP / SIGCONT ------------------------------------------------------------------
 
 
 @pytest.mark.browser
-def test_sigstop_one_rank_then_sigcont(tmp_path, page):
+def test_sigstop_one_rank_then_sigcont(tmp_path, page, start_job, start_dash):
     run = tmp_path / "run"
-    job = DemoJob(run, epochs=20, step_delay=0.05).start()
-    dash = Dashboard(run, tmp_path / "dashboard.log")
-    pid1 = None
-    try:
-        hbs = job.wait_for_step(3)
-        pids = [h["pid"] for h in hbs]
-        page.goto(dash.url)
-        for r in (0, 1):
-            expect(cell(page, r, "health")).to_contain_text("healthy", timeout=UI_TIMEOUT_MS)
-        pid1 = pids[1]
-        stopped_at = time.monotonic()
-        os.kill(pid1, signal.SIGSTOP)
+    job = start_job(run, epochs=20, step_delay=0.05)
+    dash = start_dash(run, tmp_path / "dashboard.log")
+    hbs = job.wait_for_step(3)
+    pids = [h["pid"] for h in hbs]
+    page.goto(dash.url)
+    for r in (0, 1):
+        expect(cell(page, r, "health")).to_contain_text("healthy", timeout=UI_TIMEOUT_MS)
+    pid1 = pids[1]
+    stopped_at = time.monotonic()
+    os.kill(pid1, signal.SIGSTOP)
 
-        rows = dash.wait_rows(
-            lambda rows: (
-                rows
-                if rows[1]["health"] == "stalled"
-                and rows[0]["health"] == "stalled"
-                and "rank 1 is stopped" in rows[0]["reason"]
-                else None
-            ),
-            "rank 1 stalled (stopped) and rank 0 waiting for it",
-            poll=0.1,
-        )
-        measure("sigstop.time_to_both_stalled", time.monotonic() - stopped_at)
-        assert rows[1]["reason"].startswith(f"process {pid1} is stopped"), rows[1]
-        assert "kill -CONT" in rows[1]["reason"]
-        assert "blocked in a collective with it" in rows[0]["reason"], rows[0]
-        # In the browser: both stalled, with the reasons.
-        expect(cell(page, 1, "health")).to_contain_text("stalled", timeout=UI_TIMEOUT_MS)
-        expect(cell(page, 1, "reason")).to_contain_text(f"process {pid1} is stopped")
-        expect(cell(page, 0, "health")).to_contain_text("stalled", timeout=UI_TIMEOUT_MS)
-        expect(cell(page, 0, "reason")).to_contain_text("rank 1 is stopped")
-        step_before = max(h["global_step"] for h in job.heartbeats())
+    rows = dash.wait_rows(
+        lambda rows: (
+            rows
+            if rows[1]["health"] == "stalled"
+            and rows[0]["health"] == "stalled"
+            and "rank 1 is stopped" in rows[0]["reason"]
+            else None
+        ),
+        "rank 1 stalled (stopped) and rank 0 waiting for it",
+        poll=0.1,
+    )
+    measure("sigstop.time_to_both_stalled", time.monotonic() - stopped_at)
+    assert rows[1]["reason"].startswith(f"process {pid1} is stopped"), rows[1]
+    assert "kill -CONT" in rows[1]["reason"]
+    assert "blocked in a collective with it" in rows[0]["reason"], rows[0]
+    # In the browser: both stalled, with the reasons.
+    expect(cell(page, 1, "health")).to_contain_text("stalled", timeout=UI_TIMEOUT_MS)
+    expect(cell(page, 1, "reason")).to_contain_text(f"process {pid1} is stopped")
+    expect(cell(page, 0, "health")).to_contain_text("stalled", timeout=UI_TIMEOUT_MS)
+    expect(cell(page, 0, "reason")).to_contain_text("rank 1 is stopped")
+    step_before = max(h["global_step"] for h in job.heartbeats())
 
-        continued_at = time.monotonic()
-        os.kill(pid1, signal.SIGCONT)
-        pid1 = None
-        dash.wait_rows(
-            lambda rows: (
-                all(rows[r]["health"] == "healthy" for r in (0, 1))
-                and min(rows[r]["global_step"] for r in (0, 1)) > step_before
-            ),
-            "both ranks healthy and stepping again",
-        )
-        measure("sigstop.time_to_healthy_after_sigcont", time.monotonic() - continued_at)
-        for r in (0, 1):
-            expect(cell(page, r, "health")).to_contain_text("healthy", timeout=UI_TIMEOUT_MS)
-        # No restart: the same processes.
-        assert [h["pid"] for h in job.heartbeats()] == pids
-        assert job.proc.poll() is None
-    finally:
-        if pid1 is not None:
-            os.kill(pid1, signal.SIGCONT)
-        job.kill()
-        dash.stop()
+    continued_at = time.monotonic()
+    os.kill(pid1, signal.SIGCONT)
+    dash.wait_rows(
+        lambda rows: (
+            all(rows[r]["health"] == "healthy" for r in (0, 1))
+            and min(rows[r]["global_step"] for r in (0, 1)) > step_before
+        ),
+        "both ranks healthy and stepping again",
+    )
+    measure("sigstop.time_to_healthy_after_sigcont", time.monotonic() - continued_at)
+    for r in (0, 1):
+        expect(cell(page, r, "health")).to_contain_text("healthy", timeout=UI_TIMEOUT_MS)
+    # No restart: the same processes.
+    assert [h["pid"] for h in job.heartbeats()] == pids
+    assert job.proc.poll() is None
 
 
 # -- stragglers --------------------------------------------------------------------------
@@ -433,7 +409,7 @@ def test_healthy_runs_flag_no_rank(healthy_runs):
 
 
 @pytest.mark.browser
-def test_slowed_rank_is_a_straggler_with_its_score(tmp_path, page):
+def test_slowed_rank_is_a_straggler_with_its_score(tmp_path, page, start_job, start_dash):
     """Rank 1 sleeps 1.5 x the job's measured step time more per step, outside the step.
 
     The demo measures it: rank 1 takes the median wall step time of its steps
@@ -451,70 +427,64 @@ def test_slowed_rank_is_a_straggler_with_its_score(tmp_path, page):
     run = tmp_path / "run"
     # Far more epochs than the test needs: it kills the job when done, and on
     # a loaded machine the verdict must not race the job's natural end.
-    job = DemoJob(
+    job = start_job(
         run,
         epochs=50,
         step_delay=0.0,
         extra=["--slow-rank", "1", "--slow-factor", "1.5", "--slow-after", "12"],
-    ).start()
-    dash = Dashboard(run, tmp_path / "dashboard.log")
-    try:
-        job.wait_for_step(2)
-        page.goto(dash.url)
-        before = dash.wait(
-            lambda body: (
-                body["summary"]["slowest"]
-                if body["summary"]["slowest"] and body["summary"]["slowest"]["basis"] == "work"
-                else None
-            ),
-            "work figures for the healthy phase",
-            path="/api/summary",
-        )
-        found = poll_until(
-            lambda: re.search(r"sleeping ([\d.]+) ms more per step", job.worker_log(1)),
-            "rank 1 to measure its step",
-        )
-        delay_ms = float(found.group(1))
-        slowed_at = time.monotonic()
-        measure("straggler.work_per_step_before_slowing", before["median_ms"], unit="ms")
-        measure(
-            "straggler.injected_delay",
-            delay_ms,
-            unit="ms",
-            log=found.group(0),
-            measured_by="rank 1 over its steps 3-12",
-        )
-        dash.wait_rows(lambda rows: rows[1]["health"] == "straggler", "rank 1 to be a straggler")
-        measure("straggler.time_to_flag", time.monotonic() - slowed_at)
-        # The score settles once the rank's window (STRAGGLER_WINDOW = 32 steps)
-        # is mostly slowed steps: sample it from there.
-        window = from_env({})["STRAGGLER_WINDOW"]
-        job.wait_for_step(12 + window * 3 // 4)
-        scores, reasons, walls = [], [], []
-        for _ in range(10):  # a few ticks' worth of the verdict
-            rows = dash.rows()
-            assert rows[0]["health"] == "healthy", rows[0]
-            if rows[1]["health"] == "straggler":
-                scores.append(rows[1]["score"])
-                reasons.append(rows[1]["reason"])
-            walls += [h["step_time_mean_ms"] for h in job.heartbeats()]
-            time.sleep(TICK_S)
-        score = statistics.median(scores)
-        wall_ms = statistics.median(walls)
-        expected = (wall_ms - delay_ms) / wall_ms
-        measure(
-            "straggler.score", score, unit="", expected=round(expected, 3), wall_ms=wall_ms, samples=scores
-        )
-        # The expectation assumes both ranks get the cores alike; with other
-        # work on the machine they do not, so the lower bound is loose. A score
-        # computed from the wrong figures (wall time, or the peer's) is far off.
-        assert 0.5 * expected <= score <= min(1.5 * expected, 1 / 1.5), (expected, scores, reasons)
-        assert re.search(r"own work [\d.]+ ms vs peer median [\d.]+ ms", reasons[-1]), reasons[-1]
-        expect(cell(page, 1, "health")).to_contain_text("straggler", timeout=UI_TIMEOUT_MS)
-        expect(cell(page, 1, "reason")).to_contain_text("own work")
-        expect(cell(page, 0, "health")).to_contain_text("healthy")
-        summary = dash.get("/api/summary")["summary"]
-        assert summary["slowest"]["rank"] == 1 and summary["slowest"]["basis"] == "work", summary
-    finally:
-        job.kill()
-        dash.stop()
+    )
+    dash = start_dash(run, tmp_path / "dashboard.log")
+    job.wait_for_step(2)
+    page.goto(dash.url)
+    before = dash.wait(
+        lambda body: (
+            body["summary"]["slowest"]
+            if body["summary"]["slowest"] and body["summary"]["slowest"]["basis"] == "work"
+            else None
+        ),
+        "work figures for the healthy phase",
+        path="/api/summary",
+    )
+    found = poll_until(
+        lambda: re.search(r"sleeping ([\d.]+) ms more per step", job.worker_log(1)),
+        "rank 1 to measure its step",
+    )
+    delay_ms = float(found.group(1))
+    slowed_at = time.monotonic()
+    measure("straggler.work_per_step_before_slowing", before["median_ms"], unit="ms")
+    measure(
+        "straggler.injected_delay",
+        delay_ms,
+        unit="ms",
+        log=found.group(0),
+        measured_by="rank 1 over its steps 3-12",
+    )
+    dash.wait_rows(lambda rows: rows[1]["health"] == "straggler", "rank 1 to be a straggler")
+    measure("straggler.time_to_flag", time.monotonic() - slowed_at)
+    # The score settles once the rank's window (STRAGGLER_WINDOW = 32 steps)
+    # is mostly slowed steps: sample it from there.
+    window = from_env({})["STRAGGLER_WINDOW"]
+    job.wait_for_step(12 + window * 3 // 4)
+    scores, reasons, walls = [], [], []
+    for _ in range(10):  # a few ticks' worth of the verdict
+        rows = dash.rows()
+        assert rows[0]["health"] == "healthy", rows[0]
+        if rows[1]["health"] == "straggler":
+            scores.append(rows[1]["score"])
+            reasons.append(rows[1]["reason"])
+        walls += [h["step_time_mean_ms"] for h in job.heartbeats()]
+        time.sleep(TICK_S)
+    score = statistics.median(scores)
+    wall_ms = statistics.median(walls)
+    expected = (wall_ms - delay_ms) / wall_ms
+    measure("straggler.score", score, unit="", expected=round(expected, 3), wall_ms=wall_ms, samples=scores)
+    # The expectation assumes both ranks get the cores alike; with other
+    # work on the machine they do not, so the lower bound is loose. A score
+    # computed from the wrong figures (wall time, or the peer's) is far off.
+    assert 0.5 * expected <= score <= min(1.5 * expected, 1 / 1.5), (expected, scores, reasons)
+    assert re.search(r"own work [\d.]+ ms vs peer median [\d.]+ ms", reasons[-1]), reasons[-1]
+    expect(cell(page, 1, "health")).to_contain_text("straggler", timeout=UI_TIMEOUT_MS)
+    expect(cell(page, 1, "reason")).to_contain_text("own work")
+    expect(cell(page, 0, "health")).to_contain_text("healthy")
+    summary = dash.get("/api/summary")["summary"]
+    assert summary["slowest"]["rank"] == 1 and summary["slowest"]["basis"] == "work", summary

@@ -156,69 +156,65 @@ def test_one_host_has_no_node_rows(live_server, page, run_dir, console_errors):
 
 @pytest.mark.parametrize("live_env", [{**SETTINGS, "PAGE_SIZE": 20}], indirect=True)
 def test_a_large_job_on_three_hosts_opens_folded_pages_by_node_and_maps_heat_by_node(
-    live_server, browser, run_dir, tmp_path
+    live_server, new_context, run_dir, tmp_path
 ):
     # Ranks dealt round-robin, and node order is by lowest rank, not by name.
     names = ["node-c", "node-a", "node-b"]
     world = 72
     hosts = {r: names[r % 3] for r in range(world)}
-    context = browser.new_context(viewport=LAPTOP)
-    page = context.new_page()
+    page = new_context(viewport=LAPTOP).new_page()
     errors: list[str] = []
     page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
     page.on("pageerror", lambda exc: errors.append(str(exc)))
-    try:
-        with Hosts(run_dir, hosts, step_ms={40: 58.0}) as writer:
-            page.goto(live_server.url + "/")
-            # More than 64 ranks: nodes start folded.
-            expect(page.locator(NODE_ROWS)).to_have_count(3, timeout=WAIT_MS)
-            expect(page.locator(RANK_ROWS)).to_have_count(0)
-            expect_rows(page, [f"node {n}" for n in names])
-            for name in names:
-                expect(node_row(page, name).locator(".node-ranks")).to_have_text("24 ranks")
-                expect(node_row(page, name).locator("button[data-node-toggle]")).to_have_attribute(
-                    "aria-expanded", "false"
-                )
-                expect(node_row(page, name).locator('[data-verdict="healthy"]')).to_have_text(
-                    "✓ healthy 24", timeout=WAIT_MS
-                )
-            expect(node_row(page, "node-a").locator(".node-slowest")).to_have_text(
-                "slowest: rank 40, 58 ms", timeout=WAIT_MS
+    with Hosts(run_dir, hosts, step_ms={40: 58.0}) as writer:
+        page.goto(live_server.url + "/")
+        # More than 64 ranks: nodes start folded.
+        expect(page.locator(NODE_ROWS)).to_have_count(3, timeout=WAIT_MS)
+        expect(page.locator(RANK_ROWS)).to_have_count(0)
+        expect_rows(page, [f"node {n}" for n in names])
+        for name in names:
+            expect(node_row(page, name).locator(".node-ranks")).to_have_text("24 ranks")
+            expect(node_row(page, name).locator("button[data-node-toggle]")).to_have_attribute(
+                "aria-expanded", "false"
             )
-
-            # Opened, node-a's 24 ranks run onto a second page, under its row again.
-            node_row(page, "node-a").locator("button[data-node-toggle]").click()
-            node_a = [str(r) for r in range(1, world, 3)]
-            expect_rows(page, ["node node-c", "node node-a", *node_a[:18]])
-            expect(page.locator("#page-info")).to_have_text("rows 1–20 of 27 (3 nodes)")
-            page.click("#page-next")
-            expect_rows(page, ["node node-a", *node_a[18:], "node node-b"])
-            expect(node_row(page, "node-a").locator(".node-ranks")).to_have_text("24 ranks (continued)")
-
-            # The heat map: rows by node (in the table's order), then rank.
-            expected = [f"{name} · {r}" for i, name in enumerate(names) for r in range(i, world, 3)]
-            page.wait_for_function(
-                "want => { const el = document.querySelector('#chart-heatmap');"
-                " return el && el.data && el.data[0].y.length === want.length"
-                " && el.data[0].y.every((y, i) => y === want[i]); }",
-                arg=expected,
-                timeout=WAIT_MS,
+            expect(node_row(page, name).locator('[data-verdict="healthy"]')).to_have_text(
+                "✓ healthy 24", timeout=WAIT_MS
             )
+        expect(node_row(page, "node-a").locator(".node-slowest")).to_have_text(
+            "slowest: rank 40, 58 ms", timeout=WAIT_MS
+        )
 
-            writer.silent.add("node-b")
-            lost = node_row(page, "node-b")
-            expect(lost.locator('[data-verdict="node_lost"]')).to_have_text("⨯ node lost 24", timeout=WAIT_MS)
-            expect(lost).to_have_attribute("data-unhealthy", "")
-            assert horizontal_overflow(page) == {"table": 0, "page": 0}
-            # Folded again, node-a leaves one page with the three nodes.
-            node_row(page, "node-a").locator("button[data-node-toggle]").click()
-            expect_rows(page, [f"node {n}" for n in names])
-            expect(page.locator("#pager")).to_be_hidden()
-            for name in ("node-c", "node-a"):
-                expect(node_row(page, name).locator('[data-verdict="healthy"]')).to_have_text("✓ healthy 24")
-                expect(node_row(page, name)).not_to_have_attribute("data-unhealthy", "")
-            page.locator("#rank-table").scroll_into_view_if_needed()
-            page.screenshot(path=str(tmp_path / "three-hosts.png"), full_page=True)
-        assert errors == []
-    finally:
-        context.close()
+        # Opened, node-a's 24 ranks run onto a second page, under its row again.
+        node_row(page, "node-a").locator("button[data-node-toggle]").click()
+        node_a = [str(r) for r in range(1, world, 3)]
+        expect_rows(page, ["node node-c", "node node-a", *node_a[:18]])
+        expect(page.locator("#page-info")).to_have_text("rows 1–20 of 27 (3 nodes)")
+        page.click("#page-next")
+        expect_rows(page, ["node node-a", *node_a[18:], "node node-b"])
+        expect(node_row(page, "node-a").locator(".node-ranks")).to_have_text("24 ranks (continued)")
+
+        # The heat map: rows by node (in the table's order), then rank.
+        expected = [f"{name} · {r}" for i, name in enumerate(names) for r in range(i, world, 3)]
+        page.wait_for_function(
+            "want => { const el = document.querySelector('#chart-heatmap');"
+            " return el && el.data && el.data[0].y.length === want.length"
+            " && el.data[0].y.every((y, i) => y === want[i]); }",
+            arg=expected,
+            timeout=WAIT_MS,
+        )
+
+        writer.silent.add("node-b")
+        lost = node_row(page, "node-b")
+        expect(lost.locator('[data-verdict="node_lost"]')).to_have_text("⨯ node lost 24", timeout=WAIT_MS)
+        expect(lost).to_have_attribute("data-unhealthy", "")
+        assert horizontal_overflow(page) == {"table": 0, "page": 0}
+        # Folded again, node-a leaves one page with the three nodes.
+        node_row(page, "node-a").locator("button[data-node-toggle]").click()
+        expect_rows(page, [f"node {n}" for n in names])
+        expect(page.locator("#pager")).to_be_hidden()
+        for name in ("node-c", "node-a"):
+            expect(node_row(page, name).locator('[data-verdict="healthy"]')).to_have_text("✓ healthy 24")
+            expect(node_row(page, name)).not_to_have_attribute("data-unhealthy", "")
+        page.locator("#rank-table").scroll_into_view_if_needed()
+        page.screenshot(path=str(tmp_path / "three-hosts.png"), full_page=True)
+    assert errors == []

@@ -20,7 +20,7 @@ from tests.helpers.app import TOKEN
 from tests.helpers.browser import WAIT_MS, cell
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from tests.helpers.incidents import COLLECTIVE, WAITING, fake_capture
-from tests.helpers.liveserver import sign_in, start_dashboard
+from tests.helpers.liveserver import sign_in
 
 pytestmark = pytest.mark.browser
 
@@ -170,21 +170,20 @@ def test_ended_ranks_show_no_live_figures(live_server, page, run_dir, keep_writi
     assert console_errors == []
 
 
-def test_no_job_shows_no_figures_and_says_nothing_twice(run_dir, tmp_path, page, live_env, console_errors):
+def test_no_job_shows_no_figures_and_says_nothing_twice(
+    run_dir, tmp_path, page, live_env, console_errors, start_server
+):
     run = run_dir / "not-yet"
-    server = start_dashboard(run, tmp_path / "dashboard.log", env=live_env)
-    try:
-        page.goto(server.url + "/")
-        expect(page.locator("#run-message")).to_contain_text("does not exist", timeout=WAIT_MS)
-        expect(page.locator("#state-pill")).to_have_text("No job yet")
-        expect(page.locator('[data-summary="world_size"]')).to_have_text("–")
-        page.wait_for_function("window.rankwatch && window.rankwatch.stop.status !== null", timeout=WAIT_MS)
-        expect(page.locator("#stop-headline")).to_have_text("No stop requested.")
-        assert page.locator("main").inner_text().count("does not exist") == 1
-        expect(page.locator("#chart-loss-empty")).to_be_visible()
-        expect(page.locator("#chart-loss .main-svg")).to_have_count(0)
-    finally:
-        server.stop()
+    server = start_server(run, tmp_path / "dashboard.log", env=live_env)
+    page.goto(server.url + "/")
+    expect(page.locator("#run-message")).to_contain_text("does not exist", timeout=WAIT_MS)
+    expect(page.locator("#state-pill")).to_have_text("No job yet")
+    expect(page.locator('[data-summary="world_size"]')).to_have_text("–")
+    page.wait_for_function("window.rankwatch && window.rankwatch.stop.status !== null", timeout=WAIT_MS)
+    expect(page.locator("#stop-headline")).to_have_text("No stop requested.")
+    assert page.locator("main").inner_text().count("does not exist") == 1
+    expect(page.locator("#chart-loss-empty")).to_be_visible()
+    expect(page.locator("#chart-loss .main-svg")).to_have_count(0)
     assert console_errors == []
 
 

@@ -13,7 +13,6 @@ import urllib.parse
 import urllib.request
 
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
-from tests.helpers.liveserver import start_dashboard
 
 TOKEN = "runs-http-operator-token-0123456789"
 ODD = [
@@ -54,7 +53,7 @@ def fake_run(root, rel: str, step: int) -> None:
     write_heartbeat(run, heartbeat(0, 1, global_step=step))
 
 
-def test_odd_run_names_over_real_http(tmp_path):
+def test_odd_run_names_over_real_http(tmp_path, start_server):
     root = tmp_path / "root"
     for i, rel in enumerate(ODD):
         fake_run(root, rel, 100 + i)
@@ -62,68 +61,63 @@ def test_odd_run_names_over_real_http(tmp_path):
     (root / "escape").symlink_to(tmp_path / "outside")
     # Heartbeats written once: thresholds no loaded machine reaches, so every run reads as training.
     env = {"RANKWATCH_TOKEN": TOKEN, "RANKWATCH_STALL_MIN_S": "600", "RANKWATCH_DEAD_AFTER_S": "900"}
-    server = start_dashboard(root, tmp_path / "dashboard.log", env=env, runs_root=True)
-    try:
-        status, body = get(server.url + "/api/runs?per_page=500")
-        assert status == 200, body
-        table = json.loads(body)
-        assert sorted(r["id"] for r in table["runs"]) == sorted(ODD)
-        assert {"path": "escape", "reason": "a symlink: not followed"} in table["discovery"]["skipped"]
-        for row in table["runs"]:
-            i = ODD.index(row["id"])
-            assert row["global_step"] == 100 + i and row["world_size"] == 1 and row["live"]
-            assert row["state"] == "training" and not row["needs_attention"]
-            # The console: the page knows its run, and its JSON routes are that run's.
-            status, page = get(server.url + row["url"])
-            assert status == 200 and f'data-run="{html.escape(row["id"])}"' in page.decode()
-            api = server.url + "/api" + row["url"]
-            status, summary = get(api + "summary")
-            assert status == 200, summary
-            summary = json.loads(summary)
-            assert summary["run"]["run_dir"] == str(root / row["id"])
-            assert summary["summary"]["global_step"] == 100 + i
-        status, body = get(server.url + "/api/runs?q=" + urllib.parse.quote("日本"))
-        assert [r["id"] for r in json.loads(body)["runs"]] == ["ünï/日本"]
+    server = start_server(root, tmp_path / "dashboard.log", env=env, runs_root=True)
+    status, body = get(server.url + "/api/runs?per_page=500")
+    assert status == 200, body
+    table = json.loads(body)
+    assert sorted(r["id"] for r in table["runs"]) == sorted(ODD)
+    assert {"path": "escape", "reason": "a symlink: not followed"} in table["discovery"]["skipped"]
+    for row in table["runs"]:
+        i = ODD.index(row["id"])
+        assert row["global_step"] == 100 + i and row["world_size"] == 1 and row["live"]
+        assert row["state"] == "training" and not row["needs_attention"]
+        # The console: the page knows its run, and its JSON routes are that run's.
+        status, page = get(server.url + row["url"])
+        assert status == 200 and f'data-run="{html.escape(row["id"])}"' in page.decode()
+        api = server.url + "/api" + row["url"]
+        status, summary = get(api + "summary")
+        assert status == 200, summary
+        summary = json.loads(summary)
+        assert summary["run"]["run_dir"] == str(root / row["id"])
+        assert summary["summary"]["global_step"] == 100 + i
+    status, body = get(server.url + "/api/runs?q=" + urllib.parse.quote("日本"))
+    assert [r["id"] for r in json.loads(body)["runs"]] == ["ünï/日本"]
 
-        # Nothing outside the root is reachable, however the id is written; errors keep their shape.
-        for path in (
-            "escape",
-            "..%2Foutside",
-            "%2E%2E",
-            "..",
-            "team~2F..~2Foutside",
-            "team~2fexp%201",
-            "a~41",
-        ):
-            status, body = get(f"{server.url}/api/runs/{path}/summary")
-            assert status == 404, (path, body)
-            assert set(json.loads(body)) == {"error", "status"}
-        status, body = get(server.url + "/api/ranks")
-        assert status == 404 and "/api/runs/<id>/ranks" in json.loads(body)["error"]
-        status, body = get(server.url + "/api/health")
-        assert status == 200 and json.loads(body)["role"] == "only"
+    # Nothing outside the root is reachable, however the id is written; errors keep their shape.
+    for path in (
+        "escape",
+        "..%2Foutside",
+        "%2E%2E",
+        "..",
+        "team~2F..~2Foutside",
+        "team~2fexp%201",
+        "a~41",
+    ):
+        status, body = get(f"{server.url}/api/runs/{path}/summary")
+        assert status == 404, (path, body)
+        assert set(json.loads(body)) == {"error", "status"}
+    status, body = get(server.url + "/api/ranks")
+    assert status == 404 and "/api/runs/<id>/ranks" in json.loads(body)["error"]
+    status, body = get(server.url + "/api/health")
+    assert status == 200 and json.loads(body)["role"] == "only"
 
-        # A stop acts on the run in its URL, and on no other.
-        target = next(r for r in table["runs"] if r["id"] == "team/exp 1")
-        status, body = get(
-            server.url + "/api" + target["url"] + "exit", TOKEN, {"reason": "test", "who": "t"}
-        )
-        assert status == 202 and json.loads(body)["created"], body
-        flagged = sorted(str(p.parent.relative_to(root)) for p in root.rglob("graceful_exit.json"))
-        assert flagged == ["team/exp 1"]
-        status, body = get(server.url + "/api" + target["url"] + "exit")
-        assert json.loads(body)["state"] == "requested"
-        # The new run appears without a restart (the scan's period, polled).
-        fake_run(root, "late arrival", 5)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            ids = [r["id"] for r in json.loads(get(server.url + "/api/runs?per_page=500")[1])["runs"]]
-            if "late arrival" in ids:
-                break
-            time.sleep(0.2)
-        assert "late arrival" in ids
-    finally:
-        server.stop()
+    # A stop acts on the run in its URL, and on no other.
+    target = next(r for r in table["runs"] if r["id"] == "team/exp 1")
+    status, body = get(server.url + "/api" + target["url"] + "exit", TOKEN, {"reason": "test", "who": "t"})
+    assert status == 202 and json.loads(body)["created"], body
+    flagged = sorted(str(p.parent.relative_to(root)) for p in root.rglob("graceful_exit.json"))
+    assert flagged == ["team/exp 1"]
+    status, body = get(server.url + "/api" + target["url"] + "exit")
+    assert json.loads(body)["state"] == "requested"
+    # The new run appears without a restart (the scan's period, polled).
+    fake_run(root, "late arrival", 5)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        ids = [r["id"] for r in json.loads(get(server.url + "/api/runs?per_page=500")[1])["runs"]]
+        if "late arrival" in ids:
+            break
+        time.sleep(0.2)
+    assert "late arrival" in ids
 
 
 def test_run_dir_keeps_its_urls_and_answers_under_its_name(app, client, run_dir):

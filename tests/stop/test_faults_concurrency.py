@@ -15,17 +15,15 @@ import time
 import pytest
 from playwright.sync_api import expect
 
-from tests.bench.simulate import Simulator
 from tests.helpers.app import TOKEN
-from tests.helpers.faults import UI_TIMEOUT_MS, Dashboard, measure
+from tests.helpers.faults import UI_TIMEOUT_MS, measure
 from trainer_bridge.rundir import runfiles
 
 pytestmark = pytest.mark.browser
 
 
-def operator_page(browser, url: str, who: str, responses: list):
-    context = browser.new_context(viewport={"width": 1400, "height": 1000})
-    page = context.new_page()
+def operator_page(new_context, url: str, who: str, responses: list):
+    page = new_context(viewport={"width": 1400, "height": 1000}).new_page()
     page.on(
         "response",
         lambda r: (
@@ -43,42 +41,36 @@ def operator_page(browser, url: str, who: str, responses: list):
     page.fill("#stop-reason", f"{who}: device unhealthy")
     page.fill("#stop-who", who)
     expect(page.locator("#stop-confirm")).to_be_enabled()
-    return context, page
+    return page
 
 
-def test_two_browsers_press_stop_at_the_same_moment(browser, run_dir, tmp_path):
-    sim = Simulator(run_dir, 4).start()
-    dash = Dashboard(run_dir, tmp_path / "dashboard.log", token=TOKEN)
-    contexts = []
+def test_two_browsers_press_stop_at_the_same_moment(new_context, run_dir, tmp_path, simulator, start_dash):
+    simulator(4)
+    dash = start_dash(run_dir, tmp_path / "dashboard.log", token=TOKEN)
+    pages = []
     responses: list = []
-    try:
-        for who in ("alice", "bob"):
-            contexts.append(operator_page(browser, dash.url, who, responses))
-        # Both pages click Confirm at one wall-clock instant (same machine clock).
-        at_ms = time.time() * 1000 + 600
-        for _, page in contexts:
-            page.evaluate(
-                "t => setTimeout(() => document.querySelector('#stop-confirm').click(),"
-                " Math.max(0, t - Date.now()))",
-                at_ms,
-            )
-        for _, page in contexts:
-            expect(page.locator("#stop-dialog")).not_to_have_attribute("open", "", timeout=UI_TIMEOUT_MS)
-            expect(page.locator("#stop-panel")).to_have_attribute(
-                "data-state", "requested", timeout=UI_TIMEOUT_MS
-            )
-        rows = dash.wait(
-            lambda body: body["rows"] if len(body["rows"]) >= 2 else None, "two audit rows", path="/api/audit"
+    for who in ("alice", "bob"):
+        pages.append(operator_page(new_context, dash.url, who, responses))
+    # Both pages click Confirm at one wall-clock instant (same machine clock).
+    at_ms = time.time() * 1000 + 600
+    for page in pages:
+        page.evaluate(
+            "t => setTimeout(() => document.querySelector('#stop-confirm').click(),"
+            " Math.max(0, t - Date.now()))",
+            at_ms,
         )
-        for _, page in contexts:
-            expect(page.locator("#audit-table tbody tr[data-action='request']")).to_have_count(
-                2, timeout=UI_TIMEOUT_MS
-            )
-    finally:
-        for context, _ in contexts:
-            context.close()
-        dash.stop()
-        sim.stop()
+    for page in pages:
+        expect(page.locator("#stop-dialog")).not_to_have_attribute("open", "", timeout=UI_TIMEOUT_MS)
+        expect(page.locator("#stop-panel")).to_have_attribute(
+            "data-state", "requested", timeout=UI_TIMEOUT_MS
+        )
+    rows = dash.wait(
+        lambda body: body["rows"] if len(body["rows"]) >= 2 else None, "two audit rows", path="/api/audit"
+    )
+    for page in pages:
+        expect(page.locator("#audit-table tbody tr[data-action='request']")).to_have_count(
+            2, timeout=UI_TIMEOUT_MS
+        )
 
     assert len(responses) == 2, responses
     assert sorted(status for _, status, _ in responses) == [202, 202]

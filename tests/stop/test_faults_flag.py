@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.faults import measure
-from tests.helpers.jobs import DemoJob, dump, write_flag
+from tests.helpers.jobs import dump, write_flag
 from trainer_bridge.rundir import ckptindex
 
 pytestmark = pytest.mark.msrun
@@ -23,24 +23,21 @@ pytestmark = pytest.mark.msrun
 EVERY = 4
 
 
-def test_flag_written_during_a_periodic_checkpoint_save(tmp_path):
+def test_flag_written_during_a_periodic_checkpoint_save(tmp_path, start_job):
     run = tmp_path / "run"
-    job = DemoJob(run, epochs=3, step_delay=0.02, extra=["--ckpt-every", str(EVERY)]).start()
+    job = start_job(run, epochs=3, step_delay=0.02, extra=["--ckpt-every", str(EVERY)])
     periodic = [run / "ckpt_of_rank" / str(r) for r in (0, 1)]
-    try:
-        job.wait_for_step(EVERY + 1)
-        # The next periodic save: write the flag the moment rank 0's file of
-        # that step appears, while the ranks are saving it.
-        target = (max(h["global_step"] for h in job.heartbeats()) // EVERY + 1) * EVERY
-        job.wait_until(
-            lambda hbs: list(periodic[0].glob(f"lenet-*_{target}.ckpt*")),
-            f"the periodic save of step {target}",
-            poll=0.005,
-        )
-        write_flag(run, request_id="req-during-save", reason="fault test")
-        assert job.wait() == 0, job.logs()
-    finally:
-        job.kill()
+    job.wait_for_step(EVERY + 1)
+    # The next periodic save: write the flag the moment rank 0's file of
+    # that step appears, while the ranks are saving it.
+    target = (max(h["global_step"] for h in job.heartbeats()) // EVERY + 1) * EVERY
+    job.wait_until(
+        lambda hbs: list(periodic[0].glob(f"lenet-*_{target}.ckpt*")),
+        f"the periodic save of step {target}",
+        poll=0.005,
+    )
+    write_flag(run, request_id="req-during-save", reason="fault test")
+    assert job.wait() == 0, job.logs()
 
     # One stop step, and each rank ran exactly up to it.
     stop_step, _ = job.stopped_together()

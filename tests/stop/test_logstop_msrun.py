@@ -26,7 +26,6 @@ import pytest
 
 from tests.helpers.app import TOKEN
 from tests.helpers.jobs import JOB_TIMEOUT_S, DemoJob, JobFailed
-from tests.helpers.liveserver import start_dashboard
 from trainer_bridge.rundir import runfiles
 from trainer_bridge.rundir.ckptmeta import read_meta
 
@@ -99,7 +98,9 @@ def relaunch_trains_past_step_1(run, tmp_path, epochs: int = 2) -> list[int]:
     return steps
 
 
-def test_one_onrequestexit_process_obeys_and_the_dashboard_completes_the_stop_from_its_logs(tmp_path):
+def test_one_onrequestexit_process_obeys_and_the_dashboard_completes_the_stop_from_its_logs(
+    tmp_path, start_server
+):
     run = tmp_path / "run"
     job = DemoJob(
         run,
@@ -110,22 +111,20 @@ def test_one_onrequestexit_process_obeys_and_the_dashboard_completes_the_stop_fr
         extra=NATIVE,
         env={"MS_ENABLE_GRACEFUL_EXIT": "1", "GLOG_v": "2"},
     )
-    server = start_dashboard(run, tmp_path / "dashboard.log", env={"RANKWATCH_TOKEN": TOKEN})
-    try:
-        with job:
-            wait_for("rank 0 training from its log", lambda: training_rows(server, 1, 3), job)
-            status = api(server, "/api/exit")
-            # No bridge: the dialog names OnRequestExit's files, not the bridge's directory.
-            assert "rank_{r}/<file_name>_train.ckpt" in status["estimate"]["checkpoint_dir"]
-            assert api(server, "/api/exit", {"reason": "logstop: obeyed"})["created"] is True
-            done = wait_for(
-                "the stop completed from the logs and the flag re-armed",
-                lambda: (s := api(server, "/api/exit"))["state"] == "rearmed" and s,
-                job,
-            )
-            assert job.wait() == 0, job.logs()
-    finally:
-        server.stop()
+    server = start_server(run, tmp_path / "dashboard.log", env={"RANKWATCH_TOKEN": TOKEN})
+    with job:
+        wait_for("rank 0 training from its log", lambda: training_rows(server, 1, 3), job)
+        status = api(server, "/api/exit")
+        # No bridge: the dialog names OnRequestExit's files, not the bridge's directory.
+        assert "rank_{r}/<file_name>_train.ckpt" in status["estimate"]["checkpoint_dir"]
+        assert api(server, "/api/exit", {"reason": "logstop: obeyed"})["created"] is True
+        done = wait_for(
+            "the stop completed from the logs and the flag re-armed",
+            lambda: (s := api(server, "/api/exit"))["state"] == "rearmed" and s,
+            job,
+        )
+        assert job.wait() == 0, job.logs()
+    server.stop()  # the relaunch below runs without a dashboard
     assert done["summary"].startswith("all 1 ranks stopped"), done
     (rank,) = done["ranks"]
     assert rank["stage"] == "exited" and rank["not_obeyed"] is None, rank
@@ -144,30 +143,28 @@ def test_one_onrequestexit_process_obeys_and_the_dashboard_completes_the_stop_fr
     relaunch_trains_past_step_1(run, tmp_path, epochs=stopped_in + 1)
 
 
-def test_two_processes_that_ignore_the_flag_end_and_the_stop_is_reported_not_obeyed(tmp_path):
+def test_two_processes_that_ignore_the_flag_end_and_the_stop_is_reported_not_obeyed(tmp_path, start_server):
     run = tmp_path / "run"
     # CPU, 2 processes, no MS_ENABLE_GRACEFUL_EXIT: OnRequestExit never reads the flag.
     job = DemoJob(run, ranks=2, epochs=3, samples=640, step_delay=0.05, extra=NATIVE, env={"GLOG_v": "2"})
-    server = start_dashboard(run, tmp_path / "dashboard.log", env={"RANKWATCH_TOKEN": TOKEN})
-    try:
-        with job:
-            wait_for("both ranks training from their logs", lambda: training_rows(server, 2, 2), job)
-            assert api(server, "/api/exit", {"reason": "logstop: ignored"})["created"] is True
-            pending = api(server, "/api/exit")
-            assert pending["state"] == "requested" and "may ignore the flag" in pending["logs"]["note"]
-            assert job.wait() == 0, job.logs()  # trained to its end
-            done = wait_for(
-                "the stop reported not obeyed and the flag re-armed",
-                lambda: (
-                    (s := api(server, "/api/exit"))["state"] == "not_obeyed"
-                    and s["flag"]["GracefulExit"] == 0
-                    and s
-                ),
-                job,
-            )
-            summary = api(server, "/api/summary")
-    finally:
-        server.stop()
+    server = start_server(run, tmp_path / "dashboard.log", env={"RANKWATCH_TOKEN": TOKEN})
+    with job:
+        wait_for("both ranks training from their logs", lambda: training_rows(server, 2, 2), job)
+        assert api(server, "/api/exit", {"reason": "logstop: ignored"})["created"] is True
+        pending = api(server, "/api/exit")
+        assert pending["state"] == "requested" and "may ignore the flag" in pending["logs"]["note"]
+        assert job.wait() == 0, job.logs()  # trained to its end
+        done = wait_for(
+            "the stop reported not obeyed and the flag re-armed",
+            lambda: (
+                (s := api(server, "/api/exit"))["state"] == "not_obeyed"
+                and s["flag"]["GracefulExit"] == 0
+                and s
+            ),
+            job,
+        )
+        summary = api(server, "/api/summary")
+    server.stop()
     assert done["summary"].startswith("not obeyed: the job ended without stopping for it"), done
     assert all(r["stage"] == "requested" and r["not_obeyed"] == "finished" for r in done["ranks"]), done
     assert done["holding_up"] == [] and done["can_cancel"] is False

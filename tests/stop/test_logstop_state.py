@@ -202,27 +202,22 @@ def cli_stop(run_dir, *extra: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_cli_stop_warns_in_log_mode_and_reports_a_stop_the_job_did_not_obey(run_dir, msrun):
+def test_cli_stop_warns_in_log_mode_and_reports_a_stop_the_job_did_not_obey(run_dir, msrun, start_process):
     poll(make_state(run_dir), training, "showed both ranks training")
-    proc = subprocess.Popen(
+    proc = start_process(
         [sys.executable, "-m", "app.cli", "stop", "--run-dir", str(run_dir), "--reason", "cli test"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         cwd=REPO,
     )
-    try:
-        deadline = time.monotonic() + WAIT_S
-        while not runfiles.flag_path(run_dir).exists():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
-            time.sleep(0.05)
-        msrun.kill_workers()
-        msrun.let_it_end()
-        out, _ = proc.communicate(timeout=WAIT_S * 2)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    deadline = time.monotonic() + WAIT_S
+    while not runfiles.flag_path(run_dir).exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+        time.sleep(0.05)
+    msrun.kill_workers()
+    msrun.let_it_end()
+    out, _ = proc.communicate(timeout=WAIT_S * 2)
     # The page's warning, then the truth: the job ended without obeying it (exit 1, not 0).
     assert "nothing in them shows that the script uses OnRequestExit: it may ignore the flag" in out, out
     assert "The stop was not obeyed: the job ended without stopping for it" in out, out

@@ -1,0 +1,154 @@
+"""The job's own files: ``job.json``, ``retention.json`` and the lines of ``attempts.jsonl``."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from trainer_bridge.rundir.schema.base import (
+    MAX_ERROR,
+    MAX_PATH,
+    MAX_RANKS,
+    Count,
+    Host,
+    LaunchId,
+    Path_,
+    Pid,
+    RequestId,
+    UnixTime,
+    WorldSize,
+    _Model,
+)
+
+
+class Job(_Model):
+    """``RUN/rankwatch/job.json``, written by rank 0 when the bridge starts."""
+
+    world_size: WorldSize = Field(description="ranks in the job")
+    started_at: UnixTime | None = Field(None, description="when rank 0's bridge started")
+    host: Host | None = Field(None, description="rank 0's host")
+    pid: Pid | None = Field(None, description="rank 0's process id")
+    argv: Annotated[list[Annotated[str, Field(max_length=MAX_PATH)]], Field(max_length=256)] = Field(
+        default_factory=list, description="the training script's `sys.argv` (for the relaunch command)"
+    )
+    launcher_argv: Annotated[list[Annotated[str, Field(max_length=MAX_PATH)]], Field(max_length=256)] = Field(
+        default_factory=list,
+        description="msrun's own command line (rank 0's parent), with its options; empty when not launched by msrun",
+    )
+    env: Annotated[
+        dict[
+            Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")],
+            Annotated[str, Field(max_length=MAX_PATH)],
+        ],
+        Field(max_length=64),
+    ] = Field(
+        default_factory=dict,
+        description="the `MS_*`, `GLOG_*`, `HCCL_*` and `ASCEND_*` variables the job ran with (not msrun's own)",
+    )
+    front_end: Literal["callback", "loop"] | None = Field(
+        None, description="how the bridge is attached: `Model.train`'s callback or `bridge.loop`"
+    )
+    checkpoint_dir: Path_ = Field(
+        "checkpoints", description="where the bridge saves, relative to the run directory"
+    )
+    sync_interval_s: Annotated[float, Field(gt=0, le=1e6)] | None = Field(
+        None, description="the bridge's target seconds between agreements"
+    )
+
+
+# The most sets one retention file may pin, and the longest set id it may name.
+MAX_PINS = 1000
+MAX_SET_ID = 2 * MAX_PATH
+
+
+class RetentionFile(_Model):
+    """``RUN/rankwatch/retention.json``: this run's checkpoint retention, over the dashboard's settings.
+
+    Every field is optional: a missing one keeps the setting's value. The
+    checkpoint browser's pin and unpin rewrite ``pinned``.
+    """
+
+    mode: Literal["off", "dry_run", "on"] | None = Field(None, description="`RETENTION_MODE` for this run")
+    keep: Annotated[int, Field(ge=1, le=100_000)] | None = Field(
+        None, description="`RETENTION_KEEP`: the newest complete sets kept"
+    )
+    every: Annotated[int, Field(ge=0, le=2**53)] | None = Field(
+        None, description="`RETENTION_EVERY`: sets at a multiple of this global step are kept (0: off)"
+    )
+    pinned: Annotated[list[Annotated[str, Field(max_length=MAX_SET_ID)]], Field(max_length=MAX_PINS)] = Field(
+        default_factory=list, description="ids of the sets never deleted"
+    )
+
+
+# An attempt line names at most this many hosts (a job's hosts beyond are counted, not named).
+MAX_ATTEMPT_HOSTS = 256
+AttemptNo = Annotated[int, Field(ge=1, le=10**9)]
+Hosts = Annotated[list[Host], Field(max_length=MAX_ATTEMPT_HOSTS)]
+
+
+class AttemptResume(_Model):
+    """The checkpoint set an attempt resumed from."""
+
+    set: Annotated[str, Field(max_length=2 * MAX_PATH)] | None = Field(description="the set's id")
+    global_step: Count = Field(description="the set's global step")
+
+
+class AttemptStart(_Model):
+    """A start line of ``RUN/rankwatch/attempts.jsonl``, appended by rank 0 when a launch begins."""
+
+    kind: Literal["start"] = Field(description="`start`")
+    attempt: AttemptNo = Field(description="1 for the run's first launch, then +1 per launch")
+    launch: LaunchId = Field(description="the launch's id, as in its ranks' heartbeats")
+    started_at: UnixTime = Field(description="when rank 0's bridge started")
+    world_size: WorldSize = Field(description="ranks in the launch")
+    hosts: Hosts = Field(description="hosts of its ranks known so far (rank 0's at start)")
+    host_count: Annotated[int, Field(ge=0, le=MAX_RANKS)] | None = Field(
+        None, description="how many hosts in all, when more than `hosts` names"
+    )
+    pid: Pid | None = Field(None, description="rank 0's process id")
+    resumed_from: AttemptResume | None = Field(
+        None, description="`{set, global_step}`, or null: a fresh start"
+    )
+    first_step: Count = Field(description="the first global step this attempt trains")
+    previous_last_step: Count | None = Field(
+        None, description="the last global step the previous attempt trained, as known at start"
+    )
+    replayed: Annotated[list[Count], Field(min_length=2, max_length=2)] | None = Field(
+        None,
+        description="`[from, to]`: global steps the previous attempt had trained that this one trains again "
+        "(it resumed from an older set); null when it goes on after the last step",
+    )
+
+
+class AttemptHosts(_Model):
+    """A hosts line: the hosts of every rank, once rank 0 has seen each rank's first heartbeat."""
+
+    kind: Literal["hosts"] = Field(description="`hosts`")
+    attempt: AttemptNo = Field(description="as in its start line")
+    launch: LaunchId = Field(description="as in its start line")
+    hosts: Hosts = Field(description="the hosts of the launch's ranks")
+    host_count: Annotated[int, Field(ge=0, le=MAX_RANKS)] = Field(description="how many hosts in all")
+
+
+class AttemptEnd(_Model):
+    """An end line: how an attempt ended, by rank 0, or by the next attempt's rank 0 when it wrote none."""
+
+    kind: Literal["end"] = Field(description="`end`")
+    attempt: AttemptNo = Field(description="as in its start line")
+    launch: LaunchId = Field(description="as in its start line")
+    ended_at: UnixTime | None = Field(None, description="when it ended (the last heartbeat, if sealed later)")
+    end: Literal["graceful_stop", "finished", "failed", "killed", "unknown"] = Field(
+        description="`graceful_stop`, `finished`, `failed`, `killed` (its ranks vanished without a word) "
+        "or `unknown`"
+    )
+    last_step: Count | None = Field(None, description="the last global step it trained")
+    request_id: RequestId | None = Field(None, description="the stop request it served (`graceful_stop`)")
+    requested_by: Annotated[str, Field(max_length=200)] | None = Field(
+        None, description="who asked for that stop (the flag's `requested_by`; `policy` for the stop policy)"
+    )
+    source: Literal["flag", "sigterm"] | None = Field(None, description="what asked: the flag or SIGTERM")
+    error: Annotated[str, Field(max_length=MAX_ERROR)] | None = Field(None, description="why it failed")
+    sealed_by: AttemptNo | None = Field(
+        None, description="the attempt that wrote this line from the heartbeats left behind, if not itself"
+    )
