@@ -108,17 +108,28 @@ class Live:
             cwd=REPO,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            # Its own process group: the simulator may fork workers, and all of them end with it.
+            start_new_session=True,
             preexec_fn=lambda: os.nice(10),
         )
 
+    def signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.proc.wait()
+
     def finish(self) -> None:
         """Stop the simulator; its ranks say ``finished``, as ranks that ended their training do."""
-        self.proc.send_signal(signal.SIGTERM)
+        self.signal(signal.SIGTERM)
         try:
             self.proc.wait(20)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            self.kill()
         for r in range(self.ranks):
             write_heartbeat(self.run, heartbeat(r, self.ranks, seq=10**6, state="finished"), history=False)
 
@@ -220,8 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop_tabs.set()
         for live in lives:
-            live.proc.kill()
-            live.proc.wait()
+            live.kill()
         if server is not None:
             server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
