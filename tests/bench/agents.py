@@ -131,16 +131,22 @@ def host_seq_sum(url: str) -> tuple[int, int]:
     return hub["accepted"], hub["hosts"]
 
 
-def measure_hub(hosts: int, seconds: float, warmup: float, workers: int, workdir: Path, url: str) -> dict:
-    hub_dir = workdir / "hub" / RUN
+def start_hub(workdir: Path, url: str, run: str = RUN, key: str = KEY, lost_s: float = 30, **env):
+    """A real dashboard reading the agents' digests of ``run`` (``RANKWATCH_AGENTS``), on an empty run directory."""
+    hub_dir = workdir / "hub" / run
     hub_dir.mkdir(parents=True)
-    env = {
+    settings = {
         "RANKWATCH_REDIS_URL": url,
         "RANKWATCH_AGENTS": "1",
-        "RANKWATCH_REDIS_KEY": KEY,
-        "RANKWATCH_AGENT_LOST_S": "30",
+        "RANKWATCH_REDIS_KEY": key,
+        "RANKWATCH_AGENT_LOST_S": str(lost_s),
+        **env,
     }
-    server = start_dashboard(hub_dir, workdir / "dashboard.log", env=env)
+    return start_dashboard(hub_dir, workdir / "dashboard.log", env=settings)
+
+
+def measure_hub(hosts: int, seconds: float, warmup: float, workers: int, workdir: Path, url: str) -> dict:
+    server = start_hub(workdir, url)
     stop = multiprocessing.Event()
     share = -(-hosts // workers)
     procs = [

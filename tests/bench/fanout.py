@@ -38,8 +38,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from tests.bench.agents import start_hub
 from tests.bench.ingest import start_redis
-from tests.helpers.liveserver import start_dashboard
 
 RUN = "fanout"
 KEY = "bench-fanout-key"
@@ -114,16 +114,7 @@ def quantile(values: list[float], q: float) -> float:
 def measure(hosts: int, workers: int, workdir: Path, url: str, timeout_s: float) -> dict:
     from trainer_bridge.rundir import runfiles
 
-    hub_dir = workdir / "hub" / RUN
-    hub_dir.mkdir(parents=True)
-    env = {
-        "RANKWATCH_REDIS_URL": url,
-        "RANKWATCH_AGENTS": "1",
-        "RANKWATCH_REDIS_KEY": KEY,
-        "RANKWATCH_AGENT_LOST_S": "60",
-        "RANKWATCH_TOKEN": TOKEN,
-    }
-    server = start_dashboard(hub_dir, workdir / "dashboard.log", env=env)
+    server = start_hub(workdir, url, RUN, KEY, lost_s=60, RANKWATCH_TOKEN=TOKEN)
     results = multiprocessing.Queue()
     stop = multiprocessing.Event()
     share = -(-hosts // workers)

@@ -34,9 +34,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.bench.agents import KEY, RANKS_PER_HOST, RUN, host_digests, host_seq_sum
+from tests.bench.agents import RANKS_PER_HOST, host_digests, host_seq_sum, start_hub
 from tests.bench.ingest import start_redis
-from tests.helpers.liveserver import launch_chromium, start_dashboard
+from tests.helpers.liveserver import launch_chromium
 
 # Stamps each verdict a ranks_delta brings: [rank, verdict, seconds since the epoch].
 STAMP = """() => {
@@ -68,15 +68,7 @@ def run(
 ) -> dict:
     from playwright.sync_api import sync_playwright
 
-    hub_dir = workdir / "hub" / RUN
-    hub_dir.mkdir(parents=True)
-    env = {
-        "RANKWATCH_REDIS_URL": url,
-        "RANKWATCH_AGENTS": "1",
-        "RANKWATCH_REDIS_KEY": KEY,
-        "RANKWATCH_AGENT_LOST_S": "30",
-    }
-    server = start_dashboard(hub_dir, workdir / "dashboard.log", env=env)
+    server = start_hub(workdir, url)
     # Inside the first window (ranks 0-99: hosts 0-12) and as many far outside it.
     inside = list(range(min(flip_hosts // 2, 12, hosts)))
     outside = [hosts - 1 - i * 7 for i in range(flip_hosts - len(inside)) if hosts - 1 - i * 7 > 12]

@@ -208,12 +208,18 @@ def test_hostile_digests_are_refused_counted_and_change_nothing(tmp_path, hub, a
     assert later["run"]["refused"] == len(hostile)
 
 
-def test_agent_killed_is_agent_lost_then_back(tmp_path, hub, agents):
+def two_healthy_nodes(tmp_path, hub, agents) -> tuple[Node, Node, AgentProcess]:
+    """node-a (ranks 0-1) and node-b (ranks 2-3), each with its agent, all 4 ranks healthy at the hub."""
     a = Node(tmp_path, "node-a", range(0, 2), 4)
     b = Node(tmp_path, "node-b", range(2, 4), 4)
     agents(a)
     agent_b = agents(b)
     wait_for(lambda: ranks_healthy(hub, [a, b], 4), "4 healthy ranks", timeout=120)
+    return a, b, agent_b
+
+
+def test_agent_killed_is_agent_lost_then_back(tmp_path, hub, agents):
+    a, b, agent_b = two_healthy_nodes(tmp_path, hub, agents)
     agent_b.kill()
 
     def lost():
@@ -245,11 +251,7 @@ def test_agent_killed_is_agent_lost_then_back(tmp_path, hub, agents):
 
 
 def test_a_node_gone_with_its_agent_while_the_others_stall_is_node_lost(tmp_path, hub, agents):
-    a = Node(tmp_path, "node-a", range(0, 2), 4)
-    b = Node(tmp_path, "node-b", range(2, 4), 4)
-    agents(a)
-    agent_b = agents(b)
-    wait_for(lambda: ranks_healthy(hub, [a, b], 4), "4 healthy ranks", timeout=120)
+    a, b, agent_b = two_healthy_nodes(tmp_path, hub, agents)
     # node-b goes away whole: its agent and its ranks. node-a's ranks, blocked in the step's
     # collective, keep writing heartbeats but step no more.
     agent_b.kill()
