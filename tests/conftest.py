@@ -145,85 +145,59 @@ def simulator(run_dir):
         sim.stop()
 
 
+def _started(make, end, begin=lambda obj: obj):
+    """A fixture's body: a function that makes (and ``begin``s) objects, each ``end``ed after the test."""
+    with ExitStack() as ends:
+
+        def start(*args, **kw):
+            obj = make(*args, **kw)
+            ends.callback(end, obj)
+            return begin(obj)
+
+        yield start
+
+
 @pytest.fixture
 def start_job():
     """``start_job(run_dir, epochs=3, ...)``: a started ``DemoJob`` (a real msrun job), killed after the test.
 
     ``start_job(job)`` starts a ``DemoJob`` made beforehand (one whose command a test changed).
     """
-    with ExitStack() as ends:
 
-        def start(run_dir_or_job, **kw) -> DemoJob:
-            job = run_dir_or_job if isinstance(run_dir_or_job, DemoJob) else DemoJob(run_dir_or_job, **kw)
-            ends.callback(job.kill)
-            return job.start()
+    def make(run_dir_or_job, **kw) -> DemoJob:
+        return run_dir_or_job if isinstance(run_dir_or_job, DemoJob) else DemoJob(run_dir_or_job, **kw)
 
-        yield start
+    yield from _started(make, DemoJob.kill, DemoJob.start)
 
 
 @pytest.fixture
 def start_server():
     """``start_server(run_dir, log_path, ...)``: ``start_dashboard``'s ready ``LiveServer``, stopped after the test."""
-    with ExitStack() as ends:
-
-        def start(*args, **kw) -> LiveServer:
-            server = start_dashboard(*args, **kw)
-            ends.callback(server.stop)
-            return server
-
-        yield start
+    yield from _started(start_dashboard, LiveServer.stop)
 
 
 @pytest.fixture
 def start_dash():
     """``start_dash(run_dir, log_path, **settings)``: a fault tests' ``Dashboard`` (tests/helpers/faults.py), stopped after."""
-    with ExitStack() as ends:
-
-        def start(*args, **kw) -> Dashboard:
-            dash = Dashboard(*args, **kw)
-            ends.callback(dash.stop)
-            return dash
-
-        yield start
+    yield from _started(Dashboard, Dashboard.stop)
 
 
 @pytest.fixture
 def start_agent():
     """``start_agent(run_dir, redis_url, log, ...)``: a started ``rankwatch agent`` process, stopped after the test."""
-    with ExitStack() as ends:
-
-        def start(*args, **kw) -> AgentProcess:
-            agent = AgentProcess(*args, **kw)
-            ends.callback(agent.stop)
-            return agent.start()
-
-        yield start
+    yield from _started(AgentProcess, AgentProcess.stop, AgentProcess.start)
 
 
 @pytest.fixture
 def start_process():
     """``start_process(cmd, **popen_kw)``: a ``subprocess.Popen``, killed after the test if it still runs."""
-    with ExitStack() as ends:
-
-        def start(*args, **kw) -> subprocess.Popen:
-            proc = subprocess.Popen(*args, **kw)
-            ends.callback(_kill, proc)
-            return proc
-
-        yield start
+    yield from _started(subprocess.Popen, _kill)
 
 
 @pytest.fixture
 def make_receiver():
     """``make_receiver(port=None, ...)``: a webhook ``Receiver``, not yet started (``.start()``), stopped after."""
-    with ExitStack() as ends:
-
-        def make(*args, **kw) -> Receiver:
-            receiver = Receiver(*args, **kw)
-            ends.callback(receiver.stop)
-            return receiver
-
-        yield make
+    yield from _started(Receiver, Receiver.stop)
 
 
 def _kill(proc: subprocess.Popen) -> None:
