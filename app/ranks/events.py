@@ -128,12 +128,15 @@ def _client_run(sid: str):
 
 
 @socketio.on(VIEW_EVENT)
-def on_ranks_view(payload=None):
+def on_ranks_view(payload=None, *extra):
     """A windowed client's window (``app/ranks/window.py``); answers (the ack) with an error or ``{"ok"}``.
 
     The window's rows follow as a ``ranks_snapshot`` at the next tick while
     the page is windowed; below the threshold the view is kept for when it is.
+    A client may send any number of arguments with an event: more than one is refused, not a crash.
     """
+    if extra:
+        return _refused(BadRequest("ranks_view takes one JSON object, not several arguments"))
     if not isinstance(payload, dict):
         return _refused(BadRequest("the ranks_view payload must be a JSON object"))
     try:
