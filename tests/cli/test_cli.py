@@ -25,6 +25,7 @@ from app.cli import main
 from app.ranks.health import VERDICT_GLYPH
 from tests.helpers.checkpoints import bridge_id, save_bridge_set
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
+from tests.helpers.signals import ctrl_c_default
 from trainer_bridge.rundir import runfiles
 
 REPO = Path(__file__).resolve().parents[2]
@@ -216,6 +217,7 @@ def test_status_watch_follows_the_files_until_ctrl_c(run_dir, start_process):
         stdin=slave,
         stdout=slave,
         stderr=slave,
+        preexec_fn=ctrl_c_default,
     )
     os.close(slave)
     screen = b""
@@ -234,7 +236,15 @@ def test_status_watch_follows_the_files_until_ctrl_c(run_dir, start_process):
             write_heartbeat(run_dir, heartbeat(r, 2, seq=2, global_step=77))
         read_until(b"1/77")
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(WAIT_S) == 0
+        # Keep reading: the frame --watch draws as it ends must not block on a full pty.
+        deadline = time.monotonic() + WAIT_S
+        while proc.poll() is None and time.monotonic() < deadline:
+            if select.select([master], [], [], 0.2)[0]:
+                try:
+                    screen += os.read(master, 65536)
+                except OSError:  # EIO once the process closed its side
+                    break
+        assert proc.wait(WAIT_S) == 0, screen.decode(errors="replace")[-2000:]
     finally:
         os.close(master)
 

@@ -30,6 +30,7 @@ from app.cli import main
 from app.config import GROUPS, SETTINGS
 from tests.helpers.checkpoints import save_bridge_set
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
+from tests.helpers.signals import ctrl_c_default
 
 REPO = Path(__file__).resolve().parents[2]
 WAIT_S = 120
@@ -45,6 +46,7 @@ def cli(*args: str, **kw) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=ctrl_c_default,
         **kw,
     )
 
@@ -171,6 +173,7 @@ def test_the_demo_on_port_0_prints_the_real_url_and_keeps_the_link_out_of_its_lo
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=ctrl_c_default,
     )
     procs.append(demo)
     out = Lines(demo)
