@@ -145,6 +145,16 @@ def start_hub(workdir: Path, url: str, run: str = RUN, key: str = KEY, lost_s: f
     return start_dashboard(hub_dir, workdir / "dashboard.log", env=settings)
 
 
+def end_simulators(stop, procs, server, wait_s: float = 10) -> None:
+    """Tell the simulator processes to stop, kill those that do not, and stop the dashboard."""
+    stop.set()
+    for p in procs:
+        p.join(wait_s)
+        if p.is_alive():
+            p.kill()
+    server.stop()
+
+
 def measure_hub(hosts: int, seconds: float, warmup: float, workers: int, workdir: Path, url: str) -> dict:
     server = start_hub(workdir, url)
     stop = multiprocessing.Event()
@@ -168,12 +178,7 @@ def measure_hub(hosts: int, seconds: float, warmup: float, workers: int, workdir
         seq1, heard = host_seq_sum(server.url)
         rss = server.rss_bytes()
     finally:
-        stop.set()
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-        server.stop()
+        end_simulators(stop, procs, server)
     wall = t1 - t0
     per_s = (seq1 - seq0) / wall
     cores = (cpu1 - cpu0) / wall

@@ -38,7 +38,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tests.bench.agents import start_hub
+from tests.bench.agents import end_simulators, start_hub
 from tests.bench.ingest import start_redis
 
 RUN = "fanout"
@@ -149,12 +149,7 @@ def measure(hosts: int, workers: int, workdir: Path, url: str, timeout_s: float)
                 flags[h] = at
                 lags.append(lag)
     finally:
-        stop.set()
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-        server.stop()
+        end_simulators(stop, procs, server, wait_s=30)
     while not results.empty():
         kind, _, lag, _ = results.get()
         if kind == "lag":

@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.bench.agents import RANKS_PER_HOST, host_digests, host_seq_sum, start_hub
+from tests.bench.agents import RANKS_PER_HOST, end_simulators, host_digests, host_seq_sum, start_hub
 from tests.bench.ingest import start_redis
 from tests.helpers.liveserver import launch_chromium
 
@@ -129,12 +129,7 @@ def run(
             info = page.locator("#page-info").text_content()
             browser.close()
     finally:
-        stop.set()
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-        server.stop()
+        end_simulators(stop, procs, server)
     made = []
     while True:
         try:
