@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import tempfile
 from contextlib import ExitStack
+from operator import methodcaller
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from tests.helpers.agents import AgentProcess
 from tests.helpers.app import FAST_SETTINGS, make_app
 from tests.helpers.faults import Dashboard
 from tests.helpers.jobs import DemoJob
-from tests.helpers.liveserver import LiveServer, launch_chromium, start_dashboard
+from tests.helpers.liveserver import launch_chromium, start_dashboard
 from tests.helpers.receiver import Receiver
 
 
@@ -146,7 +147,11 @@ def simulator(run_dir):
 
 
 def _started(make, end, begin=lambda obj: obj):
-    """A fixture's body: a function that makes (and ``begin``s) objects, each ``end``ed after the test."""
+    """A fixture's body: a function that makes (and ``begin``s) objects, each ``end``ed after the test.
+
+    ``end`` and ``begin`` are ``methodcaller``s, so a subclass's own ``start``/``kill`` run
+    (``UnsupervisedJob`` launches without msrun's join).
+    """
     with ExitStack() as ends:
 
         def start(*args, **kw):
@@ -167,25 +172,25 @@ def start_job():
     def make(run_dir_or_job, **kw) -> DemoJob:
         return run_dir_or_job if isinstance(run_dir_or_job, DemoJob) else DemoJob(run_dir_or_job, **kw)
 
-    yield from _started(make, DemoJob.kill, DemoJob.start)
+    yield from _started(make, methodcaller("kill"), methodcaller("start"))
 
 
 @pytest.fixture
 def start_server():
     """``start_server(run_dir, log_path, ...)``: ``start_dashboard``'s ready ``LiveServer``, stopped after the test."""
-    yield from _started(start_dashboard, LiveServer.stop)
+    yield from _started(start_dashboard, methodcaller("stop"))
 
 
 @pytest.fixture
 def start_dash():
     """``start_dash(run_dir, log_path, **settings)``: a fault tests' ``Dashboard`` (tests/helpers/faults.py), stopped after."""
-    yield from _started(Dashboard, Dashboard.stop)
+    yield from _started(Dashboard, methodcaller("stop"))
 
 
 @pytest.fixture
 def start_agent():
     """``start_agent(run_dir, redis_url, log, ...)``: a started ``rankwatch agent`` process, stopped after the test."""
-    yield from _started(AgentProcess, AgentProcess.stop, AgentProcess.start)
+    yield from _started(AgentProcess, methodcaller("stop"), methodcaller("start"))
 
 
 @pytest.fixture
@@ -197,7 +202,7 @@ def start_process():
 @pytest.fixture
 def make_receiver():
     """``make_receiver(port=None, ...)``: a webhook ``Receiver``, not yet started (``.start()``), stopped after."""
-    yield from _started(Receiver, Receiver.stop)
+    yield from _started(Receiver, methodcaller("stop"))
 
 
 def _kill(proc: subprocess.Popen) -> None:

@@ -242,8 +242,10 @@ def test_one_address_cannot_fill_the_server(live_server):
                 refused.append(s)
                 assert got.startswith(b"HTTP/1.1 503 ") or got in (b"", b"reset"), got[:200]
         # 20 (half of 40) were accepted, the rest refused. Which ones is the kernel's and the
-        # server's accept order, not the order of connect(), so only the count is the contract.
-        assert len(refused) == 10
+        # server's accept order, not the order of connect(), so only the count is the contract;
+        # and one connection of the fixture's readiness poll (another address) may still count
+        # towards the total when ours arrive, which makes the 20th ours past half: 10 or 11.
+        assert len(refused) in (10, 11), len(refused)
         for s in mine:
             if s not in refused:
                 s.settimeout(0.1)

@@ -181,7 +181,9 @@ class UnsupervisedJob(DemoJob):
                 "--data-dir",
                 str(data),
                 "--epochs",
-                "20",
+                # Long enough that no machine finishes it before the test kills a rank (an idle
+                # run once got to "finished" before the page showed it healthy).
+                "200",
                 "--step-delay",
                 "0.05",
                 "--step-log",
