@@ -181,9 +181,7 @@ class UnsupervisedJob(DemoJob):
                 "--data-dir",
                 str(data),
                 "--epochs",
-                # Long enough that no machine finishes it before the test kills a rank (an idle
-                # run once got to "finished" before the page showed it healthy).
-                "200",
+                "20",
                 "--step-delay",
                 "0.05",
                 "--step-log",
