@@ -8,7 +8,10 @@ node, by default the run directory's base name):
                  (``MAXLEN ~``) to about ``STREAM_MAXLEN`` entries;
 ``{p}:flag``     the stop flag as the hub's run directory holds it, for the
                  agents to write into theirs (``flag_value``);
-``{p}:resync``   when a hub last asked every agent for all its rows.
+``{p}:resync``   when a hub last asked every agent for all its rows;
+``{p}:peers``    digests that carried a change, forwarded by the hub process
+                 that read them to the other processes of its ``HUB_GROUP``
+                 (``app/agent/hub.py``).
 
 A digest's size does not grow with the ranks on the host: counts by
 verdict, a few figures, and at most ``MAX_ROWS`` rows: those whose verdict,
@@ -42,6 +45,8 @@ MAX_ROWS = 64
 MAX_HOST_RANKS = 1024
 # Digests kept in the stream: at 1 Hz, a few seconds of a 12,500-host job.
 STREAM_MAXLEN = 50_000
+# Forwarded digests kept in the peers' stream: changes only, so far fewer than digests.
+MAX_FORWARD = 5_000
 RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 Text = Annotated[str, Field(max_length=500)]
@@ -138,6 +143,9 @@ class Digest(TypedDict):
     stop_stages: dict[Short, Annotated[int, Field(ge=0, le=MAX_HOST_RANKS)]]
     flag: NotRequired[Annotated[float, Field(ge=0)] | None]  # the hub flag's version this agent applied
     rows: Annotated[list[RankEntry], Field(max_length=MAX_ROWS)]
+    # The ranks of ``rows`` sent because their verdict, state or stop stage changed (not the
+    # rolling resynchronisation's): the hub processes of one group forward only such digests.
+    changed: NotRequired[Annotated[list[Rank], Field(max_length=MAX_ROWS)]]
 
 
 _DIGEST = TypeAdapter(Digest)
@@ -163,6 +171,11 @@ def keys(run: str) -> tuple[str, str, str]:
     """(digest stream, flag, resync request) keys of ``run``."""
     prefix = f"rankwatch:run:{run}"
     return f"{prefix}:digests", f"{prefix}:flag", f"{prefix}:resync"
+
+
+def peers_key(run: str) -> str:
+    """The stream where the hub processes of one group forward the digests that carried a change."""
+    return f"rankwatch:run:{run}:peers"
 
 
 def check_run(name: str) -> str:

@@ -4,12 +4,20 @@ It reads the run's digest stream through a consumer group (``XREADGROUP``
 then ``XACK``). By default each dashboard process has a group of its own
 (removed when it stops), so each reads every digest and shows every host.
 Processes given the same group name (``HUB_GROUP``) split the entries
-between them instead: the load divides, but the split is by entry, not by
-host, so with N processes each hears a host's agent about once every N
-intervals. Each still shows every host, with rows up to the agents'
-resync period late; N intervals must stay well under ``lost_after_s``, or
-hosts flap to agent lost. Merging the processes' partial views through the
-leader, which would lift that limit, is not built yet. Each digest updates its host's figures and the rows
+between them instead: the load divides. The split is by entry, not by host,
+so each process hears a host's agent about once every N intervals (N
+processes), which keeps every host's figures fresh enough in each (N
+intervals must stay well under ``lost_after_s``, or hosts flap to agent
+lost). What the split would lose is a change: an agent sends a rank's row
+once when its verdict, state or stop stage changes (the digest lists it in
+``changed``), and only one process reads that digest. So the process that
+reads a digest with a change forwards it, as it came and still signed, to
+the group's ``{p}:peers`` stream, and every process of the group applies its
+peers' forwards: each shows every host and every change within a tick, and
+each checks and applies only its share of the routine digests. There is no
+leader in this path: a leader that merged partial views would add a hop
+and a single point of failure for what every process can read itself.
+Each digest updates its host's figures and the rows
 it carries; a rank's row is the one its host's agent last sent.
 
 **Agent lost, node lost.** A host whose agent sent no digest for
@@ -88,6 +96,11 @@ class Hub(redisbus.Guarded):
         self.group = group or f"hub:{self.consumer}"
         self.batch = batch
         self.stream, self.flag_key, self.resync_key = dg.keys(run)
+        self.peers = dg.peers_key(self.run)
+        self._peers_from: bytes | None = None  # the last peers' entry read; None: not joined yet
+        self._forward: list[dict] = []  # digests with a change, for the other processes of the group
+        self.forwarded = 0  # the peers' digests applied here
+        self.row_seq: dict[int, tuple[float, int]] = {}  # rank -> (boot, seq) of the digest its row came in
         self.hosts: dict[str, HostView] = {}
         self.rows: dict[int, dict] = {}  # rank -> the row its agent last sent
         self.beats: dict[
@@ -122,8 +135,13 @@ class Hub(redisbus.Guarded):
                 view.heard_at = max(view.heard_at, now)
             self._down_since = None
             self._flag_sent = None
-        for fields in entries:
-            changed |= self._apply(fields, now)
+        for fields, forwarded in entries:
+            changed |= self._apply(fields, now, forwarded)
+        if self._forward:
+            try:
+                self._call(self._send_forward)
+            except redisbus.RedisUnavailable:
+                del self._forward[: -dg.MAX_FORWARD]  # kept for the next poll, bounded
         for host, view in self.hosts.items():
             lost = now - view.heard_at > self.lost_after_s
             if lost != view.lost:
@@ -190,7 +208,8 @@ class Hub(redisbus.Guarded):
             # A hub that starts (or lost Redis's state) asks every agent for all its rows.
             client.set(self.resync_key, f"{time.time():.6f}")
             self._grouped = True
-        out: list[dict] = []
+            self._peers_from = None
+        out: list[tuple[dict, bool]] = []
         while True:
             try:
                 got = client.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=self.batch)
@@ -202,9 +221,37 @@ class Hub(redisbus.Guarded):
             entries = got[0][1] if got else []
             if entries:
                 client.xack(self.stream, self.group, *[entry_id for entry_id, _ in entries])
-            out.extend(fields for _, fields in entries)
+            out.extend((fields, False) for _, fields in entries)
+            if len(entries) < self.batch or len(out) >= 10 * self.batch:
+                break
+        if not self.own_group:
+            out.extend(self._read_peers(client))
+        return out
+
+    def _read_peers(self, client) -> list[tuple[dict, bool]]:
+        """The digests the group's other processes forwarded since the last call."""
+        if self._peers_from is None:  # joining: from the stream's end, as the group does
+            last = client.xrevrange(self.peers, count=1)
+            self._peers_from = last[0][0] if last else b"0-0"
+        out: list[tuple[dict, bool]] = []
+        me = self.consumer.encode()
+        while True:
+            got = client.xread({self.peers: self._peers_from}, count=self.batch)
+            entries = got[0][1] if got else []
+            if entries:
+                self._peers_from = entries[-1][0]
+            out.extend((fields, True) for _, fields in entries if fields.get(b"c") != me)
             if len(entries) < self.batch or len(out) >= 10 * self.batch:
                 return out
+
+    def _send_forward(self, client) -> None:
+        pipe = client.pipeline(transaction=False)
+        for fields in self._forward:
+            pipe.xadd(
+                self.peers, {**fields, b"c": self.consumer.encode()}, maxlen=dg.MAX_FORWARD, approximate=True
+            )
+        pipe.execute()
+        self._forward.clear()
 
     def _refuse(self, why: str) -> set[int]:
         self.refused += 1
@@ -213,18 +260,26 @@ class Hub(redisbus.Guarded):
             log.warning("rankwatch hub: refused %s: is something else writing to redis?", why)
         return set()
 
-    def _apply(self, fields: dict, now: float) -> set[int]:
+    def _apply(self, fields: dict, now: float, forwarded: bool = False) -> set[int]:
+        """Take one digest: read from the group (``forwarded`` False) or forwarded by a peer process."""
         try:
             digest = dg.parse(fields, self.run, self.key)
         except dg.Refused as e:
             return self._refuse(str(e))
         host = digest["host"]
         view = self.hosts.get(host)
-        if view is not None and (digest["boot"], digest["seq"]) <= (view.digest["boot"], view.digest["seq"]):
+        order = (digest["boot"], digest["seq"])
+        newer = view is None or order > (view.digest["boot"], view.digest["seq"])
+        if not newer and not forwarded:
             return self._refuse(
                 f"a digest for host {host[:100]!r} not newer than the last one (a replay, or an older agent)"
             )
         entries = digest.pop("rows")  # the host view keeps the figures, not the rows
+        if digest.pop("changed", None) and not forwarded and not self.own_group:
+            self._forward.append(fields)
+        self.forwarded += forwarded
+        # A row newer than this digest may have come from a peer's forward: older rows are not taken.
+        entries = [e for e in entries if self.row_seq.get(e["row"]["rank"], (0.0, 0)) < order]
         for entry in entries:
             owner = self.owner.get(entry["row"]["rank"])
             if owner is not None and owner != host and not self.hosts[owner].lost:
@@ -232,10 +287,11 @@ class Hub(redisbus.Guarded):
                     f"a digest for host {host[:100]!r} claiming rank {entry['row']['rank']}, "
                     f"whose agent on {owner[:100]!r} reports"
                 )
-        if view is None:
-            view = self.hosts[host] = HostView(digest, now)
-        view.digest, view.heard_at = digest, now
-        self.accepted += 1
+        if newer:
+            if view is None:
+                view = self.hosts[host] = HostView(digest, now)
+            view.digest, view.heard_at = digest, now
+            self.accepted += not forwarded
         changed = set()
         for entry in entries:
             row = entry["row"]
@@ -246,6 +302,7 @@ class Hub(redisbus.Guarded):
             self.owner[rank] = host
             view.ranks.add(rank)
             self.rows[rank] = row
+            self.row_seq[rank] = order
             self.beats[rank] = {
                 "stop": entry.get("stop"),
                 "started_at": entry.get("started_at"),
@@ -256,11 +313,14 @@ class Hub(redisbus.Guarded):
                 "step_time_ms": row["step_time_ms"],
             }
             changed.add(rank)
+        if not newer:
+            return changed
         # Ranks the host no longer has (a relaunch placed fewer, or others, on it) leave the view.
         low, high = digest["ranks"] or (0, -1)
         for rank in [r for r in view.ranks if not low <= r <= high]:
             view.ranks.discard(rank)
             del self.owner[rank], self.rows[rank], self.beats[rank]
+            self.row_seq.pop(rank, None)
             self.removed.add(rank)
             changed.discard(rank)
         if view.lost:
@@ -370,6 +430,7 @@ class Hub(redisbus.Guarded):
             "hosts": len(self.hosts),
             "agents_lost": sum(1 for v in self.hosts.values() if v.lost),
             "accepted": self.accepted,
+            "forwarded": self.forwarded,
             "refused": self.refused,
             "refused_last": self.refused_last,
         }

@@ -158,6 +158,7 @@ class Agent:
             if self._sent.get(rank) != _key(row):
                 self._pending[rank] = None
         chosen = list(self._pending)[: dg.MAX_ROWS]
+        changed = set(chosen)
         ordered = sorted(by_rank)
         if ordered:
             spread = max(1, math.ceil(len(ordered) * self.interval_s / self.resync_s))
@@ -205,6 +206,7 @@ class Agent:
             "n": len(ordered),
             "flag": self.flag_version,
             "rows": entries,
+            "changed": [e["row"]["rank"] for e in entries if e["row"]["rank"] in changed],
             **figures(rows),
         }
 

@@ -70,7 +70,8 @@ SETTINGS: list[Setting] = [
         "",
         "With agents: the Redis consumer group this dashboard reads the digests through. Empty: one of "
         "its own, so every dashboard process shows every host. Processes given the same name split the "
-        "digests between them (the load divides, and each shows only the hosts it read).",
+        "digests between them (the load divides); each forwards the digests that carry a change to the "
+        "others, so each still shows every host and every change.",
         group=G_AGENTS,
     ),
 ]

@@ -375,6 +375,53 @@ def test_hubs_of_their_own_each_read_every_digest_hubs_of_one_group_split_them(t
     assert [g["name"] for g in groups] == [b"hubs"]
 
 
+def test_hubs_of_one_group_each_see_every_change_the_others_read(tmp_path, redis_server):
+    """An agent sends a changed row once; the process that reads it forwards it to the others."""
+    from app.agent.hub import Hub
+
+    node = Node(tmp_path, "node-a", range(0, 2), 2)
+    node.beat()
+    agent = Agent(node.dir, redis_server.url, RUN, from_env(), key=KEY.encode(), host="node-a")
+    hubs = [Hub(redis_server.url, RUN, KEY.encode(), 30.0, group="hubs") for _ in range(2)]
+    try:
+        for hub in hubs:
+            hub.poll(time.time())
+        agent.tick(time.time())  # every row is new: a change
+        hubs[0].poll(time.time())  # the first reader takes the digest and forwards it
+        hubs[1].poll(time.time())
+        assert [h.accepted for h in hubs] == [1, 0] and hubs[1].forwarded == 1
+        assert sorted(hubs[1].rows) == [0, 1] and hubs[1].hosts["node-a"].digest["seq"] == 1
+        # Only rank 1's state changes; the digest that carries it is read by the second process.
+        node.seq += 1
+        write_heartbeat(node.dir, heartbeat(1, 2, seq=node.seq, host="node-a", state="stopping"))
+        agent.tick(time.time())
+        hubs[1].poll(time.time())
+        hubs[0].poll(time.time())
+        assert [h.rows[1]["state"] for h in hubs] == ["stopping", "stopping"]
+        assert hubs[0].forwarded == 1
+        # A routine digest (rolling resync only) is not forwarded: each process takes its share.
+        before = redis_py.Redis.from_url(redis_server.url).xlen(dg.peers_key(RUN))
+        agent.tick(time.time())
+        for hub in hubs:
+            hub.poll(time.time())
+        assert redis_py.Redis.from_url(redis_server.url).xlen(dg.peers_key(RUN)) == before
+        # A forward replayed later, or forged, changes nothing and the forgery is counted.
+        client = redis_py.Redis.from_url(redis_server.url)
+        first = client.xrange(dg.peers_key(RUN), count=1)[0][1]
+        client.xadd(dg.peers_key(RUN), {**first, b"c": b"someone"})
+        client.xadd(dg.peers_key(RUN), {b"h": b"node-a", b"d": b"{}", b"c": b"someone"})
+        refused = [h.refused for h in hubs]
+        for hub in hubs:
+            hub.poll(time.time())
+        assert [h.rows[1]["state"] for h in hubs] == ["stopping", "stopping"]
+        assert [h.refused for h in hubs] == [n + 1 for n in refused]
+        assert "unsigned" in hubs[0].refused_last
+    finally:
+        for hub in hubs:
+            hub.close()
+        agent.outbox.close()
+
+
 def test_a_relaunch_with_fewer_ranks_on_a_host_drops_the_others_from_the_view(tmp_path, hub, agents):
     a = Node(tmp_path, "node-a", range(0, 4), 4)
     agents(a)
