@@ -124,8 +124,8 @@ class ThreadSum:
         calls = itertools.count()
 
         def vote_sum(a: float, b: float, c: float) -> tuple[float, float, float]:
-            sums = self.rounds[next(calls)]
             with self.lock:
+                sums = self.rounds[next(calls)]
                 sums[0], sums[1], sums[2] = sums[0] + a, sums[1] + b, sums[2] + c
             self.barrier.wait(timeout=30)  # every rank has added its share of this round
             return tuple(sums)
