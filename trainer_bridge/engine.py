@@ -231,8 +231,9 @@ class Engine:
         )
         vote_sum = None if self.native else self._vote_carrier(self.world)
         beats = self._guard_launch(vote_sum)
-        if point is not None and not self._resume_agreed:
-            self._agree_on_resume(vote_sum, point)
+        if point is not None:
+            if not self._resume_agreed:  # a pinned set is read, not agreed: check that all read the same
+                self._agree_on_resume(vote_sum, point)
             missing = saving.load_state(point.path, self.cells)
             if missing:
                 log.warning(
