@@ -145,7 +145,8 @@ class GracefulExitBridge(Callback):
 
         Pass the training dataset so it starts at the step after the
         checkpoint (``Dataset.set_init_step`` skips the finished part of that
-        epoch). Call it before ``model.train(..., initial_epoch=...)``.
+        epoch). Call it before ``model.train(..., initial_epoch=...)``, on every
+        rank: the ranks agree on the set (each node may hold only its own ranks' files).
 
         Pass ``epochs`` (``Model.train``'s) too: if the set already covers
         them, it logs why, reports the rank finished and sets ``finished``;

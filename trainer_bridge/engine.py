@@ -127,7 +127,9 @@ def _sum_all_reduce():
 class Engine:
     """One rank's run: resume, step accounting, agreement, stop, save, signals.
 
-    Call order: ``find_resume()`` (any time before), ``begin()``, then per
+    Call order: ``find_resume()`` (any time before; with several ranks its
+    first call is a collective, made at the same point on every rank as the
+    front ends do), ``begin()``, then per
     step ``step_begin()`` and ``step_end()``, then ``end()``. ``step_end``
     returns True once the ranks agreed to stop and this rank saved: the
     front end then ends training.
@@ -144,6 +146,8 @@ class Engine:
         self.reporter: Reporter | None = None
         self.counters: Counters | None = None
         self._resume_checked = False
+        self._resume_agreed = False
+        self._carrier = None
         self._stopping = False
         self._sigterm_count = 0
         self._previous_sigterm = None
@@ -159,10 +163,25 @@ class Engine:
             index = scan(self.run_dir, world_size=size)
             self.served = saving.served_requests(index)
             if self.settings.resume:
-                self.resume_point = saving.find_resume_point(
-                    index, rank, self.settings.resume_step, ckpthealth.unhealthy(self.run_dir, index)
-                )
+                unhealthy = ckpthealth.unhealthy(self.run_dir, index)
+                if size > 1 and self.settings.resume_step is None:
+                    # Agreed, not read: without a shared filesystem no node sees a whole set.
+                    points = saving.own_resume_points(index, rank, unhealthy)
+                    self.resume_point = saving.agree_resume(self._vote_carrier(size), rank, size, points)
+                    self._resume_agreed = True
+                else:
+                    self.resume_point = saving.find_resume_point(
+                        index, rank, self.settings.resume_step, unhealthy
+                    )
         return self.resume_point
+
+    def _vote_carrier(self, world: int):
+        """The one compiled SUM AllReduce (``_sum_all_reduce``) every collective here uses; None alone."""
+        if world <= 1:
+            return None
+        if self._carrier is None:
+            self._carrier = _sum_all_reduce()
+        return self._carrier
 
     def resume_position(self, per_epoch: int, epochs: int | None) -> tuple[int, int, bool]:
         """(first epoch, 0-based; batches of it already trained; nothing left to train).
@@ -210,10 +229,11 @@ class Engine:
         self.native = (
             os.environ.get("MS_ENABLE_GRACEFUL_EXIT") == "1" and ms.get_context("device_target") == "Ascend"
         )
-        vote_sum = _sum_all_reduce() if self.world > 1 and not self.native else None
+        vote_sum = None if self.native else self._vote_carrier(self.world)
         beats = self._guard_launch(vote_sum)
         if point is not None:
-            self._agree_on_resume(vote_sum, point)
+            if not self._resume_agreed:  # a pinned set is read, not agreed: check that all read the same
+                self._agree_on_resume(vote_sum, point)
             missing = saving.load_state(point.path, self.cells)
             if missing:
                 log.warning(
@@ -285,7 +305,7 @@ class Engine:
                 log.warning("rankwatch: could not check for another launch (training continues): %s", e)
                 beats, live = [], []
         # Native mode keeps the step votes in MindSpore's graph, but the launch check needs one collective too.
-        carrier = vote_sum or (_sum_all_reduce() if self.world > 1 else None)
+        carrier = self._vote_carrier(self.world)
         refused = float(bool(live))
         if carrier is not None:
             refused, a, b = carrier(refused, float(halves[0]), float(halves[1]))

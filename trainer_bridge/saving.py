@@ -13,8 +13,9 @@ callback's ``train_network`` (weights, optimizer state and the optimizer's
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Container
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,10 +25,12 @@ from trainer_bridge.rundir.ckptindex import ORIGIN_BRIDGE, Index, resume_set
 __all__ = [
     "ResumePoint",
     "Served",
+    "agree_resume",
     "append_fields",
     "data_position",
     "find_resume_point",
     "load_state",
+    "own_resume_points",
     "save_state",
     "served_requests",
 ]
@@ -87,6 +90,52 @@ def find_resume_point(
     if cset is None:
         return None
     return ResumePoint(cset.global_step, cset.epoch, Path(cset.file_for(rank).abspath), cset.id)
+
+
+def own_resume_points(index: Index, rank: int, unhealthy: Container[str] = ()) -> dict[int, ResumePoint]:
+    """The bridge's healthy sets that hold rank ``rank``'s readable file, by global step, newest first.
+
+    Where nodes keep their run directories on local disks, a node sees only
+    its own ranks' files and no set looks complete there: each rank offers
+    the sets its own file is in, and the ranks agree (``agree_resume``).
+    """
+    points: dict[int, ResumePoint] = {}
+    for s in index.sets:  # newest first
+        if s.origin != ORIGIN_BRIDGE or s.id in unhealthy or s.global_step is None or s.global_step in points:
+            continue
+        own = s.file_for(rank)
+        if own is not None:
+            points[s.global_step] = ResumePoint(s.global_step, s.epoch, Path(own.abspath), s.id)
+    return points
+
+
+def agree_resume(
+    vote_sum: Callable[[float, float, float], tuple[float, float, float]],
+    rank: int,
+    world: int,
+    points: dict[int, ResumePoint],
+) -> ResumePoint | None:
+    """The newest set whose file every rank holds, agreed over ``vote_sum``; None for a fresh start.
+
+    ``points`` is this rank's ``own_resume_points``. Rank 0 offers its steps,
+    newest first, one per round; in the next round every rank votes whether
+    it holds the step offered, and the first step all ``world`` ranks hold is
+    the set. Every rank sees the same sums, so all run the same rounds (at
+    most one more than rank 0's sets) and decide alike, whether the ranks
+    share one run directory or each node keeps its own. Steps travel as
+    float32, exact below 2**24.
+    """
+    offers = list(points) if rank == 0 else []
+    asked: int | None = None
+    for i in itertools.count():  # ends once rank 0 runs out of offers
+        offer = float(offers[i]) if i < len(offers) else 0.0
+        have = 1.0 if asked in points else 0.0
+        offered, votes, _ = vote_sum(offer, have, 0.0)
+        if asked is not None and round(votes) == world:
+            return points[asked]
+        if offered < 0.5:  # rank 0 has nothing left to offer: no set every rank holds
+            return None
+        asked = round(offered)
 
 
 def data_position(global_step: int, per_epoch: int) -> tuple[int, int]:

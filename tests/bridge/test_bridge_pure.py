@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import subprocess
 import sys
+import threading
+from collections import defaultdict
 
+from tests.helpers import ckptcraft
 from trainer_bridge.agreement import Agreement, next_interval
 from trainer_bridge.rundir import runfiles
-from trainer_bridge.saving import Served, append_fields, checkpoint_file, data_position
+from trainer_bridge.rundir.ckptindex import scan
+from trainer_bridge.saving import (
+    Served,
+    agree_resume,
+    append_fields,
+    checkpoint_file,
+    data_position,
+    find_resume_point,
+    own_resume_points,
+)
 
 
 def test_these_modules_need_no_mindspore():
@@ -97,3 +110,80 @@ def test_served_covers_ids_and_bare_flags_older_than_the_last_save():
     assert not served.covers(runfiles.Flag(True, "b", {}), 50.0)
     assert served.covers(runfiles.Flag(True, None, {}), 99.0)
     assert not served.covers(runfiles.Flag(True, None, {}), 101.0)
+
+
+class ThreadSum:
+    """A SUM AllReduce of three floats across one thread per rank, round by round."""
+
+    def __init__(self, world: int):
+        self.barrier = threading.Barrier(world)
+        self.lock = threading.Lock()
+        self.rounds: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+
+    def for_rank(self):
+        calls = itertools.count()
+
+        def vote_sum(a: float, b: float, c: float) -> tuple[float, float, float]:
+            with self.lock:
+                sums = self.rounds[next(calls)]
+                sums[0], sums[1], sums[2] = sums[0] + a, sums[1] + b, sums[2] + c
+            self.barrier.wait(timeout=30)  # every rank has added its share of this round
+            return tuple(sums)
+
+        return vote_sum
+
+
+def agreed(run_dirs: list, world: int) -> dict:
+    """Each rank (a thread) scans its own ``run_dirs[rank]`` and agrees with the others."""
+    reducer, out = ThreadSum(world), {}
+
+    def rank_main(rank):
+        index = scan(run_dirs[rank], world_size=world)
+        out[rank] = agree_resume(reducer.for_rank(), rank, world, own_resume_points(index, rank))
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(out) == world, "a rank did not decide"
+    return out
+
+
+def save(run_dir, rank: int, step: int) -> None:
+    path = run_dir / f"{runfiles.CHECKPOINT_DIR}/rank_{rank}/rankwatch-1_{step}.ckpt"
+    ckptcraft.write(path, ckptcraft.ckpt(global_step=step))
+
+
+def test_ranks_on_local_disks_agree_on_the_newest_set_each_holds_its_file_of(tmp_path):
+    nodes = [tmp_path / f"node{n}" / "job" for n in range(2)]
+    for step in (10, 20):
+        for rank in range(4):
+            save(nodes[rank // 2], rank, step)
+    for rank in (0, 1, 2):  # rank 3's save at step 30 never happened
+        save(nodes[rank // 2], rank, 30)
+    # No node sees a whole set: reading alone finds nothing to resume from.
+    assert all(scan(n, world_size=4).newest_complete is None for n in nodes)
+    points = agreed([nodes[r // 2] for r in range(4)], 4)
+    assert {r: p.global_step for r, p in points.items()} == dict.fromkeys(range(4), 20)
+    for rank, point in points.items():
+        assert (
+            point.path.resolve()
+            == (nodes[rank // 2] / f"checkpoints/rank_{rank}/rankwatch-1_20.ckpt").resolve()
+        )
+
+    # One shared directory: the same choice as the set read as complete.
+    shared = tmp_path / "shared" / "job"
+    for rank, step in [(r, s) for r in range(4) for s in (10, 20)] + [(0, 30), (1, 30), (2, 30)]:
+        save(shared, rank, step)
+    points = agreed([shared] * 4, 4)
+    assert (
+        {p.global_step for p in points.values()}
+        == {find_resume_point(scan(shared, 4), 0).global_step}
+        == {20}
+    )
+
+    # No set all ranks hold: a fresh start on every rank.
+    lone = tmp_path / "lone" / "job"
+    save(lone, 0, 10)
+    assert agreed([lone] * 2, 2) == {0: None, 1: None}

@@ -8,6 +8,12 @@ the node's network and host name. Redis runs in node 0, on the address node
 empty directory of the same base name. So the rows, the stop flag (each
 agent writes its own node's copy) and the stop stages all cross the veth
 through Redis: no file is shared.
+
+One job tells the whole story: every rank live; node 1's agent killed
+(``agent lost``) and back; a stop from the dashboard, each rank's
+checkpoint on its own node's disk; a relaunch that resumes from that set
+on every rank; node 1's launcher and workers killed while its agent
+reports them (``dead``), then its agent too (``node lost``).
 """
 
 from __future__ import annotations
@@ -18,14 +24,16 @@ from tests.cluster.test_multinode import LAUNCH_TIMEOUT_S, WORLD, launch, launch
 from tests.helpers.agents import AgentProcess
 from tests.helpers.faults import Dashboard, poll_until
 from tests.helpers.jobs import dump
-from tests.helpers.netns import TwoNodes, skip_reason
+from tests.helpers.netns import TwoNodes, kill_tree, skip_reason
 from tests.helpers.redisserver import RedisServer
-from trainer_bridge.rundir import runfiles
+from trainer_bridge.rundir import ckptindex, runfiles
+from trainer_bridge.rundir.attempts import resumed_text
 
 pytestmark = [pytest.mark.msrun, pytest.mark.netns]
 
 RUN = "job"
 AGENT_LOST_S = 5.0
+DEAD_AFTER_S = 30.0  # the default: node 1's agent finds its ranks dead sooner, by its process check
 
 
 @pytest.fixture
@@ -146,6 +154,57 @@ def test_two_nodes_with_local_run_dirs_through_one_agent_each(nodes, tmp_path):
             lambda rows: all(r["stop_stage"] == "exited" for r in rows.values()),
             "every rank's stop stage back at the dashboard",
         )
+        # The stop's checkpoint set, as each node's own disk holds it: its ranks' files, none of the other's.
+        (stop_step,) = stop_steps
+        stop_sets = [ckptindex.scan(d, world_size=WORLD).sets[0] for d in run_dirs]
+        for n, cset in enumerate(stop_sets):
+            assert (cset.origin, cset.global_step) == (ckptindex.ORIGIN_BRIDGE, stop_step), cset
+            assert cset.ranks_present == tuple(r for r in range(WORLD) if node_of(r) == n), cset
+            assert cset.ranks_missing == tuple(r for r in range(WORLD) if node_of(r) != n), cset
+        assert stop_sets[0].id == stop_sets[1].id
+
+        # --- the relaunch: every rank agrees on the set, each loading its own node's file --
+        launchers = launch(nodes, run_dirs, tmp_path, "second")
+        resumed = resumed_text(stop_step, stop_sets[0].id)
+        dash.wait_rows(
+            lambda rows: all(
+                r["state"] == "training"
+                and r["resumed_from"] == resumed
+                and (r["global_step"] or 0) > stop_step + 3
+                for r in rows.values()
+            ),
+            f"every rank {resumed} and training on, through its agent",
+            timeout=LAUNCH_TIMEOUT_S,
+        )
+        for rank in range(WORLD):
+            assert beat(rank)["resumed_from"]["global_step"] == stop_step, dump(beat(rank))
+            assert steps_logged(run_dirs[node_of(rank)], rank)[0] == stop_step + 1
+
+        # --- node 1's launcher and workers killed, its agent up: it reports them dead ------
+        kill_tree(launchers[1])
+        rows = dash.wait_rows(
+            lambda rows: rows if rows[2]["health"] == rows[3]["health"] == "dead" else None,
+            "node 1's agent reporting its ranks dead",
+            timeout=DEAD_AFTER_S + 60,
+        )
+        view = dash.get("/api/ranks")
+        assert {h["host"]: h["status"] for h in view["hosts"]}[node1.hostname] == "reporting", dump(
+            view["hosts"]
+        )
+        # The collective broke: node 0's ranks stop stepping, and the page says so.
+        dash.wait_rows(
+            lambda rows: rows[0]["health"] != "healthy" and rows[1]["health"] != "healthy",
+            "node 0's ranks no longer shown healthy",
+        )
+
+        # --- then the rest of the node (its agent) goes too: node lost, not agent lost -----
+        agents[1].kill()
+        rows = dash.wait_rows(
+            lambda rows: rows if rows[2]["health"] == rows[3]["health"] == "node_lost" else None,
+            "node 1's ranks shown as a lost node",
+            timeout=AGENT_LOST_S + 60,
+        )
+        assert all(node1.hostname in rows[r]["reason"] for r in (2, 3)), dump(rows)
     finally:
         if dash is not None:
             dash.stop()
