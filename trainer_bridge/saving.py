@@ -122,20 +122,25 @@ def agree_resume(
     it holds the step offered, and the first step all ``world`` ranks hold is
     the set. Every rank sees the same sums, so all run the same rounds (at
     most one more than rank 0's sets) and decide alike, whether the ranks
-    share one run directory or each node keeps its own. Steps travel as
-    float32, exact below 2**24.
+    share one run directory or each node keeps its own. The collective sums
+    float32s, exact below 2**24: a step travels as two parts below 2**22
+    (steps up to 2**44), and a vote is at most ``world``.
     """
     offers = list(points) if rank == 0 else []
     asked: int | None = None
     for i in itertools.count():  # ends once rank 0 runs out of offers
-        offer = float(offers[i]) if i < len(offers) else 0.0
+        offer = offers[i] + 1 if i < len(offers) else 0  # + 1: step 0 is an offer, 0 is none
         have = 1.0 if asked in points else 0.0
-        offered, votes, _ = vote_sum(offer, have, 0.0)
+        low, votes, high = vote_sum(float(offer % _PART), have, float(offer // _PART))
         if asked is not None and round(votes) == world:
             return points[asked]
-        if offered < 0.5:  # rank 0 has nothing left to offer: no set every rank holds
+        offered = round(high) * _PART + round(low)
+        if offered == 0:  # rank 0 has nothing left to offer: no set every rank holds
             return None
-        asked = round(offered)
+        asked = offered - 1
+
+
+_PART = 2**22
 
 
 def data_position(global_step: int, per_epoch: int) -> tuple[int, int]:

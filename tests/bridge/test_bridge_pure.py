@@ -9,6 +9,8 @@ import sys
 import threading
 from collections import defaultdict
 
+import numpy as np
+
 from tests.helpers import ckptcraft
 from trainer_bridge.agreement import Agreement, next_interval
 from trainer_bridge.rundir import runfiles
@@ -113,7 +115,7 @@ def test_served_covers_ids_and_bare_flags_older_than_the_last_save():
 
 
 class ThreadSum:
-    """A SUM AllReduce of three floats across one thread per rank, round by round."""
+    """A SUM AllReduce of three float32s across one thread per rank, round by round (as the graph's)."""
 
     def __init__(self, world: int):
         self.barrier = threading.Barrier(world)
@@ -126,9 +128,11 @@ class ThreadSum:
         def vote_sum(a: float, b: float, c: float) -> tuple[float, float, float]:
             with self.lock:
                 sums = self.rounds[next(calls)]
-                sums[0], sums[1], sums[2] = sums[0] + a, sums[1] + b, sums[2] + c
+                sums[0], sums[1], sums[2] = (
+                    np.float32(x) + np.float32(y) for x, y in zip(sums, (a, b, c), strict=True)
+                )
             self.barrier.wait(timeout=30)  # every rank has added its share of this round
-            return tuple(sums)
+            return tuple(float(x) for x in sums)
 
         return vote_sum
 
@@ -182,6 +186,12 @@ def test_ranks_on_local_disks_agree_on_the_newest_set_each_holds_its_file_of(tmp
         == {find_resume_point(scan(shared, 4), 0).global_step}
         == {20}
     )
+
+    # Steps past float32's exact integers (2**24) travel exactly.
+    big = tmp_path / "big" / "job"
+    for rank in range(2):
+        save(big, rank, 2**25 + 3)
+    assert {p.global_step for p in agreed([big] * 2, 2).values()} == {2**25 + 3}
 
     # No set all ranks hold: a fresh start on every rank.
     lone = tmp_path / "lone" / "job"
