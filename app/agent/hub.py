@@ -98,6 +98,7 @@ class Hub(redisbus.Guarded):
         self.accepted = 0
         self.refused = 0
         self.refused_last: str | None = None
+        self.ask_timeouts = 0  # requests to agents unanswered within the bound (app/agent/ask.py)
         self._grouped = False
         self._down_since: float | None = None
         self._flag_sent: tuple | None = None
@@ -206,7 +207,8 @@ class Hub(redisbus.Guarded):
             if len(entries) < self.batch or len(out) >= 10 * self.batch:
                 return out
 
-    def _refuse(self, why: str) -> set[int]:
+    def refuse(self, why: str) -> set[int]:
+        """Count a refused digest or answer (``app/agent/ask.py``) and keep why; nothing else changes."""
         self.refused += 1
         self.refused_last = why
         if self.refused == 1:
@@ -217,18 +219,18 @@ class Hub(redisbus.Guarded):
         try:
             digest = dg.parse(fields, self.run, self.key)
         except dg.Refused as e:
-            return self._refuse(str(e))
+            return self.refuse(str(e))
         host = digest["host"]
         view = self.hosts.get(host)
         if view is not None and (digest["boot"], digest["seq"]) <= (view.digest["boot"], view.digest["seq"]):
-            return self._refuse(
+            return self.refuse(
                 f"a digest for host {host[:100]!r} not newer than the last one (a replay, or an older agent)"
             )
         entries = digest.pop("rows")  # the host view keeps the figures, not the rows
         for entry in entries:
             owner = self.owner.get(entry["row"]["rank"])
             if owner is not None and owner != host and not self.hosts[owner].lost:
-                return self._refuse(
+                return self.refuse(
                     f"a digest for host {host[:100]!r} claiming rank {entry['row']['rank']}, "
                     f"whose agent on {owner[:100]!r} reports"
                 )
@@ -372,6 +374,7 @@ class Hub(redisbus.Guarded):
             "accepted": self.accepted,
             "refused": self.refused,
             "refused_last": self.refused_last,
+            "ask_timeouts": self.ask_timeouts,
         }
 
     def world_size(self) -> int:

@@ -17,9 +17,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from app.agent import ask
 from app.agent import digest as dg
 from app.agent.hub import Hub
 from app.ranks.health import VERDICTS
+from app.ranks.rows import with_age
 from app.ranks.state import RunState
 from app.services import redis_key
 from trainer_bridge.rundir import redisbus, runfiles
@@ -58,6 +60,9 @@ class HubState(RunState):
 
     def __init__(self, run_dir, config, hub: Hub):
         self.hub = hub
+        self.ask_timeout_s = float(config["AGENT_ASK_TIMEOUT_S"])
+        # host -> its agent's last checkpoint listing, shown while it does not answer
+        self._listings: dict[str, dict] = {}
         super().__init__(run_dir, config)
 
     def _clear(self) -> None:
@@ -130,7 +135,7 @@ class HubState(RunState):
         if self._redis_error:
             message += f" Redis is unreachable ({self._redis_error}): the rows are as last heard."
         if hub.refused:
-            message += f" {hub.refused} digest(s) refused, the last {hub.refused_last}."
+            message += f" {hub.refused} digest(s) or answer(s) refused, the last {hub.refused_last}."
         return {
             "status": kind,
             "message": message,
@@ -158,3 +163,68 @@ class HubState(RunState):
     def started_at(self, rank: int) -> float | None:
         with self._lock:
             return (self.hub.beats.get(rank) or {}).get("started_at")
+
+    # ------------------------------------------------------------------ asking the agents (app/agent/ask.py)
+    def rank(self, rank: int, now: float) -> dict | None:
+        """Rank ``rank``'s full row and chart history from its host's agent, else its digest row.
+
+        ``agent`` says which: ``answered`` false (and ``error`` why) means the
+        row is the digest's and there is no history. Waits at most
+        ``AGENT_ASK_TIMEOUT_S``, never holding the view's lock meanwhile.
+        """
+        with self._lock:
+            row = self._rows.get(rank)
+            host = self.hub.owner.get(rank)
+            view = self.hub.hosts.get(host) if host is not None else None
+            lost = view is not None and view.lost
+        if row is None:
+            return None
+        if host is None or view is None:
+            got: dict | str = f"no agent reports rank {rank}"
+        elif lost:
+            got = f"the agent on host {host} is lost: no digest for {self.hub.lost_after_s:g} s"
+        else:
+            got = ask.ask(self.hub, {host: ("rank", rank)}, self.ask_timeout_s)[host]
+        if isinstance(got, dict):
+            return {
+                "now": now,
+                "rank": with_age(got["row"], now),
+                "history": got["history"],
+                "agent": {"host": host, "answered": True, "error": None},
+            }
+        return {
+            "now": now,
+            "rank": with_age(row, now),
+            "history": [],
+            "agent": {"host": host, "answered": False, "error": got},
+        }
+
+    def checkpoint_files(self) -> tuple[list, list[str]]:
+        """Every live agent's checkpoint files (``CheckpointService`` groups them with its own).
+
+        A host whose agent is lost or does not answer within the bound keeps
+        its last listing, and an error line says so.
+        """
+        with self._lock:
+            live = [h for h, v in self.hub.hosts.items() if not v.lost]
+            lost = [h for h, v in self.hub.hosts.items() if v.lost]
+            owner = dict(self.hub.owner)
+        answers: dict[str, dict | str] = (
+            ask.ask(self.hub, dict.fromkeys(live, ("ckpt", None)), self.ask_timeout_s) if live else {}
+        )
+        merged: dict[str, dict | str] = {}
+        notes = []
+        for host in [*live, *lost]:
+            got = answers.get(host, f"the agent on host {host} is lost")
+            if isinstance(got, dict):
+                self._listings[host] = got
+                merged[host] = got
+            elif host in self._listings:
+                merged[host] = self._listings[host]
+                notes.append(f"{got}: its files as it last listed them")
+            else:
+                merged[host] = got
+        for host in set(self._listings) - set(merged):
+            del self._listings[host]  # a host gone from the view
+        files, errors = ask.remote_files(merged, owner)
+        return files, errors + notes
