@@ -179,16 +179,20 @@ def file_listing(run_dir, cache) -> dict:
 
 
 # ---------------------------------------------------------------------- the hub's side
-def ask(hub, requests: dict[str, tuple[str, int | None]], timeout_s: float) -> dict[str, dict | str]:
-    """Ask each host's agent ``(kind, rank)``; host -> the checked answer's data, or why there is none.
+class Pending(dict):
+    """host -> (request id, kind, rank, monotonic time sent): requests posted, not yet answered."""
 
-    Waits at most ``timeout_s`` in all, whatever Redis or the agents do.
-    Refused answers are counted on ``hub`` (``Hub.refuse``); the hub then
-    keeps waiting for the real one until the bound.
+
+def post(hub, requests: dict[str, tuple[str, int | None]], pending: Pending) -> dict[str, str]:
+    """Push ``requests`` (host -> (kind, rank)) to the agents and note them in ``pending``.
+
+    Returns host -> why it could not be asked (Redis away), for the hosts not posted.
     """
-    deadline = time.monotonic() + timeout_s
-    ids = {host: uuid.uuid4().hex for host in requests}
+    if not requests:
+        return {}
+    sent = time.monotonic()
     now = time.time()
+    ids = {host: uuid.uuid4().hex for host in requests}
 
     def push(client):
         pipe = client.pipeline(transaction=False)
@@ -200,42 +204,74 @@ def ask(hub, requests: dict[str, tuple[str, int | None]], timeout_s: float) -> d
             pipe.expire(key, ASK_TTL_S)
         pipe.execute()
 
-    out: dict[str, dict | str] = {}
     try:
         hub._call(push)
     except redisbus.RedisUnavailable as e:
         return dict.fromkeys(requests, f"cannot ask the agent: {e}")
-    waiting = dict(ids)
-    while waiting:
-        hosts = list(waiting)
-        keys = [answer_key(hub.run, waiting[h]) for h in hosts]
+    for host, (kind, rank) in requests.items():
+        pending[host] = (ids[host], kind, rank, sent)
+    return {}
+
+
+def collect(hub, pending: Pending) -> dict[str, dict | str]:
+    """The answers arrived so far (one MGET, no wait): host -> data, or the agent's own error.
+
+    Answered hosts leave ``pending``; a refused answer is counted on
+    ``hub`` (``Hub.refuse``) and its request stays pending, for the real one.
+    """
+    if not pending:
+        return {}
+    hosts = list(pending)
+    keys = [answer_key(hub.run, pending[h][0]) for h in hosts]
+    try:
+        values = hub._call(lambda client: client.mget(keys))
+    except redisbus.RedisUnavailable as e:
+        pending.clear()
+        return {h: f"cannot read the agent's answer: {e}" for h in hosts}
+    out: dict[str, dict | str] = {}
+    read = []
+    for host, key, value in zip(hosts, keys, values, strict=True):
+        if value is None:
+            continue
+        read.append(key)
+        request_id, kind, rank, _ = pending[host]
         try:
-            values = hub._call(lambda client, keys=keys: client.mget(keys))
-        except redisbus.RedisUnavailable as e:
-            out.update(dict.fromkeys(waiting, f"cannot read the agent's answer: {e}"))
-            return out
-        read = []
-        for host, key, value in zip(hosts, keys, values, strict=True):
-            if value is None:
-                continue
-            read.append(key)
-            try:
-                out[host] = check(value, hub, host, ids[host], requests[host])
-                del waiting[host]
-            except ValueError as e:
-                hub.refuse(f"an answer for host {host[:100]!r}: {e}")
-        if read:
-            try:
-                hub._call(lambda client, read=read: client.delete(*read))
-            except redisbus.RedisUnavailable:
-                pass  # they expire
-        left = deadline - time.monotonic()
-        if not waiting or left <= 0:
-            break
-        time.sleep(min(POLL_S, left))
-    hub.ask_timeouts += len(waiting)
-    for host in waiting:
-        out[host] = f"the agent on host {host} did not answer within {timeout_s:g} s"
+            out[host] = check(value, hub, host, request_id, (kind, rank))
+            del pending[host]
+        except ValueError as e:
+            hub.refuse(f"an answer for host {host[:100]!r}: {e}")
+    if read:
+        try:
+            hub._call(lambda client: client.delete(*read))
+        except redisbus.RedisUnavailable:
+            pass  # they expire
+    return out
+
+
+def overdue(hub, pending: Pending, timeout_s: float) -> dict[str, str]:
+    """Drop (and count) the requests unanswered for ``timeout_s``: host -> why."""
+    late = [h for h, (*_, sent) in pending.items() if time.monotonic() - sent >= timeout_s]
+    for host in late:
+        del pending[host]
+    hub.ask_timeouts += len(late)
+    return {h: f"the agent on host {h} did not answer within {timeout_s:g} s" for h in late}
+
+
+def ask(hub, requests: dict[str, tuple[str, int | None]], timeout_s: float) -> dict[str, dict | str]:
+    """Ask each host's agent ``(kind, rank)`` and wait; host -> the checked answer's data, or why none.
+
+    Waits at most ``timeout_s`` in all, whatever Redis or the agents do.
+    """
+    pending = Pending()
+    out: dict[str, dict | str] = post(hub, requests, pending)
+    while pending:
+        out.update(collect(hub, pending))
+        if pending:
+            left = min(pending.values(), key=lambda p: p[3])[3] + timeout_s - time.monotonic()
+            if left <= 0:
+                out.update(overdue(hub, pending, timeout_s))
+                break
+            time.sleep(min(POLL_S, left))
     return out
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -61,8 +62,12 @@ class HubState(RunState):
     def __init__(self, run_dir, config, hub: Hub):
         self.hub = hub
         self.ask_timeout_s = float(config["AGENT_ASK_TIMEOUT_S"])
-        # host -> its agent's last checkpoint listing, shown while it does not answer
+        # The checkpoint browser's requests to the agents (``checkpoint_files``): host -> its agent's
+        # last listing, its request waiting, why its last one failed, and whether its first was waited for.
         self._listings: dict[str, dict] = {}
+        self._ckpt_pending = ask.Pending()
+        self._ckpt_errors: dict[str, str] = {}
+        self._ckpt_waited: set[str] = set()
         super().__init__(run_dir, config)
 
     def _clear(self) -> None:
@@ -200,31 +205,45 @@ class HubState(RunState):
         }
 
     def checkpoint_files(self) -> tuple[list, list[str]]:
-        """Every live agent's checkpoint files (``CheckpointService`` groups them with its own).
+        """Every agent's checkpoint files (``CheckpointService`` groups them with its own).
 
-        A host whose agent is lost or does not answer within the bound keeps
-        its last listing, and an error line says so.
+        The watcher's tick calls this (through the service's scan), so it does
+        not wait: it takes the answers that came since the last call and asks
+        each live agent again, at most one request per host outstanding. Only
+        a host never listed yet is waited for, once, within the bound. A host
+        whose agent is lost or did not answer keeps its last listing, and a line
+        in ``errors`` says so.
         """
         with self._lock:
-            live = [h for h, v in self.hub.hosts.items() if not v.lost]
-            lost = [h for h, v in self.hub.hosts.items() if v.lost]
+            hosts = {h: v.lost for h, v in self.hub.hosts.items()}
             owner = dict(self.hub.owner)
-        answers: dict[str, dict | str] = (
-            ask.ask(self.hub, dict.fromkeys(live, ("ckpt", None)), self.ask_timeout_s) if live else {}
-        )
-        merged: dict[str, dict | str] = {}
-        notes = []
-        for host in [*live, *lost]:
-            got = answers.get(host, f"the agent on host {host} is lost")
-            if isinstance(got, dict):
-                self._listings[host] = got
-                merged[host] = got
-            elif host in self._listings:
-                merged[host] = self._listings[host]
-                notes.append(f"{got}: its files as it last listed them")
+        live = [h for h, lost in hosts.items() if not lost]
+        pending = self._ckpt_pending
+        for host in [h for h in pending if h not in live]:
+            del pending[host]
+        got = ask.collect(self.hub, pending) | ask.overdue(self.hub, pending, self.ask_timeout_s)
+        got |= ask.post(self.hub, {h: ("ckpt", None) for h in live if h not in pending}, pending)
+        first = [h for h in pending if h not in self._listings and h not in self._ckpt_waited]
+        if first:
+            self._ckpt_waited.update(first)
+            deadline = time.monotonic() + self.ask_timeout_s
+            while any(h in pending for h in first) and time.monotonic() < deadline:
+                time.sleep(ask.POLL_S)
+                got |= ask.collect(self.hub, pending)
+        for host, answer in got.items():
+            if isinstance(answer, dict):
+                self._listings[host] = answer
+                self._ckpt_errors.pop(host, None)
             else:
-                merged[host] = got
-        for host in set(self._listings) - set(merged):
-            del self._listings[host]  # a host gone from the view
-        files, errors = ask.remote_files(merged, owner)
+                self._ckpt_errors[host] = answer
+        for gone in (set(self._listings) | set(self._ckpt_errors) | self._ckpt_waited) - set(hosts):
+            self._listings.pop(gone, None)
+            self._ckpt_errors.pop(gone, None)
+            self._ckpt_waited.discard(gone)
+        notes = []
+        for host in sorted(hosts):
+            why = f"the agent on host {host} is lost" if hosts[host] else self._ckpt_errors.get(host)
+            if why is not None:
+                notes.append(f"{why}: its files as it last listed them" if host in self._listings else why)
+        files, errors = ask.remote_files(self._listings, owner)
         return files, errors + notes

@@ -85,7 +85,14 @@ class Outbox(redisbus.Guarded):
             pipe.mget(self.flag_key, self.resync_key)
             # The oldest requests first (the hub pushes at the head); at most MAX_ASKS a tick.
             pipe.rpop(self.ask_key, ask.MAX_ASKS)
-            return pipe.execute()[-2:]
+            results = pipe.execute(raise_on_error=False)
+            for result in results[:-1]:
+                if isinstance(result, Exception):
+                    raise result
+            # A key of another type where the requests go (something else writes to redis) is no
+            # request, and must not cost the digests their round trip.
+            asks = results[-1] if not isinstance(results[-1], Exception) else None
+            return results[-2], asks
 
         try:
             (flag, resync), asks = self._call(flush)
