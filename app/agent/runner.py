@@ -169,8 +169,9 @@ class Agent:
         answer = self.outbox.send(digest)
         if answer is not None:
             flag, resync, asks = answer
-            if asks:
-                self.outbox.answer(ask.serve(self, asks, now))
+            answers = ask.serve(self, asks, now) if asks else []
+            if answers:
+                self.outbox.answer(answers)
             if resync is not None and resync != self._resync_seen:
                 if self._resync_seen is not None:  # the first value read is an old request: nothing new
                     self._pending.update(dict.fromkeys(sorted(self._sent)))
