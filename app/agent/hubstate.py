@@ -204,15 +204,15 @@ class HubState(RunState):
             "agent": {"host": host, "answered": False, "error": got},
         }
 
-    def checkpoint_files(self) -> tuple[list, list[str]]:
+    def checkpoint_files(self, wait: bool = True) -> tuple[list, list[str]]:
         """Every agent's checkpoint files (``CheckpointService`` groups them with its own).
 
-        The watcher's tick calls this (through the service's scan), so it does
-        not wait: it takes the answers that came since the last call and asks
-        each live agent again, at most one request per host outstanding. Only
-        a host never listed yet is waited for, once, within the bound. A host
-        whose agent is lost or did not answer keeps its last listing, and a line
-        in ``errors`` says so.
+        It takes the answers that came since the last call and asks each live
+        agent again, at most one request per host outstanding, so the
+        watcher's tick (``wait`` False) never waits. A request (``wait``) waits,
+        within the bound, only for a host never listed yet, once. A host
+        whose agent is lost or did not answer keeps its last listing, and a
+        line in ``errors`` says so; one not listed yet is named there too.
         """
         with self._lock:
             hosts = {h: v.lost for h, v in self.hub.hosts.items()}
@@ -224,7 +224,7 @@ class HubState(RunState):
         got = ask.collect(self.hub, pending) | ask.overdue(self.hub, pending, self.ask_timeout_s)
         got |= ask.post(self.hub, {h: ("ckpt", None) for h in live if h not in pending}, pending)
         first = [h for h in pending if h not in self._listings and h not in self._ckpt_waited]
-        if first:
+        if first and wait:
             self._ckpt_waited.update(first)
             deadline = time.monotonic() + self.ask_timeout_s
             while any(h in pending for h in first) and time.monotonic() < deadline:
@@ -245,5 +245,7 @@ class HubState(RunState):
             why = f"the agent on host {host} is lost" if hosts[host] else self._ckpt_errors.get(host)
             if why is not None:
                 notes.append(f"{why}: its files as it last listed them" if host in self._listings else why)
+            elif host not in self._listings:
+                notes.append(f"the agent on host {host} has not listed its checkpoint files yet")
         files, errors = ask.remote_files(self._listings, owner)
         return files, errors + notes

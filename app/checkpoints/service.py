@@ -101,13 +101,17 @@ class CheckpointService:
         self._index: Index | None = None
         self._scanned: tuple[float, int] | None = None  # (monotonic time, world) of the scan
         self._pushed = Changed()  # the fingerprint of the index last pushed
-        # With agents and no shared filesystem: () -> (the other nodes' files, errors) (HubState.checkpoint_files).
-        self.remote: Callable[[], tuple[list[CheckpointFile], list[str]]] | None = None
+        # With agents and no shared filesystem: (wait) -> (the other nodes' files, errors)
+        # (HubState.checkpoint_files; ``wait``: a request may wait for a node's first listing).
+        self.remote: Callable[[bool], tuple[list[CheckpointFile], list[str]]] | None = None
 
     # -- the index -------------------------------------------------------------------
 
-    def index(self, world: int, force: bool = False) -> Index:
-        """The index, re-scanned first if it is older than ``scan_s``, the world changed, or ``force``."""
+    def index(self, world: int, force: bool = False, *, wait: bool = True) -> Index:
+        """The index, re-scanned first if it is older than ``scan_s``, the world changed, or ``force``.
+
+        ``wait`` False (the watcher's tick): with agents, never wait for a node's listing.
+        """
         with self._lock:
             now = self._clock()
             if (
@@ -116,25 +120,25 @@ class CheckpointService:
                 or self._scanned[1] != world
                 or now - self._scanned[0] >= self.scan_s
             ):
-                self._index = self._scan(world)
+                self._index = self._scan(world, wait)
                 self._scanned = (now, world)
             return self._index
 
-    def _scan(self, world: int) -> Index:
+    def _scan(self, world: int, wait: bool = True) -> Index:
         if self.remote is not None:
-            return self._merged(world)
+            return self._merged(world, wait)
         if self.run_dir is None:
             return Index("", time.time(), None, (), (), (NO_RUN_DIR,))
         return ckptindex.scan(self.run_dir, world or None, self.cache)
 
-    def _merged(self, world: int) -> Index:
+    def _merged(self, world: int, wait: bool) -> Index:
         """This directory's files and every agent's, grouped together (a set spans the nodes).
 
         A file this dashboard holds itself is served from here, so it wins over an agent's listing of it.
         """
         scanned_at = time.time()
         files, errors = ckptindex.walk(self.run_dir, self.cache) if self.run_dir else ([], [])
-        theirs, their_errors = self.remote()
+        theirs, their_errors = self.remote(wait)
         here = {f.path for f in files}
         files += [f for f in theirs if f.path not in here]
         return ckptindex.build_index(
@@ -151,7 +155,7 @@ class CheckpointService:
         The watcher calls this every tick and pushes what it returns; a route
         that changed the files (delete) calls it to push at once.
         """
-        index = self.index(world)
+        index = self.index(world, wait=False)
         if not self._pushed.take(_fingerprint(index)):
             return None
         return self._body(index, world)

@@ -251,7 +251,7 @@ def write_set(node: Node, global_step: int, ranks) -> None:
 
 
 def test_the_checkpoint_browser_lists_sets_across_nodes(tmp_path, make_hub, agent_of):
-    hub = make_hub(CHECKPOINT_SCAN_S=0.0)
+    hub = make_hub(CHECKPOINT_SCAN_S=0.2)
     a, b, _ = two_nodes(tmp_path, hub, agent_of)
     write_set(a, 8, (0, 1))
     write_set(b, 8, (2, 3))  # complete: every rank's file on its own node
