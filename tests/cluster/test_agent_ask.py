@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import types
 
 import pytest
 import redis as redis_py
@@ -292,3 +293,40 @@ def test_the_checkpoint_browser_lists_sets_across_nodes(tmp_path, make_hub, agen
     )
     assert r.status_code == 409 and "on host node-a" in r.get_json()["error"], r.get_json()
     assert all(runfiles.checkpoint_path(a.dir, rank, 1, 16).exists() for rank in (0, 1))
+
+
+def test_garbage_requests_never_cost_an_agent_its_digests(tmp_path, redis_server):
+    node = Node(tmp_path, "node-a", range(2), 2)
+    node.beat()
+    agent = Agent(
+        node.dir, redis_server.url, RUN, {**from_env(), **FAST_SETTINGS}, key=KEY.encode(), host="node-a"
+    )
+    client = redis_py.Redis.from_url(redis_server.url)
+    stream, asks = dg.keys(RUN)[0], ask.ask_key(RUN, "node-a")
+    req = {"id": "a" * 32, "kind": "rank", "rank": 0, "time": time.time()}
+    client.lpush(
+        asks,
+        b"x" * (ask.MAX_REQUEST_BYTES + 1),  # too big
+        b"not json",
+        dg.seal(req, "ask", "node-a", None, RUN),  # unsigned
+        dg.seal(req, "ask", "node-b", KEY.encode(), RUN),  # signed for another host
+        dg.seal(req | {"kind": "shell"}, "ask", "node-a", KEY.encode(), RUN),  # no such request
+    )
+    agent.tick(time.time())
+    assert agent.asks_refused == 5 and agent.outbox.error is None
+    assert client.keys(ask.answer_key(RUN, "*")) == [] and client.xlen(stream) == 1
+    # A key of another type where the requests go: the digest still goes out.
+    client.delete(asks)
+    client.set(asks, b"junk")
+    agent.tick(time.time())
+    assert agent.outbox.error is None and client.xlen(stream) == 2
+    # And a real request is answered, signed, with the rank's row.
+    client.delete(asks)
+    client.lpush(asks, dg.seal(req, "ask", "node-a", KEY.encode(), RUN))
+    node.beat()
+    agent.tick(time.time())
+    value = client.get(ask.answer_key(RUN, req["id"]))
+    hub = types.SimpleNamespace(key=KEY.encode(), run=RUN)
+    data = ask.check(value, hub, "node-a", req["id"], ("rank", 0))
+    assert data["row"]["rank"] == 0 and data["row"]["host"] == "node-a" and data["history"]
+    agent.outbox.close()
