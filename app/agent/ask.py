@@ -10,7 +10,8 @@ The agent pops at most ``MAX_ASKS`` requests in the pipeline it already
 sends each tick (``Outbox.send``), so asking costs it no extra wake-up, and
 answers them at once in one more round trip. A request is ``rank`` (that
 rank's full row and chart history: ``RunState.rank``, as a dashboard on the
-node would answer) or ``ckpt`` (the node's checkpoint files:
+node would answer), ``node`` (every row of the node's ranks, when the page
+opens a node) or ``ckpt`` (the node's checkpoint files:
 ``ckptindex.walk``, grouped by the hub with the same ``build_index``).
 
 Requests and answers are sealed like the flag (``digest.seal``), signed with
@@ -54,7 +55,7 @@ ANSWER_TTL_S = 30
 # How often a waiting hub looks for the answers (only while a request waits).
 POLL_S = 0.05
 
-KINDS = ("rank", "ckpt")
+KINDS = ("rank", "ckpt", "node")
 _STRICT = ConfigDict(strict=True, extra="forbid")
 Text = Annotated[str, Field(max_length=4000)]
 Num = Annotated[float, Field(allow_inf_nan=False)]
@@ -102,6 +103,11 @@ class FilesData(TypedDict):
     errors: Annotated[list[Text], Field(max_length=50)]
 
 
+class NodeData(TypedDict):
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    rows: Annotated[list[dg.Row], Field(max_length=dg.MAX_HOST_RANKS)]
+
+
 class Answer(TypedDict):
     __pydantic_config__ = _STRICT  # type: ignore[misc]
     id: str
@@ -110,6 +116,7 @@ class Answer(TypedDict):
     error: Text | None
     rank: RankData | None
     ckpt: FilesData | None
+    node: NodeData | None
 
 
 _REQUEST = TypeAdapter(Request)
@@ -138,23 +145,23 @@ def serve(agent, raws: list[bytes], now: float) -> list[tuple[str, bytes]]:
                 log.warning("rankwatch agent: refused a request in redis: %s", str(e)[:200])
             continue
         answer = {"id": req["id"], "host": agent.host, "kind": req["kind"], "error": None}
-        answer |= {"rank": None, "ckpt": None}
+        answer |= dict.fromkeys(KINDS)
         try:
             if req["kind"] == "rank":
                 answer["rank"] = agent.full_row(req["rank"], now)
                 if answer["rank"] is None:
                     answer["error"] = f"rank {req['rank']} does not run on host {agent.host}"
+            elif req["kind"] == "node":
+                answer["node"] = agent.node_rows()
             else:
                 answer["ckpt"] = agent.checkpoint_files()
         except Exception as e:  # one request the agent cannot serve must not cost it its tick
             log.exception("rankwatch agent: cannot answer a %s request", req["kind"])
-            answer |= {"rank": None, "ckpt": None, "error": f"the agent failed: {e}"[:4000]}
+            answer |= dict.fromkeys(KINDS) | {"error": f"the agent failed: {e}"[:4000]}
         value = _seal_answer(answer, agent)
         if len(value) > MAX_ANSWER_BYTES:
-            answer |= {
-                "rank": None,
-                "ckpt": None,
-                "error": f"the answer would be {len(value)} bytes (at most {MAX_ANSWER_BYTES})",
+            answer |= dict.fromkeys(KINDS) | {
+                "error": f"the answer would be {len(value)} bytes (at most {MAX_ANSWER_BYTES})"
             }
             value = _seal_answer(answer, agent)
         out.append((answer_key(agent.run, req["id"]), value))
@@ -295,6 +302,10 @@ def check(value: bytes, hub, host: str, request_id: str, request: tuple[str, int
         row = data["row"]
         if row["rank"] != rank or row["host"] not in (host, None):
             raise ValueError(f"it holds rank {row['rank']} of host {str(row['host'])[:100]!r}")
+    elif kind == "node":
+        for row in data["rows"]:
+            if row["host"] != host:
+                raise ValueError(f"it holds rank {row['rank']} of host {str(row['host'])[:100]!r}")
     else:
         for entry in data["files"]:
             try:

@@ -204,6 +204,27 @@ class HubState(RunState):
             "agent": {"host": host, "answered": False, "error": got},
         }
 
+    def node(self, host: str, now: float) -> dict | None:
+        """Every row of ``host``'s ranks from its agent, else as its digests left them (``agent`` says which)."""
+        with self._lock:
+            view = self.hub.hosts.get(host)
+            if view is None:
+                return None
+            lost = view.lost
+            rows = [self._rows[r] for r in sorted(view.ranks) if r in self._rows]
+        got: dict | str = (
+            f"the agent on host {host} is lost: no digest for {self.hub.lost_after_s:g} s"
+            if lost
+            else ask.ask(self.hub, {host: ("node", None)}, self.ask_timeout_s)[host]
+        )
+        answered = isinstance(got, dict)
+        return {
+            "now": now,
+            "host": host,
+            "ranks": [with_age(row, now) for row in (got["rows"] if answered else rows)],
+            "agent": {"host": host, "answered": answered, "error": None if answered else got},
+        }
+
     def checkpoint_files(self, wait: bool = True) -> tuple[list, list[str]]:
         """Every agent's checkpoint files (``CheckpointService`` groups them with its own).
 

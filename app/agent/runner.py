@@ -253,6 +253,11 @@ class Agent:
         history = [{k: ask.finite(v) for k, v in p.items()} for p in found["history"][-ask.MAX_HISTORY :]]
         return {"row": row, "history": history}
 
+    def node_rows(self) -> dict:
+        """Every row of this host's ranks as read now (those a hub would refuse left out, as in digests)."""
+        rows = [row for row in self.state.rows() if row["host"] == self.host][: dg.MAX_HOST_RANKS]
+        return {"rows": [row for row in rows if dg.entry_problem({"row": row}) is None]}
+
     def checkpoint_files(self) -> dict:
         """This host's checkpoint files, for a hub's checkpoint browser."""
         return ask.file_listing(self.run_dir, self.ckpt_cache)

@@ -131,6 +131,11 @@ def test_a_rank_full_row_and_history_come_from_its_node_agent(tmp_path, make_hub
     assert set(body["history"][0]) == {"t", "global_step", "loss", "step_time_ms"}
     status, missing = get(hub, "/api/ranks/9")
     assert status == 404 and missing["status"] == 404
+    # Opening a node: every row of its ranks, from its agent.
+    status, node = get(hub, "/api/hosts/node-b/ranks")
+    assert status == 200 and node["agent"]["answered"] is True, node
+    assert [r["rank"] for r in node["ranks"]] == [2, 3] and {r["host"] for r in node["ranks"]} == {"node-b"}
+    assert get(hub, "/api/hosts/node-z/ranks")[0] == 404
 
 
 def test_an_agent_that_does_not_answer_gives_the_digest_row_within_the_bound(tmp_path, make_hub, agent_of):
@@ -147,6 +152,10 @@ def test_an_agent_that_does_not_answer_gives_the_digest_row_within_the_bound(tmp
     assert waited < 20, waited
     _, health = get(hub, "/api/health")
     assert health["hub"]["ask_timeouts"] == 1 and health["hub"]["refused"] == 0
+    status, node = get(hub, "/api/hosts/node-b/ranks")
+    assert status == 200 and node["agent"]["answered"] is False and "did not answer" in node["agent"]["error"]
+    assert [r["rank"] for r in node["ranks"]] == [2, 3]  # the digests' rows
+    assert get(hub, "/api/health")[1]["hub"]["ask_timeouts"] == 2
     # The agent pops the request it missed at its next tick; the hub asked no more, so nothing waits.
     agent_b.tick(time.time())
     ask_list = ask.ask_key(RUN, "node-b")

@@ -61,6 +61,16 @@ def test_the_page_shows_every_node_from_digests_and_an_agent_lost(
                 "✓ healthy 3", timeout=WAIT_MS
             )
 
+        # Opening a node asks its agent for its ranks' full rows (closed first: 6 ranks open by default).
+        toggle = a.locator("button[data-node-toggle]")
+        toggle.click()
+        expect(toggle).to_have_attribute("aria-expanded", "false")
+        with page.expect_response(lambda r: "/api/hosts/gpu-a/ranks" in r.url, timeout=WAIT_MS) as opened:
+            toggle.click()
+        body = opened.value.json()
+        assert body["agent"]["answered"] is True and [r["rank"] for r in body["ranks"]] == [0, 1, 2], body
+        expect(page.locator(RANK_ROWS)).to_have_count(6, timeout=WAIT_MS)
+
         agents[1].kill()
         expect(b.locator('.node-verdicts [data-verdict="agent_lost"]')).to_have_text(
             "⊘ agent lost 3", timeout=WAIT_MS
