@@ -101,6 +101,12 @@ class CheckpointRefused(RankwatchError):
     status = 409
 
 
+class FileElsewhere(RankwatchError):
+    """A checkpoint file on another node's disk, listed by its agent: this dashboard cannot open or remove it."""
+
+    status = 409
+
+
 class SetBusy(RankwatchError):
     """A deep verify is running (of this set, or of another: one runs at a time)."""
 

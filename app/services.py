@@ -88,10 +88,13 @@ def open_run(
     checkpoints.retention = Retention(checkpoints, config)
     from app.agent.hubstate import hub_state
 
+    # With agents (app/agent/), every node's ranks come from their digests in Redis, and the
+    # checkpoint browser lists every node's files through the agents.
+    hub = hub_state(run_dir, config)
+    if hub is not None:
+        checkpoints.remote = hub.checkpoint_files
     return Run(
-        # With agents (app/agent/), every node's ranks come from their digests in Redis.
-        state=hub_state(run_dir, config)
-        or RunState(run_dir, config, redis=redis_subscriber(config, run_dir)),
+        state=hub or RunState(run_dir, config, redis=redis_subscriber(config, run_dir)),
         audit=audit,
         stop=StopService(
             run_dir or ".",

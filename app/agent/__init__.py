@@ -9,5 +9,7 @@ dashboard started with ``AGENTS`` (or ``RUN``) reads the digests through a
 consumer group (``app/agent/hub.py``) and shows every node's ranks
 (``app/agent/hubstate.py``); a stop it writes into its own run directory is
 mirrored to Redis and written by each agent into its host's run directory
-with the bridge's own flag writer.
+with the bridge's own flag writer. The hub asks an agent for what a digest
+does not carry (a rank's full row and history, the node's checkpoint files)
+over one request/answer channel in Redis (``app/agent/ask.py``).
 """

@@ -231,24 +231,40 @@ def parse(fields: dict, run: str, key: bytes | None) -> Digest:
     return digest
 
 
+def seal(value: Any, purpose: str, name: str, key: bytes | None, run: str) -> bytes:
+    """``value`` as JSON in a ``{"body", "sig"}`` envelope, signed with ``key`` for ``purpose`` and ``name``.
+
+    The flag, the hub's requests and the agents' answers (``app/agent/ask.py``) travel so.
+    """
+    body = json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
+    sig = redisbus.signature(key, purpose, run, name, body).decode() if key is not None else ""
+    return json.dumps({"body": body.decode(), "sig": sig}, separators=(",", ":")).encode()
+
+
+def unseal(value: bytes, purpose: str, name: str, key: bytes | None, run: str, max_bytes: int) -> bytes:
+    """The body (JSON bytes, unchecked) of a ``seal`` envelope; ValueError if too big, malformed or unsigned."""
+    if len(value) > max_bytes:
+        raise ValueError(f"a {purpose} value of {len(value)} bytes (at most {max_bytes})")
+    try:
+        outer = json.loads(value)
+    except RecursionError:  # nesting deep enough to overflow the parser is no envelope
+        raise ValueError(f"a malformed {purpose} value") from None
+    if not isinstance(outer, dict) or not isinstance(outer.get("body"), str):
+        raise ValueError(f"a malformed {purpose} value")
+    body = outer["body"].encode()
+    if not redisbus.signed(key, purpose, run, name, body, outer.get("sig") or None):
+        raise ValueError(f"an unsigned or badly signed {purpose} value")
+    return body
+
+
 def flag_value(raw: bytes, version: float, key: bytes | None, run: str) -> bytes:
     """The ``{p}:flag`` value: the flag file's bytes and its version, signed with a key."""
-    body = json.dumps({"flag": raw.decode(), "version": version}, separators=(",", ":")).encode()
-    sig = redisbus.signature(key, "flag", run, "hub", body).decode() if key is not None else ""
-    return json.dumps({"body": body.decode(), "sig": sig}, separators=(",", ":")).encode()
+    return seal({"flag": raw.decode(), "version": version}, "flag", "hub", key, run)
 
 
 def open_flag(value: bytes, key: bytes | None, run: str) -> tuple[bytes, float]:
     """(flag file bytes, version) of a ``{p}:flag`` value; ValueError if unsigned, bad or malformed."""
-    if len(value) > 4 * 65536:
-        raise ValueError("a flag value too large")
-    outer = json.loads(value)
-    if not isinstance(outer, dict) or not isinstance(outer.get("body"), str):
-        raise ValueError("a malformed flag value")
-    body = outer["body"].encode()
-    if not redisbus.signed(key, "flag", run, "hub", body, outer.get("sig") or None):
-        raise ValueError("an unsigned or badly signed flag value")
-    inner: Any = json.loads(body)
+    inner: Any = json.loads(unseal(value, "flag", "hub", key, run, 4 * 65536))
     if not (
         isinstance(inner, dict)
         and isinstance(inner.get("flag"), str)

@@ -111,6 +111,7 @@ class Hub(redisbus.Guarded):
         self.accepted = 0
         self.refused = 0
         self.refused_last: str | None = None
+        self.ask_timeouts = 0  # requests to agents unanswered within the bound (app/agent/ask.py)
         self._grouped = False
         self._down_since: float | None = None
         self._flag_sent: tuple | None = None
@@ -253,7 +254,8 @@ class Hub(redisbus.Guarded):
         pipe.execute()
         self._forward.clear()
 
-    def _refuse(self, why: str) -> set[int]:
+    def refuse(self, why: str) -> set[int]:
+        """Count a refused digest or answer (``app/agent/ask.py``) and keep why; nothing else changes."""
         self.refused += 1
         self.refused_last = why
         if self.refused == 1:
@@ -265,13 +267,13 @@ class Hub(redisbus.Guarded):
         try:
             digest = dg.parse(fields, self.run, self.key)
         except dg.Refused as e:
-            return self._refuse(str(e))
+            return self.refuse(str(e))
         host = digest["host"]
         view = self.hosts.get(host)
         order = (digest["boot"], digest["seq"])
         newer = view is None or order > (view.digest["boot"], view.digest["seq"])
         if not newer and not forwarded:
-            return self._refuse(
+            return self.refuse(
                 f"a digest for host {host[:100]!r} not newer than the last one (a replay, or an older agent)"
             )
         entries = digest.pop("rows")  # the host view keeps the figures, not the rows
@@ -283,7 +285,7 @@ class Hub(redisbus.Guarded):
         for entry in entries:
             owner = self.owner.get(entry["row"]["rank"])
             if owner is not None and owner != host and not self.hosts[owner].lost:
-                return self._refuse(
+                return self.refuse(
                     f"a digest for host {host[:100]!r} claiming rank {entry['row']['rank']}, "
                     f"whose agent on {owner[:100]!r} reports"
                 )
@@ -433,6 +435,7 @@ class Hub(redisbus.Guarded):
             "forwarded": self.forwarded,
             "refused": self.refused,
             "refused_last": self.refused_last,
+            "ask_timeouts": self.ask_timeouts,
         }
 
     def world_size(self) -> int:

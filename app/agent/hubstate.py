@@ -13,13 +13,16 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from app.agent import ask
 from app.agent import digest as dg
 from app.agent.hub import Hub
 from app.ranks.health import VERDICTS
+from app.ranks.rows import with_age
 from app.ranks.state import RunState
 from app.services import redis_key
 from trainer_bridge.rundir import redisbus, runfiles
@@ -58,6 +61,13 @@ class HubState(RunState):
 
     def __init__(self, run_dir, config, hub: Hub):
         self.hub = hub
+        self.ask_timeout_s = float(config["AGENT_ASK_TIMEOUT_S"])
+        # The checkpoint browser's requests to the agents (``checkpoint_files``): host -> its agent's
+        # last listing, its request waiting, why its last one failed, and whether its first was waited for.
+        self._listings: dict[str, dict] = {}
+        self._ckpt_pending = ask.Pending()
+        self._ckpt_errors: dict[str, str] = {}
+        self._ckpt_waited: set[str] = set()
         super().__init__(run_dir, config)
 
     def _clear(self) -> None:
@@ -130,7 +140,7 @@ class HubState(RunState):
         if self._redis_error:
             message += f" Redis is unreachable ({self._redis_error}): the rows are as last heard."
         if hub.refused:
-            message += f" {hub.refused} digest(s) refused, the last {hub.refused_last}."
+            message += f" {hub.refused} digest(s) or answer(s) refused, the last {hub.refused_last}."
         return {
             "status": kind,
             "message": message,
@@ -158,3 +168,105 @@ class HubState(RunState):
     def started_at(self, rank: int) -> float | None:
         with self._lock:
             return (self.hub.beats.get(rank) or {}).get("started_at")
+
+    # ------------------------------------------------------------------ asking the agents (app/agent/ask.py)
+    def rank(self, rank: int, now: float) -> dict | None:
+        """Rank ``rank``'s full row and chart history from its host's agent, else its digest row.
+
+        ``agent`` says which: ``answered`` false (and ``error`` why) means the
+        row is the digest's and there is no history. Waits at most
+        ``AGENT_ASK_TIMEOUT_S``, never holding the view's lock meanwhile.
+        """
+        with self._lock:
+            row = self._rows.get(rank)
+            host = self.hub.owner.get(rank)
+            view = self.hub.hosts.get(host) if host is not None else None
+            lost = view is not None and view.lost
+        if row is None:
+            return None
+        if host is None or view is None:
+            got: dict | str = f"no agent reports rank {rank}"
+        elif lost:
+            got = f"the agent on host {host} is lost: no digest for {self.hub.lost_after_s:g} s"
+        else:
+            got = ask.ask(self.hub, {host: ("rank", rank)}, self.ask_timeout_s)[host]
+        if isinstance(got, dict):
+            return {
+                "now": now,
+                "rank": with_age(got["row"], now),
+                "history": got["history"],
+                "agent": {"host": host, "answered": True, "error": None},
+            }
+        return {
+            "now": now,
+            "rank": with_age(row, now),
+            "history": [],
+            "agent": {"host": host, "answered": False, "error": got},
+        }
+
+    def node(self, host: str, now: float) -> dict | None:
+        """Every row of ``host``'s ranks from its agent, else as its digests left them (``agent`` says which)."""
+        with self._lock:
+            view = self.hub.hosts.get(host)
+            if view is None:
+                return None
+            lost = view.lost
+            rows = [self._rows[r] for r in sorted(view.ranks) if r in self._rows]
+        got: dict | str = (
+            f"the agent on host {host} is lost: no digest for {self.hub.lost_after_s:g} s"
+            if lost
+            else ask.ask(self.hub, {host: ("node", None)}, self.ask_timeout_s)[host]
+        )
+        answered = isinstance(got, dict)
+        return {
+            "now": now,
+            "host": host,
+            "ranks": [with_age(row, now) for row in (got["rows"] if answered else rows)],
+            "agent": {"host": host, "answered": answered, "error": None if answered else got},
+        }
+
+    def checkpoint_files(self, wait: bool = True) -> tuple[list, list[str]]:
+        """Every agent's checkpoint files (``CheckpointService`` groups them with its own).
+
+        It takes the answers that came since the last call and asks each live
+        agent again, at most one request per host outstanding, so the
+        watcher's tick (``wait`` False) never waits. A request (``wait``) waits,
+        within the bound, only for a host never listed yet, once. A host
+        whose agent is lost or did not answer keeps its last listing, and a
+        line in ``errors`` says so; one not listed yet is named there too.
+        """
+        with self._lock:
+            hosts = {h: v.lost for h, v in self.hub.hosts.items()}
+            owner = dict(self.hub.owner)
+        live = [h for h, lost in hosts.items() if not lost]
+        pending = self._ckpt_pending
+        for host in [h for h in pending if h not in live]:
+            del pending[host]
+        got = ask.collect(self.hub, pending) | ask.overdue(self.hub, pending, self.ask_timeout_s)
+        got |= ask.post(self.hub, {h: ("ckpt", None) for h in live if h not in pending}, pending)
+        first = [h for h in pending if h not in self._listings and h not in self._ckpt_waited]
+        if first and wait:
+            self._ckpt_waited.update(first)
+            deadline = time.monotonic() + self.ask_timeout_s
+            while any(h in pending for h in first) and time.monotonic() < deadline:
+                time.sleep(ask.POLL_S)
+                got |= ask.collect(self.hub, pending)
+        for host, answer in got.items():
+            if isinstance(answer, dict):
+                self._listings[host] = answer
+                self._ckpt_errors.pop(host, None)
+            else:
+                self._ckpt_errors[host] = answer
+        for gone in (set(self._listings) | set(self._ckpt_errors) | self._ckpt_waited) - set(hosts):
+            self._listings.pop(gone, None)
+            self._ckpt_errors.pop(gone, None)
+            self._ckpt_waited.discard(gone)
+        notes = []
+        for host in sorted(hosts):
+            why = f"the agent on host {host} is lost" if hosts[host] else self._ckpt_errors.get(host)
+            if why is not None:
+                notes.append(f"{why}: its files as it last listed them" if host in self._listings else why)
+            elif host not in self._listings:
+                notes.append(f"the agent on host {host} has not listed its checkpoint files yet")
+        files, errors = ask.remote_files(self._listings, owner)
+        return files, errors + notes

@@ -38,11 +38,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from app.agent import ask
 from app.agent import digest as dg
 from app.ranks.health import TERMINAL_STATES
 from app.ranks.judging import ALIVE
 from app.ranks.state import RunState
 from trainer_bridge.rundir import redisbus, runfiles
+from trainer_bridge.rundir.ckptmeta import MetaCache
 
 log = logging.getLogger("rankwatch.agent")
 
@@ -50,19 +52,22 @@ STEPPING = ("training", "stopping")
 
 
 class Outbox(redisbus.Guarded):
-    """The agent's one Redis connection: digests out (buffered while Redis is away), flag and resync in."""
+    """The agent's one Redis connection: digests out (buffered while Redis is away), flag, resync and
+    the hub's requests in (``app/agent/ask.py``), answers out."""
 
-    def __init__(self, url: str, run: str, key: bytes | None, buffer: int, **kw):
+    def __init__(self, url: str, run: str, key: bytes | None, buffer: int, host: str, **kw):
         super().__init__(url, run, **kw)
         self.run = run
         self.key = key
         self.stream, self.flag_key, self.resync_key = dg.keys(run)
+        self.ask_key = ask.ask_key(run, host)
         self.pending: deque[dict] = deque(maxlen=buffer)
         self.dropped = 0
         self.sent = 0
 
-    def send(self, digest: dict) -> tuple[bytes | None, bytes | None] | None:
-        """Queue ``digest`` and flush the queue; (flag value, resync value), or None if Redis is away."""
+    def send(self, digest: dict) -> tuple[bytes | None, bytes | None, list[bytes]] | None:
+        """Queue ``digest`` and flush the queue; (flag value, resync value, the hub's requests), or None
+        if Redis is away."""
         if len(self.pending) == self.pending.maxlen:
             if not self.dropped:
                 log.warning(
@@ -78,15 +83,38 @@ class Outbox(redisbus.Guarded):
             for fields in self.pending:
                 pipe.xadd(self.stream, fields, maxlen=dg.STREAM_MAXLEN, approximate=True)
             pipe.mget(self.flag_key, self.resync_key)
-            return pipe.execute()[-1]
+            # The oldest requests first (the hub pushes at the head); at most MAX_ASKS a tick.
+            pipe.rpop(self.ask_key, ask.MAX_ASKS)
+            results = pipe.execute(raise_on_error=False)
+            for result in results[:-1]:
+                if isinstance(result, Exception):
+                    raise result
+            # A key of another type where the requests go (something else writes to redis) is no
+            # request, and must not cost the digests their round trip.
+            asks = results[-1] if not isinstance(results[-1], Exception) else None
+            return results[-2], asks
 
         try:
-            flag, resync = self._call(flush)
+            (flag, resync), asks = self._call(flush)
         except redisbus.RedisUnavailable:
             return None
         self.sent += len(self.pending)
         self.pending.clear()
-        return flag, resync
+        return flag, resync, asks or []
+
+    def answer(self, answers: list[tuple[str, bytes]]) -> None:
+        """Put the answers where the hub waits for them (a hub that gave up lets them expire)."""
+
+        def put(client):
+            pipe = client.pipeline(transaction=False)
+            for key, value in answers:
+                pipe.set(key, value, ex=ask.ANSWER_TTL_S)
+            pipe.execute()
+
+        try:
+            self._call(put)
+        except redisbus.RedisUnavailable:
+            pass  # the hub shows the digest's row instead
 
 
 def _key(row: Mapping) -> tuple:
@@ -117,7 +145,9 @@ class Agent:
         self.run = dg.check_run(run)
         self.host = host or socket.gethostname()
         self.state = RunState(self.run_dir, config, hostname=self.host)
-        self.outbox = Outbox(url, run, key, buffer)
+        self.outbox = Outbox(url, run, key, buffer, self.host)
+        self.ckpt_cache = MetaCache()
+        self.asks_refused = 0
         self.key = key
         self.interval_s = interval_s
         self.resync_s = resync_s
@@ -138,7 +168,10 @@ class Agent:
         digest = self.build(now)
         answer = self.outbox.send(digest)
         if answer is not None:
-            flag, resync = answer
+            flag, resync, asks = answer
+            answers = ask.serve(self, asks, now) if asks else []
+            if answers:
+                self.outbox.answer(answers)
             if resync is not None and resync != self._resync_seen:
                 if self._resync_seen is not None:  # the first value read is an old request: nothing new
                     self._pending.update(dict.fromkeys(sorted(self._sent)))
@@ -209,6 +242,27 @@ class Agent:
             "changed": [e["row"]["rank"] for e in entries if e["row"]["rank"] in changed],
             **figures(rows),
         }
+
+    def full_row(self, rank: int, now: float) -> dict | None:
+        """Rank ``rank``'s row and chart history (``RunState.rank``), if it runs on this host."""
+        found = self.state.rank(rank, now)
+        if found is None or found["rank"]["host"] != self.host:
+            return None
+        row = {k: found["rank"][k] for k in dg.ROW_FIELDS}
+        problem = dg.entry_problem({"row": row})
+        if problem is not None:
+            raise ValueError(f"rank {rank}'s row would be refused (field {problem})")
+        history = [{k: ask.finite(v) for k, v in p.items()} for p in found["history"][-ask.MAX_HISTORY :]]
+        return {"row": row, "history": history}
+
+    def node_rows(self) -> dict:
+        """Every row of this host's ranks as read now (those a hub would refuse left out, as in digests)."""
+        rows = [row for row in self.state.rows() if row["host"] == self.host][: dg.MAX_HOST_RANKS]
+        return {"rows": [row for row in rows if dg.entry_problem({"row": row}) is None]}
+
+    def checkpoint_files(self) -> dict:
+        """This host's checkpoint files, for a hub's checkpoint browser."""
+        return ask.file_listing(self.run_dir, self.ckpt_cache)
 
     def apply_flag(self, value: bytes) -> None:
         """Write the hub's flag into this host's run directory when it is newer than the one applied."""

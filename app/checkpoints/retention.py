@@ -290,7 +290,7 @@ class Retention:
         """
         if self.service.run_dir is None:
             return None
-        index = self.service.index(world)
+        index = self.service.index(world, wait=False)  # the watcher's tick: never waits for an agent
         newest = index.newest_complete
         if newest is None or newest.id == self._auto_seen:
             return None  # every tick but one per new set ends here, without reading retention.json

@@ -312,7 +312,10 @@ def _ranks(ranks) -> str:
 def disk(run_dir: str, index: Index) -> dict:
     """Bytes per run, free space of the checkpoint filesystem, and whether the next save fits."""
     newest = index.newest_complete
-    where = os.path.dirname(newest.files[0].abspath) if newest else run_dir
+    # A file another node's agent listed has no path here (abspath empty): this directory's disk then.
+    where = (
+        next((os.path.dirname(f.abspath) for f in newest.files if f.abspath), run_dir) if newest else run_dir
+    )
     try:
         st = os.statvfs(where)
         free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize

@@ -12,6 +12,7 @@ import time
 from flask import Blueprint, current_app, jsonify, render_template, request, send_file, url_for
 
 from app import push
+from app.checkpoints.service import local_only
 from app.edge import params
 from app.edge.auth import require_operator
 from app.errors import NotFound
@@ -119,6 +120,7 @@ def api_verify_start():
     body = params.body(params.VerifySet)
     service = rankwatch().checkpoints
     _, cset = service.find(body.set, _world())
+    local_only(cset.files, "verified")
     return jsonify(service.verifier.start(cset.id, cset.files, service.run_dir)), 202
 
 

@@ -36,6 +36,7 @@ from app.errors import (
     NO_RUN_DIR,
     BadRequest,
     CheckpointRefused,
+    FileElsewhere,
     Forbidden,
     NoRunDir,
     NotFound,
@@ -62,7 +63,7 @@ def _fingerprint(index: Index) -> tuple:
     """What the page shows that can change: every file's identity, size and status."""
 
     def files(fs):
-        return tuple((f.path, f.meta.bytes, f.meta.mtime, f.meta.status, f.meta.reason) for f in fs)
+        return tuple((f.path, f.host, f.meta.bytes, f.meta.mtime, f.meta.status, f.meta.reason) for f in fs)
 
     return (
         index.world_size,
@@ -100,11 +101,17 @@ class CheckpointService:
         self._index: Index | None = None
         self._scanned: tuple[float, int] | None = None  # (monotonic time, world) of the scan
         self._pushed = Changed()  # the fingerprint of the index last pushed
+        # With agents and no shared filesystem: (wait) -> (the other nodes' files, errors)
+        # (HubState.checkpoint_files; ``wait``: a request may wait for a node's first listing).
+        self.remote: Callable[[bool], tuple[list[CheckpointFile], list[str]]] | None = None
 
     # -- the index -------------------------------------------------------------------
 
-    def index(self, world: int, force: bool = False) -> Index:
-        """The index, re-scanned first if it is older than ``scan_s``, the world changed, or ``force``."""
+    def index(self, world: int, force: bool = False, *, wait: bool = True) -> Index:
+        """The index, re-scanned first if it is older than ``scan_s``, the world changed, or ``force``.
+
+        ``wait`` False (the watcher's tick): with agents, never wait for a node's listing.
+        """
         with self._lock:
             now = self._clock()
             if (
@@ -113,14 +120,30 @@ class CheckpointService:
                 or self._scanned[1] != world
                 or now - self._scanned[0] >= self.scan_s
             ):
-                self._index = self._scan(world)
+                self._index = self._scan(world, wait)
                 self._scanned = (now, world)
             return self._index
 
-    def _scan(self, world: int) -> Index:
+    def _scan(self, world: int, wait: bool = True) -> Index:
+        if self.remote is not None:
+            return self._merged(world, wait)
         if self.run_dir is None:
             return Index("", time.time(), None, (), (), (NO_RUN_DIR,))
         return ckptindex.scan(self.run_dir, world or None, self.cache)
+
+    def _merged(self, world: int, wait: bool) -> Index:
+        """This directory's files and every agent's, grouped together (a set spans the nodes).
+
+        A file this dashboard holds itself is served from here, so it wins over an agent's listing of it.
+        """
+        scanned_at = time.time()
+        files, errors = ckptindex.walk(self.run_dir, self.cache) if self.run_dir else ([], [])
+        theirs, their_errors = self.remote(wait)
+        here = {f.path for f in files}
+        files += [f for f in theirs if f.path not in here]
+        return ckptindex.build_index(
+            self.run_dir or "", files, world or None, errors + their_errors, scanned_at
+        )
 
     def body(self, world: int) -> dict:
         """The body of ``GET /api/checkpoints`` (and of the ``checkpoints`` event)."""
@@ -132,7 +155,7 @@ class CheckpointService:
         The watcher calls this every tick and pushes what it returns; a route
         that changed the files (delete) calls it to push at once.
         """
-        index = self.index(world)
+        index = self.index(world, wait=False)
         if not self._pushed.take(_fingerprint(index)):
             return None
         return self._body(index, world)
@@ -213,12 +236,13 @@ class CheckpointService:
         except safeio.UnsafePath as e:
             raise BadRequest(str(e)) from None
         index = self.index(world)
-        known = {f.path for s in index.sets for f in s.files} | {f.path for f in index.other_files}
+        known = {f.path: f for s in index.sets for f in s.files} | {f.path: f for f in index.other_files}
         if rel not in known:
             raise NotFound(
                 f"{rel!r} is not a checkpoint file of this run "
                 "(only the files GET /api/checkpoints lists can be downloaded)",
             )
+        local_only([known[rel]], "downloaded")
         try:
             fd, st = safeio.open_file(os.path.realpath(self.run_dir), rel)
         except OSError as e:
@@ -262,6 +286,7 @@ class CheckpointService:
                     detail=detail,
                 )
                 raise CheckpointRefused(why)
+            local_only(cset.files, "deleted")
             if self.verifier.running(cset.id):
                 raise SetBusy("a deep verify of this set is running; delete it when it ends")
             deleted, failed, dirs = self.remove_set(cset)
@@ -307,6 +332,9 @@ class CheckpointService:
         root = os.path.realpath(self.run_dir)
         deleted, failed, dirs = [], [], set()
         for f in cset.files:
+            if f.host is not None:
+                failed.append({"path": f.path, "error": f"on host {f.host}: delete it on that node"})
+                continue
             try:
                 safeio.unlink(root, f.path)
             except OSError as e:
@@ -378,6 +406,17 @@ def _launch_series(layouts: list[str]) -> dict[str, dict]:
         for i, n in enumerate(order):
             out[members[n]] = {"base": base, "launch": i + 1, "launches": len(order)}
     return out
+
+
+def local_only(files, action: str) -> None:
+    """FileElsewhere unless every file is on this dashboard's disk (an agent listed the others)."""
+    hosts = sorted({f.host for f in files if f.host is not None})
+    if hosts:
+        raise FileElsewhere(
+            f"{_files(sum(1 for f in files if f.host is not None))} of this are on host {', '.join(hosts[:8])}"
+            f"{' and others' if len(hosts) > 8 else ''}, not on this dashboard's disk: they can be "
+            f"{action} only there (listed through the node's agent)"
+        )
 
 
 def _files(n: int) -> str:

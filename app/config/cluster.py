@@ -66,6 +66,15 @@ SETTINGS: list[Setting] = [
         group=G_AGENTS,
     ),
     Setting(
+        "AGENT_ASK_TIMEOUT_S",
+        3.0,
+        "With agents: how long the dashboard waits for an agent's answer over Redis: a rank's full "
+        "row and chart history (`GET /api/ranks/<rank>`), or its node's checkpoint files (the "
+        "checkpoint browser). Past it the rank's row is the digest's (`agent.answered` false) and a "
+        "node's files are as its agent last listed them.",
+        group=G_AGENTS,
+    ),
+    Setting(
         "HUB_GROUP",
         "",
         "With agents: the Redis consumer group this dashboard reads the digests through. Empty: one of "

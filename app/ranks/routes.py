@@ -120,6 +120,19 @@ def api_rank(rank: int):
     return jsonify(found)
 
 
+@bp.get("/api/hosts/<host>/ranks")
+def api_host_ranks(host: str):
+    """The rows of one node's ranks (the page fetches them when it opens a node).
+
+    With agents they come fresh from the node's agent (``agent`` says whether it answered).
+    """
+    now = time.time()
+    found = fresh_state(now).node(host, now)
+    if found is None:
+        raise NotFound(f"no rank of this job runs on host {host[:253]!r}")
+    return jsonify(found)
+
+
 @bp.get("/api/attempts")
 def api_attempts():
     """Every launch of the job in this run directory, oldest first (app/attempts.py)."""

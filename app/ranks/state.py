@@ -403,6 +403,12 @@ class RunState(RunStatus, ChartViews):
         with self._lock:
             return dict(self._reader.job) if self._reader.job else None
 
+    def node(self, host: str, now: float) -> dict | None:
+        """The rows of the ranks on ``host`` (``GET /api/hosts/<host>/ranks``), or None if none runs there."""
+        with self._lock:
+            rows = [with_age(row, now) for r, row in sorted(self._rows.items()) if row["host"] == host]
+        return {"now": now, "host": host, "ranks": rows} if rows else None
+
     def rank(self, rank: int, now: float) -> dict | None:
         with self._lock:
             row = self._rows.get(rank)

@@ -255,10 +255,12 @@ export class SetTable {
       link.setAttribute("download", "");
       const where = `${f.epoch ?? "?"} / ${f.step ?? "?"} / ${f.global_step ?? "?"}`;
       const status = f.status === "ok" ? el("td", "ckpt-ok", "ok")
-        : el("td", "ckpt-bad", `corrupt: ${f.reason}`);
+        : el("td", "ckpt-bad", `${f.status}: ${f.reason}`);
       status.dataset.col = "file-status";
       const fileTd = el("td");
-      fileTd.append(link);
+      // Listed by another node's agent (no shared filesystem): named, not downloadable from here.
+      if (f.host) fileTd.append(el("span", "", f.path), el("span", "ckpt-host", ` on host ${f.host}`));
+      else fileTd.append(link);
       const verifyTd = el("td");
       verifyTd.dataset.col = "file-verify";
       this.fillFileVerify(verifyTd, verify?.files.get(f.path));
@@ -334,7 +336,7 @@ export class SetTable {
       const link = el("a", "", f.path);
       link.href = `${this.fileUrl}?path=${encodeURIComponent(f.path)}`;
       link.setAttribute("download", "");
-      li.append(link, ` ${f.format ?? "?"}, ${formatBytes(f.bytes)}`,
+      li.append(f.host ? `${f.path} on host ${f.host}` : link, ` ${f.format ?? "?"}, ${formatBytes(f.bytes)}`,
         f.status === "ok" ? "" : el("span", "ckpt-bad", ` corrupt: ${f.reason}`));
       return li;
     }));

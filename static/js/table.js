@@ -15,6 +15,7 @@
 // server's: they send the window asked for (onView, the ranks_view event)
 // and the table draws the rows the server sends, in its order.
 
+import { api } from "./base.js";
 import { SEL, $ } from "./dom.js";
 import {
   GLYPH, formatCount, formatNumber, formatSeconds, formatValue, headerLabel, isNumber, verdictLabel,
@@ -105,12 +106,30 @@ export class RankTable {
       const toggle = event.target.closest(SEL.nodeToggle);
       if (!toggle) return;
       const host = toggle.closest("tr").rwHost;
-      this.nodeOpen.set(host, !this.isOpen(host));
+      const open = !this.isOpen(host);
+      this.nodeOpen.set(host, open);
       this.invalidate();
+      if (open) this.fetchNode(host);
     });
     $(SEL.pagePrev).addEventListener("click", () => this.turn(-1));
     $(SEL.pageNext).addEventListener("click", () => this.turn(1));
     this.buildHeader(false);
+  }
+
+  // With agents, the rows a node's digests carried may be a resync old: an
+  // opened node's rows come fresh from its agent (GET /api/hosts/<host>/ranks).
+  async fetchNode(host) {
+    if (host === null || this.store.window || this.store.run?.transport !== "agents") return;
+    try {
+      const res = await fetch(api(`/api/hosts/${encodeURIComponent(host)}/ranks`));
+      if (!res.ok) return;
+      const body = await res.json();
+      if (!body.agent?.answered) return; // the digests' rows: the page has them already
+      this.store.applyDelta({ now: body.now, world_size: this.store.worldSize, rows: body.ranks });
+      this.invalidate();
+    } catch {
+      // The next push brings the rows all the same.
+    }
   }
 
   buildHeader(withDevice) {

@@ -84,6 +84,8 @@ class CheckpointFile:
     origin: str
     layout: str
     meta: CheckpointMeta
+    # The node that holds it when an agent listed it (``app/agent/ask.py``); None: this run directory.
+    host: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -92,6 +94,7 @@ class CheckpointFile:
     def to_dict(self) -> dict:
         m = self.meta
         return {
+            **({"host": self.host} if self.host is not None else {}),
             "path": self.path,
             "rank": self.rank,
             "bytes": m.bytes,
@@ -202,22 +205,88 @@ def scan(run_dir: str | os.PathLike, world_size: int | None = None, cache: MetaC
     """
     if world_size is not None and world_size < 1:
         raise ValueError(f"scan: world_size must be at least 1, got {world_size}")
-    cache = cache if cache is not None else MetaCache()
     scanned_at = time.time()
+    files, errors = walk(run_dir, cache)
+    return build_index(os.fspath(run_dir), files, world_size, errors, scanned_at)
+
+
+def walk(
+    run_dir: str | os.PathLike, cache: MetaCache | None = None
+) -> tuple[list[CheckpointFile], list[str]]:
+    """(every checkpoint-like file under ``run_dir``, what could not be read): the walk half of ``scan``.
+
+    An agent lists its node's files with it; ``build_index`` groups them.
+    """
+    cache = cache if cache is not None else MetaCache()
     root = os.path.realpath(run_dir)
     errors: list[str] = []
     if not os.path.isdir(root):
         errors.append(f"run directory {os.fspath(run_dir)!r} does not exist or is not a directory")
-        return Index(os.fspath(run_dir), scanned_at, world_size, (), (), tuple(errors))
+        return [], errors
     files = []
     for rel_parts, abspath, st in _walk(root, errors):
         meta = cache.read(abspath, st)
         origin, rank, layout = classify(rel_parts)
         files.append(CheckpointFile("/".join(rel_parts), abspath, rank, origin, layout, meta))
+    return files, errors
+
+
+def build_index(
+    run_dir: str,
+    files: list[CheckpointFile],
+    world_size: int | None,
+    errors: list[str] | tuple[str, ...] = (),
+    scanned_at: float | None = None,
+) -> Index:
+    """Group ``files`` into sets: the grouping half of ``scan``, also fed every node's files by a hub."""
     in_sets = [f for f in files if f.meta.format in SET_FORMATS]
     others = sorted((f for f in files if f.meta.format not in SET_FORMATS), key=lambda f: f.path)
     sets = _group(in_sets, world_size)
-    return Index(os.fspath(run_dir), scanned_at, world_size, tuple(sets), tuple(others), tuple(errors))
+    return Index(
+        run_dir,
+        time.time() if scanned_at is None else scanned_at,
+        world_size,
+        tuple(sets),
+        tuple(others),
+        tuple(errors),
+    )
+
+
+def listing(f: CheckpointFile) -> dict:
+    """What an agent tells a hub about one of its files (``from_listing`` makes it a file again)."""
+    m = f.meta
+    return {
+        "path": f.path,
+        "format": m.format,
+        "bytes": m.bytes,
+        "mtime": m.mtime,
+        "status": m.status,
+        "reason": m.reason,
+        "epoch": m.epoch,
+        "step": m.step,
+        "global_step": m.global_step,
+        "step_source": m.step_source,
+    }
+
+
+def from_listing(entry: dict, host: str) -> CheckpointFile:
+    """A file another node listed (``listing``'s fields, already checked): rank, origin and layout
+    come from its path here, as for a local file; it has no local path (``abspath`` is empty)."""
+    parts = entry["path"].split("/")
+    origin, rank, layout = classify(parts)
+    meta = CheckpointMeta(
+        path=entry["path"],
+        format=entry["format"],
+        bytes=entry["bytes"],
+        mtime=entry["mtime"],
+        status=entry["status"],
+        reason=entry["reason"],
+        epoch=entry["epoch"],
+        step=entry["step"],
+        global_step=entry["global_step"],
+        step_source=entry["step_source"],
+    )
+    return CheckpointFile(entry["path"], "", rank, origin, layout, meta, host)
 
 
 def _walk(root: str, errors: list[str]):

@@ -1,0 +1,354 @@
+"""The hub asks an agent, the agent answers: one request/answer channel over Redis (no new port).
+
+Keys, per run (``rankwatch:run:{run}``, ``app/agent/digest.py``):
+
+``{p}:ask:{host}``   a list of the hub's requests to ``host``'s agent (``LPUSH``,
+                     trimmed to ``QUEUE_MAX``, expiring after ``ASK_TTL_S``);
+``{p}:answer:{id}``  the agent's answer to request ``id`` (``SET EX ANSWER_TTL_S``).
+
+The agent pops at most ``MAX_ASKS`` requests in the pipeline it already
+sends each tick (``Outbox.send``), so asking costs it no extra wake-up, and
+answers them at once in one more round trip. A request is ``rank`` (that
+rank's full row and chart history: ``RunState.rank``, as a dashboard on the
+node would answer), ``node`` (every row of the node's ranks, when the page
+opens a node) or ``ckpt`` (the node's checkpoint files:
+``ckptindex.walk``, grouped by the hub with the same ``build_index``).
+
+Requests and answers are sealed like the flag (``digest.seal``), signed with
+``RANKWATCH_REDIS_KEY`` when there is one and bound to the host and the
+request's id, so an answer cannot be replayed for another request or host.
+Whatever the hub reads is untrusted: an answer too big, unsigned, for
+another request or malformed is refused and counted with the hostile
+digests (``Hub.status``), and the hub waits on, at most ``timeout_s`` in all;
+the caller then shows what the digests said.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import uuid
+from typing import Annotated, Literal
+
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
+from typing_extensions import TypedDict
+
+from app.agent import digest as dg
+from trainer_bridge.rundir import ckptindex, redisbus, safeio
+from trainer_bridge.rundir.schema import Count, Host, Rank
+
+log = logging.getLogger("rankwatch.agent")
+
+MAX_REQUEST_BYTES = 2048
+# An answer larger than this is refused unread; the agent says so instead of sending one.
+MAX_ANSWER_BYTES = 4 * 1024 * 1024
+# Files one node lists (more are left out, and the answer says so).
+MAX_FILES = 10_000
+MAX_HISTORY = 100_000
+# Requests an agent answers per tick; more wait for the next tick.
+MAX_ASKS = 8
+# Requests kept waiting per host: a hub asking a dead agent does not grow its list.
+QUEUE_MAX = 32
+ASK_TTL_S = 30
+ANSWER_TTL_S = 30
+# How often a waiting hub looks for the answers (only while a request waits).
+POLL_S = 0.05
+
+KINDS = ("rank", "ckpt", "node")
+_STRICT = ConfigDict(strict=True, extra="forbid")
+Text = Annotated[str, Field(max_length=4000)]
+Num = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class Request(TypedDict):
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    id: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
+    kind: Literal[KINDS]
+    rank: Rank | None
+    time: Num
+
+
+class Point(TypedDict):
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    t: Num
+    global_step: Count | None
+    loss: Num | None
+    step_time_ms: Num | None
+
+
+class RankData(TypedDict):
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    row: dg.Row
+    history: Annotated[list[Point], Field(max_length=MAX_HISTORY)]
+
+
+class FileEntry(TypedDict):
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    path: Annotated[str, Field(min_length=1, max_length=4096)]
+    format: Literal["ckpt", "safetensors", "mindir"] | None
+    bytes: Count
+    mtime: Num
+    status: Literal["ok", "corrupt"]
+    reason: Text | None
+    epoch: Count | None
+    step: Count | None
+    global_step: Count | None
+    step_source: Literal["contents", "name"] | None
+
+
+class FilesData(TypedDict):
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    files: Annotated[list[FileEntry], Field(max_length=MAX_FILES)]
+    errors: Annotated[list[Text], Field(max_length=50)]
+
+
+class NodeData(TypedDict):
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    rows: Annotated[list[dg.Row], Field(max_length=dg.MAX_HOST_RANKS)]
+
+
+class Answer(TypedDict):
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    id: str
+    host: Host
+    kind: Literal[KINDS]
+    error: Text | None
+    rank: RankData | None
+    ckpt: FilesData | None
+    node: NodeData | None
+
+
+_REQUEST = TypeAdapter(Request)
+_ANSWER = TypeAdapter(Answer)
+
+
+def ask_key(run: str, host: str) -> str:
+    return f"rankwatch:run:{run}:ask:{host}"
+
+
+def answer_key(run: str, request_id: str) -> str:
+    return f"rankwatch:run:{run}:answer:{request_id}"
+
+
+# ---------------------------------------------------------------------- the agent's side
+def serve(agent, raws: list[bytes], now: float) -> list[tuple[str, bytes]]:
+    """The answers (key, sealed value) of this host's agent to the requests it popped."""
+    out = []
+    for raw in raws[:MAX_ASKS]:
+        try:
+            body = dg.unseal(raw, "ask", agent.host, agent.key, agent.run, MAX_REQUEST_BYTES)
+            req = _REQUEST.validate_json(body)
+        except (ValueError, ValidationError) as e:
+            agent.asks_refused += 1
+            if agent.asks_refused == 1:
+                log.warning("rankwatch agent: refused a request in redis: %s", str(e)[:200])
+            continue
+        answer = {"id": req["id"], "host": agent.host, "kind": req["kind"], "error": None}
+        answer |= dict.fromkeys(KINDS)
+        try:
+            if req["kind"] == "rank":
+                answer["rank"] = agent.full_row(req["rank"], now)
+                if answer["rank"] is None:
+                    answer["error"] = f"rank {req['rank']} does not run on host {agent.host}"
+            elif req["kind"] == "node":
+                answer["node"] = agent.node_rows()
+            else:
+                answer["ckpt"] = agent.checkpoint_files()
+        except Exception as e:  # one request the agent cannot serve must not cost it its tick
+            log.exception("rankwatch agent: cannot answer a %s request", req["kind"])
+            answer |= dict.fromkeys(KINDS) | {"error": f"the agent failed: {e}"[:4000]}
+        value = _seal_answer(answer, agent)
+        if len(value) > MAX_ANSWER_BYTES:
+            answer |= dict.fromkeys(KINDS) | {
+                "error": f"the answer would be {len(value)} bytes (at most {MAX_ANSWER_BYTES})"
+            }
+            value = _seal_answer(answer, agent)
+        out.append((answer_key(agent.run, req["id"]), value))
+    return out
+
+
+def _seal_answer(answer: dict, agent) -> bytes:
+    return dg.seal(answer, "answer", f"{agent.host}/{answer['id']}", agent.key, agent.run)
+
+
+def finite(value):
+    """JSON has no NaN: a diverged loss in the chart history travels as None."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def file_listing(run_dir, cache) -> dict:
+    """This node's checkpoint files as an agent answers them (``ckptindex.walk``)."""
+    files, errors = ckptindex.walk(run_dir, cache)
+    if len(files) > MAX_FILES:
+        errors.append(f"{len(files)} checkpoint files on this node: only {MAX_FILES} listed")
+    return {"files": [ckptindex.listing(f) for f in files[:MAX_FILES]], "errors": errors[:50]}
+
+
+# ---------------------------------------------------------------------- the hub's side
+class Pending(dict):
+    """host -> (request id, kind, rank, monotonic time sent): requests posted, not yet answered."""
+
+
+def post(hub, requests: dict[str, tuple[str, int | None]], pending: Pending) -> dict[str, str]:
+    """Push ``requests`` (host -> (kind, rank)) to the agents and note them in ``pending``.
+
+    Returns host -> why it could not be asked (Redis away), for the hosts not posted.
+    """
+    if not requests:
+        return {}
+    sent = time.monotonic()
+    now = time.time()
+    ids = {host: uuid.uuid4().hex for host in requests}
+
+    def push(client):
+        pipe = client.pipeline(transaction=False)
+        for host, (kind, rank) in requests.items():
+            req = {"id": ids[host], "kind": kind, "rank": rank, "time": now}
+            key = ask_key(hub.run, host)
+            pipe.lpush(key, dg.seal(req, "ask", host, hub.key, hub.run))
+            pipe.ltrim(key, 0, QUEUE_MAX - 1)
+            pipe.expire(key, ASK_TTL_S)
+        pipe.execute()
+
+    try:
+        hub._call(push)
+    except redisbus.RedisUnavailable as e:
+        return dict.fromkeys(requests, f"cannot ask the agent: {e}")
+    for host, (kind, rank) in requests.items():
+        pending[host] = (ids[host], kind, rank, sent)
+    return {}
+
+
+def collect(hub, pending: Pending) -> dict[str, dict | str]:
+    """The answers arrived so far (one MGET, no wait): host -> data, or the agent's own error.
+
+    Answered hosts leave ``pending``; a refused answer is counted on
+    ``hub`` (``Hub.refuse``) and its request stays pending, for the real one.
+    """
+    if not pending:
+        return {}
+    hosts = list(pending)
+    keys = [answer_key(hub.run, pending[h][0]) for h in hosts]
+    try:
+        values = hub._call(lambda client: client.mget(keys))
+    except redisbus.RedisUnavailable as e:
+        pending.clear()
+        return {h: f"cannot read the agent's answer: {e}" for h in hosts}
+    out: dict[str, dict | str] = {}
+    read = []
+    for host, key, value in zip(hosts, keys, values, strict=True):
+        if value is None:
+            continue
+        read.append(key)
+        request_id, kind, rank, _ = pending[host]
+        try:
+            out[host] = check(value, hub, host, request_id, (kind, rank))
+            del pending[host]
+        except ValueError as e:
+            hub.refuse(f"an answer for host {host[:100]!r}: {e}")
+    if read:
+        try:
+            hub._call(lambda client: client.delete(*read))
+        except redisbus.RedisUnavailable:
+            pass  # they expire
+    return out
+
+
+def overdue(hub, pending: Pending, timeout_s: float) -> dict[str, str]:
+    """Drop (and count) the requests unanswered for ``timeout_s``: host -> why."""
+    late = [h for h, (*_, sent) in pending.items() if time.monotonic() - sent >= timeout_s]
+    for host in late:
+        del pending[host]
+    hub.ask_timeouts += len(late)
+    return {h: f"the agent on host {h} did not answer within {timeout_s:g} s" for h in late}
+
+
+def ask(hub, requests: dict[str, tuple[str, int | None]], timeout_s: float) -> dict[str, dict | str]:
+    """Ask each host's agent ``(kind, rank)`` and wait; host -> the checked answer's data, or why none.
+
+    Waits at most ``timeout_s`` in all, whatever Redis or the agents do.
+    """
+    pending = Pending()
+    out: dict[str, dict | str] = post(hub, requests, pending)
+    while pending:
+        out.update(collect(hub, pending))
+        if pending:
+            left = min(pending.values(), key=lambda p: p[3])[3] + timeout_s - time.monotonic()
+            if left <= 0:
+                out.update(overdue(hub, pending, timeout_s))
+                break
+            time.sleep(min(POLL_S, left))
+    return out
+
+
+def check(value: bytes, hub, host: str, request_id: str, request: tuple[str, int | None]) -> dict | str:
+    """The answer's data (a dict), or the agent's own error (a str); ValueError if refused."""
+    body = dg.unseal(value, "answer", f"{host}/{request_id}", hub.key, hub.run, MAX_ANSWER_BYTES)
+    try:
+        answer = _ANSWER.validate_json(body)
+    except ValidationError as e:
+        where = ".".join(map(str, e.errors()[0]["loc"])) if e.errors() else "?"
+        raise ValueError(f"malformed (field {where})") from None
+    kind, rank = request
+    if answer["id"] != request_id or answer["host"] != host or answer["kind"] != kind:
+        raise ValueError("it answers another request")
+    if answer["error"] is not None:
+        return f"the agent on host {host} answered: {answer['error']}"
+    data = answer[kind]
+    if data is None:
+        raise ValueError("it holds neither data nor an error")
+    if kind == "rank":
+        row = data["row"]
+        if row["rank"] != rank or row["host"] not in (host, None):
+            raise ValueError(f"it holds rank {row['rank']} of host {str(row['host'])[:100]!r}")
+    elif kind == "node":
+        for row in data["rows"]:
+            if row["host"] != host:
+                raise ValueError(f"it holds rank {row['rank']} of host {str(row['host'])[:100]!r}")
+    else:
+        for entry in data["files"]:
+            try:
+                safeio.parts(entry["path"])
+            except safeio.UnsafePath:
+                raise ValueError(
+                    f"it lists a file outside the run directory: {entry['path'][:200]!r}"
+                ) from None
+    return data
+
+
+def remote_files(answers: dict[str, dict | str], owner: dict[int, str]) -> tuple[list, list[str]]:
+    """The checkpoint files the agents listed, and what went wrong, for ``ckptindex.build_index``.
+
+    A file counts towards its set only on the node its rank runs on: a copy
+    elsewhere cannot be loaded by that rank, so it is listed as misplaced.
+    Nodes that share a run directory list the same files: each path is kept
+    once, from its rank's node when that node listed it.
+    """
+    chosen: dict[str, ckptindex.CheckpointFile] = {}
+    errors: list[str] = []
+    for host in sorted(answers):
+        got = answers[host]
+        if isinstance(got, str):
+            errors.append(got)
+            continue
+        errors.extend(f"host {host}: {e}" for e in got["errors"])
+        for entry in got["files"]:
+            f = ckptindex.from_listing(entry, host)
+            old = chosen.get(f.path)
+            if old is None or (owner.get(f.rank) == host and old.host != host):
+                chosen[f.path] = f
+    files = []
+    for f in chosen.values():
+        runs_on = owner.get(f.rank)
+        if f.ok and runs_on is not None and runs_on != f.host:
+            f = ckptindex.from_listing(
+                ckptindex.listing(f)
+                | {
+                    "status": "misplaced",
+                    "reason": f"on host {f.host}, but rank {f.rank} runs on host {runs_on}",
+                },
+                f.host,
+            )
+        files.append(f)
+    return files, errors
