@@ -11,7 +11,9 @@ through Redis: no file is shared.
 
 One job tells the whole story: every rank live; node 1's agent killed
 (``agent lost``) and back; a stop from the dashboard, each rank's
-checkpoint on its own node's disk; a relaunch that resumes from that set
+checkpoint on its own node's disk, and the checkpoint browser listing that
+set across both nodes, complete only while every rank's file is on its
+node; a relaunch that resumes from that set
 on every rank; node 1's launcher and workers killed while its agent
 reports them (``dead``), then its agent too (``node lost``).
 """
@@ -162,6 +164,25 @@ def test_two_nodes_with_local_run_dirs_through_one_agent_each(nodes, tmp_path):
             assert cset.ranks_present == tuple(r for r in range(WORLD) if node_of(r) == n), cset
             assert cset.ranks_missing == tuple(r for r in range(WORLD) if node_of(r) != n), cset
         assert stop_sets[0].id == stop_sets[1].id
+
+        # --- the checkpoint browser, through the agents: one set across both nodes' disks --
+        def browsed(complete: bool):
+            sets = {c["id"]: c for c in dash.get("/api/checkpoints")["sets"]}
+            cset = sets.get(stop_sets[0].id)
+            return cset if cset is not None and cset["complete"] is complete else None
+
+        cset = poll_until(lambda: browsed(True), "the stop's set complete across both nodes", timeout=60)
+        assert {f["rank"]: f.get("host") for f in cset["files"]} == {
+            r: nodes.nodes[node_of(r)].hostname for r in range(WORLD)
+        }, dump(cset)
+        # Complete only while every rank's file is on its node: rank 3's set aside, then back.
+        own3 = run_dirs[node_of(3)] / beats[3]["stop"]["checkpoint"]["path"]
+        aside = own3.with_name(own3.name + ".aside")
+        own3.rename(aside)
+        cset = poll_until(lambda: browsed(False), "the set incomplete without rank 3's file", timeout=60)
+        assert cset["ranks_missing"] == [3], dump(cset)
+        aside.rename(own3)
+        poll_until(lambda: browsed(True), "the set complete again", timeout=60)
 
         # --- the relaunch: every rank agrees on the set, each loading its own node's file --
         launchers = launch(nodes, run_dirs, tmp_path, "second")
