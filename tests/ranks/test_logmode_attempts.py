@@ -151,6 +151,7 @@ def test_kept_attempts_are_bounded_and_a_bad_row_is_skipped(run_dir):
     app = make_app(run_dir)
     try:
         client = app.test_client()
+        assert [a["attempt"] for a in attempts(app, client)] == [1, 2]
         for _ in range(MAX_KEPT + 5):
             steps(logs, (0, 1), 1, 1, mode="w")  # the relaunch
             app.extensions["rankwatch"].state.scan(time.time())
