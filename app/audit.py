@@ -48,7 +48,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from app.errors import Unavailable
@@ -179,6 +179,41 @@ def prepare_wal(conn: sqlite3.Connection, schema: str, migrate=None) -> None:
             migrate(conn)
 
 
+def columns_of(conn: sqlite3.Connection, table: str) -> set[str]:
+    return {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+
+
+def add_columns(
+    conn: sqlite3.Connection,
+    table: str,
+    added: Sequence[tuple[str, str, Sequence[tuple[str, tuple]]]],
+    then: Sequence[str] = (),
+) -> None:
+    """Migrate a table an older dashboard wrote, in one transaction under a write lock.
+
+    ``added`` holds ``(column, declaration, backfill statements)``: each
+    column ``table`` lacks is added and its backfill run (the columns are
+    read again under the lock, so two dashboards migrating at once add each
+    column once). ``then`` is run after them (an index on the new columns,
+    a ``user_version``). Both the audit trail and the delivery log, which
+    share a file, migrate through this.
+    """
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        have = columns_of(conn, table)
+        for name, declaration, backfill in added:
+            if name not in have:
+                conn.execute(f"ALTER TABLE {table} ADD COLUMN {name} {declaration}")
+                for sql, args in backfill:
+                    conn.execute(sql, args)
+        for sql in then:
+            conn.execute(sql)
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
 READ_TIMEOUT_S = 0.5
 
 
@@ -223,21 +258,20 @@ class AuditLog:
         """Bring a trail written by an older dashboard to ``SCHEMA_VERSION``, once, under a write lock."""
         if conn.execute("PRAGMA user_version").fetchone()[0] >= SCHEMA_VERSION:
             return
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            columns = {row[1] for row in conn.execute("PRAGMA table_info(audit)")}
-            if "basis" not in columns:
-                conn.execute(f"ALTER TABLE audit ADD COLUMN basis TEXT NOT NULL DEFAULT '{AUTHENTICATED}'")
-                conn.execute("UPDATE audit SET basis = ? WHERE who = ?", (OBSERVED, SYSTEM))
-            if "run" not in columns:
+        add_columns(
+            conn,
+            "audit",
+            [
+                (
+                    "basis",
+                    f"TEXT NOT NULL DEFAULT '{AUTHENTICATED}'",
+                    [("UPDATE audit SET basis = ? WHERE who = ?", (OBSERVED, SYSTEM))],
+                ),
                 # Old rows keep none: nothing in them says which run they were about.
-                conn.execute("ALTER TABLE audit ADD COLUMN run TEXT")
-            conn.execute(RUN_INDEX)
-            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
+                ("run", "TEXT", []),
+            ],
+            then=[RUN_INDEX, f"PRAGMA user_version = {SCHEMA_VERSION}"],
+        )
 
     def record(
         self,

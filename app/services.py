@@ -87,14 +87,18 @@ def open_run(
     # The retention plan and its automatic mode (app/checkpoints/retention.py).
     checkpoints.retention = Retention(checkpoints, config)
     from app.agent.hubstate import hub_state
+    from app.ranks.logmode.kept import KeptAttempts
 
     # With agents (app/agent/), every node's ranks come from their digests in Redis, and the
     # checkpoint browser lists every node's files through the agents.
     hub = hub_state(run_dir, config)
     if hub is not None:
         checkpoints.remote = hub.checkpoint_files
+    state = hub or RunState(run_dir, config, redis=redis_subscriber(config, run_dir))
+    # The attempts msrun's relaunches erase from the logs, kept beside the audit trail.
+    state.keep_log_attempts(KeptAttempts(audit))
     return Run(
-        state=hub or RunState(run_dir, config, redis=redis_subscriber(config, run_dir)),
+        state=state,
         audit=audit,
         stop=StopService(
             run_dir or ".",

@@ -57,6 +57,8 @@ class Incidents:
             give_up_s=config["WEBHOOK_GIVE_UP_S"],
             retry_max_s=config["WEBHOOK_RETRY_MAX_S"],
             start_task=start_task,
+            run=audit.run,
+            shared=audit.shared,
         )
         alerts = AlertDesk(
             sender,

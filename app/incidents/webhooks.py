@@ -22,10 +22,17 @@ file, so it lives and dies with the run)::
         attempt   INTEGER NOT NULL,  -- 1, 2, ...
         outcome   TEXT NOT NULL,     -- delivered (HTTP 200) | failed: ...; retry in 4 s | gave up: ...
         text      TEXT,              -- the payload's text
-        dedup_key TEXT               -- stop and policy alerts: sent once per key, across restarts
+        dedup_key TEXT,              -- stop and policy alerts: sent once per key, across restarts
+        run       TEXT               -- the run id, as the audit trail's ``run`` column
     )
 
-The newest attempts are also kept in memory for the page.
+The newest attempts are also kept in memory for the page. As the audit
+trail, a shared ``AUDIT_DB`` holds every run's deliveries and each run reads
+back (and checks its ``dedup_key``s against) its own; a log in the run's
+own directory is all that run's. A log an older dashboard wrote gains the
+``run`` column when first opened (``app.audit.add_columns``, the trail's
+migration); its old rows have none, so a shared log keeps them out of
+every run's view.
 
 Two defences, because a rank writes much of what an alert says (its error
 text, a verdict's reason, host names):
@@ -58,7 +65,7 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from app.audit import WRITE_TIMEOUT_S, connect_pinned, prepare_wal
+from app.audit import WRITE_TIMEOUT_S, add_columns, columns_of, connect_pinned, prepare_wal
 from trainer_bridge.rundir import safeio
 
 log = logging.getLogger(__name__)
@@ -73,11 +80,14 @@ CREATE TABLE IF NOT EXISTS alert_deliveries (
     attempt   INTEGER NOT NULL,
     outcome   TEXT NOT NULL,
     text      TEXT,
-    dedup_key TEXT
+    dedup_key TEXT,
+    run       TEXT
 );
 CREATE INDEX IF NOT EXISTS alert_deliveries_key ON alert_deliveries (dedup_key);
 """
-COLUMNS = ("id", "at", "alert_id", "event", "target", "attempt", "outcome", "text", "dedup_key")
+# Created by the migration, after the column exists (an old log's table has no run yet).
+RUN_INDEX = "CREATE INDEX IF NOT EXISTS alert_deliveries_run ON alert_deliveries (run, id)"
+COLUMNS = ("id", "at", "alert_id", "event", "target", "attempt", "outcome", "text", "dedup_key", "run")
 # Alerts waiting per URL; past this the oldest is dropped (and the drop logged).
 QUEUE_MAX = 1000
 RECENT_MAX = 200
@@ -160,9 +170,14 @@ class WebhookSender:
         retry_max_s: float,
         start_task: Callable,
         clock: Callable[[], float] = time.time,
+        run: str | None = None,
+        shared: bool = False,
     ):
         self.db_path = Path(db_path)
         self.db_root = db_root
+        # The run every row written here is about; with ``shared``, the only run read back.
+        self.run = run
+        self.shared = shared and run is not None
         self.timeout_s = timeout_s
         self.give_up_s = give_up_s
         self.retry_max_s = retry_max_s
@@ -212,9 +227,8 @@ class WebhookSender:
         try:
             conn = self._connect()
             try:
-                row = conn.execute(
-                    "SELECT 1 FROM alert_deliveries WHERE dedup_key = ? LIMIT 1", (dedup_key,)
-                ).fetchone()
+                where, args = self._where(dedup_key=dedup_key)
+                row = conn.execute("SELECT 1 FROM alert_deliveries" + where + " LIMIT 1", args).fetchone()
             finally:
                 conn.close()
         except sqlite3.Error as e:
@@ -232,15 +246,26 @@ class WebhookSender:
             return list(self._recent)[-limit:][::-1]
 
     def rows(self, limit: int = 200) -> list[dict]:
-        """Attempts from the database, newest first; empty when nothing was ever sent."""
+        """Attempts from the database, newest first (this run's only, if shared); empty when nothing was sent."""
         if not self.db_path.exists():
             return []
         conn = self._connect()
         try:
-            cur = conn.execute("SELECT * FROM alert_deliveries ORDER BY id DESC LIMIT ?", (limit,))
+            where, args = self._where()
+            cur = conn.execute(
+                f"SELECT {', '.join(COLUMNS)} FROM alert_deliveries{where} ORDER BY id DESC LIMIT ?",
+                [*args, limit],
+            )
             return [dict(zip(COLUMNS, r, strict=True)) for r in cur]
         finally:
             conn.close()
+
+    def _where(self, **equal) -> tuple[str, list]:
+        """A `` WHERE`` clause and its arguments: each column in ``equal`` and, if shared, this run."""
+        if self.shared:
+            equal["run"] = self.run
+        clause = " AND ".join(f"{column} = ?" for column in equal)
+        return (f" WHERE {clause}" if clause else ""), list(equal.values())
 
     def close(self) -> None:
         with self._cond:
@@ -326,6 +351,7 @@ class WebhookSender:
             "outcome": outcome,
             "text": str(payload.get("text", ""))[:1000],
             "dedup_key": item.get("dedup_key"),
+            "run": self.run,
         }
         with self._recent_lock:
             self._recent.append(row)
@@ -337,8 +363,8 @@ class WebhookSender:
             try:
                 conn.execute(
                     "INSERT INTO alert_deliveries (at, alert_id, event, target, attempt, outcome, text,"
-                    " dedup_key) VALUES (:at, :alert_id, :event, :target, :attempt, :outcome, :text,"
-                    " :dedup_key)",
+                    " dedup_key, run) VALUES (:at, :alert_id, :event, :target, :attempt, :outcome, :text,"
+                    " :dedup_key, :run)",
                     row,
                 )
             finally:
@@ -352,8 +378,19 @@ class WebhookSender:
         except OSError as e:  # a symlink, FIFO or directory where the database should be
             raise sqlite3.OperationalError(f"cannot open {self.db_path}: {safeio.why(e)}") from None
         try:
-            prepare_wal(conn, SCHEMA)  # one delivery thread at a time (app/audit.py says why)
+            prepare_wal(conn, SCHEMA, _migrate)  # one delivery thread at a time (app/audit.py says why)
         except BaseException:
             conn.close()
             raise
         return conn
+
+
+def _migrate(conn: sqlite3.Connection) -> None:
+    """Give a delivery log an older dashboard wrote its ``run`` column (its rows keep none).
+
+    The file's ``user_version`` is the audit trail's, so the table's own columns
+    say whether it is needed; the write lock is taken only when it is.
+    """
+    if "run" not in columns_of(conn, "alert_deliveries"):
+        add_columns(conn, "alert_deliveries", [("run", "TEXT", [])])
+    conn.execute(RUN_INDEX)

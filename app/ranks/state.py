@@ -84,6 +84,7 @@ class RunState(RunStatus, ChartViews):
             if log_dir is not None
             else None
         )
+        self._kept = None  # where the log-mode attempts are kept (keep_log_attempts)
         self._clear()
         # Nobody has seen anything yet, and each client gets a snapshot when it
         # connects: the first tick's changes can go out as a plain delta.
@@ -136,14 +137,45 @@ class RunState(RunStatus, ChartViews):
 
     def scan(self, now: float) -> None:
         """Bring the view up to date with the run directory at time ``now``."""
+        self._restore_kept()
         with self._lock:
             self._scan(now)
+        self._save_kept()
 
     def refresh(self, now: float, max_age: float) -> None:
         """Scan unless the view is younger than ``max_age`` (HTTP reads call this)."""
+        self._restore_kept()
         with self._lock:
             if self.scanned_at is None or now - self.scanned_at >= max_age:
                 self._scan(now)
+        self._save_kept()
+
+    def keep_log_attempts(self, store) -> None:
+        """Keep the attempts inferred from msrun's logs in ``store`` (``app.ranks.logmode.kept``).
+
+        Its database is read and written outside the lock: a slow or locked
+        file delays neither a tick's other work nor a stop.
+        """
+        if self._logs is not None:
+            self._kept = store
+
+    def _restore_kept(self) -> None:
+        """Before the logs are first read: the attempts an earlier dashboard kept."""
+        kept = self._kept
+        if kept is None or kept.loaded:
+            return
+        rows = kept.load()
+        with self._lock:
+            self._logs.dir.attempts.restore(rows)
+
+    def _save_kept(self) -> None:
+        kept = self._kept
+        if kept is None:
+            return
+        with self._lock:
+            rows = self._logs.dir.attempts.take_unsaved()
+        if rows:
+            kept.save(rows)
 
     def _scan(self, now: float) -> None:
         self.scanned_at = now

@@ -316,7 +316,7 @@ class AlertsPanel {
     const body = $(SEL.alertsBody);
     body.replaceChildren(...rows.map((r) => {
       const tr = document.createElement("tr");
-      for (const value of [when(r.at), verdictLabel(r.event), r.target, r.attempt, r.outcome, r.text]) {
+      for (const value of [when(r.at), verdictLabel(r.event), r.target, r.attempt, r.outcome, r.text, r.run]) {
         const td = tr.insertCell();
         text(td, value ?? "–");
       }

@@ -10,15 +10,24 @@
 // an earlier attempt ran is a branch in its own colour and dash.
 // Controls: x-axis (global step or wall time), EMA smoothing with the raw
 // line faint behind, log scale; the y range ignores each attempt's first
-// points (graph compilation) and the extreme percentiles.
+// points (graph compilation) and the extreme percentiles, once there are
+// enough points to call one an outlier and only if it is far beyond the rest.
 
 import { SEL, $ } from "./dom.js";
 import { formatClock, formatCount } from "./format.js";
 import { endText } from "./attempts.js";
 
 const FETCH_MS = 3000;
-// Each attempt's first points (the compile step, the first checkpoint) leave the y range alone.
+// Each attempt's first points (the compile step, the first checkpoint) are suspects: the y
+// range leaves them out if they are outliers (robustRange).
 const WARMUP_POINTS = 2;
+// Fewer points than this and none is called an outlier: early in a run the range shows them all.
+const OUTLIER_MIN_POINTS = 10;
+// How far beyond the rest a point must lie to be left out: this many times the rest's spread,
+// and at least half their magnitude on a linear axis, a factor of 2 (in log10 units) on a log one.
+const OUTLIER_SPREADS = 1;
+const OUTLIER_SHARE = 0.5;
+const OUTLIER_LOG10 = Math.log10(2);
 const LINE = "#1f77b4";
 const BRANCHES = ["#d62728", "#9467bd", "#ff7f0e", "#2ca02c", "#8c564b", "#e377c2"];
 const MARK = "#888888";
@@ -43,15 +52,40 @@ function quantile(sorted, q) {
   return sorted[lo] + (sorted[hi] - sorted[lo]) * (pos - lo);
 }
 
-// A y range from the 1st to the 99th percentile of the values, padded; in
+// A y range over `values` and the `suspects` (each attempt's first points), padded; in
 // log10 units for a log axis (Plotly's convention). null: let Plotly decide.
-export function robustRange(values, log) {
-  const vals = values.filter((v) => Number.isFinite(v) && (!log || v > 0)).map((v) => (log ? Math.log10(v) : v));
-  if (vals.length < 3) return null;
-  vals.sort((a, b) => a - b);
-  const q = vals.length >= 50 ? 0.01 : 0;
-  let lo = quantile(vals, q);
-  let hi = quantile(vals, 1 - q);
+// The rest is `values` from their 1st to their 99th percentile (all of them below 50); a
+// point outside it (a suspect, or a percentile's tail) is left out only when there are
+// OUTLIER_MIN_POINTS points or more and it lies far beyond the rest. So the compile step's
+// seconds among 50 ms steps are ignored, while the first losses of the fall (2.31 above
+// 2.29, at the demo's start) are drawn: cutting them hid where the run began.
+export function robustRange(values, log, suspects = []) {
+  const scale = (vs) => vs.filter((v) => Number.isFinite(v) && (!log || v > 0)).map((v) => (log ? Math.log10(v) : v));
+  const vals = scale(values);
+  const all = vals.concat(scale(suspects));
+  if (all.length < 3) return null;
+  let lo;
+  let hi;
+  if (all.length < OUTLIER_MIN_POINTS || vals.length < 3) {
+    lo = Math.min(...all);
+    hi = Math.max(...all);
+  } else {
+    vals.sort((a, b) => a - b);
+    const q = vals.length >= 50 ? 0.01 : 0;
+    lo = quantile(vals, q);
+    hi = quantile(vals, 1 - q);
+    const far = Math.max(
+      (hi - lo) * OUTLIER_SPREADS,
+      log ? OUTLIER_LOG10 : Math.max(Math.abs(lo), Math.abs(hi)) * OUTLIER_SHARE,
+    );
+    const [rlo, rhi] = [lo, hi];
+    for (const v of all) {
+      if (v >= rlo - far && v <= rhi + far) {
+        lo = Math.min(lo, v);
+        hi = Math.max(hi, v);
+      }
+    }
+  }
   const pad = (hi - lo) * 0.1 || Math.abs(hi) * 0.1 || 1;
   hi += pad;
   lo = !log && lo >= 0 ? Math.max(0, lo - pad) : lo - pad;
@@ -174,6 +208,13 @@ export class RunCharts {
     const w = this.smoothing;
     const traces = { step: [], loss: [] };
     const ranged = { step: [], loss: [] };
+    const suspects = { step: [], loss: [] };
+    // The first points of an attempt long enough to have a rest to compare them with.
+    const warm = (ys) => Math.min(WARMUP_POINTS, Math.max(0, ys.length - 3));
+    const rank = (chart, ys) => {
+      ranged[chart].push(...ys.slice(warm(ys)));
+      suspects[chart].push(...ys.slice(0, warm(ys)));
+    };
     let branch = 0;
     const shown = this.attempts.filter((a) => a.points.length);
     shown.forEach((a, i) => {
@@ -197,12 +238,12 @@ export class RunCharts {
           name: `${name}${label}`, legendgroup: name,
           line: { color, width: 2, dash }, text, customdata: steps, hovertemplate: hover, meta: meta("smoothed"),
         });
-        ranged[chart].push(...raw.slice(Math.min(WARMUP_POINTS, Math.max(0, raw.length - 3))));
+        rank(chart, raw);
       };
       pair("loss", 2, "");
       pair("step", 3, " median");
       const slowest = pts.map((p) => p[4]);
-      ranged.step.push(...slowest.slice(Math.min(WARMUP_POINTS, Math.max(0, slowest.length - 3))));
+      rank("step", slowest);
       traces.step.push({
         type: "scatter", mode: "lines", x, y: slowest, name: `${name} slowest rank`, legendgroup: name,
         showlegend: false, opacity: 0.5, line: { color, width: 1, dash: "dot" }, text, customdata: steps,
@@ -211,8 +252,8 @@ export class RunCharts {
       });
     });
     const marks = this.marks(shown, xTime);
-    this.plot("step", traces.step, ranged.step, this.titles.step, marks, xTime);
-    this.plot("loss", traces.loss, ranged.loss, this.titles.loss, marks, xTime);
+    this.plot("step", traces.step, ranged.step, suspects.step, this.titles.step, marks, xTime);
+    this.plot("loss", traces.loss, ranged.loss, suspects.loss, this.titles.loss, marks, xTime);
     this.noteThinned();
   }
 
@@ -242,7 +283,7 @@ export class RunCharts {
     return { shapes, annotations };
   }
 
-  plot(name, traces, ranged, yTitle, marks, xTime) {
+  plot(name, traces, ranged, suspects, yTitle, marks, xTime) {
     const el = this.el[name];
     if (!el) return;
     const has = traces.some((t) => t.y.some((v) => v !== null && v !== undefined));
@@ -254,7 +295,7 @@ export class RunCharts {
     }
     const log = this.log;
     // A zoomed chart keeps the range it was given, so Plotly keeps the user's zoom (uirevision).
-    if (!this.zoomed[name]) this.yRange[name] = robustRange(ranged, log);
+    if (!this.zoomed[name]) this.yRange[name] = robustRange(ranged, log, suspects);
     const range = this.yRange[name];
     const layout = {
       title: { text: name === "step" ? "Step time" : "Loss", font: { size: 14 } },

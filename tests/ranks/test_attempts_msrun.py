@@ -10,8 +10,8 @@
    shows them: two graceful stops told apart, the replayed range, and the kill; the stop
    panel of a dashboard started only now credits C's stop to attempt 2; the whole-run
    charts, seeded from the history files, start at A's first step, mark the three
-   attempts and draw D's replay as a branch of its own; their x-axis, log-scale and
-   smoothing controls change the plot.
+   attempts and draw D's replay as a branch of its own, whose hover names it and why C ended;
+   their x-axis, log-scale and smoothing controls change the plot.
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ def refused_launch(run, tmp_path) -> tuple[int, str]:
 # The page's Plotly figures, read back: each smoothed trace's attempt, branch flag and x values.
 SERIES = """sel => { const el = document.querySelector(sel);
   return el && el.data ? el.data.filter(t => t.meta.kind === 'smoothed')
-    .map(t => ({attempt: t.meta.attempt, branch: t.meta.branch, dash: t.line.dash, x: t.x, y: t.y})) : []; }"""
+    .map(t => ({attempt: t.meta.attempt, branch: t.meta.branch, dash: t.line.dash, x: t.x, y: t.y,
+                text: t.text, hover: t.hovertemplate})) : []; }"""
 LAYOUT = """sel => { const l = document.querySelector(sel).layout;
   return {x: l.xaxis.type, y: l.yaxis.type, marks: l.shapes.map(m => m.x0), labels: l.annotations.map(a => a.text)}; }"""
 
@@ -93,6 +94,10 @@ def check_whole_run_charts(page, run, s: int, s2: int) -> None:
     assert min(c["x"]) > s and not c["branch"] and c["dash"] == "solid"
     # D trained S+1.. again: its own dashed trace, from a mark inside C's steps, neither dropped nor offset.
     assert d["branch"] and d["dash"] == "dash" and min(d["x"]) > s and s + 1 < max(c["x"]) <= s2
+    # Hovering the branch says which attempt it is, what it replays, and why the one before it ended.
+    assert "%{text}" in d["hover"]
+    assert d["text"].startswith("attempt 3 · replays ") and f"resumed from global step {s}" in d["text"]
+    assert d["text"].endswith("attempt 2 before it: stopped by the stop policy (request req-c)"), d["text"]
     layout = page.evaluate(LAYOUT, "#chart-loss")
     assert layout["x"] == "linear" and layout["y"] == "linear"
     # C and D both began at S+1: one mark for both.

@@ -7,6 +7,7 @@ timeouts (the machine is shared with training jobs); nothing asserts how fast.
 from __future__ import annotations
 
 import json
+import math
 import time
 from urllib.parse import urlparse
 
@@ -111,6 +112,66 @@ def test_the_whole_run_is_charted_and_thinned_ranges_are_said(live_server, page,
         " return t && t.x[0] <= 6 && t.x.includes(1200) && t.x.length < 600; }",
         timeout=WAIT_MS,
     )
+    assert console_errors == []
+
+
+# The demo's start: the compile step's 900 ms, then 50 ms steps; the loss falls from 2.31.
+EARLY = [
+    (1, 2.31, 900.0),
+    (2, 2.30, 50.0),
+    (3, 2.29, 51.0),
+    (4, 2.27, 50.0),
+    (5, 2.26, 52.0),
+    (6, 2.24, 50.0),
+]
+RANGE = """async ([values, suspects, log]) => {
+  const m = await import('/static/js/runcharts.js');
+  return m.robustRange(values, log, suspects); }"""
+
+
+def test_the_y_range_keeps_the_first_losses_and_drops_a_compile_step_only_once_it_is_one(
+    live_server, page, run_dir, console_errors
+):
+    write_job(run_dir, 1)
+    now = time.time()
+    lines = [
+        json.dumps(
+            {
+                "time": now - 10 + g,
+                "global_step": g,
+                "loss": loss,
+                "step_time_ms": ms,
+                "step_time_mean_ms": ms,
+            }
+        )
+        for g, loss, ms in EARLY
+    ]
+    runfiles.history_path(run_dir, 0).write_text("\n".join(lines) + "\n")
+    write_heartbeat(run_dir, heartbeat(0, 1, seq=1, global_step=6, loss=2.24), history=False)
+    page.goto(live_server.url + "/")
+    # Six points are too few to call one an outlier: the loss's start is inside the range.
+    top = page.wait_for_function(
+        "() => { const el = document.querySelector('#chart-loss');"
+        " const t = el.data && el.data.find(t => t.meta.kind === 'raw');"
+        " return t && t.x.length >= 6 && el.layout.yaxis.range && el.layout.yaxis.range[1]; }",
+        timeout=WAIT_MS,
+    ).json_value()
+    assert top >= 2.31
+
+    # Once there are enough points (the range function the charts use, in the page): the
+    # compile step is left out, the first losses are kept, on either axis.
+    steps = [50.0 + (i % 3) for i in range(40)]
+    lo, hi = page.evaluate(RANGE, [steps, [900.0, 50.0], False])
+    assert hi < 60.0 and lo <= 50.0
+    # A slow fall: the range's padding alone would not reach 2.31.
+    losses = [2.29 - 0.001 * i for i in range(40)]
+    for log in (False, True):
+        lo, hi = page.evaluate(RANGE, [losses, [2.31, 2.30], log])
+        assert hi >= (math.log10(2.31) if log else 2.31) and lo <= (
+            math.log10(losses[-1]) if log else losses[-1]
+        )
+    lo, hi = page.evaluate(RANGE, [steps, [900.0, 50.0], True])
+    assert hi < math.log10(60.0)
     assert console_errors == []
 
 

@@ -11,6 +11,7 @@ from playwright.sync_api import expect
 
 from tests.helpers.browser import WAIT_MS, cell, row
 from tests.helpers.heartbeats import heartbeat, write_heartbeat
+from tests.ranks.test_logmode_attempts import relaunched
 
 pytestmark = pytest.mark.browser
 
@@ -48,4 +49,19 @@ def test_a_log_rank_says_what_it_cannot_show_and_the_stop_panel_warns(
     expect(cell(page, 0, "reason")).not_to_contain_text("worker log")
     expect(cell(page, 0, "cpu_percent")).to_have_text("99")
     expect(note).to_contain_text("1 rank is shown only from msrun's worker logs")
+    assert console_errors == []
+
+
+def test_a_dashboard_process_started_after_a_relaunch_shows_the_erased_attempt(
+    start_server, tmp_path, page, run_dir, console_errors
+):
+    relaunched(run_dir)  # attempt 1 read by an earlier dashboard, then its log text emptied
+    server = start_server(run_dir, tmp_path / "dashboard.log")
+    page.goto(server.url + "/")
+    items = page.locator("#attempts-list li")
+    expect(items).to_have_count(2, timeout=WAIT_MS)
+    expect(items.nth(0)).to_contain_text("Attempt 1 ")
+    expect(items.nth(0)).to_contain_text("global steps 1–7")
+    expect(items.nth(0).locator(".attempt-note")).to_contain_text("this attempt's log text is gone")
+    expect(items.nth(1)).to_contain_text("Attempt 2 ")
     assert console_errors == []

@@ -14,9 +14,12 @@ bridge's own rule (``trainer_bridge.rundir.attempts.outcome``: a failed
 rank, every rank exited or finished, or ranks that vanished while training,
 ``killed``). Rows have the fields of the bridge's attempts
 (``GET /api/attempts``) plus ``"from_logs": true`` and a note that the log
-text is gone. They live in this process's memory: a dashboard started
-after the relaunch never read the older logs, and knows only the current
-attempt.
+text is gone. Each closed attempt is also handed to the dashboard's store
+(``take_unsaved``; ``app.ranks.logmode.kept`` writes it to the audit
+database), and a dashboard started later begins from what an earlier one
+kept (``restore``): attempt 1 outlives both its log text and the dashboard
+that read it. A relaunch while no dashboard watched is seen by none, and
+its attempt is not counted.
 """
 
 from __future__ import annotations
@@ -44,6 +47,25 @@ class LogAttempts:
         self._last: dict[int, dict] = {}  # rank -> its newest heartbeat in the current attempt
         self._first_step: int | None = None
         self._first_seen: float | None = None
+        self._unsaved: list[dict] = []  # closed, not yet handed to the store
+        self._restored = False
+
+    def restore(self, kept: list[dict]) -> None:
+        """Begin from the attempts an earlier dashboard kept (``KeptAttempt`` fields, oldest first); once.
+
+        Called before the logs are first read, so the current attempt takes the next number.
+        """
+        if self._restored:
+            return
+        self._restored = True
+        rows = [kept_row(k) for k in kept[-MAX_KEPT:]]
+        self.closed.extend(rows)
+        self.number = max(self.number, max((r["attempt"] for r in rows), default=0) + 1)
+
+    def take_unsaved(self) -> list[dict]:
+        """The attempts closed since the last call, for the store."""
+        out, self._unsaved = self._unsaved, []
+        return out
 
     def observe(self, beat: dict, first_step: int | None) -> None:
         """A heartbeat built from a rank's log in the current attempt, and the first step its log showed."""
@@ -59,7 +81,9 @@ class LogAttempts:
         """Rank ``rank``'s log started over: a relaunch, if it had spoken in the current attempt."""
         if rank not in self._last:
             return
-        self.closed.append(self._row(closed=True))
+        row = self._row(closed=True)
+        self.closed.append(row)
+        self._unsaved = [*self._unsaved, dict(row)][-MAX_KEPT:]
         self.number += 1
         self._last.clear()
         self._first_step = self._first_seen = None
@@ -75,27 +99,13 @@ class LogAttempts:
         beats = list(self._last.values())
         hosts = sorted({hb["host"] for hb in beats if hb.get("host")})
         steps = [hb["global_step"] for hb in beats if hb.get("global_step") is not None]
-        row = {
-            "attempt": self.number,
-            "launch": None,
+        row = blank_row(self.number) | {
             "started_at": self._first_seen,
             "world_size": max((hb.get("world_size") or 0 for hb in beats), default=0) or len(beats),
             "hosts": hosts,
             "host_count": len(hosts),
-            "pid": None,
-            "resumed_from": None,
             "first_step": self._first_step,
-            "previous_last_step": None,
-            "replayed": None,
             "last_step": max(steps) if steps else None,
-            "ended_at": None,
-            "end": None,
-            "request_id": None,
-            "requested_by": None,
-            "error": None,
-            "sealed_by": None,
-            "source": None,
-            "from_logs": True,
             "note": GONE_NOTE if closed else None,
         }
         if closed:
@@ -103,3 +113,36 @@ class LogAttempts:
             row.update({k: v for k, v in told.items() if k != "source"})
             row["stop_by"] = None  # a log does not say who asked
         return row
+
+
+def blank_row(number: int) -> dict:
+    """A log-mode attempt's row with nothing known yet: the fields of the bridge's rows."""
+    return {
+        "attempt": number,
+        "launch": None,
+        "started_at": None,
+        "world_size": 0,
+        "hosts": [],
+        "host_count": 0,
+        "pid": None,
+        "resumed_from": None,
+        "first_step": None,
+        "previous_last_step": None,
+        "replayed": None,
+        "last_step": None,
+        "ended_at": None,
+        "end": None,
+        "request_id": None,
+        "requested_by": None,
+        "error": None,
+        "sealed_by": None,
+        "source": None,
+        "from_logs": True,
+        "note": None,
+    }
+
+
+def kept_row(kept: dict) -> dict:
+    """The row of an attempt an earlier dashboard closed and kept (``kept.KeptAttempt``'s fields)."""
+    row = blank_row(kept["attempt"]) | kept
+    return row | {"host_count": len(row["hosts"]), "note": GONE_NOTE, "stop_by": None}
