@@ -29,7 +29,7 @@ def runs_table(root: Path, **query) -> dict:
         raise click.ClickException(str(e)) from None
     config.update(RUNS_ROOT=str(root), RUN_DIR="")
     registry = Registry(config, lambda path, run_id: open_run(path, {**config, "RUN_DIR": path}))
-    return Rows(registry, open_run, config).table(**query)
+    return Rows(registry, open_run, config).table(**query, budget_s=None)  # a script waits for every row
 
 
 def print_table(body: dict) -> None:

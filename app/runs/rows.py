@@ -32,6 +32,11 @@ SPARK_POINTS = 32
 PER_PAGE_DEFAULT = 50
 PER_PAGE_MAX = 500
 MAX_QUERY = 200
+# What one ``GET /api/runs`` spends reading idle runs not read yet; the rest answer as unread rows
+# and the registry's loop reads them (``Rows.warm``). A root of thousands of finished runs, or a
+# loaded host, must not hold the landing page for minutes.
+READ_BUDGET_S = 1.0
+UNREAD_MESSAGE = "not read yet: the dashboard reads a root's idle runs in the background"
 
 
 def run_state(status: str, counts: Mapping[str, int], stop_state: str | None, live: bool) -> str:
@@ -114,6 +119,32 @@ def row_from(
     }
 
 
+def unread_row(run_id: str, entry) -> dict:
+    """An idle run's row before its files are read: the fields of ``row_from``, only what discovery knows."""
+    return {
+        "id": run_id,
+        "state": "idle",
+        "live": False,
+        "last_activity": entry.last_activity,
+        "world_size": None,
+        "global_step": None,
+        "throughput": None,
+        "loss": None,
+        "loss_spark": [],
+        "disk_bytes": None,
+        "disk_truncated": False,
+        "health_counts": {},
+        "needs_attention": False,
+        "newest_complete_set": None,
+        "stop_state": None,
+        "last_stop": None,
+        "hosts": 0,
+        "oldest_heartbeat_at": None,
+        "attempts": 0,
+        "status_message": UNREAD_MESSAGE,
+    }
+
+
 class Rows:
     """The rows of a registry's runs, the idle ones cached by their discovery signature."""
 
@@ -126,7 +157,8 @@ class Rows:
         self._disk: dict[str, DiskUsage] = {}
         self._lock = threading.Lock()
 
-    def row(self, run_id: str, entry, now: float) -> dict:
+    def row(self, run_id: str, entry, now: float, deadline: float | None = None) -> dict:
+        """The run's row; past ``deadline`` (``time.monotonic()``) an idle run not read yet is ``unread_row``."""
         tick_s = self.config["TICK_S"]
         rw = self.registry.peek(run_id)
         if rw is None and (entry is None or entry.live):
@@ -141,6 +173,8 @@ class Rows:
             cached = self._cache.get(run_id)
         if cached is not None and cached[0] == entry.signature:
             return cached[1]
+        if deadline is not None and time.monotonic() > deadline:
+            return unread_row(run_id, entry)
         # The engines for this row only (the audit trail opens a connection per call: nothing to close).
         run = self._open_run(entry.path, {**self.config, "RUN_DIR": entry.path})
         row = row_from(run_id, entry, run.state, run.stop, run.checkpoints, now, tick_s)
@@ -177,9 +211,15 @@ class Rows:
         q: str | None = None,
         sort: str = "attention",
         now: float | None = None,
+        budget_s: float | None = READ_BUDGET_S,
     ) -> dict:
-        """One page of the rows, filtered and sorted (``GET /api/runs``'s body)."""
+        """One page of the rows, filtered and sorted (``GET /api/runs``'s body).
+
+        Idle runs not read yet are read for at most ``budget_s`` (None: all of
+        them, as the CLI does); the others are unread rows, counted in ``unread``.
+        """
         now = time.time() if now is None else now
+        deadline = None if budget_s is None else time.monotonic() + budget_s
         entries = self.registry.entries()
         with self._lock:
             for gone in set(self._cache) - set(entries):
@@ -187,7 +227,8 @@ class Rows:
             for closed in [i for i in self._disk if self.registry.peek(i) is None]:
                 del self._disk[closed]
         wanted = [i for i in entries if not q or q.casefold() in i.casefold()]
-        rows = [self.row(i, entries[i], now) for i in wanted]
+        rows = [self.row(i, entries[i], now, deadline) for i in wanted]
+        unread = sum(1 for r in rows if r["status_message"] is UNREAD_MESSAGE)
         counts = {s: 0 for s in STATES}
         for r in rows:
             counts[r["state"]] += 1
@@ -223,6 +264,7 @@ class Rows:
             "q": q or None,
             "counts": counts,
             "needs_attention": attention,
+            "unread": unread,
             "discovery": discovery.status() if discovery is not None else None,
         }
 

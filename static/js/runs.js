@@ -82,7 +82,7 @@ function row(r, now) {
   a.textContent = r.id;
   tr.append(
     cell("id", a),
-    cell("state", r.needs_attention ? `⚠ ${r.state}` : r.state),
+    cell("state", r.needs_attention ? `⚠ ${r.state}` : (r.status_message || "").startsWith("not read yet") ? "idle (not read yet)" : r.state),
     cell("world", r.hosts > 1 ? `${r.world_size} on ${r.hosts} hosts` : String(r.world_size ?? "–")),
     cell("step", r.global_step == null ? "–" : r.global_step.toLocaleString()),
     cell("loss", sparkline(r.loss_spark)),
@@ -108,7 +108,8 @@ async function load() {
     pages = data.pages;
     empty.hidden = data.runs.length > 0;
     pageLabel.textContent = `page ${data.page} of ${data.pages}`;
-    summary.textContent = `${data.total} run${data.total === 1 ? "" : "s"}, ${data.needs_attention} need${data.needs_attention === 1 ? "s" : ""} attention`;
+    const unread = data.unread ? `; ${data.unread} idle not read yet (read in the background, shown as they are)` : "";
+    summary.textContent = `${data.total} run${data.total === 1 ? "" : "s"}, ${data.needs_attention} need${data.needs_attention === 1 ? "s" : ""} attention${unread}`;
   } catch (err) {
     summary.textContent = `runs unavailable: ${err.message}`;
   }

@@ -126,3 +126,32 @@ def test_rows_carry_the_loss_sparkline_and_disk_used_and_sort_on_them(tmp_path):
         assert 'data-sort="disk_bytes"' in page and 'data-sort="loss"' in page
     finally:
         app.extensions["rankwatch_runs"].stop()
+
+
+def test_a_page_never_waits_for_every_idle_run_to_be_read(tmp_path):
+    """Idle runs not read yet answer as unread rows past the request's budget; the loop reads them."""
+    from app.config import from_env
+    from app.runs.registry import Registry
+    from app.runs.rows import UNREAD_MESSAGE, Rows
+    from app.services import open_run
+
+    root = tmp_path / "root"
+    for name in ("a", "b", "c"):
+        write_job(root / name, 2)
+        for r in range(2):  # a day old: idle, not live
+            write_heartbeat(root / name, heartbeat(r, 2, seq=5, now=time.time() - 86400, state="finished"))
+        for path in (root / name).rglob("*"):  # discovery judges activity by the files' times
+            os.utime(path, (time.time() - 86400,) * 2)
+    config = {**from_env(), "RUNS_ROOT": str(root), "RUN_DIR": ""}
+    registry = Registry(config, lambda path, run_id: open_run(path, {**config, "RUN_DIR": path}))
+    rows = Rows(registry, open_run, config)
+    body = rows.table(budget_s=0.0)
+    assert body["total"] == 3 and body["unread"] == 3, body
+    assert all(r["status_message"] == UNREAD_MESSAGE and r["world_size"] is None for r in body["runs"])
+    assert rows.warm(budget_s=60.0) == 3
+    body = rows.table(budget_s=0.0)
+    assert body["unread"] == 0 and [r["world_size"] for r in body["runs"]] == [2, 2, 2], body
+    assert {r["state"] for r in body["runs"]} == {"finished"}
+    # A script (``rankwatch runs``) waits for every row.
+    fresh = Rows(Registry(config, lambda path, run_id: open_run(path, config)), open_run, config)
+    assert fresh.table(budget_s=None)["unread"] == 0
