@@ -192,9 +192,12 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         while get(server.url + "/api/runs?per_page=1")["total"] < args.runs:
             time.sleep(1)
+        listed = time.monotonic() - t0
+        while get(server.url + "/api/runs?per_page=1")["unread"]:
+            time.sleep(1)
         warm = time.monotonic() - t0
         print(f"root: {args.runs} runs ({args.live} live x {args.ranks} ranks) made in {made:.0f} s")
-        print(f"warm-up: every run listed after {warm:.1f} s")
+        print(f"warm-up: every run listed after {listed:.1f} s, every row read after {warm:.1f} s")
         tab = threading.Thread(target=tabs, args=(server.url, "live/train000", stop_tabs), daemon=True)
         tab.start()
         time.sleep(10)
