@@ -73,8 +73,20 @@ def start_hub(workdir: Path, url: str, run: str = RUN, key: str = KEY, lost_s: f
 
 
 def measure_hub(
-    hosts: int, seconds: float, warmup: float, workers: int, workdir: Path, url: str, sender: str = "prebuilt"
+    hosts: int,
+    seconds: float,
+    warmup: float,
+    workers: int,
+    workdir: Path,
+    url: str,
+    sender: str = "prebuilt",
+    profile: str | None = None,
 ) -> dict:
+    """A real dashboard fed by ``hosts`` simulated agents: digests taken in a second, its CPU and RSS.
+
+    ``profile``: a flame graph of the dashboard's serving process over the
+    window, by ``py-spy record`` (sampling from outside, without pausing it).
+    """
     server = start_hub(workdir, url)
     # Enough digests for the warm-up, the window and the reads of /api/health around it.
     sims = Simulators.start(sender, hosts, workers, url, horizon=warmup + seconds + 30)
@@ -82,11 +94,24 @@ def measure_hub(
         began = sims.sending()
         time.sleep(warmup)
         seq0, _ = host_seq_sum(server.url)
+        spy = (
+            subprocess.Popen(
+                [str(Path(sys.executable).with_name("py-spy")), "record", "--nonblocking", "-o", profile]
+                + ["--format", "flamegraph" if profile.endswith(".svg") else "raw"]
+                + ["--duration", str(round(seconds)), "--pid", str(server.worker_pid())],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            if profile
+            else None
+        )
         cpu0, t0 = server.cpu_seconds(), time.monotonic()
         time.sleep(seconds)
         cpu1, t1 = server.cpu_seconds(), time.monotonic()
         seq1, heard = host_seq_sum(server.url)
         rss = server.rss_bytes()
+        if spy is not None:
+            spy.wait(60)
     finally:
         ran = sims.end(server)
     wall = t1 - t0
@@ -193,6 +218,11 @@ def main(argv: list[str] | None = None) -> int:
         help="the hub's simulator: digests built before the window and written as raw RESP, or built live",
     )
     parser.add_argument("--no-drain", action="store_true", help="skip the in-process drain")
+    parser.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="py-spy's profile of the hub over the window: a flame graph (.svg) or collapsed stacks (other names)",
+    )
     args = parser.parse_args(argv)
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
     with tempfile.TemporaryDirectory(prefix="rankwatch-agents-") as tmp:
@@ -205,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"hub (drain, in-process): {drain['digests']} digests in {drain['cpu_s']:.2f} s CPU, "
                     f"{drain['us_per_digest']:.1f} us/digest = {1e6 / drain['us_per_digest']:.0f} digests/s per core"
                 )
-            hub = measure_hub(args.hosts, args.seconds, args.warmup, args.workers, workdir, url, args.sender)
+            hub = measure_hub(
+                args.hosts, args.seconds, args.warmup, args.workers, workdir, url, args.sender, args.profile
+            )
             print(
                 f"hub: {hub['hosts']} hosts ({hub['heard']} heard), {hub['digests_per_s']:.0f} digests/s, "
                 f"{hub['cores']:.3f} cores, {hub['us_per_digest']:.1f} us/digest, RSS {hub['rss_mb']:.0f} MB"
