@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+import queue
 import signal
 import socket
 import threading
@@ -286,11 +287,13 @@ class Simulators:
         """Stop the processes and the dashboard; how late the senders ran and Redis's errors."""
         end_simulators(self.stop, self.procs, server, wait_s)
         done = []
-        for _ in self.procs:
+        while True:
             try:
-                done.append(self.reports.get(timeout=1))
-            except Exception:  # a killed sender leaves no report: the figures say so
+                report = self.reports.get(timeout=1)
+            except queue.Empty:  # a killed sender leaves no report: the figures say so
                 break
+            if "late_s" in report:  # not a start report left unread
+                done.append(report)
         errors = [r.get("error") for r in done if r.get("error")]
         return {
             "reported": len(done),
