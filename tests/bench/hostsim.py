@@ -17,7 +17,10 @@ flips), and two senders of its digests, both run in processes of their own:
   costs a ``sendall`` per slice, so the machine's cores go to
   ``redis-server`` and the hub.
 
-Each sender puts a report on its ``reports`` queue when it starts sending
+Every sender of a benchmark sends from one moment, ``t0``: each first puts
+on its ``reports`` queue how long it needs to get ready (``{"estimate":
+...}``), then waits for the ``plan`` (an event, and the ``t0`` the parent
+chose from the longest estimate); it reports again when it begins sending
 (``{"t0": ...}``) and when it ends (how late it ran, Redis errors).
 """
 
@@ -109,7 +112,19 @@ class SimHosts:
         return len(self.hosts)
 
 
-def live_digests(first: int, count: int, url: str, stop, reports, flips=None, horizon: float = 0) -> None:
+def _planned_t0(reports, plan, first: int, estimate: float) -> float:
+    """Say how long getting ready takes; the moment to send from, once the parent has chosen it."""
+    reports.put({"first": first, "estimate": estimate})
+    if plan is None:
+        return time.time() + estimate
+    planned, t0 = plan
+    planned.wait()
+    return t0.value
+
+
+def live_digests(
+    first: int, count: int, url: str, stop, reports, flips=None, horizon: float = 0, plan=None
+) -> None:
     """Sender: each host's digest built, signed and added when due, once a second (redis-py pipelines).
 
     ``flips``: ``(hosts, every, queue)``; each flip is put on ``queue`` as
@@ -126,6 +141,7 @@ def live_digests(first: int, count: int, url: str, stop, reports, flips=None, ho
     client = redis.Redis.from_url(url)
     stream = dg.keys(RUN)[0]
     key = KEY.encode()
+    _planned_t0(reports, plan, first, 0.0)
     reports.put({"first": first, "t0": time.time()})
     seq, behind = 0, 0.0
     next_at = time.monotonic()
@@ -204,13 +220,14 @@ def _discard_replies(sock: socket.socket, errors: list) -> None:
 
 
 def prebuilt_digests(
-    first: int, count: int, url: str, stop, reports, flips=None, horizon: float = 60.0
+    first: int, count: int, url: str, stop, reports, flips=None, horizon: float = 60.0, plan=None
 ) -> None:
     """Sender: ``horizon`` seconds of digests built first, then written as raw RESP when due.
 
-    The first digest's time is chosen ahead by the time a sample of them
-    took to build (with a margin), so that building ends before it; if it
-    ends later anyway, the late slices go at once and the report says how late.
+    The first digest's time is chosen ahead (``plan``) from the time a
+    sample of them took to build (with a margin), so that building ends
+    before it; if it ends later anyway, the late slices go at once and the
+    report says how late.
     ``flips``: as ``live_digests``, each flip's time is when its slice's bytes were written.
     """
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -221,7 +238,7 @@ def prebuilt_digests(
     build(probe, time.time(), 1)
     per_digest = (time.perf_counter() - start) / len(probe)
     sim = SimHosts(first, count, flip_hosts, flip_every)
-    t0 = time.time() + 3 + 1.5 * per_digest * count * seconds
+    t0 = _planned_t0(reports, plan, first, 3 + 1.5 * per_digest * count * seconds)
     batches = build(sim, t0, seconds)
     built = time.time()
     parts = urlsplit(url)
@@ -262,23 +279,36 @@ class Simulators:
     @classmethod
     def start(cls, sender: str, hosts: int, workers: int, url: str, horizon: float, flips=None) -> Simulators:
         stop, reports = multiprocessing.Event(), multiprocessing.Queue()
+        plan = (multiprocessing.Event(), multiprocessing.Value("d", 0.0))
         share = -(-hosts // workers)
         procs = [
             multiprocessing.Process(
                 target=SENDERS[sender],
-                args=(i * share, min(share, hosts - i * share), url, stop, reports, flips, horizon),
+                args=(i * share, min(share, hosts - i * share), url, stop, reports, flips, horizon, plan),
             )
             for i in range(workers)
             if i * share < hosts
         ]
         for p in procs:
             p.start()
-            os.setpriority(os.PRIO_PROCESS, p.pid, 10)  # the hub's cost is measured, not the simulator's
+        # One t0 for all: hosts of a process that began earlier would run out of digests earlier.
+        try:
+            estimates = [reports.get(timeout=600)["estimate"] for _ in procs]
+        except BaseException:
+            stop.set()
+            for p in procs:
+                p.kill()
+            raise
+        plan[1].value = time.time() + max(estimates)
+        plan[0].set()
         return cls(stop, procs, reports)
 
     def sending(self, timeout: float = 600) -> dict:
         """Wait until every process sends (its first digest is due); what they said when they began."""
         started = [self.reports.get(timeout=timeout) for _ in self.procs]
+        for p in self.procs:
+            # Built at the priority of the rest; sending, the hub's cost is measured, not the simulator's.
+            os.setpriority(os.PRIO_PROCESS, p.pid, 10)
         t0 = max(r["t0"] for r in started)
         time.sleep(max(0.0, t0 - time.time()))
         return {"t0": t0, "built_late_s": max(r.get("built_late_s", 0.0) for r in started)}
