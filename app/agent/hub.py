@@ -1,8 +1,9 @@
 """The hub: a dashboard's reader of the agents' host digests (``app/agent/digest.py``).
 
 It reads the run's digest stream through a consumer group (``XREADGROUP``
-then ``XACK``). By default each dashboard process has a group of its own
-(removed when it stops), so each reads every digest and shows every host.
+with ``NOACK``: Redis keeps no pending list). By default each dashboard
+process has a group of its own (removed when it stops), so each reads
+every digest and shows every host.
 Processes given the same group name (``HUB_GROUP``) split the entries
 between them instead: the load divides. The split is by entry, not by host,
 so each process hears a host's agent about once every N intervals (N
@@ -213,15 +214,17 @@ class Hub(redisbus.Guarded):
         out: list[tuple[dict, bool]] = []
         while True:
             try:
-                got = client.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=self.batch)
+                # NOACK: a digest is used once, when read, and never read again (a newer one from its
+                # host supersedes it), so Redis need keep no pending list for it, nor we acknowledge it.
+                got = client.xreadgroup(
+                    self.group, self.consumer, {self.stream: ">"}, count=self.batch, noack=True
+                )
             except redis.ResponseError as e:
                 if "NOGROUP" not in str(e):
                     raise
                 self._grouped = False  # Redis restarted empty: the group is made again next tick
                 return out
             entries = got[0][1] if got else []
-            if entries:
-                client.xack(self.stream, self.group, *[entry_id for entry_id, _ in entries])
             out.extend((fields, False) for _, fields in entries)
             if len(entries) < self.batch or len(out) >= 10 * self.batch:
                 break

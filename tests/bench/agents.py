@@ -2,16 +2,20 @@
 
 ``.venv/bin/python -m tests.bench.agents [--hosts 12500] [--seconds 20] [--agent-ranks 8]``
 
-* **Hub.** A simulator (``--workers`` processes of their own, niced) plays
-  ``--hosts`` agents of 8 ranks each: every host adds one digest a second to
-  the run's stream on a real ``redis-server`` (started here on a free
-  loopback port), built as a real agent builds it (``app.agent.digest``:
-  the same fields, rows made by ``app.ranks.rows.make_row`` from heartbeats in the
-  bridge's format, one row per digest from the rolling resync, signed with a
-  key). A real dashboard (``python -m app`` with ``RANKWATCH_AGENTS``) reads
-  them. After a warm-up, the digests it took in over the window are the
-  growth of the sum of its host rows' ``seq`` (``GET /api/ranks``, read just
-  outside the window) and its CPU is psutil's ``cpu_times`` delta.
+* **Hub.** A simulator (``tests/bench/hostsim.py``, ``--workers``
+  processes of their own, niced) plays ``--hosts`` agents of 8 ranks each:
+  every host adds one digest a second to the run's stream on a real
+  ``redis-server`` (started here on a free loopback port), built as a real
+  agent builds it (``app.agent.digest``: the same fields, rows made by
+  ``app.ranks.rows.make_row`` from heartbeats in the bridge's format, one
+  row per digest from the rolling resync, signed with a key). By default
+  (``--sender prebuilt``) every digest is built and serialised before the
+  window and only written to a socket during it, so that the simulator
+  does not take the hub's CPU; ``--sender live`` builds each one when due.
+  A real dashboard (``python -m app`` with ``RANKWATCH_AGENTS``) reads them.
+  After a warm-up, the digests it took in over the window are the growth
+  of its ``accepted`` count (``GET /api/health``, read just outside the
+  window) and its CPU is psutil's ``cpu_times`` delta.
 * **Agent.** A real ``rankwatch agent`` on a run directory where
   ``tests.bench.simulate`` writes ``--agent-ranks`` heartbeat files at 1 Hz:
   its CPU (cores) and RSS over the window.
@@ -25,7 +29,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -35,93 +38,9 @@ from pathlib import Path
 
 import psutil
 
+from tests.bench.hostsim import KEY, RUN, SENDERS, Simulators, live_digests
 from tests.bench.ingest import start_redis
 from tests.helpers.liveserver import REPO, start_dashboard
-
-RUN = "bench"
-KEY = "bench-key"
-RANKS_PER_HOST = 8
-
-
-def host_digests(first: int, count: int, url: str, stop, flips=None) -> None:
-    """One simulator process: hosts ``first`` .. ``first + count - 1``, one digest each per second.
-
-    ``flips``: ``(hosts, every, queue)``: each of those hosts turns its first
-    rank straggler, then healthy again, every ``every`` digests, and puts
-    ``(rank, verdict, time)`` on ``queue`` as it adds that digest (the window benchmark's p95).
-    """
-    import redis
-
-    from app.agent import digest as dg
-    from app.agent.runner import figures
-    from app.ranks.health import Verdict
-    from app.ranks.rows import make_row
-    from tests.helpers.heartbeats import heartbeat
-
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    client = redis.Redis.from_url(url)
-    stream = dg.keys(RUN)[0]
-    key = KEY.encode()
-    boot = time.time()
-    world = (first + count) * RANKS_PER_HOST
-    hosts = []
-    for h in range(first, first + count):
-        name = f"sim-{h:05d}"
-        rows = [
-            make_row(
-                r,
-                heartbeat(r, 131072, seq=1, host=name),
-                Verdict("healthy", "training at the pace of its peers", 1.0),
-            )
-            for r in range(h * RANKS_PER_HOST, (h + 1) * RANKS_PER_HOST)
-        ]
-        # The figures of a steady host do not change: computed once, so the simulator keeps up.
-        hosts.append((name, rows, figures(rows)))
-    flip_hosts, flip_every, flip_queue = flips if flips is not None else (frozenset(), 0, None)
-    seq = 0
-    period = 1.0
-    next_at = time.monotonic()
-    while not stop.is_set():
-        seq += 1
-        now = time.time()
-        pipe = client.pipeline(transaction=False)
-        for i, (name, rows, figs) in enumerate(hosts):
-            row = rows[seq % RANKS_PER_HOST]
-            row.update(time=round(now, 3), seq=seq, global_step=seq * 20, last_step_at=round(now, 3))
-            sent = [row]
-            if first + i in flip_hosts and seq % flip_every == 0:
-                flipped = rows[0]
-                flipped["health"] = "straggler" if flipped["health"] == "healthy" else "healthy"
-                if flipped is not row:
-                    sent.append(flipped)
-                flip_queue.put((flipped["rank"], flipped["health"], now))
-            digest = {
-                "v": dg.VERSION,
-                "run": RUN,
-                "host": name,
-                "agent": f"{name}:1:bench",
-                "boot": boot,
-                "seq": seq,
-                "time": now,
-                "attempt": boot,
-                "world_size": world,
-                "ranks": [rows[0]["rank"], rows[-1]["rank"]],
-                "n": RANKS_PER_HOST,
-                "flag": None,
-                "rows": [{"row": r, "stop": None, "started_at": boot, "sync_every": 16} for r in sent],
-                **figs,
-            }
-            pipe.xadd(stream, dg.encode(digest, key), maxlen=dg.STREAM_MAXLEN, approximate=True)
-            if i % 500 == 499:
-                pipe.execute()
-                pipe = client.pipeline(transaction=False)
-        pipe.execute()
-        next_at += period
-        wait = next_at - time.monotonic()
-        if wait > 0:
-            stop.wait(wait)
-        else:
-            next_at = time.monotonic()  # behind: say so in the figures, do not burst
 
 
 def host_seq_sum(url: str) -> tuple[int, int]:
@@ -129,6 +48,14 @@ def host_seq_sum(url: str) -> tuple[int, int]:
     with urllib.request.urlopen(url + "/api/health", timeout=120) as r:
         hub = json.loads(r.read())["hub"]
     return hub["accepted"], hub["hosts"]
+
+
+def simulator_line(r: dict) -> str:
+    """How the simulator ran: a hub's figures mean 1 Hz per host only if it kept its schedule."""
+    return (
+        f"simulator ({r['sender']}): built {r['built_late_s']:.1f} s late, slices up to {r['late_s']:.2f} s late, "
+        f"{r['errors']} redis errors" + (f" (first: {r['error']})" if r["error"] else "")
+    )
 
 
 def start_hub(workdir: Path, url: str, run: str = RUN, key: str = KEY, lost_s: float = 30, **env):
@@ -145,40 +72,48 @@ def start_hub(workdir: Path, url: str, run: str = RUN, key: str = KEY, lost_s: f
     return start_dashboard(hub_dir, workdir / "dashboard.log", env=settings)
 
 
-def end_simulators(stop, procs, server, wait_s: float = 10) -> None:
-    """Tell the simulator processes to stop, kill those that do not, and stop the dashboard."""
-    stop.set()
-    for p in procs:
-        p.join(wait_s)
-        if p.is_alive():
-            p.kill()
-    server.stop()
+def measure_hub(
+    hosts: int,
+    seconds: float,
+    warmup: float,
+    workers: int,
+    workdir: Path,
+    url: str,
+    sender: str = "prebuilt",
+    profile: str | None = None,
+) -> dict:
+    """A real dashboard fed by ``hosts`` simulated agents: digests taken in a second, its CPU and RSS.
 
-
-def measure_hub(hosts: int, seconds: float, warmup: float, workers: int, workdir: Path, url: str) -> dict:
+    ``profile``: a flame graph of the dashboard's serving process over the
+    window, by ``py-spy record`` (sampling from outside, without pausing it).
+    """
     server = start_hub(workdir, url)
-    stop = multiprocessing.Event()
-    share = -(-hosts // workers)
-    procs = [
-        multiprocessing.Process(
-            target=host_digests, args=(i * share, min(share, hosts - i * share), url, stop)
-        )
-        for i in range(workers)
-        if i * share < hosts
-    ]
+    # Enough digests for the warm-up, the window and the reads of /api/health around it.
+    sims = Simulators.start(sender, hosts, workers, url, horizon=warmup + seconds + 30)
     try:
-        for p in procs:
-            p.start()
-            os.setpriority(os.PRIO_PROCESS, p.pid, 10)  # the hub's cost is measured, not the simulator's
+        began = sims.sending()
         time.sleep(warmup)
         seq0, _ = host_seq_sum(server.url)
+        spy = (
+            subprocess.Popen(
+                [str(Path(sys.executable).with_name("py-spy")), "record", "--nonblocking", "-o", profile]
+                + ["--format", "flamegraph" if profile.endswith(".svg") else "raw"]
+                + ["--duration", str(round(seconds)), "--pid", str(server.worker_pid())],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            if profile
+            else None
+        )
         cpu0, t0 = server.cpu_seconds(), time.monotonic()
         time.sleep(seconds)
         cpu1, t1 = server.cpu_seconds(), time.monotonic()
         seq1, heard = host_seq_sum(server.url)
         rss = server.rss_bytes()
+        if spy is not None:
+            spy.wait(60)
     finally:
-        end_simulators(stop, procs, server)
+        ran = sims.end(server)
     wall = t1 - t0
     per_s = (seq1 - seq0) / wall
     cores = (cpu1 - cpu0) / wall
@@ -189,6 +124,9 @@ def measure_hub(hosts: int, seconds: float, warmup: float, workers: int, workdir
         "cores": cores,
         "us_per_digest": cores / per_s * 1e6 if per_s else float("nan"),
         "rss_mb": rss / 2**20,
+        "sender": sender,
+        "built_late_s": began["built_late_s"],
+        **ran,
     }
 
 
@@ -214,7 +152,7 @@ def measure_drain(hosts: int, workdir: Path, url: str) -> dict:
     state = hub_state(str(hub_dir), config)
     state.scan(time.time())  # joins the stream at its end
     stop = multiprocessing.Event()
-    proc = multiprocessing.Process(target=host_digests, args=(0, hosts, url, stop))
+    proc = multiprocessing.Process(target=live_digests, args=(0, hosts, url, stop, multiprocessing.Queue()))
     proc.start()
     client = redis.Redis.from_url(url)
     while client.xlen(dg.keys(RUN)[0]) < dg.STREAM_MAXLEN * 0.9:
@@ -273,21 +211,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agent-ranks", type=int, default=8, help="ranks of the real agent's host (0: skip)")
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--warmup", type=float, default=15.0)
+    parser.add_argument(
+        "--sender",
+        choices=sorted(SENDERS),
+        default="prebuilt",
+        help="the hub's simulator: digests built before the window and written as raw RESP, or built live",
+    )
+    parser.add_argument("--no-drain", action="store_true", help="skip the in-process drain")
+    parser.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="py-spy's profile of the hub over the window: a flame graph (.svg) or collapsed stacks (other names)",
+    )
     args = parser.parse_args(argv)
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
     with tempfile.TemporaryDirectory(prefix="rankwatch-agents-") as tmp:
         workdir = Path(tmp)
         redis_proc, url = start_redis(workdir)
         try:
-            drain = measure_drain(args.hosts, workdir, url)
-            print(
-                f"hub (drain, in-process): {drain['digests']} digests in {drain['cpu_s']:.2f} s CPU, "
-                f"{drain['us_per_digest']:.1f} us/digest = {1e6 / drain['us_per_digest']:.0f} digests/s per core"
+            if not args.no_drain:
+                drain = measure_drain(args.hosts, workdir, url)
+                print(
+                    f"hub (drain, in-process): {drain['digests']} digests in {drain['cpu_s']:.2f} s CPU, "
+                    f"{drain['us_per_digest']:.1f} us/digest = {1e6 / drain['us_per_digest']:.0f} digests/s per core"
+                )
+            hub = measure_hub(
+                args.hosts, args.seconds, args.warmup, args.workers, workdir, url, args.sender, args.profile
             )
-            hub = measure_hub(args.hosts, args.seconds, args.warmup, args.workers, workdir, url)
             print(
                 f"hub: {hub['hosts']} hosts ({hub['heard']} heard), {hub['digests_per_s']:.0f} digests/s, "
                 f"{hub['cores']:.3f} cores, {hub['us_per_digest']:.1f} us/digest, RSS {hub['rss_mb']:.0f} MB"
             )
+            print(simulator_line(hub))
             if args.agent_ranks:
                 agent = measure_agent(args.agent_ranks, args.seconds, args.warmup, workdir, url)
                 print(
@@ -296,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             redis_proc.terminate()
             redis_proc.wait()
-    print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
+    print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
     return 0
 
 

@@ -38,7 +38,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tests.bench.agents import end_simulators, start_hub
+from tests.bench.agents import start_hub
+from tests.bench.hostsim import end_simulators
 from tests.bench.ingest import start_redis
 
 RUN = "fanout"

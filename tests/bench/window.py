@@ -2,21 +2,23 @@
 
 ``.venv/bin/python -m tests.bench.window [--hosts 12500] [--seconds 30] [--warmup 20]``
 
-The agents benchmark's simulator (``tests/bench/agents.py`` ``host_digests``,
-``--workers`` niced processes) plays ``--hosts`` agents of 8 ranks, one
-signed digest a second each, into a local ``redis-server``; a real dashboard
+The agents benchmark's simulator (``tests/bench/hostsim.py``, ``--workers``
+niced processes) plays ``--hosts`` agents of 8 ranks, one signed digest a
+second each, into a local ``redis-server`` (by default built before the
+window and written as raw RESP during it, ``--sender prebuilt``); a real dashboard
 (``python -m app`` with ``RANKWATCH_AGENTS``) reads them, so the page runs
 windowed (``app/ranks/window.py``: ``PAGE_WINDOW_RANKS`` is 4,096). Some hosts
 flip their first rank between ``healthy`` and ``straggler`` every
 ``--flip-every`` digests, half of them inside the page's window (ranks
-0-99), half outside; the simulator records when it added each flip.
+0-99), half outside; the simulator records when it wrote each flip's digest.
 
 A headless Chromium opens the ranks page. Over ``--seconds`` after the
 warm-up it counts the bytes of every Socket.IO frame the page receives
 (Playwright's ``framereceived``), and the page itself stamps each row of a
 ``ranks_delta`` that carries a verdict (``Date.now()``, the machine's clock,
 as the simulator's). The latency of a flip inside the window is from its
-digest being added to the page receiving that verdict for that rank.
+digest being written to Redis to the page receiving that verdict for that
+rank. The dashboard's CPU (cores) and RSS over the window are printed too.
 
 Targets (issue 20): at most 50 KB/s to each browser; p95 from a rank's
 verdict change to the browser at most 3 s.
@@ -34,7 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.bench.agents import RANKS_PER_HOST, end_simulators, host_digests, host_seq_sum, start_hub
+from tests.bench.agents import host_seq_sum, simulator_line, start_hub
+from tests.bench.hostsim import RANKS_PER_HOST, SENDERS, Simulators
 from tests.bench.ingest import start_redis
 from tests.helpers.liveserver import launch_chromium
 
@@ -56,6 +59,15 @@ def p95(values: list[float]) -> float:
     )
 
 
+def drain(q) -> list:
+    out = []
+    while True:
+        try:
+            out.append(q.get_nowait())
+        except queue.Empty:
+            return out
+
+
 def run(
     hosts: int,
     seconds: float,
@@ -65,6 +77,7 @@ def run(
     flip_hosts: int,
     workdir: Path,
     url: str,
+    sender: str = "prebuilt",
 ) -> dict:
     from playwright.sync_api import sync_playwright
 
@@ -73,27 +86,19 @@ def run(
     inside = list(range(min(flip_hosts // 2, 12, hosts)))
     outside = [hosts - 1 - i * 7 for i in range(flip_hosts - len(inside)) if hosts - 1 - i * 7 > 12]
     flips = multiprocessing.Queue()
-    stop = multiprocessing.Event()
-    share = -(-hosts // workers)
-    procs = [
-        multiprocessing.Process(
-            target=host_digests,
-            args=(
-                i * share,
-                min(share, hosts - i * share),
-                url,
-                stop,
-                (frozenset(inside + outside), flip_every, flips),
-            ),
-        )
-        for i in range(workers)
-        if i * share < hosts
-    ]
+    # Digests for the page's start, the warm-up, the window and its last flips' arrival.
+    sims = Simulators.start(
+        sender,
+        hosts,
+        workers,
+        url,
+        horizon=warmup + seconds + 40,
+        flips=(frozenset(inside + outside), flip_every, flips),
+    )
     frames: list[tuple[float, int]] = []
+    made = []
     try:
-        for p in procs:
-            p.start()
-            os.setpriority(os.PRIO_PROCESS, p.pid, 10)
+        began = sims.sending()
         with sync_playwright() as pw:
             browser = launch_chromium(pw)
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
@@ -112,30 +117,21 @@ def run(
             # Playwright's sync API hands over the frame events only while it is called: wait inside it.
             page.wait_for_timeout(warmup * 1000)
             seq0, _ = host_seq_sum(server.url)
-            t0 = time.time()
-            # Flips added before the window are not measured: drain them.
-            while True:
-                try:
-                    flips.get_nowait()
-                except queue.Empty:
-                    break
+            cpu0, t0 = server.cpu_seconds(), time.time()
+            drain(flips)  # flips added before the window are not measured
             page.wait_for_timeout(seconds * 1000)
-            t1 = time.time()
+            cpu1, t1 = server.cpu_seconds(), time.time()
             seq1, heard = host_seq_sum(server.url)
+            rss = server.rss_bytes()
             # Let the last flips of the window arrive before reading the page's stamps.
             page.wait_for_timeout(5000)
+            made = drain(flips)  # before the senders end: a full queue would keep them from exiting
             stamps = page.evaluate("() => window.benchVerdicts")
             window = page.evaluate("() => window.rankwatch.store.window")
             info = page.locator("#page-info").text_content()
             browser.close()
     finally:
-        end_simulators(stop, procs, server)
-    made = []
-    while True:
-        try:
-            made.append(flips.get_nowait())
-        except queue.Empty:
-            break
+        ran = sims.end(server)
     made = [f for f in made if t0 <= f[2] <= t1]
     shown = {}
     for rank, verdict, at in stamps:
@@ -158,6 +154,11 @@ def run(
         "heard": heard,
         "ranks": hosts * RANKS_PER_HOST,
         "digests_per_s": (seq1 - seq0) / (t1 - t0),
+        "cores": (cpu1 - cpu0) / (t1 - t0),
+        "rss_mb": rss / 2**20,
+        "sender": sender,
+        "built_late_s": began["built_late_s"],
+        **ran,
         "bytes_per_s": got / (t1 - t0),
         "frames": sum(1 for at, _ in frames if t0 <= at <= t1),
         "flips_in_window": len(in_window),
@@ -181,7 +182,14 @@ def main(argv: list[str] | None = None) -> int:
         "--flip-every", type=int, default=3, help="digests between two flips of a flipping host"
     )
     parser.add_argument("--flip-hosts", type=int, default=12, help="hosts that flip, half inside the window")
+    parser.add_argument(
+        "--sender",
+        choices=sorted(SENDERS),
+        default="prebuilt",
+        help="digests built before the window and written as raw RESP, or built live",
+    )
     args = parser.parse_args(argv)
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
     with tempfile.TemporaryDirectory(prefix="rankwatch-window-") as tmp:
         workdir = Path(tmp)
         redis_proc, url = start_redis(workdir)
@@ -195,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.flip_hosts,
                 workdir,
                 url,
+                args.sender,
             )
         finally:
             redis_proc.terminate()
@@ -203,13 +212,15 @@ def main(argv: list[str] | None = None) -> int:
         f"window: {r['ranks']} ranks on {r['hosts']} hosts ({r['heard']} heard), {r['digests_per_s']:.0f} digests/s; "
         f"page: {r['info']!r}"
     )
+    print(f"hub: {r['cores']:.3f} cores, RSS {r['rss_mb']:.0f} MB")
+    print(simulator_line(r))
     print(f"to the page: {r['bytes_per_s'] / 1000:.1f} KB/s in {r['frames']} frames")
     print(
         f"verdict flips: {r['flips_in_window']} in the window, {r['flips_outside']} outside "
         f"({r['outside_rows']} rows of ranks outside reached the page); {r['missed']} in-window flips not seen; "
         f"latency p50 {r['p50_s']:.2f} s, p95 {r['p95_s']:.2f} s, max {r['max_s']:.2f} s"
     )
-    print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
+    print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
     return 0
 
 
