@@ -110,9 +110,12 @@ class CheckpointService:
     def index(self, world: int, force: bool = False, *, wait: bool = True) -> Index:
         """The index, re-scanned first if it is older than ``scan_s``, the world changed, or ``force``.
 
-        ``wait`` False (the watcher's tick): with agents, never wait for a node's listing.
+        ``wait`` False (the watcher's tick): with agents, never wait for a node's listing, nor
+        for a request's scan, which may be waiting for one: the last index is taken instead.
         """
-        with self._lock:
+        if not self._lock.acquire(blocking=wait or self._index is None):
+            return self._index
+        try:
             now = self._clock()
             if (
                 force
@@ -123,6 +126,8 @@ class CheckpointService:
                 self._index = self._scan(world, wait)
                 self._scanned = (now, world)
             return self._index
+        finally:
+            self._lock.release()
 
     def _scan(self, world: int, wait: bool = True) -> Index:
         if self.remote is not None:

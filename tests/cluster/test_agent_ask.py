@@ -339,3 +339,37 @@ def test_garbage_requests_never_cost_an_agent_its_digests(tmp_path, redis_server
     data = ask.check(value, hub, "node-a", req["id"], ("rank", 0))
     assert data["row"]["rank"] == 0 and data["row"]["host"] == "node-a" and data["history"]
     agent.outbox.close()
+
+
+def test_the_watchers_tick_never_waits_behind_a_request_waiting_for_an_agent(tmp_path):
+    """A request's scan may wait for a node's first listing; the tick meanwhile takes the last index."""
+    import threading
+
+    from app.audit import AuditLog
+    from app.checkpoints.service import CheckpointService
+    from app.checkpoints.verify import Verifier
+
+    run_dir = tmp_path / "hub" / RUN
+    run_dir.mkdir(parents=True)
+    service = CheckpointService(
+        str(run_dir), AuditLog(tmp_path / "audit.sqlite3"), scan_s=0.0, verifier=Verifier(None, None)
+    )
+    entered, release = threading.Event(), threading.Event()
+
+    def remote(wait: bool):
+        if wait:  # a request: its first listing of a node takes a while
+            entered.set()
+            release.wait(60)
+        return [], []
+
+    service.remote = remote
+    first = service.index(4, wait=False)
+    request = threading.Thread(target=service.index, args=(4,))
+    request.start()
+    try:
+        assert entered.wait(60), "the request's scan did not start"
+        assert service.index(4, wait=False) is first  # not blocked on the request's lock
+    finally:
+        release.set()
+        request.join(60)
+    assert service.index(4, wait=False) is not first  # once free, the tick scans again (scan_s 0)
