@@ -284,11 +284,16 @@ class AuditLog:
         reason: str | None = None,
         detail: dict | None = None,
         basis: str = AUTHENTICATED,
+        once: bool = False,
     ) -> int:
         """Append one row and return its id; AuditError if the trail cannot take it.
 
         ``basis`` is ``observed`` for rows the dashboard derives from the run
         directory's files rather than from a request that carried the token.
+        ``once``: only if no row of this action and ``request_id`` exists yet,
+        checked and inserted in one statement (SQLite serialises writers), so
+        that processes that observe the same event at once (a dashboard and a
+        ``rankwatch stop`` waiting) record it once; 0 when it was already there.
         """
         if action not in ACTIONS:
             raise ValueError(f"AuditLog.record: unknown action {action!r}")
@@ -296,24 +301,33 @@ class AuditLog:
             raise ValueError(f"AuditLog.record: basis must be one of {BASES}, not {basis!r}")
         conn = self._connect()
         try:
-            cur = conn.execute(
+            values = (
+                time.time(),
+                action,
+                request_id,
+                who,
+                remote_addr,
+                reason,
+                outcome,
+                json.dumps(detail, sort_keys=True) if detail else None,
+                basis,
+                self.run,
+            )
+            insert = (
                 "INSERT INTO audit"
                 " (at, action, request_id, who, remote_addr, reason, outcome, detail, basis, run)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    time.time(),
-                    action,
-                    request_id,
-                    who,
-                    remote_addr,
-                    reason,
-                    outcome,
-                    json.dumps(detail, sort_keys=True) if detail else None,
-                    basis,
-                    self.run,
-                ),
             )
-            return cur.lastrowid
+            if not once:
+                return conn.execute(insert + " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", values).lastrowid
+            where, args = self._where(action=action, request_id=request_id)
+            cur = conn.execute(
+                insert
+                + " SELECT ?, ?, ?, ?, ?, ?, ?, ?, ?, ? WHERE NOT EXISTS (SELECT 1 FROM audit"
+                + where
+                + ")",
+                (*values, *args),
+            )
+            return cur.lastrowid if cur.rowcount else 0
         except sqlite3.Error as e:
             raise AuditError(f"cannot write to the audit trail {self.path}: {e}") from None
         finally:

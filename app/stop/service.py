@@ -319,14 +319,12 @@ class StopService(StopView):
             current = self._active(self.read_flag()[0])
             if current is None or current["request_id"] != rid:
                 return  # someone else re-armed or replaced it meanwhile
-            try:
-                recorded = self.audit.has("complete", rid)
-            except AuditError as e:
-                log.error("stop: cannot read the audit trail: %s", e)
-                recorded = False
-            if not recorded and earlier is not None:
+            # once=True: a dashboard and a waiting `rankwatch stop` may both see the end at once,
+            # and neither may hold the flag lock (wait_s=0): the trail's insert decides.
+            if earlier is not None:
                 self._audit(
                     "complete",
+                    once=True,
                     basis=OBSERVED,
                     who=SYSTEM,
                     request_id=rid,
@@ -334,10 +332,11 @@ class StopService(StopView):
                     "(rankwatch/attempts.jsonl)",
                     detail={"attempt": earlier},
                 )
-            elif not recorded:
+            else:
                 status = self.status(ranks, world_size, time.time(), facts=facts)
                 self._audit(
                     "complete",
+                    once=True,
                     basis=OBSERVED,
                     who=SYSTEM,
                     request_id=rid,
@@ -352,6 +351,7 @@ class StopService(StopView):
                 self._write_rearmed(current, SYSTEM, NOT_OBEYED if ignored else None)
                 self._audit(
                     "rearm",
+                    once=True,  # the automatic re-arm of a request, whoever saw it first
                     basis=OBSERVED,
                     who=SYSTEM,
                     request_id=rid,

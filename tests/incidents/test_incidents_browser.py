@@ -9,6 +9,7 @@ generous timeouts.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from playwright.sync_api import expect
@@ -25,10 +26,17 @@ WAIT_MS = 30_000
 
 
 def answer_requests_until(stop: threading.Event, run_dir) -> None:
-    """Rank 1's reporter: poll for stack requests, as the bridge does five times a second."""
+    """The ranks' reporters: rank 1 polls for stack requests, as the bridge does five times a second,
+    and every rank beats once a second, so that no rank is judged stalled or dead however long a
+    loaded machine takes to reach the click (a dead rank's capture is refused)."""
     watcher = stacks.StackWatcher(run_dir, 1, HOST)
+    seq, beat_at = 1, time.monotonic()
     while not stop.wait(0.1):
         watcher.poll(steps=7, since_step_s=0.1, step_s=0.05, global_step=7, stepping=True)
+        if time.monotonic() - beat_at >= 1.0:
+            seq, beat_at = seq + 1, time.monotonic()
+            for r in range(3):
+                write_heartbeat(run_dir, heartbeat(r, 3, seq=seq))
 
 
 @pytest.mark.parametrize(

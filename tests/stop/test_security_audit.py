@@ -168,3 +168,31 @@ def test_an_operator_cannot_write_rows_without_bound(app, client):
         "/api/exit/rearm", json={"force": True}, headers=AUTH, environ_base={"REMOTE_ADDR": "127.0.0.2"}
     )
     assert other.status_code == 200, other.get_json()
+
+
+def test_an_event_recorded_once_is_recorded_once_however_many_processes_see_it(tmp_path):
+    """A dashboard and a waiting ``rankwatch stop`` may both see a stop complete: one row, whoever wins."""
+    import multiprocessing
+
+    path = tmp_path / "audit.sqlite3"
+    AuditLog(path).record("request", who="op", outcome="accepted", request_id="r1")
+    ctx = multiprocessing.get_context("fork")
+    start = ctx.Event()
+
+    def observe() -> None:
+        start.wait(60)
+        AuditLog(path).record("complete", who="system", outcome="completed", request_id="r1", once=True)
+
+    procs = [ctx.Process(target=observe) for _ in range(6)]
+    for p in procs:
+        p.start()
+    start.set()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0] * 6
+    rows = AuditLog(path).rows()
+    assert [r["action"] for r in rows].count("complete") == 1, rows
+    # Another request's completion is its own, and a second try answers 0.
+    log = AuditLog(path)
+    assert log.record("complete", who="system", outcome="completed", request_id="r2", once=True) > 0
+    assert log.record("complete", who="system", outcome="completed", request_id="r2", once=True) == 0
