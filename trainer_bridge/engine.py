@@ -44,6 +44,8 @@ from trainer_bridge.rundir.ckptindex import scan
 from trainer_bridge.saving import NOTHING_SERVED, ResumePoint
 
 log = logging.getLogger("trainer_bridge")
+# How long a rank that joins a stop it did not see waits for the flag to reach its own run directory.
+PEER_FLAG_WAIT_S = 3.0
 
 
 class LaunchRefused(RuntimeError):
@@ -424,8 +426,15 @@ class Engine:
         reporter = self.reporter
         request = reporter.request
         if request is None and not self._sigterm_count:
-            # Another rank saw the flag first: read it now for its request id.
+            # Another rank saw the flag first: read it now for its request id. Where each node
+            # keeps its own run directory, its agent writes the flag up to a tick later than
+            # another node's saw it: wait for it a little (the ranks have agreed to stop; a
+            # peer's SIGTERM, whose flag never comes, costs this rank PEER_FLAG_WAIT_S).
+            deadline = time.monotonic() + PEER_FLAG_WAIT_S
             request = reporter.read_flag_now()
+            while request is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+                request = reporter.read_flag_now()
         if request is not None:
             request_id, source = request.request_id or "native-flag", "flag"
         else:
