@@ -37,7 +37,8 @@ class GracefulExitBridge(Callback):
     """Reports this rank to Rankwatch and stops it gracefully on request.
 
     Args:
-        run_dir: the run directory shared with the dashboard.
+        run_dir: the run directory shared with the dashboard; made (with its
+            parents) when it is missing.
         sync_interval_s: target seconds between stop agreements. It bounds the
             stop latency from the flag being seen to every rank agreeing.
         heartbeat_interval_s: seconds between heartbeat writes.

@@ -224,6 +224,12 @@ class Engine:
         s = self.settings
         self.rank, self.world = world()
         self.cells = list(cells)
+        try:
+            # The run directory is the user's own path (a symlink in it is
+            # theirs to make); below it the bridge follows none.
+            os.makedirs(self.run_dir, exist_ok=True)
+        except OSError as e:  # reported by every write that then fails; training continues
+            log.warning("rankwatch: cannot make the run directory %s: %s", self.run_dir, e)
         self.stopped = False
         self._stopping = False
         self._sigterm_count = 0

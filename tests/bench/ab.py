@@ -3,10 +3,11 @@
 One method, so the functional loop and the ``Model.train`` callback are
 measured alike:
 
-* **One msrun job.** Every rank runs all sides in turn, in rounds; within a
+* **Several msrun jobs.** Every rank runs all sides in turn, in rounds; within a
   round the order is shuffled by a seeded RNG that every rank seeds alike,
   so the ranks always run the same side at the same time (their collectives
-  pair up) and drift hits every side alike.
+  pair up) and drift hits every side alike. Each job has its own seed, and
+  the interval resamples jobs before rounds (see ``DEFAULT_JOBS``).
 * **A quiet process.** Before MindSpore is imported each rank binds itself
   to one core of its own (``os.sched_setaffinity``: the threads MindSpore
   starts later inherit it), and MindSpore's CPU kernel and dispatch pools
@@ -25,7 +26,7 @@ measured alike:
 
 The report, per side against the baseline: the pooled throughput ratio
 (baseline time / side time over all rounds) with a 95% bootstrap interval
-over rounds (numpy, seeded), the median and range of the per-round ratios,
+over jobs, then rounds (numpy, seeded), the median and range of the per-round ratios,
 and the bridge's own accounted share of the side's time (agreements and
 the reporter thread's CPU time). A claim of >= 0.99 needs the interval's
 lower end at or above 0.98.
@@ -53,6 +54,12 @@ BASELINE = "plain"
 TARGET, FLOOR = 0.99, 0.98
 QUICK_ROUNDS = 4
 MIN_ROUNDS = 8
+# Jobs: a side's ratio shifts by up to about 2% from one msrun job to the
+# next (the same bridge variant measured 0.96 in one job and 1.01 in
+# another, each job's own interval +-0.5%), so a verdict needs several jobs
+# and an interval that resamples them.
+DEFAULT_JOBS = 4
+MIN_JOBS = 3
 
 # Step sizes: LeNet5 (as in the demo), and a tiny dense net whose steps take
 # a few ms, where a per-step cost shows most. Per size: steps per side and
@@ -63,11 +70,18 @@ SIZES = {
 }
 
 
-def add_arguments(p, *, rounds: int = 12) -> None:
+def add_arguments(p, *, rounds: int = 10) -> None:
     """The command-line options both benchmarks take."""
     p.add_argument("--ranks", type=int, default=2, help="msrun workers (default 2)")
     p.add_argument(
-        "--pairs", type=int, help=f"rounds of all sides (default {rounds}, {QUICK_ROUNDS} with --quick)"
+        "--pairs",
+        type=int,
+        help=f"rounds of all sides in each job (default {rounds}, {QUICK_ROUNDS} with --quick)",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        help=f"msrun jobs, each with its own side order (default {DEFAULT_JOBS}, 1 with --quick)",
     )
     p.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=["lenet", "tiny"], help="step sizes")
     p.add_argument(
@@ -91,6 +105,8 @@ def parse(p, argv=None):
     args = p.parse_args(argv)
     if args.pairs is None:
         args.pairs = QUICK_ROUNDS if args.quick else args.default_rounds
+    if args.jobs is None:
+        args.jobs = 1 if args.quick else DEFAULT_JOBS
     return args
 
 
@@ -301,15 +317,37 @@ def run_worker(args, make_sides: Callable) -> None:
 
 
 def launch(script: Path, args, worker_argv: list[str]) -> tuple[dict, dict]:
+    """Run ``args.jobs`` jobs of ``script``, seeds ``args.seed``, +1, ...; their rounds tagged with ``job``.
+
+    Returns the rounds of every job per size, rank 0's machine state in the
+    first job, and the load average at the start of the first and the end of the last.
+    """
+    merged: dict = {"sizes": {}}
+    load: dict = {}
+    for job in range(args.jobs):
+        one, job_load = launch_one(script, args, worker_argv, seed=args.seed + job, name=f"job{job}")
+        for size, rounds in one["sizes"].items():
+            merged["sizes"].setdefault(size, []).extend({**r, "job": job} for r in rounds)
+        merged.setdefault("state", one["state"])
+        load = {
+            "start": load.get("start", job_load["start"]),
+            "end": job_load["end"],
+            "seconds": load.get("seconds", 0.0) + job_load["seconds"],
+        }
+    merged["jobs"] = args.jobs
+    return merged, load
+
+
+def launch_one(script: Path, args, worker_argv: list[str], *, seed: int, name: str) -> tuple[dict, dict]:
     """Run ``script --as-worker`` under msrun (alone with ``--ranks 1``); return rank 0's result and the load."""
     from trainer_bridge.demo.__main__ import free_port, job_env
 
-    run_dir = Path(args.run_dir)
+    run_dir = Path(args.run_dir) / name
     (run_dir / "msrun_logs").mkdir(parents=True, exist_ok=True)
     env = job_env()
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     common = ["--run-dir", str(run_dir), "--pairs", str(args.pairs), "--threads", str(args.threads)]
-    common += ["--seed", str(args.seed), "--sizes", *args.sizes]
+    common += ["--seed", str(seed), "--sizes", *args.sizes]
     common += ["--quick"] * args.quick + ["--no-bind"] * args.no_bind
     worker_log = run_dir / "msrun_logs" / "worker_0.log"
     script_argv = [str(script), "--as-worker", "--ranks", str(args.ranks), *common, *worker_argv]
@@ -341,15 +379,34 @@ def launch(script: Path, args, worker_argv: list[str]) -> tuple[dict, dict]:
 
 
 def summarise(rounds: list[dict], side: str, seed: int, resamples: int = 10000) -> dict:
-    """``side`` against the baseline over ``rounds``: pooled ratio, bootstrap interval, pairs."""
+    """``side`` against the baseline over ``rounds``: pooled ratio, bootstrap interval, pairs, jobs.
+
+    The interval resamples at two levels, as the rounds were made: the jobs
+    (each ``round["job"]``, 0 when untagged) with replacement, then each
+    picked job's rounds with replacement. A shift that holds for a whole job
+    then widens the interval instead of hiding in it.
+    """
     import numpy as np
 
     base = np.array([r[BASELINE]["s"] for r in rounds])
     other = np.array([r[side]["s"] for r in rounds])
     ratios = base / other
-    pick = np.random.default_rng(seed).integers(0, len(rounds), (resamples, len(rounds)))
-    boot = base[pick].sum(axis=1) / other[pick].sum(axis=1)
+    job_of = np.array([r.get("job", 0) for r in rounds])
+    jobs = sorted(set(job_of.tolist()))
+    members = [np.flatnonzero(job_of == j) for j in jobs]
+    rng = np.random.default_rng(seed)
+    picked_jobs = rng.integers(0, len(jobs), (resamples, len(jobs)))
+    base_sum = np.zeros(resamples)
+    other_sum = np.zeros(resamples)
+    for k in range(len(jobs)):
+        for j, idx in enumerate(members):
+            rows = picked_jobs[:, k] == j
+            pick = idx[rng.integers(0, len(idx), (int(rows.sum()), len(idx)))]
+            base_sum[rows] += base[pick].sum(axis=1)
+            other_sum[rows] += other[pick].sum(axis=1)
+    boot = base_sum / other_sum
     lo, hi = np.percentile(boot, [2.5, 97.5])
+    per_job = [float(base[idx].sum() / other[idx].sum()) for idx in members]
     steps = sum(r[side]["steps"] for r in rounds)
     costs = [r[side].get("cost") for r in rounds]
     share = None
@@ -358,6 +415,9 @@ def summarise(rounds: list[dict], side: str, seed: int, resamples: int = 10000) 
         share = spent_ms / (other.sum() * 1e3)
     return {
         "rounds": len(rounds),
+        "jobs": len(jobs),
+        "job_min": min(per_job),
+        "job_max": max(per_job),
         "pooled": float(base.sum() / other.sum()),
         "lo": float(lo),
         "hi": float(hi),
@@ -382,6 +442,8 @@ def verdict(s: dict) -> str:
     # a bootstrap over a few rounds is overconfident, so it decides nothing.
     if s["rounds"] < MIN_ROUNDS:
         return f"none: fewer than {MIN_ROUNDS} rounds"
+    if s["jobs"] < MIN_JOBS:
+        return f"none: fewer than {MIN_JOBS} jobs"
     if s["pooled"] >= TARGET and s["lo"] >= FLOOR:
         return f">= {TARGET} shown"
     if s["hi"] < TARGET:
@@ -398,6 +460,7 @@ def describe_state(args, state: dict, load: dict) -> str:
         "unbound" if args.no_bind else f"each rank bound to one core ({', '.join(state['cores'])} on rank 0)"
     )
     return (
+        f"{args.jobs} msrun job(s) of {args.pairs} rounds; "
         f"machine: {state['online']} cores, {bound}, MindSpore kernel/dispatch threads {args.threads}, "
         f"{state['threads']} threads in rank 0; load average {load['start']:.2f} at start, "
         f"{load['end']:.2f} at end; {load['seconds']:.0f} s"
@@ -409,17 +472,17 @@ def print_report(title: str, args, result: dict, load: dict) -> list[dict]:
     print(title)
     print(describe_state(args, result["state"], load))
     print(
-        f"{'size':<6} {'side':<16} {'rounds':>6} {'ms/step':>8} {'base':>7} {'cpu ms':>6} {'pooled':>7} {'95% interval':>15} "
+        f"{'size':<6} {'side':<16} {'jobs':>4} {'rounds':>6} {'per job':>13} {'ms/step':>8} {'base':>7} {'cpu ms':>6} {'pooled':>7} {'95% interval':>15} "
         f"{'median':>7} {'range':>13} {'m.step':>6} {'cpu':>6} {'cpu+us':>7} {'agreed':>6} {'own share':>9}  verdict"
     )
     rows = []
     for size, rounds in result["sizes"].items():
-        sides = [k for k in rounds[0] if k not in ("order", BASELINE)]
+        sides = [k for k in rounds[0] if k not in ("order", "job", BASELINE)]
         for side in sides:
             s = summarise(rounds, side, args.seed)
             share = f"{s['share'] * 100:.2f}%" if s["share"] is not None else "-"
             print(
-                f"{size:<6} {side:<16} {len(rounds):>6} {s['ms_per_step']:>8.3f} {s['base_ms_per_step']:>7.3f} {s['base_cpu_ms']:>6.3f} "
+                f"{size:<6} {side:<16} {s['jobs']:>4} {len(rounds):>6} {s['job_min']:>6.3f}-{s['job_max']:<6.3f} {s['ms_per_step']:>8.3f} {s['base_ms_per_step']:>7.3f} {s['base_cpu_ms']:>6.3f} "
                 f"{s['pooled']:>7.4f} {s['lo']:>7.4f}-{s['hi']:<7.4f} {s['median']:>7.4f} "
                 f"{s['min']:>6.3f}-{s['max']:<6.3f} {s['step_ratio']:>6.3f} {s['cpu_ratio']:>6.3f} {s['cpu_us']:>7.0f} {s['agreements'] or '-':>6} {share:>9}"
                 f"  {verdict(s)}"
@@ -427,11 +490,13 @@ def print_report(title: str, args, result: dict, load: dict) -> list[dict]:
             rows.append({"size": size, "side": side, **s})
     if args.save:
         raw = {"title": title, "ranks": args.ranks, "threads": args.threads, "bound": not args.no_bind}
+        raw.update(seed=args.seed, jobs=args.jobs, pairs=args.pairs)
         raw.update(load=load, state=result["state"], summary=rows, rounds=result["sizes"])
         Path(args.save).write_text(json.dumps(raw, indent=1))
     print(
-        "pooled: baseline time / side time over all rounds (a throughput ratio, 1 = free); cpu ms: the baseline's process CPU per step; interval: 95% "
-        "bootstrap over rounds; m.step: the median over rounds of the ratio of median step periods (what a "
+        "pooled: baseline time / side time over all rounds of all jobs (a throughput ratio, 1 = free); per job: the lowest and highest job's pooled ratio; "
+        "cpu ms: the baseline's process CPU per step; interval: 95% "
+        "bootstrap over jobs, then over each job's rounds; range: of the rounds' ratios; m.step: the median over rounds of the ratio of median step periods (what a "
         "cost on every step moves, a cost on some steps does not); cpu: the same ratio of process CPU time, cpu+us: the side's extra process CPU per step; own share: the bridge's accounted "
         f"agreements + reporter CPU, of the side's time. >= {TARGET} needs the interval's low end >= {FLOOR}."
     )

@@ -1,11 +1,11 @@
-"""Bridge benchmarks: ``python -m tests.bench.bridge [--pairs 12] [--quick] [--figures 1 2 3]``.
+"""Bridge benchmarks: ``python -m tests.bench.bridge [--jobs 4] [--pairs 10] [--quick] [--figures 1 2 3]``.
 
 Prints three figures, each against a baseline measured in the same run:
 
 1. Throughput of ``Model.train`` with the bridge's callback / the same
    ``Model.train`` without it (target >= 0.99, the 95% interval's low end
    >= 0.98), both sides with a trivial step-timing callback so both pay the
-   same callback machinery, alternating in one 2-rank ``msrun`` job by the
+   same callback machinery, alternating in 2-rank ``msrun`` jobs by the
    method of ``tests/bench/ab.py`` (ranks bound, MindSpore's threads
    bounded, side order shuffled per round, warm-up left out), at two step
    sizes (LeNet5, and a tiny dense net of a few ms a step). ``--variants``

@@ -1,8 +1,8 @@
-"""Functional-loop overhead: ``python -m tests.bench.loop [--pairs 12] [--sizes lenet tiny] [--quick]``.
+"""Functional-loop overhead: ``python -m tests.bench.loop [--jobs 4] [--pairs 10] [--sizes lenet tiny] [--quick]``.
 
 Throughput of a functional training loop with ``bridge.loop`` / the same
-loop without it (target >= 0.99, the 95% interval's low end >= 0.98), in one
-``msrun`` job by the method of ``tests/bench/ab.py`` (ranks bound to a core
+loop without it (target >= 0.99, the 95% interval's low end >= 0.98), in
+``msrun`` jobs by the method of ``tests/bench/ab.py`` (ranks bound to a core
 each, MindSpore's threads bounded, side order shuffled per round, warm-up
 left out). A side's step is ``ms.value_and_grad`` + ``nn.DistributedGradReducer``
 + ``optimizer(grads)`` in one Cell, over in-memory data, at two step sizes: LeNet5

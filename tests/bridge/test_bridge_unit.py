@@ -74,6 +74,15 @@ def test_heartbeat_after_a_finished_run(tmp_path):
     assert history and all("global_step" in json.loads(line) for line in history)
 
 
+def test_a_missing_run_directory_is_made(tmp_path):
+    run_dir = tmp_path / "not" / "made"
+    _, seen = _train(run_dir, epochs=1)
+    hb = runfiles.read_json(runfiles.heartbeat_path(run_dir, 0))
+    assert hb["state"] == "finished" and hb["global_step"] == seen[-1] == STEPS_PER_EPOCH
+    assert hb["warnings"] == []
+    assert runfiles.attempts_path(run_dir).is_file()
+
+
 def test_flag_stops_saves_and_the_served_flag_does_not_stop_the_resume(tmp_path):
     runfiles.write_flag(tmp_path, True, request_id="req-a")
     _, seen = _train(tmp_path)
