@@ -23,6 +23,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 from click.testing import CliRunner
 
@@ -163,7 +164,8 @@ def test_the_demo_stops_before_training_when_its_port_is_in_use(tmp_path, taken_
 
 
 @pytest.mark.msrun
-def test_the_demo_on_port_0_prints_the_real_url_and_keeps_the_link_out_of_its_log(tmp_path, procs):
+@pytest.mark.parametrize("ending", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "kill"])
+def test_the_demo_on_port_0_prints_the_real_url_and_keeps_the_link_out_of_its_log(tmp_path, procs, ending):
     run = tmp_path / "run"
     demo = subprocess.Popen(
         [sys.executable, "-m", "trainer_bridge.demo", "--dashboard", "--port", "0", "--run-dir", str(run)]
@@ -186,8 +188,14 @@ def test_the_demo_on_port_0_prints_the_real_url_and_keeps_the_link_out_of_its_lo
     assert f"Rankwatch: open {url[1].split('#')[0]} " in log, log
     assert "#login=" not in log and url[3] not in log, log
     out.wait_for(r"the dashboard stays up; Ctrl-C to quit")
-    demo.send_signal(signal.SIGINT)
-    assert demo.wait(WAIT_S) == 130
+    children = psutil.Process(demo.pid).children(recursive=True)
+    assert children  # the dashboard
+    sig, status = ending
+    demo.send_signal(sig)
+    assert demo.wait(WAIT_S) == status
+    # Ended with the demo, whichever way it was ended: no dashboard left holding the port.
+    _, alive = psutil.wait_procs(children, timeout=WAIT_S)
+    assert not alive, alive
 
 
 # -- 19.10: rank-written text is printed as text ---------------------------------------

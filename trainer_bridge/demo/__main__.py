@@ -225,7 +225,7 @@ def start_dashboard(args: SimpleNamespace, run_dir: Path, env: dict) -> subproce
                 print(f"rankwatch demo: the dashboard did not start ({said}); see {log_path}", flush=True)
                 print("rankwatch demo: nothing was trained", flush=True)
                 return None
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C, or a signal (run's handler)
         end(proc)
         raise
     return proc
@@ -246,12 +246,21 @@ def main(argv: list[str] | None = None, prog: str = "python -m trainer_bridge.de
     demo_command("demo", dashboard=False).main(argv, prog_name=prog)
 
 
+def _exit_on_signal(signum, _frame):
+    # kill, or the terminal closed: end the job and the dashboard as Ctrl-C
+    # does, rather than leave them running (and the port taken) without us.
+    raise SystemExit(128 + signum)
+
+
 def run(args: SimpleNamespace, extra: list[str]) -> int:
     """Launch the job (and the dashboard first); returns the job's exit status."""
     run_dir = args.run_dir.resolve()
     (run_dir / "msrun_logs").mkdir(parents=True, exist_ok=True)
     env = job_env()
     dashboard = job = None
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         if args.dashboard:
             dashboard = start_dashboard(args, run_dir, env)
@@ -272,6 +281,8 @@ def run(args: SimpleNamespace, extra: list[str]) -> int:
     finally:
         end(job)
         end(dashboard)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return code
 
 
