@@ -363,9 +363,6 @@ class AuditLog:
         finally:
             conn.close()
 
-    def has(self, action: str, request_id: str) -> bool:
-        return any(r["action"] == action for r in self.rows(request_id=request_id))
-
     def iter_csv(self) -> Iterator[str]:
         """The whole trail as CSV, oldest first, in chunks of a few hundred rows.
 

@@ -334,7 +334,6 @@ def launch(script: Path, args, worker_argv: list[str]) -> tuple[dict, dict]:
             "end": job_load["end"],
             "seconds": load.get("seconds", 0.0) + job_load["seconds"],
         }
-    merged["jobs"] = args.jobs
     return merged, load
 
 
