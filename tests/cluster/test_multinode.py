@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from app.ranks.judging import ALIVE
 from tests.helpers.faults import Dashboard, measure
 from tests.helpers.netns import TwoNodes, kill_tree, skip_reason
 from trainer_bridge.demo.mnist import write_mnist
@@ -148,7 +149,9 @@ def test_two_nodes_stop_together_resume_and_a_lost_node_is_named(nodes, tmp_path
         for rank in (2, 3):
             # No psutil across hosts: the verdict comes from the silence, not a process probe.
             assert rows[rank]["reason"].startswith(f"node {node1.hostname} lost: all 2 of its ranks")
-        assert {rows[0]["health"], rows[1]["health"]} <= {"healthy", "stalled", "dead"}
+        # Node 0 lives on: its ranks may be judged on their own (a straggler, under a
+        # busy host, before the collective stalls them), never as part of a lost node.
+        assert {rows[0]["health"], rows[1]["health"]} <= {*ALIVE, "dead"}, rows
     finally:
         dash.stop()
 
