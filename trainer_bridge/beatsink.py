@@ -21,7 +21,7 @@ import logging
 import os
 import time
 
-from trainer_bridge.rundir import redisbus, runfiles
+from trainer_bridge.rundir import redisbus, runfiles, safeio
 
 # Seconds between heartbeat files while Redis carries the heartbeats.
 FILE_EVERY_S = 10.0
@@ -35,6 +35,9 @@ class BeatSink:
     def __init__(self, run_dir, rank: int, world_size: int, url: str | None = None, clock=time.monotonic):
         self.run_dir = run_dir
         self.path = runfiles.heartbeat_path(run_dir, rank)
+        # The state directory, held open: the heartbeat and its history are
+        # written relative to it, a few syscalls each (safeio.HeldDir).
+        self.dir = safeio.HeldDir(run_dir, runfiles.STATE_DIR)
         self.rank = rank
         self._clock = clock
         self._file_due = 0.0
@@ -81,10 +84,11 @@ class BeatSink:
         if not published or state != "training" or state != self._last_state or now >= self._file_due:
             # No fsync: os.replace already keeps readers from torn files, and a
             # heartbeat lost to a power cut is replaced a second later.
-            runfiles.atomic_write_bytes(self.path, data, fsync=False, root=self.run_dir)
+            self.dir.write_atomic(self.path.name, data)
             self._file_due = now + FILE_EVERY_S
         self._last_state = state
 
     def close(self) -> None:
+        self.dir.close()
         if self.publisher is not None:
             self.publisher.close()

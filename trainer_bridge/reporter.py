@@ -28,6 +28,7 @@ from trainer_bridge.saving import ResumePoint, Served
 from trainer_bridge.stacks import StackWatcher
 
 log = logging.getLogger("trainer_bridge")
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def _clip(text: str | None, limit: int) -> str | None:
@@ -114,6 +115,7 @@ class Reporter:
         self._bad_flag_logged: set = set()
         self._logged: set[str] = set()
         self._seq = 0
+        self._history_size: int | None = None
         self.started_at = time.time()
         self._wake = threading.Event()
         self._closed = threading.Event()
@@ -121,7 +123,8 @@ class Reporter:
         self._flag_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="rankwatch-reporter", daemon=True)
         self._device = DeviceProbe()
-        self._process = None
+        self._cpu_last: tuple[float, float] | None = None
+        self._statm: int | None = None  # /proc/self/statm, held open (_rss)
         self._host = socket.gethostname()
         # stacks (trainer_bridge/stacks.py): built here, on the training thread, which it marks.
         self.stacks = StackWatcher(self.run_dir, self.rank, self._host)
@@ -220,7 +223,14 @@ class Reporter:
             self._thread.join(timeout=5)
         self._write_heartbeat()
         self._end_attempt()
-        self.sink.close()
+        # Under the writers' lock: a thread the join above gave up on must
+        # not write through a descriptor closed (and its number reused) here.
+        # A later heartbeat (the excepthook's) walks to the directory again.
+        with self._lock:
+            self.sink.close()
+            statm, self._statm = self._statm, -1
+            if statm is not None and statm >= 0:
+                os.close(statm)
 
     def _end_attempt(self) -> None:
         """Rank 0: this launch's end line in attempts.jsonl, as the rank's state now says."""
@@ -391,20 +401,38 @@ class Reporter:
         return time.time() - (time.perf_counter() - snap.last_step_end)
 
     def _process_stats(self):
-        """(CPU percent since the last call, CPU seconds so far, RSS bytes); Nones if psutil fails."""
-        import psutil
+        """(CPU percent since the last call, CPU seconds so far, RSS bytes); None where unreadable.
 
+        ``os.times()`` and one ``pread`` of a held ``/proc/self/statm``: psutil
+        read two /proc files in about a dozen syscalls a heartbeat (the
+        reporter's load: ``python -m tests.bench.reporter``). psutil remains
+        for a system without /proc.
+        """
+        t = os.times()
+        # Cumulative, so a scraper can take a rate over any window (the percent
+        # covers only the last heartbeat's); the kernel counts in clock ticks.
+        cpu_s = t.user + t.system
+        now = time.monotonic()
+        last, self._cpu_last = self._cpu_last, (cpu_s, now)
+        percent = None
+        if last is not None and now > last[1]:
+            percent = round(max(0.0, cpu_s - last[0]) / (now - last[1]) * 100.0, 1)
+        return percent, round(cpu_s, 3), self._rss()
+
+    def _rss(self) -> int | None:
+        if self._statm is None:
+            try:
+                self._statm = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                self._statm = -1
         try:
-            if self._process is None:
-                self._process = psutil.Process()
-                self._process.cpu_percent(None)  # the first call only primes the counter
-            times = self._process.cpu_times()
-            # Cumulative, so a scraper can take a rate over any window (the percent
-            # covers only the last heartbeat's); milliseconds are all it resolves.
-            cpu_s = round(times.user + times.system, 3)
-            return self._process.cpu_percent(None), cpu_s, self._process.memory_info().rss
-        except psutil.Error:
-            return None, None, None
+            if self._statm < 0:
+                import psutil
+
+                return psutil.Process().memory_info().rss
+            return int(os.pread(self._statm, 128, 0).split()[1]) * _PAGE
+        except Exception:  # noqa: BLE001 - a missing figure, never a reporter error
+            return None
 
     def _write_heartbeat(self, history: bool = False) -> None:
         with self._lock:
@@ -421,16 +449,22 @@ class Reporter:
                 self._report_io_error(e)
 
     def _append_history(self, beat: schema.Heartbeat) -> None:
-        path = runfiles.history_path(self.run_dir, self.rank)
+        name = runfiles.history_path(self.run_dir, self.rank).name
         line = schema.HistoryLine.of(beat).to_json() + b"\n"
-        try:
-            if path.stat().st_size + len(line) > runfiles.HISTORY_SEGMENT_BYTES:
-                os.replace(path, f"{path}.1")
-        except FileNotFoundError:
-            pass
+        # Rotated by the size the last append returned, not a stat per
+        # heartbeat (one metadata operation fewer a second on a shared file
+        # system). The first append of a launch learns the size.
+        size, self._history_size = self._history_size, None  # a failed append learns it again
+        if size is None:
+            size = self.sink.dir.append(name, b"")
+        if size + len(line) > runfiles.HISTORY_SEGMENT_BYTES:
+            try:
+                self.sink.dir.replace(name, f"{name}.1")
+            except FileNotFoundError:
+                pass
         # Never blocks and follows nothing: a FIFO or a symlink put at the
         # history's name is refused (NotRegular, an OSError reported once).
-        safeio.append(self.run_dir, safeio.relative(self.run_dir, path), line)
+        self._history_size = self.sink.dir.append(name, line)
 
     def _report_io_error(self, e: OSError) -> None:
         message = f"cannot write to {runfiles.state_dir(self.run_dir)}: {e.strerror or e}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -66,12 +67,57 @@ def test_heartbeat_after_a_finished_run(tmp_path):
     assert (hb["epoch"], hb["step"]) == (2, STEPS_PER_EPOCH)
     assert isinstance(hb["loss"], float) and hb["batch_size"] == 4
     assert hb["rss_bytes"] > 0 and hb["world_size"] == 1
+    # As psutil reads them (the reporter reads /proc itself, see Reporter._process_stats).
+    import psutil
+
+    assert 0.5 < hb["rss_bytes"] / psutil.Process().memory_info().rss < 2
+    assert hb["cpu_percent"] is not None and hb["cpu_percent"] >= 0
     # The process's CPU so far, which a training process has used plenty of (MindSpore's import alone).
     assert hb["cpu_seconds"] >= 0.1 and hb["cpu_seconds"] == round(hb["cpu_seconds"], 3)
     job = runfiles.read_json(runfiles.job_path(tmp_path))
     assert job["world_size"] == 1
     history = runfiles.history_path(tmp_path, 0).read_text().splitlines()
     assert history and all("global_step" in json.loads(line) for line in history)
+
+
+def test_history_rotates_at_its_segment_size_and_survives_removal(tmp_path, monkeypatch):
+    # The reporter tracks the size its appends return instead of a stat per
+    # heartbeat: the rotation must still happen at the bound, and a history
+    # removed under it must be started again, not lost for the run.
+    monkeypatch.setattr(runfiles, "HISTORY_SEGMENT_BYTES", 1500)
+    path = runfiles.history_path(tmp_path, 0)
+
+    class RemoveOnce(Callback):
+        def on_train_step_end(self, run_context):
+            if run_context.original_args().cur_step_num == STEPS_PER_EPOCH and path.exists():
+                path.unlink()
+
+    ms.set_seed(0)
+    data = ds.GeneratorDataset(_Source(), ["x", "y"], shuffle=False).batch(4)
+    net = nn.SequentialCell(nn.Dense(4, 8), nn.ReLU(), nn.Dense(8, 2))
+    model = Model(
+        net,
+        nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"),
+        nn.Momentum(net.trainable_params(), 0.01, 0.9),
+    )
+    bridge = GracefulExitBridge(tmp_path, heartbeat_interval_s=0.001, poll_interval_s=0.001)
+
+    class Slow(Callback):
+        def on_train_step_end(self, run_context):
+            # Several heartbeats per step, whatever the machine's speed: wait for the history to move.
+            start = bridge._engine.reporter._seq
+            while bridge._engine.reporter._seq < start + 3:
+                threading.Event().wait(0.001)
+
+    model.train(2, data, callbacks=[bridge, RemoveOnce(), Slow()], dataset_sink_mode=False)
+    rotated = path.with_name(path.name + ".1")
+    assert rotated.is_file() and path.is_file()
+    for segment in (path, rotated):
+        assert 0 < segment.stat().st_size <= 1500
+        assert all("global_step" in json.loads(line) for line in segment.read_text().splitlines())
+    # The newest line is the last heartbeat's step.
+    last = json.loads(path.read_text().splitlines()[-1])
+    assert last["global_step"] == 2 * STEPS_PER_EPOCH
 
 
 def test_a_missing_run_directory_is_made(tmp_path):

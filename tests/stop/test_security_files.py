@@ -443,3 +443,42 @@ def test_safeio_refuses_every_kind_without_blocking(tmp_path):
         assert str(e.value.strerror) == "not a regular file"
         with pytest.raises(OSError):
             call(lambda path=path: safeio.append(tmp_path / "run", path.name, b"x"), f"append to a {kind}")
+
+
+def test_a_held_state_directory_swapped_or_removed_is_walked_again(tmp_path):
+    """The reporter holds rankwatch/ open (safeio.HeldDir): a swap for a symlink is refused at the
+    next walk and never followed, and a removed directory is made again, both without blocking."""
+    from trainer_bridge.rundir import safeio
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    run = tmp_path / "run"
+    run.mkdir()  # the root is the operator's (the bridge makes it once, in begin)
+    now = [0.0]
+    held = safeio.HeldDir(run, "rankwatch", refresh_s=10.0, clock=lambda: now[0])
+    held.write_atomic("rank_0.json", b"1")
+    assert held.append("rank_0.history.jsonl", b"a\n") == 2
+    assert (run / "rankwatch" / "rank_0.json").read_bytes() == b"1"
+    with pytest.raises(safeio.UnsafePath):
+        held.write_atomic("../escape.json", b"x")
+
+    # Removed under the hold: the write into the deleted directory fails,
+    # and the next one walks again and makes it.
+    for p in (run / "rankwatch").iterdir():
+        p.unlink()
+    (run / "rankwatch").rmdir()
+    with pytest.raises(FileNotFoundError):
+        held.write_atomic("rank_0.json", b"2")
+    held.write_atomic("rank_0.json", b"3")
+    assert (run / "rankwatch" / "rank_0.json").read_bytes() == b"3"
+
+    # Swapped for a symlink to a directory outside: refused at the next walk (due by the clock).
+    (run / "rankwatch").rename(run / "old")
+    (run / "rankwatch").symlink_to(outside)
+    now[0] += 11
+    with pytest.raises(OSError):
+        call(lambda: held.write_atomic("rank_0.json", b"4"), "write through a swapped directory")
+    with pytest.raises(OSError):
+        call(lambda: held.append("rank_0.history.jsonl", b"b\n"), "append through a swapped directory")
+    assert list(outside.iterdir()) == []
+    held.close()

@@ -30,6 +30,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import random
 import stat
 import time
 from collections.abc import Iterator
@@ -83,6 +84,15 @@ def parent_fd(root: str | os.PathLike, rel: str, *, create: bool = False) -> Ite
     relative to its parent's descriptor, then opened with ``O_NOFOLLOW``).
     """
     *dirs, name = parts(rel)
+    fd = _walk(root, dirs, create)
+    try:
+        yield fd, name
+    finally:
+        os.close(fd)
+
+
+def _walk(root: str | os.PathLike, dirs: list[str], create: bool) -> int:
+    """A descriptor of ``root/dirs...``, each step opened with ``O_NOFOLLOW``; the caller closes it."""
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         for d in dirs:
@@ -94,9 +104,10 @@ def parent_fd(root: str | os.PathLike, rel: str, *, create: bool = False) -> Ite
             child = os.open(d, _DIR_FLAGS, dir_fd=fd)
             os.close(fd)
             fd = child
-        yield fd, name
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    return fd
 
 
 def _check_regular(fd: int) -> os.stat_result:
@@ -191,7 +202,11 @@ def read_at(path: str | os.PathLike, offset: int, nbytes: int) -> bytes:
 def append(root: str | os.PathLike, rel: str, data: bytes) -> int:
     """Append ``data`` to the regular file ``rel`` under ``root`` (created if absent); its new size."""
     with parent_fd(root, rel) as (dir_fd, name):
-        fd, _ = _open_checked(name, _APPEND_FLAGS, dir_fd=dir_fd)
+        return _append_at(dir_fd, name, data)
+
+
+def _append_at(dir_fd: int, name: str, data: bytes) -> int:
+    fd, _ = _open_checked(name, _APPEND_FLAGS, dir_fd=dir_fd)
     try:
         os.set_blocking(fd, True)
         os.write(fd, data)
@@ -210,31 +225,87 @@ def write_atomic(root: str | os.PathLike, rel: str, data: bytes, *, fsync: bool 
     never opened or followed; a directory is first renamed aside.
     """
     with parent_fd(root, rel, create=True) as (dir_fd, name):
-        tmp = f".{name}.{os.urandom(6).hex()}.tmp"
-        fd = os.open(
-            tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd
-        )
+        _write_atomic_at(dir_fd, name, data, fsync, f".{name}.{os.urandom(6).hex()}.tmp")
+
+
+def _write_atomic_at(dir_fd: int, name: str, data: bytes, fsync: bool, tmp: str) -> None:
+    fd = os.open(
+        tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd
+    )
+    try:
         try:
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-                if fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            try:
-                os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-            except IsADirectoryError:
-                # A directory put at a file's name would block this write for
-                # ever (the stop flag: every stop): moved aside, kept, hidden.
-                _move_aside(dir_fd, name)
-                os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        except BaseException:
-            try:
-                os.unlink(tmp, dir_fd=dir_fd)
-            except OSError:
-                pass
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except IsADirectoryError:
+            # A directory put at a file's name would block this write for
+            # ever (the stop flag: every stop): moved aside, kept, hidden.
+            _move_aside(dir_fd, name)
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except OSError:
+            pass
+        raise
+
+
+class HeldDir:
+    """The directory ``rel`` under ``root``, walked to once and then written relative to its descriptor.
+
+    For the bridge's reporter thread, which writes a heartbeat every second
+    on every rank: through a held directory that is four syscalls (create,
+    write, close, rename) where the walk and a fresh random name make nine,
+    and on a shared file system every one is a metadata operation.
+    The descriptor is walked to again every ``refresh_s`` and after any
+    error, so a directory removed or swapped for a symlink is written again
+    (or refused) within that time. Not thread-safe: one writer at a time.
+    """
+
+    def __init__(self, root: str | os.PathLike, rel: str, *, refresh_s: float = 10.0, clock=time.monotonic):
+        self.root, self.dirs = root, parts(rel)
+        self.refresh_s, self._clock = refresh_s, clock
+        self._fd: int | None = None
+        self._due = 0.0
+        # Temporary names from a generator seeded once: no getrandom per write.
+        self._names = random.Random(os.urandom(16))
+
+    def write_atomic(self, name: str, data: bytes, *, fsync: bool = False) -> None:
+        """``write_atomic`` of ``name`` in this directory."""
+        tmp = f".{name}.{self._names.getrandbits(48):012x}.tmp"
+        self._at(_write_atomic_at, name, data, fsync, tmp)
+
+    def append(self, name: str, data: bytes) -> int:
+        """``append`` to ``name`` in this directory; its new size."""
+        return self._at(_append_at, name, data)
+
+    def replace(self, src: str, dst: str) -> None:
+        """Rename ``src`` to ``dst``, both in this directory (FileNotFoundError if ``src`` is gone)."""
+        self._at(lambda fd, a, b: os.replace(a, b, src_dir_fd=fd, dst_dir_fd=fd), src, dst)
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def _at(self, action, name: str, *args):
+        if len(parts(name)) != 1:
+            raise UnsafePath(f"{name!r} is not a name in {'/'.join(self.dirs)}")
+        now = self._clock()
+        if self._fd is None or now >= self._due:
+            self.close()
+            self._fd = _walk(self.root, self.dirs, create=True)
+            self._due = now + self.refresh_s
+        try:
+            return action(self._fd, name, *args)
+        except OSError:
+            self.close()  # walk again next time: the directory may be what changed
             raise
 
 

@@ -137,12 +137,12 @@ class Heartbeat(_Model):
         None, description="samples per step on this rank"
     )
     cpu_percent: Annotated[float, Field(ge=0, le=1e5)] | None = Field(
-        None, description="the process's CPU use, from psutil (100 = one core)"
+        None, description="the process's CPU use since the last heartbeat (100 = one core)"
     )
     cpu_seconds: Annotated[float, Field(ge=0, le=1e12)] | None = Field(
-        None, description="the process's CPU time so far (user + system, all threads), from psutil"
+        None, description="the process's CPU time so far (user + system, all threads)"
     )
-    rss_bytes: Bytes | None = Field(None, description="the process's resident memory, from psutil")
+    rss_bytes: Bytes | None = Field(None, description="the process's resident memory")
     device: Device | None = Field(
         None, description="the accelerator (below); null without `npu-smi`/`nvidia-smi`"
     )
