@@ -42,7 +42,10 @@ class GracefulExitBridge(Callback):
         sync_interval_s: target seconds between stop agreements. It bounds the
             stop latency from the flag being seen to every rank agreeing.
         heartbeat_interval_s: seconds between heartbeat writes.
-        poll_interval_s: seconds between ``os.stat`` calls on the flag.
+        poll_interval_s: seconds between the reporter thread's wake-ups, when it
+            stats the flag and the stack requests; a stop waits up to this long
+            for the flag to be seen. The default wakes the thread once a second,
+            with its heartbeat.
         max_sync_every: the most steps between agreements, whatever the step time.
         max_overhead: the largest share of training time agreements may take;
             above it the interval stretches beyond ``sync_interval_s``.
@@ -61,7 +64,7 @@ class GracefulExitBridge(Callback):
         *,
         sync_interval_s: float = 0.5,
         heartbeat_interval_s: float = 1.0,
-        poll_interval_s: float = 0.2,
+        poll_interval_s: float = 1.0,
         max_sync_every: int = 1000,
         max_overhead: float = 0.003,
         resume: bool = True,

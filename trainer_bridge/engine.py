@@ -58,7 +58,7 @@ class Settings:
 
     sync_interval_s: float = 0.5
     heartbeat_interval_s: float = 1.0
-    poll_interval_s: float = 0.2
+    poll_interval_s: float = 1.0
     max_sync_every: int = 1000
     max_overhead: float = 0.003
     resume: bool = True

@@ -246,7 +246,7 @@ class StopView:
             else "OnRequestExit's directory: rank_{r}/<file_name>_train.ckpt under the script's "
             "directory= argument",
             "basis": (
-                "flag poll (<= 0.2 s) + steps until the next agreement "
+                "flag poll (<= 1 s) + steps until the next agreement "
                 f"({sync_s:.2f} s) + save time "
                 + (
                     f"({save_s:.2f} s, measured at the last stop)"
