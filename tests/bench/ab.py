@@ -236,6 +236,12 @@ VARIANTS = {
     "hooks-only": "only the step hooks: no reporter thread, no loss, one agreement",
     "no-step-begin": "the callback without on_train_step_begin (the callback only)",
     "nice-reporter": "the reporter thread at nice 10 (it then rarely preempts the training thread on a busy core)",
+    "poll-1s": "the reporter wakes once a second (flag and stack polls at the heartbeat's rate)",
+    "beat-5s": "a heartbeat every 5 s (polls unchanged)",
+    "no-history": "heartbeats without their history line",
+    "reporter-core": "the reporter thread moved to a core the rank is not bound to (with --ranks 1, a free one)",
+    "idle-thread": "no reporter thread, but a Python thread of the bridge's that only sleeps (Event.wait, 1 s)",
+    "parked-thread": "no reporter thread, but a Python thread of the bridge's blocked until the close (no wake-up)",
 }
 
 
@@ -256,20 +262,41 @@ def variant(name: str):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
         run(self)
 
+    def own_core_run(self):
+        mine = os.sched_getaffinity(0)
+        free = sorted(set(range(os.cpu_count() or 1)) - mine)
+        if free:
+            os.sched_setaffinity(0, {free[-1]})  # this thread only (Linux affinity is per task)
+        run(self)
+
+    def idle_run(self):
+        while not self._closed.wait(1.0):
+            pass
+
     patches = {
+        "idle-thread": [("_run", Reporter, idle_run)],
+        "parked-thread": [("_run", Reporter, lambda self: self._closed.wait())],
         "nice-reporter": [("_run", Reporter, nice_run)],
+        "reporter-core": [("_run", Reporter, own_core_run)],
         "no-reporter": [("_run", Reporter, lambda self: None)],
         "no-poll": [("_poll_flag", Reporter, lambda self, force=False: None)],
         "no-psutil": [("_process_stats", Reporter, lambda self: (None, None, None))],
         "no-loss": [("take_loss", Reporter, no_loss)],
         "hooks-only": [("_run", Reporter, lambda self: None), ("take_loss", Reporter, no_loss)],
         "no-step-begin": [("on_train_step_begin", GracefulExitBridge, lambda self, rc: None)],
+        "no-history": [("_append_history", Reporter, lambda self, beat: None)],
     }.get(name, [])
     stack = contextlib.ExitStack()
     for attr, owner, value in patches:
         stack.enter_context(mock.patch.object(owner, attr, value))
     quiet = {"sync_interval_s": 1e5, "max_sync_every": 10**6}  # within the heartbeat schema's bounds
-    return stack, quiet if name in ("no-agree", "hooks-only") else {}
+    kwargs = {
+        "no-agree": quiet,
+        "hooks-only": quiet,
+        "poll-1s": {"poll_interval_s": 1.0},
+        "beat-5s": {"heartbeat_interval_s": 5.0},
+    }.get(name, {})
+    return stack, kwargs
 
 
 def alternate(rounds: int, seed: int, sides: dict[str, Callable[[int], dict]]) -> list[dict]:

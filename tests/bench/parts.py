@@ -16,8 +16,8 @@ bridge's cost as the A/B benchmarks (``tests.bench.loop``,
   to a float (``asnumpy``; MindSpore's CPU graph steps are synchronous, so it
   waits for nothing);
 * on the reporter thread: a heartbeat (built, validated, written, its
-  history line), the psutil sample inside it, and one poll (the flag's and
-  the stack requests' ``os.stat``), five a second;
+  history line), the process sample inside it (CPU time and RSS), and one
+  poll (the flag's and the stack requests' ``os.stat``), once a second;
 * an agreement needs ranks: the A/B benchmarks print its accounted cost.
 """
 
@@ -124,7 +124,7 @@ def measure(run_dir: Path) -> dict:
         reporter._write_heartbeat(history=True)
 
     out["heartbeat"] = fastest(heartbeat, n=100, clock=time.thread_time)
-    out["  psutil sample in it"] = fastest(reporter._process_stats, n=500, clock=time.thread_time)
+    out["  process sample in it"] = fastest(reporter._process_stats, n=500, clock=time.thread_time)
 
     def poll():
         reporter._poll_flag()
@@ -143,9 +143,9 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="rankwatch-bench-parts-") as tmp:
         parts = measure(Path(tmp))
-    # Events per step (per step) or per second (the defaults: 1 s heartbeats, 0.2 s polls).
+    # Events per step (per step) or per second (the defaults: 1 s heartbeats, 1 s polls).
     per_step = {"callback hooks", "loop iterator + report"}
-    per_second = {"loss to float": 1.0, "heartbeat": 1.0, "  psutil sample in it": 1.0, "poll": 5.0}
+    per_second = {"loss to float": 1.0, "heartbeat": 1.0, "  process sample in it": 1.0, "poll": 1.0}
     head = "".join(f"{f'share at {ms:g} ms':>16}" for ms in args.step_ms)
     print(f"{'part':<26}{'cost us':>9}  {'how often':<12}{head}")
     for name, cost in parts.items():
