@@ -38,8 +38,8 @@ class _Steps(Callback):
         self.seen.append(run_context.original_args().cur_step_num)
 
 
-def _train(run_dir, epochs=2, flag_script=None, **bridge_kwargs):
-    """Train a 2-layer net; return (bridge, steps seen). ``flag_script``: see _FlagScript."""
+def _model():
+    """(the dataset, a ``Model`` of a 2-layer net over it), seeded alike every time."""
     ms.set_seed(0)
     data = ds.GeneratorDataset(_Source(), ["x", "y"], shuffle=False).batch(4)
     net = nn.SequentialCell(nn.Dense(4, 8), nn.ReLU(), nn.Dense(8, 2))
@@ -48,6 +48,12 @@ def _train(run_dir, epochs=2, flag_script=None, **bridge_kwargs):
         nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"),
         nn.Momentum(net.trainable_params(), 0.01, 0.9),
     )
+    return data, model
+
+
+def _train(run_dir, epochs=2, flag_script=None, **bridge_kwargs):
+    """Train a 2-layer net; return (bridge, steps seen). ``flag_script``: see _FlagScript."""
+    data, model = _model()
     bridge = GracefulExitBridge(run_dir, heartbeat_interval_s=0.05, **bridge_kwargs)
     steps = _Steps()
     callbacks = [bridge, steps]
@@ -92,14 +98,7 @@ def test_history_rotates_at_its_segment_size_and_survives_removal(tmp_path, monk
             if run_context.original_args().cur_step_num == STEPS_PER_EPOCH and path.exists():
                 path.unlink()
 
-    ms.set_seed(0)
-    data = ds.GeneratorDataset(_Source(), ["x", "y"], shuffle=False).batch(4)
-    net = nn.SequentialCell(nn.Dense(4, 8), nn.ReLU(), nn.Dense(8, 2))
-    model = Model(
-        net,
-        nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"),
-        nn.Momentum(net.trainable_params(), 0.01, 0.9),
-    )
+    data, model = _model()
     bridge = GracefulExitBridge(tmp_path, heartbeat_interval_s=0.001, poll_interval_s=0.001)
 
     class Slow(Callback):
@@ -198,14 +197,7 @@ class _FlagScript(Callback):
 
 
 def test_cancel_before_the_agreement_withdraws_the_request(tmp_path):
-    ms.set_seed(0)
-    data = ds.GeneratorDataset(_Source(), ["x", "y"], shuffle=False).batch(4)
-    net = nn.SequentialCell(nn.Dense(4, 8), nn.ReLU(), nn.Dense(8, 2))
-    model = Model(
-        net,
-        nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean"),
-        nn.Momentum(net.trainable_params(), 0.01, 0.9),
-    )
+    data, model = _model()
     # Agreements at steps 1, 5, 9, ...: the request is seen at 2 and cancelled at 3.
     bridge = GracefulExitBridge(tmp_path, sync_interval_s=1000, max_sync_every=4)
     script = _FlagScript(
