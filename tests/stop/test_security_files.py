@@ -461,6 +461,8 @@ def test_a_held_state_directory_swapped_or_removed_is_walked_again(tmp_path):
     assert (run / "rankwatch" / "rank_0.json").read_bytes() == b"1"
     with pytest.raises(safeio.UnsafePath):
         held.write_atomic("../escape.json", b"x")
+    with pytest.raises(safeio.UnsafePath):
+        held.replace("rank_0.json", "../escape.json")
 
     # Removed under the hold: the write into the deleted directory fails,
     # and the next one walks again and makes it.

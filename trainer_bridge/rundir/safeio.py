@@ -287,6 +287,7 @@ class HeldDir:
 
     def replace(self, src: str, dst: str) -> None:
         """Rename ``src`` to ``dst``, both in this directory (FileNotFoundError if ``src`` is gone)."""
+        self._name(dst)
         self._at(lambda fd, a, b: os.replace(a, b, src_dir_fd=fd, dst_dir_fd=fd), src, dst)
 
     def close(self) -> None:
@@ -294,9 +295,12 @@ class HeldDir:
         if fd is not None:
             os.close(fd)
 
-    def _at(self, action, name: str, *args):
+    def _name(self, name: str) -> None:
         if len(parts(name)) != 1:
             raise UnsafePath(f"{name!r} is not a name in {'/'.join(self.dirs)}")
+
+    def _at(self, action, name: str, *args):
+        self._name(name)
         now = self._clock()
         if self._fd is None or now >= self._due:
             self.close()
