@@ -42,10 +42,10 @@ class GracefulExitBridge(Callback):
         sync_interval_s: target seconds between stop agreements. It bounds the
             stop latency from the flag being seen to every rank agreeing.
         heartbeat_interval_s: seconds between heartbeat writes.
-        poll_interval_s: seconds between the reporter thread's wake-ups, when it
-            stats the flag and the stack requests; a stop waits up to this long
-            for the flag to be seen. The default wakes the thread once a second,
-            with its heartbeat.
+        poll_interval_s: seconds between the reporter's looks at the flag and the
+            stack requests (at agreement steps while they come, else on its
+            thread); a stop waits up to this long, plus an agreement, for the
+            flag to be seen. The default looks once a second, with the heartbeat.
         max_sync_every: the most steps between agreements, whatever the step time.
         max_overhead: the largest share of training time agreements may take;
             above it the interval stretches beyond ``sync_interval_s``.

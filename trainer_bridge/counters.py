@@ -1,7 +1,8 @@
 """The step counters: the one thing the training thread writes for the reporter.
 
 The training thread updates a ``Counters`` on every step (a few additions,
-no lock); the reporter thread reads them through ``snapshot()``, one
+no lock); the reporter reads them through ``snapshot()`` (on its own
+thread, or on the training thread at an agreement), one
 consistent-enough tuple per heartbeat (each field is a single Python object,
 so no field is ever torn).
 """

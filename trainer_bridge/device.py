@@ -1,8 +1,11 @@
 """Device metrics from ``npu-smi`` (Ascend) or ``nvidia-smi`` (GPU), where one exists.
 
-With neither on PATH the feature switches itself off with one log line. The
-probe runs in the reporter thread, never the training thread, and samples at
-most every ``interval_s`` because both tools take tens of milliseconds.
+With neither on PATH the feature switches itself off with one log line. Both
+tools take tens of milliseconds, so the probe samples at most every
+``interval_s``, and the reporter asks without blocking: the heartbeat
+carries the last sample while a short-lived thread takes the next. The
+reporter's work may run on the training thread (``reporter.py``), which
+must never wait for a device tool.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 import time
 
 log = logging.getLogger("trainer_bridge")
@@ -111,22 +115,37 @@ class DeviceProbe:
             log.info("rankwatch: no npu-smi or nvidia-smi on PATH; device metrics are off")
         self._last: dict | None = None
         self._due = 0.0
+        self._refreshing: threading.Thread | None = None
 
     @property
     def enabled(self) -> bool:
         return bool(self._tool)
 
-    def sample(self) -> dict | None:
+    def sample(self, block: bool = True) -> dict | None:
+        """The device's figures, at most ``interval_s`` old.
+
+        ``block=False`` returns the last sample at once and, when one is due,
+        takes the next on a thread of its own (alive for the tool's run only).
+        """
         if not self._tool or time.monotonic() < self._due:
             return self._last
         self._due = time.monotonic() + self.interval_s
+        if block:
+            self._refresh()
+        elif not (self._refreshing and self._refreshing.is_alive()):
+            self._refreshing = threading.Thread(target=self._refresh, name="rankwatch-device", daemon=True)
+            self._refreshing.start()
+        return self._last
+
+    def _refresh(self) -> None:
+        tool = self._tool
         try:
-            if self._tool == "npu-smi":
+            if tool == "npu-smi":
                 out = subprocess.run(
                     ["npu-smi", "info"], capture_output=True, text=True, timeout=self.timeout_s, check=True
                 ).stdout
                 self._last = parse_npu_smi(out, self.index)
-            else:
+            elif tool:
                 out = subprocess.run(
                     ["nvidia-smi", f"--query-gpu={NVIDIA_QUERY}", "--format=csv,noheader,nounits"],
                     capture_output=True,
@@ -136,7 +155,6 @@ class DeviceProbe:
                 ).stdout
                 self._last = parse_nvidia_smi(out, self.index)
         except (OSError, subprocess.SubprocessError) as e:
-            log.warning("rankwatch: %s failed (%s); device metrics are off", self._tool, e)
+            log.warning("rankwatch: %s failed (%s); device metrics are off", tool, e)
             self._tool = None
             self._last = None
-        return self._last

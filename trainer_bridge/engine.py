@@ -7,8 +7,9 @@ does the rest. It is built around three rules:
 
 * **The step hooks are cheap.** ``step_begin`` and ``step_end`` read the
   clock, add to running totals (``reporter.Counters``), append to a deque and
-  compare two integers. Files, psutil and the flag are handled by one daemon
-  thread (``reporter.Reporter``).
+  compare two integers. Files and the flag are the reporter's
+  (``reporter.Reporter``): at agreement steps once a heartbeat is due, and on
+  a thread of its own only while agreements do not come.
 * **Agreement is amortised** (``agreement.py``): one float32 SUM AllReduce
   every *K* steps, at global steps every rank computes alike.
 * **Nothing the dashboard does can hurt training.** A bad flag is logged once
@@ -393,6 +394,7 @@ class Engine:
     def _agree(self) -> bool:
         """Vote at an agreed step: stop if any rank saw a request; pick the next step."""
         reporter, c = self.reporter, self.counters
+        reporter.on_agreement()  # its flag poll first: a request it finds is voted now
         if reporter.request is not None:
             # Re-read before voting stop: a cancel written since the last
             # poll then wins, unless the vote has already begun elsewhere.

@@ -1,11 +1,25 @@
-"""The bridge's one background thread: flag watcher and heartbeat writer.
+"""The bridge's reporter: flag watcher and heartbeat writer.
 
-The training thread only updates a ``Counters`` object (a few numbers per
-step) and calls the stop-stage methods here; this thread turns them into
-files: the heartbeat and its history (``trainer_bridge/rundir/schema/``), the
-flag poll, the device sample, and the stack captures of ``StackWatcher``.
-Nothing it does can stop training: a reporter error is logged once per kind
-and the thread carries on.
+The training thread updates a ``Counters`` object (a few numbers per step)
+and calls the stop-stage methods here; the reporter turns them into files:
+the heartbeat and its history (``trainer_bridge/rundir/schema/``), the flag
+poll, the device sample, and the stack captures of ``StackWatcher``.
+
+Who runs it. A live Python thread costs MindSpore's functional steps about
+2% at small steps even when it never wakes (``docs/benchmarks.md``), so
+while steps flow no reporter thread exists: the training thread calls
+``on_agreement()`` at each agreement step, where every rank is at the same
+global step and waits for the others anyway, and it runs the reporter's
+work there once a heartbeat is due. The thread runs only when those
+agreements do not come: from the start to the first agreements (graph
+compilation), and whenever they stop (a hang, an evaluation, a long
+save). A one-shot timer (``wakeup.Wakeup``), re-armed at every agreement,
+starts it again; the thread hands the work back once agreements arrive
+within a heartbeat interval of each other. Without such a timer (not Linux
+with glibc) the thread runs all the time.
+
+Nothing the reporter does can stop training: a reporter error is logged
+once per kind and the reporter carries on.
 """
 
 from __future__ import annotations
@@ -26,9 +40,13 @@ from trainer_bridge.rundir import launch, runfiles, safeio, schema
 from trainer_bridge.rundir.attempts import AttemptLog
 from trainer_bridge.saving import ResumePoint, Served
 from trainer_bridge.stacks import StackWatcher
+from trainer_bridge.wakeup import Wakeup
 
 log = logging.getLogger("trainer_bridge")
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+# A tick on the training thread slower than this (a heartbeat takes about
+# 0.3 ms) hands the reporter's work to its thread for the rest of the run.
+SLOW_TICK_S = 0.05
 
 
 def _clip(text: str | None, limit: int) -> str | None:
@@ -37,7 +55,7 @@ def _clip(text: str | None, limit: int) -> str | None:
 
 
 class Reporter:
-    """The thread. ``close()`` writes the last heartbeat and is safe to call twice.
+    """The reporter. ``close()`` writes the last heartbeat and is safe to call twice.
 
     ``Reporter.latest`` is the newest started in this process (the one an
     uncaught exception marks failed after its close).
@@ -46,7 +64,7 @@ class Reporter:
         run_dir, rank, world: where and who.
         counters: the training thread's ``Counters``.
         served: stop requests already served; a flag asking for one of them is stale.
-        heartbeat_interval_s, poll_interval_s: the thread's two periods.
+        heartbeat_interval_s, poll_interval_s: the heartbeat's and the flag poll's periods.
         sync_interval_s: written into ``job.json`` (rank 0).
         batch_size: for ``samples_per_s``.
         resumed: the set this launch resumed from, for ``resumed_from``.
@@ -121,7 +139,14 @@ class Reporter:
         self._closed = threading.Event()
         self._lock = threading.Lock()  # one writer at a time: the thread, or close()
         self._flag_lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="rankwatch-reporter", daemon=True)
+        self._tick_lock = threading.Lock()  # one tick at a time: the thread's or the training thread's
+        self._thread_lock = threading.Lock()  # starting and handing over the thread
+        self._thread: threading.Thread | None = None
+        self.thread_starts = 0
+        self._wakeup: Wakeup | None = None
+        self._next_poll = self._next_beat = 0.0  # time.monotonic()
+        self._agreed_at: float | None = None  # the last agreement (monotonic) and the gap before it
+        self._agree_gap: float | None = None
         self._device = DeviceProbe()
         self._cpu_last: tuple[float, float] | None = None
         self._statm: int | None = None  # /proc/self/statm, held open (_rss)
@@ -154,6 +179,7 @@ class Reporter:
                 "at": {"seen": time.time()},
             }
             self.state = "stopping"
+            self._next_beat = 0.0  # the next tick shows it
             self._wake.set()
 
     def begin_stop(self, request_id: str, source: str, stop_step: int) -> None:
@@ -192,6 +218,40 @@ class Reporter:
         self.warnings.append(f"checkpoint save failed: {message}")
         self.write_now()
 
+    def on_agreement(self) -> None:
+        """The training thread, at an agreement step: do the reporter's work if it is due.
+
+        Costs a clock read and a ``timer_settime`` when nothing is due, and
+        nothing at all to re-arm while the thread still runs.
+        """
+        now = time.monotonic()
+        if self._agreed_at is not None:
+            self._agree_gap = now - self._agreed_at
+        self._agreed_at = now
+        if self._wakeup is None or self._closed.is_set():
+            return
+        # Past this, heartbeats are late: the thread takes over.
+        self._wakeup.arm(self._handover_s())
+        if self._thread is None and self._tick_lock.acquire(blocking=False):
+            try:
+                self._tick(now)
+            finally:
+                self._tick_lock.release()
+            if time.monotonic() - now > SLOW_TICK_S:
+                # A slow file system: its next stall would hold every rank
+                # at this agreement. The thread keeps the work for good.
+                self._log_once(
+                    "slow-tick",
+                    "rankwatch: heartbeat write took %.2f s: moved off the training thread",
+                    time.monotonic() - now,
+                )
+                self._wakeup.close()
+                self._wakeup = None
+                self._wake_thread()
+
+    def _handover_s(self) -> float:
+        return 2.0 * max(self.heartbeat_interval_s, self.poll_interval_s)
+
     def write_now(self) -> None:
         """Write a heartbeat synchronously: stop stages must not wait for the next tick."""
         self._write_heartbeat()
@@ -209,18 +269,57 @@ class Reporter:
         if self.rank == 0:
             self._write_job()
         self._write_heartbeat()
-        self._thread.start()
+        self._wakeup = Wakeup.create(self._wake_thread)
+        self._wake_thread()
         Reporter.latest = self
         atexit.register(self.close)
         self._chain_excepthook()
+
+    def _wake_thread(self) -> None:
+        """Start the thread unless it runs (from ``start()``, or the watchdog timer's own thread)."""
+        with self._thread_lock:
+            if self._thread is not None or self._closed.is_set():
+                return
+            # daemon given: Thread() would otherwise ask current_thread(), which on the
+            # timer's native thread leaves a _DummyThread behind for every expiry.
+            self._thread = threading.Thread(target=self._run, name="rankwatch-reporter", daemon=True)
+            self._thread.start()
+            self.thread_starts += 1
+
+    def _hand_over(self) -> bool:
+        """The thread: give the work back to the agreements if they keep heartbeats on time."""
+        if self._wakeup is None or self.state != "training":
+            return False
+        if self.attempts is not None and self.attempts.roll_call_pending:
+            return False  # rank 0 reads hundreds of heartbeats a tick: not on the training thread
+        gap, last = self._agree_gap, self._agreed_at
+        now = time.monotonic()
+        if (
+            gap is None
+            or last is None
+            or gap > self.heartbeat_interval_s
+            or now - last > gap + self.poll_interval_s
+        ):
+            return False
+        with self._thread_lock:
+            if self._closed.is_set():
+                return False
+            self._thread = None
+        # Armed again here too: if the agreements stopped right after the check above.
+        self._wakeup.arm(self._handover_s())
+        return True
 
     def close(self) -> None:
         if self._closed.is_set():
             return
         self._closed.set()
         self._wake.set()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout=5)
+        if self._wakeup is not None:
+            self._wakeup.close()
+        with self._thread_lock:
+            thread = self._thread
+        if thread is not None and thread.is_alive() and threading.current_thread() is not thread:
+            thread.join(timeout=5)
         self._write_heartbeat()
         self._end_attempt()
         # Under the writers' lock: a thread the join above gave up on must
@@ -248,10 +347,20 @@ class Reporter:
             self._log_once("attempt-end", "rankwatch: attempts.jsonl end line not written: %s", e)
 
     def _run(self) -> None:
-        next_beat = 0.0
         while not self._closed.is_set():
-            cpu = time.thread_time()
-            try:
+            with self._tick_lock:
+                self._tick(time.monotonic())
+            if self._hand_over():
+                return
+            self._wake.wait(self.poll_interval_s)
+            self._wake.clear()
+
+    def _tick(self, now: float) -> None:
+        """The reporter's work, on whichever thread runs it: what is due of polls and heartbeat."""
+        cpu = time.thread_time()
+        try:
+            if now >= self._next_poll:
+                self._next_poll = now + self.poll_interval_s
                 self._poll_flag()
                 if self.attempts is not None:
                     self.attempts.roll_call()
@@ -264,20 +373,17 @@ class Reporter:
                     global_step=snap.global_step,
                     stepping=self.state in ("training", "stopping"),
                 )
-                now = time.monotonic()
-                if now >= next_beat:
-                    next_beat = now + self.heartbeat_interval_s
-                    self._write_heartbeat(history=True)
-            except Exception as e:  # the reporter must never die: log once per kind
-                self._log_once(
-                    f"reporter:{type(e).__name__}",
-                    "rankwatch: reporter error (training continues): %s",
-                    e,
-                    exc_info=True,
-                )
-            self.reporter_cpu_ms += (time.thread_time() - cpu) * 1e3
-            self._wake.wait(self.poll_interval_s)
-            self._wake.clear()
+            if now >= self._next_beat:
+                self._next_beat = now + self.heartbeat_interval_s
+                self._write_heartbeat(history=True)
+        except Exception as e:  # the reporter must never die: log once per kind
+            self._log_once(
+                f"reporter:{type(e).__name__}",
+                "rankwatch: reporter error (training continues): %s",
+                e,
+                exc_info=True,
+            )
+        self.reporter_cpu_ms += (time.thread_time() - cpu) * 1e3
 
     def _poll_flag(self, force: bool = False) -> None:
         # The reporter thread polls; the training thread forces a read before
@@ -326,6 +432,7 @@ class Reporter:
         if self.stop is not None and self.stop.get("source") == "flag":
             self.stop = None
             self.state = "training"
+            self._next_beat = 0.0
             self._wake.set()
 
     def _heartbeat(self) -> schema.Heartbeat:
@@ -371,7 +478,7 @@ class Reporter:
             cpu_percent=cpu,
             cpu_seconds=cpu_s,
             rss_bytes=rss,
-            device=self._device.sample(),
+            device=self._device.sample(block=False),
             time=time.time(),
             last_step_at=self._last_step_at(snap),
             started_at=self.started_at,
@@ -382,6 +489,8 @@ class Reporter:
                 "agree_ms": round(snap.agree_ms, 3),
                 "first_agree_ms": snap.first_agree_ms,
                 "reporter_cpu_ms": round(self.reporter_cpu_ms, 3),
+                "reporter_thread": self._thread is not None,
+                "reporter_thread_starts": self.thread_starts,
             },
             stop=self.stop,
             resumed_from=self.resumed_from,

@@ -2,8 +2,10 @@
 
 Both sides use this module, so it must not import mindspore:
 
-* the bridge's reporter thread calls ``StackWatcher.poll`` about five times a
-  second. It answers the requests the dashboard leaves as files in the run
+* the bridge's reporter calls ``StackWatcher.poll`` with each flag poll
+  (``poll_interval_s``, 1 s): on the training thread at an agreement step
+  while steps flow, on the reporter's own thread while they do not
+  (``reporter.py``). It answers the requests the dashboard leaves as files in the run
   directory (files reach ranks on other nodes with no network path to them),
   and captures once on its own when the rank stops stepping (a stall), so a
   hang that later clears, or kills the job, still leaves evidence;
@@ -150,7 +152,7 @@ class StackWatcher:
     """The bridge's side: answers stack requests and captures once per stall.
 
     Built on the training thread (which it marks as such in captures);
-    ``poll`` is called from the reporter thread. Nothing here raises into
+    ``poll`` is called by the reporter, on either thread. Nothing here raises into
     its caller or blocks it: captures run on a thread of their own, and
     problems are logged once per kind.
     """

@@ -242,6 +242,7 @@ VARIANTS = {
     "reporter-core": "the reporter thread moved to a core the rank is not bound to (with --ranks 1, a free one)",
     "idle-thread": "no reporter thread, but a Python thread of the bridge's that only sleeps (Event.wait, 1 s)",
     "parked-thread": "no reporter thread, but a Python thread of the bridge's blocked until the close (no wake-up)",
+    "thread-always": "the reporter's work on its thread all the time, never handed to the agreements (the design before)",
 }
 
 
@@ -274,6 +275,7 @@ def variant(name: str):
             pass
 
     patches = {
+        "thread-always": [("_hand_over", Reporter, lambda self: False)],
         "idle-thread": [("_run", Reporter, idle_run)],
         "parked-thread": [("_run", Reporter, lambda self: self._closed.wait())],
         "nice-reporter": [("_run", Reporter, nice_run)],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -378,6 +379,52 @@ def test_loop_left_early_ends_the_rank_finished(tmp_path):
             break
     hb = runfiles.read_json(runfiles.heartbeat_path(tmp_path, 0))
     assert (hb["state"], hb["global_step"]) == ("finished", 2) and not bridge.stopped
+
+
+def _reporter_thread() -> bool:
+    return any(t.name == "rankwatch-reporter" and t.is_alive() for t in threading.enumerate())
+
+
+def test_loop_steps_with_no_reporter_thread_and_a_pause_brings_it_back(tmp_path):
+    """While agreements come, the training thread does the reporter's work (reporter.py)."""
+    ms.set_seed(0)
+    data = ds.GeneratorDataset(_Indexed(), ["x", "y"], shuffle=False).batch(4)
+    net = nn.Dense(4, 2)
+    opt = nn.Momentum(net.trainable_params(), 0.01, 0.9)
+    bridge = GracefulExitBridge(tmp_path, heartbeat_interval_s=0.1, poll_interval_s=0.05, max_sync_every=2)
+
+    def beat():
+        return runfiles.read_json(runfiles.heartbeat_path(tmp_path, 0))
+
+    seen, since = [], None
+    for _ in bridge.loop(data, network=net, optimizer=opt, epochs=10**6):
+        thread = _reporter_thread()
+        if "handed" not in seen:
+            if not thread:
+                seen.append("handed")
+                since = beat()["seq"]
+        elif "beats" not in seen:
+            if thread:
+                since = beat()["seq"]  # this machine held an agreement back: count afresh
+            elif beat()["seq"] >= since + 3:
+                seen.append("beats")  # heartbeats written at agreements, with no thread
+                assert beat()["bridge_cost"]["reporter_thread"] is False
+        elif "paused" not in seen:
+            # A pause in the steps (an evaluation, a hang): the thread comes back and beats.
+            deadline = time.monotonic() + 60
+            while not _reporter_thread():
+                assert time.monotonic() < deadline, "the reporter thread never came back"
+                time.sleep(0.01)
+            since = beat()["seq"]
+            while beat()["seq"] < since + 3:
+                assert time.monotonic() < deadline, "no heartbeats during the pause"
+                time.sleep(0.01)
+            seen.append("paused")
+        elif not thread:
+            break  # handed over again once the steps resumed
+    assert seen == ["handed", "beats", "paused"]
+    hb = beat()
+    assert hb["state"] == "finished" and hb["bridge_cost"]["reporter_thread_starts"] >= 2
 
 
 class _Position(Callback):

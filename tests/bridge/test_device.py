@@ -150,3 +150,24 @@ def test_the_dashboard_keeps_a_row_whose_device_figure_is_out_of_range(client, r
     )
     assert row["device"] is None and row["global_step"] == bad["global_step"]
     assert row["warnings"][-1].startswith("device left out: kind:")
+
+
+def test_a_sample_that_must_not_block_runs_the_tool_on_a_thread_of_its_own(tmp_path, monkeypatch):
+    # The reporter's work may run on the training thread, which must never wait for npu-smi:
+    # this npu-smi waits for a file the test writes only after the probe has answered.
+    go = tmp_path / "go"
+    tool = tmp_path / "npu-smi"
+    tool.write_text(
+        f"#!{sys.executable}\nimport os, sys, time\n"
+        f"while not os.path.exists({str(go)!r}):\n    time.sleep(0.01)\n"
+        f"sys.stdout.write({NPU_SMI_INFO!r})\n"
+    )
+    tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("DEVICE_ID", "0")
+    probe = DeviceProbe()
+    assert probe.sample(block=False) is None  # nothing yet, and no wait for the tool
+    go.write_text("")
+    probe._refreshing.join(60)
+    assert not probe._refreshing.is_alive()
+    assert probe.sample(block=False)["health"] == "OK"

@@ -276,7 +276,7 @@ def resumed_text(global_step: int, set_id: str | None) -> str:
 
 
 class AttemptLog:
-    """Rank 0's writer: ``begin`` at start, ``roll_call`` from the reporter thread, ``end`` at the end.
+    """Rank 0's writer: ``begin`` at start, ``roll_call`` from the reporter's thread, ``end`` at the end.
 
     Every method swallows what the disk or a bad file can throw (logged once):
     a dashboard's file must never stop training.
@@ -359,6 +359,11 @@ class AttemptLog:
         if self.world > 1:
             self._pending = set(range(self.world)) - {0}
             self._roll_until = time.monotonic() + ROLL_CALL_S
+
+    @property
+    def roll_call_pending(self) -> bool:
+        """Ranks whose first heartbeat is still to be read (up to ROLL_CALL_READS a tick)."""
+        return bool(self._pending) and self.number is not None
 
     def roll_call(self) -> None:
         """Learn the other ranks' hosts from their first heartbeats; one hosts line when all are in."""

@@ -259,7 +259,7 @@ def _write_atomic_at(dir_fd: int, name: str, data: bytes, fsync: bool, tmp: str)
 class HeldDir:
     """The directory ``rel`` under ``root``, walked to once and then written relative to its descriptor.
 
-    For the bridge's reporter thread, which writes a heartbeat every second
+    For the bridge's reporter, which writes a heartbeat every second
     on every rank: through a held directory that is four syscalls (create,
     write, close, rename) where the walk and a fresh random name make nine,
     and on a shared file system every one is a metadata operation.

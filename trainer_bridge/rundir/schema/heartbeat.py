@@ -50,7 +50,19 @@ class BridgeCost(_Model):
     first_agree_ms: Millis | None = Field(
         None, description="the first agreement, which compiles the AllReduce graph"
     )
-    reporter_cpu_ms: Millis = Field(0.0, description="the background thread's CPU time")
+    reporter_cpu_ms: Millis = Field(
+        0.0,
+        description="the reporter's CPU time: on its thread, and at agreement steps on the training thread",
+    )
+    reporter_thread: bool = Field(
+        False,
+        description="the reporter's thread was running: only while agreements do not come "
+        "(start-up, a hang, an evaluation); otherwise the agreements do its work",
+    )
+    reporter_thread_starts: Count = Field(
+        0,
+        description="times the reporter's thread started: at the start, then after each pause in agreements",
+    )
 
 
 class CheckpointRef(_Model):
