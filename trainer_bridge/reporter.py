@@ -232,7 +232,11 @@ class Reporter:
             return
         # Past this, heartbeats are late: the thread takes over.
         self._wakeup.arm(self._handover_s())
-        if self._thread is None and self._tick_lock.acquire(blocking=False):
+        if self._thread is not None:
+            if self._may_hand_over(now):
+                self._wake.set()  # the thread hands over now, not at its next wake-up
+            return
+        if self._tick_lock.acquire(blocking=False):
             try:
                 self._tick(now)
             finally:
@@ -286,20 +290,23 @@ class Reporter:
             self._thread.start()
             self.thread_starts += 1
 
-    def _hand_over(self) -> bool:
-        """The thread: give the work back to the agreements if they keep heartbeats on time."""
+    def _may_hand_over(self, now: float) -> bool:
+        """Whether the agreements keep heartbeats on time: two of them within a heartbeat, the last recent."""
         if self._wakeup is None or self.state != "training":
             return False
         if self.attempts is not None and self.attempts.roll_call_pending:
             return False  # rank 0 reads hundreds of heartbeats a tick: not on the training thread
         gap, last = self._agree_gap, self._agreed_at
-        now = time.monotonic()
-        if (
-            gap is None
-            or last is None
-            or gap > self.heartbeat_interval_s
-            or now - last > gap + self.poll_interval_s
-        ):
+        return (
+            gap is not None
+            and last is not None
+            and gap <= self.heartbeat_interval_s
+            and now - last <= gap + self.poll_interval_s
+        )
+
+    def _hand_over(self) -> bool:
+        """The thread: give the work to the agreements if they keep heartbeats on time."""
+        if not self._may_hand_over(time.monotonic()):
             return False
         with self._thread_lock:
             if self._closed.is_set():
