@@ -221,37 +221,46 @@ class Reporter:
     def on_agreement(self) -> None:
         """The training thread, at an agreement step: do the reporter's work if it is due.
 
-        Costs a clock read and a ``timer_settime`` when nothing is due, and
-        nothing at all to re-arm while the thread still runs.
+        Costs a clock read and a ``timer_settime`` when nothing is due. Never
+        raises: it runs inside someone else's training loop.
         """
-        now = time.monotonic()
+        try:
+            self._on_agreement(time.monotonic())
+        except Exception as e:  # noqa: BLE001 - a reporter bug must not reach the training loop
+            self._log_once(
+                f"agree:{type(e).__name__}", "rankwatch: reporter error (training continues): %s", e
+            )
+
+    def _on_agreement(self, now: float) -> None:
         if self._agreed_at is not None:
             self._agree_gap = now - self._agreed_at
         self._agreed_at = now
-        if self._wakeup is None or self._closed.is_set():
+        wakeup = self._wakeup
+        if wakeup is None or self._closed.is_set():
             return
         # Past this, heartbeats are late: the thread takes over.
-        self._wakeup.arm(self._handover_s())
+        wakeup.arm(self._handover_s())
         if self._thread is not None:
             if self._may_hand_over(now):
                 self._wake.set()  # the thread hands over now, not at its next wake-up
             return
-        if self._tick_lock.acquire(blocking=False):
-            try:
-                self._tick(now)
-            finally:
-                self._tick_lock.release()
-            if time.monotonic() - now > SLOW_TICK_S:
-                # A slow file system: its next stall would hold every rank
-                # at this agreement. The thread keeps the work for good.
-                self._log_once(
-                    "slow-tick",
-                    "rankwatch: heartbeat write took %.2f s: moved off the training thread",
-                    time.monotonic() - now,
-                )
-                self._wakeup.close()
+        if not self._tick_lock.acquire(blocking=False):
+            return
+        try:
+            self._tick(now)
+        finally:
+            self._tick_lock.release()
+        took = time.monotonic() - now
+        if took > SLOW_TICK_S:
+            # A slow file system: its next stall would hold every rank at
+            # this agreement. The thread keeps the work for good.
+            self._log_once(
+                "slow-tick", "rankwatch: heartbeat write took %.2f s: moved off the training thread", took
+            )
+            with self._thread_lock:  # against a hand-over deciding at this moment
                 self._wakeup = None
-                self._wake_thread()
+            wakeup.close()
+            self._wake_thread()
 
     def _handover_s(self) -> float:
         return 2.0 * max(self.heartbeat_interval_s, self.poll_interval_s)
@@ -309,11 +318,12 @@ class Reporter:
         if not self._may_hand_over(time.monotonic()):
             return False
         with self._thread_lock:
-            if self._closed.is_set():
+            wakeup = self._wakeup
+            if self._closed.is_set() or wakeup is None:  # closed, or moved off the training thread
                 return False
             self._thread = None
         # Armed again here too: if the agreements stopped right after the check above.
-        self._wakeup.arm(self._handover_s())
+        wakeup.arm(self._handover_s())
         return True
 
     def close(self) -> None:
