@@ -16,11 +16,10 @@ import time
 
 import pytest
 
+from tests.helpers.reporters import reporter as new_reporter
 from trainer_bridge import reporter as reporter_module
-from trainer_bridge.counters import Counters
 from trainer_bridge.reporter import Reporter
 from trainer_bridge.rundir import runfiles
-from trainer_bridge.saving import NOTHING_SERVED
 from trainer_bridge.wakeup import Wakeup
 
 DEADLINE_S = 60.0  # a failure guard only: each wait ends on its event
@@ -50,18 +49,7 @@ def cost(run_dir) -> dict:
 
 @pytest.fixture
 def reporter(tmp_path):
-    r = Reporter(
-        tmp_path,
-        0,
-        1,
-        Counters(1, 100, 0),
-        served=NOTHING_SERVED,
-        heartbeat_interval_s=0.1,
-        poll_interval_s=0.05,
-        sync_interval_s=0.05,
-        batch_size=None,
-        resumed=None,
-    )
+    r = new_reporter(tmp_path, heartbeat_interval_s=0.1, poll_interval_s=0.05)
     yield r
     r.close()
 

@@ -365,25 +365,12 @@ def test_junk_capture_files_cost_a_bounded_cached_listing(dashboard, run_dir, mo
 
 @pytest.fixture
 def reporter_factory(run_dir):
-    from trainer_bridge.counters import Counters
-    from trainer_bridge.reporter import Reporter
-    from trainer_bridge.saving import NOTHING_SERVED
+    from tests.helpers.reporters import reporter as new_reporter
 
     made = []
 
     def make():
-        reporter = Reporter(
-            run_dir,
-            0,
-            1,
-            Counters(1, 100, 0),
-            served=NOTHING_SERVED,
-            heartbeat_interval_s=0.05,
-            poll_interval_s=0.02,
-            sync_interval_s=0.5,
-            batch_size=None,
-            resumed=None,
-        )
+        reporter = new_reporter(run_dir, heartbeat_interval_s=0.05, poll_interval_s=0.02)
         made.append(reporter)
         return reporter
 
