@@ -45,8 +45,12 @@ from trainer_bridge.wakeup import Wakeup
 log = logging.getLogger("trainer_bridge")
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 # A tick on the training thread slower than this (a heartbeat takes about
-# 0.3 ms) hands the reporter's work to its thread for the rest of the run.
+# 0.3 ms) hands the reporter's work to its thread for SLOW_TICK_BACKOFF_S,
+# doubled at each such tick up to an hour: a file system in trouble then
+# holds only the thread, and a passing stall (another process's writeback
+# throttling this one's writes, a loaded host) costs a minute of thread.
 SLOW_TICK_S = 0.05
+SLOW_TICK_BACKOFF_S = 60.0
 
 
 def _clip(text: str | None, limit: int) -> str | None:
@@ -147,6 +151,8 @@ class Reporter:
         self._next_poll = self._next_beat = 0.0  # time.monotonic()
         self._agreed_at: float | None = None  # the last agreement (monotonic) and the gap before it
         self._agree_gap: float | None = None
+        self._slow_ticks = 0
+        self._no_handover_until = 0.0  # monotonic: after a slow tick (SLOW_TICK_S)
         self._device = DeviceProbe()
         self._cpu_last: tuple[float, float] | None = None
         self._statm: int | None = None  # /proc/self/statm, held open (_rss)
@@ -252,14 +258,15 @@ class Reporter:
             self._tick_lock.release()
         took = time.monotonic() - now
         if took > SLOW_TICK_S:
-            # A slow file system: its next stall would hold every rank at
-            # this agreement. The thread keeps the work for good.
-            self._log_once(
-                "slow-tick", "rankwatch: heartbeat write took %.2f s: moved off the training thread", took
+            # Its next stall would hold every rank at this agreement.
+            backoff = min(SLOW_TICK_BACKOFF_S * 2**self._slow_ticks, 3600.0)
+            self._slow_ticks += 1
+            self._no_handover_until = time.monotonic() + backoff
+            log.warning(
+                "rankwatch: a heartbeat on the training thread took %.2f s: its thread does the work for %.0f s",
+                took,
+                backoff,
             )
-            with self._thread_lock:  # against a hand-over deciding at this moment
-                self._wakeup = None
-            wakeup.close()
             self._wake_thread()
 
     def _handover_s(self) -> float:
@@ -301,7 +308,7 @@ class Reporter:
 
     def _may_hand_over(self, now: float) -> bool:
         """Whether the agreements keep heartbeats on time: two of them within a heartbeat, the last recent."""
-        if self._wakeup is None or self.state != "training":
+        if self._wakeup is None or self.state != "training" or now < self._no_handover_until:
             return False
         if self.attempts is not None and self.attempts.roll_call_pending:
             return False  # rank 0 reads hundreds of heartbeats a tick: not on the training thread
@@ -318,12 +325,11 @@ class Reporter:
         if not self._may_hand_over(time.monotonic()):
             return False
         with self._thread_lock:
-            wakeup = self._wakeup
-            if self._closed.is_set() or wakeup is None:  # closed, or moved off the training thread
+            if self._closed.is_set():
                 return False
             self._thread = None
         # Armed again here too: if the agreements stopped right after the check above.
-        wakeup.arm(self._handover_s())
+        self._wakeup.arm(self._handover_s())
         return True
 
     def close(self) -> None:
