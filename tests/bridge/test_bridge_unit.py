@@ -397,7 +397,9 @@ def test_loop_steps_with_no_reporter_thread_and_a_pause_brings_it_back(tmp_path)
         return runfiles.read_json(runfiles.heartbeat_path(tmp_path, 0))
 
     seen, since = [], None
+    deadline = time.monotonic() + 120  # a failure guard only: each phase ends on its event
     for _ in bridge.loop(data, network=net, optimizer=opt, epochs=10**6):
+        assert time.monotonic() < deadline, f"stuck after phases {seen}"
         thread = _reporter_thread()
         if "handed" not in seen:
             if not thread:
@@ -411,7 +413,6 @@ def test_loop_steps_with_no_reporter_thread_and_a_pause_brings_it_back(tmp_path)
                 assert beat()["bridge_cost"]["reporter_thread"] is False
         elif "paused" not in seen:
             # A pause in the steps (an evaluation, a hang): the thread comes back and beats.
-            deadline = time.monotonic() + 60
             while not _reporter_thread():
                 assert time.monotonic() < deadline, "the reporter thread never came back"
                 time.sleep(0.01)
