@@ -253,7 +253,10 @@ class Reporter:
         if not self._tick_lock.acquire(blocking=False):
             return
         try:
-            self._tick(now)
+            # Due before the next agreement is due too: agreements a poll
+            # interval apart or more then poll at every one, and a request
+            # written before an agreement is voted there.
+            self._tick(now, slack=min(self._agree_gap or 0.0, self.poll_interval_s))
         finally:
             self._tick_lock.release()
         took = time.monotonic() - now
@@ -378,9 +381,10 @@ class Reporter:
             self._wake.wait(self.poll_interval_s)
             self._wake.clear()
 
-    def _tick(self, now: float) -> None:
-        """The reporter's work, on whichever thread runs it: what is due of polls and heartbeat."""
+    def _tick(self, now: float, slack: float = 0.0) -> None:
+        """The reporter's work, on whichever thread runs it: what is due, or due within ``slack`` s."""
         cpu = time.thread_time()
+        now += slack
         try:
             if now >= self._next_poll:
                 self._next_poll = now + self.poll_interval_s

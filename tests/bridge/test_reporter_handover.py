@@ -147,10 +147,10 @@ def test_a_slow_tick_on_the_training_thread_gives_the_work_to_the_thread_for_a_w
     until(lambda: not thread_alive(), "the thread handing over", between=lambda: agree(reporter))
     tick = Reporter._tick
 
-    def slow_tick(self, now):
+    def slow_tick(self, now, slack=0.0):
         if threading.current_thread() is threading.main_thread():
             time.sleep(2 * reporter_module.SLOW_TICK_S)  # a file system in trouble
-        tick(self, now)
+        tick(self, now, slack)
 
     monkeypatch.setattr(Reporter, "_tick", slow_tick)
     reporter._next_beat = 0.0  # due at the next agreement
