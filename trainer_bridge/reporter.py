@@ -413,8 +413,9 @@ class Reporter:
         self.reporter_cpu_ms += (time.thread_time() - cpu) * 1e3
 
     def _poll_flag(self, force: bool = False) -> None:
-        # The reporter thread polls; the training thread forces a read before
-        # it votes with a pending request. One at a time.
+        # The reporter polls (on its thread, or at an agreement); the training
+        # thread also forces a read before it votes with a pending request.
+        # One at a time.
         with self._flag_lock:
             self._poll_flag_locked(force)
 
