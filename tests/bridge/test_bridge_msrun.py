@@ -8,7 +8,7 @@ import signal
 import numpy as np
 import pytest
 
-from tests.helpers.jobs import dump, write_flag
+from tests.helpers.jobs import UNTIL_STOPPED, dump, write_flag
 from trainer_bridge.rundir import runfiles
 from trainer_bridge.rundir.ckptmeta import read_meta
 
@@ -23,7 +23,7 @@ def test_flag_stops_every_rank_at_one_step_then_resume_ignores_the_served_flag(t
     import mindspore as ms
 
     run = tmp_path / "run"
-    job = start_job(run, epochs=3)
+    job = start_job(run, epochs=UNTIL_STOPPED)
     job.wait_for_step(4)
     write_flag(run, request_id="req-stop-1", reason="test")
     assert job.wait() == 0, job.logs()
@@ -50,7 +50,8 @@ def test_flag_stops_every_rank_at_one_step_then_resume_ignores_the_served_flag(t
     # Relaunch with the same flag still saying GracefulExit 1: resume at the
     # next step and run to the end, because that request was already served.
     assert runfiles.read_flag(run).exit
-    again = start_job(run, epochs=3)
+    epochs = job.epochs_past(stop_step)
+    again = start_job(run, epochs=epochs)
     assert again.wait() == 0, again.logs()
     for r in range(2):
         resumed = again.steps_logged(r)  # msrun rewrote the worker logs
@@ -58,7 +59,7 @@ def test_flag_stops_every_rank_at_one_step_then_resume_ignores_the_served_flag(t
         hb = again.heartbeat(r)
         assert hb["state"] == "finished" and hb["stop"] is None, dump(hb)
         assert hb["resumed_from"]["global_step"] == stop_step
-        assert hb["global_step"] == resumed[-1] > stop_step
+        assert hb["global_step"] == resumed[-1] == epochs * again.steps_per_epoch
 
     # A relaunch whose resume point is past the epochs it asks for (1 step per epoch here,
     # 1 epoch, and the set is at stop_step >= 4) ends cleanly instead of Model.train's
@@ -77,7 +78,7 @@ def test_flag_stops_every_rank_at_one_step_then_resume_ignores_the_served_flag(t
 
 def test_sigterm_to_one_rank_stops_every_rank_gracefully(tmp_path, start_job):
     run = tmp_path / "run"
-    job = start_job(run, epochs=3)
+    job = start_job(run, epochs=UNTIL_STOPPED)
     hbs = job.wait_for_step(4)
     os.kill(hbs[1]["pid"], signal.SIGTERM)
     assert job.wait() == 0, job.logs()

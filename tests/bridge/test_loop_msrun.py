@@ -14,7 +14,7 @@ import re
 import numpy as np
 import pytest
 
-from tests.helpers.jobs import DemoJob, dump, write_flag
+from tests.helpers.jobs import UNTIL_STOPPED, DemoJob, dump, write_flag
 from trainer_bridge.rundir import runfiles
 from trainer_bridge.rundir.ckptmeta import read_meta
 
@@ -38,7 +38,7 @@ def test_loop_flag_stops_every_rank_at_one_step_saves_optimizer_state_and_resume
     import mindspore as ms
 
     run = tmp_path / "run"
-    job = start_job(run, epochs=3, samples=SAMPLES, step_delay=0.05, extra=LOOP)
+    job = start_job(run, epochs=UNTIL_STOPPED, samples=SAMPLES, step_delay=0.05, extra=LOOP)
     job.wait_for_step(4)
     write_flag(run, request_id="req-loop-1", reason="test")
     assert job.wait() == 0, job.logs()
@@ -78,11 +78,12 @@ def test_loop_flag_stops_every_rank_at_one_step_saves_optimizer_state_and_resume
     # same data position, with the optimizer's state, and train to the end.
     first = {r: {(g - 1) % PER_EPOCH: crc for g, crc, _ in _steps(job, r)} for r in range(2)}
     assert runfiles.read_flag(run).exit
-    again = start_job(run, epochs=3, samples=SAMPLES, step_delay=0.0, extra=LOOP)
+    epochs = job.epochs_past(stop_step)
+    again = start_job(run, epochs=epochs, samples=SAMPLES, step_delay=0.0, extra=LOOP)
     assert again.wait() == 0, again.logs()
     for r in range(2):
         steps = _steps(again, r)  # msrun rewrote the worker logs
-        assert steps[0][0] == stop_step + 1 and steps[-1][0] == 3 * PER_EPOCH, steps[:3]
+        assert steps[0][0] == stop_step + 1 and steps[-1][0] == epochs * PER_EPOCH, steps[:3]
         assert steps[0][2] == stop_step + 1  # the optimizer's step went on from the checkpoint's
         # Each batch sits where the uninterrupted run had it: the first run's
         # batch at each position, and one epoch later the same batch again.

@@ -23,6 +23,15 @@ from trainer_bridge.rundir import runfiles
 # Upper bounds only: a job that takes longer is broken, not slow.
 JOB_TIMEOUT_S = 300
 
+# Epochs for a job a test stops (a flag, SIGTERM, the page): more than it can
+# train before JOB_TIMEOUT_S, so it never ends on its own before the stop. A
+# short job races the stop: on a loaded machine its agreements, and with them
+# its heartbeats and flag polls, stretch past a second, and a 93-step job once
+# finished before the test had even seen step 4.
+UNTIL_STOPPED = 1000
+
+BATCH = 32  # the demo's --batch-size
+
 
 class JobFailed(AssertionError):
     pass
@@ -43,6 +52,7 @@ class DemoJob:
     ):
         self.run_dir = Path(run_dir)
         self.ranks = ranks
+        self.steps_per_epoch = max(1, -(-samples // ranks) // BATCH)  # as the demo computes it
         self.cmd = [
             sys.executable,
             "-m",
@@ -149,6 +159,10 @@ class DemoJob:
         assert all(s["stop_step"] == stop_step and s["stage"] == "exited" for s in stops), dump(stops)
         assert [self.steps_logged(r)[-1] for r in range(self.ranks)] == [stop_step] * self.ranks
         return stop_step, stops
+
+    def epochs_past(self, step: int) -> int:
+        """Epochs for a relaunch that resumes after global ``step`` and trains one more epoch or more."""
+        return step // self.steps_per_epoch + 2
 
     def steps_logged(self, rank: int) -> list[int]:
         """Global steps rank ``rank`` printed (``--step-log``), in order."""

@@ -19,7 +19,7 @@ import pytest
 from playwright.sync_api import expect
 
 from tests.helpers.faults import UI_TIMEOUT_MS, cell, measure
-from tests.helpers.jobs import dump
+from tests.helpers.jobs import UNTIL_STOPPED, dump
 from trainer_bridge.rundir import runfiles
 
 pytestmark = [pytest.mark.msrun, pytest.mark.browser]
@@ -125,7 +125,7 @@ def test_dashboard_started_before_the_job_and_on_bad_run_directories(
     expect(run_message(page)).to_contain_text("job.json is unreadable")
 
     # The job appears: the same page picks it up, no reload.
-    start_job(run, epochs=1, step_delay=0.05)
+    start_job(run, epochs=UNTIL_STOPPED, step_delay=0.05)  # killed after the test
     started = time.monotonic()
     for r in (0, 1):
         expect(cell(page, r, "health")).to_contain_text("healthy", timeout=UI_TIMEOUT_MS)

@@ -27,7 +27,7 @@ from playwright.sync_api import expect
 from app.config import from_env
 from app.ranks.state import RunState
 from tests.helpers.faults import UI_TIMEOUT_MS, WAIT_S, cell, measure, poll_until
-from tests.helpers.jobs import DemoJob, dump
+from tests.helpers.jobs import UNTIL_STOPPED, DemoJob, dump
 from trainer_bridge.rundir import ckptindex
 
 pytestmark = [pytest.mark.msrun]
@@ -55,7 +55,7 @@ def test_kill_9_one_rank_mid_training(tmp_path, page, start_job, start_dash):
     page.goto(dash.url)  # the page's Socket.IO client starts the watcher (auto re-arm)
 
     # 1. A complete set to fall back on: a graceful stop.
-    first = start_job(run, epochs=3, step_delay=0.05)
+    first = start_job(run, epochs=UNTIL_STOPPED, step_delay=0.05)
     first.wait_for_step(3)
     status, body = dash.post("/api/exit", {"reason": "fault test: make a set"})
     assert status == 202, body
@@ -66,7 +66,7 @@ def test_kill_9_one_rank_mid_training(tmp_path, page, start_job, start_dash):
     saved_files = files_of(saved)
 
     # 2. Relaunch (it resumes from that set), then kill -9 rank 1 mid-training.
-    second = start_job(run, epochs=3, step_delay=0.05)
+    second = start_job(run, epochs=UNTIL_STOPPED, step_delay=0.05)
     hbs = second.wait_until(
         lambda hbs: (
             hbs
@@ -126,7 +126,7 @@ def test_kill_9_one_rank_mid_training(tmp_path, page, start_job, start_dash):
 
     # 4. Relaunch: it resumes from that set, while msrun's launcher of the
     # killed job is still winding down (its scheduler times out the dead node).
-    third = start_job(run, epochs=3, step_delay=0.0)
+    third = start_job(run, epochs=UNTIL_STOPPED, step_delay=0.0)
     resumed = third.wait_until(
         lambda hbs: (
             hbs

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.faults import measure
-from tests.helpers.jobs import dump, write_flag
+from tests.helpers.jobs import UNTIL_STOPPED, dump, write_flag
 from trainer_bridge.rundir import ckptindex
 
 pytestmark = pytest.mark.msrun
@@ -27,7 +27,9 @@ def test_flag_written_during_a_periodic_checkpoint_save(tmp_path, start_job):
     run = tmp_path / "run"
     # Keep every periodic save: on a busy host the stop can come more than
     # ModelCheckpoint's default 5 saves later, and rotation would delete the one the flag met.
-    job = start_job(run, epochs=3, step_delay=0.02, extra=["--ckpt-every", str(EVERY), "--ckpt-keep", "1000"])
+    job = start_job(
+        run, epochs=UNTIL_STOPPED, step_delay=0.02, extra=["--ckpt-every", str(EVERY), "--ckpt-keep", "1000"]
+    )
     periodic = [run / "ckpt_of_rank" / str(r) for r in (0, 1)]
     job.wait_for_step(EVERY + 1)
     # The next periodic save: write the flag the moment rank 0's file of
