@@ -14,8 +14,9 @@ The verdicts, in the order the rules are tried:
   heartbeats stopped for longer than ``dead_after_s`` (the reason says when
   the probe finds the process still running: stuck, or unable to write).
 * **stalled** - the process is stopped (a probe on this host says so); or no
-  heartbeat for ``stall_min_s`` (the heartbeat thread writes about once a
-  second whatever the step time, so the process is stuck, or cannot write);
+  heartbeat for ``stall_min_s`` (the bridge writes one about once a second
+  whatever the step time, at most about 2 s apart, so the process is stuck,
+  or cannot write);
   or no step for max(``stall_min_s``, ``stall_factor`` x the rank's median
   step time), which is not applied while starting (graph compilation can
   take minutes) or saving a checkpoint. A rank stalled while its
@@ -362,7 +363,7 @@ def judge(
     age = now - written if written is not None else math.inf
     if process_stopped:
         return Verdict("stalled", f"{process_stopped} (last: {at})", rel, cause="stopped")
-    # Heartbeats come about once a second whatever the step time, so
+    # Heartbeats come about once a second (at most ~2 s apart) whatever the step time, so
     # STALL_MIN_S without one means the writer is stuck, not a slow step.
     # A worker log has no such beat: its silence is judged by the step rule.
     silent = not from_log and age > th.stall_min_s
