@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -214,6 +215,7 @@ def bench_alerts(n: int, workdir: Path) -> list[float]:
 
 
 def bench_capture(workdir: Path, requests: int = 10) -> dict:
+    rng = random.Random(0)
     run_dir = workdir / "capture"
     out = {}
     job = DemoJob(run_dir, epochs=200, step_delay=0.05).start()
@@ -225,6 +227,9 @@ def bench_capture(workdir: Path, requests: int = 10) -> dict:
         for native in (False, True):
             latencies = []
             for _ in range(requests):
+                # A user's request comes at any point of the rank's poll cycle; back to back,
+                # each would come just after the last poll, and measure the worst case.
+                time.sleep(rng.uniform(0.0, 1.5))
                 started = time.perf_counter()
                 r = client.post("/api/ranks/0/stack", json={"native": native}, headers=auth)
                 rid = r.get_json()["request_id"]
@@ -238,6 +243,7 @@ def bench_capture(workdir: Path, requests: int = 10) -> dict:
             out["bridge, native" if native else "bridge"] = (latencies, took)
     finally:
         job.kill()
+    (workdir / "pyspy").mkdir()  # a run directory: the writer never creates its root
     proc = subprocess.Popen([sys.executable, "-c", HANGER], stdout=subprocess.PIPE, text=True)
     proc.stdout.readline()
     os.kill(proc.pid, signal.SIGSTOP)
