@@ -10,6 +10,7 @@ import errno
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -365,6 +366,9 @@ def test_retention_mode_on_applies_after_a_new_complete_set(job):
         watcher.tick()
         assert (job / "ckpt/rank_0/net-1_10.ckpt").exists()  # three sets: nothing to delete
         periodic(job, 40)
+        # Past CHECKPOINT_SCAN_S since the last walk, so this tick's walk finds the new set: writing
+        # it can take under a millisecond, and the tick then used the index it had (1 run in 8).
+        time.sleep(0.01)
         watcher.tick()
         assert not (job / "ckpt/rank_0/net-1_10.ckpt").exists()
         rows = app.extensions["rankwatch"].checkpoints.audit.rows()
