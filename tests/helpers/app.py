@@ -14,7 +14,9 @@ TOKEN = "Kx9-rankwatch-test-token-7Qz2mW4vT8pL"
 # Small thresholds so that a test sees a rank turn stalled, then dead, in seconds.
 FAST_SETTINGS = {
     "TICK_S": 0.1,
-    "STALL_MIN_S": 1.5,
+    # Above the bridge's widest heartbeat gap (about 2 s: agreements stretched by load, or the
+    # wake-up after steps stop), or a healthy rank on a loaded host reads stalled between beats.
+    "STALL_MIN_S": 2.5,
     "STALL_FACTOR": 5.0,
     "DEAD_AFTER_S": 4.0,
     "PROCESS_CHECK_AFTER_S": 1.0,

@@ -249,7 +249,7 @@ def test_the_policy_stops_the_job_when_a_device_turns_unhealthy(
     request = next(r for r in rows if r["action"] == "request")
     assert (request["who"], request["request_id"], request["outcome"]) == ("policy", rid, "accepted")
     # The request's reason is the policy's own; the alert may add which ranks cannot answer:
-    # under load the bridge's heartbeats come up to 2 s apart, past these tests' 1.5 s STALL_MIN_S.
+    # a rank whose heartbeat is late on a loaded host reads stalled for a moment.
     assert request["reason"].startswith("policy device_unhealthy:2: rank 1 on "), request
     assert fired["text"].split(f"({rid}): ", 1)[1].startswith(request["reason"]), (fired, request)
     assert next(r for r in rows if r["action"] == "complete")["request_id"] == rid

@@ -95,7 +95,7 @@ def test_a_quiet_log_is_stalled_after_its_own_pace_not_after_a_heartbeat_timeout
         write(path, LOSS.format(e=1, s=30 * i, loss=2.0), t0 + 3 * i)
         st.scan(t0 + 3 * i + 0.01)
     last = t0 + 12
-    st.scan(last + 10)  # 10 s quiet: more than STALL_MIN_S (1.5 s), less than 5 x its 3 s pace
+    st.scan(last + 10)  # 10 s quiet: more than STALL_MIN_S (2.5 s), less than 5 x its 3 s pace
     assert rows(st, last + 10)[0]["health"] == "healthy"
     st.scan(last + 16)
     row = rows(st, last + 16)[0]
