@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from app.checkpoints.service import CheckpointService
     from app.incidents.monitor import Incidents
     from app.incidents.stacks import StackService
-    from app.ranks.state import RunState
+    from app.run.state import RunState
     from app.stop.service import StopService
     from app.watcher import Watcher
 

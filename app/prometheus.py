@@ -48,8 +48,8 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 
-from app.ranks.health import ENDED_VERDICTS, VERDICTS
 from app.ranks.metrics import METRICS_BY_NAME
+from app.run.health import ENDED_VERDICTS, VERDICTS
 from app.stop.status import STAGES
 
 PREFIX = "rankwatch_"

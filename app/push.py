@@ -9,7 +9,7 @@ an older version) joins every room and gets everything, as before.
 
 **Only what changed.** ``Changed`` remembers the last value pushed of one
 kind and says whether a new one differs; ``changed_fields`` is the same for
-the fields of one row. The rank table's deltas (``app.ranks.state``), the stop
+the fields of one row. The rank table's deltas (``app.run.state``), the stop
 lifecycle (``app.watcher``), the checkpoint index (``app.checkpoints``) and
 the incident panel (``app.incidents``) all decide through these.
 

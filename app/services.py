@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.audit import AuditLog
-from app.ranks.state import RunState
+from app.run.state import RunState
 from app.runs import ids
 from app.stop.service import StopService
 from trainer_bridge.rundir import runfiles
@@ -87,7 +87,7 @@ def open_run(
     # The retention plan and its automatic mode (app/checkpoints/retention.py).
     checkpoints.retention = Retention(checkpoints, config)
     from app.agent.hubstate import hub_state
-    from app.ranks.logmode.kept import KeptAttempts
+    from app.run.logmode.kept import KeptAttempts
 
     # With agents (app/agent/), every node's ranks come from their digests in Redis, and the
     # checkpoint browser lists every node's files through the agents.

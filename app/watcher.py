@@ -44,8 +44,8 @@ from flask_socketio import SocketIO
 from app import push
 from app.large import LARGE_ANSWER_RANKS
 from app.push import CHECKPOINTS_EVENT, STOP_EVENT
-from app.ranks.state import RunState
 from app.ranks.window import Windows
+from app.run.state import RunState
 from app.stop.service import StopService
 
 if TYPE_CHECKING:

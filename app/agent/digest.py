@@ -32,7 +32,7 @@ from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 # pydantic needs typing_extensions' TypedDict before Python 3.12.
 from typing_extensions import TypedDict
 
-from app.ranks.health import VERDICTS
+from app.run.health import VERDICTS
 from trainer_bridge.rundir import redisbus
 from trainer_bridge.rundir.schema import Count, Host, Millis, Pid, Rank, StopRecord, UnixTime, WorldSize
 
@@ -62,7 +62,7 @@ _STRICT = ConfigDict(strict=True, extra="forbid")  # a field nobody writes is re
 
 
 class Row(TypedDict):
-    """A rank's row exactly as ``app.ranks.rows.make_row`` builds it (the fields of ``/api/ranks``)."""
+    """A rank's row exactly as ``app.run.rows.make_row`` builds it (the fields of ``/api/ranks``)."""
 
     __pydantic_config__ = _STRICT  # type: ignore[misc]
     rank: Rank

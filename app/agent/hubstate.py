@@ -21,9 +21,9 @@ from typing import Any
 from app.agent import ask
 from app.agent import digest as dg
 from app.agent.hub import Hub
-from app.ranks.health import VERDICTS
-from app.ranks.rows import with_age
-from app.ranks.state import RunState
+from app.run.health import VERDICTS
+from app.run.rows import with_age
+from app.run.state import RunState
 from app.services import redis_key
 from trainer_bridge.rundir import redisbus, runfiles
 

@@ -29,14 +29,14 @@ from app.cli.common import (
     verdict_text,
 )
 from app.cli.runs import existing_root, print_table, runs_table
-from app.ranks.health import VERDICTS
+from app.run.health import VERDICTS
 
 if TYPE_CHECKING:
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
-    from app.ranks.state import RunState
+    from app.run.state import RunState
 
 # Lines the header, the summary and the table's frame take in --watch.
 CHROME_LINES = 10

@@ -21,7 +21,7 @@ from app.incidents.policy import Policy, parse_mode, parse_rules
 from app.incidents.webhooks import WebhookSender, parse_urls
 from app.push import DELTA_EVENT, SNAPSHOT_EVENT, Changed
 from app.push import INCIDENTS_EVENT as EVENT
-from app.ranks.state import RunState
+from app.run.state import RunState
 from app.stop.service import StopService
 
 # The row fields alerts and the policy read.

@@ -28,9 +28,9 @@ from pathlib import Path
 from app.errors import CannotWrite, CaptureRefused, NoRunDir, NotFound, RankNotFound
 from app.incidents.alerts import ranks_text
 from app.incidents.proof import prove_rank
-from app.ranks.health import TERMINAL_STATES
-from app.ranks.heartbeats import Stopped, probe_process
-from app.ranks.state import RunState
+from app.run.health import TERMINAL_STATES
+from app.run.heartbeats import Stopped, probe_process
+from app.run.state import RunState
 from trainer_bridge.rundir import pyspy, runfiles, safeio, schema, stackfiles
 
 ENDED = ("exited", "finished", "failed")

@@ -1,7 +1,7 @@
-"""The ranks: heartbeats and msrun logs -> the rules (judging) -> rows -> the live page.
+"""The Ranks page: the run model (``app.run``) shaped for the page, its JSON API and Socket.IO.
 
-``heartbeats.py`` and ``logmode/`` read what each rank says, ``judging.py`` and
-``health.py`` give each rank its verdict, ``state.py`` keeps the run's board,
-``rows.py`` and ``metrics.py`` shape it for ``routes.py`` (the page and JSON API)
-and ``events.py`` (Socket.IO). Importing this package imports no Flask.
+``routes.py`` (the page and ``/api/ranks``), ``events.py`` (Socket.IO),
+``window.py`` (the page's slice of a large job), ``metrics.py`` (every
+row field described), ``chartviews.py`` (the charts, read from a
+``RunState``) and ``plotly_csp.py``. Importing this package imports no Flask.
 """

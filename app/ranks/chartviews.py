@@ -1,8 +1,8 @@
 """The charts' reads of a run's view: the per-rank window, the whole-run series, the landing sparkline.
 
-A mixin of ``app.ranks.state.RunState``, which holds the slots (each rank's
+A mixin of ``app.run.state.RunState``, which holds the slots (each rank's
 recent points, ``RankSlot.history``), the whole-run series
-(``app.ranks.runhistory.RunHistory``) and the lock these methods take.
+(``app.run.history.RunHistory``) and the lock these methods take.
 Apart from ``_feed_run_history``, called by ``RunState._scan`` under the
 lock, each is a read for a route: ``/api/history``, ``/api/history/run``
 and the landing row's sparkline.

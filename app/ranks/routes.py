@@ -21,7 +21,6 @@ from app.extensions import rankwatch
 from app.large import large_answer
 from app.prometheus import exposition
 from app.ranks import plotly_csp
-from app.ranks.health import VERDICT_HELP, VERDICTS
 from app.ranks.metrics import as_json as metrics_json
 from app.ranks.window import (  # noqa: F401  (the page bounds are re-exported: tests import them from here)
     PER_PAGE_DEFAULT,
@@ -29,6 +28,7 @@ from app.ranks.window import (  # noqa: F401  (the page bounds are re-exported: 
     RanksPage,
     page_of,
 )
+from app.run.health import VERDICT_HELP, VERDICTS
 
 bp = Blueprint("ranks", __name__)
 
@@ -174,7 +174,7 @@ def api_history():
 
 @bp.get("/api/history/run")
 def api_run_history():
-    """The whole run's chart series: per attempt, one point per global step (app/ranks/runhistory.py).
+    """The whole run's chart series: per attempt, one point per global step (app/run/history.py).
 
     ``?after=T&generation=G`` (from an earlier answer) sends only the newer points while nothing was thinned.
     """

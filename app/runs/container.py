@@ -25,7 +25,7 @@ def build(
     """
     from app.incidents.monitor import Incidents
     from app.incidents.stacks import StackService
-    from app.ranks.logmode import resolve_dir
+    from app.run.logmode import resolve_dir
     from app.services import open_run
     from app.watcher import Watcher
     from trainer_bridge.rundir.pyspy import find_pyspy

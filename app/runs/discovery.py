@@ -39,9 +39,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from app.ranks.heartbeats import HEARTBEAT_NAME
-from app.ranks.logmode import DEFAULT_DIR
-from app.ranks.logmode.reader import WORKER_NAME
+from app.run.heartbeats import HEARTBEAT_NAME
+from app.run.logmode import DEFAULT_DIR
+from app.run.logmode.reader import WORKER_NAME
 from trainer_bridge.rundir import safeio
 from trainer_bridge.rundir.runfiles import FLAG_NAME, STATE_DIR
 

@@ -18,7 +18,7 @@ is flagged late; the ranks at the lowest stage are the ones holding the
 others up.
 
 A rank shown only from msrun's worker log reports no stages: its stage comes
-from what the log shows (``app.stop.jobend.log_stage``), so an ``OnRequestExit``
+from what the log shows (``app.run.jobend.log_stage``), so an ``OnRequestExit``
 stop completes and re-arms by the same rule. A stop that the job can no
 longer obey (every rank ended without exiting for it, msrun gone) ends as
 ``not_obeyed``: audited so, and re-armed, so that a relaunch trains.
@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from app.attempts import served_by
 from app.audit import OBSERVED, SYSTEM, AuditError, AuditLog
 from app.errors import CannotWrite, StopRefused
-from app.stop.jobend import JobFacts
+from app.run.jobend import JobFacts
 from app.stop.status import COMMITTED, NOT_OBEYED, StopView, ranks_text, relaunched_since, request_facts
 from trainer_bridge.rundir import runfiles, safeio
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from app.attempts import served_by
 from app.audit import MAX_TEXT, AuditError
-from app.stop.jobend import JobFacts, log_stage
+from app.run.jobend import JobFacts, log_stage
 from trainer_bridge.rundir import runfiles
 
 # A rank's stages of a stop, in order.
@@ -123,7 +123,7 @@ class StopView:
         msrun's worker logs, whose stop stages nobody reports, and whether
         their logs show that the script obeys the flag (OnRequestExit).
         ``facts`` is ``RunState.job_facts()``: the log ranks' stages and
-        which ranks have ended (see ``app.stop.jobend``).
+        which ranks have ended (see ``app.run.jobend``).
         """
         flag, flag_error = self.read_flag()
         active = self._active(flag)

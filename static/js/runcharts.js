@@ -1,6 +1,6 @@
 // The whole run's step-time and loss charts, as TensorBoard and W&B draw them.
 //
-// Data: /api/history/run (app/ranks/runhistory.py), one point per attempt and
+// Data: /api/history/run (app/run/history.py), one point per attempt and
 // global step: [step, t, mean loss, median step ms, slowest rank's step ms].
 // The page fetches it once, then, while deltas arrive, at most every
 // FETCH_MS only the points after the newest it has (?after=&generation=);

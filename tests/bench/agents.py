@@ -7,7 +7,7 @@
   every host adds one digest a second to the run's stream on a real
   ``redis-server`` (started here on a free loopback port), built as a real
   agent builds it (``app.agent.digest``: the same fields, rows made by
-  ``app.ranks.rows.make_row`` from heartbeats in the bridge's format, one
+  ``app.run.rows.make_row`` from heartbeats in the bridge's format, one
   row per digest from the rolling resync, signed with a key). By default
   (``--sender prebuilt``) every digest is built and serialised before the
   window and only written to a socket during it, so that the simulator

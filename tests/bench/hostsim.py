@@ -1,6 +1,6 @@
 """Simulated agents for the agent benchmarks: host digests, built as real agents build them, into Redis.
 
-One builder, ``SimHosts.digest`` (rows from ``app.ranks.rows.make_row``
+One builder, ``SimHosts.digest`` (rows from ``app.run.rows.make_row``
 for hosts of ``RANKS_PER_HOST`` ranks, one row per digest from the rolling
 resync, the figures of ``app.agent.runner.figures``, optional verdict
 flips), and two senders of its digests, both run in processes of their own:
@@ -53,8 +53,8 @@ class SimHosts:
 
     def __init__(self, first: int, count: int, flip_hosts=frozenset(), flip_every: int = 0):
         from app.agent.runner import figures
-        from app.ranks.health import Verdict
-        from app.ranks.rows import make_row
+        from app.run.health import Verdict
+        from app.run.rows import make_row
         from tests.helpers.heartbeats import heartbeat
 
         self.first = first

@@ -30,8 +30,8 @@ import dataclasses
 import re
 import time
 
-from app.ranks.logmode import parser
-from app.ranks.logmode.patterns import BY_ROLE, EXCEPTION, MAX_LINE
+from app.run.logmode import parser
+from app.run.logmode.patterns import BY_ROLE, EXCEPTION, MAX_LINE
 
 
 def adversarial() -> dict[str, str]:

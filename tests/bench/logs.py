@@ -35,8 +35,8 @@ from pathlib import Path
 import psutil
 
 from app.config import from_env
-from app.ranks.logmode.reader import LogDir
-from app.ranks.state import RunState
+from app.run.logmode.reader import LogDir
+from app.run.state import RunState
 from tests.helpers.liveserver import REPO, start_dashboard
 
 

@@ -1,6 +1,6 @@
 """``python -m tests.bench.runhistory [--runs 1000] [--hours 24]``: memory of the whole-run chart series.
 
-One run's series (app/ranks/runhistory.py) is built from ``--hours`` of 1 Hz
+One run's series (app/run/history.py) is built from ``--hours`` of 1 Hz
 steps reported by two ranks, timed, then copied into ``--runs`` series (a
 copy of each column, so each run owns its memory as a real one would), and
 the process's RSS is printed before and after. It measures what the series
@@ -17,7 +17,7 @@ import time
 
 import psutil
 
-from app.ranks.runhistory import RunHistory
+from app.run.history import RunHistory
 
 T0 = 1.7e9
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from app.audit import AuditLog
 from app.config import from_env
-from app.ranks.state import RunState
+from app.run.state import RunState
 from app.stop.service import StopService
 from tests.bench.ingest import start_redis
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from app.ranks.judging import ALIVE
+from app.run.judging import ALIVE
 from tests.helpers.faults import Dashboard, measure
 from tests.helpers.netns import TwoNodes, kill_tree, skip_reason
 from trainer_bridge.demo.mnist import write_mnist

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from app.config import from_env
-from app.ranks.heartbeats import REDIS_FILE_SCAN_S as READ_FILES_EVERY
-from app.ranks.state import RunState
+from app.run.heartbeats import REDIS_FILE_SCAN_S as READ_FILES_EVERY
+from app.run.state import RunState
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from trainer_bridge.beatsink import FILE_EVERY_S, BeatSink
 from trainer_bridge.rundir import redisbus, runfiles

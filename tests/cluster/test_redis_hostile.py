@@ -19,7 +19,7 @@ import pytest
 
 from app.cluster import Leader, QueueCodec, channel
 from app.config import from_env
-from app.ranks.state import RunState
+from app.run.state import RunState
 from tests.helpers.heartbeats import heartbeat, write_job
 from tests.helpers.liveserver import free_port, start_dashboard
 from trainer_bridge.beatsink import BeatSink

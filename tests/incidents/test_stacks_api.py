@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from app.incidents.stacks import describe, route
-from app.ranks.heartbeats import Stopped
+from app.run.heartbeats import Stopped
 from tests.helpers.app import operator, wait_for
 from tests.helpers.heartbeats import HOST, heartbeat, write_heartbeat, write_job
 from tests.helpers.incidents import COLLECTIVE, HANGER, HUNG, WAITING, fake_capture

@@ -10,9 +10,9 @@ import pytest
 from app import create_app
 from app.__main__ import parse_args
 from app.config import SETTINGS, from_env
-from app.ranks.health import VERDICTS
 from app.ranks.metrics import METRICS
 from app.ranks.routes import PER_PAGE_DEFAULT, PER_PAGE_MAX
+from app.run.health import VERDICTS
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 
 DESIGN_FIELDS = {

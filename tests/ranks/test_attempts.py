@@ -17,7 +17,7 @@ import time
 import pytest
 
 from app.audit import AuditLog
-from app.stop.jobend import JobFacts
+from app.run.jobend import JobFacts
 from app.stop.service import StopService
 from tests.helpers.heartbeats import HOST, heartbeat, write_heartbeat
 from trainer_bridge.rundir import attempts, runfiles, schema

@@ -25,7 +25,7 @@ import urllib.request
 import pytest
 from playwright.sync_api import expect
 
-from app.ranks.heartbeats import read_history_tail
+from app.run.heartbeats import read_history_tail
 from tests.helpers.heartbeats import HOST
 from tests.helpers.jobs import JOB_TIMEOUT_S, DemoJob, write_flag
 from tests.helpers.liveserver import start_dashboard

@@ -6,7 +6,7 @@ import threading
 import time
 
 from app.extensions import socketio
-from app.ranks.state import RunState
+from app.run.state import RunState
 from app.watcher import Watcher
 from tests.helpers.app import wait_for_event
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job

@@ -25,7 +25,7 @@ import pytest
 from playwright.sync_api import expect
 
 from app.config import from_env
-from app.ranks.state import RunState
+from app.run.state import RunState
 from tests.helpers.faults import UI_TIMEOUT_MS, WAIT_S, cell, measure, poll_until
 from tests.helpers.jobs import UNTIL_STOPPED, DemoJob, dump
 from trainer_bridge.rundir import ckptindex

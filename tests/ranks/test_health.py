@@ -9,7 +9,7 @@ import time
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.ranks.health import (
+from app.run.health import (
     VERDICTS,
     StepWindow,
     Thresholds,
@@ -193,7 +193,7 @@ def test_split_window_medians_ride_out_one_odd_heartbeat_and_stalls_keep_the_las
 
 def test_summary_slowest_rank_uses_the_same_work(run_dir):
     from app.config import from_env
-    from app.ranks.state import RunState
+    from app.run.state import RunState
     from tests.helpers.heartbeats import write_heartbeat, write_job
 
     write_job(run_dir, 2)

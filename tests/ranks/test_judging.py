@@ -14,8 +14,8 @@ import random
 
 import pytest
 
-from app.ranks import judging
-from app.ranks.health import StepWindow, judge_all
+from app.run import judging
+from app.run.health import StepWindow, judge_all
 from tests.helpers.heartbeats import heartbeat
 from tests.helpers.ranks import TH, Rank
 

@@ -1,4 +1,4 @@
-"""Attempts in log mode: a relaunch seen as msrun emptying the worker logs (``app/ranks/logmode/attempts.py``).
+"""Attempts in log mode: a relaunch seen as msrun emptying the worker logs (``app/run/logmode/attempts.py``).
 
 The logs are real files in msrun's layout, written and then emptied the way
 msrun does it at a relaunch (``open(path, "w")``); the dashboard is the real
@@ -114,7 +114,7 @@ def test_a_dashboard_started_after_the_relaunch_still_lists_the_attempt_it_erase
 
 def test_kept_attempts_are_bounded_and_a_bad_row_is_skipped(run_dir):
     """The store is in the run directory: rows anyone could have written are validated when read."""
-    from app.ranks.logmode.attempts import MAX_KEPT
+    from app.run.logmode.attempts import MAX_KEPT
 
     relaunched(run_dir)
     db = Path(run_dir) / "rankwatch" / "audit.sqlite3"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from app.ranks.logmode.parser import JOB_EXITED, LauncherLog, WorkerLog
+from app.run.logmode.parser import JOB_EXITED, LauncherLog, WorkerLog
 
 REAL = (Path(__file__).parents[1] / "data" / "ms_kernel_select_error.log").read_text().splitlines()
 

@@ -1,6 +1,6 @@
 """The log reader's patterns: each example line, real MindSpore output, garbage and torn lines.
 
-Every pattern in ``app.ranks.logmode.patterns`` carries an example line; these
+Every pattern in ``app.run.logmode.patterns`` carries an example line; these
 tests parse each one, then lines printed by MindSpore's own callbacks (run in
 a subprocess), then what must not be mistaken for training: garbage, a line
 written in two pieces, a traceback that training survived.
@@ -15,8 +15,8 @@ import textwrap
 
 import pytest
 
-from app.ranks.logmode.parser import LauncherLog, SchedulerLog, WorkerLog
-from app.ranks.logmode.patterns import BY_ROLE, LAUNCHER, SCHEDULER, WORKER
+from app.run.logmode.parser import LauncherLog, SchedulerLog, WorkerLog
+from app.run.logmode.patterns import BY_ROLE, LAUNCHER, SCHEDULER, WORKER
 
 
 def all_patterns():
@@ -267,14 +267,14 @@ def test_every_pattern_runs_on_a_linear_time_engine():
     """RE2, not Python's backtracking re: a line built to be slow costs no more than its length."""
     import re2
 
-    from app.ranks.logmode.patterns import EXCEPTION
+    from app.run.logmode.patterns import EXCEPTION
 
     engines = {type(p.regex) for _, p in all_patterns()} | {type(EXCEPTION)}
     assert engines == {type(re2.compile("x"))}, engines
 
 
 def test_adversarial_lines_parse_without_error_and_are_cut_at_max_line():
-    from app.ranks.logmode.patterns import MAX_LINE
+    from app.run.logmode.patterns import MAX_LINE
     from tests.bench.logpatterns import adversarial
 
     hostile = list(adversarial().values())

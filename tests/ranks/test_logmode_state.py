@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 
 from app.config import from_env
-from app.ranks import judging
-from app.ranks.health import judge_all
-from app.ranks.logmode import resolve_dir
-from app.ranks.logmode.patterns import LAUNCHER, SCHEDULER, WORKER
-from app.ranks.state import RunState
+from app.run import judging
+from app.run.health import judge_all
+from app.run.logmode import resolve_dir
+from app.run.logmode.patterns import LAUNCHER, SCHEDULER, WORKER
+from app.run.state import RunState
 from tests.helpers.app import FAST_SETTINGS
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from tests.helpers.ranks import TH as JUDGING_TH
@@ -292,7 +292,7 @@ def test_a_log_without_any_step_line_says_so_after_a_while(run_dir):
 
 @pytest.mark.parametrize("seed", range(20))
 def test_the_verdict_board_equals_judge_all_for_log_ranks(seed):
-    """The incremental board (app.ranks.judging) and the reference rules agree when some ranks are log ranks."""
+    """The incremental board (app.run.judging) and the reference rules agree when some ranks are log ranks."""
     rnd = random.Random(seed)
     world = rnd.choice([2, 5, 9])
     now = 1_800_000_000.0

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from app.ranks.logmode.reader import LogDir
-from app.ranks.logmode.tailer import BUDGET, FIRST_BYTES, MAX_LINE, Tailer
+from app.run.logmode.reader import LogDir
+from app.run.logmode.tailer import BUDGET, FIRST_BYTES, MAX_LINE, Tailer
 
 GB = 1 << 30
 

@@ -1,4 +1,4 @@
-"""The whole-run chart series (app/ranks/runhistory.py) with real objects: aggregation, attempts,
+"""The whole-run chart series (app/run/history.py) with real objects: aggregation, attempts,
 thinning, the cap, bad points, seeding from real history files and the route."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from app.ranks.runhistory import KEEP_WHOLE_S, MAX_OPEN, OPEN_S, THIN_EVERY_S, THIN_S, RunHistory
-from app.ranks.state import read_history_tail
+from app.run.history import KEEP_WHOLE_S, MAX_OPEN, OPEN_S, THIN_EVERY_S, THIN_S, RunHistory
+from app.run.state import read_history_tail
 from tests.helpers.app import wait_for
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from trainer_bridge.rundir import runfiles

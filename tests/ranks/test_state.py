@@ -11,8 +11,8 @@ import time
 import pytest
 
 from app.config import from_env
-from app.ranks import heartbeats as reader_module
-from app.ranks.state import RunState, probe_process, read_history_tail
+from app.run import heartbeats as reader_module
+from app.run.state import RunState, probe_process, read_history_tail
 from tests.helpers.app import FAST_SETTINGS
 from tests.helpers.heartbeats import heartbeat, process_started, write_heartbeat, write_job
 from trainer_bridge.rundir import runfiles, schema

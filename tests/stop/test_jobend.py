@@ -1,9 +1,9 @@
-"""The log ranks' stop stages and the job's end, as pure facts (``app.stop.jobend`` and the stop service)."""
+"""The log ranks' stop stages and the job's end, as pure facts (``app.run.jobend`` and the stop service)."""
 
 from __future__ import annotations
 
 from app.audit import AuditLog
-from app.stop.jobend import JobFacts, log_stage
+from app.run.jobend import JobFacts, log_stage
 from app.stop.service import StopService
 from trainer_bridge.rundir import runfiles
 

@@ -23,7 +23,7 @@ from click.testing import CliRunner
 
 from app.cli import main
 from app.config import from_env
-from app.ranks.state import RunState
+from app.run.state import RunState
 from tests.helpers.app import FAST_SETTINGS
 from trainer_bridge.rundir import runfiles
 

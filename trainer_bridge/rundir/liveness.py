@@ -1,6 +1,6 @@
 """Is a rank's process still there? One answer for the dashboard and the bridge.
 
-The dashboard asks when a heartbeat is late (``app.ranks.heartbeats``); the bridge asks
+The dashboard asks when a heartbeat is late (``app.run.heartbeats``); the bridge asks
 at start whether the ranks a heartbeat names belong to a launch that still
 runs (``trainer_bridge.rundir.attempts``). Both can only look at this host's
 processes, and both must not mistake a reused pid for the rank.

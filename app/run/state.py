@@ -4,8 +4,8 @@
 the view is older than a tick). Its cost follows what changed, not the size
 of the job:
 
-* ``app.ranks.heartbeats`` stats every heartbeat file and reads only the changed ones;
-* ``app.ranks.judging`` re-judges only the ranks whose verdict can have changed
+* ``app.run.heartbeats`` stats every heartbeat file and reads only the changed ones;
+* ``app.run.judging`` re-judges only the ranks whose verdict can have changed
   (a vector pass over all ranks finds them) and keeps the summary's
   figures in arrays;
 * a rank's process is probed (psutil) only when its heartbeat is late;
@@ -15,7 +15,7 @@ of the job:
 A restarted dashboard rebuilds the same view: the rows from the heartbeat
 files, the charts from the ``rank_{r}.history.jsonl`` tails.
 
-Ranks without the bridge are read from msrun's worker logs (``app.ranks.logmode``),
+Ranks without the bridge are read from msrun's worker logs (``app.run.logmode``),
 which yields the same validated heartbeats; a rank's own heartbeat file,
 when there is one, wins over its log.
 """
@@ -31,10 +31,10 @@ from typing import Any
 
 from app.attempts import LaunchWatch
 from app.push import DELTA_EVENT, SNAPSHOT_EVENT, Changed, changed_fields
-from app.ranks import logmode
 from app.ranks.chartviews import ChartViews
-from app.ranks.health import TERMINAL_STATES, WORST_FIRST, Thresholds
-from app.ranks.heartbeats import (  # noqa: F401  (re-exported: tests and tools import them from here)
+from app.run import logmode
+from app.run.health import TERMINAL_STATES, WORST_FIRST, Thresholds
+from app.run.heartbeats import (  # noqa: F401  (re-exported: tests and tools import them from here)
     ProcessProbe,
     RankSlot,
     RunReader,
@@ -43,11 +43,11 @@ from app.ranks.heartbeats import (  # noqa: F401  (re-exported: tests and tools 
     probe_process,
     read_history_tail,
 )
-from app.ranks.judging import VerdictBoard
-from app.ranks.rows import make_row, with_age
-from app.ranks.runhistory import RunHistory
-from app.ranks.runstatus import RunStatus
-from app.stop.jobend import JobFacts
+from app.run.history import RunHistory
+from app.run.jobend import JobFacts
+from app.run.judging import VerdictBoard
+from app.run.rows import make_row, with_age
+from app.run.status import RunStatus
 
 _SEVERITY = {v: i for i, v in enumerate(WORST_FIRST)}
 
@@ -98,7 +98,7 @@ class RunState(RunStatus, ChartViews):
         self._beats_expected = False  # ...while the bridge may still report (LogView.heartbeats_expected)
         # rank -> ((pid, started_at), probed at, why gone or None)
         self._probes: dict[int, tuple] = {}
-        # rank -> (first seen ended, why): a final state, or its process gone (app.stop.jobend)
+        # rank -> (first seen ended, why): a final state, or its process gone (app.run.jobend)
         self._ended: dict[int, tuple[float, str]] = {}
         self._launcher_gone: str | None = None
         self._launcher_alive = False
@@ -110,7 +110,7 @@ class RunState(RunStatus, ChartViews):
         self._run: dict = {}
         self._run_pushed = Changed()
         self._launches = LaunchWatch()  # two launches writing at once (app/attempts.py)
-        self._run_history = RunHistory(self.run_points)  # the whole-run charts (app/ranks/runhistory.py)
+        self._run_history = RunHistory(self.run_points)  # the whole-run charts (app/run/history.py)
         # Ranks can only be added by a delta; anything else (a run directory
         # deleted, a heartbeat removed) needs every client to take a snapshot.
         self._needs_snapshot = True
@@ -151,7 +151,7 @@ class RunState(RunStatus, ChartViews):
         self._save_kept()
 
     def keep_log_attempts(self, store) -> None:
-        """Keep the attempts inferred from msrun's logs in ``store`` (``app.ranks.logmode.kept``).
+        """Keep the attempts inferred from msrun's logs in ``store`` (``app.run.logmode.kept``).
 
         Its database is read and written outside the lock: a slow or locked
         file delays neither a tick's other work nor a stop.
@@ -293,7 +293,7 @@ class RunState(RunStatus, ChartViews):
         )
 
     def job_facts(self) -> JobFacts:
-        """What the stop service needs beyond the heartbeats (see ``app.stop.jobend``)."""
+        """What the stop service needs beyond the heartbeats (see ``app.run.jobend``)."""
         with self._lock:
             return self._facts()
 
@@ -315,7 +315,7 @@ class RunState(RunStatus, ChartViews):
         """
         board = self._board
         late = set(board.late(now, self.check_after_s, local_only=True))
-        # Ranks shown from their logs: msrun's own words about their end count too (app.ranks.logmode).
+        # Ranks shown from their logs: msrun's own words about their end count too (app.run.logmode).
         log_late = {r for r in board.late(now, self.check_after_s) if r in self._from_log}
         for r in set(self._probes) - late - log_late:
             del self._probes[r]
@@ -414,7 +414,7 @@ class RunState(RunStatus, ChartViews):
             return hb.get("started_at") if hb else None
 
     def log_attempts(self) -> list[dict]:
-        """The attempts inferred from msrun's worker logs (``app/ranks/logmode/attempts.py``); [] without logs."""
+        """The attempts inferred from msrun's worker logs (``app/run/logmode/attempts.py``); [] without logs."""
         with self._lock:
             return self._logs.dir.attempts.rows() if self._logs is not None else []
 

@@ -9,7 +9,7 @@ Two kinds of job give it nothing there:
 * any job whose ranks ended without obeying the stop (the script ignores
   the flag, trained to its end, or died).
 
-``JobFacts`` is what ``app.ranks.state.RunState.job_facts`` hands the stop service
+``JobFacts`` is what ``app.run.state.RunState.job_facts`` hands the stop service
 for both: when each log rank obeyed, which ranks have ended and why, and
 whether msrun is still there. ``log_stage`` turns a log rank's facts into the
 same stage record a bridge heartbeat gives, so one completion rule serves

@@ -6,7 +6,7 @@ error that ended it, and the evidence that it obeys ``OnRequestExit``.
 ``SchedulerLog`` folds msrun's ``scheduler.log`` (world size, each rank's
 host, which ranks left cleanly or timed out) and ``LauncherLog`` msrun's own
 output (which worker process exited with which code). The patterns they
-apply are in ``app.ranks.logmode.patterns``; ``app.ranks.logmode.reader`` feeds them.
+apply are in ``app.run.logmode.patterns``; ``app.run.logmode.reader`` feeds them.
 
 Every fold is bounded: a few numbers per rank, at most ``MAX_WARNINGS``
 warnings and texts cut to the schema's lengths.
@@ -18,7 +18,7 @@ import math
 import signal
 from collections import deque
 
-from app.ranks.logmode.patterns import EXCEPTION, LAUNCHER, MAX_LINE, SCHEDULER, WORKER, Pattern
+from app.run.logmode.patterns import EXCEPTION, LAUNCHER, MAX_LINE, SCHEDULER, WORKER, Pattern
 from trainer_bridge.rundir import schema
 
 # Lines of a traceback read before giving up on finding its exception line.

@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from app.ranks.health import Verdict
+from app.run.health import Verdict
 from trainer_bridge.rundir.attempts import resumed_text
 
 

@@ -37,7 +37,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from app.audit import READ_TIMEOUT_S, WRITE_TIMEOUT_S, AuditLog, connect_pinned, prepare_wal
-from app.ranks.logmode.attempts import MAX_KEPT
+from app.run.logmode.attempts import MAX_KEPT
 from trainer_bridge.rundir import safeio, schema
 
 log = logging.getLogger(__name__)

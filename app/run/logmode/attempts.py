@@ -15,7 +15,7 @@ rank, every rank exited or finished, or ranks that vanished while training,
 ``killed``). Rows have the fields of the bridge's attempts
 (``GET /api/attempts``) plus ``"from_logs": true`` and a note that the log
 text is gone. Each closed attempt is also handed to the dashboard's store
-(``take_unsaved``; ``app.ranks.logmode.kept`` writes it to the audit
+(``take_unsaved``; ``app.run.logmode.kept`` writes it to the audit
 database), and a dashboard started later begins from what an earlier one
 kept (``restore``): attempt 1 outlives both its log text and the dashboard
 that read it. A relaunch while no dashboard watched is seen by none, and

@@ -5,7 +5,7 @@ msrun starts each worker with its stdout (and stderr) redirected to
 whose ``/proc/PID/fd/1`` is that very file (same device and inode; a
 ``tail -f`` on the log only reads it). That proves the pid belongs to the
 rank, which a number read from the log's text cannot: the dashboard then
-probes it like a bridge rank's (``app.ranks.state.probe_process``), and a rank
+probes it like a bridge rank's (``app.run.state.probe_process``), and a rank
 killed with ``kill -9`` is shown dead within seconds.
 
 Linux only (``/proc``); elsewhere, or for processes of other users, nothing

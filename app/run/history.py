@@ -50,7 +50,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from app.ranks.heartbeats import read_history_tail
+from app.run.heartbeats import read_history_tail
 
 KEEP_WHOLE_S = 3600.0
 THIN_S = 60.0

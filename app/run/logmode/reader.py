@@ -5,7 +5,7 @@ once, reads only what each log appended since the last tick (``Tailer``),
 folds the new lines (``WorkerLog``, ``SchedulerLog``, ``LauncherLog``) and,
 for each rank whose log changed, builds a ``schema.Heartbeat`` from what
 the log says: the same type, validation and bounds as the bridge's, so
-``app.ranks.state`` turns it into a row with the same code (``source: "log"``).
+``app.run.state`` turns it into a row with the same code (``source: "log"``).
 
 The heartbeat's ``time`` is when the log last grew (its mtime), so the row's
 ``heartbeat_age_s`` is the seconds since the rank last printed anything;
@@ -35,10 +35,10 @@ import stat
 from collections import deque
 from pathlib import Path
 
-from app.ranks.logmode.attempts import LogAttempts
-from app.ranks.logmode.parser import LauncherLog, SchedulerLog, WorkerLog, cut
-from app.ranks.logmode.tailer import Tailer
-from app.ranks.logmode.writers import find_writers, parent_of
+from app.run.logmode.attempts import LogAttempts
+from app.run.logmode.parser import LauncherLog, SchedulerLog, WorkerLog, cut
+from app.run.logmode.tailer import Tailer
+from app.run.logmode.writers import find_writers, parent_of
 from trainer_bridge.rundir import schema
 
 WORKER_NAME = re.compile(r".*_(\d{1,7})\.log")
@@ -427,7 +427,7 @@ class LogDir:
 
         msrun's own words ("Distributed job exited with exception", when its
         output is kept in the log directory) or a probe of the process that
-        started the workers (``probe`` is ``app.ranks.heartbeats.probe_process``).
+        started the workers (``probe`` is ``app.run.heartbeats.probe_process``).
         """
         said = self.job_exited()
         if said:

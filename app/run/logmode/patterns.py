@@ -7,7 +7,7 @@ not a dozen regular expressions), a regular expression with named groups,
 an ``example`` (a line as the program writes it; ``tests/ranks/test_logmode_patterns.py``
 parses every example) and ``origin`` (where the format string lives).
 
-The named groups are the vocabulary of ``app.ranks.logmode.parser``: ``epoch``,
+The named groups are the vocabulary of ``app.run.logmode.parser``: ``epoch``,
 ``step`` (within the epoch), ``loss``, ``spe`` (steps per epoch),
 ``step_ms``, ``pid``, ``rank``, ``node``, ``host``, ``world``, ``code``,
 ``message``. A pattern whose counters start at 0 says so with ``base=0``.
@@ -37,7 +37,7 @@ from typing import Any
 
 import re2
 
-from app.ranks.logmode.tailer import MAX_LINE
+from app.run.logmode.tailer import MAX_LINE
 
 
 def _rx(pattern: str) -> Any:
@@ -259,5 +259,5 @@ LAUNCHER: tuple[Pattern, ...] = (
     ),
 )
 
-# Which list reads which file (app.ranks.logmode.reader decides a file's role by its name).
+# Which list reads which file (app.run.logmode.reader decides a file's role by its name).
 BY_ROLE = {"worker": WORKER, "scheduler": SCHEDULER, "launcher": LAUNCHER}

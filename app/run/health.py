@@ -2,7 +2,7 @@
 
 Everything here takes heartbeat dicts (README, "Heartbeat", schema 1) and the
 current time, and does no I/O and reads no clock, so the rules are tested by
-feeding heartbeat sequences. ``app.ranks.state`` does the reading and the process
+feeding heartbeat sequences. ``app.run.state`` does the reading and the process
 probes and hands the results in.
 
 The verdicts, in the order the rules are tried:
@@ -33,15 +33,15 @@ The verdicts, in the order the rules are tried:
   problem.
 * **healthy** - none of the above.
 
-A rank read from msrun's worker log (``from_log``; see ``app.ranks.logmode``) has
+A rank read from msrun's worker log (``from_log``; see ``app.run.logmode``) has
 no heartbeat thread: its log grows only when the script prints. So the
 heartbeat-silence rules do not apply to it; it is stalled when its log shows
 no step for max(``stall_min_s``, ``stall_factor`` x the median time between
 its step lines), and dead only when its process is known to be gone (a probe
-on this host, or msrun's own words, which ``app.ranks.state`` hands in as
+on this host, or msrun's own words, which ``app.run.state`` hands in as
 ``process_gone``); it is never ``node_lost``, for the same reason.
 
-``app.ranks.judging`` adds two after these rules: **node_lost**, for every rank of
+``app.run.judging`` adds two after these rules: **node_lost**, for every rank of
 a host that went silent as one while other hosts still report (a machine or
 network failure, named within ``stall_min_s`` instead of ``dead_after_s``),
 and **corrupt**, for a rank whose heartbeat file does not validate against
@@ -579,7 +579,7 @@ def judge_sequences(
 ) -> dict[int, Verdict]:
     """Verdicts for ranks given each one's heartbeats in the order they were written.
 
-    The same fold ``app.ranks.state`` does incrementally, in one call: the way the
+    The same fold ``app.run.state`` does incrementally, in one call: the way the
     rules are meant to be read and tested.
     """
     latest, own, split, steps = {}, {}, {}, {}

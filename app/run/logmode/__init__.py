@@ -15,7 +15,7 @@ The package, from the bytes up:
 * ``parser``: folds lines into facts (pure);
 * ``writers``: finds the local process writing a log (its stdout);
 * ``reader``: a directory of logs → one ``schema.Heartbeat`` per rank;
-* ``LogView`` (here): what ``app.ranks.state.RunState`` holds: the log ranks'
+* ``LogView`` (here): what ``app.run.state.RunState`` holds: the log ranks'
   slots and the few facts only logs have (their pace, msrun's words about a
   process's end, OnRequestExit evidence for the stop panel).
 
@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from app.ranks.logmode.reader import LogDir
+from app.run.logmode.reader import LogDir
 
 __all__ = ["LogView", "DEFAULT_DIR", "resolve_dir"]
 

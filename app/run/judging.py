@@ -12,7 +12,7 @@ vector operations (microseconds in C), and calls ``health.judge`` only for
 the ranks where a test came out differently, or whose heartbeat changed.
 Stragglers are always re-judged: their reasons quote numbers.
 
-The rules stay in ``app.ranks.health`` (pure, tested on heartbeat sequences); this
+The rules stay in ``app.run.health`` (pure, tested on heartbeat sequences); this
 module only decides whom to ask, and ``tests/ranks/test_judging.py`` checks on
 random job histories that the board's verdicts equal ``judge_all``'s.
 """
@@ -24,7 +24,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from app.ranks.health import (
+from app.run.health import (
     BLOCKER_WORDS,
     STEPPING_STATES,
     TERMINAL_STATES,
@@ -127,7 +127,7 @@ class VerdictBoard:
             "samples": (np.float64, _NAN),
             "gstep": (np.float64, _NAN),
             "local": (np.bool_, False),  # on the dashboard's host, with a pid: psutil can probe it
-            "from_log": (np.bool_, False),  # read from msrun's worker log (app.ranks.logmode)
+            "from_log": (np.bool_, False),  # read from msrun's worker log (app.run.logmode)
             "log_pace": (np.float64, _NAN),  # ...and the median ms between its step lines
             "host": (np.int32, -1),  # index into self._host_names
             "alive": (np.bool_, False),  # verdict in ALIVE

@@ -1,0 +1,11 @@
+"""The run model: what every page, the watcher, the agent and the CLI read about one run.
+
+Its sources are what the ranks say: their heartbeat files or Redis
+(``heartbeats.py``), msrun's worker logs (``logmode/``), and, on a hub, the
+agents' digests (``app.agent.hubstate``). ``health.py`` holds the rules and
+``judging.py`` applies them to every rank at once; ``rows.py`` is the record
+each rank is shown as; ``history.py`` keeps the whole-run charts;
+``jobend.py`` says whether the job can still obey a stop; ``state.py``'s
+``RunState`` holds it all under one lock. Importing this package imports no
+Flask: the pages that show it (``app.ranks``, ``app.stop``, ...) sit above.
+"""
