@@ -4,7 +4,7 @@ Nothing happens at import time, and nothing heavy is imported: every
 ``app.*`` import runs this file first, and ``rankwatch --version`` must not
 pay for Flask. ``create_app`` imports what it builds: the app, its
 ``RunState`` and its (not yet started) ``Watcher``; the server
-(``app/edge/server.py``) starts the watcher in its worker, or else the first
+(``app/serve/server.py``) starts the watcher in its worker, or else the first
 Socket.IO client does. The shared objects live in ``app/extensions.py``.
 """
 
@@ -109,7 +109,7 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     runs_routes.register(app, Rows(registry, open_run, app.config))
 
     # Threading, not eventlet/gevent: the watcher does blocking file I/O, and
-    # gunicorn's threaded worker with simple-websocket (app/edge/server.py) needs
+    # gunicorn's threaded worker with simple-websocket (app/serve/server.py) needs
     # no monkey-patching.
     # client_manager is passed even when None: init_app keeps the options of
     # an earlier call (an earlier app in the same process, in tests).

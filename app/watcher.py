@@ -1,7 +1,7 @@
 """The one background loop: scan the run directory, push what changed.
 
 It is started once, under a lock, by the server's worker before it serves
-(``app/edge/server.py``; ``python -m app`` and ``rankwatch serve``), or
+(``app/serve/server.py``; ``python -m app`` and ``rankwatch serve``), or
 else by the first Socket.IO client (nothing runs at import time or in
 ``create_app``, so tests choose), and it uses
 ``socketio.sleep`` so that it follows whatever async mode Flask-SocketIO runs.

@@ -82,7 +82,7 @@ def serve(runs: str | None = None, **settings) -> None:
             err=True,
         )
     # Imported here: the options and --help must not need the server.
-    from app.edge.server import serve as run_server
+    from app.serve.server import serve as run_server
 
     run_server(config)
 

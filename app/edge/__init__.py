@@ -1,12 +1,12 @@
-"""The edge: everything between the socket and a view.
+"""The edge: everything between the socket and a view, and nothing above it.
 
 A request meets, from the outside in:
 
-1. the server worker (``server.py``): gunicorn's threaded worker behind a
-   poller that reads heads and bodies without a thread (``httpwire.py``),
-   with per-address connection caps;
+1. the server worker (``app.serve``): gunicorn's threaded worker behind a
+   poller that reads heads and bodies without a thread, with per-address
+   connection caps;
 2. ``SecurityHeaders`` (``secheaders.py``): CSP and the other headers on
-   every answer, errors included;
+   every answer, errors included (``plotly_csp.py``: Plotly under that CSP);
 3. ``HostGuard`` (``hostguard.py``): a Host this dashboard is not (DNS
    rebinding) reaches nothing;
 4. ``SocketGuard`` (``sockguard.py``): malformed Engine.IO long-polling
@@ -29,9 +29,9 @@ if TYPE_CHECKING:
 def wrap(app: Flask) -> None:
     """Put the WSGI middleware around ``app`` (call after ``socketio.init_app``, which wraps it too)."""
     from app.edge.hostguard import HostAllowlist, HostGuard
+    from app.edge.plotly_csp import style_attribute_hashes
     from app.edge.secheaders import SecurityHeaders, content_security_policy
     from app.edge.sockguard import SocketGuard
-    from app.ranks.plotly_csp import style_attribute_hashes
 
     app.wsgi_app = SocketGuard(app.wsgi_app)
     app.wsgi_app = HostGuard(app.wsgi_app, HostAllowlist(app.config["HOST"], app.config["ALLOWED_HOSTS"]))

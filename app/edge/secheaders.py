@@ -8,7 +8,7 @@
   type="application/json">`` block, which is data, not code. Styles come
   from this origin too: Plotly's own CSS, which it would add as inline
   ``<style>`` elements, is served as a stylesheet instead
-  (``app/ranks/plotly_csp.py``), and ``style`` attributes written as text
+  (``app/edge/plotly_csp.py``), and ``style`` attributes written as text
   are allowed only for the two exact values Plotly writes (their hashes,
   ``'unsafe-hashes'``): an empty one, and its heat map's image-rendering.
 * ``X-Frame-Options: DENY`` for browsers that predate ``frame-ancestors``.

@@ -3,5 +3,5 @@
 ``routes.py`` (the page and ``/api/ranks``), ``events.py`` (Socket.IO),
 ``window.py`` (the page's slice of a large job), ``metrics.py`` (every
 row field described), ``chartviews.py`` (the charts, read from a
-``RunState``) and ``plotly_csp.py``. Importing this package imports no Flask.
+``RunState``). Importing this package imports no Flask.
 """

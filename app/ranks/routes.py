@@ -15,12 +15,11 @@ from importlib import metadata, resources
 from flask import Blueprint, Response, current_app, jsonify, render_template, request, send_file, url_for
 
 from app.attempts import answer as attempts_answer
-from app.edge import params
+from app.edge import params, plotly_csp
 from app.errors import NotFound, RankNotFound
 from app.extensions import rankwatch
 from app.large import large_answer
 from app.prometheus import exposition
-from app.ranks import plotly_csp
 from app.ranks.metrics import as_json as metrics_json
 from app.ranks.window import (  # noqa: F401  (the page bounds are re-exported: tests import them from here)
     PER_PAGE_DEFAULT,
@@ -90,7 +89,7 @@ def plotly_js():
 
 @bp.get("/vendor/plotly.css")
 def plotly_css():
-    """Plotly's own CSS as a stylesheet, so the CSP needs no inline styles (app/ranks/plotly_csp.py)."""
+    """Plotly's own CSS as a stylesheet, so the CSP needs no inline styles (app/edge/plotly_csp.py)."""
     response = Response(plotly_csp.plotly_css(), mimetype="text/css")
     response.cache_control.max_age = 24 * 3600
     return response

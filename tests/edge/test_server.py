@@ -1,4 +1,4 @@
-"""The production server (``app/edge/server.py``) against slow, idle and stalled clients.
+"""The production server (``app/serve/server.py``) against slow, idle and stalled clients.
 
 A real ``python -m app`` process and real sockets. Waits poll with generous
 deadlines; nothing asserts how fast the server is, only what it does.

@@ -1,6 +1,6 @@
 """The stop still answers while hundreds of hostile connections are open (issue 19, items 8 and 18).
 
-A real ``python -m app`` (gunicorn, app/edge/server.py) and real sockets from
+A real ``python -m app`` (gunicorn, app/serve/server.py) and real sockets from
 several 127.x addresses: slow heads, slow bodies, idle WebSockets and long
 polls, none of them with the token. Then the operator's stop and the health
 check must still be answered. Waits poll with generous deadlines; nothing
@@ -276,7 +276,7 @@ def test_one_address_cannot_fill_the_server(live_server):
     ],
 )
 def test_the_poller_reads_what_it_routes_on(raw, path, bearer, length, chunked, websocket):
-    from app.edge.httpwire import Head
+    from app.serve.httpwire import Head
 
     head = Head.parse(raw)
     assert (head.path, head.bearer, head.length, head.chunked, head.websocket) == (

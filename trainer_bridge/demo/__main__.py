@@ -32,7 +32,7 @@ import click
 TRAIN_SCRIPT = Path(__file__).with_name("train.py")
 # --loop: the same job as a functional loop (ms.value_and_grad + bridge.loop).
 LOOP_SCRIPT = Path(__file__).with_name("train_loop.py")
-# The dashboard's start-up line naming the URL to open (app/edge/server.py, announce).
+# The dashboard's start-up line naming the URL to open (app/serve/server.py, announce).
 OPEN_PREFIX = "Rankwatch: open "
 
 

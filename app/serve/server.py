@@ -68,7 +68,7 @@ from gunicorn.workers.gthread import TConn, ThreadWorker
 
 from app import create_app
 from app.edge import login
-from app.edge.httpwire import CONTINUE, MAX_HEAD_BYTES, RECV_BYTES, TOO_LARGE, Head, answer
+from app.serve.httpwire import CONTINUE, MAX_HEAD_BYTES, RECV_BYTES, TOO_LARGE, Head, answer
 
 log = logging.getLogger(__name__)
 
