@@ -85,11 +85,19 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     from app.checkpoints import routes as checkpoints_routes
     from app.edge import routes as edge_routes
     from app.incidents import routes as incidents_routes
+    from app.prometheus import routes as metrics_routes
     from app.ranks import routes as ranks_routes
     from app.stop import routes as stop_routes
 
     # In nav order: the ranks page first.
-    for routes in (ranks_routes, stop_routes, checkpoints_routes, incidents_routes, edge_routes):
+    for routes in (
+        ranks_routes,
+        stop_routes,
+        checkpoints_routes,
+        incidents_routes,
+        edge_routes,
+        metrics_routes,
+    ):
         app.register_blueprint(routes.bp)
     # Every route above, once more per run (/runs/<id>/, /api/runs/<id>/...), and the runs table.
     from app.runs import routes as runs_routes

@@ -12,6 +12,7 @@ import time
 from flask import Blueprint, current_app, jsonify, render_template, request, send_file, url_for
 
 from app import push
+from app.checkpoints.params import ApplyPlan, DeleteSet, FilePath, PinSet, SetId, VerifySet
 from app.checkpoints.service import local_only
 from app.edge import params
 from app.edge.auth import require_operator
@@ -66,7 +67,7 @@ def api_checkpoints():
 @bp.get("/api/checkpoints/file")
 def api_file():
     """Download one checkpoint file the index lists (``?path=`` relative to the run directory)."""
-    f, name, size = rankwatch().checkpoints.open_file(params.query(params.FilePath).path, _world())
+    f, name, size = rankwatch().checkpoints.open_file(params.query(FilePath).path, _world())
     # Sent from the descriptor opened after the checks (not re-opened by path),
     # so werkzeug cannot stat it: give the length, and no ranges without it.
     response = send_file(
@@ -81,13 +82,13 @@ def api_resume():
     """The relaunch command and the code that loads the set ``?set=ID``."""
     world = _world()
     heartbeats, _ = rankwatch().state.heartbeats()
-    return jsonify(rankwatch().checkpoints.resume(params.query(params.SetId).set, world, heartbeats))
+    return jsonify(rankwatch().checkpoints.resume(params.query(SetId).set, world, heartbeats))
 
 
 @bp.post("/api/checkpoints/delete")
 def api_delete():
     require_operator()
-    body = params.body(params.DeleteSet)
+    body = params.body(DeleteSet)
     service = rankwatch().checkpoints
     world = _world()
     result = service.delete(
@@ -117,7 +118,7 @@ def api_verify_start():
     take a few times the set's size in memory (one at a time; see verify.py).
     """
     require_operator()
-    body = params.body(params.VerifySet)
+    body = params.body(VerifySet)
     service = rankwatch().checkpoints
     _, cset = service.find(body.set, _world())
     local_only(cset.files, "verified")
@@ -127,7 +128,7 @@ def api_verify_start():
 @bp.get("/api/checkpoints/verify")
 def api_verify_status():
     """The latest deep verify of ``?set=ID``, with every file's result."""
-    set_id = params.query(params.SetId).set
+    set_id = params.query(SetId).set
     service = rankwatch().checkpoints
     status = service.verifier.status(set_id)
     if status is None:
@@ -148,7 +149,7 @@ def api_retention():
 def api_retention_apply():
     """Apply exactly the plan the operator saw (``{"hash"}``); 409 if it changed since."""
     require_operator()
-    body = params.body(params.ApplyPlan)
+    body = params.body(ApplyPlan)
     service = rankwatch().checkpoints
     world = _world()
     heartbeats, _ = rankwatch().state.heartbeats()
@@ -163,7 +164,7 @@ def api_retention_apply():
 def api_pin():
     """Pin (``"pinned": true``) or unpin a set: retention never deletes a pinned set. Audited."""
     require_operator()
-    body = params.body(params.PinSet)
+    body = params.body(PinSet)
     return jsonify(
         rankwatch().checkpoints.retention.pin(
             body.set,

@@ -22,16 +22,19 @@ rules (ASCII digits; surrounding spaces, ``1_000`` and ``5.0`` pass) and
 bounded before any arithmetic, so ``"9" * 5000`` or ``"²"`` is a 400, not a
 500; unknown parameters are ignored, and a refusal reads
 "query parameter 'page' must be a positive integer, not '0'". Each field's
-``description`` is that "must be ..." phrase. ``/api/ranks``'s model lives
-with its route (``app.ranks.routes``), built from ``PositiveInt``,
-``at_most`` and ``some_of``: its choices are the ranks area's verdicts, and
-the edge imports no area.
+``description`` is that "must be ..." phrase.
+
+This module is the machinery and the edge's own bodies (sign-in) only: each
+area keeps its bodies and queries beside its routes (``app/stop/params.py``,
+``app/checkpoints/params.py``, ``app/ranks/window.py``, ...), built from
+``Body``, ``Query``, ``Text``, ``PositiveInt``, ``at_most`` and
+``some_of``, so the edge imports no area.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from flask import request
 from pydantic import (
@@ -49,7 +52,6 @@ from pydantic_core import PydanticCustomError
 
 from app.audit import MAX_TEXT
 from app.errors import BadRequest, NotJson
-from trainer_bridge.rundir import stackfiles
 
 # A query integer past this is refused as not one (no page, limit or point count comes near).
 MAX_QUERY_INT = 2**53
@@ -95,50 +97,6 @@ class SessionCheck(Body):
 
 class LoginRedeem(Body):
     code: RequiredText
-
-
-class StopRequest(Body):
-    reason: RequiredText
-    who: Text | None = None
-
-
-class StopChange(Body):
-    """Cancel: who and why, both optional."""
-
-    reason: Text | None = None
-    who: Text | None = None
-
-
-class Rearm(StopChange):
-    force: bool = False
-
-
-class StackRequest(Body):
-    native: bool = False
-    who: Text | None = None
-
-
-class DeleteSet(Body):
-    set: RequiredText
-    reason: RequiredText
-    who: Text | None = None
-    force: bool = False
-
-
-class VerifySet(Body):
-    set: RequiredText
-
-
-class ApplyPlan(Body):
-    hash: RequiredText
-    who: Text | None = None
-
-
-class PinSet(Body):
-    set: RequiredText
-    pinned: bool
-    who: Text | None = None
-    reason: Text | None = None
 
 
 _KINDS = {"string_type": "str", "bool_type": "bool", "int_type": "int"}
@@ -226,53 +184,6 @@ class Query(BaseModel):
     """A route's query parameters (the first value of each); others are ignored."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
-
-
-class HistoryPoints(Query):
-    points: Annotated[int | None, Field(gt=0, le=MAX_QUERY_INT, description="a positive integer")] = None
-
-
-class RunHistoryQuery(Query):
-    """``GET /api/history/run``'s ``?after=T&generation=G``: only what changed since an earlier answer."""
-
-    after: Annotated[
-        float | None, Field(ge=0, le=MAX_QUERY_INT, allow_inf_nan=False, description="a Unix time in seconds")
-    ] = None
-    generation: Annotated[int | None, Field(ge=0, le=MAX_QUERY_INT, description="a non-negative integer")] = (
-        None
-    )
-
-
-class MetricsScope(Query):
-    per_rank: Annotated[Literal["0", "1"] | None, Field(description="0 or 1")] = None
-
-
-class AuditRows(Query):
-    limit: Limit = 200
-
-
-class AlertRows(Query):
-    limit: Limit = 100
-
-
-class SetId(Query):
-    set: Annotated[str, Field(min_length=1, description="a checkpoint set's id")]
-
-
-class FilePath(Query):
-    path: Annotated[str, Field(min_length=1, description="a file's path relative to the run directory")]
-
-
-class StackTrigger(Query):
-    trigger: Annotated[
-        Literal[stackfiles.TRIGGERS] | None, Field(description=f"one of {', '.join(stackfiles.TRIGGERS)}")
-    ] = None
-
-
-class StacksAnswered(Query):
-    request: Annotated[
-        str | None, Field(min_length=1, max_length=128, description="a request id (1 to 128 characters)")
-    ] = None
 
 
 def _echo(raw: object) -> str:

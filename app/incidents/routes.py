@@ -13,6 +13,7 @@ from flask import Blueprint, jsonify
 from app.edge import params
 from app.edge.auth import require_operator
 from app.extensions import rankwatch
+from app.incidents.params import AlertRows, StackRequest, StacksAnswered, StackTrigger
 
 bp = Blueprint("incidents", __name__)
 
@@ -31,13 +32,13 @@ def _fresh_now() -> float:
 def api_stack(rank: int):
     """The rank's newest stack capture; ``?trigger=stall`` (or ``request``) the newest of that kind."""
     now = _fresh_now()
-    return jsonify(rankwatch().stacks.get(rank, now, params.query(params.StackTrigger).trigger))
+    return jsonify(rankwatch().stacks.get(rank, now, params.query(StackTrigger).trigger))
 
 
 @bp.post("/api/ranks/<int:rank>/stack")
 def api_stack_request(rank: int):
     require_operator()
-    body = params.body(params.StackRequest)
+    body = params.body(StackRequest)
     now = _fresh_now()
     answer = rankwatch().stacks.request(rank, body.who or WHO_DEFAULT, body.native, now)
     return jsonify(answer), 202
@@ -49,14 +50,14 @@ def api_stacks():
 
     ``?request=ID`` adds ``answered``: how many ranks' newest capture answers request ID.
     """
-    request_id = params.query(params.StacksAnswered).request
+    request_id = params.query(StacksAnswered).request
     return jsonify(rankwatch().stacks.grouped(_fresh_now(), request_id))
 
 
 @bp.post("/api/stacks")
 def api_stacks_request():
     require_operator()
-    body = params.body(params.StackRequest)
+    body = params.body(StackRequest)
     now = _fresh_now()
     answer = rankwatch().stacks.request_all(body.who or WHO_DEFAULT, body.native, now)
     return jsonify(answer), 202
@@ -70,7 +71,7 @@ def api_policy():
 @bp.get("/api/alerts")
 def api_alerts():
     """The webhook targets and delivery attempts, newest first; ``?limit=N`` (1 to 10000, default 100)."""
-    limit = params.query(params.AlertRows).limit
+    limit = params.query(AlertRows).limit
     incidents = rankwatch().incidents
     status = incidents.alerts_status()
     del status["recent"]

@@ -1,4 +1,4 @@
-"""The page, the JSON API (README, "JSON API"), the local Plotly.js and ``/metrics``.
+"""The page, the JSON API (README, "JSON API") and the local Plotly.js; ``/metrics`` is ``app.prometheus``'s.
 
 Reads refresh the view first when it is older than a tick, so the API
 answers from the files even when the watcher has not started (the app made
@@ -12,15 +12,15 @@ import time
 from functools import cache
 from importlib import metadata, resources
 
-from flask import Blueprint, Response, current_app, jsonify, render_template, request, send_file, url_for
+from flask import Blueprint, Response, current_app, jsonify, render_template, send_file, url_for
 
 from app.attempts import answer as attempts_answer
 from app.edge import params, plotly_csp
 from app.errors import NotFound, RankNotFound
 from app.extensions import rankwatch
 from app.large import large_answer
-from app.prometheus import exposition
 from app.ranks.metrics import as_json as metrics_json
+from app.ranks.params import HistoryPoints, RunHistoryQuery
 from app.ranks.window import (  # noqa: F401  (the page bounds are re-exported: tests import them from here)
     PER_PAGE_DEFAULT,
     PER_PAGE_MAX,
@@ -165,7 +165,7 @@ def api_health():
 @bp.get("/api/history")
 def api_history():
     """Chart history as a ranks x time-bucket matrix; ``?points=N`` keeps the newest N buckets."""
-    points = params.query(params.HistoryPoints).points
+    points = params.query(HistoryPoints).points
     state = fresh_state(time.time())
     with large_answer(state.world_size(), "the chart history of every rank"):
         return jsonify(state.history(points))
@@ -177,7 +177,7 @@ def api_run_history():
 
     ``?after=T&generation=G`` (from an earlier answer) sends only the newer points while nothing was thinned.
     """
-    q = params.query(params.RunHistoryQuery)
+    q = params.query(RunHistoryQuery)
     now = time.time()
     state = fresh_state(now)
     beats, _ = state.heartbeats()
@@ -190,22 +190,6 @@ def api_metrics():
     """What each field means (name, label, unit, description) and each verdict."""
     cfg = page_config()
     return jsonify({"metrics": cfg["metrics"], "verdicts": cfg["verdicts"]})
-
-
-@bp.get("/metrics")
-def prometheus_metrics():
-    """Prometheus's text format (OpenMetrics if asked): see app/prometheus.py.
-
-    ``?per_rank=1`` serves every rank's series whatever the job's size, ``?per_rank=0`` only the
-    summaries; without it, per-rank series come up to METRICS_PER_RANK_MAX ranks.
-    """
-    raw = params.query(params.MetricsScope).per_rank
-    rw = rankwatch()
-    world = fresh_state(time.time()).world_size()
-    per_rank = world <= current_app.config["METRICS_PER_RANK_MAX"] if raw is None else raw == "1"
-    with large_answer(world if per_rank else 0, "/metrics with every rank's series"):
-        body, content_type = exposition(rw, request.headers.get("Accept"), per_rank)
-    return Response(body, content_type=content_type)
 
 
 from app.ranks import events  # noqa: E402,F401  (registers its Socket.IO handlers)

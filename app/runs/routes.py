@@ -6,9 +6,8 @@ these two are served once, not per run.
 
 from __future__ import annotations
 
-from flask import Flask, Response, g, jsonify, render_template, request, url_for
+from flask import Flask, g, jsonify, render_template, request, url_for
 
-from app.edge import params
 from app.runs.rows import PER_PAGE_DEFAULT, STATES, Rows, parse_args
 
 
@@ -38,24 +37,4 @@ def register(app: Flask, rows: Rows) -> None:
                 },
                 root=app.config["RUNS_ROOT"],
             )
-        if registry.is_root and request.endpoint == "ranks.prometheus_metrics":
-            return runs_metrics()
         return None
-
-    def runs_metrics():
-        """Under --runs, /metrics is every open run's series, /runs/<id>/metrics that run's; each with ``run``."""
-        from app.runs.metrics import exposition
-
-        raw = params.query(params.MetricsScope).per_rank
-        run_id = g.get("run_id")
-        if run_id is not None:
-            chosen = [(run_id, registry.get(run_id))]
-        else:
-            chosen = [(i, rw) for i in registry.open_ids() if (rw := registry.peek(i)) is not None]
-        body, content_type = exposition(
-            chosen,
-            request.headers.get("Accept"),
-            app.config["METRICS_PER_RANK_MAX"],
-            None if raw is None else raw == "1",
-        )
-        return Response(body, content_type=content_type)

@@ -39,7 +39,7 @@ APP_WIDE = {
 
 
 # Under --runs, served without a run too: "/" is the runs table, /metrics every open run's series.
-ROOT_WIDE = {"ranks.index", "ranks.prometheus_metrics"}
+ROOT_WIDE = {"ranks.index", "metrics.prometheus_metrics"}
 
 
 def twin_path(path: str) -> str:

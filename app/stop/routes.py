@@ -14,6 +14,7 @@ from app.edge import params
 from app.edge.auth import over_write_budget, require_operator
 from app.errors import NoRunDir
 from app.extensions import rankwatch
+from app.stop.params import AuditRows, Rearm, StopChange, StopRequest
 
 bp = Blueprint("stop", __name__)
 
@@ -37,7 +38,7 @@ def _require_run_dir() -> None:
         raise NoRunDir()
 
 
-def _who(body: params.StopRequest | params.StopChange) -> str:
+def _who(body: StopRequest | StopChange) -> str:
     return body.who or WHO_DEFAULT
 
 
@@ -60,7 +61,7 @@ def api_exit_request():
     flood of presses cannot grow the trail and the stop still goes through.
     """
     require_operator(count=False)
-    body = params.body(params.StopRequest)
+    body = params.body(StopRequest)
     _require_run_dir()
     over = over_write_budget() > 0
     rid, created, audit_error, lock_error = rankwatch().stop.request(
@@ -77,7 +78,7 @@ def api_exit_request():
 @bp.post("/api/exit/cancel")
 def api_exit_cancel():
     require_operator()
-    body = params.body(params.StopChange)
+    body = params.body(StopChange)
     ranks, _ = _live()
     rw = rankwatch()
     rid = rw.stop.cancel(ranks, _who(body), request.remote_addr, body.reason, facts=rw.state.job_facts())
@@ -87,7 +88,7 @@ def api_exit_cancel():
 @bp.post("/api/exit/rearm")
 def api_exit_rearm():
     require_operator()
-    body = params.body(params.Rearm)
+    body = params.body(Rearm)
     ranks, world = _live()
     rw = rankwatch()
     rid = rw.stop.rearm(
@@ -105,7 +106,7 @@ def api_exit_rearm():
 @bp.get("/api/audit")
 def api_audit():
     """The newest audit rows, newest first; ``?limit=N`` (1 to 10000, default 200)."""
-    limit = params.query(params.AuditRows).limit
+    limit = params.query(AuditRows).limit
     return jsonify({"rows": rankwatch().stop.audit.rows(limit=limit)})
 
 

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from app import create_app, large
-from app.prometheus import DEVICE_GAUGES, PREFIX, RANK_GAUGES
+from app.prometheus.exporter import DEVICE_GAUGES, PREFIX, RANK_GAUGES
 from app.run.health import VERDICTS
 from app.stop.status import STAGES
 from tests.helpers.app import FAST_SETTINGS

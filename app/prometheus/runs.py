@@ -1,6 +1,6 @@
 """``/metrics`` under ``--runs ROOT``: every open run's series, each with a ``run`` label.
 
-The series are ``app.prometheus.RankwatchCollector``'s, the single run's,
+The series are ``app.prometheus.exporter.RankwatchCollector``'s, the single run's,
 collected per run and given a ``run`` label (not ``job``: Prometheus sets
 that label itself), families of the same name merged. Only runs with open
 engines (live, or being viewed: ``app/runs/registry.py``) are collected, so
@@ -17,7 +17,7 @@ from prometheus_client.core import Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.samples import Sample
 
-from app.prometheus import PREFIX, RankwatchCollector
+from app.prometheus.exporter import PREFIX, RankwatchCollector
 
 RUN_LABEL = "run"
 # Families that describe the dashboard, not a run: served once, without a run label.
