@@ -164,6 +164,38 @@ class Verdict:
     cause: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class RankEvidence:
+    """Everything one rank's verdict rests on (``judge``), gathered by its caller.
+
+    ``hb``: the rank's newest valid heartbeat (None: none yet). ``own_ms``:
+    its cost per step; ``peer_ms``: the median of its stepping peers' (None
+    when there is nothing to compare with). The cost is the median of the
+    rank's wall step window, or, when ``work`` is given as
+    ``(step_out_ms, fastest step_in_ms)``, the rank's own work per step (their
+    sum; see ``compare_costs``). ``wall_ms``: the wall median, for the stall
+    limit (default: ``own_ms``). ``process_gone``: a sentence saying why the
+    rank's process is known to be gone, from a probe (None: alive or
+    unknown); ``process_stopped``: that the probe found it stopped (SIGSTOP,
+    a debugger); ``process_alive``: that it found it running. ``warming``:
+    the rank has peers but too few steps yet to be compared. ``from_log``:
+    ``hb`` was read from the rank's worker log, whose step lines come every
+    ``log_pace_ms`` (median; None: not known yet).
+    """
+
+    hb: Mapping[str, Any] | None
+    own_ms: float | None = None
+    peer_ms: float | None = None
+    wall_ms: float | None = None
+    work: tuple[float, float] | None = None
+    process_gone: str | None = None
+    process_stopped: str | None = None
+    process_alive: bool = False
+    warming: bool = False
+    from_log: bool = False
+    log_pace_ms: float | None = None
+
+
 def number(value: Any) -> float | None:
     """``value`` as a finite float, or None: heartbeats come from other processes."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -309,43 +341,14 @@ def where(hb: Mapping[str, Any]) -> str:
     return f"epoch {hb.get('epoch')} step {hb.get('step')}"
 
 
-def judge(
-    hb: Mapping[str, Any] | None,
-    now: float,
-    th: Thresholds,
-    *,
-    own_ms: float | None = None,
-    peer_ms: float | None = None,
-    process_gone: str | None = None,
-    wall_ms: float | None = None,
-    work: tuple[float, float] | None = None,
-    process_stopped: str | None = None,
-    process_alive: bool = False,
-    warming: bool = False,
-    from_log: bool = False,
-    log_pace_ms: float | None = None,
-) -> Verdict:
-    """One rank's verdict at time ``now``.
-
-    ``own_ms`` is the rank's cost per step, ``peer_ms`` the median of its
-    stepping peers' (None when there is nothing to compare with). The cost
-    is the median of the rank's wall step window, or, when ``work`` is given
-    as ``(step_out_ms, fastest step_in_ms)``, the rank's own work per step
-    (their sum; see ``compare_costs``). ``wall_ms`` is the wall median, for the
-    stall limit (default: ``own_ms``).
-    ``process_gone`` is a sentence saying why the rank's process is known to be
-    gone, from a probe done by the caller; None means alive or unknown.
-    ``process_stopped`` is a sentence saying that the probe found the process
-    stopped (SIGSTOP, a debugger); ``process_alive`` that it found it running.
-    ``warming``: the rank has peers but too few steps yet to be compared.
-    ``from_log``: ``hb`` was read from the rank's worker log, whose step lines
-    come every ``log_pace_ms`` (median; None: not known yet).
-    """
+def judge(ev: RankEvidence, now: float, th: Thresholds) -> Verdict:
+    """One rank's verdict at time ``now``, from its evidence (``RankEvidence`` says what each part is)."""
+    hb = ev.hb
     if not hb:
         return Verdict("pending", "has not written a heartbeat yet")
     state = hb.get("state")
     at = where(hb)
-    rel = score(own_ms, peer_ms)
+    rel = score(ev.own_ms, ev.peer_ms)
     if state == "failed":
         error = hb.get("error")
         return Verdict("failed", f"failed: {error}" if error else "failed without an error message")
@@ -357,24 +360,24 @@ def judge(
         saved = f", checkpoint {ckpt['path']}" if ckpt.get("path") else ""
         return Verdict("exited", f"stopped gracefully at {at}{saved}", rel)
 
-    if process_gone:
-        return Verdict("dead", process_gone, cause="gone")
+    if ev.process_gone:
+        return Verdict("dead", ev.process_gone, cause="gone")
     written = number(hb.get("time"))
     age = now - written if written is not None else math.inf
-    if process_stopped:
-        return Verdict("stalled", f"{process_stopped} (last: {at})", rel, cause="stopped")
+    if ev.process_stopped:
+        return Verdict("stalled", f"{ev.process_stopped} (last: {at})", rel, cause="stopped")
     # Heartbeats come about once a second (at most ~2 s apart) whatever the step time, so
     # STALL_MIN_S without one means the writer is stuck, not a slow step.
     # A worker log has no such beat: its silence is judged by the step rule.
-    silent = not from_log and age > th.stall_min_s
+    silent = not ev.from_log and age > th.stall_min_s
     why_silent = (
         f"; its process {hb.get('pid')} still runs, so it is stuck, or training but "
         "unable to write its heartbeat (disk full? read-only run directory?)"
-        if process_alive
+        if ev.process_alive
         else ": the process is gone, stuck or stopped, or cannot write "
         "to the run directory (disk full? read-only?)"
     )
-    if not from_log and age > th.dead_after_s:
+    if not ev.from_log and age > th.dead_after_s:
         return Verdict(
             "dead",
             f"no heartbeat for over {th.dead_after_s:g} s "
@@ -390,7 +393,7 @@ def judge(
         )
 
     if state == "starting":
-        if from_log:
+        if ev.from_log:
             return Verdict("starting", "up, no step in its log yet (compiling?)")
         return Verdict("starting", "up, waiting for the first step (compiling)")
     if state == "saving":
@@ -399,15 +402,15 @@ def judge(
     last_step = number(hb.get("last_step_at"))
     if last_step is None:
         last_step = number(hb.get("started_at"))
-    pace_ms = own_ms if wall_ms is None else wall_ms
-    if from_log and log_pace_ms is not None:
-        pace_ms = max(pace_ms or 0.0, log_pace_ms)  # a log printed every N steps
+    pace_ms = ev.own_ms if ev.wall_ms is None else ev.wall_ms
+    if ev.from_log and ev.log_pace_ms is not None:
+        pace_ms = max(pace_ms or 0.0, ev.log_pace_ms)  # a log printed every N steps
     limit = max(th.stall_min_s, th.stall_factor * (pace_ms or 0.0) / 1000.0)
     if last_step is not None and now - last_step > limit:
-        if from_log:
+        if ev.from_log:
             alive = (
                 f"; its process {hb.get('pid')} still runs (hung, or a step longer than that)"
-                if process_alive
+                if ev.process_alive
                 else "; its process cannot be checked from this host (it may be hung or dead)"
             )
             return Verdict(
@@ -421,34 +424,34 @@ def judge(
         )
 
     if (
-        own_ms is not None
-        and peer_ms is not None
-        and own_ms >= th.straggler_ratio * peer_ms
-        and own_ms - peer_ms >= th.straggler_min_gap_ms
+        ev.own_ms is not None
+        and ev.peer_ms is not None
+        and ev.own_ms >= th.straggler_ratio * ev.peer_ms
+        and ev.own_ms - ev.peer_ms >= th.straggler_min_gap_ms
     ):
-        if work is not None:
-            out_ms, fastest_ms = work
+        if ev.work is not None:
+            out_ms, fastest_ms = ev.work
             return Verdict(
                 "straggler",
-                f"own work {_ms(own_ms)} vs peer median {_ms(peer_ms)} "
-                f"({own_ms / peer_ms:.2g}x): {_ms(out_ms)} between steps "
+                f"own work {_ms(ev.own_ms)} vs peer median {_ms(ev.peer_ms)} "
+                f"({ev.own_ms / ev.peer_ms:.2g}x): {_ms(out_ms)} between steps "
                 f"+ {_ms(fastest_ms)} fastest in-step time",
                 rel,
             )
         return Verdict(
             "straggler",
-            f"median step {_ms(own_ms)} is {own_ms / peer_ms:.2g}x the peer median {_ms(peer_ms)}",
+            f"median step {_ms(ev.own_ms)} is {ev.own_ms / ev.peer_ms:.2g}x the peer median {_ms(ev.peer_ms)}",
             rel,
         )
     if state == "stopping":
         return Verdict("healthy", "stopping gracefully", rel)
-    if warming:
+    if ev.warming:
         return Verdict("healthy", "training (too few steps yet to compare with its peers)")
-    if peer_ms is None:
+    if ev.peer_ms is None:
         return Verdict("healthy", "training (no peers to compare with)", rel)
     # No numbers here: they move with every heartbeat of every rank, and a
     # changed reason is a changed row to push (1024 of them per tick).
-    what = "work per step" if work is not None else ""
+    what = "work per step" if ev.work is not None else ""
     return Verdict(
         "healthy",
         f"training within {th.straggler_ratio:g}x of the peer median{' ' + what if what else ''}",
@@ -502,21 +505,20 @@ def judge_all(
         else:
             peer = whole
         work = (split[r][1], fastest) if basis == "work" and own is not None else None
-        out[r] = judge(
+        evidence = RankEvidence(
             hb,
-            now,
-            th,
             own_ms=own,
             peer_ms=peer,
-            process_gone=process_gone.get(r),
             wall_ms=own_ms.get(r),
             work=work,
+            process_gone=process_gone.get(r),
             process_stopped=process_stopped.get(r),
             process_alive=r in process_alive,
             warming=r in warming,
             from_log=r in log_pace,
             log_pace_ms=log_pace.get(r),
         )
+        out[r] = judge(evidence, now, th)
     return _with_blockers(latest, out)
 
 

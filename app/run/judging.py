@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -29,6 +30,8 @@ from app.run.health import (
     STEPPING_STATES,
     TERMINAL_STATES,
     VERDICTS,
+    RankEvidence,
+    StepWindow,
     Thresholds,
     Verdict,
     blocker_note,
@@ -79,6 +82,30 @@ def _with_file_problem(verdict: Verdict, error: str | None, skew_s: float | None
             verdict.cause,
         )
     return verdict
+
+
+@dataclass(frozen=True, slots=True)
+class RankReport:
+    """What a source says of one rank at a scan: its newest valid heartbeat and its step window.
+
+    ``hb`` None: none yet. ``wall_ms``, ``split_ms`` and ``steps`` are the
+    window's median, split and size (``health.StepWindow``). ``local``: the
+    rank runs on the dashboard's host and names its pid. ``from_log``: the
+    heartbeat was read from its worker log, whose step lines come every
+    ``log_pace_ms`` (see ``health.RankEvidence``).
+    """
+
+    hb: Mapping | None
+    wall_ms: float | None = None
+    split_ms: tuple[float, float] | None = None
+    steps: int = 0
+    local: bool = False
+    from_log: bool = False
+    log_pace_ms: float | None = None
+
+    @classmethod
+    def of(cls, hb: Mapping | None, window: StepWindow, **kw) -> RankReport:
+        return cls(hb, window.median_ms, window.split_ms, window.steps, **kw)
 
 
 class VerdictBoard:
@@ -166,23 +193,9 @@ class VerdictBoard:
             self._present[r] = True
             self._changed.add(r)
 
-    def observe(
-        self,
-        rank: int,
-        hb: Mapping | None,
-        wall_ms,
-        split_ms,
-        steps: int,
-        local: bool = False,
-        from_log: bool = False,
-        log_pace_ms: float | None = None,
-    ) -> None:
-        """Rank ``rank``'s newest valid heartbeat (None: none yet) and its step window's figures.
-
-        ``local``: the rank runs on the dashboard's host and names its pid.
-        ``from_log``: the heartbeat was read from its worker log, whose step
-        lines come every ``log_pace_ms`` (see ``health.judge``).
-        """
+    def observe(self, rank: int, report: RankReport) -> None:
+        """What rank ``rank``'s source says at this scan (``RankReport``)."""
+        hb = report.hb
         self._ensure(rank)
         self.latest[rank] = hb
         self._present[rank] = True
@@ -210,12 +223,13 @@ class VerdictBoard:
                     self._host_ids[host] = len(self._host_names)
                     self._host_names.append(host)
                 self._host[rank] = self._host_ids[host]
-        self._wall[rank] = _f(wall_ms)
-        self._split_in[rank], self._split_out[rank] = split_ms if split_ms is not None else (_NAN, _NAN)
-        self._steps[rank] = steps
-        self._local[rank] = local and hb is not None
-        self._from_log[rank] = from_log and hb is not None
-        self._log_pace[rank] = _f(log_pace_ms) if from_log else _NAN
+        self._wall[rank] = _f(report.wall_ms)
+        split = report.split_ms
+        self._split_in[rank], self._split_out[rank] = split if split is not None else (_NAN, _NAN)
+        self._steps[rank] = report.steps
+        self._local[rank] = report.local and hb is not None
+        self._from_log[rank] = report.from_log and hb is not None
+        self._log_pace[rank] = _f(report.log_pace_ms) if report.from_log else _NAN
 
     def set_probe(self, rank: int, gone: str | None, stopped: str | None, alive: bool) -> None:
         """What a process probe said about ``rank`` (see ``RunState._probe_late``)."""
@@ -354,21 +368,20 @@ class VerdictBoard:
             gone, stopped, alive = self._probes.get(r, (None, None, False))
             own_r = _opt(cost[r])
             work = (float(self._split_out[r]), fastest) if basis == "work" and own_r is not None else None
-            verdict = judge(
+            evidence = RankEvidence(
                 self.latest[r],
-                now,
-                th,
                 own_ms=own_r,
                 peer_ms=_opt(peer[r]),
-                process_gone=gone,
                 wall_ms=_opt(self._wall[r]),
                 work=work,
+                process_gone=gone,
                 process_stopped=stopped,
                 process_alive=alive,
                 warming=bool(warming[r]),
                 from_log=bool(self._from_log[r]),
                 log_pace_ms=_opt(self._log_pace[r]),
             )
+            verdict = judge(evidence, now, th)
             if self._base.get(r) != verdict or r not in self.verdicts:
                 self._base[r] = verdict
                 changed_base.add(r)

@@ -45,7 +45,7 @@ from app.run.heartbeats import (  # noqa: F401  (re-exported: tests and tools im
 )
 from app.run.history import RunHistory
 from app.run.jobend import JobFacts
-from app.run.judging import VerdictBoard
+from app.run.judging import RankReport, VerdictBoard
 from app.run.rows import make_row, with_age
 from app.run.status import RunStatus
 
@@ -204,19 +204,18 @@ class RunState(RunStatus, ChartViews):
                 self._from_log.discard(r)
             self._launches.observe(r, slot.hb if slot is not None and not from_log else None, now)
             if slot is None:
-                board.observe(r, None, None, None, 0)
+                board.observe(r, RankReport(None))
             else:
+                local = slot.hb is not None and slot.hb.get("host") == self._hostname
                 board.observe(
                     r,
-                    slot.hb,
-                    slot.window.median_ms,
-                    slot.window.split_ms,
-                    slot.window.steps,
-                    local=slot.hb is not None
-                    and slot.hb.get("host") == self._hostname
-                    and slot.hb.get("pid") is not None,
-                    from_log=from_log,
-                    log_pace_ms=self._logs.pace_ms(r) if from_log else None,
+                    RankReport.of(
+                        slot.hb,
+                        slot.window,
+                        local=local and slot.hb.get("pid") is not None,
+                        from_log=from_log,
+                        log_pace_ms=self._logs.pace_ms(r) if from_log else None,
+                    ),
                 )
             board.file_problem(r, slot.error if slot else None, slot.skew_s if slot else None)
         self._from_log &= view

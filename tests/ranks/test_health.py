@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from app.run.health import (
     VERDICTS,
+    RankEvidence,
     StepWindow,
     Thresholds,
     judge,
@@ -396,7 +397,7 @@ def test_lifecycle_states_keep_their_own_verdict_however_old():
 
 
 def test_no_heartbeat_is_pending():
-    assert judge(None, T0, TH).health == "pending"
+    assert judge(RankEvidence(None), T0, TH).health == "pending"
 
 
 def test_finished_peers_do_not_count_as_peers():
@@ -459,6 +460,6 @@ FIELDS = [
 def test_any_heartbeat_gets_a_verdict_and_a_reason(hb, now):
     window = StepWindow(8)
     window.add(hb)
-    verdict = judge(hb, now, TH, own_ms=window.median_ms, peer_ms=50.0)
+    verdict = judge(RankEvidence(hb, own_ms=window.median_ms, peer_ms=50.0), now, TH)
     assert verdict.health in VERDICTS
     assert isinstance(verdict.reason, str) and verdict.reason

@@ -49,7 +49,7 @@ def test_board_equals_judge_all_on_random_histories(seed):
             if rnd.random() < 0.5 and (r in ranks or rnd.random() < 0.7):
                 ranks.setdefault(r, Rank(r, world, rnd, now)).beat(now)
                 rk = ranks[r]
-                board.observe(r, rk.hb, rk.window.median_ms, rk.window.split_ms, rk.window.steps)
+                board.observe(r, judging.RankReport.of(rk.hb, rk.window))
         for r in list(probes):
             if rnd.random() < 0.3:
                 del probes[r]
@@ -90,16 +90,16 @@ def test_a_quiet_tick_judges_only_what_moved(monkeypatch):
         hb = heartbeat(r, world, seq=1, now=now, step_ms=20.0, steps=8, step_in_ms=14.0, step_out_ms=6.0)
         windows[r] = StepWindow(TH.straggler_window)
         windows[r].add(hb)
-        board.observe(r, hb, windows[r].median_ms, windows[r].split_ms, windows[r].steps)
+        board.observe(r, judging.RankReport.of(hb, windows[r]))
     board.update(now)
     calls = []
     real = judging.judge
-    monkeypatch.setattr(judging, "judge", lambda *a, **k: calls.append(a[0]["rank"]) or real(*a, **k))
+    monkeypatch.setattr(judging, "judge", lambda *a, **k: calls.append(a[0].hb["rank"]) or real(*a, **k))
     now += 0.5
     for r in range(10):
         hb = heartbeat(r, world, seq=2, now=now, step_ms=20.0, steps=8, step_in_ms=14.0, step_out_ms=6.0)
         windows[r].add(hb)
-        board.observe(r, hb, windows[r].median_ms, windows[r].split_ms, windows[r].steps)
+        board.observe(r, judging.RankReport.of(hb, windows[r]))
     board.update(now)
     assert sorted(calls) == list(range(10))
 
@@ -114,7 +114,7 @@ def _board_with_hosts(
         hb["last_step_at"] = hb["time"]
         window = StepWindow(TH.straggler_window)
         window.add(hb)
-        board.observe(r, hb, window.median_ms, window.split_ms, window.steps, local=r in local)
+        board.observe(r, judging.RankReport.of(hb, window, local=r in local))
     board.update(now)
     return board
 

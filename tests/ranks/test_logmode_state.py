@@ -310,12 +310,7 @@ def test_the_verdict_board_equals_judge_all_for_log_ranks(seed):
                 rk = ranks[r]
                 board.observe(
                     r,
-                    rk.hb,
-                    rk.window.median_ms,
-                    rk.window.split_ms,
-                    rk.window.steps,
-                    from_log=r in from_log,
-                    log_pace_ms=pace.get(r),
+                    judging.RankReport.of(rk.hb, rk.window, from_log=r in from_log, log_pace_ms=pace.get(r)),
                 )
         if ranks and rnd.random() < 0.3:
             r = rnd.choice(sorted(ranks))
