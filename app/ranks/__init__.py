@@ -2,6 +2,6 @@
 
 ``routes.py`` (the page and ``/api/ranks``), ``events.py`` (Socket.IO),
 ``window.py`` (the page's slice of a large job), ``metrics.py`` (every
-row field described), ``chartviews.py`` (the charts, read from a
+row field described), ``charts.py`` (the charts, shaped from a
 ``RunState``). Importing this package imports no Flask.
 """

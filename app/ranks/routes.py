@@ -19,6 +19,7 @@ from app.edge import params, plotly_csp
 from app.errors import NotFound, RankNotFound
 from app.extensions import rankwatch
 from app.large import large_answer
+from app.ranks import charts
 from app.ranks.metrics import as_json as metrics_json
 from app.ranks.params import HistoryPoints, RunHistoryQuery
 from app.ranks.window import (  # noqa: F401  (the page bounds are re-exported: tests import them from here)
@@ -168,7 +169,7 @@ def api_history():
     points = params.query(HistoryPoints).points
     state = fresh_state(time.time())
     with large_answer(state.world_size(), "the chart history of every rank"):
-        return jsonify(state.history(points))
+        return jsonify(charts.history(state, points))
 
 
 @bp.get("/api/history/run")

@@ -29,9 +29,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from app.attempts import LaunchWatch
+from app.attempts import LaunchWatch, launches
 from app.push import DELTA_EVENT, SNAPSHOT_EVENT, Changed, changed_fields
-from app.ranks.chartviews import ChartViews
 from app.run import logmode
 from app.run.health import TERMINAL_STATES, WORST_FIRST, Thresholds
 from app.run.heartbeats import (  # noqa: F401  (re-exported: tests and tools import them from here)
@@ -47,12 +46,12 @@ from app.run.history import RunHistory
 from app.run.jobend import JobFacts
 from app.run.judging import RankReport, VerdictBoard
 from app.run.rows import make_row, with_age
-from app.run.status import RunStatus
+from app.run.status import StatusFacts, run_status
 
 _SEVERITY = {v: i for i, v in enumerate(WORST_FIRST)}
 
 
-class RunState(RunStatus, ChartViews):
+class RunState:
     """The live view of one run directory; thread-safe (the watcher scans, requests read)."""
 
     def __init__(
@@ -238,7 +237,41 @@ class RunState(RunStatus, ChartViews):
             self._reader.job, now, self.bridge_grace_s, self._rank0_alive
         )
         self._summary = self._make_summary()
-        self._run = self._make_run_status()
+        self._run = run_status(self._status_facts())
+
+    def _feed_run_history(self, changed: set[int]) -> None:
+        """Give the whole-run series the changed ranks' new points; seeded from the tails once."""
+        hist = self._run_history
+        if not hist.seeded and self._slots and self.run_dir is not None:
+            hist.seed_from_files(
+                self.run_dir, {r: s.hb for r, s in self._slots.items()}, launches(self.run_dir)
+            )
+        for r in changed:
+            slot = self._slot(r)
+            if slot is not None and slot.history:
+                hist.feed_new(r, slot.history, slot.hb.get("launch") if slot.hb else None)
+
+    def _status_facts(self) -> StatusFacts:
+        """What the status line is made from (``app.run.status``), read under the lock."""
+        reader, logs, latest = self._reader, self._logs, self._board.latest
+        return StatusFacts(
+            run_dir=self.run_dir,
+            world=self._world,
+            reported=self._summary.get("reported", 0),
+            redis=reader.redis,
+            redis_error=reader.redis_error,
+            read_error=reader.read_error,
+            job=reader.job,
+            job_error=reader.job_error,
+            log_path=logs.path if logs is not None else None,
+            log_problems=logs.problems() if logs is not None else [],
+            from_log=len(self._from_log & {r for r, hb in latest.items() if hb is not None}),
+            beats_expected=self._beats_expected,
+            conflict=self._launches.conflict(latest, self._ended, self.scanned_at),
+            missing=self._board.missing(),
+            ended_states=[hb["state"] for hb in latest.values()] if self._board.all_terminal() else None,
+            job_over=None if self._board.all_terminal() else self._job_over(),
+        )
 
     def _note_ended(self, now: float, view: set[int]) -> None:
         """Which ranks have ended (a final state, or the process gone) and whether msrun has.
@@ -428,6 +461,32 @@ class RunState(RunStatus, ChartViews):
     def world_size(self) -> int:
         with self._lock:
             return self._world
+
+    # -- the charts' reads (app/ranks/charts.py shapes them) ----------------------------
+
+    def chart_points(self, lowest_only: bool = False) -> dict[int, list[tuple]]:
+        """Each shown rank's recent chart points ``(t, global_step, loss, step_time_ms)``, copied, by rank.
+
+        ``lowest_only``: just the lowest rank that has any (the landing page's sparkline).
+        """
+        with self._lock:
+            out = {}
+            for r in sorted(self._rows):
+                slot = self._slot(r)
+                if slot is not None and slot.history:
+                    out[r] = list(slot.history)
+                    if lowest_only:
+                        break
+            return out
+
+    def shown_ranks(self) -> list[int]:
+        with self._lock:
+            return sorted(self._rows)
+
+    def run_history(self, attempts: list[dict], after: float | None, generation: int | None) -> dict:
+        """The whole-run chart series (``/api/history/run``; ``RunHistory.answer``)."""
+        with self._lock:
+            return self._run_history.answer(attempts, after, generation)
 
     def job(self) -> dict | None:
         """job.json as last read and validated (None: missing or invalid)."""

@@ -1,11 +1,15 @@
 """The run's status line: whether the job is there at all, and what to tell the operator if not.
 
-``RunStatus._make_run_status`` reads the state ``RunState`` keeps (the
-heartbeat reader, the log reader, the verdict board, the world size) and
-writes nothing; ``RunState`` inherits it and calls it once per scan.
+``run_status`` is a pure function of ``StatusFacts``, which ``RunState``
+gathers under its lock once per scan (the heartbeat reader's errors, the
+log reader's problems, the verdict board's counts, the world size).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from trainer_bridge.rundir import runfiles
 
@@ -13,130 +17,147 @@ from trainer_bridge.rundir import runfiles
 NAMED_RANKS = 8
 
 
-class RunStatus:
-    """The status line of a run (mixed into ``RunState``): starting, running, ended, or what is wrong."""
+@dataclass(frozen=True)
+class StatusFacts:
+    """What the status line is made from.
 
-    def _make_run_status(self) -> dict:
-        """Whether the job is there at all, and what to tell the operator if not."""
+    ``redis``: the Redis heartbeat source (None: files only), with
+    ``redis_error`` while it is unreachable. ``read_error``/``job_error``: why
+    the state directory or job.json could not be read; ``job``: job.json as
+    validated. ``from_log``: how many reported ranks are shown from their
+    worker logs in ``log_path``, and ``beats_expected`` whether their bridge
+    may still report. ``conflict``: two launches writing at once (a
+    sentence). ``missing``: ranks that have not reported. ``ended_states``:
+    every rank's final state once all have one (else None). ``job_over``: why
+    the job is over though not every rank said so (else None).
+    """
 
-        reader = self._reader
-        log_problems = self._logs.problems() if self._logs is not None else []
+    run_dir: Path | None
+    world: int
+    reported: int
+    redis: Any
+    redis_error: str | None
+    read_error: str | None
+    job: dict | None
+    job_error: str | None
+    log_path: Path | None
+    log_problems: list[str]
+    from_log: int
+    beats_expected: bool
+    conflict: str | None
+    missing: list[int]
+    ended_states: list[str] | None
+    job_over: str | None
 
-        def status(kind: str, message: str) -> dict:
-            transport = "files" if reader.redis is None else "redis" if not reader.redis_error else "files"
-            if reader.redis_error:
-                message += (
-                    f" Redis is unreachable ({reader.redis_error}): heartbeats are read from the run "
-                    "directory's files until it is back."
-                )
-            refused = getattr(reader.redis, "refused", 0)
-            if refused:
-                message += (
-                    f" Redis: {refused} heartbeat(s) refused as unsigned or badly signed (REDIS_KEY), "
-                    f"the last {reader.redis.refused_last}: is something else writing to Redis?"
-                )
-            if log_problems:
-                message += f" Worker logs: {'; '.join(log_problems)}."
-            return {
-                "status": kind,
-                "message": message,
-                "run_dir": str(self.run_dir or ""),
-                "transport": transport,
-            }
 
-        if self.run_dir is None:
-            return status(
-                "missing",
-                "No run directory was given: start the dashboard with --run-dir RUN (or RANKWATCH_RUN_DIR).",
-            )
-        if not self.run_dir.is_dir():
-            return status(
-                "missing",
-                f"The run directory {self.run_dir} does not exist (yet). "
-                "The dashboard keeps watching and fills in when the job "
-                "starts; check the path if this persists.",
-            )
-        sdir = runfiles.state_dir(self.run_dir)
-        latest = self._board.latest
-        reported = self._summary.get("reported", 0)
+def run_status(f: StatusFacts) -> dict:
+    """Whether the job is there at all, and what to tell the operator if not."""
 
-        if self._reader.read_error:
-            shown = (
-                f" The table shows what was read last ({reported} rank"
-                f"{'' if reported == 1 else 's'}); their heartbeats age until it is readable."
-                if reported
-                else ""
+    def status(kind: str, message: str) -> dict:
+        transport = "files" if f.redis is None else "redis" if not f.redis_error else "files"
+        if f.redis_error:
+            message += (
+                f" Redis is unreachable ({f.redis_error}): heartbeats are read from the run "
+                "directory's files until it is back."
             )
-            return status(
-                "unreadable",
-                f"Cannot read {sdir}: {self._reader.read_error}. The ranks write "
-                "their heartbeats there, so they cannot report either; check "
-                "that it is a directory this user can read (and that the disk "
-                f"is healthy).{shown}",
+        refused = getattr(f.redis, "refused", 0)
+        if refused:
+            message += (
+                f" Redis: {refused} heartbeat(s) refused as unsigned or badly signed (REDIS_KEY), "
+                f"the last {f.redis.refused_last}: is something else writing to Redis?"
             )
-        if not reported and not self._reader.job and self._reader.job_error:
-            return status(
-                "waiting",
-                f"{runfiles.job_path(self.run_dir)} is unreadable "
-                f"({self._reader.job_error}) and no rank has written a heartbeat "
-                "yet: the job has not started, or another tool wrote that "
-                "file. The dashboard picks the job up when rank 0 rewrites "
-                "it at start.",
-            )
-        if not reported and not self._reader.job:
-            return status(
-                "waiting",
-                f"The job has not started: {sdir} holds no job.json and no "
-                "heartbeats yet. Rank 0 writes job.json when the bridge "
-                "starts; each rank then writes rank_N.json about once a "
-                "second. A script without the bridge is shown from msrun's worker logs, and "
-                f"{self._logs.path if self._logs else 'the log directory'} has none yet.",
-            )
-        note = (
-            ""
-            if self._reader.job
-            else f" (job.json is unreadable: {self._reader.job_error}; the world size comes from the heartbeats)"
-            if self._reader.job_error
-            else " (job.json is missing, so the world size comes from the heartbeats)"
+        if f.log_problems:
+            message += f" Worker logs: {'; '.join(f.log_problems)}."
+        return {"status": kind, "message": message, "run_dir": str(f.run_dir or ""), "transport": transport}
+
+    if f.run_dir is None:
+        return status(
+            "missing",
+            "No run directory was given: start the dashboard with --run-dir RUN (or RANKWATCH_RUN_DIR).",
         )
-        from_log = len(self._from_log & {r for r, hb in latest.items() if hb is not None})
-        if from_log:
-            note = (
-                f" (from msrun's worker logs in {self._logs.path} until the bridge's first heartbeats)"
-                if self._beats_expected
-                else f" (from msrun's worker logs in {self._logs.path}: no rank writes Rankwatch heartbeats "
-                "(yet), so CPU, memory, device and stop stages are not shown)"
-                if from_log == reported
-                else f"{note} ({from_log} of them from their worker logs only: no heartbeats from them yet)"
-            )
-        conflict = self._launches.conflict(latest, self._ended, self.scanned_at)
-        if conflict:
-            return status("conflict", conflict)
-        missing = self._board.missing()
-        if not reported:
-            return status(
-                "starting",
-                f"The job has started (world size {self._world}) but no rank "
-                "has written a heartbeat yet. Ranks report once the bridge "
-                "is running, usually after graph compilation.",
-            )
-        if missing:
-            named = ", ".join(map(str, missing[:NAMED_RANKS]))
-            more = f" and {len(missing) - NAMED_RANKS} more" if len(missing) > NAMED_RANKS else ""
-            return status(
-                "starting",
-                f"{reported} of {self._world} ranks have reported; "
-                f"waiting for rank{'s' if len(missing) > 1 else ''} "
-                f"{named}{more}.{note}",
-            )
-        if self._board.all_terminal():
-            counts = {}
-            for hb in latest.values():
-                counts[hb["state"]] = counts.get(hb["state"], 0) + 1
-            told = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
-            return status("ended", f"The job has ended: {told}.")
-        over = self._job_over()
-        if over:
-            # Ranks killed or crashed without saying so: their processes and msrun are gone.
-            return status("ended", f"The job has ended: {over}.")
-        return status("running", f"{self._world} ranks reporting.{note}")
+    if not f.run_dir.is_dir():
+        return status(
+            "missing",
+            f"The run directory {f.run_dir} does not exist (yet). "
+            "The dashboard keeps watching and fills in when the job "
+            "starts; check the path if this persists.",
+        )
+    sdir = runfiles.state_dir(f.run_dir)
+    reported = f.reported
+    if f.read_error:
+        shown = (
+            f" The table shows what was read last ({reported} rank"
+            f"{'' if reported == 1 else 's'}); their heartbeats age until it is readable."
+            if reported
+            else ""
+        )
+        return status(
+            "unreadable",
+            f"Cannot read {sdir}: {f.read_error}. The ranks write "
+            "their heartbeats there, so they cannot report either; check "
+            "that it is a directory this user can read (and that the disk "
+            f"is healthy).{shown}",
+        )
+    if not reported and not f.job and f.job_error:
+        return status(
+            "waiting",
+            f"{runfiles.job_path(f.run_dir)} is unreadable "
+            f"({f.job_error}) and no rank has written a heartbeat "
+            "yet: the job has not started, or another tool wrote that "
+            "file. The dashboard picks the job up when rank 0 rewrites "
+            "it at start.",
+        )
+    if not reported and not f.job:
+        return status(
+            "waiting",
+            f"The job has not started: {sdir} holds no job.json and no "
+            "heartbeats yet. Rank 0 writes job.json when the bridge "
+            "starts; each rank then writes rank_N.json about once a "
+            "second. A script without the bridge is shown from msrun's worker logs, and "
+            f"{f.log_path or 'the log directory'} has none yet.",
+        )
+    note = (
+        ""
+        if f.job
+        else f" (job.json is unreadable: {f.job_error}; the world size comes from the heartbeats)"
+        if f.job_error
+        else " (job.json is missing, so the world size comes from the heartbeats)"
+    )
+    if f.from_log:
+        note = (
+            f" (from msrun's worker logs in {f.log_path} until the bridge's first heartbeats)"
+            if f.beats_expected
+            else f" (from msrun's worker logs in {f.log_path}: no rank writes Rankwatch heartbeats "
+            "(yet), so CPU, memory, device and stop stages are not shown)"
+            if f.from_log == reported
+            else f"{note} ({f.from_log} of them from their worker logs only: no heartbeats from them yet)"
+        )
+    if f.conflict:
+        return status("conflict", f.conflict)
+    missing = f.missing
+    if not reported:
+        return status(
+            "starting",
+            f"The job has started (world size {f.world}) but no rank "
+            "has written a heartbeat yet. Ranks report once the bridge "
+            "is running, usually after graph compilation.",
+        )
+    if missing:
+        named = ", ".join(map(str, missing[:NAMED_RANKS]))
+        more = f" and {len(missing) - NAMED_RANKS} more" if len(missing) > NAMED_RANKS else ""
+        return status(
+            "starting",
+            f"{reported} of {f.world} ranks have reported; "
+            f"waiting for rank{'s' if len(missing) > 1 else ''} "
+            f"{named}{more}.{note}",
+        )
+    if f.ended_states is not None:
+        counts: dict[str, int] = {}
+        for state in f.ended_states:
+            counts[state] = counts.get(state, 0) + 1
+        told = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+        return status("ended", f"The job has ended: {told}.")
+    if f.job_over:
+        # Ranks killed or crashed without saying so: their processes and msrun are gone.
+        return status("ended", f"The job has ended: {f.job_over}.")
+    return status("running", f"{f.world} ranks reporting.{note}")

@@ -21,6 +21,7 @@ from pydantic import Field
 
 from app import attempts
 from app.edge import params
+from app.ranks import charts
 from app.runs.diskuse import DiskUsage
 
 STATES = ("training", "stopping", "stopped", "finished", "failed", "stalled", "idle")
@@ -85,7 +86,7 @@ def row_from(
             newest = {"id": cset.id, "global_step": cset.global_step, "mtime": cset.mtime}
     live = bool(entry.live) if entry is not None else head["run"]["status"] == "running"
     name = run_state(head["run"]["status"], counts, stop_state, live)
-    spark = state.loss_spark(SPARK_POINTS)
+    spark = charts.loss_spark(state, SPARK_POINTS)
     disk = disk if disk is not None else DiskUsage()
     disk_bytes = disk.measure(state.run_dir, now)
     return {

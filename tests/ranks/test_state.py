@@ -11,6 +11,7 @@ import time
 import pytest
 
 from app.config import from_env
+from app.ranks import charts
 from app.run import heartbeats as reader_module
 from app.run.state import RunState, probe_process, read_history_tail
 from tests.helpers.app import FAST_SETTINGS
@@ -223,7 +224,7 @@ def test_history_is_seeded_from_both_segments_and_bounded(run_dir):
     beat(run_dir, 0, 1, seq=1, now=1013.0, history=False)
     st = make_state(run_dir, HISTORY_POINTS=6)
     st.scan(1013.5)
-    matrix = st.history()
+    matrix = charts.history(st)
     assert matrix["ranks"] == [0]
     assert matrix["t"] == [1008.0, 1009.0, 1010.0, 1011.0, 1012.0, 1013.0]
     assert matrix["step_time_ms"] == [[5.0, 5.0, 6.0, 6.0, 6.0, 50.0]]
@@ -237,7 +238,7 @@ def test_history_matrix_buckets_and_gaps(run_dir):
     st.scan(2001.0)
     beat(run_dir, 0, 2, seq=2, now=2002.1, step_ms=11.0, history=False)
     st.scan(2002.5)
-    matrix = st.history()
+    matrix = charts.history(st)
     assert matrix["t"] == [2000.0, 2001.0, 2002.0]
     assert matrix["step_time_ms"] == [[10.0, None, 11.0], [20.0, None, None]]
-    assert st.history(points=1)["t"] == [2002.0]
+    assert charts.history(st, points=1)["t"] == [2002.0]
