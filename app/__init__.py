@@ -10,6 +10,7 @@ Socket.IO client does. The shared objects live in ``app/extensions.py``.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -63,14 +64,14 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     errors.register(app)
 
     from app.cluster import Cluster
-    from app.runs.container import build
+    from app.compose import build
 
     # Several dashboards behind one Redis: its message queue and leader lock (app/cluster.py).
     cluster = Cluster.from_config(app.config, app.config["RUN_DIR"] or None)
     # One run (--run-dir): its container is the app's, at today's URLs. A root of
     # runs (--runs): the registry holds one per run, and this one stands empty.
     rw = app.extensions["rankwatch"] = build(
-        app.config, None if app.config["RUNS_ROOT"] else (app.config["RUN_DIR"] or None), cluster=cluster
+        None if app.config["RUNS_ROOT"] else (app.config["RUN_DIR"] or None), app.config, cluster=cluster
     )
     incidents = rw.incidents
     # A flood of wrong tokens or codes (app.edge.auth.settle) is an alert, once a minute at most.
@@ -104,17 +105,16 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     from app.runs import scoping
     from app.runs.registry import Registry, single_id
     from app.runs.rows import Rows
-    from app.services import open_run
 
     registry = Registry(
         app.config,
-        lambda path, run_id: build(app.config, path, room=run_id),
+        lambda path, run_id: build(path, app.config, room=run_id),
         single=None if app.config["RUNS_ROOT"] else (single_id(app.config["RUN_DIR"] or "."), rw),
         start_task=socketio.start_background_task,
         sleep=socketio.sleep,
     )
     scoping.install(app, registry)
-    runs_routes.register(app, Rows(registry, open_run, app.config))
+    runs_routes.register(app, Rows(registry, functools.partial(build, live=False), app.config))
 
     # Threading, not eventlet/gevent: the watcher does blocking file I/O, and
     # gunicorn's threaded worker with simple-websocket (app/serve/server.py) needs

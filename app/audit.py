@@ -52,7 +52,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from app.errors import Unavailable
-from trainer_bridge.rundir import safeio
+from trainer_bridge.rundir import runfiles, safeio
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS audit (
@@ -98,6 +98,15 @@ _SELECT = "SELECT " + ", ".join(COLUMNS) + " FROM audit"
 # A spreadsheet evaluates a cell that starts with one of these (OWASP, "CSV Injection").
 FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
 _CSV_BATCH = 500
+
+
+def audit_path(run_dir: str | None, config) -> Path:
+    """``AUDIT_DB``, else ``RUN/rankwatch/audit.sqlite3``: the trail stays with its run."""
+    return (
+        Path(config["AUDIT_DB"])
+        if config["AUDIT_DB"]
+        else runfiles.state_dir(run_dir or ".") / "audit.sqlite3"
+    )
 
 
 def csv_cell(value):

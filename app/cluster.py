@@ -40,7 +40,8 @@ import os
 import socket
 import time
 import uuid
-from typing import NoReturn
+from collections.abc import Mapping
+from typing import Any, NoReturn
 
 import socketio
 
@@ -60,6 +61,19 @@ QUEUE_MAX_AGE_S = 60.0
 def channel(job: str) -> str:
     """The Socket.IO message queue's pub/sub channel of ``job``."""
     return f"rankwatch:{job}:socketio"
+
+
+def redis_key(config: Mapping[str, Any]) -> bytes | None:
+    """``REDIS_KEY`` as bytes, or None: what signs the heartbeats, the digests and the message queue."""
+    return config["REDIS_KEY"].encode() if config["REDIS_KEY"] else None
+
+
+def redis_subscriber(config: Mapping[str, Any], run_dir: str | None) -> redisbus.Subscriber | None:
+    """The Redis heartbeat reader when ``REDIS_URL`` is set (trainer_bridge/rundir/redisbus.py), else None."""
+    if not config["REDIS_URL"] or not run_dir:
+        return None
+    job = config["REDIS_JOB"] or redisbus.job_key(run_dir)
+    return redisbus.Subscriber(config["REDIS_URL"], job, key=redis_key(config))
 
 
 class QueueCodec:
@@ -205,8 +219,6 @@ class Cluster:
                 f"LEADER_TTL_S ({config['LEADER_TTL_S']}) must be at least two ticks (TICK_S "
                 f"{config['TICK_S']}): the leader renews its lock once a tick"
             )
-        from app.services import redis_key
-
         job = config["REDIS_JOB"] or redisbus.job_key(run_dir)
         return cls(config["REDIS_URL"], job, config["LEADER_TTL_S"], redis_key(config))
 

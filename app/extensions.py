@@ -14,6 +14,7 @@ from flask import current_app, g
 from flask_socketio import SocketIO
 
 if TYPE_CHECKING:
+    from app.audit import AuditLog
     from app.checkpoints.service import CheckpointService
     from app.incidents.monitor import Incidents
     from app.incidents.stacks import StackService
@@ -26,19 +27,23 @@ socketio = SocketIO()
 
 @dataclass
 class Rankwatch:
-    """The app's per-instance objects, kept in ``app.extensions["rankwatch"]``."""
+    """One run's engines (``app.compose.build``); a dashboard's are kept in ``app.extensions["rankwatch"]``.
+
+    The CLI's (``live=False``) have no watcher, stack service or incidents.
+    """
 
     state: RunState
-    watcher: Watcher
+    audit: AuditLog
     stop: StopService
-    # (endpoint, label) per top-level page; each blueprint adds its own when
-    # registered, and base.html draws the nav from this list.
-    nav: list[tuple[str, str]] = field(default_factory=list)
-    # The checkpoint browser's index and actions (app/checkpoints/service.py).
-    checkpoints: CheckpointService | None = None
+    # The checkpoint browser's index and actions, with its retention (app/checkpoints/service.py).
+    checkpoints: CheckpointService
+    watcher: Watcher | None = None
     # Stack captures, alerts and the stop policy (app/incidents/).
     stacks: StackService | None = None
     incidents: Incidents | None = None
+    # (endpoint, label) per top-level page; each blueprint adds its own when
+    # registered, and base.html draws the nav from this list.
+    nav: list[tuple[str, str]] = field(default_factory=list)
     # The run its pushes are for (app/push.py's rooms): None for the one run of --run-dir.
     room: str | None = None
 

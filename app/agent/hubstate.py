@@ -21,10 +21,10 @@ from typing import Any
 from app.agent import ask
 from app.agent import digest as dg
 from app.agent.hub import Hub
+from app.cluster import redis_key
 from app.run.health import VERDICTS
 from app.run.rows import with_age
 from app.run.state import RunState
-from app.services import redis_key
 from trainer_bridge.rundir import redisbus, runfiles
 
 

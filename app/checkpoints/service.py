@@ -31,6 +31,7 @@ from typing import BinaryIO
 from app.audit import AuditLog
 from app.checkpoints import resume
 from app.checkpoints.resume import TTP_NOTE, bridge_default, ranks_text
+from app.checkpoints.retention import Retention, interrupted
 from app.checkpoints.verify import Verifier
 from app.errors import (
     NO_RUN_DIR,
@@ -88,6 +89,8 @@ class CheckpointService:
         *,
         scan_s: float,
         verifier: Verifier,
+        config: Mapping | None = None,
+        remote: Callable[[bool], tuple[list[CheckpointFile], list[str]]] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.run_dir = run_dir
@@ -103,7 +106,9 @@ class CheckpointService:
         self._pushed = Changed()  # the fingerprint of the index last pushed
         # With agents and no shared filesystem: (wait) -> (the other nodes' files, errors)
         # (HubState.checkpoint_files; ``wait``: a request may wait for a node's first listing).
-        self.remote: Callable[[bool], tuple[list[CheckpointFile], list[str]]] | None = None
+        self.remote = remote
+        # The retention plan and its automatic mode, over this index (``config``: the RETENTION_* settings).
+        self.retention = Retention(self, config) if config is not None else None
 
     # -- the index -------------------------------------------------------------------
 
@@ -169,7 +174,6 @@ class CheckpointService:
         now = time.time()
         body = index.to_dict()
         default = bridge_default(index)
-        from app.checkpoints.retention import interrupted
 
         unhealthy = ckpthealth.unhealthy(self.run_dir, index)
         deleting = interrupted(self.run_dir)

@@ -3,7 +3,7 @@
 * ``serve`` is ``python -m app`` (``app/cli/serve.py``), ``demo`` is
   ``python -m trainer_bridge.demo`` with the dashboard on;
 * ``status``, ``stop`` and ``checkpoints`` read and write the run directory
-  through ``app.services.open_run``, the same ``RunState``, ``StopService``
+  through ``app.compose.build``, the same ``RunState``, ``StopService``
   (and audit trail) and ``CheckpointService`` the dashboard uses, so they
   work with or without a dashboard running;
 * ``login`` prints a fresh single-use login link for a running dashboard.

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.text import Text
 
-    from app.services import Run
+    from app.extensions import Rankwatch
 
 VERDICT_STYLE = {
     "starting": "dim cyan",
@@ -76,10 +76,10 @@ run_dir_option = click.option(
 )
 
 
-def open_cli_run(run_dir: Path) -> Run:
+def open_cli_run(run_dir: Path) -> Rankwatch:
     """The dashboard's engines on ``run_dir``, with the dashboard's settings from the environment."""
+    from app.compose import build
     from app.config import from_env
-    from app.services import open_run
 
     try:
         config = from_env()
@@ -87,7 +87,7 @@ def open_cli_run(run_dir: Path) -> Run:
         raise click.ClickException(str(e)) from None
     config["RUN_DIR"] = str(run_dir)
     try:
-        return open_run(str(run_dir), config)
+        return build(str(run_dir), config, live=False)
     except ValueError as e:  # a setting checked when its engine starts (RETENTION_MODE)
         raise click.ClickException(str(e)) from None
 

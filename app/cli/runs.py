@@ -1,12 +1,13 @@
 """``rankwatch runs ROOT [--json]`` and ``rankwatch status --runs ROOT``: the runs table in a shell.
 
 The rows are ``GET /api/runs``'s, built by the same ``app.runs.rows.Rows``
-over the same engines (``open_run``), with the dashboard's settings from the
+over the same engines (``app.compose.build``), with the dashboard's settings from the
 ``RANKWATCH_*`` variables: the same states, in the same order.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
@@ -18,18 +19,20 @@ from app.cli.common import console, fmt_bytes, fmt_seconds, plain, untrusted, ve
 
 def runs_table(root: Path, **query) -> dict:
     """The runs table of ``root`` (``GET /api/runs``'s body, without the rows' ``url``)."""
+    from app.compose import build
     from app.config import from_env
     from app.runs.registry import Registry
     from app.runs.rows import Rows
-    from app.services import open_run
 
     try:
         config = from_env()
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     config.update(RUNS_ROOT=str(root), RUN_DIR="")
-    registry = Registry(config, lambda path, run_id: open_run(path, {**config, "RUN_DIR": path}))
-    return Rows(registry, open_run, config).table(**query, budget_s=None)  # a script waits for every row
+    registry = Registry(config, lambda path, run_id: build(path, config, live=False))
+    return Rows(registry, functools.partial(build, live=False), config).table(
+        **query, budget_s=None
+    )  # a script waits for every row
 
 
 def print_table(body: dict) -> None:

@@ -1,8 +1,8 @@
 """Run id -> that run's engines (a ``Rankwatch`` container), bounded.
 
 Under ``--runs ROOT`` the runs are what ``Discovery`` finds; each run's
-container is built on first use by ``app/runs/container.py`` (through
-``app.services.open_run``, the one factory). Only runs that are live or
+container is built on first use by ``app.compose.build``, the one
+factory. Only runs that are live or
 being viewed keep theirs, and at most ``cap`` at once (least recently used
 out first): a root of a thousand finished runs costs the engines of the
 few on screen, not a thousand. A run that is dropped keeps nothing here:

@@ -1,7 +1,7 @@
 """One row per run: ``GET /api/runs``, the landing page and ``rankwatch runs``/``status --runs``.
 
 A row is read from the run's engines, the ones its console uses (the open
-container of a live or viewed run; for an idle run, ``open_run``'s, opened
+container of a live or viewed run; for an idle run, ``app.compose.build``'s (``live=False``), opened
 for the row and closed): the verdict counts and the global step are the
 summary strip's, the run status is ``RunState``'s, the stop is
 ``StopService``'s, the newest complete set is the checkpoint index's.
@@ -150,6 +150,7 @@ class Rows:
     """The rows of a registry's runs, the idle ones cached by their discovery signature."""
 
     def __init__(self, registry, open_run: Callable, config: Mapping[str, Any]):
+        """``open_run(path, config)``: an idle run's engines (``functools.partial(app.compose.build, live=False)``)."""
         self.registry = registry
         self._open_run = open_run
         self.config = config

@@ -291,7 +291,7 @@ def test_version_and_help_load_neither_the_engines_nor_flask_nor_rich():
         "        main(argv, standalone_mode=False)\n"
         "    except SystemExit:\n"
         "        pass\n"
-        "heavy = ('flask', 'rich', 'numpy', 'pydantic', 'gunicorn', 'app.run.state', 'app.services')\n"
+        "heavy = ('flask', 'rich', 'numpy', 'pydantic', 'gunicorn', 'app.run.state', 'app.compose')\n"
         "print('LOADED', sorted(m for m in heavy if m in sys.modules))\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=ENV, capture_output=True, text=True)

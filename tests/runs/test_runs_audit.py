@@ -10,7 +10,7 @@ import io
 import sqlite3
 
 from app import create_app
-from app.services import open_run
+from app.compose import build
 from tests.helpers.app import TOKEN, make_app, operator, wait_for
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from tests.helpers.receiver import Receiver
@@ -109,7 +109,7 @@ def test_a_shared_audit_db_keeps_each_runs_rows_apart(tmp_path):
         assert [r["who"] for r in single.test_client().get("/api/audit").get_json()["rows"]] == ["alice"]
     finally:
         single.extensions["rankwatch_runs"].stop()
-    run = open_run(str(root / B), {**app.config, "RUNS_ROOT": str(root), "RUN_DIR": str(root / B)})
+    run = build(str(root / B), {**app.config, "RUNS_ROOT": str(root)}, live=False)
     assert run.audit.run == B and [r["who"] for r in run.audit.rows()] == ["bob"]
     assert run.audit.last_id() == max(
         i for (i,) in sqlite3.connect(db).execute("SELECT id FROM audit WHERE run = 'team/b'")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -130,10 +131,12 @@ def test_rows_carry_the_loss_sparkline_and_disk_used_and_sort_on_them(tmp_path):
 
 def test_a_page_never_waits_for_every_idle_run_to_be_read(tmp_path):
     """Idle runs not read yet answer as unread rows past the request's budget; the loop reads them."""
+    from app.compose import build
     from app.config import from_env
     from app.runs.registry import Registry
     from app.runs.rows import UNREAD_MESSAGE, Rows
-    from app.services import open_run
+
+    open_run = functools.partial(build, live=False)
 
     root = tmp_path / "root"
     for name in ("a", "b", "c"):
@@ -143,7 +146,7 @@ def test_a_page_never_waits_for_every_idle_run_to_be_read(tmp_path):
         for path in (root / name).rglob("*"):  # discovery judges activity by the files' times
             os.utime(path, (time.time() - 86400,) * 2)
     config = {**from_env(), "RUNS_ROOT": str(root), "RUN_DIR": ""}
-    registry = Registry(config, lambda path, run_id: open_run(path, {**config, "RUN_DIR": path}))
+    registry = Registry(config, lambda path, run_id: open_run(path, config))
     rows = Rows(registry, open_run, config)
     body = rows.table(budget_s=0.0)
     assert body["total"] == 3 and body["unread"] == 3, body
