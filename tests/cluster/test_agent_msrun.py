@@ -15,14 +15,12 @@ import urllib.request
 
 import pytest
 
-from tests.helpers.app import FAST_SETTINGS
+from tests.helpers.app import FAST_SETTINGS, TOKEN, wait_for
 from tests.helpers.jobs import dump
-from tests.incidents.test_stacks import wait_for
 from trainer_bridge.rundir import runfiles
 
 pytestmark = pytest.mark.msrun
 
-TOKEN = "agent-msrun-operator-token"
 KEY = "agent-msrun-key"
 
 
