@@ -18,6 +18,51 @@ from tests.helpers.workerlogs import attempts, logs_dir, relaunched, steps
 TRACEBACK = 'Traceback (most recent call last):\n  File "train.py", line 3\nRuntimeError: out of memory\n'
 
 
+def test_a_relaunch_that_empties_the_logs_keeps_the_attempt_it_erased(run_dir, app):
+    client = app.test_client()
+    logs = logs_dir(run_dir)
+    steps(logs, (0, 1), 1, 7)
+    [first] = attempts(app, client)
+    assert (first["attempt"], first["first_step"], first["last_step"], first["end"]) == (1, 1, 7, None)
+    assert first["from_logs"] and first["note"] is None
+    # msrun relaunches with the same --log_dir: it opens each worker log with "w".
+    steps(logs, (0,), 1, 2, mode="w")
+    steps(logs, (1,), 1, 1, mode="w")
+    old, new = attempts(app, client)
+    # What the dashboard read of attempt 1 outlives its text.
+    assert (old["attempt"], old["first_step"], old["last_step"]) == (1, 1, 7)
+    assert old["end"] == "killed" and old["ended_at"] is not None  # its ranks vanished while training
+    assert "log text is gone" in old["note"]
+    assert (new["attempt"], new["first_step"], new["last_step"], new["end"]) == (2, 1, 2, None)
+    # Rank 1's log, emptied a tick later by the same relaunch, opens no third attempt.
+    steps(logs, (1,), 2, 3)
+    assert [a["attempt"] for a in attempts(app, client)] == [1, 2]
+    # A second relaunch after a crash: the crash is the attempt's end.
+    with open(logs / "worker_1.log", "a") as f:
+        f.write(TRACEBACK)
+    assert attempts(app, client)[-1]["end"] is None
+    steps(logs, (0, 1), 1, 1, mode="w")
+    rows = attempts(app, client)
+    assert [a["attempt"] for a in rows] == [1, 2, 3]
+    assert rows[1]["end"] == "failed" and "out of memory" in rows[1]["error"]
+
+
+def test_with_the_bridge_the_logs_are_not_the_attempts(run_dir, app):
+    """A run whose bridge writes attempts.jsonl answers from it; the logs' view is only for scripts without it."""
+    from trainer_bridge.rundir import attempts as bridge_attempts
+
+    bridge_attempts.AttemptLog(run_dir, "launch-1", 2, "node-a", 4242).begin(
+        started_at=time.time(), resumed=None, first_step=1, beats=[]
+    )
+    client = app.test_client()
+    logs = logs_dir(run_dir)
+    steps(logs, (0, 1), 1, 3)
+    steps(logs, (0, 1), 1, 1, mode="w")
+    rows = attempts(app, client)
+    assert [(a["attempt"], a["launch"]) for a in rows] == [(1, "launch-1")]
+    assert "from_logs" not in rows[0]
+
+
 def test_a_dashboard_started_after_the_relaunch_still_lists_the_attempt_it_erased(run_dir):
     relaunched(run_dir)
     # A new dashboard: nothing in the logs says attempt 1 was ever there.
