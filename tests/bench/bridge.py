@@ -37,10 +37,9 @@ import urllib.request
 from pathlib import Path
 
 from tests.bench import ab
+from tests.helpers.app import TOKEN
 from tests.helpers.jobs import DemoJob
 from tests.helpers.liveserver import start_dashboard
-
-TOKEN = "bench-token"
 
 
 def callback_sides(args, size: str, rank: int) -> dict:

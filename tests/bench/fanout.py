@@ -41,10 +41,10 @@ from pathlib import Path
 from tests.bench.agents import start_hub
 from tests.bench.hostsim import end_simulators
 from tests.bench.ingest import start_redis
+from tests.helpers.app import TOKEN
 
 RUN = "fanout"
 KEY = "bench-fanout-key"
-TOKEN = "bench-fanout-operator-token-0123456789"
 PERIOD_S = 1.0
 
 

@@ -43,6 +43,7 @@ from pathlib import Path
 
 from app import create_app
 from tests.bench.scale import percentile
+from tests.helpers.app import TOKEN
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from tests.helpers.incidents import HANGER
 from tests.helpers.jobs import DemoJob
@@ -50,7 +51,6 @@ from tests.helpers.receiver import Receiver
 from trainer_bridge.rundir import pyspy
 
 TICK_S = 0.5
-TOKEN = "bench"
 
 
 def settings(run_dir: Path, **extra) -> dict:

@@ -45,11 +45,10 @@ import urllib.request
 from pathlib import Path
 
 from app.runs import ids
+from tests.helpers.app import TOKEN
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from tests.helpers.liveserver import REPO, start_dashboard
 from trainer_bridge.rundir import runfiles
-
-TOKEN = "bench-runs-load-operator-token-0123456789"
 
 
 def history_template(workdir: Path) -> tuple[Path, Path]:
