@@ -37,7 +37,7 @@ import urllib.request
 from pathlib import Path
 
 from tests.bench import ab
-from tests.helpers.app import TOKEN
+from tests.helpers.app import AUTH, TOKEN
 from tests.helpers.jobs import DemoJob
 from tests.helpers.liveserver import start_dashboard
 
@@ -158,7 +158,7 @@ def _post_stop(url: str) -> None:
         url + "/api/exit",
         data=json.dumps({"reason": "benchmark"}).encode(),
         method="POST",
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"},
+        headers={"Content-Type": "application/json", **AUTH},
     )
     with urllib.request.urlopen(req) as r:
         assert r.status == 202

@@ -45,7 +45,7 @@ import urllib.request
 from pathlib import Path
 
 from app.runs import ids
-from tests.helpers.app import TOKEN
+from tests.helpers.app import AUTH, TOKEN
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from tests.helpers.liveserver import REPO, start_dashboard
 from trainer_bridge.rundir import runfiles
@@ -134,7 +134,7 @@ class Live:
 
 
 def get(url: str) -> dict:
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {TOKEN}"})
+    req = urllib.request.Request(url, headers=AUTH)
     with urllib.request.urlopen(req, timeout=600) as r:
         return json.loads(r.read())
 

@@ -15,7 +15,7 @@ import pytest
 from playwright.sync_api import expect
 
 from app.audit import AuditLog
-from tests.helpers.app import TOKEN
+from tests.helpers.app import AUTH, TOKEN
 from tests.helpers.browser import WAIT_MS, cell, serious
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from tests.helpers.incidents import COLLECTIVE, WAITING, fake_capture
@@ -256,7 +256,7 @@ def test_holding_the_others_up_names_a_culprit_only_past_the_threshold_and_never
     res = page.request.post(
         live_server.url + "/api/exit",
         data={"reason": "holding test"},
-        headers={"Authorization": f"Bearer {TOKEN}"},
+        headers=AUTH,
     )
     assert res.ok, res.text()
     rid = res.json()["request_id"]
