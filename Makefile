@@ -41,10 +41,13 @@ test-fast: venv
 test-slow: venv
 	$(PY) -m pytest -ra -m "not ($(FAST))"
 
+# lint-imports holds the layering of app/, the trainer's contract and the tests'
+# import rule (pyproject.toml); tests.lint the tests' one token and app fixture.
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
+	$(PY) -m tests.lint
 
 format: venv
 	$(VENV)/bin/ruff format .

@@ -1,6 +1,12 @@
 """Shared fixtures: a temporary run directory, the app and its clients, a live server, a browser.
 
-Fixtures only: the helpers they and the tests share live in ``tests/helpers/``.
+Fixtures only: the helpers they and the tests share live in ``tests/helpers/``,
+and a fixture that several files of one folder share in that folder's
+``conftest.py``. A test module imports no other test module (an import-linter
+contract in pyproject.toml), the operator token is ``TOKEN`` (with ``AUTH``) of
+``tests/helpers/app.py`` alone, and a module's own ``app`` fixture, where its
+settings differ, calls ``make_app(run_dir, **overrides)``; ``make lint`` checks
+all three (``python -m tests.lint``, tests/lint.py).
 What a test starts (a demo job, a dashboard, an agent, any process) it starts
 through a ``start_*`` fixture, which ends it after the test whatever happened:
 a failing assertion cannot leak a process, and the test needs no ``finally``.

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import psutil
 
+from tests.helpers.app import TOKEN
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from tests.helpers.liveserver import start_dashboard
 from trainer_bridge.rundir import runfiles
@@ -44,7 +45,7 @@ REQUESTS = (
     (2, "/api/history"),
 )
 SETTINGS = {
-    "RANKWATCH_TOKEN": "amplify-bench-token-0123456789abcdef",
+    "RANKWATCH_TOKEN": TOKEN,
     "RANKWATCH_DEAD_AFTER_S": "1e9",
     "RANKWATCH_PROCESS_CHECK_AFTER_S": "1e9",
     "RANKWATCH_STALL_MIN_S": "1e9",

@@ -37,10 +37,9 @@ import urllib.request
 from pathlib import Path
 
 from tests.bench import ab
+from tests.helpers.app import AUTH, TOKEN
 from tests.helpers.jobs import DemoJob
 from tests.helpers.liveserver import start_dashboard
-
-TOKEN = "bench-token"
 
 
 def callback_sides(args, size: str, rank: int) -> dict:
@@ -159,7 +158,7 @@ def _post_stop(url: str) -> None:
         url + "/api/exit",
         data=json.dumps({"reason": "benchmark"}).encode(),
         method="POST",
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"},
+        headers={"Content-Type": "application/json", **AUTH},
     )
     with urllib.request.urlopen(req) as r:
         assert r.status == 202

@@ -41,10 +41,10 @@ from pathlib import Path
 from tests.bench.agents import start_hub
 from tests.bench.hostsim import end_simulators
 from tests.bench.ingest import start_redis
+from tests.helpers.app import AUTH, TOKEN
 
 RUN = "fanout"
 KEY = "bench-fanout-key"
-TOKEN = "bench-fanout-operator-token-0123456789"
 PERIOD_S = 1.0
 
 
@@ -102,7 +102,7 @@ def post_exit(url: str) -> str:
         url + "/api/exit",
         data=json.dumps({"reason": "fan-out benchmark", "who": "bench"}).encode(),
         method="POST",
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"},
+        headers={"Content-Type": "application/json", **AUTH},
     )
     with urllib.request.urlopen(req, timeout=60) as r:
         return json.loads(r.read())["request_id"]

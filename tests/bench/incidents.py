@@ -43,6 +43,7 @@ from pathlib import Path
 
 from app import create_app
 from tests.bench.scale import percentile
+from tests.helpers.app import AUTH, TOKEN
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from tests.helpers.incidents import HANGER
 from tests.helpers.jobs import DemoJob
@@ -50,7 +51,6 @@ from tests.helpers.receiver import Receiver
 from trainer_bridge.rundir import pyspy
 
 TICK_S = 0.5
-TOKEN = "bench"
 
 
 def settings(run_dir: Path, **extra) -> dict:
@@ -223,7 +223,7 @@ def bench_capture(workdir: Path, requests: int = 10) -> dict:
         job.wait_for_step(5)
         app = create_app(settings(run_dir))
         client = app.test_client()
-        auth = {"Authorization": f"Bearer {TOKEN}"}
+        auth = AUTH
         for native in (False, True):
             latencies = []
             for _ in range(requests):

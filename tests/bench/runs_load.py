@@ -45,11 +45,10 @@ import urllib.request
 from pathlib import Path
 
 from app.runs import ids
+from tests.helpers.app import AUTH, TOKEN
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from tests.helpers.liveserver import REPO, start_dashboard
 from trainer_bridge.rundir import runfiles
-
-TOKEN = "bench-runs-load-operator-token-0123456789"
 
 
 def history_template(workdir: Path) -> tuple[Path, Path]:
@@ -135,7 +134,7 @@ class Live:
 
 
 def get(url: str) -> dict:
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {TOKEN}"})
+    req = urllib.request.Request(url, headers=AUTH)
     with urllib.request.urlopen(req, timeout=600) as r:
         return json.loads(r.read())
 

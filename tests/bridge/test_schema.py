@@ -18,19 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers.app import TOKEN, make_app
+from tests.helpers.app import AUTH
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from trainer_bridge.rundir import runfiles, schema
-
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-@pytest.fixture
-def app(run_dir):
-
-    app = make_app(run_dir)
-    yield app
-    app.extensions["rankwatch"].watcher.stop()
 
 
 def write_raw(run_dir, rank: int, data: bytes | str) -> None:

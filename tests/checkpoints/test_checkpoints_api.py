@@ -24,8 +24,7 @@ import pytest
 from mindspore import nn
 from mindspore.train import CheckpointConfig, Model, ModelCheckpoint
 
-from app import create_app
-from tests.helpers.app import FAST_SETTINGS, TOKEN, wait_for_event
+from tests.helpers.app import AUTH, TOKEN, make_app, wait_for_event
 from tests.helpers.checkpoints import (
     BRIDGE,
     DAMAGED,
@@ -41,7 +40,6 @@ from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from trainer_bridge.rundir import runfiles
 
 REPO = Path(__file__).resolve().parents[2]
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
 MODELCKPT = "ckpt/rank_{rank}/train-{E}_{S}.ckpt"
 SAFETENSORS = "st/rank_{rank}/model-{E}_{S}.safetensors"
 CRC = "crc/rank_{rank}/net-{E}_{S}.ckpt"
@@ -103,11 +101,9 @@ def layouts(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def app(run_dir, layouts):
-    """The dashboard on a private copy of every layout, with a known token and a fast re-scan."""
+    """The dashboard on a private copy of every layout, with a fast re-scan."""
     shutil.copytree(layouts, run_dir, dirs_exist_ok=True)
-    app = create_app(
-        {"RUN_DIR": str(run_dir), "TESTING": True, **FAST_SETTINGS, "CHECKPOINT_SCAN_S": 0.2, "TOKEN": TOKEN}
-    )
+    app = make_app(run_dir, CHECKPOINT_SCAN_S=0.2)
     yield app
     app.extensions["rankwatch"].watcher.stop()
 

@@ -19,12 +19,10 @@ from app import create_app
 from app.audit import AuditLog
 from app.checkpoints import retention as rt
 from tests.helpers import ckptcraft
-from tests.helpers.app import FAST_SETTINGS, TOKEN
+from tests.helpers.app import AUTH, make_app
 from tests.helpers.checkpoints import CONFIG, OLD, periodic, retention, sid
 from tests.helpers.heartbeats import heartbeat, write_job
 from trainer_bridge.rundir import ckptindex, runfiles
-
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def stop_set(run_dir: Path, step: int, ranks=(0, 1)) -> None:
@@ -289,7 +287,7 @@ def test_disk_warning_when_free_space_is_below_the_next_save(job, monkeypatch):
 
 @pytest.fixture
 def client(job):
-    app = create_app({"RUN_DIR": str(job), "TESTING": True, "TOKEN": TOKEN, **FAST_SETTINGS, **CONFIG})
+    app = make_app(job, **CONFIG)
     yield app.test_client()
     app.extensions["rankwatch"].watcher.stop()
 
@@ -350,17 +348,7 @@ def test_dry_run_audits_and_alerts_but_deletes_nothing(job):
 def test_retention_mode_on_applies_after_a_new_complete_set(job):
     for step in (10, 20, 30):
         periodic(job, step)
-    app = create_app(
-        {
-            "RUN_DIR": str(job),
-            "TESTING": True,
-            "TOKEN": TOKEN,
-            **FAST_SETTINGS,
-            **CONFIG,
-            "RETENTION_MODE": "on",
-            "CHECKPOINT_SCAN_S": 0.001,
-        }
-    )
+    app = make_app(job, **{**CONFIG, "RETENTION_MODE": "on", "CHECKPOINT_SCAN_S": 0.001})
     watcher = app.extensions["rankwatch"].watcher
     try:
         watcher.tick()

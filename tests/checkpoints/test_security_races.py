@@ -19,12 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from app import create_app
 from tests.helpers import ckptcraft
-from tests.helpers.app import FAST_SETTINGS, TOKEN
+from tests.helpers.app import AUTH, make_app
 from tests.helpers.heartbeats import write_job
 
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
 TRIES = 3000
 SECRET = b"outside the run directory: never served"
 
@@ -93,15 +91,7 @@ def layout(run_dir, tmp_path):
 
 @pytest.fixture
 def app(run_dir):
-    app = create_app(
-        {
-            "RUN_DIR": str(run_dir),
-            "TESTING": True,
-            "TOKEN": TOKEN,
-            "OPERATOR_WRITES_PER_MIN": 10**6,
-            **FAST_SETTINGS,
-        }
-    )
+    app = make_app(run_dir, OPERATOR_WRITES_PER_MIN=10**6)
     yield app
     app.extensions["rankwatch"].watcher.stop()
 

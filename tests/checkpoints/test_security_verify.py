@@ -14,15 +14,13 @@ import time
 import psutil
 import pytest
 
-from app import create_app
 from app.checkpoints.verify import _Worker
 from tests.helpers import ckptcraft
-from tests.helpers.app import FAST_SETTINGS, TOKEN, wait_for_event
+from tests.helpers.app import AUTH, make_app, wait_for_event
 from tests.helpers.ckptcraft import HOSTILE_CKPT, HOSTILE_SAFETENSORS, ckpt, entry, tensor
 from tests.helpers.heartbeats import write_job
 from trainer_bridge.rundir.safeio import open_file
 
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
 SET = "checkpoints/rank_{rank}/rankwatch-{E}_{S}.ckpt#g"
 WAIT = 180
 
@@ -38,9 +36,7 @@ def app(run_dir):
     for g in (8, 16):
         for r in range(2):
             ckptcraft.write(run_dir / f"checkpoints/rank_{r}/rankwatch-1_{g}.ckpt", rank_file(g, params=3))
-    app = create_app(
-        {"RUN_DIR": str(run_dir), "TESTING": True, "TOKEN": TOKEN, **FAST_SETTINGS, "CHECKPOINT_SCAN_S": 0.05}
-    )
+    app = make_app(run_dir, CHECKPOINT_SCAN_S=0.05)
     yield app
     app.extensions["rankwatch"].watcher.stop()
 

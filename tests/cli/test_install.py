@@ -31,6 +31,7 @@ import pytest
 from playwright.sync_api import expect
 
 from app.audit import AuditLog
+from tests.helpers.app import TOKEN
 from trainer_bridge.rundir import runfiles
 
 pytestmark = [pytest.mark.slow, pytest.mark.msrun, pytest.mark.browser]
@@ -100,7 +101,7 @@ class Served:
     def __init__(self, bin_dir: Path, env: dict, cwd: Path, run_dir: Path):
         self.proc = subprocess.Popen(
             [str(bin_dir / "rankwatch"), "serve", "--run-dir", str(run_dir), "--port", "0"],
-            env={**env, "RANKWATCH_TOKEN": "fresh-machine-token"},
+            env={**env, "RANKWATCH_TOKEN": TOKEN},
             cwd=cwd,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -3,7 +3,7 @@
 The heartbeat files are written in the bridge's exact format by the test
 (``tests/helpers/heartbeats.py``), one run directory per simulated node, each at
 its own local path with the same base name, as on nodes without a shared
-filesystem. The hub is the dashboard's app (``create_app``) on a run
+filesystem. The hub is the dashboard's app (``hub_app``) on a run
 directory of that base name that holds no heartbeat at all, scanned by the
 test. Jobs under msrun are in ``tests/cluster/test_agent_msrun.py``. Every wait
 polls for an event; nothing asserts a duration.
@@ -18,93 +18,28 @@ import time
 import pytest
 import redis as redis_py
 
-from app import create_app
 from app.agent import digest as dg
 from app.agent.runner import Agent
 from app.config import from_env
-from tests.helpers.agents import AgentProcess
-from tests.helpers.app import FAST_SETTINGS
+from tests.helpers.agents import KEY, RUN, AgentProcess, SimNode, hub_app, ranks_healthy, view
+from tests.helpers.app import wait_for
 from tests.helpers.heartbeats import heartbeat, write_heartbeat
-from tests.incidents.test_stacks import wait_for
 from trainer_bridge.rundir import runfiles
-
-KEY = "agent-test-key"
-RUN = "job"
-
-
-class Node:
-    """A simulated node: its own run directory and the heartbeats of its ranks, kept fresh by ``beat``."""
-
-    def __init__(self, root, host: str, ranks: range, world: int):
-        self.dir = root / host / RUN
-        self.dir.mkdir(parents=True)
-        self.host, self.ranks, self.world, self.seq = host, ranks, world, 0
-
-    def beat(self, **overrides) -> None:
-        self.seq += 1
-        for r in self.ranks:
-            write_heartbeat(self.dir, heartbeat(r, self.world, seq=self.seq, host=self.host, **overrides))
 
 
 @pytest.fixture
 def hub(tmp_path, redis_server):
     hub_dir = tmp_path / "hub" / RUN
     hub_dir.mkdir(parents=True)
-    app = create_app(
-        {
-            "RUN_DIR": str(hub_dir),
-            "TESTING": True,
-            "TOKEN": "t0ken-for-the-agent-tests",
-            "REDIS_URL": redis_server.url,
-            "REDIS_KEY": KEY,
-            "AGENTS": True,
-            "AGENT_LOST_S": 3.0,
-            **FAST_SETTINGS,
-        }
-    )
+    app = hub_app(hub_dir, redis_server.url, AGENT_LOST_S=3.0)
     app.hub_dir = hub_dir
     yield app
     app.extensions["rankwatch"].state.hub.close()
 
 
-def view(app) -> dict:
-    """Scan once and answer ``/api/ranks``, as a page would get it."""
-    state = app.extensions["rankwatch"].state
-    state.scan(time.time())
-    r = app.test_client().get(
-        "/api/ranks?limit=10000", headers={"Authorization": f"Bearer {app.config['TOKEN']}"}
-    )
-    assert r.status_code == 200, r.get_data(as_text=True)
-    return r.get_json()
-
-
-@pytest.fixture
-def agents(tmp_path, redis_server):
-    started = []
-
-    def start(node: Node, **kw) -> AgentProcess:
-        env = {"RANKWATCH_REDIS_KEY": KEY, **{f"RANKWATCH_{k}": str(v) for k, v in FAST_SETTINGS.items()}}
-        agent = AgentProcess(
-            node.dir, redis_server.url, tmp_path / f"agent-{node.host}.log", host=node.host, env=env, **kw
-        ).start()
-        started.append(agent)
-        return agent
-
-    yield start
-    for agent in started:
-        agent.stop()
-
-
-def ranks_healthy(app, nodes, expect: int):
-    for node in nodes:
-        node.beat()
-    v = view(app)
-    return v if len(v["ranks"]) == expect and all(r["health"] == "healthy" for r in v["ranks"]) else None
-
-
 def test_two_nodes_without_a_shared_directory_show_every_rank_from_digests(tmp_path, hub, agents):
-    a = Node(tmp_path, "node-a", range(0, 4), 8)
-    b = Node(tmp_path, "node-b", range(4, 8), 8)
+    a = SimNode(tmp_path, "node-a", range(0, 4), 8)
+    b = SimNode(tmp_path, "node-b", range(4, 8), 8)
     agents(a)
     agents(b)
     v = wait_for(lambda: ranks_healthy(hub, [a, b], 8), "8 healthy ranks from two agents", timeout=120)
@@ -140,7 +75,7 @@ def test_two_nodes_without_a_shared_directory_show_every_rank_from_digests(tmp_p
 
 
 def test_hostile_digests_are_refused_counted_and_change_nothing(tmp_path, hub, agents, redis_server):
-    a = Node(tmp_path, "node-a", range(0, 2), 2)
+    a = SimNode(tmp_path, "node-a", range(0, 2), 2)
     agents(a)
     wait_for(lambda: ranks_healthy(hub, [a], 2), "2 healthy ranks", timeout=120)
     client = redis_py.Redis.from_url(redis_server.url)
@@ -208,10 +143,10 @@ def test_hostile_digests_are_refused_counted_and_change_nothing(tmp_path, hub, a
     assert later["run"]["refused"] == len(hostile)
 
 
-def two_healthy_nodes(tmp_path, hub, agents) -> tuple[Node, Node, AgentProcess]:
+def two_healthy_nodes(tmp_path, hub, agents) -> tuple[SimNode, SimNode, AgentProcess]:
     """node-a (ranks 0-1) and node-b (ranks 2-3), each with its agent, all 4 ranks healthy at the hub."""
-    a = Node(tmp_path, "node-a", range(0, 2), 4)
-    b = Node(tmp_path, "node-b", range(2, 4), 4)
+    a = SimNode(tmp_path, "node-a", range(0, 2), 4)
+    b = SimNode(tmp_path, "node-b", range(2, 4), 4)
     agents(a)
     agent_b = agents(b)
     wait_for(lambda: ranks_healthy(hub, [a, b], 4), "4 healthy ranks", timeout=120)
@@ -275,7 +210,7 @@ def test_a_node_gone_with_its_agent_while_the_others_stall_is_node_lost(tmp_path
 def test_redis_killed_and_restarted_the_agent_buffers_and_everything_recovers(
     tmp_path, hub, agents, redis_server
 ):
-    a = Node(tmp_path, "node-a", range(0, 2), 2)
+    a = SimNode(tmp_path, "node-a", range(0, 2), 2)
     agent = agents(a)
     wait_for(lambda: ranks_healthy(hub, [a], 2), "2 healthy ranks", timeout=120)
     state = hub.extensions["rankwatch"].state
@@ -309,7 +244,7 @@ def test_redis_killed_and_restarted_the_agent_buffers_and_everything_recovers(
 def test_a_digest_stays_small_however_many_ranks_the_host_has(tmp_path, redis_server):
     sizes = {}
     for n in (8, 1024):
-        node = Node(tmp_path / str(n), "node-a", range(n), n)
+        node = SimNode(tmp_path / str(n), "node-a", range(n), n)
         node.beat()
         agent = Agent(node.dir, redis_server.url, RUN, from_env(), host="node-a")
         built = [agent.tick(time.time()) for _ in range(3)]
@@ -320,8 +255,8 @@ def test_a_digest_stays_small_however_many_ranks_the_host_has(tmp_path, redis_se
 
 
 def test_the_hub_flag_reaches_every_agent_run_directory(tmp_path, hub, agents):
-    a = Node(tmp_path, "node-a", range(0, 2), 4)
-    b = Node(tmp_path, "node-b", range(2, 4), 4)
+    a = SimNode(tmp_path, "node-a", range(0, 2), 4)
+    b = SimNode(tmp_path, "node-b", range(2, 4), 4)
     agents(a)
     agents(b)
     wait_for(lambda: ranks_healthy(hub, [a, b], 4), "4 healthy ranks", timeout=120)
@@ -346,7 +281,7 @@ def test_the_hub_flag_reaches_every_agent_run_directory(tmp_path, hub, agents):
 def test_hubs_of_their_own_each_read_every_digest_hubs_of_one_group_split_them(tmp_path, redis_server):
     from app.agent.hub import Hub
 
-    node = Node(tmp_path, "node-a", range(0, 2), 2)
+    node = SimNode(tmp_path, "node-a", range(0, 2), 2)
     node.beat()
     agent = Agent(node.dir, redis_server.url, RUN, from_env(), host="node-a")
     own = [Hub(redis_server.url, RUN, None, 30.0) for _ in range(2)]
@@ -379,7 +314,7 @@ def test_hubs_of_one_group_each_see_every_change_the_others_read(tmp_path, redis
     """An agent sends a changed row once; the process that reads it forwards it to the others."""
     from app.agent.hub import Hub
 
-    node = Node(tmp_path, "node-a", range(0, 2), 2)
+    node = SimNode(tmp_path, "node-a", range(0, 2), 2)
     node.beat()
     agent = Agent(node.dir, redis_server.url, RUN, from_env(), key=KEY.encode(), host="node-a")
     hubs = [Hub(redis_server.url, RUN, KEY.encode(), 30.0, group="hubs") for _ in range(2)]
@@ -423,7 +358,7 @@ def test_hubs_of_one_group_each_see_every_change_the_others_read(tmp_path, redis
 
 
 def test_a_relaunch_with_fewer_ranks_on_a_host_drops_the_others_from_the_view(tmp_path, hub, agents):
-    a = Node(tmp_path, "node-a", range(0, 4), 4)
+    a = SimNode(tmp_path, "node-a", range(0, 4), 4)
     agents(a)
     wait_for(lambda: ranks_healthy(hub, [a], 4), "4 healthy ranks", timeout=120)
     for r in (2, 3):
@@ -455,7 +390,7 @@ def test_agent_refuses_a_bad_url_or_run_name_at_once(tmp_path, args, said):
 
 def test_ranks_without_the_bridge_reach_the_hub_from_their_worker_logs(tmp_path, hub, agents, start_process):
     """Log mode on a node: each "rank" is a real process whose stdout is its worker log, as msrun starts them."""
-    node = Node(tmp_path, "node-a", range(0), 2)
+    node = SimNode(tmp_path, "node-a", range(0), 2)
     logs = node.dir / "msrun_logs"
     logs.mkdir()
     script = (
@@ -486,23 +421,13 @@ def test_ranks_without_the_bridge_reach_the_hub_from_their_worker_logs(tmp_path,
 def test_an_agent_lost_is_alerted(tmp_path, redis_server, agents):
     from tests.helpers.receiver import Receiver
 
-    a = Node(tmp_path, "node-a", range(0, 2), 4)
-    b = Node(tmp_path, "node-b", range(2, 4), 4)
+    a = SimNode(tmp_path, "node-a", range(0, 2), 4)
+    b = SimNode(tmp_path, "node-b", range(2, 4), 4)
     hub_dir = tmp_path / "alerting-hub" / RUN
     hub_dir.mkdir(parents=True)
     with Receiver() as receiver:
-        app = create_app(
-            {
-                "RUN_DIR": str(hub_dir),
-                "TESTING": True,
-                "REDIS_URL": redis_server.url,
-                "REDIS_KEY": KEY,
-                "AGENTS": True,
-                "AGENT_LOST_S": 3.0,
-                **FAST_SETTINGS,
-                "WEBHOOK_URL": receiver.url,
-                "ALERT_GROUP_S": 0.5,
-            }
+        app = hub_app(
+            hub_dir, redis_server.url, AGENT_LOST_S=3.0, WEBHOOK_URL=receiver.url, ALERT_GROUP_S=0.5
         )
         watcher = app.extensions["rankwatch"].watcher
         try:

@@ -18,14 +18,13 @@ import types
 import pytest
 import redis as redis_py
 
-from app import create_app
 from app.agent import ask
 from app.agent import digest as dg
 from app.agent.runner import Agent, run_forever
 from app.config import from_env
-from tests.cluster.test_agent import KEY, RUN, Node
+from tests.helpers.agents import KEY, RUN, SimNode, hub_app, write_set
 from tests.helpers.app import FAST_SETTINGS, operator, wait_for
-from tests.helpers.checkpoints import bridge_id, save_small
+from tests.helpers.checkpoints import bridge_id
 from trainer_bridge.rundir import runfiles
 
 WORLD = 4
@@ -38,19 +37,7 @@ def make_hub(tmp_path, redis_server):
     def make(**config):
         hub_dir = tmp_path / "hub" / RUN
         hub_dir.mkdir(parents=True, exist_ok=True)
-        app = create_app(
-            {
-                "RUN_DIR": str(hub_dir),
-                "TESTING": True,
-                "TOKEN": "t0ken-for-the-ask-tests",
-                "REDIS_URL": redis_server.url,
-                "REDIS_KEY": KEY,
-                "AGENTS": True,
-                "AGENT_LOST_S": 30.0,
-                **FAST_SETTINGS,
-                **config,
-            }
-        )
+        app = hub_app(hub_dir, redis_server.url, AGENT_LOST_S=30.0, **config)
         made.append(app)
         return app
 
@@ -64,7 +51,7 @@ def agent_of(redis_server):
     """An in-process agent for a node; ``run=True`` ticks it on a thread until the test ends."""
     threads = []
 
-    def start(node: Node, run: bool = True) -> Agent:
+    def start(node: SimNode, run: bool = True) -> Agent:
         agent = Agent(
             node.dir, redis_server.url, RUN, {**from_env(), **FAST_SETTINGS}, key=KEY.encode(), host=node.host
         )
@@ -83,7 +70,7 @@ def agent_of(redis_server):
 
 
 def get(app, url: str):
-    r = app.test_client().get(url, headers=operator(app.config["TOKEN"]))
+    r = app.test_client().get(url, headers=operator())
     return r.status_code, r.get_json()
 
 
@@ -100,8 +87,8 @@ def hosts_reporting(app, nodes, expect_ranks: int, tick=()):
 
 
 def two_nodes(tmp_path, hub, agent_of, run_b: bool = True):
-    a = Node(tmp_path, "node-a", range(0, 2), WORLD)
-    b = Node(tmp_path, "node-b", range(2, 4), WORLD)
+    a = SimNode(tmp_path, "node-a", range(0, 2), WORLD)
+    b = SimNode(tmp_path, "node-b", range(2, 4), WORLD)
     agent_of(a)
     agent_b = agent_of(b, run=run_b)
     # Not running: ticked here only, so it publishes digests, and answers nothing while the hub waits.
@@ -245,21 +232,6 @@ def test_hostile_answers_are_refused_counted_and_change_nothing(tmp_path, make_h
     assert get(hub, "/api/health")[1]["hub"]["refused"] == 6
 
 
-def write_set(node: Node, global_step: int, ranks) -> None:
-    """Rank files as the bridge saves them on a stop, on this node's own disk."""
-    for r in ranks:
-        save_small(
-            runfiles.checkpoint_path(node.dir, r, 1, global_step),
-            {
-                "epoch_num": 1,
-                "step_num": global_step,
-                "global_step": global_step,
-                "rankwatch_rank": r,
-                "rankwatch_world_size": WORLD,
-            },
-        )
-
-
 def test_the_checkpoint_browser_lists_sets_across_nodes(tmp_path, make_hub, agent_of):
     hub = make_hub(CHECKPOINT_SCAN_S=0.2)
     a, b, _ = two_nodes(tmp_path, hub, agent_of)
@@ -298,14 +270,14 @@ def test_the_checkpoint_browser_lists_sets_across_nodes(tmp_path, make_hub, agen
     r = hub.test_client().post(
         "/api/checkpoints/delete",
         json={"set": bridge_id(16), "reason": "test", "force": True},
-        headers=operator(hub.config["TOKEN"]),
+        headers=operator(),
     )
     assert r.status_code == 409 and "on host node-a" in r.get_json()["error"], r.get_json()
     assert all(runfiles.checkpoint_path(a.dir, rank, 1, 16).exists() for rank in (0, 1))
 
 
 def test_garbage_requests_never_cost_an_agent_its_digests(tmp_path, redis_server):
-    node = Node(tmp_path, "node-a", range(2), 2)
+    node = SimNode(tmp_path, "node-a", range(2), 2)
     node.beat()
     agent = Agent(
         node.dir, redis_server.url, RUN, {**from_env(), **FAST_SETTINGS}, key=KEY.encode(), host="node-a"

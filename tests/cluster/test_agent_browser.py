@@ -13,11 +13,10 @@ import threading
 import pytest
 from playwright.sync_api import expect
 
-from tests.cluster.test_agent import RUN, Node
-from tests.cluster.test_agent_ask import write_set
+from tests.helpers.agents import RUN, SimNode, write_set
 from tests.helpers.app import FAST_SETTINGS
+from tests.helpers.browser import RANK_ROWS, WAIT_MS, node_row
 from tests.helpers.checkpoints import bridge_id
-from tests.ranks.test_nodes_browser import RANK_ROWS, WAIT_MS, node_row
 
 pytestmark = pytest.mark.browser
 
@@ -25,7 +24,7 @@ pytestmark = pytest.mark.browser
 def test_the_page_shows_every_node_from_digests_and_an_agent_lost(
     tmp_path, redis_server, page, console_errors, start_agent, start_server
 ):
-    nodes = [Node(tmp_path, "gpu-a", range(0, 3), 6), Node(tmp_path, "gpu-b", range(3, 6), 6)]
+    nodes = [SimNode(tmp_path, "gpu-a", range(0, 3), 6), SimNode(tmp_path, "gpu-b", range(3, 6), 6)]
     done = threading.Event()
 
     def beat():
@@ -89,7 +88,7 @@ def test_the_page_shows_every_node_from_digests_and_an_agent_lost(
 def test_the_checkpoint_page_lists_a_set_across_nodes_with_the_host_of_each_file(
     tmp_path, redis_server, page, console_errors, start_agent, start_server
 ):
-    nodes = [Node(tmp_path, "gpu-a", range(0, 2), 4), Node(tmp_path, "gpu-b", range(2, 4), 4)]
+    nodes = [SimNode(tmp_path, "gpu-a", range(0, 2), 4), SimNode(tmp_path, "gpu-b", range(2, 4), 4)]
     for node in nodes:
         node.beat()
     write_set(nodes[0], 8, (0, 1))

@@ -15,14 +15,12 @@ import urllib.request
 
 import pytest
 
-from tests.helpers.app import FAST_SETTINGS
+from tests.helpers.app import AUTH, FAST_SETTINGS, TOKEN, wait_for
 from tests.helpers.jobs import dump
-from tests.incidents.test_stacks import wait_for
 from trainer_bridge.rundir import runfiles
 
 pytestmark = pytest.mark.msrun
 
-TOKEN = "agent-msrun-operator-token"
 KEY = "agent-msrun-key"
 
 
@@ -105,7 +103,7 @@ def test_a_stop_from_the_dashboard_reaches_the_job_through_its_agent(run_dir, no
         server.url + "/api/exit",
         data=json.dumps({"reason": "stop through the agent", "who": "tester"}).encode(),
         method="POST",
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"},
+        headers={"Content-Type": "application/json", **AUTH},
     )
     with urllib.request.urlopen(req, timeout=30) as r:
         assert r.status == 202

@@ -12,37 +12,23 @@ import time
 
 import pytest
 
-from app import create_app
 from app.ranks.window import RanksView
-from tests.cluster.test_agent import KEY, RUN, Node, agents, ranks_healthy  # noqa: F401  (agents: a fixture)
-from tests.helpers.app import FAST_SETTINGS
-from tests.incidents.test_stacks import wait_for
+from tests.helpers.agents import RUN, SimNode, hub_app, ranks_healthy
+from tests.helpers.app import wait_for
 
 
 @pytest.fixture
 def windowed_hub(tmp_path, redis_server):
     hub_dir = tmp_path / "hub" / RUN
     hub_dir.mkdir(parents=True)
-    app = create_app(
-        {
-            "RUN_DIR": str(hub_dir),
-            "TESTING": True,
-            "TOKEN": "t0ken-for-the-window-tests",
-            "REDIS_URL": redis_server.url,
-            "REDIS_KEY": KEY,
-            "AGENTS": True,
-            "AGENT_LOST_S": 30.0,
-            **FAST_SETTINGS,
-            "PAGE_WINDOW_RANKS": 4,
-        }
-    )
+    app = hub_app(hub_dir, redis_server.url, AGENT_LOST_S=30.0, PAGE_WINDOW_RANKS=4)
     yield app
     app.extensions["rankwatch"].state.hub.close()
 
 
-def test_a_hub_window_carries_the_host_rows_of_its_ranks_only(tmp_path, windowed_hub, agents):  # noqa: F811
-    a = Node(tmp_path, "node-a", range(0, 4), 8)
-    b = Node(tmp_path, "node-b", range(4, 8), 8)
+def test_a_hub_window_carries_the_host_rows_of_its_ranks_only(tmp_path, windowed_hub, agents):
+    a = SimNode(tmp_path, "node-a", range(0, 4), 8)
+    b = SimNode(tmp_path, "node-b", range(4, 8), 8)
     agents(a)
     agents(b)
     wait_for(lambda: ranks_healthy(windowed_hub, [a, b], 8), "8 healthy ranks from two agents", timeout=120)

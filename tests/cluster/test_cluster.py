@@ -17,7 +17,7 @@ import urllib.request
 import pytest
 from playwright.sync_api import expect
 
-from tests.helpers.app import TOKEN
+from tests.helpers.app import AUTH, TOKEN
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from trainer_bridge.rundir import redisbus, runfiles
 
@@ -207,7 +207,7 @@ def test_redis_killed_mid_run_the_dashboards_serve_from_files_and_recover(
     request = urllib.request.Request(
         follower.url + "/api/exit",
         data=json.dumps({"reason": "stop while Redis is down"}).encode(),
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"},
+        headers={"Content-Type": "application/json", **AUTH},
     )
     with urllib.request.urlopen(request, timeout=10) as resp:
         assert resp.status == 202

@@ -9,7 +9,6 @@ their heartbeats alone, as on a real second machine.
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import time
 
@@ -17,16 +16,22 @@ import pytest
 
 from app.run.judging import ALIVE
 from tests.helpers.faults import Dashboard, measure
-from tests.helpers.netns import TwoNodes, kill_tree, skip_reason
-from trainer_bridge.demo.mnist import write_mnist
+from tests.helpers.netns import (
+    LAUNCH_TIMEOUT_S,
+    WORLD,
+    TwoNodes,
+    kill_tree,
+    launch,
+    launcher_logs,
+    skip_reason,
+    steps_logged,
+)
 from trainer_bridge.rundir import runfiles
 
 pytestmark = [pytest.mark.msrun, pytest.mark.netns]
 
-WORLD = 4
 # Small enough that the node-loss wait stays short, large enough for a busy host.
 DEAD_AFTER_S = 12.0
-LAUNCH_TIMEOUT_S = 240
 
 
 @pytest.fixture
@@ -40,27 +45,6 @@ def nodes():
 
 def heartbeats(run_dir) -> list[dict | None]:
     return [runfiles.read_json_or_none(runfiles.heartbeat_path(run_dir, r)) for r in range(WORLD)]
-
-
-def steps_logged(run_dir, rank: int) -> list[int]:
-    """Global steps rank ``rank`` printed (``--step-log``); msrun rewrites the log at each launch."""
-    text = (run_dir / "msrun_logs" / f"worker_{rank}.log").read_text(errors="replace")
-    return [int(m) for m in re.findall(r"^step (\d+) epoch", text, re.M)]
-
-
-def launch(nodes: TwoNodes, run_dirs: list, tmp_path, tag: str) -> list[subprocess.Popen]:
-    """Both launchers; node ``n`` trains in ``run_dirs[n]`` (the same path twice for a shared directory)."""
-    procs = []
-    for n, run_dir in enumerate(run_dirs):
-        data = write_mnist(run_dir / "mnist", samples=2000)
-        args = ["--run-dir", str(run_dir), "--data-dir", str(data), "--epochs", "50"]
-        args += ["--step-delay", "0.05", "--step-log"]
-        procs.append(nodes.msrun(n, run_dir, args, log_path=tmp_path / f"{tag}-node{n}.log"))
-    return procs
-
-
-def launcher_logs(tmp_path) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in tmp_path.glob("*.log"))
 
 
 class FalseLoss:

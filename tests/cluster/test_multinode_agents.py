@@ -22,11 +22,19 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cluster.test_multinode import LAUNCH_TIMEOUT_S, WORLD, launch, launcher_logs, steps_logged
 from tests.helpers.agents import AgentProcess
 from tests.helpers.faults import Dashboard, poll_until
 from tests.helpers.jobs import dump
-from tests.helpers.netns import TwoNodes, kill_tree, skip_reason
+from tests.helpers.netns import (
+    LAUNCH_TIMEOUT_S,
+    WORLD,
+    TwoNodes,
+    kill_tree,
+    launch,
+    launcher_logs,
+    skip_reason,
+    steps_logged,
+)
 from tests.helpers.redisserver import RedisServer
 from trainer_bridge.rundir import ckptindex, runfiles
 from trainer_bridge.rundir.attempts import resumed_text

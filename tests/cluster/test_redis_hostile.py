@@ -20,6 +20,7 @@ import pytest
 from app.cluster import Leader, QueueCodec, channel
 from app.config import from_env
 from app.run.state import RunState
+from tests.helpers.app import TOKEN
 from tests.helpers.heartbeats import heartbeat, write_job
 from tests.helpers.liveserver import free_port, start_dashboard
 from trainer_bridge.beatsink import BeatSink
@@ -115,7 +116,7 @@ def dashboard(redis_server, run_dir, tmp_path):
     started = []
 
     def start(key: str | None):
-        env = {"RANKWATCH_REDIS_URL": redis_server.url, "RANKWATCH_TOKEN": "t" * 32}
+        env = {"RANKWATCH_REDIS_URL": redis_server.url, "RANKWATCH_TOKEN": TOKEN}
         if key:
             env["RANKWATCH_REDIS_KEY"] = key
         server = start_dashboard(run_dir, tmp_path / "dashboard.log", env=env)
@@ -394,7 +395,7 @@ def test_a_dashboard_and_a_rank_over_tls_with_an_acl_user_and_a_key(
     server = start_server(
         run_dir,
         tmp_path / "dashboard.log",
-        env={"RANKWATCH_REDIS_URL": url, "RANKWATCH_REDIS_KEY": KEY, "RANKWATCH_TOKEN": "t" * 32},
+        env={"RANKWATCH_REDIS_URL": url, "RANKWATCH_REDIS_KEY": KEY, "RANKWATCH_TOKEN": TOKEN},
     )
     page = PollingPage(server.url)
     try:

@@ -16,15 +16,13 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from app import create_app, errors
+from app import errors
 from app.cli import main
 from tests.helpers import ckptcraft
-from tests.helpers.app import FAST_SETTINGS
+from tests.helpers.app import AUTH, make_app
 from tests.helpers.heartbeats import write_job
 from trainer_bridge.rundir import runfiles
 
-TOKEN = "Kx9-errors-test-token-7Qz2mW4vT8pLq"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
 OLD = time.time() - 3600  # older than any settle time
 
 
@@ -47,8 +45,7 @@ def corrupt_trail(run_dir) -> None:
 def api(run_dir):
     write_job(run_dir, 2)
     # Room for a 100,000-deep body (200 kB), so that the parser, not the size limit, refuses it.
-    config = {"RUN_DIR": str(run_dir), "TESTING": True, "TOKEN": TOKEN, "MAX_BODY_BYTES": 1 << 20}
-    app = create_app(config | FAST_SETTINGS)
+    app = make_app(run_dir, MAX_BODY_BYTES=1 << 20)
     yield app.test_client()
     app.extensions["rankwatch"].watcher.stop()
 

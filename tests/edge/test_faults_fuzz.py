@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from app import create_app
 from app.extensions import socketio
 from tests.helpers import ckptcraft
-from tests.helpers.app import FAST_SETTINGS, TOKEN
+from tests.helpers.app import AUTH, FAST_SETTINGS, TOKEN
 from tests.helpers.checkpoints import save_bridge_set
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from trainer_bridge.rundir import runfiles
@@ -399,7 +399,7 @@ def test_oversized_body_is_413_in_the_error_shape(fuzz_app, fuzz_run):
     r = fuzz_app.test_client().post(
         "/api/exit",
         data=encode({"reason": "x" * (2 * MAX_BODY)}),
-        headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+        headers={**AUTH, "Content-Type": "application/json"},
     )
     assert r.status_code == 413 and r.get_json()["status"] == 413
     assert fingerprint(fuzz_run, fuzz_app) == before
@@ -726,7 +726,7 @@ def test_no_checkpoint_route_answers_500_with_generated_headers(ckpt_fuzz_app, e
             r = client.post(
                 "/api/checkpoints/delete",
                 json={"set": s["id"], "reason": "fuzz", "force": True},
-                headers={"Authorization": f"Bearer {TOKEN}"},
+                headers=AUTH,
             )
             assert r.status_code < 500, r.get_data()[:300]
     for path in written:

@@ -20,18 +20,9 @@ import pytest
 
 from app import create_app
 from tests.helpers import ckptcraft
-from tests.helpers.app import FAST_SETTINGS, TOKEN, make_app
+from tests.helpers.app import AUTH, FAST_SETTINGS, TOKEN
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from trainer_bridge.rundir import runfiles
-
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-@pytest.fixture
-def app(run_dir):
-    app = make_app(run_dir)
-    yield app
-    app.extensions["rankwatch"].watcher.stop()
 
 
 def json_routes(app) -> list[str]:

@@ -1,13 +1,80 @@
-"""Real ``rankwatch agent`` processes for the agent tests (``python -m app.cli agent ...``)."""
+"""The agent tests' parts: real ``rankwatch agent`` processes, simulated nodes, a hub on Redis.
+
+A simulated node (``SimNode``, not ``tests/helpers/netns.py``'s namespaced
+``Node``) is a run directory of its own whose heartbeats the test writes in
+the bridge's format; the hub is the dashboard's app with ``AGENTS`` on.
+"""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+from tests.helpers.app import make_app, operator
+from tests.helpers.heartbeats import heartbeat, write_heartbeat
 from tests.helpers.liveserver import REPO
+from trainer_bridge.rundir import runfiles
+
+# The Redis key of the agent tests' digests, and the base name every node's run directory shares.
+KEY = "agent-test-key"
+RUN = "job"
+
+
+class SimNode:
+    """A simulated node: its own run directory and the heartbeats of its ranks, kept fresh by ``beat``."""
+
+    def __init__(self, root, host: str, ranks: range, world: int):
+        self.dir = root / host / RUN
+        self.dir.mkdir(parents=True)
+        self.host, self.ranks, self.world, self.seq = host, ranks, world, 0
+
+    def beat(self, **overrides) -> None:
+        self.seq += 1
+        for r in self.ranks:
+            write_heartbeat(self.dir, heartbeat(r, self.world, seq=self.seq, host=self.host, **overrides))
+
+
+def hub_app(hub_dir, redis_url: str, **settings):
+    """The test dashboard (``make_app``) as a hub on ``redis_url``: ``AGENTS`` on, ``KEY``; ``settings`` override."""
+    return make_app(hub_dir, REDIS_URL=redis_url, REDIS_KEY=KEY, AGENTS=True, **settings)
+
+
+def view(app) -> dict:
+    """Scan once and answer ``/api/ranks``, as a page would get it."""
+    state = app.extensions["rankwatch"].state
+    state.scan(time.time())
+    r = app.test_client().get("/api/ranks?limit=10000", headers=operator())
+    assert r.status_code == 200, r.get_data(as_text=True)
+    return r.get_json()
+
+
+def ranks_healthy(app, nodes: list[SimNode], expect: int):
+    """One beat of every node, then ``/api/ranks`` if it shows ``expect`` ranks all healthy, else None."""
+    for node in nodes:
+        node.beat()
+    v = view(app)
+    return v if len(v["ranks"]) == expect and all(r["health"] == "healthy" for r in v["ranks"]) else None
+
+
+def write_set(node: SimNode, global_step: int, ranks) -> None:
+    """Rank files as the bridge saves them on a stop, on this node's own disk."""
+    # Imports MindSpore: conftest imports this module, and only the tests that save should pay for it.
+    from tests.helpers.checkpoints import save_small
+
+    for r in ranks:
+        save_small(
+            runfiles.checkpoint_path(node.dir, r, 1, global_step),
+            {
+                "epoch_num": 1,
+                "step_num": global_step,
+                "global_step": global_step,
+                "rankwatch_rank": r,
+                "rankwatch_world_size": node.world,
+            },
+        )
 
 
 class AgentProcess:

@@ -35,8 +35,12 @@ def make_app(run_dir: str | Path | None, **settings):
 
 
 def operator(token: str = TOKEN) -> dict:
-    """The headers of a request made by the operator."""
+    """The headers of a request made with ``token`` (the operator's unless told)."""
     return {"Authorization": f"Bearer {token}"}
+
+
+# The headers of a request made by the operator.
+AUTH = operator()
 
 
 def wait_for_event(

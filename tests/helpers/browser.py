@@ -1,8 +1,13 @@
-"""Reading the page in Chromium: a rank's row and cell, the laptop viewport, overflow."""
+"""Reading the page in Chromium: a rank's row and cell, a node's row, the laptop viewport, overflow, axe."""
 
 from __future__ import annotations
 
+from axe_playwright_python.sync_playwright import Axe
+
 WAIT_MS = 30_000
+
+NODE_ROWS = "#rank-table tbody tr.node-row"
+RANK_ROWS = "#rank-table tbody tr[data-rank]"
 
 
 def row(page, rank: int):
@@ -11,6 +16,10 @@ def row(page, rank: int):
 
 def cell(page, rank: int, col: str):
     return row(page, rank).locator(f'td[data-col="{col}"]')
+
+
+def node_row(page, host: str):
+    return page.locator(NODE_ROWS).filter(has=page.locator(".node-name", has_text=host))
 
 
 LAPTOP = {"width": 1366, "height": 768}
@@ -24,3 +33,13 @@ def horizontal_overflow(page) -> dict:
           return {table: wrap.scrollWidth - wrap.clientWidth, page: doc.scrollWidth - doc.clientWidth};
         }"""
     )
+
+
+def serious(page) -> list[str]:
+    """axe-core's serious and critical violations on the page, one line each."""
+    results = Axe().run(page)
+    return [
+        f"{v['id']} ({v['impact']}): {[n['target'] for n in v['nodes']][:3]}"
+        for v in results.response["violations"]
+        if v["impact"] in ("serious", "critical")
+    ]

@@ -14,6 +14,9 @@ veth pair on a /30 of its own (``root_addr`` here, ``uplink_addr`` in node 0):
 the test process can then reach a server in node 0 (Redis, on the address
 node 1 reaches too) without routing between the namespaces.
 
+``launch`` starts the demo job on both nodes (``WORLD`` ranks); ``steps_logged``
+and ``launcher_logs`` read what it printed.
+
 ``TwoNodes`` creates everything on entry and removes it on exit (also after
 a failure); ``skip_reason()`` says why a machine cannot do it (not root, no
 ``ip``), so the test is skipped with that reason there. CI runs as root.
@@ -22,6 +25,7 @@ a failure); ``skip_reason()`` says why a machine cannot do it (not root, no
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -33,8 +37,13 @@ from pathlib import Path
 import psutil
 
 from trainer_bridge.demo.__main__ import job_env
+from trainer_bridge.demo.mnist import write_mnist
 
 TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "trainer_bridge" / "demo" / "train.py"
+
+# The two-node jobs' ranks (``local_workers`` 2 on each node), and how long a launch may take on a busy host.
+WORLD = 4
+LAUNCH_TIMEOUT_S = 240
 
 
 def skip_reason() -> str | None:
@@ -169,3 +178,24 @@ def kill_tree(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
             pass
     if sig == signal.SIGKILL:
         proc.wait()
+
+
+def steps_logged(run_dir, rank: int) -> list[int]:
+    """Global steps rank ``rank`` printed (``--step-log``); msrun rewrites the log at each launch."""
+    text = (run_dir / "msrun_logs" / f"worker_{rank}.log").read_text(errors="replace")
+    return [int(m) for m in re.findall(r"^step (\d+) epoch", text, re.M)]
+
+
+def launch(nodes: TwoNodes, run_dirs: list, tmp_path, tag: str) -> list[subprocess.Popen]:
+    """Both launchers; node ``n`` trains in ``run_dirs[n]`` (the same path twice for a shared directory)."""
+    procs = []
+    for n, run_dir in enumerate(run_dirs):
+        data = write_mnist(run_dir / "mnist", samples=2000)
+        args = ["--run-dir", str(run_dir), "--data-dir", str(data), "--epochs", "50"]
+        args += ["--step-delay", "0.05", "--step-log"]
+        procs.append(nodes.msrun(n, run_dir, args, log_path=tmp_path / f"{tag}-node{n}.log"))
+    return procs
+
+
+def launcher_logs(tmp_path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in tmp_path.glob("*.log"))

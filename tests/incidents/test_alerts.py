@@ -15,7 +15,7 @@ import pytest
 from app import create_app
 from app.incidents.alerts import AlertDesk, ranks_text
 from app.incidents.webhooks import WebhookSender, parse_urls, redact
-from tests.helpers.app import FAST_SETTINGS, TOKEN, wait_for
+from tests.helpers.app import AUTH, FAST_SETTINGS, TOKEN, wait_for
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from tests.helpers.incidents import Sent
 from tests.helpers.receiver import Receiver, quiet_port
@@ -217,7 +217,7 @@ def test_stop_alerts_are_sent_once_even_across_a_restart(run_dir, receiver):
     r = client.post(
         "/api/exit",
         json={"reason": "npu 3 ECC errors", "who": "alice"},
-        headers={"Authorization": f"Bearer {TOKEN}"},
+        headers=AUTH,
     )
     rid = r.get_json()["request_id"]
     app.extensions["rankwatch"].watcher.tick()

@@ -26,7 +26,7 @@ import urllib.request
 import pytest
 
 from app.incidents.stacks import collective, training_thread
-from tests.helpers.app import FAST_SETTINGS, TOKEN, make_app, wait_for
+from tests.helpers.app import AUTH, FAST_SETTINGS, TOKEN, make_app, wait_for
 from tests.helpers.jobs import JOB_TIMEOUT_S, DemoJob, dump
 from tests.helpers.receiver import quiet_port
 from trainer_bridge.rundir import runfiles
@@ -100,7 +100,7 @@ def test_a_hung_rank_is_named_by_its_stack(run_dir, front, start_job):
     denied = client.post("/api/ranks/1/stack", json={})
     assert denied.status_code == 401 and denied.get_json()["status"] == 401
     asked_at = time.monotonic()
-    r = client.post("/api/ranks/1/stack", json={}, headers={"Authorization": f"Bearer {TOKEN}"})
+    r = client.post("/api/ranks/1/stack", json={}, headers=AUTH)
     assert r.status_code == 202 and r.get_json()["via"] == "bridge"
     rid = r.get_json()["request_id"]
     fresh = job.wait_until(
@@ -277,7 +277,7 @@ def test_a_rank_without_the_bridge_is_captured_by_pyspy_from_its_log_row(tmp_pat
     )
     app = make_app(run)
     client = app.test_client()
-    auth = {"Authorization": f"Bearer {TOKEN}"}
+    auth = AUTH
     with job:
 
         def row1():

@@ -26,10 +26,10 @@ import pytest
 from playwright.sync_api import expect
 
 from app.run.heartbeats import read_history_tail
+from tests.helpers.browser import serious
 from tests.helpers.heartbeats import HOST
 from tests.helpers.jobs import JOB_TIMEOUT_S, DemoJob, write_flag
 from tests.helpers.liveserver import start_dashboard
-from tests.ranks.test_page_state import serious
 from trainer_bridge.demo.__main__ import TRAIN_SCRIPT, free_port, job_env, msrun_command
 from trainer_bridge.rundir import attempts, runfiles
 

@@ -12,30 +12,10 @@ import sqlite3
 import time
 from pathlib import Path
 
-from tests.helpers.app import make_app, operator
+from tests.helpers.app import make_app
+from tests.helpers.workerlogs import attempts, logs_dir, relaunched, steps
 
-LOSS = "epoch: {e} step: {s}, loss is {loss}\n"
 TRACEBACK = 'Traceback (most recent call last):\n  File "train.py", line 3\nRuntimeError: out of memory\n'
-
-
-def logs_dir(run_dir) -> Path:
-    path = Path(run_dir) / "msrun_logs"
-    path.mkdir(exist_ok=True)
-    return path
-
-
-def steps(logs: Path, ranks, first: int, last: int, mode: str = "a") -> None:
-    for r in ranks:
-        with open(logs / f"worker_{r}.log", mode) as f:
-            for s in range(first, last + 1):
-                f.write(LOSS.format(e=1, s=s, loss=round(2.3 - s / 100, 4)))
-
-
-def attempts(app, client) -> list[dict]:
-    app.extensions["rankwatch"].state.scan(time.time())
-    r = client.get("/api/attempts", headers=operator())
-    assert r.status_code == 200, r.get_data(as_text=True)
-    return r.get_json()["attempts"]
 
 
 def test_a_relaunch_that_empties_the_logs_keeps_the_attempt_it_erased(run_dir, app):
@@ -81,22 +61,6 @@ def test_with_the_bridge_the_logs_are_not_the_attempts(run_dir, app):
     rows = attempts(app, client)
     assert [(a["attempt"], a["launch"]) for a in rows] == [(1, "launch-1")]
     assert "from_logs" not in rows[0]
-
-
-def relaunched(run_dir) -> Path:
-    """Attempt 1 (steps 1-7) read by a dashboard, then msrun's relaunch empties the logs: attempt 2."""
-    logs = logs_dir(run_dir)
-    steps(logs, (0, 1), 1, 7)
-    first = make_app(run_dir)
-    try:
-        client = first.test_client()
-        assert [a["attempt"] for a in attempts(first, client)] == [1]
-        steps(logs, (0,), 1, 2, mode="w")
-        steps(logs, (1,), 1, 1, mode="w")
-        assert [a["attempt"] for a in attempts(first, client)] == [1, 2]
-    finally:
-        first.extensions["rankwatch_runs"].stop()
-    return logs
 
 
 def test_a_dashboard_started_after_the_relaunch_still_lists_the_attempt_it_erased(run_dir):

@@ -11,7 +11,7 @@ from playwright.sync_api import expect
 
 from tests.helpers.browser import WAIT_MS, cell, row
 from tests.helpers.heartbeats import heartbeat, write_heartbeat
-from tests.ranks.test_logmode_attempts import relaunched
+from tests.helpers.workerlogs import relaunched
 
 pytestmark = pytest.mark.browser
 

@@ -28,18 +28,11 @@ from tests.helpers.app import FAST_SETTINGS
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from tests.helpers.ranks import TH as JUDGING_TH
 from tests.helpers.ranks import Rank as JudgedRank
-
-LOSS = "epoch: {e} step: {s}, loss is {loss}\n"
+from tests.helpers.workerlogs import LOSS, logs_dir
 
 
 def make_state(run_dir, **overrides) -> RunState:
     return RunState(run_dir, {**from_env({}), **FAST_SETTINGS, **overrides})
-
-
-def logs_dir(run_dir) -> Path:
-    path = Path(run_dir) / "msrun_logs"
-    path.mkdir(exist_ok=True)
-    return path
 
 
 def write(path: Path, text: str, mtime: float | None = None) -> None:

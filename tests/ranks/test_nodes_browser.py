@@ -12,17 +12,13 @@ import threading
 import pytest
 from playwright.sync_api import expect
 
-from tests.helpers.browser import LAPTOP, horizontal_overflow
+from tests.helpers.browser import LAPTOP, NODE_ROWS, RANK_ROWS, WAIT_MS, horizontal_overflow, node_row
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 
 pytestmark = pytest.mark.browser
 
-WAIT_MS = 30_000
 # A loaded machine may write a round late: silence must last longer than that to count.
 SETTINGS = {"STALL_MIN_S": 3.0, "DEAD_AFTER_S": 8.0}
-
-NODE_ROWS = "#rank-table tbody tr.node-row"
-RANK_ROWS = "#rank-table tbody tr[data-rank]"
 
 
 class Hosts:
@@ -63,10 +59,6 @@ class Hosts:
     def __exit__(self, *exc) -> None:
         self.done.set()
         self.thread.join(timeout=30)
-
-
-def node_row(page, host: str):
-    return page.locator(NODE_ROWS).filter(has=page.locator(".node-name", has_text=host))
 
 
 def expect_rows(page, want: list[str]) -> None:

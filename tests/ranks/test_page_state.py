@@ -12,12 +12,11 @@ import threading
 import time
 
 import pytest
-from axe_playwright_python.sync_playwright import Axe
 from playwright.sync_api import expect
 
 from app.audit import AuditLog
-from tests.helpers.app import TOKEN
-from tests.helpers.browser import WAIT_MS, cell
+from tests.helpers.app import AUTH, TOKEN
+from tests.helpers.browser import WAIT_MS, cell, serious
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from tests.helpers.incidents import COLLECTIVE, WAITING, fake_capture
 from tests.helpers.liveserver import sign_in
@@ -48,16 +47,6 @@ def keep_writing(run_dir):
     stop.set()
     for t in threads:
         t.join()
-
-
-def serious(page) -> list[str]:
-    """axe-core's serious and critical violations on the page, one line each."""
-    results = Axe().run(page)
-    return [
-        f"{v['id']} ({v['impact']}): {[n['target'] for n in v['nodes']][:3]}"
-        for v in results.response["violations"]
-        if v["impact"] in ("serious", "critical")
-    ]
 
 
 def test_a_healthy_job_says_so_in_one_line_and_names_no_slowest_rank(
@@ -267,7 +256,7 @@ def test_holding_the_others_up_names_a_culprit_only_past_the_threshold_and_never
     res = page.request.post(
         live_server.url + "/api/exit",
         data={"reason": "holding test"},
-        headers={"Authorization": f"Bearer {TOKEN}"},
+        headers=AUTH,
     )
     assert res.ok, res.text()
     rid = res.json()["request_id"]

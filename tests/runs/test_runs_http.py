@@ -12,9 +12,9 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+from tests.helpers.app import TOKEN
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 
-TOKEN = "runs-http-operator-token-0123456789"
 ODD = [
     "with space",
     "team/exp 1",

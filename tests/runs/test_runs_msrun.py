@@ -22,16 +22,16 @@ import urllib.error
 import urllib.request
 
 import pytest
-from axe_playwright_python.sync_playwright import Axe
 from playwright.sync_api import expect
 
+from tests.helpers.app import TOKEN
+from tests.helpers.browser import serious
 from tests.helpers.jobs import JOB_TIMEOUT_S, DemoJob, dump
 from tests.helpers.liveserver import start_dashboard
 from trainer_bridge.rundir import runfiles
 
 pytestmark = [pytest.mark.msrun, pytest.mark.browser]
 
-TOKEN = "runs-msrun-operator-token-0123456789"
 # Two jobs, a dashboard and a browser on a shared 2-core machine: verdict thresholds no
 # competition for the cores reaches (this test is about runs, not about stragglers).
 CALM = {"RANKWATCH_STALL_MIN_S": "120", "RANKWATCH_STRAGGLER_RATIO": "100"}
@@ -104,12 +104,7 @@ def test_three_jobs_one_root_stop_one_kill_one_relaunch(tmp_path, page, console_
             "aria-label", re.compile(r"^loss [\d.]+ to [\d.]+ over the last \d+ points$")
         )
         expect(cell(page, B, "disk")).to_have_text(re.compile(r"^\d+(\.\d)? (B|KiB|MiB|GiB)$"))
-        violations = [
-            f"{v['id']} ({v['impact']})"
-            for v in Axe().run(page).response["violations"]
-            if v["impact"] in ("serious", "critical")
-        ]
-        assert violations == []
+        assert serious(page) == []
 
         # A is stopped from its run page, which names the run in the dialog.
         page.locator(f'#runs-table tbody tr[data-run="{A}"] a').click()

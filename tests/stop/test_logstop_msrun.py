@@ -24,7 +24,7 @@ import urllib.request
 
 import pytest
 
-from tests.helpers.app import TOKEN
+from tests.helpers.app import AUTH, TOKEN
 from tests.helpers.jobs import JOB_TIMEOUT_S, DemoJob, JobFailed
 from trainer_bridge.rundir import runfiles
 from trainer_bridge.rundir.ckptmeta import read_meta
@@ -39,7 +39,7 @@ def api(server, path: str, body: dict | None = None) -> dict:
         server.url + path,
         data=None if body is None else json.dumps(body).encode(),
         method="GET" if body is None else "POST",
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"},
+        headers={"Content-Type": "application/json", **AUTH},
     )
     with urllib.request.urlopen(req) as r:
         return json.load(r)

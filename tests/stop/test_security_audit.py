@@ -18,21 +18,10 @@ import sqlite3
 import time
 import tracemalloc
 
-import pytest
-
 from app.audit import AuditLog
-from tests.helpers.app import TOKEN, make_app
+from tests.helpers.app import AUTH
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from trainer_bridge.rundir import runfiles
-
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-@pytest.fixture
-def app(run_dir):
-    app = make_app(run_dir)
-    yield app
-    app.extensions["rankwatch"].watcher.stop()
 
 
 def csv_rows(client) -> list[dict]:

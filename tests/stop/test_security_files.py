@@ -32,11 +32,10 @@ from pathlib import Path
 import pytest
 
 from app.incidents import stacks as incident_stacks
-from tests.helpers.app import TOKEN, make_app
+from tests.helpers.app import AUTH, make_app
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from trainer_bridge.rundir import runfiles, stackfiles
 
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
 # Only a hang detector: a call that needs this long has hung.
 HANG_S = 60.0
 SECRET = "outside-secret-d41d8cd98f"

@@ -7,18 +7,9 @@ import json
 import pytest
 
 from app import create_app
-from tests.helpers.app import TOKEN, make_app, wait_for_event
+from tests.helpers.app import AUTH, TOKEN, wait_for_event
 from tests.helpers.heartbeats import heartbeat, write_heartbeat
 from trainer_bridge.rundir import runfiles
-
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-@pytest.fixture
-def app(run_dir):
-    app = make_app(run_dir)
-    yield app
-    app.extensions["rankwatch"].watcher.stop()
 
 
 def post(client, url, body, headers=AUTH, **kw):

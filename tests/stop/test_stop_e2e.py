@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import expect
 
-from tests.helpers.app import TOKEN
+from tests.helpers.app import AUTH, TOKEN
 from tests.helpers.jobs import JOB_TIMEOUT_S
 from trainer_bridge.demo.mnist import write_mnist
 from trainer_bridge.rundir import runfiles
@@ -170,7 +170,7 @@ def test_native_onrequestexit_script_is_stopped_by_post(tmp_path, start_process,
         server.url + "/api/exit",
         data=json.dumps({"reason": "native"}).encode(),
         method="POST",
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"},
+        headers={"Content-Type": "application/json", **AUTH},
     )
     with urllib.request.urlopen(req) as r:
         assert r.status == 202

@@ -1,0 +1,21 @@
+"""The cluster tests' fixtures; their helpers are in ``tests/helpers/agents.py``."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.agents import KEY, AgentProcess, SimNode
+from tests.helpers.app import FAST_SETTINGS
+
+
+@pytest.fixture
+def agents(tmp_path, redis_server, start_agent):
+    """``agents(node, **kw)``: a started ``rankwatch agent`` on a ``SimNode``'s directory, stopped after the test."""
+
+    def start(node: SimNode, **kw) -> AgentProcess:
+        env = {"RANKWATCH_REDIS_KEY": KEY, **{f"RANKWATCH_{k}": str(v) for k, v in FAST_SETTINGS.items()}}
+        return start_agent(
+            node.dir, redis_server.url, tmp_path / f"agent-{node.host}.log", host=node.host, env=env, **kw
+        )
+
+    return start

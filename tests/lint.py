@@ -1,0 +1,178 @@
+"""The tests' own rules, checked by ``make lint``: ``python -m tests.lint [ROOT]`` (ROOT: the repository).
+
+- One operator token. ``TOKEN`` is defined in ``tests/helpers/app.py`` alone, and
+  every test and benchmark uses it (or ``AUTH``/``operator()``). Elsewhere, a
+  string literal assigned to ``TOKEN`` or ``*_TOKEN``, or given as a dashboard's
+  ``TOKEN``/``RANKWATCH_TOKEN`` setting, fails. A token that is wrong on purpose
+  is named for it (``WRONG_TOKEN``, ``WEAK_TOKEN``, ...: ``DELIBERATE``).
+- One ``app`` fixture. A test module's own ``app`` fixture may not repeat
+  ``tests/conftest.py``'s, nor build the dashboard with ``create_app`` and a
+  copied settings dict: ``make_app(run_dir, **overrides)`` is the way.
+- The import rule is import-linter's (the last contract in pyproject.toml): no
+  module of tests/ imports a test module. Its wildcards stand for whole names,
+  so it lists the test folders; this fails on a test module the list misses.
+
+Prints one ``path:line: message`` per breach and exits 1 if there is any.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+import tomllib
+from pathlib import Path
+
+TOKEN_HOME = "tests/helpers/app.py"
+CONFTEST = "tests/conftest.py"
+# Prefixes of a token variable that is not the operator's on purpose.
+DELIBERATE = ("WRONG_", "WEAK_", "BAD_", "FORGED_", "STALE_")
+# The setting names under which a dashboard takes its operator token.
+TOKEN_SETTINGS = {"TOKEN", "RANKWATCH_TOKEN"}
+IMPORT_CONTRACT = "No module of tests/ imports a test module"
+
+
+def _literal(node: ast.AST) -> bool:
+    """A string written in the source: a literal, an f-string, or literals joined or repeated."""
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, str)
+    if isinstance(node, ast.JoinedStr):
+        return True
+    if isinstance(node, ast.BinOp):
+        parts = (node.left, node.right)
+        return any(_literal(p) for p in parts) and all(
+            _literal(p) or (isinstance(p, ast.Constant) and isinstance(p.value, int)) for p in parts
+        )
+    return False
+
+
+def _operator_token_name(name: str) -> bool:
+    return (name == "TOKEN" or name.endswith("_TOKEN")) and not name.startswith(DELIBERATE)
+
+
+def token_breaches(tree: ast.AST) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Name) and _operator_token_name(target.id) and _literal(node.value):
+                    found.append((node.lineno, f"{target.id} = a string: import TOKEN from {TOKEN_HOME}"))
+        elif isinstance(node, ast.Dict):
+            for key, value in zip(node.keys, node.values, strict=True):
+                if isinstance(key, ast.Constant) and key.value in TOKEN_SETTINGS and _literal(value):
+                    found.append((key.lineno, f'"{key.value}": a string: use TOKEN from {TOKEN_HOME}'))
+        elif isinstance(node, ast.Call):
+            for kw in node.keywords:
+                if kw.arg in TOKEN_SETTINGS and _literal(kw.value):
+                    found.append((kw.value.lineno, f"{kw.arg}= a string: use TOKEN from {TOKEN_HOME}"))
+    return found
+
+
+def _is_fixture(func: ast.FunctionDef) -> bool:
+    for dec in func.decorator_list:
+        target = dec.func if isinstance(dec, ast.Call) else dec
+        if isinstance(target, ast.Attribute) and target.attr == "fixture":
+            return True
+        if isinstance(target, ast.Name) and target.id == "fixture":
+            return True
+    return False
+
+
+def _app_fixtures(tree: ast.AST) -> list[ast.FunctionDef]:
+    return [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "app" and _is_fixture(n)]
+
+
+def _code(func: ast.FunctionDef) -> str:
+    """The fixture's parameters and body, without its docstring: what it does, not what it says."""
+    body = func.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return ast.dump(func.args) + "".join(ast.dump(stmt) for stmt in body)
+
+
+def app_fixture_breaches(tree: ast.AST, shared: str | None) -> list[tuple[int, str]]:
+    found = []
+    for func in _app_fixtures(tree):
+        if shared is not None and _code(func) == shared:
+            found.append((func.lineno, f"this app fixture is {CONFTEST}'s: delete it"))
+        calls = [n for n in ast.walk(func) if isinstance(n, ast.Call)]
+        if any(isinstance(c.func, ast.Name) and c.func.id == "create_app" for c in calls):
+            found.append(
+                (
+                    func.lineno,
+                    "an app fixture builds the dashboard with make_app(run_dir, **overrides), not create_app",
+                )
+            )
+    return found
+
+
+def _matches(module: str, expression: str) -> bool:
+    """import-linter's module expressions: ``*`` is one whole name, ``**`` one or more."""
+    names, parts = module.split("."), expression.split(".")
+
+    def match(i: int, j: int) -> bool:
+        if j == len(parts):
+            return i == len(names)
+        if i == len(names):
+            return False
+        if parts[j] == "**":
+            return any(match(k, j + 1) for k in range(i + 1, len(names) + 1))
+        return (parts[j] in ("*", names[i])) and match(i + 1, j + 1)
+
+    return match(0, 0)
+
+
+def contract_breaches(root: Path, modules: list[str]) -> list[tuple[str, int, str]]:
+    config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["importlinter"]
+    contracts = [c for c in config.get("contracts", []) if c["name"].startswith(IMPORT_CONTRACT)]
+    if "tests" not in config.get("root_packages", []) or not contracts:
+        return [
+            (
+                "pyproject.toml",
+                1,
+                f"no import-linter contract {IMPORT_CONTRACT!r} over a `tests` root package",
+            )
+        ]
+    forbidden = contracts[0]["forbidden_modules"]
+    return [
+        (path, 1, "a test module the import contract does not list: add its folder to forbidden_modules")
+        for path, module in modules
+        if not any(_matches(module, expression) for expression in forbidden)
+    ]
+
+
+def check(root: Path) -> list[str]:
+    root = root.resolve()
+    files = sorted(p for p in (root / "tests").rglob("*.py") if "__pycache__" not in p.parts)
+    trees = {p.relative_to(root).as_posix(): ast.parse(p.read_text(), str(p)) for p in files}
+    shared = next((_code(f) for f in _app_fixtures(trees[CONFTEST])), None) if CONFTEST in trees else None
+    breaches: list[tuple[str, int, str]] = []
+    for path, tree in trees.items():
+        if path != TOKEN_HOME:
+            breaches += [(path, line, msg) for line, msg in token_breaches(tree)]
+        if path != CONFTEST:
+            breaches += [(path, line, msg) for line, msg in app_fixture_breaches(tree, shared)]
+    test_modules = [
+        (path, path.removesuffix(".py").replace("/", "."))
+        for path in trees
+        if path.rsplit("/", 1)[-1].startswith("test_")
+    ]
+    breaches += contract_breaches(root, test_modules)
+    return [f"{path}:{line}: {msg}" for path, line, msg in sorted(breaches)]
+
+
+def main(argv: list[str]) -> int:
+    root = Path(argv[0]) if argv else Path.cwd()
+    breaches = check(root)
+    for line in breaches:
+        print(line)
+    if breaches:
+        print(
+            f"tests.lint: {len(breaches)} breach(es) of the tests' rules (see tests/lint.py)", file=sys.stderr
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
