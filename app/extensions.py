@@ -48,6 +48,11 @@ class Rankwatch:
     room: str | None = None
 
 
+def run_known(run_id: str) -> bool:
+    """Whether ``run_id`` is a run this dashboard serves (for a Socket.IO client that names one)."""
+    return current_app.extensions["rankwatch_runs"].known(run_id)
+
+
 def rankwatch() -> Rankwatch:
     """The engines of the run this request is about: the run in its URL (``g.run_id``, set by
     ``app/runs/scoping.py``), else the app's one run (``--run-dir``)."""

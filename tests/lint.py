@@ -1,4 +1,11 @@
-"""The tests' own rules, checked by ``make lint``: ``python -m tests.lint [ROOT]`` (ROOT: the repository).
+"""The rules import-linter's contracts cannot say, checked by ``make lint``: ``python -m tests.lint [ROOT]``.
+
+ROOT is the repository (by default the working directory).
+
+- No import cycle in ``app/`` or ``trainer_bridge/``, imports inside
+  functions counted (grimp's graph, the one import-linter builds): the
+  layers contract orders the packages of ``app/``, this catches a cycle
+  between modules of one layer too.
 
 - One operator token. ``TOKEN`` is defined in ``tests/helpers/app.py`` alone, and
   every test and benchmark uses it (or ``AUTH``/``operator()``). Elsewhere, a
@@ -141,6 +148,57 @@ def contract_breaches(root: Path, modules: list[str]) -> list[tuple[str, int, st
     ]
 
 
+def import_cycles(root: Path) -> list[list[str]]:
+    """Each set of modules of ``app`` and ``trainer_bridge`` that import each other in a ring (Tarjan)."""
+    import grimp
+
+    sys.path.insert(0, str(root))
+    try:
+        graph = grimp.build_graph("app", "trainer_bridge", include_external_packages=False, cache_dir=None)
+    finally:
+        sys.path.remove(str(root))
+    adjacent = {m: sorted(graph.find_modules_directly_imported_by(m)) for m in sorted(graph.modules)}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    rings: list[list[str]] = []
+    for start in adjacent:
+        if start in index:
+            continue
+        # Iterative: a deep chain of imports must not hit the recursion limit.
+        work = [(start, iter(adjacent[start]))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(adjacent.get(child, ()))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                ring = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    ring.append(member)
+                    if member == node:
+                        break
+                if len(ring) > 1:
+                    rings.append(sorted(ring))
+    return rings
+
+
 def check(root: Path) -> list[str]:
     root = root.resolve()
     files = sorted(p for p in (root / "tests").rglob("*.py") if "__pycache__" not in p.parts)
@@ -158,6 +216,8 @@ def check(root: Path) -> list[str]:
         if path.rsplit("/", 1)[-1].startswith("test_")
     ]
     breaches += contract_breaches(root, test_modules)
+    for ring in import_cycles(root):
+        breaches.append((ring[0].replace(".", "/") + ".py", 1, f"an import cycle: {' <-> '.join(ring)}"))
     return [f"{path}:{line}: {msg}" for path, line, msg in sorted(breaches)]
 
 
@@ -167,9 +227,7 @@ def main(argv: list[str]) -> int:
     for line in breaches:
         print(line)
     if breaches:
-        print(
-            f"tests.lint: {len(breaches)} breach(es) of the tests' rules (see tests/lint.py)", file=sys.stderr
-        )
+        print(f"tests.lint: {len(breaches)} breach(es) of the rules in tests/lint.py", file=sys.stderr)
         return 1
     return 0
 

@@ -150,6 +150,14 @@ def test_a_lower_layer_of_app_importing_a_higher_one_breaks_the_layers_contract(
     assert f"{layers['name']} BROKEN" in out and f"{low} is not allowed to import {high}" in out
 
 
+def test_an_import_cycle_inside_one_layer_fails_even_inside_a_function(tree):
+    """Two modules of the run model's one layer: the layers contract allows it, the cycle rule does not."""
+    plant(tree, "app/run/health.py", "def _planted():\n    from app.run import state  # noqa: F401")
+    assert lint_imports(tree).returncode == 0  # within a layer: not the contract's business
+    out = broken(lint_tests(tree))
+    assert "an import cycle:" in out and "app.run.health" in out and "app.run.state" in out
+
+
 # --- tests.lint: one operator token, one app fixture ------------------------------------
 
 

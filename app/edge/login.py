@@ -227,14 +227,3 @@ def mint_login_url(url: str | None = None, run_dir: str | None = None, timeout: 
         raise RuntimeError(
             f"the dashboard at {info['url']} refused: {e.read()[:300].decode(errors='replace')}"
         ) from None
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m app.edge.login``: the same command as ``rankwatch login``."""
-    from app.cli.login import login
-
-    login.main(argv, prog_name="python -m app.edge.login")
-
-
-if __name__ == "__main__":
-    main()

@@ -19,7 +19,7 @@ from flask_socketio import join_room
 from app import push
 from app.edge import params
 from app.errors import BadRequest
-from app.extensions import rankwatch, socketio
+from app.extensions import rankwatch, run_known, socketio
 from app.push import (
     CHECKPOINTS_EVENT,
     DELTA_EVENT,
@@ -29,7 +29,6 @@ from app.push import (
     VERIFY_EVENT,
 )
 from app.ranks.window import RanksView
-from app.runs.scoping import run_known
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from urllib.parse import quote
 
-from flask import Flask, current_app, g, request
+from flask import Flask, g, request
 from werkzeug.routing import Rule
 
 from app.errors import RunNotFound
@@ -107,8 +107,3 @@ def install(app: Flask, registry) -> None:
                 "/api/runs/" + quote(ids.encode(run_id), safe="") if run_id else "/api"
             )
         return {"run_id": run_id, "api_base": api, "runs_root": registry.is_root}
-
-
-def run_known(run_id: str) -> bool:
-    """Whether ``run_id`` is a run this dashboard serves (for a Socket.IO client that names one)."""
-    return current_app.extensions["rankwatch_runs"].known(run_id)

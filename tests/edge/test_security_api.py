@@ -521,7 +521,7 @@ def test_serve_prints_a_single_use_url_and_never_the_token(run_dir, tmp_path, mo
     assert fresh.startswith(server.url + "/#login=") and token not in fresh
     assert _post(server.url + "/api/login", {"code": fresh.split("#login=")[1]})["token"] == token
     out = subprocess.run(
-        [sys.executable, "-m", "app.edge.login", "--url", server.url],
+        [sys.executable, "-m", "app.cli", "login", "--url", server.url],
         capture_output=True,
         text=True,
         env={**os.environ, "XDG_RUNTIME_DIR": str(runtime)},
