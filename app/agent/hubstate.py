@@ -26,6 +26,7 @@ from app.run.health import VERDICTS
 from app.run.rows import with_age
 from app.run.state import RunState
 from trainer_bridge.rundir import redisbus, runfiles
+from trainer_bridge.rundir.listing import first_of
 
 
 def run_name(config: Mapping[str, Any], run_dir: str | os.PathLike | None) -> str | None:
@@ -135,7 +136,7 @@ class HubState(RunState):
                 f"{len(self._rows)} ranks on {len(hub.hosts)} hosts, through their agents (run {hub.run!r})."
             )
         if lost:
-            named = ", ".join(sorted(lost)[:8]) + (f" and {len(lost) - 8} more" if len(lost) > 8 else "")
+            named = first_of(sorted(lost), 8)
             message += f" Agent lost on {named}: no digest for {hub.lost_after_s:g} s."
         if self._redis_error:
             message += f" Redis is unreachable ({self._redis_error}): the rows are as last heard."

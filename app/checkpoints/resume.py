@@ -7,16 +7,17 @@ the bridge itself resumes from is ``bridge_default``.
 
 from __future__ import annotations
 
-import inspect
+import ast
+import functools
 import json
 import os
 import re
 import shlex
 from collections.abc import Mapping
+from importlib import resources
 
 from app.checkpoints import relaunch
 from app.checkpoints.relaunch import relaunch_command
-from trainer_bridge import native
 from trainer_bridge.rundir import ckpthealth, ckptindex, runfiles
 from trainer_bridge.rundir.ckptindex import (
     ORIGIN_BRIDGE,
@@ -26,6 +27,7 @@ from trainer_bridge.rundir.ckptindex import (
     CheckpointSet,
     Index,
 )
+from trainer_bridge.rundir.listing import first_of
 
 TTP_NOTE = (
     "TTP saves one copy per replica group, not one per rank, so a TTP set can list "
@@ -53,8 +55,7 @@ def bridge_default(index: Index) -> CheckpointSet | None:
 def ranks_text(ranks, word: bool = False) -> str:
     """``1, 2, 3``; with ``word``, ``rank 1`` or ``ranks 1, 2, 3`` (a real plural, not "rank(s)")."""
     ranks = list(ranks)
-    shown = ", ".join(map(str, ranks[:12]))
-    shown += f" and {len(ranks) - 12} more" if len(ranks) > 12 else ""
+    shown = first_of(ranks, 12)
     return (f"rank {shown}" if len(ranks) == 1 else f"ranks {shown}") if word else shown
 
 
@@ -183,13 +184,22 @@ def load_code(run_dir: str, cset: CheckpointSet, position: Mapping, *, loop: boo
     return "\n".join(lines) + "\n"
 
 
+@functools.cache
+def _function_source(module_file: str, name: str) -> str:
+    """The source of top-level function ``name`` in ``trainer_bridge/<module_file>``, read as text."""
+    text = (resources.files("trainer_bridge") / module_file).read_text()
+    node = next(n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef) and n.name == name)
+    return ast.get_source_segment(text, node) + "\n"
+
+
 def _native_code(run_dir: str, template: str) -> str:
     """An OnRequestExit set: OnRequestExit reloads it itself once its ``global_step`` fits.
 
     The function offered is ``trainer_bridge.native``'s own source, the one
-    the demo runs, so the code shown is the code tested.
+    the demo runs, so the code shown is the code tested; it is read as a
+    file, never imported: the dashboard runs none of the trainer's code.
     """
-    source = inspect.getsource(native.on_request_exit_resume)
+    source = _function_source("native.py", "on_request_exit_resume")
     return (
         "\n".join(
             [

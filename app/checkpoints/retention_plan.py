@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from trainer_bridge.rundir import runfiles, safeio, schema
 from trainer_bridge.rundir.ckptindex import MAX_DEPTH, ORIGIN_BRIDGE, CheckpointSet, Index, resume_set
+from trainer_bridge.rundir.listing import first_of
 
 MODES = ("off", "dry_run", "on")
 OVERRIDE_NAME = "retention.json"
@@ -306,7 +307,7 @@ def _du(path: str) -> int:
 
 def _ranks(ranks) -> str:
     ranks = list(ranks)
-    return ", ".join(map(str, ranks[:12])) + (f" and {len(ranks) - 12} more" if len(ranks) > 12 else "")
+    return first_of(ranks, 12)
 
 
 def disk(run_dir: str, index: Index) -> dict:

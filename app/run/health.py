@@ -72,6 +72,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from trainer_bridge.rundir.listing import first_of
+
 VERDICTS = (
     "starting",
     "healthy",
@@ -561,7 +563,7 @@ def blocker_note(blockers: Mapping[str, Iterable[int]]) -> str | None:
         total += len(ranks)
         if ranks:
             one, many = BLOCKER_WORDS[cause]
-            named = ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+            named = first_of(ranks, 8)
             parts.append(f"rank {named} {one}" if len(ranks) == 1 else f"ranks {named} {many}")
     if not parts:
         return None

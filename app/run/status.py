@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer_bridge.rundir import runfiles
+from trainer_bridge.rundir.listing import first_of
 
 # How many missing ranks a status message names before it summarises.
 NAMED_RANKS = 8
@@ -143,13 +144,12 @@ def run_status(f: StatusFacts) -> dict:
             "is running, usually after graph compilation.",
         )
     if missing:
-        named = ", ".join(map(str, missing[:NAMED_RANKS]))
-        more = f" and {len(missing) - NAMED_RANKS} more" if len(missing) > NAMED_RANKS else ""
+        named = first_of(missing, NAMED_RANKS)
         return status(
             "starting",
             f"{reported} of {f.world} ranks have reported; "
             f"waiting for rank{'s' if len(missing) > 1 else ''} "
-            f"{named}{more}.{note}",
+            f"{named}.{note}",
         )
     if f.ended_states is not None:
         counts: dict[str, int] = {}

@@ -16,6 +16,7 @@ from app.attempts import served_by
 from app.audit import MAX_TEXT, AuditError
 from app.run.jobend import JobFacts, log_stage
 from trainer_bridge.rundir import runfiles
+from trainer_bridge.rundir.listing import first_of
 
 # A rank's stages of a stop, in order.
 STAGES = ("requested", "seen", "agreed", "saving", "saved", "exited")
@@ -353,7 +354,7 @@ def _json_safe(value, depth: int = 0):
 
 
 def ranks_text(ranks: list[int]) -> str:
-    return ", ".join(map(str, ranks[:10])) + (f" and {len(ranks) - 10} more" if len(ranks) > 10 else "")
+    return first_of(ranks, 10)
 
 
 def _steps_text(steps: list[int]) -> str:

@@ -27,7 +27,6 @@ from trainer_bridge.rundir.ckptindex import (
     ORIGIN_PERIODIC,
     ORIGIN_TTP,
     classify,
-    newest_complete_set,
     scan,
 )
 from trainer_bridge.rundir.ckptmeta import MetaCache
@@ -258,12 +257,13 @@ def test_to_dict_is_the_api_shape(run):
     }
 
 
-def test_newest_complete_set_for_resume(run):
-    s = newest_complete_set(run, 2)
+def test_the_newest_complete_sets_by_origin(run):
+    complete = [s for s in scan(run, world_size=2).sets if s.complete]
+    s = next(s for s in complete if s.origin == ORIGIN_BRIDGE)
     assert (s.origin, s.global_step) == (ORIGIN_BRIDGE, 6)
     assert s.file_for(1).abspath == str(runfiles.checkpoint_path(run, 1, 1, 6))
-    assert newest_complete_set(run, 2, origin=None).origin == ORIGIN_TTP
-    assert newest_complete_set(run, 3) is None
+    assert complete[0].origin == ORIGIN_TTP  # the newest of any origin
+    assert not any(s.complete for s in scan(run, world_size=3).sets if s.origin == ORIGIN_BRIDGE)
 
 
 def test_second_scan_only_stats(run, monkeypatch):

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer_bridge.rundir import runfiles, safeio, schema
+from trainer_bridge.rundir.listing import first_of
 from trainer_bridge.rundir.liveness import Stopped, probe_process
 
 log = logging.getLogger("trainer_bridge")
@@ -123,15 +124,17 @@ def live_ranks(
 
 def refusal(run_dir: str | os.PathLike, live: list[LiveRank], named: int = 8) -> str:
     """Why a launch refuses to start, naming the live ranks of the other one."""
-    parts = [
-        f"rank {r.rank} (pid {r.pid if r.pid is not None else '?'} on {r.host or '?'}, "
-        f"heartbeat {r.age_s:.1f} s ago)"
-        for r in live[:named]
-    ]
-    more = f" and {len(live) - named} more" if len(live) > named else ""
+    parts = first_of(
+        (
+            f"rank {r.rank} (pid {r.pid if r.pid is not None else '?'} on {r.host or '?'}, "
+            f"heartbeat {r.age_s:.1f} s ago)"
+            for r in live
+        ),
+        named,
+    )
     return (
         f"rankwatch: refusing to start: another launch of a job is training in {run_dir}: "
-        f"{', '.join(parts)}{more}. Two launches in one run directory overwrite each other's "
+        f"{parts}. Two launches in one run directory overwrite each other's "
         "heartbeats and checkpoints. Stop that job first (rankwatch stop --run-dir ...) or give "
         "this one its own run directory. A rank on another host counts as alive until its "
         f"heartbeat is {LIVE_AGE_S:.0f} s old."

@@ -472,21 +472,6 @@ def _or(v: int | None) -> int:
     return -1 if v is None else v
 
 
-def newest_complete_set(
-    run_dir: str | os.PathLike,
-    world_size: int,
-    origin: str | None = ORIGIN_BRIDGE,
-    cache: MetaCache | None = None,
-) -> CheckpointSet | None:
-    """The newest set every rank below ``world_size`` can resume from, or None.
-
-    ``origin`` limits the choice (the bridge resumes from its own saves by
-    default); None accepts any origin.
-    """
-    index = scan(run_dir, world_size=world_size, cache=cache)
-    return next((s for s in index.sets if s.complete and (origin is None or s.origin == origin)), None)
-
-
 def resume_set(index: Index, step: int | None = None, unhealthy: Container[str] = ()) -> CheckpointSet | None:
     """The set a relaunch resumes from: the bridge's choice (``saving.find_resume_point``), and the dashboard's answer.
 
