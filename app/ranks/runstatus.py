@@ -134,9 +134,28 @@ class RunStatus:
             for hb in latest.values():
                 counts[hb["state"]] = counts.get(hb["state"], 0) + 1
             told = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
-            return status("ended", f"The job has ended: {told}.")
+            return self._ended_status(status, f"The job has ended: {told}.")
         over = self._job_over()
         if over:
             # Ranks killed or crashed without saying so: their processes and msrun are gone.
-            return status("ended", f"The job has ended: {over}.")
+            return self._ended_status(status, f"The job has ended: {over}.")
         return status("running", f"{self._world} ranks reporting.{note}")
+
+    def _ended_status(self, status, message: str) -> dict:
+        """``ended``, with ``proven``: whether a probe here backs it (app.ranks.endproof).
+
+        Stop stays usable while only the files say so: anything that writes the run
+        directory can write "finished" (issue 32, P1).
+        """
+        world = set(range(self._world)) | set(self._board.latest)
+        proof = self._proof
+        proven = bool(world) and world <= proof.proven
+        if proof.running:
+            ranks = sorted(proof.running)
+            message += (
+                f" But the process of rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks[:8]))}"
+                f"{' and more' if len(ranks) > 8 else ''} still runs on this host: Stop stays usable."
+            )
+        elif not proven:
+            message += " Only the run directory says so (no probe here can confirm it): Stop stays usable."
+        return {**status("ended", message), "proven": proven}

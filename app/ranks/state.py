@@ -33,6 +33,7 @@ from app.attempts import LaunchWatch
 from app.push import DELTA_EVENT, SNAPSHOT_EVENT, Changed, changed_fields
 from app.ranks import logmode
 from app.ranks.chartviews import ChartViews
+from app.ranks.endproof import EndProof
 from app.ranks.health import TERMINAL_STATES, WORST_FIRST, Thresholds
 from app.ranks.heartbeats import (  # noqa: F401  (re-exported: tests and tools import them from here)
     ProcessProbe,
@@ -102,6 +103,9 @@ class RunState(RunStatus, ChartViews):
         self._ended: dict[int, tuple[float, str]] = {}
         self._launcher_gone: str | None = None
         self._launcher_alive = False
+        # What a probe on this host says of the processes the ranks that say they ended
+        # (app.ranks.endproof): the stop calls a job over on such evidence, not on files alone.
+        self._proof = EndProof(self._hostname, self._probe_gone, self.check_after_s)
         self._rows: dict[int, dict] = {}
         self._sent: dict[int, dict] = {}
         self._dirty: set[int] = set()
@@ -203,6 +207,7 @@ class RunState(RunStatus, ChartViews):
             else:
                 self._from_log.discard(r)
             self._launches.observe(r, slot.hb if slot is not None and not from_log else None, now)
+            self._proof.observe(r, slot.hb if slot is not None else None)
             if slot is None:
                 board.observe(r, None, None, None, 0)
             else:
@@ -248,8 +253,9 @@ class RunState(RunStatus, ChartViews):
         runs, whatever its launcher does.
         """
         ended = {}
-        # msrun kills every worker before it says the job exited: that ends the log ranks too.
-        exited = self._logs.dir.job_exited() if self._logs is not None else None
+        # msrun kills every worker before it says the job exited: that ends the log ranks too
+        # (words not taken while msrun's own process runs: a rank can write its log directory).
+        exited = self._logs.dir.job_exited(self._probe_gone) if self._logs is not None else None
         for r in view:
             hb = self._board.latest.get(r)
             state = hb.get("state") if hb else None
@@ -259,6 +265,7 @@ class RunState(RunStatus, ChartViews):
             if why:
                 ended[r] = (self._ended[r][0] if r in self._ended else now, why)
         self._ended = ended
+        self._proof.check(set(ended), now)
         self._launcher_gone, self._launcher_alive = None, False
         if self._logs is not None and view and view <= set(ended):
             self._launcher_gone = self._logs.launcher_gone(self._probe_gone)
@@ -290,6 +297,8 @@ class RunState(RunStatus, ChartViews):
             launcher_gone=self._launcher_gone,
             launcher_alive=self._launcher_alive,
             triggered={r: logs.triggered_at(r) for r in self._from_log} if logs is not None else {},
+            proven=self._proof.proven,
+            running=self._proof.running,
         )
 
     def job_facts(self) -> JobFacts:
