@@ -22,28 +22,11 @@ from app import create_app
 from app.agent import digest as dg
 from app.agent.runner import Agent
 from app.config import from_env
-from tests.helpers.agents import AgentProcess
+from tests.helpers.agents import KEY, RUN, AgentProcess, Node
 from tests.helpers.app import FAST_SETTINGS
 from tests.helpers.heartbeats import heartbeat, write_heartbeat
 from tests.incidents.test_stacks import wait_for
 from trainer_bridge.rundir import runfiles
-
-KEY = "agent-test-key"
-RUN = "job"
-
-
-class Node:
-    """A simulated node: its own run directory and the heartbeats of its ranks, kept fresh by ``beat``."""
-
-    def __init__(self, root, host: str, ranks: range, world: int):
-        self.dir = root / host / RUN
-        self.dir.mkdir(parents=True)
-        self.host, self.ranks, self.world, self.seq = host, ranks, world, 0
-
-    def beat(self, **overrides) -> None:
-        self.seq += 1
-        for r in self.ranks:
-            write_heartbeat(self.dir, heartbeat(r, self.world, seq=self.seq, host=self.host, **overrides))
 
 
 @pytest.fixture

@@ -7,7 +7,25 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers.heartbeats import heartbeat, write_heartbeat
 from tests.helpers.liveserver import REPO
+
+KEY = "agent-test-key"
+RUN = "job"
+
+
+class Node:
+    """A simulated node: its own run directory and the heartbeats of its ranks, kept fresh by ``beat``."""
+
+    def __init__(self, root, host: str, ranks: range, world: int):
+        self.dir = root / host / RUN
+        self.dir.mkdir(parents=True)
+        self.host, self.ranks, self.world, self.seq = host, ranks, world, 0
+
+    def beat(self, **overrides) -> None:
+        self.seq += 1
+        for r in self.ranks:
+            write_heartbeat(self.dir, heartbeat(r, self.world, seq=self.seq, host=self.host, **overrides))
 
 
 class AgentProcess:
