@@ -52,24 +52,28 @@ class ChartViews:
         step = (len(losses) - 1) / (points - 1)
         return [losses[round(i * step)] for i in range(points)]
 
-    def history(self, points: int | None = None) -> dict:
+    def history(self, points: int | None = None, start: int = 0, count: int | None = None) -> dict:
         """Chart history as a ranks x time-bucket matrix (``/api/history``).
 
         Columns are buckets of ``CHART_BUCKET_S`` seconds, the newest ``points``
         of them ending at the newest point; a cell holds the rank's last value
         in that bucket, or null. The page seeds its charts from this and then
         extends them from deltas, so both sides bucket the same way.
+        Only the ranks ``start`` to ``start + count`` (in rank order) are in it,
+        and ``total`` says how many there are: an answer costs a page, not the
+        world size job.json declares.
         """
         points = min(points or self.points, self.points)
         with self._lock:
-            series = {
-                r: list(s.history) for r in self._rows if (s := self._slot(r)) is not None and s.history
-            }
-            ranks = sorted(self._rows)
+            everyone = sorted(self._rows)
+            ranks = everyone[start : None if count is None else start + count]
+            series = {r: list(s.history) for r in ranks if (s := self._slot(r)) is not None and s.history}
+        total = len(everyone)
+        del everyone
         b = self.bucket_s
         newest = max((h[-1][0] for h in series.values()), default=None)
         if newest is None:
-            return {"bucket_s": b, "t": [], "ranks": ranks, "step_time_ms": [], "loss": []}
+            return {"bucket_s": b, "t": [], "ranks": ranks, "step_time_ms": [], "loss": [], "total": total}
         end = math.floor(newest / b)
         start = max(end - points + 1, min(math.floor(h[0][0] / b) for h in series.values()))
         width = end - start + 1
@@ -88,4 +92,5 @@ class ChartViews:
             "ranks": ranks,
             "step_time_ms": step_rows,
             "loss": loss_rows,
+            "total": total,
         }

@@ -7,6 +7,7 @@ by ``create_app`` alone, as in tests).
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from functools import cache
@@ -16,6 +17,7 @@ from flask import Blueprint, Response, current_app, jsonify, render_template, re
 
 from app.attempts import answer as attempts_answer
 from app.edge import params
+from app.edge.auth import require_operator
 from app.errors import NotFound, RankNotFound
 from app.extensions import rankwatch
 from app.large import large_answer
@@ -165,11 +167,22 @@ def api_health():
 
 @bp.get("/api/history")
 def api_history():
-    """Chart history as a ranks x time-bucket matrix; ``?points=N`` keeps the newest N buckets."""
-    points = params.query(params.HistoryPoints).points
+    """Chart history as a ranks x time-bucket matrix; ``?points=N`` keeps the newest N buckets.
+
+    Paged as ``/api/ranks`` (``?page=``, ``?per_page=`` up to 4,096 ranks, the default): one
+    answer holds a page whatever world size job.json declares.
+    """
+    q = params.query(params.HistoryPage)
     state = fresh_state(time.time())
-    with large_answer(state.world_size(), "the chart history of every rank"):
-        return jsonify(state.history(points))
+    start = (q.page - 1) * q.per_page
+    with large_answer(min(state.world_size(), q.per_page), "the chart history of every rank"):
+        body = state.history(q.points, start, q.per_page)
+    pages = max(1, math.ceil(body["total"] / q.per_page))
+    if q.page > pages:
+        raise NotFound(
+            f"page {q.page} is past the last page, {pages} ({body['total']} ranks, {q.per_page} a page)"
+        )
+    return jsonify(body | {"page": q.page, "per_page": q.per_page, "pages": pages})
 
 
 @bp.get("/api/history/run")
@@ -203,7 +216,11 @@ def prometheus_metrics():
     raw = params.query(params.MetricsScope).per_rank
     rw = rankwatch()
     world = fresh_state(time.time()).world_size()
-    per_rank = world <= current_app.config["METRICS_PER_RANK_MAX"] if raw is None else raw == "1"
+    most = current_app.config["METRICS_PER_RANK_MAX"]
+    if raw == "1" and world > most:
+        # An answer that grows with the world size job.json declares: the operator's to ask for.
+        require_operator(count=False)
+    per_rank = world <= most if raw is None else raw == "1"
     with large_answer(world if per_rank else 0, "/metrics with every rank's series"):
         body, content_type = exposition(rw, request.headers.get("Accept"), per_rank)
     return Response(body, content_type=content_type)
