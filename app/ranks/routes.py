@@ -162,6 +162,10 @@ def api_health():
     hub = getattr(rankwatch().state, "hub", None)  # with agents (app/agent/hub.py)
     if hub is not None:
         body["hub"] = hub.status()
+    rows = current_app.extensions.get("rankwatch_rows")  # under --runs (app/runs/registry.py)
+    if rows is not None and rows.registry.is_root:
+        # Live runs left without a watcher, so that a flood of fake runs cannot hide it (P6).
+        body["runs"] = rows.registry.watch_status()
     return jsonify(body)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from flask import Flask, Response, g, jsonify, render_template, request, url_for
 
 from app.edge import params
+from app.edge.auth import require_operator
 from app.runs.rows import PER_PAGE_DEFAULT, STATES, Rows, parse_args
 
 
@@ -52,6 +53,9 @@ def register(app: Flask, rows: Rows) -> None:
             chosen = [(run_id, registry.get(run_id))]
         else:
             chosen = [(i, rw) for i in registry.open_ids() if (rw := registry.peek(i)) is not None]
+        if raw == "1" and any(rw.state.world_size() > app.config["METRICS_PER_RANK_MAX"] for _, rw in chosen):
+            # Every rank's series of a job past the limit: the operator's to ask for (P8).
+            require_operator(count=False)
         body, content_type = exposition(
             chosen,
             request.headers.get("Accept"),
