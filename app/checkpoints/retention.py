@@ -34,6 +34,7 @@ from app.checkpoints.retention_plan import (
     _gib,
     disk,
     find_temps,
+    local_index,
     override_path,
     plan,
     policy_for,
@@ -137,14 +138,23 @@ class Retention:
             raise NoRunDir()
         index = self.service.index(world, force)
         errors: list[str] = []
-        temps = find_temps(self.service.run_dir, errors)
+        temps = find_temps(self.service.run_dir, errors, index)
+        policy, activity, now = self.policy(), Activity.of(heartbeats), self.clock()
+        proven = None
+        if any(f.host is not None for s in index.sets for f in s.files):
+            # Agents listed some of these files: only what this disk alone proves may go (P3).
+            local = local_index(index)
+            unhealthy = ckpthealth.unhealthy(self.service.run_dir, local)
+            mine = plan(local, policy, activity, now=now, unhealthy=unhealthy)
+            proven = frozenset(e.id for e in mine.deletions)
         return plan(
             index,
-            self.policy(),
-            Activity.of(heartbeats),
-            now=self.clock(),
+            policy,
+            activity,
+            now=now,
             unhealthy=ckpthealth.unhealthy(self.service.run_dir, index),
             temps=temps,
+            proven=proven,
         )
 
     def body(self, world: int, heartbeats: Mapping[int, dict | None]) -> dict:

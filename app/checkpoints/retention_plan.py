@@ -9,14 +9,22 @@ leftovers of unfinished saves, and whether the next save fits on the disk.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from trainer_bridge.rundir import runfiles, safeio, schema
-from trainer_bridge.rundir.ckptindex import MAX_DEPTH, ORIGIN_BRIDGE, CheckpointSet, Index, resume_set
+from trainer_bridge.rundir.ckptindex import (
+    ORIGIN_BRIDGE,
+    CheckpointSet,
+    Index,
+    build_index,
+    resume_set,
+)
 from trainer_bridge.rundir.listing import first_of
 
 MODES = ("off", "dry_run", "on")
@@ -191,12 +199,16 @@ def plan(
     now: float,
     unhealthy: Mapping[str, str] | None = None,
     temps: tuple[Temp, ...] = (),
+    proven: frozenset[str] | None = None,
 ) -> Plan:
     """Decide every set's fate. Pure: the same inputs give the same plan and hash.
 
     ``index.sets`` is newest step first. The keep rules win over every
     delete; a set is deleted only when a newer complete set exists and
-    nothing says a rank may still be writing it.
+    nothing says a rank may still be writing it. ``proven``, when given, is
+    the sets whose deletion this disk alone proves (the plan of the local
+    files only, ``local_index``): any other is kept, whatever an agent's
+    listing says (issue 32, P3).
     """
     unhealthy = unhealthy or {}
     pinned = set(policy.pinned)
@@ -227,6 +239,8 @@ def plan(
             )
         if keep is None:
             keep = _held(s, activity, policy.settle_s, now)
+        if keep is None and proven is not None and s.id not in proven:
+            keep = "kept: only an agent's listing shows the newer sets; this disk does not prove them"
         why = keep or (
             f"delete: older than the newest {policy.keep} complete sets"
             if s.complete
@@ -260,49 +274,94 @@ def plan(
     return Plan(policy, tuple(entries), digest, dict(unhealthy))
 
 
-def find_temps(run_dir: str, errors: list[str]) -> tuple[Temp, ...]:
-    """The leftover temporary directories and markers under ``run_dir`` (symlinks not followed)."""
+def local_index(index: Index) -> Index:
+    """``index`` with only the files on this dashboard's disk: an agent's listing (``host``
+    set) is a claim from Redis, and a remote listing can never cause a local delete."""
+    files = [f for s in index.sets for f in s.files if f.host is None]
+    files += [f for f in index.other_files if f.host is None]
+    return build_index(index.run_dir, files, index.world_size, index.errors, index.scanned_at)
+
+
+def leftover_dirs(index: Index) -> set[str]:
+    """Where the checkpoint layouts put the leftovers of unfinished saves (relative, "" the run
+    directory): each local checkpoint file's directory and the directories above its per-rank and
+    per-step ones (``ckpt/`` for ``ckpt/rank_{rank}/…``, where TTP's ``…-step_N_tmp`` sits)."""
+    dirs = set()
+    for s in index.sets:
+        for f in s.files:
+            if f.host is not None:
+                continue  # another node's file: nothing of it is on this disk
+            parts = f.path.split("/")[:-1]
+            templates = f.layout.split("/")[:-1]
+            dirs.add("/".join(parts))
+            for depth in range(len(parts), 0, -1):
+                if depth > len(templates) or "{" not in templates[depth - 1]:
+                    break
+                dirs.add("/".join(parts[: depth - 1]))
+    return dirs
+
+
+def find_temps(run_dir: str, errors: list[str], index: Index) -> tuple[Temp, ...]:
+    """The leftover temporary directories and markers of unfinished saves (symlinks not followed).
+
+    Looked for only directly in ``leftover_dirs``: an ``…-unfinished`` data set or note elsewhere
+    in the run directory is not a checkpoint's. Each is dated by the newest mtime inside it, so
+    a directory still being written into is never old (issue 32, P9).
+    """
     root = os.path.realpath(run_dir)
     found: list[Temp] = []
-    stack = [(root, ())]
-    while stack and len(found) < MAX_TEMP:
-        path, rel = stack.pop()
-        try:
-            with os.scandir(path) as it:
-                entries = list(it)
-        except OSError:
+    for rel in sorted(leftover_dirs(index)):
+        if len(found) >= MAX_TEMP:
+            break
+        if rel.split("/")[0] == runfiles.STATE_DIR:
             continue
-        for e in entries:
-            if not rel and e.name == runfiles.STATE_DIR:
-                continue
-            try:
-                if e.is_symlink():
-                    continue
-                is_dir = e.is_dir(follow_symlinks=False)
-                if TEMP_RE.match(e.name):
-                    found.append(
-                        Temp(
-                            "/".join(rel + (e.name,)),
-                            _du(e.path) if is_dir else e.stat().st_size,
-                            e.stat(follow_symlinks=False).st_mtime,
-                        )
-                    )
-                elif is_dir and len(rel) < MAX_DEPTH:
-                    stack.append((e.path, rel + (e.name,)))
-            except OSError as err:
-                errors.append(f"cannot stat {'/'.join(rel + (e.name,))}: {safeio.why(err)}")
+        try:
+            with safeio.pinned_dir(root, rel) as here, os.scandir(here) as it:
+                for e in itertools.islice(it, MAX_TEMP):
+                    if TEMP_RE.match(e.name):
+                        path = f"{rel}/{e.name}" if rel else e.name
+                        temp = _leftover(e, path, errors)
+                        if temp is not None:
+                            found.append(temp)
+        except (OSError, safeio.UnsafePath):
+            continue
     return tuple(sorted(found, key=lambda t: t.path))
 
 
-def _du(path: str) -> int:
-    total = 0
-    for dirpath, _dirs, files in os.walk(path):
-        for name in files:
+def _leftover(e: os.DirEntry, path: str, errors: list[str]) -> Temp | None:
+    try:
+        st = e.stat(follow_symlinks=False)
+        if stat.S_ISLNK(st.st_mode):
+            return None
+        if stat.S_ISDIR(st.st_mode):
+            size, newest = _du(e.path)
+            return Temp(path, size, max(newest, st.st_mtime))
+        return Temp(path, st.st_size, st.st_mtime)
+    except OSError as err:
+        errors.append(f"cannot stat {path}: {safeio.why(err)}")
+        return None
+
+
+# Entries looked at inside one leftover; past it the leftover counts as written just now (kept).
+MAX_TEMP_ENTRIES = 100_000
+
+
+def _du(path: str) -> tuple[int, float]:
+    """(bytes, newest mtime) of everything under ``path``, symlinks not followed."""
+    total, newest, seen = 0, 0.0, 0
+    for dirpath, dirs, files in os.walk(path):
+        for name in files + dirs:
+            seen += 1
+            if seen > MAX_TEMP_ENTRIES:
+                return total, float("inf")
             try:
-                total += os.lstat(os.path.join(dirpath, name)).st_size
+                st = os.lstat(os.path.join(dirpath, name))
             except OSError:
-                pass
-    return total
+                continue
+            newest = max(newest, st.st_mtime)
+            if not stat.S_ISDIR(st.st_mode):
+                total += st.st_size
+    return total, newest
 
 
 def _ranks(ranks) -> str:

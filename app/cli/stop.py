@@ -23,6 +23,7 @@ from pathlib import Path
 import click
 
 from app.cli.common import console, fmt_bytes, open_cli_run, plain, run_dir_option, untrusted
+from trainer_bridge.rundir import runfiles
 
 # Above this many ranks, stage changes are told as counts, not rank by rank.
 RANKS_TOLD_ONE_BY_ONE = 32
@@ -91,8 +92,11 @@ def stop(run_dir: Path, reason: str, who: str, timeout: float | None, no_wait: b
     run.state.scan(now)
     snapshot = run.state.snapshot(now)
     if snapshot["run"]["status"] == "ended":
-        # The page's Stop button is disabled for the same reason.
-        raise click.ClickException(f"nothing to stop: {plain(snapshot['run']['message'])}")
+        if snapshot["run"].get("proven"):
+            # The page's Stop button is disabled for the same reason.
+            raise click.ClickException(f"nothing to stop: {plain(snapshot['run']['message'])}")
+        # Only the run directory's files say so, and any rank can write them (issue 32, P1).
+        out.print(f"warning: {plain(snapshot['run']['message'])}")
     try:
         rid, created, unaudited, unlocked = run.stop.request(reason, who, shell_origin())
     except RankwatchError as e:
@@ -155,7 +159,13 @@ def follow(run, rid: str, deadline: float, out) -> int:
                 return 1
             if status["state"] == "not_obeyed":
                 progress.stop()
-                out.print(untrusted(f"The stop was {status['summary']}. The flag is re-armed."))
+                armed = runfiles.flag_from_obj(status["flag"] or {}).exit
+                out.print(
+                    untrusted(
+                        f"The stop was {status['summary']}."
+                        + (" The flag still says stop." if armed else " The flag is re-armed.")
+                    )
+                )
                 return 1
             if not status["bridge_seen"] and not status["logs"]:
                 out.print(

@@ -150,7 +150,8 @@ SETTINGS: list[Setting] = [
         "`/metrics` serves each rank's series up to this many ranks; above it, only summaries "
         "(ranks per verdict, per host and verdict, per stop stage), so a large job does not "
         "give Prometheus a dozen series per rank. `/metrics?per_rank=1` asks for every rank anyway "
-        "(one such answer is built at a time), `?per_rank=0` for the summaries only.",
+        "(above this many ranks it needs the operator token, and one such answer is built at a time), "
+        "`?per_rank=0` for the summaries only.",
         group=G_PAGE,
     ),
 ]

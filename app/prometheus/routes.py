@@ -10,6 +10,7 @@ from flask import Blueprint, Response, current_app, g, request
 from pydantic import Field
 
 from app.edge import params
+from app.edge.auth import require_operator
 from app.extensions import rankwatch
 from app.large import large_answer
 from app.prometheus import exporter, runs
@@ -35,7 +36,11 @@ def prometheus_metrics():
     rw = rankwatch()
     rw.state.refresh(time.time(), rw.watcher.tick_s)
     world = rw.state.world_size()
-    per_rank = world <= current_app.config["METRICS_PER_RANK_MAX"] if raw is None else raw == "1"
+    most = current_app.config["METRICS_PER_RANK_MAX"]
+    if raw == "1" and world > most:
+        # An answer that grows with the world size job.json declares: the operator's to ask for (P8).
+        require_operator(count=False)
+    per_rank = world <= most if raw is None else raw == "1"
     with large_answer(world if per_rank else 0, "/metrics with every rank's series"):
         body, content_type = exporter.exposition(rw, request.headers.get("Accept"), per_rank)
     return Response(body, content_type=content_type)
@@ -48,6 +53,10 @@ def _runs_metrics(registry, raw: str | None) -> Response:
         chosen = [(run_id, registry.get(run_id))]
     else:
         chosen = [(i, rw) for i in registry.open_ids() if (rw := registry.peek(i)) is not None]
+    most = current_app.config["METRICS_PER_RANK_MAX"]
+    if raw == "1" and any(rw.state.world_size() > most for _, rw in chosen):
+        # Every rank's series of a job past the limit: the operator's to ask for (P8).
+        require_operator(count=False)
     body, content_type = runs.exposition(
         chosen,
         request.headers.get("Accept"),

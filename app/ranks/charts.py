@@ -20,7 +20,7 @@ def loss_spark(state: RunState, points: int) -> list[float]:
     (the history tail it was seeded from, then each heartbeat), so it
     reads no file. A NaN or infinite loss (null in the history) is left out.
     """
-    series = state.chart_points(lowest_only=True)
+    _, series, _ = state.chart_points(lowest_only=True)
     history = next(iter(series.values()), [])
     losses = [p[2] for p in history if p[2] is not None]
     if len(losses) <= points or points < 2:
@@ -29,21 +29,23 @@ def loss_spark(state: RunState, points: int) -> list[float]:
     return [losses[round(i * step)] for i in range(points)]
 
 
-def history(state: RunState, points: int | None = None) -> dict:
+def history(state: RunState, points: int | None = None, start: int = 0, count: int | None = None) -> dict:
     """Chart history as a ranks x time-bucket matrix (``/api/history``).
 
     Columns are buckets of ``CHART_BUCKET_S`` seconds, the newest ``points``
     of them ending at the newest point; a cell holds the rank's last value
     in that bucket, or null. The page seeds its charts from this and then
     extends them from deltas, so both sides bucket the same way.
+    Only the ranks ``start`` to ``start + count`` (in rank order) are in it,
+    and ``total`` says how many there are: an answer costs a page, not the
+    world size job.json declares.
     """
     points = min(points or state.points, state.points)
-    ranks = state.shown_ranks()
-    series = state.chart_points()
+    ranks, series, total = state.chart_points(start, count)
     b = state.bucket_s
     newest = max((h[-1][0] for h in series.values()), default=None)
     if newest is None:
-        return {"bucket_s": b, "t": [], "ranks": ranks, "step_time_ms": [], "loss": []}
+        return {"bucket_s": b, "t": [], "ranks": ranks, "step_time_ms": [], "loss": [], "total": total}
     end = math.floor(newest / b)
     start = max(end - points + 1, min(math.floor(h[0][0] / b) for h in series.values()))
     width = end - start + 1
@@ -62,4 +64,5 @@ def history(state: RunState, points: int | None = None) -> dict:
         "ranks": ranks,
         "step_time_ms": step_rows,
         "loss": loss_rows,
+        "total": total,
     }

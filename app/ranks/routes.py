@@ -7,6 +7,7 @@ by ``create_app`` alone, as in tests).
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from functools import cache
@@ -21,7 +22,7 @@ from app.extensions import rankwatch
 from app.large import large_answer
 from app.ranks import charts
 from app.ranks.metrics import as_json as metrics_json
-from app.ranks.params import HistoryPoints, RunHistoryQuery
+from app.ranks.params import HistoryPage, RunHistoryQuery
 from app.ranks.window import (  # noqa: F401  (the page bounds are re-exported: tests import them from here)
     PER_PAGE_DEFAULT,
     PER_PAGE_MAX,
@@ -160,16 +161,31 @@ def api_health():
     hub = getattr(rankwatch().state, "hub", None)  # with agents (app/agent/hub.py)
     if hub is not None:
         body["hub"] = hub.status()
+    rows = current_app.extensions.get("rankwatch_rows")  # under --runs (app/runs/registry.py)
+    if rows is not None and rows.registry.is_root:
+        # Live runs left without a watcher, so that a flood of fake runs cannot hide it (P6).
+        body["runs"] = rows.registry.watch_status()
     return jsonify(body)
 
 
 @bp.get("/api/history")
 def api_history():
-    """Chart history as a ranks x time-bucket matrix; ``?points=N`` keeps the newest N buckets."""
-    points = params.query(HistoryPoints).points
+    """Chart history as a ranks x time-bucket matrix; ``?points=N`` keeps the newest N buckets.
+
+    Paged as ``/api/ranks`` (``?page=``, ``?per_page=`` up to 4,096 ranks, the default): one
+    answer holds a page whatever world size job.json declares.
+    """
+    q = params.query(HistoryPage)
     state = fresh_state(time.time())
-    with large_answer(state.world_size(), "the chart history of every rank"):
-        return jsonify(charts.history(state, points))
+    start = (q.page - 1) * q.per_page
+    with large_answer(min(state.world_size(), q.per_page), "the chart history of every rank"):
+        body = charts.history(state, q.points, start, q.per_page)
+    pages = max(1, math.ceil(body["total"] / q.per_page))
+    if q.page > pages:
+        raise NotFound(
+            f"page {q.page} is past the last page, {pages} ({body['total']} ranks, {q.per_page} a page)"
+        )
+    return jsonify(body | {"page": q.page, "per_page": q.per_page, "pages": pages})
 
 
 @bp.get("/api/history/run")

@@ -113,10 +113,11 @@ class RankSlot:
     ``error`` says why the file on disk now is not one (the rank is then
     shown ``corrupt``, with its last valid figures). ``skew_s`` is how far
     ahead of the dashboard's clock the rank's newest heartbeat was dated,
-    when more than ``CLOCK_AHEAD_TOLERANCE_S``.
+    when more than ``CLOCK_AHEAD_TOLERANCE_S``. ``second_writer`` says why
+    two writers are believed to write this rank, once seen.
     """
 
-    __slots__ = ("stat_key", "hb", "window", "history", "error", "skew_s")
+    __slots__ = ("stat_key", "hb", "window", "history", "error", "skew_s", "second_writer")
 
     def __init__(self, window: int, points: int):
         self.stat_key: tuple | None = None
@@ -125,6 +126,8 @@ class RankSlot:
         self.history: deque[tuple] = deque(maxlen=points)
         self.error: str | None = None
         self.skew_s: float | None = None
+        # Evidence that two processes write this rank (see RunReader._accept), kept for the slot's life.
+        self.second_writer: str | None = None
 
     def observe(self, hb: dict, now: float) -> None:
         self.error = None
@@ -304,17 +307,29 @@ class RunReader:
         if beat.rank != rank:
             slot.error = f"{name} holds the heartbeat of rank {beat.rank}"
             return
-        if (
-            slot.hb is not None
-            and beat.started_at == slot.hb["started_at"]
-            and (beat.seq, beat.time) <= (slot.hb["seq"], slot.hb["time"])
-        ):
+        old = slot.hb
+        same_process = old is not None and beat.started_at == old["started_at"]
+        # Older only when neither its time nor its seq is newer: a seq that jumps (anyone who
+        # writes the run directory can write seq + 10^6) must not lock out the process's later
+        # beats, which come at newer times. ``old["time"]`` is clamped to when it was read,
+        # so a future date cannot lock them out either.
+        if same_process and beat.time <= old["time"] and beat.seq <= old["seq"]:
             # The same heartbeat again (a Redis resync repeats the newest), or
             # an older one of the same process (its less frequent file, read
             # while Redis carries the newer ones).
             slot.error = None
             return
-        slot.observe(beat.to_dict(), now)
+        if same_process and (beat.seq < old["seq"]) != (beat.time < old["time"]):
+            # One of seq and time went back: one process never does that (bar a clock stepped back).
+            slot.second_writer = (
+                f"{name}: a second writer: seq went from {old['seq']} to {beat.seq} while its time "
+                f"went {'forward' if beat.time > old['time'] else 'back'} (another process or a forged "
+                "file writes this rank's heartbeat, or its clock stepped back)"
+            )
+        hb = beat.to_dict()
+        if slot.second_writer:
+            hb["warnings"] = [*hb["warnings"][: schema.MAX_WARNINGS - 1], slot.second_writer]
+        slot.observe(hb, now)
         self._declared[rank] = beat.world_size
 
     def _new_slot(self, rank: int, now: float) -> RankSlot:

@@ -13,7 +13,8 @@ Two kinds of job give it nothing there:
 for both: when each log rank obeyed, which ranks have ended and why, and
 whether msrun is still there. ``log_stage`` turns a log rank's facts into the
 same stage record a bridge heartbeat gives, so one completion rule serves
-both; ``JobFacts.job_ended`` says when a stop can no longer be obeyed.
+both; ``JobFacts.job_ended`` says when a stop can no longer be obeyed, and
+``proven_ended`` whether a probe backs that, beyond the files (issue 32, P1).
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ class JobFacts:
     launcher_alive: bool = False
     # Ranks shown from their worker logs → when the log showed OnRequestExit obeying the flag.
     triggered: Mapping[int, float | None] = field(default_factory=dict)
+    # Ranks whose end a probe on this host proves: every process that reported for them is gone
+    # (app.run.endproof). The others' end is the run directory's word only.
+    proven: frozenset[int] = frozenset()
+    # Ranks said to have ended while a probe on this host finds their process running.
+    running: frozenset[int] = frozenset()
 
     @property
     def from_log(self) -> frozenset[int]:
@@ -44,6 +50,14 @@ class JobFacts:
     def job_ended(self, world: int) -> bool:
         """Every rank has ended and msrun is not known to run: nothing is left to obey a stop."""
         return world > 0 and not self.launcher_alive and all(r in self.ended for r in range(world))
+
+    def proven_ended(self, world: int) -> bool:
+        """``job_ended``, and every rank's end is proven by a probe (not only by what its files say)."""
+        return self.job_ended(world) and all(r in self.proven for r in range(world))
+
+    def looks_ended(self, world: int) -> bool:
+        """``job_ended`` by the run directory's word, with no probe contradicting it."""
+        return self.job_ended(world) and not self.running
 
     def why_ended(self, rank: int) -> str | None:
         end = self.ended.get(rank)

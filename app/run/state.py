@@ -32,6 +32,7 @@ from typing import Any
 from app.attempts import LaunchWatch, launches
 from app.push import DELTA_EVENT, SNAPSHOT_EVENT, Changed, changed_fields
 from app.run import logmode
+from app.run.endproof import EndProof
 from app.run.health import TERMINAL_STATES, WORST_FIRST, Thresholds
 from app.run.heartbeats import (  # noqa: F401  (re-exported: tests and tools import them from here)
     ProcessProbe,
@@ -101,6 +102,9 @@ class RunState:
         self._ended: dict[int, tuple[float, str]] = {}
         self._launcher_gone: str | None = None
         self._launcher_alive = False
+        # What a probe on this host says of the processes the ranks that say they ended
+        # (app.run.endproof): the stop calls a job over on such evidence, not on files alone.
+        self._proof = EndProof(self._hostname, self._probe_gone, self.check_after_s)
         self._rows: dict[int, dict] = {}
         self._sent: dict[int, dict] = {}
         self._dirty: set[int] = set()
@@ -202,6 +206,7 @@ class RunState:
             else:
                 self._from_log.discard(r)
             self._launches.observe(r, slot.hb if slot is not None and not from_log else None, now)
+            self._proof.observe(r, slot.hb if slot is not None else None)
             if slot is None:
                 board.observe(r, RankReport(None))
             else:
@@ -254,6 +259,7 @@ class RunState:
     def _status_facts(self) -> StatusFacts:
         """What the status line is made from (``app.run.status``), read under the lock."""
         reader, logs, latest = self._reader, self._logs, self._board.latest
+        shown = set(range(self._world)) | set(latest)
         return StatusFacts(
             run_dir=self.run_dir,
             world=self._world,
@@ -271,6 +277,8 @@ class RunState:
             missing=self._board.missing(),
             ended_states=[hb["state"] for hb in latest.values()] if self._board.all_terminal() else None,
             job_over=None if self._board.all_terminal() else self._job_over(),
+            end_proven=bool(shown) and shown <= self._proof.proven,
+            still_running=sorted(self._proof.running),
         )
 
     def _note_ended(self, now: float, view: set[int]) -> None:
@@ -280,8 +288,9 @@ class RunState:
         runs, whatever its launcher does.
         """
         ended = {}
-        # msrun kills every worker before it says the job exited: that ends the log ranks too.
-        exited = self._logs.dir.job_exited() if self._logs is not None else None
+        # msrun kills every worker before it says the job exited: that ends the log ranks too
+        # (words not taken while msrun's own process runs: a rank can write its log directory).
+        exited = self._logs.dir.job_exited(self._probe_gone) if self._logs is not None else None
         for r in view:
             hb = self._board.latest.get(r)
             state = hb.get("state") if hb else None
@@ -291,6 +300,7 @@ class RunState:
             if why:
                 ended[r] = (self._ended[r][0] if r in self._ended else now, why)
         self._ended = ended
+        self._proof.check(set(ended), now)
         self._launcher_gone, self._launcher_alive = None, False
         if self._logs is not None and view and view <= set(ended):
             self._launcher_gone = self._logs.launcher_gone(self._probe_gone)
@@ -322,6 +332,8 @@ class RunState:
             launcher_gone=self._launcher_gone,
             launcher_alive=self._launcher_alive,
             triggered={r: logs.triggered_at(r) for r in self._from_log} if logs is not None else {},
+            proven=self._proof.proven,
+            running=self._proof.running,
         )
 
     def job_facts(self) -> JobFacts:
@@ -464,24 +476,25 @@ class RunState:
 
     # -- the charts' reads (app/ranks/charts.py shapes them) ----------------------------
 
-    def chart_points(self, lowest_only: bool = False) -> dict[int, list[tuple]]:
-        """Each shown rank's recent chart points ``(t, global_step, loss, step_time_ms)``, copied, by rank.
+    def chart_points(
+        self, start: int = 0, count: int | None = None, lowest_only: bool = False
+    ) -> tuple[list[int], dict[int, list[tuple]], int]:
+        """(the shown ranks ``start`` to ``start + count`` in rank order, each one's recent chart points
+        ``(t, global_step, loss, step_time_ms)`` copied, how many ranks are shown in all).
 
-        ``lowest_only``: just the lowest rank that has any (the landing page's sparkline).
+        ``lowest_only``: the points of just the lowest rank that has any (the landing page's sparkline).
         """
         with self._lock:
+            everyone = sorted(self._rows)
+            ranks = everyone[start : None if count is None else start + count]
             out = {}
-            for r in sorted(self._rows):
+            for r in ranks:
                 slot = self._slot(r)
                 if slot is not None and slot.history:
                     out[r] = list(slot.history)
                     if lowest_only:
                         break
-            return out
-
-    def shown_ranks(self) -> list[int]:
-        with self._lock:
-            return sorted(self._rows)
+            return ranks, out, len(everyone)
 
     def run_history(self, attempts: list[dict], after: float | None, generation: int | None) -> dict:
         """The whole-run chart series (``/api/history/run``; ``RunHistory.answer``)."""

@@ -30,7 +30,9 @@ class StatusFacts:
     may still report. ``conflict``: two launches writing at once (a
     sentence). ``missing``: ranks that have not reported. ``ended_states``:
     every rank's final state once all have one (else None). ``job_over``: why
-    the job is over though not every rank said so (else None).
+    the job is over though not every rank said so (else None). ``end_proven``:
+    a probe here backs every rank's end (``app.run.endproof``);
+    ``still_running``: ranks said to have ended whose process a probe finds running.
     """
 
     run_dir: Path | None
@@ -49,6 +51,8 @@ class StatusFacts:
     missing: list[int]
     ended_states: list[str] | None
     job_over: str | None
+    end_proven: bool = False
+    still_running: list[int] = ()
 
 
 def run_status(f: StatusFacts) -> dict:
@@ -156,8 +160,25 @@ def run_status(f: StatusFacts) -> dict:
         for state in f.ended_states:
             counts[state] = counts.get(state, 0) + 1
         told = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
-        return status("ended", f"The job has ended: {told}.")
+        return _ended(f, status, f"The job has ended: {told}.")
     if f.job_over:
         # Ranks killed or crashed without saying so: their processes and msrun are gone.
-        return status("ended", f"The job has ended: {f.job_over}.")
+        return _ended(f, status, f"The job has ended: {f.job_over}.")
     return status("running", f"{f.world} ranks reporting.{note}")
+
+
+def _ended(f: StatusFacts, status, message: str) -> dict:
+    """``ended``, with ``proven``: whether a probe here backs it (app.run.endproof).
+
+    Stop stays usable while only the files say so: anything that writes the run
+    directory can write "finished" (issue 32, P1).
+    """
+    if f.still_running:
+        ranks = f.still_running
+        message += (
+            f" But the process of rank{'s' if len(ranks) > 1 else ''} {first_of(ranks, 8)}"
+            " still runs on this host: Stop stays usable."
+        )
+    elif not f.end_proven:
+        message += " Only the run directory says so (no probe here can confirm it): Stop stays usable."
+    return {**status("ended", message), "proven": f.end_proven}

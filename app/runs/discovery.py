@@ -18,15 +18,22 @@ ones go.
 
 **Live.** A run is live while one of its heartbeats (``rankwatch/rank_N.json``)
 or worker logs was written within ``RUN_IDLE_S``: the newest ``mtime`` among
-them. A live run's files are ``stat``-ed every scan; an idle one's only when
-one of its directories changed or every ``IDLE_RECHECK_S`` (an append to a
-log does not touch its directory).
+them. An empty file, or one dated in the future (past ``FUTURE_SLACK_S``),
+is no evidence of life: anyone who writes ROOT can date a file ahead (issue
+32, P6). ``RunEntry.evidence`` counts the files that are. A live run's files
+are ``stat``-ed every scan; an idle one's only when one of its directories
+changed or every ``IDLE_RECHECK_S`` (an append to a log does not touch its
+directory).
 
-**Bounded and never stopped.** A scan looks at most ``max_entries``
-directory entries (then says it was cut short). Symlinks (loops included),
-names that are not UTF-8, unreadable directories and directories deleted
-mid-scan are skipped with a reason, kept (at most ``MAX_SKIPPED``) for the
-API; none of them ends a scan.
+**Bounded and never stopped.** A scan reads at most ``max_entries`` entries
+of any one directory (then says which directory was cut short): the budget
+is per directory, so one neighbour's flood of files hides nothing of anyone
+else's (issue 32, P5). A known run is never dropped because a scan was cut
+short, nor while something keeps it (``scan(keep=...)``: a run with a
+watcher), until its own directory is gone. Symlinks (loops included), names
+that are not UTF-8, unreadable directories and directories deleted mid-scan
+are skipped with a reason, kept (at most ``MAX_SKIPPED``) for the API; none
+of them ends a scan.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from app.run.heartbeats import HEARTBEAT_NAME
@@ -47,9 +54,11 @@ from trainer_bridge.rundir.runfiles import FLAG_NAME, STATE_DIR
 
 DEFAULT_DEPTH = 3
 DEFAULT_IDLE_S = 300.0
-# Directory entries one scan looks at: 100,000 empty directories fit; a tree
-# of millions is cut short (and says so) rather than stalling the dashboard.
+# Entries one scan reads of any one directory: 100,000 empty directories fit; a
+# directory of millions is cut short (and says so) rather than stalling the dashboard.
 MAX_ENTRIES = 500_000
+# A heartbeat or log dated more than this ahead of the dashboard's clock is no evidence of life.
+FUTURE_SLACK_S = 2.0
 MAX_SKIPPED = 1000
 # Heartbeats or worker logs stat-ed per run for liveness (a 4,096-rank job's).
 MAX_ACTIVITY_FILES = 8192
@@ -71,6 +80,8 @@ class RunEntry:
     # log directory) changed: a cache of anything read from the run is valid while it holds.
     signature: tuple
     checked_at: float
+    # The non-empty heartbeats and worker logs, not dated in the future, that make it live.
+    evidence: int = 0
 
     def to_dict(self) -> dict:
         return {
@@ -122,6 +133,15 @@ def _open_parts(fd: int, parts: list[str]) -> int:
     return cur if cur != fd else os.dup(fd)
 
 
+def _exists(fd: int, rel: str) -> bool:
+    """Whether the directory ``rel`` below ``fd`` is there, reached without following a symlink."""
+    try:
+        os.close(_open_parts(fd, rel.split("/")))
+    except OSError:
+        return False
+    return True
+
+
 def _reason(e: OSError) -> str:
     if isinstance(e, FileNotFoundError):
         return "deleted during the scan"
@@ -162,6 +182,7 @@ class Discovery:
         self.runs: dict[str, RunEntry] = {}
         self.skipped: list[Skipped] = []
         self.truncated = False
+        self.cut: list[str] = []  # the directories the last scan read only in part
         self.error: str | None = None
         self.scanned_at: float | None = None
         self.entries_seen = 0
@@ -170,16 +191,21 @@ class Discovery:
 
     # -- the scan ---------------------------------------------------------------
 
-    def scan(self) -> dict[str, RunEntry]:
-        """Walk the root once (reusing every listing whose directory did not change); the runs."""
+    def scan(self, keep: Iterable[str] = ()) -> dict[str, RunEntry]:
+        """Walk the root once (reusing every listing whose directory did not change); the runs.
+
+        A run known before and not found now stays known while its directory is there if
+        the scan was cut short or ``keep`` names it (a run with a watcher).
+        """
         with self._lock:
             now = self.clock()
-            self._budget = self.max_entries
+            self._entries = 0
             self._found: dict[str, RunEntry] = {}
             self._skipped: list[Skipped] = []
             self._next_listings: dict[str, _Listing] = {}
             self._seen: set[tuple[int, int]] = set()
             self._truncated = False
+            self._cut: list[str] = []
             try:
                 fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             except OSError as e:
@@ -190,14 +216,19 @@ class Discovery:
                 return self.runs
             try:
                 self._walk(fd, "", 0, now)
+                keep = set(keep)
+                for rid, prev in self.runs.items():
+                    if rid not in self._found and (self._truncated or rid in keep) and _exists(fd, rid):
+                        self._found[rid] = prev
             finally:
                 os.close(fd)
             self.error = None
             self.runs = self._found
             self.skipped = self._skipped
             self.truncated = self._truncated
+            self.cut = self._cut
             self._listings = self._next_listings
-            self.entries_seen = self.max_entries - self._budget
+            self.entries_seen = self._entries
             self.scanned_at = now
             return self.runs
 
@@ -235,10 +266,6 @@ class Discovery:
         if depth >= self.depth:
             return
         for name in listing.subdirs:
-            if self._budget <= 0:
-                self._truncated = True
-                return
-            self._budget -= 1
             child = _join(rel, name)
             if self.on_enter is not None:
                 self.on_enter(child)
@@ -272,7 +299,7 @@ class Discovery:
         if not stat.S_ISDIR(st.st_mode) or _key(st) != old.key or (st.st_dev, st.st_ino) in self._seen:
             return False
         self._seen.add((st.st_dev, st.st_ino))
-        self._budget -= old.entries
+        self._entries += old.entries
         self._next_listings[rel] = old
         for s in old.skipped:
             self._skip(s.path, s.reason)
@@ -282,7 +309,7 @@ class Discovery:
         """The directory's listing: the last one if its key holds, else read now (bounded)."""
         old = self._listings.get(rel)
         if old is not None and old.key == key:
-            self._budget -= old.entries
+            self._entries += old.entries
             self._next_listings[rel] = old
             return old
         listing = _Listing(key)
@@ -292,11 +319,12 @@ class Discovery:
         try:
             with os.scandir(fd) as it:
                 for entry in it:
-                    if self._budget <= 0:
+                    if listing.entries >= self.max_entries:
                         # A partial listing is not kept: the next scan reads it again.
                         self._truncated = cut = True
+                        if len(self._cut) < MAX_SKIPPED:
+                            self._cut.append(rel or ".")
                         break
-                    self._budget -= 1
                     listing.entries += 1
                     name = entry.name
                     try:
@@ -326,6 +354,7 @@ class Discovery:
         except OSError as e:
             self._skip(rel or ".", _reason(e))
             return None
+        self._entries += listing.entries
         listing.markers = frozenset(markers)
         listing.subdirs.sort()
         if not cut:
@@ -377,9 +406,9 @@ class Discovery:
             and not prev.live
             and now - prev.checked_at < IDLE_RECHECK_S
         ):
-            last, checked = prev.last_activity, prev.checked_at
+            last, checked, evidence = prev.last_activity, prev.checked_at, prev.evidence
         else:
-            last, checked = self._activity(fd, state_names, log_names), now
+            (last, evidence), checked = self._activity(fd, state_names, log_names, now), now
         live = last is not None and now - last <= self.idle_s
         return RunEntry(
             id=rel,
@@ -389,11 +418,17 @@ class Discovery:
             live=live,
             signature=signature,
             checked_at=checked,
+            evidence=evidence if live else 0,
         )
 
-    def _activity(self, fd: int, state_names: list[str], log_names: list[str]) -> float | None:
-        """The newest mtime among the run's heartbeats and worker logs (regular files only)."""
-        newest = None
+    def _activity(
+        self, fd: int, state_names: list[str], log_names: list[str], now: float
+    ) -> tuple[float | None, int]:
+        """(The newest mtime among the run's heartbeats and worker logs, how many count).
+
+        Regular, non-empty files only, and none dated past ``now + FUTURE_SLACK_S``.
+        """
+        newest, count = None, 0
         for parts, names, pattern in (
             ([STATE_DIR], state_names, HEARTBEAT_NAME),
             (self.log_parts, log_names, WORKER_NAME),
@@ -411,11 +446,14 @@ class Discovery:
                         st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
                     except OSError:
                         continue
-                    if stat.S_ISREG(st.st_mode) and (newest is None or st.st_mtime > newest):
+                    if not stat.S_ISREG(st.st_mode) or st.st_size == 0 or st.st_mtime > now + FUTURE_SLACK_S:
+                        continue
+                    count += 1
+                    if newest is None or st.st_mtime > newest:
                         newest = st.st_mtime
             finally:
                 os.close(dfd)
-        return newest
+        return newest, count
 
     # -- what the API shows -----------------------------------------------------
 
@@ -428,6 +466,7 @@ class Discovery:
             "live": sum(1 for r in self.runs.values() if r.live),
             "entries_seen": self.entries_seen,
             "truncated": self.truncated,
+            "cut_short": list(self.cut),
             "error": self.error,
             "skipped": [s.to_dict() for s in self.skipped],
         }

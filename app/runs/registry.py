@@ -13,6 +13,12 @@ stop policy and alerts follow them) whether or not a page is open; a run
 opened only to be looked at has its watcher started by its page's Socket.IO
 connect, as today, and stopped when the run is dropped.
 
+**Which runs get a watcher** (issue 32, P6): a run whose flag says stop, and
+a live run while the stop policy or retention is on for it, always; the other
+live runs by evidence (valid heartbeats of an open run, then the discovery's
+count of non-empty, not future-dated files, then the newest), up to ``cap``.
+Live runs left without one are counted in ``/api/health`` (``runs``).
+
 With ``--run-dir RUN`` the registry holds that one run under its name
 (``RUN``'s last component): ``/api/runs/<name>/X`` answers as ``/api/X``.
 """
@@ -26,9 +32,11 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from app.checkpoints.retention_plan import policy_for
 from app.errors import RunNotFound
-from app.runs.discovery import Discovery, RunEntry
+from app.runs.discovery import FLAG, Discovery, RunEntry
 from app.runs.ids import single_id  # noqa: F401  (create_app imports it from here)
+from trainer_bridge.rundir import runfiles
 
 if TYPE_CHECKING:
     from app.extensions import Rankwatch
@@ -77,6 +85,8 @@ class Registry:
         self._lock = threading.RLock()
         self._task = None
         self._stopping = threading.Event()
+        self._must: set[str] = set()  # runs that are always watched (see the module's docstring)
+        self.unwatched: list[str] = []  # live runs the last tick left without a watcher
         # Called after each scan of the loop (the runs table reads idle rows ahead: app/runs/rows.py).
         self.on_tick: Callable[[], object] | None = None
 
@@ -136,16 +146,24 @@ class Registry:
 
     def _keep(self, run_id: str, now: float) -> bool:
         entry = self.discovery.runs.get(run_id)
-        return entry is not None and (entry.live or now - self._used.get(run_id, -1e18) <= VIEWED_S)
+        return entry is not None and (
+            entry.live or run_id in self._must or now - self._used.get(run_id, -1e18) <= VIEWED_S
+        )
 
     def _trim(self) -> None:
-        """Drop gone runs, then the least recently used past the cap (under the lock)."""
+        """Drop gone runs, then the least recently used past the cap (under the lock).
+
+        A run that must be watched is never the one dropped for the cap.
+        """
         now = self.clock()
         for run_id in [r for r in self._open if r not in self.discovery.runs]:
             self._drop(run_id)
         while len(self._open) > self.cap:
             # Least recently used first, but a run neither live nor viewed before any other.
-            victim = next((r for r in self._open if not self._keep(r, now)), next(iter(self._open)))
+            droppable = [r for r in self._open if r not in self._must]
+            if not droppable:
+                break
+            victim = next((r for r in droppable if not self._keep(r, now)), droppable[0])
             self._drop(victim)
 
     def _drop(self, run_id: str) -> None:
@@ -159,20 +177,72 @@ class Registry:
         """Scan the root; keep the live runs' watchers running; drop what is neither live nor viewed."""
         if self.single is not None:
             return
-        self.discovery.scan()
+        with self._lock:
+            watched = [r for r, rw in self._open.items() if _watching(rw)]
+        # A run with a watcher is not dropped because a scan was cut short (P5).
+        self.discovery.scan(keep=watched)
         now = self.clock()
+        runs = self.discovery.runs
+        must = {e.id for e in runs.values() if self._must_watch(e)}
         live = sorted(
-            (e for e in self.discovery.runs.values() if e.live),
-            key=lambda e: -(e.last_activity or 0),
+            (e for e in runs.values() if e.live and e.id not in must),
+            key=lambda e: self._evidence(e),
+            reverse=True,
         )
-        for entry in live[: self.cap]:
-            self.get(entry.id, touch=False).watcher.ensure_started()
+        chosen = sorted(must) + [e.id for e in live[: max(0, self.cap - len(must))]]
+        with self._lock:
+            self._must = must
+        for run_id in chosen:
+            self.get(run_id, touch=False).watcher.ensure_started()
+        self.unwatched = sorted(e.id for e in live[max(0, self.cap - len(must)) :])
+        if self.unwatched:
+            log.warning(
+                "runs: %d live run(s) have no watcher (at most %d): %s",
+                len(self.unwatched),
+                self.cap,
+                ", ".join(self.unwatched[:8]),
+            )
         with self._lock:
             for run_id in [r for r in self._open if not self._keep(r, now)]:
                 self._drop(run_id)
             self._trim()
         if self.on_tick is not None:
             self.on_tick()
+
+    def _must_watch(self, entry: RunEntry) -> bool:
+        """A run whose flag says stop; a live run while the policy or retention acts on it."""
+        if FLAG in entry.markers and _flag_says_stop(entry.path):
+            return True
+        if not entry.live:
+            return False
+        if self.config.get("POLICY_MODE", "off") != "off":
+            return True
+        return policy_for(entry.path, self.config).mode == "on"
+
+    def _evidence(self, entry: RunEntry) -> tuple:
+        """How sure it is that a run lives: valid heartbeats (an open run's), files, the newest."""
+        rw = self.peek(entry.id)
+        valid = 0
+        if rw is not None:
+            try:
+                beats, _ = rw.state.heartbeats()
+                valid = sum(1 for hb in beats.values() if hb)
+            except Exception:  # a container the CLI built has no state worth ranking by
+                valid = 0
+        return (valid, entry.evidence, entry.last_activity or 0)
+
+    def watch_status(self) -> dict:
+        """For ``/api/health``: how many runs are watched, and which live runs are not."""
+        with self._lock:
+            watched = sum(1 for rw in self._open.values() if _watching(rw))
+        return {
+            "watched": watched,
+            "cap": self.cap,
+            "always_watched": len(self._must),
+            "unwatched": len(self.unwatched),
+            "unwatched_ids": self.unwatched[:20],
+            "discovery": self.discovery.status() if self.discovery is not None else None,
+        }
 
     def ensure_started(self) -> None:
         """Start the loop (the server's worker calls this); with ``--run-dir``, that run's watcher."""
@@ -199,6 +269,19 @@ class Registry:
         with self._lock:
             for run_id in list(self._open):
                 self._drop(run_id)
+
+
+def _watching(rw) -> bool:
+    watcher = getattr(rw, "watcher", None)
+    return bool(watcher is not None and getattr(watcher, "running", False))
+
+
+def _flag_says_stop(path: str) -> bool:
+    try:
+        flag = runfiles.read_flag(path)
+    except (OSError, runfiles.FlagError):
+        return False
+    return bool(flag and flag.exit)
 
 
 def close(rw: Rankwatch) -> None:

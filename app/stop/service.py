@@ -21,7 +21,11 @@ A rank shown only from msrun's worker log reports no stages: its stage comes
 from what the log shows (``app.run.jobend.log_stage``), so an ``OnRequestExit``
 stop completes and re-arms by the same rule. A stop that the job can no
 longer obey (every rank ended without exiting for it, msrun gone) ends as
-``not_obeyed``: audited so, and re-armed, so that a relaunch trains.
+``not_obeyed``: audited so, and re-armed, so that a relaunch trains. Only
+process evidence (a probe on this host finds every rank's process gone,
+``app.run.endproof``) ends it at once and re-arms it; on the run
+directory's word alone it waits ``claims_min_s`` and is never re-armed
+automatically (issue 32, P1).
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ class StopService(StopView):
         self.holding_after_s = holding_after_s
         self.auto_rearm = auto_rearm
         self._lock = threading.Lock()
+        self._first_seen = {}
 
     # ------------------------------------------------------------ the flag
     @contextmanager
@@ -292,8 +297,15 @@ class StopService(StopView):
             **({"outcome": outcome} if outcome else {}),
         )
 
-    def tick(self, ranks: Mapping[int, dict | None], world_size: int, facts: JobFacts | None = None) -> None:
+    def tick(
+        self,
+        ranks: Mapping[int, dict | None],
+        world_size: int,
+        facts: JobFacts | None = None,
+        now: float | None = None,
+    ) -> None:
         """Called by the watcher: record a completed (or not obeyed) stop once, and re-arm if configured."""
+        now = time.time() if now is None else now
         flag, _ = self.read_flag()
         active = self._active(flag)
         if active is None:
@@ -310,7 +322,8 @@ class StopService(StopView):
             else None
         )
         done = done or earlier is not None
-        ignored = not done and facts is not None and facts.job_ended(world_size)
+        verdict = None if done else self._job_over(rid, ranks, world_size, facts, now)
+        ignored = verdict is not None
         if not (done or ignored):
             return
         # The watcher never waits on a lock a rank can hold: one try, and if
@@ -333,7 +346,7 @@ class StopService(StopView):
                     detail={"attempt": earlier},
                 )
             else:
-                status = self.status(ranks, world_size, time.time(), facts=facts)
+                status = self.status(ranks, world_size, now, facts=facts)
                 self._audit(
                     "complete",
                     once=True,
@@ -347,7 +360,9 @@ class StopService(StopView):
                         "bytes": status["bytes"],
                     },
                 )
-            if self.auto_rearm:
+            # On the files' word alone the flag stays: whoever forged "finished" must not
+            # disarm a stop the ranks would still obey. The operator re-arms it.
+            if self.auto_rearm and verdict != "claims":
                 self._write_rearmed(current, SYSTEM, NOT_OBEYED if ignored else None)
                 self._audit(
                     "rearm",

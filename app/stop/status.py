@@ -24,10 +24,19 @@ STAGES = ("requested", "seen", "agreed", "saving", "saved", "exited")
 NOT_OBEYED = "not obeyed"
 # Once a rank has agreed, its stop step is fixed everywhere: too late to cancel.
 COMMITTED = frozenset(STAGES[2:])
+# A stop is called not obeyed on the run directory's word alone (no probe here proves the
+# ranks' processes gone) only once its flag has said stop this long, and ten times the
+# bridge's flag poll plus the job's agreement interval: a rank obeying it has long since
+# shown it by then. Anything that writes the run directory can write "finished" (issue 32, P1).
+CLAIMS_MIN_S = 60.0
+FLAG_POLL_S = 1.0
 
 
 class StopView:
     """The status of the stop in the flag, per rank and as a whole (mixed into ``StopService``)."""
+
+    # request id -> when this process first saw it pending (the flag's own time is a file's word)
+    _first_seen: dict[str, float]
 
     # -------------------------------------------------------------- status
     def _stages(
@@ -153,6 +162,8 @@ class StopView:
             "audit_last_id": self._audit_last_id(),
             # The stop an earlier launch of the job obeyed (or ignored), once the ranks were relaunched.
             "last_stop": None,
+            # Why the job only looks ended, or why that is not believed (issue 32, P1).
+            "warning": None,
         }
         if request is None:
             return base
@@ -168,6 +179,7 @@ class StopView:
         rid = request["request_id"]
         stages = self._stages(rid, ranks, facts, request["requested_at"])
         requested_at = request["requested_at"] or now
+        verdict = self._job_over(rid if active else None, ranks, world_size, facts, now)
         rows = []
         for rank in sorted(stages):
             s = stages[rank]
@@ -178,9 +190,10 @@ class StopView:
         lowest = min((order[r["stage"]] for r in rows), default=0)
         all_exited = bool(rows) and all(r["stage"] == "exited" for r in rows) and len(rows) >= world_size
         ignored = not all_exited and (
-            (facts is not None and facts.job_ended(world_size))
+            (active is not None and verdict is not None)
             or (active is None and (flag or {}).get("outcome") == NOT_OBEYED)
         )
+        warning = None if all_exited else self._end_warning(active, verdict, ranks, world_size, facts)
         stop_steps = sorted({r["stop_step"] for r in rows if r["stop_step"] is not None})
         saves = [r["checkpoint"] for r in rows if r["checkpoint"]]
         total_bytes = sum(c.get("bytes") or 0 for c in saves)
@@ -209,6 +222,12 @@ class StopView:
                 f"not obeyed: the job ended without stopping for it; rank{'s' if len(missed) > 1 else ''} "
                 f"{ranks_text([r['rank'] for r in missed])} ended without exiting for the stop"
                 + (f" ({why})" if why else "")
+                + (
+                    "; by the run directory's word only: no probe here proves their processes gone, "
+                    "so the flag still says stop (re-arm it yourself)"
+                    if verdict == "claims"
+                    else ""
+                )
             )
         base.update(
             state=state,
@@ -221,19 +240,60 @@ class StopView:
             if all_exited or ignored or active is None
             else _holding_up(rows, order, lowest, now, self.holding_after_s),
             late=[r["rank"] for r in rows if r["late"]],
+            warning=warning,
             can_cancel=active is not None and not ignored and not any(r["stage"] in COMMITTED for r in rows),
         )
         return base
 
+    def _job_over(
+        self,
+        rid: str | None,
+        ranks: Mapping[int, dict | None],
+        world_size: int,
+        facts: JobFacts | None,
+        now: float,
+    ) -> str | None:
+        """Whether the pending stop ``rid`` can no longer be obeyed: ``proven`` (every rank's
+        process gone by a probe here), ``claims`` (the files say so, the flag has said stop
+        past ``claims_min_s``, and no probe finds a rank running), else None."""
+        if rid is None or facts is None:
+            return None
+        first = self._first_seen.get(rid)
+        if first is None:
+            # Only the request being followed is remembered: a bounded map whatever the flag says.
+            self._first_seen = {rid: now}
+            first = now
+        if facts.proven_ended(world_size):
+            return "proven"
+        if facts.looks_ended(world_size) and now - first >= self.claims_min_s(ranks):
+            return "claims"
+        return None
+
+    def claims_min_s(self, ranks: Mapping[int, dict | None]) -> float:
+        """How long a flag says stop before the files' word alone can end it (``CLAIMS_MIN_S``)."""
+        return max(CLAIMS_MIN_S, 10 * (FLAG_POLL_S + _agreement_s(ranks)))
+
+    def _end_warning(
+        self, active: dict | None, verdict: str | None, ranks, world_size: int, facts: JobFacts | None
+    ) -> str | None:
+        if active is None or facts is None or verdict == "proven":
+            return None
+        if facts.running and facts.job_ended(world_size):
+            return (
+                f"rank(s) {ranks_text(sorted(facts.running))} say they have ended, but their process "
+                "still runs on this host: the stop stays pending (a second writer may forge their files)"
+            )
+        if verdict is None and facts.looks_ended(world_size):
+            return (
+                "the job looks ended by its files alone (no probe here proves its processes gone): "
+                f"the stop stays pending; it is called not obeyed after {self.claims_min_s(ranks):.0f} s, "
+                "and only you re-arm it"
+            )
+        return None
+
     def estimate(self, ranks: Mapping[int, dict | None], world_size: int) -> dict[str, Any]:
         """What the dialog shows before confirming: ranks, time to stop, where checkpoints go."""
-        steps_ms = [
-            (_finite(hb.get("step_time_mean_ms")) or _finite(hb.get("step_time_ms")) or 0)
-            * (_count(hb.get("sync_every")) or 1)
-            for hb in ranks.values()
-            if isinstance(hb, dict)
-        ]
-        sync_s = max(steps_ms, default=0) / 1000.0
+        sync_s = _agreement_s(ranks)
         save_s = self._last_save_s()
         seconds = None if not any(ranks.values()) else round(1.0 + sync_s + (save_s or 0.0), 1)
         return {
@@ -265,6 +325,17 @@ class StopView:
         except (AuditError, ValueError, TypeError, RecursionError):
             return None
         return _finite(detail.get("save_s")) if isinstance(detail, dict) else None
+
+
+def _agreement_s(ranks: Mapping[int, dict | None]) -> float:
+    """The slowest rank's agreement interval (``sync_every`` steps), in seconds, from its heartbeat."""
+    steps_ms = [
+        (_finite(hb.get("step_time_mean_ms")) or _finite(hb.get("step_time_ms")) or 0)
+        * (_count(hb.get("sync_every")) or 1)
+        for hb in ranks.values()
+        if isinstance(hb, dict)
+    ]
+    return max(steps_ms, default=0) / 1000.0
 
 
 def _holding_up(

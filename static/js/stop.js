@@ -140,12 +140,14 @@ export class StopControls {
     text(state, has ? "operator" : "read-only");
     text($(SEL.tokenOpen), has ? "Token…" : "Enter operator token");
     const stop = $(SEL.stopOpen);
-    const ended = this.run?.status === "ended";
+    // Only a proven end (every rank's process gone) disables Stop: files alone can be forged.
+    const ended = this.run?.status === "ended" && this.run?.proven !== false;
     stop.disabled = !has || ended;
     stop.dataset.why = ended ? "ended" : has ? "" : "read-only";
     // Why it is disabled is in its text, not only in a tooltip.
     text(stop, ended ? "Stop gracefully (job ended)" : has ? "Stop gracefully" : "Stop gracefully (needs the token)");
     if (ended) stop.title = `Nothing to stop: ${this.run.message} Relaunch the job to train again.`;
+    else if (has && this.run?.status === "ended") stop.title = `Warning: ${this.run.message}`;
     else stop.title = has ? "Every rank saves a checkpoint at the same step, then exits"
       : "Read-only: enter the operator token to stop the job";
     $(SEL.tokenForget).hidden = !has;

@@ -231,8 +231,9 @@ def test_leftover_temp_dirs_are_collected_once_old(job):
     nemo = ckptcraft.write(job / "ckpt/step=3.ckpt-unfinished", b"")
     young = job / "ckpt/tft_saved_checkpoints-step_9_tmp"
     ckptcraft.write(young / "rank_0/a.ckpt", b"z")
-    for p in (old_ttp.parent, orbax, nemo):
-        os.utime(p, (OLD, OLD))
+    for top in (old_ttp.parent, orbax, nemo):  # judged by the newest mtime inside (issue 32, P9)
+        for p in [top, *(top.rglob("*") if top.is_dir() else ())]:
+            os.utime(p, (OLD, OLD))
     r = retention(job)
     p = r.plan(2, {})
     temps = {e.id: e.action for e in p.entries if e.kind == "temp"}

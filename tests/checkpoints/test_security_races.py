@@ -21,6 +21,7 @@ import pytest
 
 from tests.helpers import ckptcraft
 from tests.helpers.app import AUTH, make_app
+from tests.helpers.checkpoints import periodic
 from tests.helpers.heartbeats import write_job
 
 TRIES = 3000
@@ -189,6 +190,7 @@ def test_retention_never_removes_anything_outside_the_run_directory(run_dir, tmp
     from app.checkpoints.verify import Verifier
 
     write_job(run_dir, 1)
+    periodic(run_dir, 10, ranks=(0,))  # a checkpoint series in ckpt/: where its leftovers are looked for
     tmpdir = run_dir / "ckpt/tft_saved_checkpoints-step_5_tmp"
     real = tmpdir / "rank_0"
     outside_dir = tmp_path / "outside" / "rank_0"

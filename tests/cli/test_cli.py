@@ -24,7 +24,7 @@ from app.audit import AuditLog
 from app.cli import main
 from app.run.health import VERDICT_GLYPH
 from tests.helpers.checkpoints import bridge_id, save_bridge_set
-from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
+from tests.helpers.heartbeats import gone_pid, heartbeat, write_heartbeat, write_job
 from tests.helpers.signals import ctrl_c_default
 from trainer_bridge.rundir import runfiles
 
@@ -87,7 +87,7 @@ def test_checkpoints_lists_sets_and_the_resume_command(run_dir):
 
 
 def test_stop_refuses_a_job_that_has_ended(run_dir):
-    write_ranks(run_dir, 2, state="finished")
+    write_ranks(run_dir, 2, state="finished", pid=gone_pid())  # and its processes are gone
     result = CliRunner().invoke(main, ["stop", "--run-dir", str(run_dir), "--reason", "late"])
     assert result.exit_code == 1 and "nothing to stop: The job has ended" in result.output
     assert not runfiles.flag_path(run_dir).exists()

@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 import os
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -137,3 +139,11 @@ def write_job(run_dir: str | os.PathLike, world_size: int, **overrides: Any) -> 
     runfiles.state_dir(run_dir).mkdir(parents=True, exist_ok=True)
     runfiles.atomic_write_json(runfiles.job_path(run_dir), job)
     return job
+
+
+def gone_pid() -> int:
+    """The pid of a process that has run and been reaped: a probe finds it gone."""
+    child = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    return int(child.stdout)

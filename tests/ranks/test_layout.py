@@ -12,7 +12,7 @@ from playwright.sync_api import expect
 
 from tests.helpers.app import TOKEN
 from tests.helpers.browser import LAPTOP, horizontal_overflow
-from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
+from tests.helpers.heartbeats import gone_pid, heartbeat, write_heartbeat, write_job
 from tests.helpers.liveserver import sign_in
 
 pytestmark = pytest.mark.browser
@@ -92,8 +92,9 @@ def test_the_stop_button_is_disabled_once_the_job_has_ended_and_says_why(live_se
     expect(page.locator("#operator-state")).to_have_text("operator", timeout=WAIT_MS)
     expect(stop).to_be_enabled(timeout=WAIT_MS)
 
+    pid = gone_pid()  # the processes are gone too: the end is proven, not only claimed
     for r in range(2):
-        write_heartbeat(run_dir, heartbeat(r, 2, seq=2, global_step=20, state="finished"))
+        write_heartbeat(run_dir, heartbeat(r, 2, seq=2, global_step=20, state="finished", pid=pid))
     expect(stop).to_be_disabled(timeout=WAIT_MS)
     expect(stop).to_have_text("Stop gracefully (job ended)")
     expect(stop).to_have_attribute(

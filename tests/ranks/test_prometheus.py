@@ -15,7 +15,7 @@ from app import create_app, large
 from app.prometheus.exporter import DEVICE_GAUGES, PREFIX, RANK_GAUGES
 from app.run.health import VERDICTS
 from app.stop.status import STAGES
-from tests.helpers.app import FAST_SETTINGS
+from tests.helpers.app import FAST_SETTINGS, TOKEN, operator
 from tests.helpers.checkpoints import save_bridge_set
 from tests.helpers.heartbeats import HOST, heartbeat, write_heartbeat, write_job
 from trainer_bridge.rundir import runfiles
@@ -34,9 +34,9 @@ NPU = {
 }
 
 
-def scrape(client, query: str = "") -> dict[str, list]:
+def scrape(client, query: str = "", headers: dict | None = None) -> dict[str, list]:
     """Sample name -> samples, parsed by prometheus_client (any malformed line raises)."""
-    response = client.get("/metrics" + query)
+    response = client.get("/metrics" + query, headers=headers)
     assert response.status_code == 200
     assert response.content_type.startswith("text/plain; version=0.0.4")
     samples: dict[str, list] = {}
@@ -211,7 +211,9 @@ def test_ended_ranks_keep_their_state_but_no_rates(client, run_dir):
 
 
 def test_above_the_per_rank_limit_only_summaries_unless_asked(run_dir):
-    app = create_app({"RUN_DIR": str(run_dir), "TESTING": True, **FAST_SETTINGS, "METRICS_PER_RANK_MAX": 3})
+    app = create_app(
+        {"RUN_DIR": str(run_dir), "TESTING": True, "TOKEN": TOKEN, **FAST_SETTINGS, "METRICS_PER_RANK_MAX": 3}
+    )
     client = app.test_client()
     write_job(run_dir, WORLD)
     for r in range(WORLD):
@@ -223,7 +225,10 @@ def test_above_the_per_rank_limit_only_summaries_unless_asked(run_dir):
     assert hosts == {("node0", "healthy"): 2, ("node1", "healthy"): 2}
     assert {x.labels["verdict"]: x.value for x in s[PREFIX + "ranks"]}["healthy"] == WORLD
 
-    forced = scrape(client, "?per_rank=1")
+    # Every rank's series past the limit is an answer as large as job.json says: the operator's (P8).
+    refused = client.get("/metrics?per_rank=1")
+    assert refused.status_code == 401 and "operator token required" in refused.get_json()["error"]
+    forced = scrape(client, "?per_rank=1", operator())
     assert forced[PREFIX + "per_rank_series"][0].value == 1
     assert len(forced[PREFIX + "rank_verdict"]) == WORLD
     assert {x.labels["rank"]: x.labels["host"] for x in forced[PREFIX + "rank_info"]} == {

@@ -15,7 +15,7 @@ from app.ranks import charts
 from app.run import heartbeats as reader_module
 from app.run.state import RunState, probe_process, read_history_tail
 from tests.helpers.app import FAST_SETTINGS
-from tests.helpers.heartbeats import heartbeat, process_started, write_heartbeat, write_job
+from tests.helpers.heartbeats import gone_pid, heartbeat, process_started, write_heartbeat, write_job
 from trainer_bridge.rundir import runfiles, schema
 
 
@@ -123,8 +123,9 @@ def test_missing_empty_started_partial_running_ended(run_dir):
     assert snap["run"]["status"] == "starting" and "no rank has written" in snap["run"]["message"]
     assert [r["health"] for r in snap["ranks"]] == ["pending"] * 4
 
-    beat(run_dir, 0, 4, seq=1, now=now)
-    beat(run_dir, 1, 4, seq=1, now=now)
+    pid = gone_pid()  # the ranks' process, gone by the end: a probe here proves the end
+    beat(run_dir, 0, 4, seq=1, now=now, pid=pid)
+    beat(run_dir, 1, 4, seq=1, now=now, pid=pid)
     st.scan(now)
     snap = st.snapshot(now)
     assert snap["world_size"] == 4
@@ -133,13 +134,14 @@ def test_missing_empty_started_partial_running_ended(run_dir):
     assert snap["summary"]["counts"]["pending"] == 2
 
     for r in range(4):
-        beat(run_dir, r, 4, seq=2, now=now, state="finished")
+        beat(run_dir, r, 4, seq=2, now=now, state="finished", pid=pid)
     st.scan(now)
     assert st.snapshot(now)["run"] == {
         "status": "ended",
         "run_dir": str(run_dir),
         "message": "The job has ended: 4 finished.",
         "transport": "files",
+        "proven": True,
     }
 
 

@@ -123,7 +123,7 @@ def test_a_hundred_thousand_empty_directories(tmp_path):
     assert not disc.truncated
     # Unchanged: the same answer from the kept listings.
     assert sorted(disc.scan()) == ["first", "many/d099999/run"]
-    # A cap on the entries looked at cuts the scan short and says so.
+    # A cap on the entries read of one directory cuts that directory short and says which.
     small = Discovery(tmp_path, max_entries=1000)
     small.scan()
-    assert small.truncated and small.entries_seen <= 1000
+    assert small.truncated and small.cut == ["many"] and small.status()["cut_short"] == ["many"]

@@ -417,9 +417,15 @@ class LogDir:
             said.append(f"msrun's scheduler: {sched.timed_out[rank]}")
         return "; ".join(said) or None
 
-    def job_exited(self) -> str | None:
-        """msrun's words that the job is over: it killed every worker before saying them."""
+    def job_exited(self, probe=None) -> str | None:
+        """msrun's words that the job is over: it killed every worker before saying them.
+
+        Not taken while msrun's process is found running (``probe``): the words come
+        from a file in the log directory, which any rank can write.
+        """
         said = next((f.job_exited for f in self._launcher_folds() if f.job_exited), None)
+        if said and probe is not None and self.launcher is not None and not probe(*self.launcher):
+            return None
         return f"msrun: {said}" if said else None
 
     def launcher_gone(self, probe) -> str | None:
@@ -429,7 +435,7 @@ class LogDir:
         output is kept in the log directory) or a probe of the process that
         started the workers (``probe`` is ``app.run.heartbeats.probe_process``).
         """
-        said = self.job_exited()
+        said = self.job_exited(probe)
         if said:
             return said
         if self.launcher is not None:

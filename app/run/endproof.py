@@ -1,0 +1,70 @@
+"""Process evidence that a rank has ended, beyond what its files say.
+
+A heartbeat's ``state: finished`` is a claim: anything that writes the run
+directory can make it (issue 32, P1). A stop is called "not obeyed" and
+re-armed automatically only on evidence: every process that has reported for
+the rank (its host, pid and start time, as its heartbeats carried them) is
+gone by a probe on this host. A rank any of whose processes ran on another
+host, or reported no pid, cannot be proven here; one whose process a probe
+finds running has not ended, whatever its file says.
+
+``EndProof`` keeps the identities each rank's heartbeats carried (a few,
+newest last) and probes those of the ranks said to have ended: a gone
+process stays gone, a running one is probed again at most once per
+``PROCESS_CHECK_AFTER_S``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+# Identities kept per rank: a relaunch adds one; a second writer (a forged file) adds more.
+MAX_IDENTITIES = 4
+
+
+class EndProof:
+    def __init__(self, hostname: str, probe_gone: Callable[[int, float | None], str | None], every_s: float):
+        self.hostname = hostname
+        self._probe_gone = probe_gone
+        self.every_s = every_s
+        self._ids: dict[int, list[tuple]] = {}
+        # (pid, started_at) -> (probed at, why gone or None)
+        self._probes: dict[tuple, tuple[float, str | None]] = {}
+        self.proven: frozenset[int] = frozenset()
+        self.running: frozenset[int] = frozenset()
+
+    def observe(self, rank: int, hb: dict | None) -> None:
+        """Note the identity ``hb`` carries (a rank's newest heartbeat, bridge or log)."""
+        if not hb:
+            return
+        ident = (hb.get("host"), hb.get("pid"), hb.get("started_at"))
+        ids = self._ids.setdefault(rank, [])
+        if ident in ids:
+            ids.remove(ident)
+        ids.append(ident)
+        del ids[:-MAX_IDENTITIES]
+
+    def check(self, ended: Iterable[int], now: float) -> None:
+        """Probe the processes of the ranks said to have ended; sets ``proven`` and ``running``."""
+        proven, running, used = set(), set(), set()
+        for rank in ended:
+            verdict = True
+            for host, pid, started in self._ids.get(rank, ()):
+                if host != self.hostname or pid is None:
+                    verdict = None
+                    continue
+                key = (pid, started)
+                used.add(key)
+                at, why = self._probes.get(key, (None, None))
+                if at is None or (why is None and now - at >= self.every_s):
+                    why = self._probe_gone(pid, started)
+                    self._probes[key] = (now, why)
+                if not why:
+                    verdict = False
+                    break
+            if verdict is False:
+                running.add(rank)
+            elif verdict and self._ids.get(rank):
+                proven.add(rank)
+        self._probes = {k: v for k, v in self._probes.items() if k in used}
+        self.proven, self.running = frozenset(proven), frozenset(running)

@@ -1,0 +1,109 @@
+"""Issue 32, P5 and P6: a neighbour under ``--runs`` can neither hide other runs nor take their watchers.
+
+* P5: 500,001 empty files in one neighbour's directory used up the scan's global
+  budget, and every run sorting after it vanished: its stop answered 404.
+* P6: 33 runs with a future-dated empty ``rank_0.json`` took all 32 watcher
+  slots, so a real run's alerts, completion records, policy and retention stopped.
+
+A real dashboard app on a real root (``create_app`` with ``RUNS_ROOT``), its
+registry ticked by the test; the stop goes through HTTP with the token.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from app import create_app
+from app.runs.discovery import MAX_ENTRIES, Discovery
+from app.runs.registry import OPEN_MAX
+from tests.helpers.app import FAST_SETTINGS, TOKEN, operator
+from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
+from trainer_bridge.rundir import runfiles
+
+
+@pytest.fixture
+def root_app(tmp_path):
+    apps = []
+
+    def make(**settings):
+        app = create_app(
+            {"RUNS_ROOT": str(tmp_path), "TESTING": True, "TOKEN": TOKEN, **FAST_SETTINGS, **settings}
+        )
+        apps.append(app)
+        return app
+
+    yield make
+    for app in apps:
+        app.extensions["rankwatch_runs"].stop()
+
+
+def real_run(root, rel: str, world: int = 1) -> None:
+    write_job(root / rel, world)
+    for r in range(world):
+        write_heartbeat(root / rel, heartbeat(r, world, seq=3))
+
+
+@pytest.mark.slow  # half a million files made, then scanned: a minute or more on a loaded machine
+def test_a_neighbours_flood_of_files_hides_no_other_run(tmp_path, root_app):
+    flood = tmp_path / "aaa-neighbour"
+    flood.mkdir()
+    for i in range(MAX_ENTRIES + 1):  # the review's 500,001 empty files
+        os.close(os.open(flood / f"f{i}", os.O_CREAT | os.O_WRONLY, 0o600))
+    real_run(tmp_path, "victim")
+    app = root_app()
+    client = app.test_client()
+    r = client.post("/api/runs/victim/exit", json={"reason": "security: flood"}, headers=operator())
+    assert r.status_code == 202, r.get_json()
+    assert runfiles.read_flag(tmp_path / "victim").exit
+    health = client.get("/api/health").get_json()
+    assert health["runs"]["discovery"]["cut_short"] == ["aaa-neighbour"], health["runs"]
+
+
+def test_a_known_run_is_not_dropped_when_a_scan_is_cut_short(tmp_path):
+    real_run(tmp_path, "zz-victim")
+    disc = Discovery(tmp_path, max_entries=100)
+    assert list(disc.scan()) == ["zz-victim"]
+    for i in range(200):  # now ROOT itself is flooded: its listing is cut before the victim
+        (tmp_path / f"a{i:03d}").mkdir()
+    assert "zz-victim" in disc.scan() and disc.truncated
+    # Kept only while its directory is there.
+    (tmp_path / "zz-victim").rename(tmp_path / "gone")
+    (tmp_path / "gone").rename(tmp_path.parent / f"{tmp_path.name}-gone")
+    assert "zz-victim" not in disc.scan()
+
+
+def test_future_dated_fake_runs_take_no_watcher_from_a_real_run(tmp_path, root_app):
+    ahead = time.time() + 365 * 86400
+    for i in range(OPEN_MAX + 1):
+        fake = runfiles.heartbeat_path(tmp_path / f"fake{i:02d}", 0)
+        fake.parent.mkdir(parents=True)
+        fake.touch()
+        os.utime(fake, (ahead, ahead))
+    real_run(tmp_path, "zz-real")
+    app = root_app()
+    registry = app.extensions["rankwatch_runs"]
+    registry.tick()
+    assert registry.peek("zz-real") is not None and registry.peek("zz-real").watcher.running
+    runs = registry.discovery.runs
+    assert not any(runs[f"fake{i:02d}"].live for i in range(OPEN_MAX + 1))
+    assert app.test_client().get("/api/health").get_json()["runs"]["unwatched"] == 0
+
+
+def test_a_run_with_a_pending_stop_is_watched_past_the_cap_and_health_says_who_is_not(tmp_path, root_app):
+    for i in range(OPEN_MAX + 1):  # more real-looking live runs than slots
+        real_run(tmp_path, f"live{i:02d}", world=2)
+    write_job(tmp_path / "zz-stopping", 1)
+    write_heartbeat(tmp_path / "zz-stopping", heartbeat(0, 1, seq=3, now=time.time() - 3600))
+    old = time.time() - 3600
+    os.utime(runfiles.heartbeat_path(tmp_path / "zz-stopping", 0), (old, old))  # idle: no evidence of life
+    runfiles.write_flag(tmp_path / "zz-stopping", True, request_id="req-pending")
+    app = root_app()
+    registry = app.extensions["rankwatch_runs"]
+    registry.tick()
+    assert registry.peek("zz-stopping") is not None and registry.peek("zz-stopping").watcher.running
+    runs = app.test_client().get("/api/health").get_json()["runs"]
+    assert runs["always_watched"] == 1 and runs["unwatched"] == 2, runs
+    assert len(runs["unwatched_ids"]) == 2
