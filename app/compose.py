@@ -87,6 +87,7 @@ def build(
     stop = StopService(
         run_dir or ".",
         audit,
+        view=state,
         deadline_s=config["STOP_DEADLINE_S"],
         auto_rearm=config["AUTO_REARM"],
         holding_after_s=config["STOP_HOLDING_AFTER_S"],

@@ -176,10 +176,7 @@ class Watcher:
         return True
 
     def _tick_stop(self, now: float) -> dict:
-        ranks, world = self.state.heartbeats()
-        facts = self.state.job_facts()
-        self.stop_service.tick(ranks, world, facts)
-        status = self.stop_service.status(ranks, world, now, logs=self.state.log_stop_facts(), facts=facts)
+        status = self.stop_service.tick(now)
         self._push_stop(status)
         return status
 
@@ -205,10 +202,7 @@ class Watcher:
         """The stop lifecycle as pushed (for a client that just connected)."""
         if self.stop_service is None:
             return None
-        ranks, world = self.state.heartbeats()
-        return self.stop_service.status(
-            ranks, world, now, logs=self.state.log_stop_facts(), facts=self.state.job_facts()
-        )
+        return self.stop_service.status(now)
 
     def _run(self) -> None:
         deadline = self.clock()

@@ -146,10 +146,8 @@ def follow(run, rid: str, deadline: float, out) -> int:
         while True:
             now = time.time()
             run.state.scan(now)
-            ranks, world = run.state.heartbeats()
-            facts = run.state.job_facts()
-            run.stop.tick(ranks, world, facts)  # the watcher's part: audit the completion, re-arm
-            status = run.stop.status(ranks, world, now, logs=run.state.log_stop_facts(), facts=facts)
+            status = run.stop.tick(now)  # the watcher's part: audit the completion, re-arm
+            world = run.state.world_size()
             request = status["request"] or {}
             if request.get("request_id") != rid:
                 out.print(untrusted(f"The flag no longer holds request {rid}: {status['state']}."))

@@ -128,7 +128,7 @@ class RankwatchCollector:
         head = rw.state.summary(now)
         rows = rw.state.rows()
         ranks, world = rw.state.heartbeats()
-        stop = rw.stop.status(ranks, world, now)
+        stop = rw.stop.status(now)
         per_rank = self.per_rank
 
         yield InfoMetricFamily(PREFIX + "build", "This dashboard's version.", value={"version": version()})

@@ -64,6 +64,23 @@ class JobFacts:
         return end[1] if end else None
 
 
+@dataclass(frozen=True)
+class StopInputs:
+    """What following a stop reads of the run, taken together (``RunState.stop_inputs``).
+
+    ``ranks``: each rank's newest bridge heartbeat (None: a rank shown from its
+    worker log, or silent); ``world_size``; ``logs``: what the stop panel says
+    of the ranks shown only from their logs (``RunState.log_stop_facts``);
+    ``facts``: which ranks have ended and why, whether msrun is still there
+    (``JobFacts``).
+    """
+
+    ranks: Mapping[int, dict | None]
+    world_size: int
+    logs: dict | None = None
+    facts: JobFacts | None = None
+
+
 def log_stage(rank: int, facts: JobFacts, requested_at: float | None) -> dict:
     """A log rank's stop record, in the shape the bridge's heartbeat gives.
 

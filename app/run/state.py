@@ -44,7 +44,7 @@ from app.run.heartbeats import (  # noqa: F401  (re-exported: tests and tools im
     read_history_tail,
 )
 from app.run.history import RunHistory
-from app.run.jobend import JobFacts
+from app.run.jobend import JobFacts, StopInputs
 from app.run.judging import RankReport, VerdictBoard
 from app.run.rows import make_row, with_age
 from app.run.status import StatusFacts, run_status
@@ -335,6 +335,11 @@ class RunState:
             proven=self._proof.proven,
             running=self._proof.running,
         )
+
+    def stop_inputs(self) -> StopInputs:
+        """Everything the stop service reads of the run (``app.stop.service.StopService``'s ``view``)."""
+        ranks, world = self.heartbeats()
+        return StopInputs(ranks, world, self.log_stop_facts(), self.job_facts())
 
     def job_facts(self) -> JobFacts:
         """What the stop service needs beyond the heartbeats (see ``app.run.jobend``)."""

@@ -71,7 +71,7 @@ def row_from(
     heartbeats, world = state.heartbeats()
     stop_state = last_stop = None
     if stop is not None and state.run_dir is not None:
-        status = stop.status(heartbeats, world, now, logs=state.log_stop_facts(), facts=state.job_facts())
+        status = stop.status(now)
         stop_state = status.get("state")
         request = status.get("request") or status.get("last_stop")
         if isinstance(request, dict):

@@ -21,16 +21,14 @@ bp = Blueprint("stop", __name__)
 WHO_DEFAULT = "operator"
 
 
-def _live():
-    """(heartbeats by rank, world size), read from the files now.
+def _live() -> None:
+    """Bring the run's view up to date with the files now, before the stop service reads it.
 
     Not the watcher's view, which may be a tick old: cancel and re-arm decide
     on where the ranks are, and a rank may have agreed a moment ago.
     """
     _require_run_dir()
-    state = rankwatch().state
-    state.scan(time.time())
-    return state.heartbeats()
+    rankwatch().state.scan(time.time())
 
 
 def _require_run_dir() -> None:
@@ -44,12 +42,10 @@ def _who(body: StopRequest | StopChange) -> str:
 
 @bp.get("/api/exit")
 def api_exit_status():
-    ranks, world = _live()
+    _live()
     rw = rankwatch()
-    status = rw.stop.status(
-        ranks, world, time.time(), logs=rw.state.log_stop_facts(), facts=rw.state.job_facts()
-    )
-    return jsonify(status | {"estimate": rw.stop.estimate(ranks, world)})
+    inputs = rw.state.stop_inputs()  # one look at the run for both parts of the answer
+    return jsonify(rw.stop.status(time.time(), inputs) | {"estimate": rw.stop.estimate(inputs)})
 
 
 @bp.post("/api/exit")
@@ -79,9 +75,8 @@ def api_exit_request():
 def api_exit_cancel():
     require_operator()
     body = params.body(StopChange)
-    ranks, _ = _live()
-    rw = rankwatch()
-    rid = rw.stop.cancel(ranks, _who(body), request.remote_addr, body.reason, facts=rw.state.job_facts())
+    _live()
+    rid = rankwatch().stop.cancel(_who(body), request.remote_addr, body.reason)
     return jsonify({"request_id": rid, "cancelled": True})
 
 
@@ -89,17 +84,8 @@ def api_exit_cancel():
 def api_exit_rearm():
     require_operator()
     body = params.body(Rearm)
-    ranks, world = _live()
-    rw = rankwatch()
-    rid = rw.stop.rearm(
-        ranks,
-        world,
-        _who(body),
-        request.remote_addr,
-        body.reason,
-        force=body.force,
-        facts=rw.state.job_facts(),
-    )
+    _live()
+    rid = rankwatch().stop.rearm(_who(body), request.remote_addr, body.reason, force=body.force)
     return jsonify({"request_id": rid, "rearmed": True})
 
 

@@ -2,7 +2,8 @@
 
 Following a stop (each rank's stage, who holds the others up, the status)
 is ``StopView``'s, in ``app/stop/status.py``; ``StopService`` inherits it
-and acts.
+and acts. Both read the run through ``view`` (``RunState.stop_inputs``): no
+caller gathers the heartbeats, the log ranks' facts and the job's end itself.
 
 The flag file is the request's only record the trainers see, so the service
 keeps the request's facts in it too (``request_id``, ``requested_at``,
@@ -33,13 +34,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
 from contextlib import contextmanager
 
 from app.attempts import served_by
 from app.audit import OBSERVED, SYSTEM, AuditError, AuditLog
 from app.errors import CannotWrite, StopRefused
-from app.run.jobend import JobFacts
+from app.run.jobend import StopInputs
 from app.stop.status import COMMITTED, NOT_OBEYED, StopView, ranks_text, relaunched_since, request_facts
 from trainer_bridge.rundir import runfiles, safeio
 
@@ -57,12 +57,15 @@ class StopService(StopView):
         run_dir: str,
         audit: AuditLog,
         *,
+        view=None,
         deadline_s: float,
         auto_rearm: bool,
         holding_after_s: float = 10.0,
     ):
         self.run_dir = run_dir
         self.audit = audit
+        # The run the stop follows: a RunState (stop_inputs()), read by every method that needs it.
+        self.view = view
         self.deadline_s = deadline_s
         self.holding_after_s = holding_after_s
         self.auto_rearm = auto_rearm
@@ -201,13 +204,10 @@ class StopService(StopView):
         return active
 
     def cancel(
-        self,
-        ranks: Mapping[int, dict | None],
-        who: str,
-        remote_addr: str | None,
-        reason: str | None,
-        facts: JobFacts | None = None,
+        self, who: str, remote_addr: str | None, reason: str | None, inputs: StopInputs | None = None
     ) -> str:
+        inputs = self._inputs(inputs)
+        ranks, facts = inputs.ranks, inputs.facts
         with self._flag_lock() as unlocked:
             active = self._pending_or_refuse("cancel", who, remote_addr, reason, "no stop request is pending")
             rid = active["request_id"]
@@ -245,15 +245,15 @@ class StopService(StopView):
 
     def rearm(
         self,
-        ranks: Mapping[int, dict | None],
-        world_size: int,
         who: str,
         remote_addr: str | None,
         reason: str | None,
         force: bool = False,
-        facts: JobFacts | None = None,
+        inputs: StopInputs | None = None,
     ) -> str:
         """Return the flag to ``{"GracefulExit": 0}`` after a stop, so a relaunch runs."""
+        inputs = self._inputs(inputs)
+        ranks, world_size, facts = inputs.ranks, inputs.world_size, inputs.facts
         with self._flag_lock() as unlocked:
             active = self._pending_or_refuse(
                 "rearm", who, remote_addr, reason, "nothing to re-arm: the flag does not say stop"
@@ -297,22 +297,29 @@ class StopService(StopView):
             **({"outcome": outcome} if outcome else {}),
         )
 
-    def tick(
-        self,
-        ranks: Mapping[int, dict | None],
-        world_size: int,
-        facts: JobFacts | None = None,
-        now: float | None = None,
-    ) -> None:
-        """Called by the watcher: record a completed (or not obeyed) stop once, and re-arm if configured."""
+    def tick(self, now: float | None = None, inputs: StopInputs | None = None) -> dict:
+        """The watcher's (and a waiting ``rankwatch stop``'s) part; returns the status it found.
+
+        Records a completed (or not obeyed) stop once, and re-arms if
+        configured. The flag is read once, and the run once; only a tick that
+        completes a stop reads the flag again, under its lock and after writing it.
+        """
         now = time.time() if now is None else now
-        flag, _ = self.read_flag()
+        inputs = self._inputs(inputs)
+        flag, flag_error = self.read_flag()
+        if self._complete(flag, inputs, now):
+            flag, flag_error = self.read_flag()
+        return self._status(flag, flag_error, inputs, now)
+
+    def _complete(self, flag: dict | None, inputs: StopInputs, now: float) -> bool:
+        """Record the pending stop's end once, and re-arm if configured; whether the flag was written."""
+        ranks, world_size, facts = inputs.ranks, inputs.world_size, inputs.facts
         active = self._active(flag)
         if active is None:
-            return
+            return False
         rid = active["request_id"]
         if rid is None:
-            return
+            return False
         done = self._completed(rid, ranks, world_size, facts, active["requested_at"])
         # A dashboard that was not watching when the ranks stopped sees only a later launch:
         # attempts.jsonl says whether an earlier one stopped for this request.
@@ -325,13 +332,14 @@ class StopService(StopView):
         verdict = None if done else self._job_over(rid, ranks, world_size, facts, now)
         ignored = verdict is not None
         if not (done or ignored):
-            return
+            return False
         # The watcher never waits on a lock a rank can hold: one try, and if
         # it is held the completion is recorded anyway (audit.has keeps it once).
         with self._flag_lock(wait_s=0.0):
-            current = self._active(self.read_flag()[0])
+            current_flag, current_error = self.read_flag()
+            current = self._active(current_flag)
             if current is None or current["request_id"] != rid:
-                return  # someone else re-armed or replaced it meanwhile
+                return True  # someone else re-armed or replaced it meanwhile: read it again
             # once=True: a dashboard and a waiting `rankwatch stop` may both see the end at once,
             # and neither may hold the flag lock (wait_s=0): the trail's insert decides.
             if earlier is not None:
@@ -346,7 +354,7 @@ class StopService(StopView):
                     detail={"attempt": earlier},
                 )
             else:
-                status = self.status(ranks, world_size, now, facts=facts)
+                status = self._status(current_flag, current_error, inputs, now)
                 self._audit(
                     "complete",
                     once=True,
@@ -374,6 +382,8 @@ class StopService(StopView):
                     if ignored
                     else "accepted (automatic after completion)",
                 )
+            return True
+        return False
 
 
 def _unlocked(outcome: str, problem: str | None) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 
 from app.attempts import served_by
 from app.audit import MAX_TEXT, AuditError
-from app.run.jobend import JobFacts, log_stage
+from app.run.jobend import JobFacts, StopInputs, log_stage
 from trainer_bridge.rundir import runfiles
 from trainer_bridge.rundir.listing import first_of
 
@@ -33,7 +33,13 @@ FLAG_POLL_S = 1.0
 
 
 class StopView:
-    """The status of the stop in the flag, per rank and as a whole (mixed into ``StopService``)."""
+    """The status of the stop in the flag, per rank and as a whole (``StopService``'s read side).
+
+    What it reads of the run comes from ``view`` (a ``RunState``:
+    ``stop_inputs()``), taken once per call, or as a caller hands it in.
+    """
+
+    view: Any  # has stop_inputs() -> StopInputs; None: no run to follow (every rank unknown)
 
     # request id -> when this process first saw it pending (the flag's own time is a file's word)
     _first_seen: dict[str, float]
@@ -118,24 +124,29 @@ class StopView:
         except AuditError:
             return None
 
-    def status(
-        self,
-        ranks: Mapping[int, dict | None],
-        world_size: int,
-        now: float,
-        *,
-        logs: dict | None = None,
-        facts: JobFacts | None = None,
-    ) -> dict[str, Any]:
-        """The body of ``GET /api/exit``.
+    def status(self, now: float, inputs: StopInputs | None = None) -> dict[str, Any]:
+        """The body of ``GET /api/exit``, from the flag as it is now and the run as ``view`` shows it."""
+        flag, flag_error = self.read_flag()
+        return self._status(flag, flag_error, self._inputs(inputs), now)
 
-        ``logs`` is ``RunState.log_stop_facts()``: the ranks shown only from
+    def _inputs(self, given: StopInputs | None) -> StopInputs:
+        """``given`` (a test's, or one tick's), else the run as ``view`` shows it now."""
+        if given is not None:
+            return given
+        return self.view.stop_inputs() if self.view is not None else StopInputs({}, 0)
+
+    def _status(
+        self, flag: dict | None, flag_error: str | None, inputs: StopInputs, now: float
+    ) -> dict[str, Any]:
+        """The status of the stop in ``flag`` (as read once by the caller).
+
+        ``inputs.logs`` is ``RunState.log_stop_facts()``: the ranks shown only from
         msrun's worker logs, whose stop stages nobody reports, and whether
         their logs show that the script obeys the flag (OnRequestExit).
-        ``facts`` is ``RunState.job_facts()``: the log ranks' stages and
+        ``inputs.facts`` is ``RunState.job_facts()``: the log ranks' stages and
         which ranks have ended (see ``app.run.jobend``).
         """
-        flag, flag_error = self.read_flag()
+        ranks, world_size, logs, facts = inputs.ranks, inputs.world_size, inputs.logs, inputs.facts
         active = self._active(flag)
         last = (flag or {}).get("last_request")
         request = active if active else (request_facts(last) if isinstance(last, dict) else None)
@@ -291,8 +302,10 @@ class StopView:
             )
         return None
 
-    def estimate(self, ranks: Mapping[int, dict | None], world_size: int) -> dict[str, Any]:
+    def estimate(self, inputs: StopInputs | None = None) -> dict[str, Any]:
         """What the dialog shows before confirming: ranks, time to stop, where checkpoints go."""
+        inputs = self._inputs(inputs)
+        ranks, world_size = inputs.ranks, inputs.world_size
         sync_s = _agreement_s(ranks)
         save_s = self._last_save_s()
         seconds = None if not any(ranks.values()) else round(1.0 + sync_s + (save_s or 0.0), 1)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from app.audit import AuditLog
 from app.config import from_env
+from app.run.jobend import StopInputs
 from app.run.state import RunState
 from app.stop.service import StopService
 from tests.bench.ingest import start_redis
@@ -62,8 +63,8 @@ def measure(ranks: int, ticks: int, workdir: Path, redis_url: str | None, profil
         state.scan(t)
         state.take_delta(t)
         beats, world = state.heartbeats()
-        stop.tick(beats, world)
-        stop.status(beats, world, t, logs=state.log_stop_facts())
+        stop.tick(inputs=StopInputs(beats, world))
+        stop.status(t, StopInputs(beats, world, state.log_stop_facts()))
 
     tick(now)  # the first tick reads everything once
     profiler = cProfile.Profile() if profile else None

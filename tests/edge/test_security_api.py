@@ -19,6 +19,7 @@ import urllib.request
 import pytest
 
 from app import create_app
+from app.run.jobend import StopInputs
 from tests.helpers import ckptcraft
 from tests.helpers.app import AUTH, FAST_SETTINGS, TOKEN
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
@@ -174,11 +175,11 @@ def test_the_stop_service_survives_stop_records_it_cannot_use(tmp_path):
         "not a heartbeat",
     ]
     ranks = dict(enumerate(odd))
-    status = service.status(ranks, len(odd), time.time())
+    status = service.status(time.time(), StopInputs(ranks, len(odd)))
     json.dumps(status)
     assert status["state"] in ("requested", "stopping")
-    json.dumps(service.estimate(ranks, len(odd)))
-    service.tick(ranks, len(odd))
+    json.dumps(service.estimate(StopInputs(ranks, len(odd))))
+    service.tick(inputs=StopInputs(ranks, len(odd)))
     assert service.request("again", "op", None) == ("req-1", False, None, None)
 
 

@@ -12,6 +12,7 @@ from app import create_app
 from app.audit import AuditLog
 from app.incidents.alerts import AlertDesk
 from app.incidents.policy import Policy, Rule, parse_mode, parse_rules
+from app.run.jobend import StopInputs
 from app.stop.service import StopService
 from tests.helpers.incidents import Sent
 from trainer_bridge.rundir import runfiles
@@ -196,7 +197,7 @@ def test_a_human_cancel_is_final(run_dir):
     sick = rows(r1={"device_health": "Critical"})
     h.feed(0.0, sick)
     h.feed(30.0, sick)
-    h.stop.cancel({0: None, 1: None}, "alice", None, "false alarm")
+    h.stop.cancel("alice", None, "false alarm", StopInputs({0: None, 1: None}, 2))
     h.feed(60.0, sick)
     h.feed(600.0, sick)
     assert not h.flag().exit and len(h.audit_rows("request")) == 1

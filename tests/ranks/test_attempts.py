@@ -17,7 +17,7 @@ import time
 import pytest
 
 from app.audit import AuditLog
-from app.run.jobend import JobFacts
+from app.run.jobend import JobFacts, StopInputs
 from app.stop.service import StopService
 from tests.helpers.heartbeats import HOST, heartbeat, write_heartbeat
 from trainer_bridge.rundir import attempts, runfiles, schema
@@ -348,11 +348,15 @@ def test_a_late_dashboard_credits_the_stop_to_the_attempt_that_served_it(tmp_pat
         ],
     )
     later = {r: heartbeat(r, 2, launch="two", started_at=requested_at + 5) for r in (0, 1)}
-    status = service.status(later, 2, time.time())
+    status = service.status(time.time(), StopInputs(later, 2))
     assert status["state"] == "idle" and status["request"] is None
     last = status["last_stop"]
     assert (last["request_id"], last["outcome"], last["attempt"]) == (rid, "completed", 1)
-    service.tick(later, 2, JobFacts(ended={0: (time.time(), "gone"), 1: (time.time(), "gone")}))
+    service.tick(
+        inputs=StopInputs(
+            later, 2, facts=JobFacts(ended={0: (time.time(), "gone"), 1: (time.time(), "gone")})
+        )
+    )
     rows = service.audit.rows()
     assert [r["action"] for r in rows] == ["rearm", "complete", "request"]
     assert rows[1]["outcome"].startswith("completed: attempt 1, an earlier launch")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from app.audit import AuditLog
-from app.run.jobend import JobFacts, log_stage
+from app.run.jobend import JobFacts, StopInputs, log_stage
 from app.stop.service import StopService
 from trainer_bridge.rundir import runfiles
 
@@ -39,11 +39,11 @@ def test_a_log_stop_completes_by_the_bridges_rule_and_a_cancel_is_refused_once_s
     at = runfiles.read_flag(run_dir).raw["requested_at"]
     ranks = {0: None}
     saving = JobFacts(triggered={0: at + 1})
-    status = stop.status(ranks, 1, at + 2, facts=saving)
+    status = stop.status(at + 2, StopInputs(ranks, 1, facts=saving))
     assert status["state"] == "stopping" and status["can_cancel"] is False
     done = JobFacts(triggered={0: at + 1}, ended={0: (at + 3, "exited")})
-    stop.tick(ranks, 1, done)
-    status = stop.status(ranks, 1, at + 4, facts=done)
+    stop.tick(inputs=StopInputs(ranks, 1, facts=done))
+    status = stop.status(at + 4, StopInputs(ranks, 1, facts=done))
     assert status["state"] == "rearmed" and status["summary"].startswith("all 1 ranks stopped")
     assert runfiles.read_flag(run_dir).raw.get("outcome") is None
     assert [r["action"] for r in stop.audit.rows(limit=5)] == ["rearm", "complete", "request"]

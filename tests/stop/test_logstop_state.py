@@ -23,6 +23,7 @@ from click.testing import CliRunner
 
 from app.cli import main
 from app.config import from_env
+from app.run.jobend import StopInputs
 from app.run.state import RunState
 from tests.helpers.app import FAST_SETTINGS
 from trainer_bridge.rundir import runfiles
@@ -165,8 +166,8 @@ def test_a_stop_the_job_ended_without_obeying_is_not_obeyed_and_re_armed(run_dir
     def tick():
         ranks, world = st.heartbeats()
         facts = st.job_facts()
-        stop.tick(ranks, world, facts)
-        return stop.status(ranks, world, time.time(), logs=st.log_stop_facts(), facts=facts)
+        stop.tick(inputs=StopInputs(ranks, world, facts=facts))
+        return stop.status(time.time(), StopInputs(ranks, world, st.log_stop_facts(), facts=facts))
 
     status = tick()
     # Every rank is behind, so none is named as holding the others up.

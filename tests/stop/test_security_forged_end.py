@@ -22,6 +22,7 @@ import urllib.request
 
 import pytest
 
+from app.run.jobend import StopInputs
 from app.run.logmode.parser import JOB_EXITED
 from tests.helpers.app import TOKEN, operator
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
@@ -135,14 +136,14 @@ def test_files_alone_never_re_arm_a_stop_and_call_it_not_obeyed_only_after_the_m
 
     ranks, world = rw.state.heartbeats()
     facts = rw.state.job_facts()
-    rw.stop.tick(ranks, world, facts, now=now)
-    status = rw.stop.status(ranks, world, now, facts=facts)
+    rw.stop.tick(now, StopInputs(ranks, world, facts=facts))
+    status = rw.stop.status(now, StopInputs(ranks, world, facts=facts))
     assert status["state"] == "requested" and "looks ended by its files alone" in status["warning"], status
     assert runfiles.read_flag(run_dir).exit
 
     later = now + rw.stop.claims_min_s(ranks) + 1
-    rw.stop.tick(ranks, world, facts, now=later)
-    status = rw.stop.status(ranks, world, later, facts=facts)
+    rw.stop.tick(later, StopInputs(ranks, world, facts=facts))
+    status = rw.stop.status(later, StopInputs(ranks, world, facts=facts))
     assert status["state"] == "not_obeyed" and "by the run directory's word only" in status["summary"]
     flag = runfiles.read_flag(run_dir)
     assert flag.exit and flag.raw.get("outcome") is None  # still says stop: not re-armed
@@ -164,8 +165,8 @@ def test_a_live_process_contradicts_its_finished_file(client, app, run_dir):
     facts = rw.state.job_facts()
     assert facts.running == {0}
     far = now + 10 * rw.stop.claims_min_s(ranks)
-    rw.stop.tick(ranks, world, facts, now=far)
-    status = rw.stop.status(ranks, world, far, facts=facts)
+    rw.stop.tick(far, StopInputs(ranks, world, facts=facts))
+    status = rw.stop.status(far, StopInputs(ranks, world, facts=facts))
     assert status["state"] == "requested" and "still runs on this host" in status["warning"], status
     assert runfiles.read_flag(run_dir).exit
     assert "still runs on this host" in rw.state.summary(now)["run"]["message"]

@@ -10,6 +10,7 @@ import pytest
 
 from app.audit import AuditLog
 from app.errors import StopRefused
+from app.run.jobend import StopInputs
 from app.stop.service import StopService
 from trainer_bridge.rundir import runfiles
 
@@ -82,24 +83,24 @@ def test_lifecycle_and_summary(service):
     rid, *_ = service.request("r", "alice", None)
     t = time.time()
     ranks = {0: hb(0), 1: hb(1)}
-    s = service.status(ranks, 2, t)
+    s = service.status(t, StopInputs(ranks, 2))
     assert s["state"] == "requested" and [r["stage"] for r in s["ranks"]] == ["requested"] * 2
     # Every rank at the same stage: nobody is behind anybody.
     assert s["can_cancel"] and s["holding_up"] == []
-    assert service.status(ranks, 2, t + 60)["holding_up"] == []
+    assert service.status(t + 60, StopInputs(ranks, 2))["holding_up"] == []
 
     ranks = {0: hb(0, rid, "seen", seen=t), 1: hb(1)}
-    s = service.status(ranks, 2, t)
+    s = service.status(t, StopInputs(ranks, 2))
     # Behind, but only just: a normal stop, no culprit yet.
     assert s["state"] == "stopping" and s["holding_up"] == [] and s["can_cancel"]
-    assert service.status(ranks, 2, t + service.holding_after_s + 1)["holding_up"] == [1]
+    assert service.status(t + service.holding_after_s + 1, StopInputs(ranks, 2))["holding_up"] == [1]
 
     ranks = {0: hb(0, rid, "agreed", 8, agreed=t), 1: hb(1, rid, "saving", 8, saving=t)}
-    s = service.status(ranks, 2, t + service.holding_after_s + 1)
+    s = service.status(t + service.holding_after_s + 1, StopInputs(ranks, 2))
     assert not s["can_cancel"] and s["stop_step"] == 8 and s["holding_up"] == [0]
 
     ranks = {r: hb(r, rid, "exited", 8, exited=t + 2) for r in (0, 1)}
-    s = service.status(ranks, 2, t + 3)
+    s = service.status(t + 3, StopInputs(ranks, 2))
     assert s["state"] == "completed" and s["holding_up"] == []
     assert s["summary"].startswith("all 2 ranks stopped after step 8, 2 checkpoints, ")
 
@@ -109,21 +110,21 @@ def test_late_rank_is_flagged_after_the_deadline(tmp_path):
     rid, *_ = service.request("r", "alice", None)
     now = time.time()
     ranks = {0: hb(0, rid, "saved", 4, saved=now), 1: hb(1)}
-    assert service.status(ranks, 2, now + 5)["late"] == []
-    assert service.status(ranks, 2, now + 60)["late"] == [0, 1]
+    assert service.status(now + 5, StopInputs(ranks, 2))["late"] == []
+    assert service.status(now + 60, StopInputs(ranks, 2))["late"] == [0, 1]
 
 
 def test_cancel_only_before_agreement(service, tmp_path):
     rid, *_ = service.request("r", "alice", None)
     with pytest.raises(StopRefused) as e:
-        service.cancel({0: hb(0, rid, "agreed", 4)}, "bob", None, "oops")
+        service.cancel("bob", None, "oops", StopInputs({0: hb(0, rid, "agreed", 4)}, 1))
     assert e.value.status == 409
     assert runfiles.read_flag(tmp_path).exit  # nothing changed
 
-    assert service.cancel({0: hb(0, rid, "seen")}, "bob", None, "oops") == rid
+    assert service.cancel("bob", None, "oops", StopInputs({0: hb(0, rid, "seen")}, 1)) == rid
     flag = json.loads(runfiles.flag_path(tmp_path).read_text())
     assert flag["GracefulExit"] == 0 and flag["cancelled"] == rid
-    assert service.status({0: hb(0)}, 1, time.time())["state"] == "cancelled"
+    assert service.status(time.time(), StopInputs({0: hb(0)}, 1))["state"] == "cancelled"
     outcomes = [(r["action"], r["outcome"].split(":")[0]) for r in service.audit.rows()]
     assert outcomes == [("cancel", "accepted"), ("cancel", "refused"), ("request", "accepted")]
 
@@ -131,17 +132,17 @@ def test_cancel_only_before_agreement(service, tmp_path):
 def test_tick_records_completion_once_and_rearms(service, tmp_path):
     rid, *_ = service.request("r", "alice", None)
     done = {r: hb(r, rid, "exited", 8, exited=time.time()) for r in (0, 1)}
-    service.tick({0: done[0], 1: hb(1, rid, "saved", 8)}, 2)
+    service.tick(inputs=StopInputs({0: done[0], 1: hb(1, rid, "saved", 8)}, 2))
     assert runfiles.read_flag(tmp_path).exit  # not complete yet
-    service.tick(done, 2)
-    service.tick(done, 2)
+    service.tick(inputs=StopInputs(done, 2))
+    service.tick(inputs=StopInputs(done, 2))
     flag = json.loads(runfiles.flag_path(tmp_path).read_text())
     assert flag["GracefulExit"] == 0 and flag["rearmed_after"] == rid
     actions = [r["action"] for r in service.audit.rows()]
     assert actions == ["rearm", "complete", "request"]
-    assert service.status(done, 2, time.time())["state"] == "rearmed"
+    assert service.status(time.time(), StopInputs(done, 2))["state"] == "rearmed"
     # The measured save time feeds the next stop's estimate.
-    assert service.estimate(done, 2)["save_s"] == 0.5
+    assert service.estimate(StopInputs(done, 2))["save_s"] == 0.5
 
 
 def test_after_a_relaunch_the_served_stop_is_the_last_stop_not_the_current_one(service, tmp_path):
@@ -151,33 +152,33 @@ def test_after_a_relaunch_the_served_stop_is_the_last_stop_not_the_current_one(s
     done = {
         r: {**hb(r, rid, "exited", 8, exited=time.time()), "started_at": requested_at - 60} for r in (0, 1)
     }
-    service.tick(done, 2)
-    assert service.status(done, 2, time.time())["state"] == "rearmed"
+    service.tick(inputs=StopInputs(done, 2))
+    assert service.status(time.time(), StopInputs(done, 2))["state"] == "rearmed"
     # The relaunch: new processes, whose heartbeats carry no stop.
     relaunched = {r: {**hb(r), "started_at": requested_at + 5} for r in (0, 1)}
-    status = service.status(relaunched, 2, time.time())
+    status = service.status(time.time(), StopInputs(relaunched, 2))
     assert status["state"] == "idle" and status["request"] is None and status["ranks"] == []
     last = status["last_stop"]
     assert (last["request_id"], last["outcome"], last["reason"]) == (rid, "completed", "npu 3 ECC")
     # One rank of the earlier launch still reporting: the stop is still about this job.
     mixed = {0: relaunched[0], 1: done[1]}
-    assert service.status(mixed, 2, time.time())["state"] == "rearmed"
+    assert service.status(time.time(), StopInputs(mixed, 2))["state"] == "rearmed"
 
 
 def test_rearm_refused_mid_stop_unless_forced(service, tmp_path):
     rid, *_ = service.request("r", "alice", None)
     ranks = {0: hb(0, rid, "saving", 3), 1: hb(1)}
     with pytest.raises(StopRefused) as e:
-        service.rearm(ranks, 2, "bob", None, None)
+        service.rearm("bob", None, None, inputs=StopInputs(ranks, 2))
     assert e.value.status == 409 and runfiles.read_flag(tmp_path).exit
-    service.rearm(ranks, 2, "bob", None, "rank 1 is dead", force=True)
+    service.rearm("bob", None, "rank 1 is dead", force=True, inputs=StopInputs(ranks, 2))
     assert not runfiles.read_flag(tmp_path).exit
     assert service.audit.rows()[0]["outcome"] == "accepted (forced before completion)"
 
 
 def test_status_reports_an_unreadable_flag(service, tmp_path):
     runfiles.flag_path(tmp_path).write_text("{garbage")
-    s = service.status({}, 0, time.time())
+    s = service.status(time.time(), StopInputs({}, 0))
     assert s["flag"] is None and "not valid JSON" in s["flag_error"]
 
 
