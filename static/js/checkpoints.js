@@ -11,7 +11,7 @@ import { RetentionView } from "./checkpoints_retention.js";
 import { operatorFetch, token } from "./token.js";
 
 window.addEventListener("rankwatch-login-failed", (e) => flash(`The login link did not work: ${e.detail}`, "error"));
-token.adoptFromUrl();
+token.follow();
 const config = JSON.parse($(CKPT.config).textContent);
 // Server time minus this tab's clock, so ages agree with the server.
 let clockOffset = 0;
@@ -119,6 +119,7 @@ function renderAnswer() {
 const socket = io({ transports: ["websocket", "polling"], tryAllTransports: true, auth: socketAuth("checkpoints") });
 const connection = $(CKPT.connection);
 socket.on("connect", () => {
+  token.recheck();
   connection.dataset.state = "live";
   connection.textContent = "live";
 });

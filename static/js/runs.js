@@ -6,7 +6,7 @@ import { token } from "./token.js";
 
 // The printed link (#login=<code>) lands here under --runs: the token it
 // trades for stays in this tab's sessionStorage for every run's console.
-token.adoptFromUrl();
+token.follow();
 
 const config = JSON.parse(document.getElementById("runs-config").textContent);
 const REFRESH_MS = 5000;

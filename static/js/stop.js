@@ -28,6 +28,10 @@ const HEADLINE = {
     : "The stop flag is cleared; relaunching the job trains normally."),
 };
 
+// What a tab whose token the server refused shows (a relaunched dashboard has a
+// new token; docs/security.md says why it does not keep the old one).
+const STALE_TEXT = "read-only: open a new login link (`rankwatch login`)";
+
 // The stop an earlier launch of this run obeyed: one line under "No stop requested".
 function lastStop(last) {
   const l = object(last);
@@ -104,7 +108,8 @@ export class StopControls {
     });
     window.addEventListener("rankwatch-token", () => this.renderOperator());
     window.addEventListener("rankwatch-login-failed", (e) => this.openToken(`The login link did not work: ${e.detail}`));
-    token.adoptFromUrl();
+    socket.on("connect", () => token.recheck());
+    token.follow();
     this.renderOperator();
     this.loadAudit();
     setInterval(() => this.renderTimes(), 1000);
@@ -135,16 +140,18 @@ export class StopControls {
   // -- the token ---------------------------------------------------------------
   renderOperator() {
     const has = Boolean(token.get());
+    const stale = !has && token.stale();
     const state = $(SEL.operatorState);
-    state.dataset.state = has ? "operator" : "read-only";
-    text(state, has ? "operator" : "read-only");
+    state.dataset.state = has ? "operator" : stale ? "stale" : "read-only";
+    text(state, has ? "operator" : stale ? STALE_TEXT : "read-only");
     text($(SEL.tokenOpen), has ? "Token…" : "Enter operator token");
     const stop = $(SEL.stopOpen);
     const ended = this.run?.status === "ended";
     stop.disabled = !has || ended;
     stop.dataset.why = ended ? "ended" : has ? "" : "read-only";
     // Why it is disabled is in its text, not only in a tooltip.
-    text(stop, ended ? "Stop gracefully (job ended)" : has ? "Stop gracefully" : "Stop gracefully (needs the token)");
+    text(stop, ended ? "Stop gracefully (job ended)" : has ? "Stop gracefully"
+      : stale ? "Stop gracefully (needs a new login link)" : "Stop gracefully (needs the token)");
     if (ended) stop.title = `Nothing to stop: ${this.run.message} Relaunch the job to train again.`;
     else stop.title = has ? "Every rank saves a checkpoint at the same step, then exits"
       : "Read-only: enter the operator token to stop the job";
@@ -220,7 +227,7 @@ export class StopControls {
     this.renderConfirm();
     const error = $(SEL.stopError);
     error.hidden = false;
-    text(error, res.status === 401 ? "The operator token was refused; enter it again." : res.body.error);
+    text(error, res.status === 401 ? `${STALE_TEXT}: this tab's operator session has ended.` : res.body.error);
   }
 
   async act(url, question, extra = {}) {
