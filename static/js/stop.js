@@ -87,25 +87,27 @@ function logNote(logs) {
 }
 
 export class StopControls {
-  constructor(socket) {
-    this.status = null;
+  // `store` (store.js) holds the status for the header too; onStatus() runs after each new one.
+  constructor(socket, store = { stop: null }) {
+    this.store = store;
+    this.onStatus = () => {};
     this.busy = false;
     // The run's status (from the rank events): an ended job has nothing to stop.
     this.run = null;
     this.bind();
     const followRun = (msg) => {
       if (!msg.run || msg.run.status === this.run?.status) return;
+      const before = this.run;
       this.run = msg.run;
       this.renderOperator();
       this.render();
+      // The job ended or began: the stop it ends with is news too; take it now rather than
+      // show the last pushed stage beside a header that already says the job ended.
+      if (before) this.refresh();
     };
     socket.on("ranks_snapshot", followRun);
     socket.on("ranks_delta", followRun);
-    socket.on("stop_status", (status) => {
-      this.status = status;
-      this.render();
-      this.loadAudit();
-    });
+    socket.on("stop_status", (status) => this.take(status));
     window.addEventListener("rankwatch-token", () => this.renderOperator());
     window.addEventListener("rankwatch-login-failed", (e) => this.openToken(`The login link did not work: ${e.detail}`));
     socket.on("connect", () => token.recheck());
@@ -113,6 +115,30 @@ export class StopControls {
     this.renderOperator();
     this.loadAudit();
     setInterval(() => this.renderTimes(), 1000);
+  }
+
+  get status() {
+    return this.store.stop;
+  }
+
+  set status(value) {
+    this.store.stop = value;
+  }
+
+  take(status) {
+    this.status = status;
+    this.render();
+    this.onStatus();
+    this.loadAudit();
+  }
+
+  async refresh() {
+    try {
+      const r = await fetch(api("/api/exit"));
+      if (r.ok) this.take(await r.json());
+    } catch {
+      // the next push brings it
+    }
   }
 
   bind() {

@@ -108,8 +108,11 @@ export class SummaryStrip {
     } else if (run.status === "ended") {
       const crashed = (counts.failed || 0) + (counts.dead || 0) + (counts.node_lost || 0);
       state = crashed ? "bad" : "ended";
+      // "Stopped" only once the stop panel (the same store.stop) says it completed.
+      const stopping = ["requested", "stopping"].includes(this.store.stop?.state);
       text = crashed ? `${GLYPH.dead} Crashed: ${told}`
-        : counts.exited ? `${GLYPH.exited} Stopped` : `${GLYPH.finished} Finished`;
+        : counts.exited ? (stopping ? `${GLYPH.exited} Stopping: ranks are exiting` : `${GLYPH.exited} Stopped`)
+          : `${GLYPH.finished} Finished`;
     } else if (bad) {
       state = "bad";
       text = `${GLYPH.dead} ${bad} of ${plural(world, "rank")} unhealthy: ${told}`;
