@@ -29,6 +29,7 @@ from app.cli.common import (
     verdict_text,
 )
 from app.cli.runs import existing_root, print_table, runs_table
+from app.ranks import peers
 from app.ranks.health import VERDICTS
 
 if TYPE_CHECKING:
@@ -117,9 +118,10 @@ def summary_text(snapshot: dict) -> Text:
             text.append(f" {n}  ")
     slowest = s.get("slowest")
     if slowest:
+        # The page's words (app/ranks/peers.py), from the dashboard's answer when it has them.
+        said = slowest.get("text")
         text.append(
-            f"\nslowest rank {slowest['rank']}: {slowest['step_time_ms']:.0f} ms vs median "
-            f"{slowest['median_ms']:.0f} ms ({slowest['ratio']:.2f}x, {slowest['basis']})"
+            f"\nslowest rank: {plain(said) if isinstance(said, str) else peers.slowest_text(slowest)}"
         )
     if s.get("throughput"):
         text.append(f"   throughput {s['throughput']:.0f} samples/s")

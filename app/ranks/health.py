@@ -66,11 +66,12 @@ rank should not make everyone look slow): ``min(1, peer median / own)``, so
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from app.ranks.peers import median, peer_median, ratio_text
 
 VERDICTS = (
     "starting",
@@ -170,32 +171,6 @@ def number(value: Any) -> float | None:
         return None
     value = float(value)
     return value if math.isfinite(value) else None
-
-
-def median(sorted_values: Sequence[float]) -> float | None:
-    n = len(sorted_values)
-    if n == 0:
-        return None
-    mid = n // 2
-    return sorted_values[mid] if n % 2 else (sorted_values[mid - 1] + sorted_values[mid]) / 2
-
-
-def peer_median(sorted_values: Sequence[float], own: float) -> float | None:
-    """The median of ``sorted_values`` without one copy of ``own``, in O(log n).
-
-    ``sorted_values`` holds every rank's time including ``own``; sorting once
-    per tick and answering each rank from it keeps a 1024-rank job cheap.
-    """
-    skip = bisect_left(sorted_values, own)
-    n = len(sorted_values) - 1
-    if n <= 0 or skip > n or sorted_values[skip] != own:
-        return None
-
-    def at(k: int) -> float:
-        return sorted_values[k if k < skip else k + 1]
-
-    mid = n // 2
-    return at(mid) if n % 2 else (at(mid - 1) + at(mid)) / 2
 
 
 class StepWindow:
@@ -431,13 +406,13 @@ def judge(
             return Verdict(
                 "straggler",
                 f"own work {_ms(own_ms)} vs peer median {_ms(peer_ms)} "
-                f"({own_ms / peer_ms:.2g}x): {_ms(out_ms)} between steps "
+                f"({ratio_text(own_ms, peer_ms)}): {_ms(out_ms)} between steps "
                 f"+ {_ms(fastest_ms)} fastest in-step time",
                 rel,
             )
         return Verdict(
             "straggler",
-            f"median step {_ms(own_ms)} is {own_ms / peer_ms:.2g}x the peer median {_ms(peer_ms)}",
+            f"median step {_ms(own_ms)} is {ratio_text(own_ms, peer_ms)} the peer median {_ms(peer_ms)}",
             rel,
         )
     if state == "stopping":

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from app.ranks import peers
 from app.ranks.health import (
     BLOCKER_WORDS,
     STEPPING_STATES,
@@ -100,6 +101,7 @@ class VerdictBoard:
         self._hung: set[int] = set()
         self._note: str | None = None
         self._cap = 0
+        self._cost = self._peer = np.empty(0)  # of the last update (summary_figures)
         self._alloc(64)
         self.basis = "step"
         self.fastest: float | None = None
@@ -301,6 +303,8 @@ class VerdictBoard:
             peer[with_cost] = at(mid) if m % 2 else (at(mid - 1) + at(mid)) / 2
         elif k == 1:
             peer[with_cost] = _NAN
+        # The summary's slowest rank is found, and quoted, by the figures its row was judged by.
+        self._cost, self._peer = cost, peer
 
         # The tests through which time and peers change a verdict.
         age = now - self._time
@@ -470,13 +474,15 @@ class VerdictBoard:
         """The summary strip's job-wide figures, by vector operations over the arrays.
 
         ``slowest`` compares the same cost as the straggler rule among ranks
-        alive and stepping (``straggler``: its verdict says so, the only case
-        the page names it); ``throughput`` sums their samples per second.
+        alive and stepping, with its peer median as its row does (``app.ranks.peers``);
+        ``throughput`` sums their samples per second.
         """
         n = self._cap
         present = self._present[:n]
         alive_stepping = present & self._alive & self._has_hb & self._stepping
-        if self.basis == "work" and self.fastest is not None:
+        if len(self._cost) == n:
+            cost = self._cost
+        elif self.basis == "work" and self.fastest is not None:
             cost = np.where(~np.isnan(self._split_out), self._split_out + self.fastest, _NAN)
         else:
             cost = self._wall
@@ -485,23 +491,17 @@ class VerdictBoard:
         if mask.any():
             idx = np.flatnonzero(mask)
             vals = cost[idx]
-            ordered = np.sort(vals)
-            k = len(ordered)
-            mid = float(ordered[k // 2]) if k % 2 else float((ordered[k // 2 - 1] + ordered[k // 2]) / 2)
             top = vals.max()
             rank = int(idx[vals == top].max())  # ties: the highest rank, as max() of (cost, rank) pairs
-            worst = float(top)
-            slowest = {
-                "rank": rank,
-                "step_time_ms": round(worst, 2),
-                "median_ms": round(mid, 2),
-                "gap_ms": round(worst - mid, 2),
-                "ratio": round(worst / mid, 2) if mid > 0 else None,
-                "basis": self.basis,
-                # Only past the straggler rule is it a finding; below, the gap is jitter.
-                "straggler": self.verdicts.get(rank, _NO_VERDICT).health == "straggler",
-                "threshold_ratio": self.th.straggler_ratio,
-            }
+            peer = _opt(self._peer[rank]) if len(self._peer) == n else None
+            slowest = peers.slowest(
+                float(top),
+                peer if peer is not None else peers.peer_median(np.sort(vals).tolist(), float(top)),
+                rank,
+                self.basis,
+                straggler=self.verdicts.get(rank, _NO_VERDICT).health == "straggler",
+                threshold_ratio=self.th.straggler_ratio,
+            )
         rates = self._samples[alive_stepping]
         has = present & self._has_hb
         last_steps = self._last_step_at[has]
