@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import click
 
 from app.cli.common import (
+    RUN_DIR_HELP,
     console,
     existing_run_dir,
     fmt_bytes,
@@ -81,13 +82,29 @@ def files_table(s: dict) -> Table:
     return table
 
 
-@click.group(invoke_without_command=True)
+class _Checkpoints(click.Group):
+    """``rankwatch checkpoints RUN``: RUN, unless it names a subcommand (``gc``), is ``--run-dir RUN``."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        valued = {o for p in self.params if isinstance(p, click.Option) and not p.is_flag for o in p.opts}
+        i = 0
+        while i < len(args) and args[i] != "--":
+            if args[i].startswith("-"):
+                i += 2 if args[i] in valued else 1
+                continue
+            if args[i] not in self.commands:  # the first word that is no subcommand is RUN
+                args = [*args[:i], "--run-dir", args[i], *args[i + 1 :]]
+            break
+        return super().parse_args(ctx, args)
+
+
+@click.group(cls=_Checkpoints, invoke_without_command=True, subcommand_metavar="[RUN] | gc [ARGS]...")
 @click.option(
     "--run-dir",
     envvar="RANKWATCH_RUN_DIR",
     type=click.Path(path_type=Path),
     callback=existing_run_dir,
-    help="The job's run directory (the trainers' run_dir); env RANKWATCH_RUN_DIR.",
+    help=RUN_DIR_HELP,
 )
 @click.option(
     "--set", "set_id", default=None, help="One set (an id from the list): its files and its resume answer."
@@ -106,7 +123,7 @@ def checkpoints(ctx: click.Context, run_dir: Path | None, set_id: str | None, as
     if ctx.invoked_subcommand is not None:
         return
     if run_dir is None:
-        raise click.UsageError("Missing option '--run-dir'.")
+        raise click.UsageError("Missing the run directory: give RUN, or --run-dir RUN.")
     run = open_cli_run(run_dir)
     run.state.scan(time.time())  # for the world size and the hosts the resume command needs
     heartbeats, world = run.state.heartbeats()

@@ -64,12 +64,20 @@ def settings_params(f):
     default=None,
     help="Serve every run under ROOT: a landing page of runs, a console per run (as --runs-root).",
 )
-def serve(runs: str | None = None, **settings) -> None:
-    """Serve the dashboard on a run directory (--run-dir RUN) or a root of runs (--runs ROOT).
+@click.argument("run_arg", metavar="[RUN]", required=False)
+def serve(runs: str | None = None, run_arg: str | None = None, **settings) -> None:
+    """Serve the dashboard on a run directory (RUN, or --run-dir RUN) or a root of runs (--runs ROOT).
 
     Every setting is an option below and an environment variable; the
     README's "Dashboard settings" explains each one.
     """
+    if run_arg is not None:
+        given = click.get_current_context().get_parameter_source("RUN_DIR")
+        if given == click.core.ParameterSource.COMMANDLINE and settings["RUN_DIR"] != run_arg:
+            raise click.UsageError(
+                f"two run directories: RUN {run_arg} and --run-dir {settings['RUN_DIR']}; give one"
+            )
+        settings["RUN_DIR"] = run_arg
     config = config_from(settings, runs)
     check_port(config["HOST"], config["PORT"])
     if config["RUNS_ROOT"]:
