@@ -12,11 +12,11 @@ import threading
 import time
 
 import pytest
-from axe_playwright_python.sync_playwright import Axe
 from playwright.sync_api import expect
 
 from app.audit import AuditLog
 from tests.helpers.app import TOKEN
+from tests.helpers.axe import violations
 from tests.helpers.browser import WAIT_MS, cell
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from tests.helpers.incidents import COLLECTIVE, WAITING, fake_capture
@@ -52,12 +52,7 @@ def keep_writing(run_dir):
 
 def serious(page) -> list[str]:
     """axe-core's serious and critical violations on the page, one line each."""
-    results = Axe().run(page)
-    return [
-        f"{v['id']} ({v['impact']}): {[n['target'] for n in v['nodes']][:3]}"
-        for v in results.response["violations"]
-        if v["impact"] in ("serious", "critical")
-    ]
+    return violations(page, ("serious", "critical"))
 
 
 def test_a_healthy_job_says_so_in_one_line_and_names_no_slowest_rank(
