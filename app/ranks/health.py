@@ -27,7 +27,8 @@ The verdicts, in the order the rules are tried:
   terms). The cost is the rank's own *work* per step when every stepping rank
   reports ``step_in_ms`` and ``step_out_ms`` (see ``compare_costs``), else its
   median wall step time. A rank is compared only once its window holds
-  ``straggler_min_steps`` step times (start-up steps are noise).
+  ``straggler_min_steps`` step times (start-up steps are noise). A straggler
+  stays one until clearly back (``app.ranks.peers.straggling``: hysteresis).
 * **starting** - the rank has reported but not finished its first step yet
   (graph compilation can take minutes): neutral, neither healthy nor a
   problem.
@@ -71,7 +72,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from app.ranks.peers import median, peer_median, ratio_text
+from app.ranks.peers import median, peer_median, ratio_text, straggling
 
 VERDICTS = (
     "starting",
@@ -299,8 +300,12 @@ def judge(
     warming: bool = False,
     from_log: bool = False,
     log_pace_ms: float | None = None,
+    was_straggler: bool = False,
 ) -> Verdict:
     """One rank's verdict at time ``now``.
+
+    ``was_straggler``: its last verdict was straggler, which it stays until
+    clearly back (``app.ranks.peers.straggling``).
 
     ``own_ms`` is the rank's cost per step, ``peer_ms`` the median of its
     stepping peers' (None when there is nothing to compare with). The cost
@@ -398,8 +403,7 @@ def judge(
     if (
         own_ms is not None
         and peer_ms is not None
-        and own_ms >= th.straggler_ratio * peer_ms
-        and own_ms - peer_ms >= th.straggler_min_gap_ms
+        and straggling(own_ms, peer_ms, th.straggler_ratio, th.straggler_min_gap_ms, was_straggler)
     ):
         if work is not None:
             out_ms, fastest_ms = work
@@ -443,6 +447,7 @@ def judge_all(
     process_alive: set[int] | frozenset[int] = frozenset(),
     steps: Mapping[int, int] | None = None,
     log_pace: Mapping[int, float | None] | None = None,
+    stragglers: set[int] | frozenset[int] = frozenset(),
 ) -> dict[int, Verdict]:
     """Every rank's verdict: peers are the other ranks that are stepping.
 
@@ -452,6 +457,7 @@ def judge_all(
     fewer than ``straggler_min_steps`` is neither judged nor a peer yet
     (None: every rank is). The ranks in ``log_pace`` were read from their
     worker logs, with the median ms between their step lines (or None).
+    ``stragglers``: the ranks whose last verdict was straggler (the rule's hysteresis).
     O(n log n) for the one sort, then O(log n) per rank.
     """
     log_pace = log_pace or {}
@@ -491,6 +497,7 @@ def judge_all(
             warming=r in warming,
             from_log=r in log_pace,
             log_pace_ms=log_pace.get(r),
+            was_straggler=r in stragglers,
         )
     return _with_blockers(latest, out)
 

@@ -133,6 +133,7 @@ class VerdictBoard:
             "log_pace": (np.float64, _NAN),  # ...and the median ms between its step lines
             "host": (np.int32, -1),  # index into self._host_names
             "alive": (np.bool_, False),  # verdict in ALIVE
+            "straggler": (np.bool_, False),  # verdict straggler (the rule's hysteresis: app.ranks.peers)
             # The last tick's test results, to see which ones changed.
             "sig_age": (np.int8, -1),
             "sig_nostep": (np.bool_, False),
@@ -244,7 +245,7 @@ class VerdictBoard:
             ranks.discard(rank)
         self._hung.discard(rank)
         self._present[rank] = self._has_hb[rank] = self._stepping[rank] = False
-        self._alive[rank] = self._local[rank] = self._from_log[rank] = False
+        self._alive[rank] = self._local[rank] = self._from_log[rank] = self._straggler[rank] = False
         self._log_pace[rank] = _NAN
         self._host[rank] = -1
         self._lost.pop(rank, None)
@@ -318,7 +319,13 @@ class VerdictBoard:
         has_own, has_peer = ~np.isnan(cost), ~np.isnan(peer)
         both = has_own & has_peer
         with np.errstate(invalid="ignore", divide="ignore"):
-            strag = both & (cost >= th.straggler_ratio * peer) & (cost - peer >= th.straggler_min_gap_ms)
+            # peers.straggling, element-wise and in its order of operations.
+            hold = np.where(self._straggler[:n], peers.STRAGGLER_HOLD, 1.0)
+            strag = (
+                both
+                & (cost >= th.straggler_ratio * hold * peer)
+                & (cost - peer >= th.straggler_min_gap_ms * hold)
+            )
             ratio = np.where(both & (cost > 0), np.minimum(1.0, peer / cost), np.where(both, 1.0, _NAN))
         # The score is the ratio rounded to two decimals (in Python, by judge);
         # it can only change when the ratio crosses a rounding edge, an odd
@@ -372,6 +379,7 @@ class VerdictBoard:
                 warming=bool(warming[r]),
                 from_log=bool(self._from_log[r]),
                 log_pace_ms=_opt(self._log_pace[r]),
+                was_straggler=bool(self._straggler[r]),
             )
             if self._base.get(r) != verdict or r not in self.verdicts:
                 self._base[r] = verdict
@@ -466,6 +474,7 @@ class VerdictBoard:
                 self.counts[final.health] += 1
                 self.verdicts[r] = final
                 self._alive[r] = final.health in ALIVE
+                self._straggler[r] = final.health == "straggler"
                 changed.add(r)
         return changed
 

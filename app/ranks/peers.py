@@ -44,6 +44,21 @@ def peer_median(sorted_values: Sequence[float], own: float) -> float | None:
     return float(at(mid) if n % 2 else (at(mid - 1) + at(mid)) / 2)
 
 
+# A straggler stays one until it is clearly back among its peers: below this share of the
+# ratio (and of the gap) that made it one. Without it a rank hovering near 1.5x flapped
+# between straggler and healthy within a minute, and the page and the console disagreed.
+STRAGGLER_HOLD = 0.9
+
+
+def straggling(own_ms: float, peer_ms: float, ratio: float, min_gap_ms: float, was: bool = False) -> bool:
+    """The straggler rule, with its hysteresis: ``was`` says the rank's last verdict was straggler.
+
+    ``app.ranks.judging`` tests the same, element-wise, in this order of operations.
+    """
+    hold = STRAGGLER_HOLD if was else 1.0
+    return own_ms >= ratio * hold * peer_ms and own_ms - peer_ms >= min_gap_ms * hold
+
+
 def ratio_text(own_ms: float, peer_ms: float) -> str:
     """How many times the peer median, as the row's reason and the tile both write it."""
     return f"{own_ms / peer_ms:.2g}x"
