@@ -52,7 +52,7 @@ def sets_table(body: dict) -> Table:
     ):
         table.add_column(name, justify=justify, no_wrap=name != "set", overflow="fold")
     for s in body["sets"]:
-        mark = " ★" if s["id"] == body["newest_complete"] else ""
+        mark = " ★" if s["id"] == body["star"] else ""
         table.add_row(
             untrusted(s["id"]) + mark,
             "–" if s["global_step"] is None else str(s["global_step"]),
@@ -128,7 +128,11 @@ def checkpoints(ctx: click.Context, run_dir: Path | None, set_id: str | None, as
     run.state.scan(time.time())  # for the world size and the hosts the resume command needs
     heartbeats, world = run.state.heartbeats()
     body = run.checkpoints.body(world)
-    chosen = set_id or body["newest_complete"]
+    # The page's headline: the ★ set when it is of the newest complete step, else the newest complete.
+    newest = next((s for s in body["sets"] if s["id"] == body["newest_complete"]), None)
+    star = next((s for s in body["sets"] if s["id"] == body["star"]), None)
+    same_step = newest is not None and star is not None and star["global_step"] == newest["global_step"]
+    chosen = set_id or (body["star"] if same_step else body["newest_complete"])
     try:
         answer = run.checkpoints.resume(chosen, world, heartbeats) if chosen else None
     except RankwatchError as e:
@@ -150,7 +154,8 @@ def checkpoints(ctx: click.Context, run_dir: Path | None, set_id: str | None, as
             f"{len(body['sets'])} checkpoint {'set' if len(body['sets']) == 1 else 'sets'} in "
             f"{untrusted(run_dir)}, {complete} complete, "
             f"{fmt_bytes(body['total_bytes'])} (world size {body['world_size'] or 'unknown'}); "
-            "★ = newest complete"
+            "★ = what an unchanged relaunch resumes from"
+            + ("" if body["star"] == body["bridge_resume"] else " (none: the newest complete set)")
         )
         if body["sets"]:
             out.print(sets_table(body))
