@@ -11,6 +11,11 @@ import { RetentionView } from "./checkpoints_retention.js";
 import { operatorFetch, token } from "./token.js";
 
 window.addEventListener("rankwatch-login-failed", (e) => flash(`The login link did not work: ${e.detail}`, "error"));
+// A relaunched dashboard refused this tab's token (token.recheck on reconnect): say so now,
+// not when a delete is refused.
+window.addEventListener("rankwatch-token", () => {
+  if (!token.get() && token.stale()) flash("read-only: open a new login link (`rankwatch login`)", "error");
+});
 token.follow();
 const config = JSON.parse($(CKPT.config).textContent);
 // Server time minus this tab's clock, so ages agree with the server.

@@ -58,3 +58,17 @@ def test_a_tab_left_open_across_a_relaunch_says_so_and_takes_a_pasted_link(
     expect(page.locator("#stop-open")).to_be_enabled()
     assert page.evaluate("window.__sameDocument") is True
     assert "login" not in page.url
+
+
+def test_the_checkpoints_page_says_so_too(start_server, run_dir, tmp_path, live_env, page):
+    write_job(run_dir, 1)
+    port = free_port()
+    first = start_server(run_dir, tmp_path / "first.log", env=live_env, port=port)
+    page.goto(f"{first.url}/checkpoints#login={login_code(first)}")
+    page.wait_for_function("sessionStorage.getItem('rankwatch.token') !== null", timeout=WAIT_MS)
+    expect(page.locator("#ckpt-connection")).to_have_text("live", timeout=WAIT_MS)
+    first.stop()
+    second = start_server(run_dir, tmp_path / "second.log", env=live_env, port=port)
+    expect(page.locator("#ckpt-flash")).to_have_text(STALE, timeout=WAIT_MS)
+    page.evaluate("(code) => { location.hash = '#login=' + code; }", login_code(second))
+    page.wait_for_function("sessionStorage.getItem('rankwatch.token') !== null", timeout=WAIT_MS)
