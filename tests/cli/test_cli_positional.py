@@ -83,3 +83,23 @@ def test_every_usage_line_names_run(command):
 def test_no_run_directory_at_all_says_both_ways(tmp_path):
     result = invoke(["stop", "--reason", "x"])
     assert result.exit_code == 2 and "give RUN, or --run-dir RUN" in result.output, result.output
+
+
+def test_login_finds_a_runs_dashboard_by_its_root_or_a_run_under_it(tmp_path, start_server, monkeypatch):
+    """`rankwatch login --run-dir ROOT` for a --runs dashboard said "0 running dashboard(s) ... match"."""
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(mode=0o700)
+    root = tmp_path / "root"
+    write_job(root / "a", 1)
+    write_heartbeat(root / "a", heartbeat(0, 1))
+    server = start_server(
+        root, tmp_path / "dashboard.log", env={"XDG_RUNTIME_DIR": str(runtime)}, runs_root=True
+    )
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    for where in (root, root / "a"):
+        for args in (["login", str(where)], ["login", "--run-dir", str(where)]):
+            result = CliRunner().invoke(main, args)
+            assert result.exit_code == 0, result.output
+            assert result.output.strip().startswith(server.url + "/#login="), result.output
+    elsewhere = CliRunner().invoke(main, ["login", str(tmp_path)])
+    assert elsewhere.exit_code == 1 and "0 running dashboard(s)" in elsewhere.output
