@@ -52,12 +52,14 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import statistics
 import time
 import uuid
 from dataclasses import dataclass, field
 
 from app.agent import digest as dg
+from app.run import peers
+from app.run.health import STEPPING_STATES
+from app.run.judging import ALIVE
 from trainer_bridge.rundir import redisbus
 
 log = logging.getLogger(__name__)
@@ -402,19 +404,27 @@ class Hub(redisbus.Guarded):
         worst = None
         if slowest is not None:
             ms, rank = slowest
-            medians = [d["step_time_ms"][0] for d in live if d["step_time_ms"] is not None]
-            mid = float(statistics.median(medians)) if medians else ms
+            # Its peer median, as its row and a dashboard's tile define it (app/run/peers.py),
+            # over the live hosts' stepping ranks, by the cost their digests compare.
+            costs = sorted(
+                cost
+                for r, row in self.rows.items()
+                if not self.hosts[self.owner[r]].lost
+                and row["health"] in ALIVE
+                and row["state"] in STEPPING_STATES
+                and (cost := row["step_time_mean_ms"] or row["step_time_ms"]) is not None
+            )
             row = self.rows.get(rank)
-            worst = {
-                "rank": rank,
-                "step_time_ms": round(ms, 2),
-                "median_ms": round(mid, 2),
-                "gap_ms": round(ms - mid, 2),
-                "ratio": round(ms / mid, 2) if mid > 0 else None,
-                "basis": "step",
-                "straggler": row is not None and row["health"] == "straggler",
-                "threshold_ratio": threshold_ratio,
-            }
+            # A row older than its digest may hold another cost: then every row is a peer.
+            peer = peers.peer_median(costs, ms)
+            worst = peers.slowest(
+                ms,
+                peer if peer is not None else peers.median(costs),
+                rank,
+                "step",
+                straggler=row is not None and row["health"] == "straggler",
+                threshold_ratio=threshold_ratio,
+            )
         rates = [d["samples_per_s"] for d in live if d["samples_per_s"] is not None]
         lasts = [d["last_step_at"] for d in live if d["last_step_at"] is not None]
         steps = [d["global_step"][2] for d in live if d["global_step"] is not None]

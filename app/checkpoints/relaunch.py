@@ -18,6 +18,12 @@ from trainer_bridge.rundir.launch import ENV_NAME, MAX_ARGS, MAX_ENV, is_msrun
 
 # Options the relaunch command sets itself (from the ranks and hosts it sees).
 SET_HERE = frozenset({"--worker_num", "--local_worker_num", "--master_addr", "--node_rank", "--join"})
+# Options left out: the old launch's port may be taken now (msrun's default, 8118, is used; the
+# command's notes say how to choose one).
+STALE = frozenset({"--master_port"})
+# msrun as the old launch ran it, when that was an absolute path to an msrun script (a venv's
+# bin/): the copied command then works in a fresh shell, without activating the venv.
+_MSRUN_PATH = re.compile(r"^/[\w./+@-]{1,4000}/msrun$")
 
 
 def _strings(value, limit: int) -> list[str] | None:
@@ -42,10 +48,30 @@ def msrun_options(job: Mapping, script: str) -> list[str]:
             arg.startswith("--") and "=" not in arg and i + 1 < len(args) and not args[i + 1].startswith("--")
         )
         pair = args[i : i + 2] if takes_value else [arg]
-        if arg.split("=", 1)[0] not in SET_HERE:
+        if arg.split("=", 1)[0] not in SET_HERE | STALE:
             out += pair
         i += len(pair)
     return out
+
+
+def msrun_program(job: Mapping) -> tuple[str, str | None]:
+    """How to start msrun (a command) and, when it is not from the old launch, a note saying so.
+
+    The old launch's absolute ``.../bin/msrun``, or its interpreter with ``-m
+    mindspore.parallel.cluster.run``: a bare ``msrun`` failed with "command not
+    found" in a shell without the venv activated.
+    """
+    launcher = _strings(job.get("launcher_argv"), MAX_ARGS)
+    if launcher and is_msrun(launcher):
+        head = launcher[:4]
+        for i, arg in enumerate(head):
+            if _MSRUN_PATH.match(arg) and ".." not in arg.split("/"):
+                return shlex.quote(arg), None
+            if arg == "mindspore.parallel.cluster.run" and i >= 2 and head[i - 1] == "-m":
+                python = head[0]
+                if python.startswith("/") and ".." not in python.split("/") and len(python) <= 4000:
+                    return f"{shlex.quote(python)} -m mindspore.parallel.cluster.run", None
+    return "msrun", "msrun must be on PATH: activate the environment the job ran in first"
 
 
 def job_env(job: Mapping) -> dict[str, str]:
@@ -158,6 +184,15 @@ def relaunch_command(
     if not os.path.isabs(argv[0]):
         notes.append(f"{argv[0]} is a relative path: run from the directory the job was launched in")
     more = msrun_options(job, argv[0])
+    launcher = _strings(job.get("launcher_argv"), MAX_ARGS) or []
+    if any(a.split("=", 1)[0] in STALE for a in launcher):
+        notes.append(
+            "the old launch's --master_port is left out (it may be taken now): msrun uses 8118; "
+            "add --master_port=N for another free port"
+        )
+    program, program_note = msrun_program(job)
+    if program_note:
+        notes.append(program_note)
     env = job_env(job)
     if env:
         notes.append(
@@ -166,4 +201,4 @@ def relaunch_command(
             + ": the command sets them again"
         )
     more_text = f"{shlex.join(more)} " if more else ""
-    return f"{env_prefix(env)}msrun {opts} {more_text}--join=True {shlex.join(argv)}", notes
+    return f"{env_prefix(env)}{program} {opts} {more_text}--join=True {shlex.join(argv)}", notes

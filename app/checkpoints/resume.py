@@ -247,6 +247,19 @@ def advice(run_dir: str, index: Index, cset: CheckpointSet, heartbeats: Mapping[
             "begin and continues with the next step. The code below is what it does, for a "
             "script without the bridge."
         )
+    elif (
+        default is not None
+        and cset.complete
+        and cset.global_step is not None
+        and cset.global_step == default.global_step
+    ):
+        # The periodic set saved at the stop step beside the bridge's own: the same point in
+        # training, and pinning its step would load the bridge's set anyway (the headline says so).
+        how = (
+            f"An unchanged relaunch resumes from global step {cset.global_step} already: the bridge "
+            f"loads {_describe(default)}, saved at the same step as this one (marked ★), so there is "
+            "nothing to pin. For a script without the bridge, the code below loads this set."
+        )
     elif cset.complete and cset.global_step is not None:
         how = (
             f"The bridge would resume from {_describe(default)}; pin this set instead by "

@@ -192,9 +192,13 @@ class CheckpointService:
                     "retention run finishes it"
                 )
             s["verify"] = self.verifier.status(s["id"])
+        newest = index.newest_complete
         body.update(
             now=now,
             bridge_resume=default.id if default else None,
+            # The ★ of the page and the CLI: what an unchanged relaunch resumes from, else the
+            # newest complete set (a periodic set beside the stop's own got it: issue 33).
+            star=default.id if default else (newest.id if newest else None),
             total_bytes=sum(s.bytes for s in index.sets),
             world_size_source="job" if world else "layout",
         )

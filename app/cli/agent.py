@@ -16,13 +16,15 @@ from pathlib import Path
 
 import click
 
+from app.cli.common import run_dir_params
+
 
 @click.command("agent", context_settings={"help_option_names": ["-h", "--help"]})
-@click.option(
-    "--run-dir",
-    required=True,
+@run_dir_params(
+    envvar=None,
     type=click.Path(file_okay=False, path_type=Path),
-    help="This host's run directory (may be a local path, different on every node).",
+    callback=None,
+    help="This host's run directory, also as RUN (may be a local path, different on every node).",
 )
 @click.option(
     "--redis", "url", envvar="RANKWATCH_REDIS_URL", required=True, help="Redis URL (RANKWATCH_REDIS_URL)."

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import click
 
 from app.cli.common import (
+    RUN_DIR_HELP,
     console,
     existing_run_dir,
     fmt_bytes,
@@ -51,7 +52,7 @@ def sets_table(body: dict) -> Table:
     ):
         table.add_column(name, justify=justify, no_wrap=name != "set", overflow="fold")
     for s in body["sets"]:
-        mark = " ★" if s["id"] == body["newest_complete"] else ""
+        mark = " ★" if s["id"] == body["star"] else ""
         table.add_row(
             untrusted(s["id"]) + mark,
             "–" if s["global_step"] is None else str(s["global_step"]),
@@ -81,13 +82,29 @@ def files_table(s: dict) -> Table:
     return table
 
 
-@click.group(invoke_without_command=True)
+class _Checkpoints(click.Group):
+    """``rankwatch checkpoints RUN``: RUN, unless it names a subcommand (``gc``), is ``--run-dir RUN``."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        valued = {o for p in self.params if isinstance(p, click.Option) and not p.is_flag for o in p.opts}
+        i = 0
+        while i < len(args) and args[i] != "--":
+            if args[i].startswith("-"):
+                i += 2 if args[i] in valued else 1
+                continue
+            if args[i] not in self.commands:  # the first word that is no subcommand is RUN
+                args = [*args[:i], "--run-dir", args[i], *args[i + 1 :]]
+            break
+        return super().parse_args(ctx, args)
+
+
+@click.group(cls=_Checkpoints, invoke_without_command=True, subcommand_metavar="[RUN] | gc [ARGS]...")
 @click.option(
     "--run-dir",
     envvar="RANKWATCH_RUN_DIR",
     type=click.Path(path_type=Path),
     callback=existing_run_dir,
-    help="The job's run directory (the trainers' run_dir); env RANKWATCH_RUN_DIR.",
+    help=RUN_DIR_HELP,
 )
 @click.option(
     "--set", "set_id", default=None, help="One set (an id from the list): its files and its resume answer."
@@ -106,12 +123,16 @@ def checkpoints(ctx: click.Context, run_dir: Path | None, set_id: str | None, as
     if ctx.invoked_subcommand is not None:
         return
     if run_dir is None:
-        raise click.UsageError("Missing option '--run-dir'.")
+        raise click.UsageError("Missing the run directory: give RUN, or --run-dir RUN.")
     run = open_cli_run(run_dir)
     run.state.scan(time.time())  # for the world size and the hosts the resume command needs
     heartbeats, world = run.state.heartbeats()
     body = run.checkpoints.body(world)
-    chosen = set_id or body["newest_complete"]
+    # The page's headline: the ★ set when it is of the newest complete step, else the newest complete.
+    newest = next((s for s in body["sets"] if s["id"] == body["newest_complete"]), None)
+    star = next((s for s in body["sets"] if s["id"] == body["star"]), None)
+    same_step = newest is not None and star is not None and star["global_step"] == newest["global_step"]
+    chosen = set_id or (body["star"] if same_step else body["newest_complete"])
     try:
         answer = run.checkpoints.resume(chosen, world, heartbeats) if chosen else None
     except RankwatchError as e:
@@ -133,7 +154,8 @@ def checkpoints(ctx: click.Context, run_dir: Path | None, set_id: str | None, as
             f"{len(body['sets'])} checkpoint {'set' if len(body['sets']) == 1 else 'sets'} in "
             f"{untrusted(run_dir)}, {complete} complete, "
             f"{fmt_bytes(body['total_bytes'])} (world size {body['world_size'] or 'unknown'}); "
-            "★ = newest complete"
+            "★ = what an unchanged relaunch resumes from"
+            + ("" if body["star"] == body["bridge_resume"] else " (none: the newest complete set)")
         )
         if body["sets"]:
             out.print(sets_table(body))

@@ -7,6 +7,7 @@ and the engines are imported when a command runs.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from pathlib import Path
@@ -66,14 +67,60 @@ def existing_run_dir(ctx: click.Context, param: click.Parameter, value: Path | N
     return value
 
 
-run_dir_option = click.option(
-    "--run-dir",
-    required=True,
-    envvar="RANKWATCH_RUN_DIR",
-    type=click.Path(path_type=Path),
+RUN_DIR_HELP = "The job's run directory (the trainers' run_dir), also as RUN; env RANKWATCH_RUN_DIR."
+
+
+def one_run_dir(run_dir, run_arg, option: str):
+    """The run directory of a command given ``--run-dir`` (parameter ``option``) and/or a positional RUN.
+
+    RUN wins over the environment's RANKWATCH_RUN_DIR; RUN with a different
+    ``--run-dir`` on the command line is a usage error.
+    """
+    if run_arg is None:
+        return run_dir
+    ctx = click.get_current_context()
+    given = ctx.get_parameter_source(option) == click.core.ParameterSource.COMMANDLINE
+    if given and run_dir is not None and str(run_dir) != str(run_arg):
+        raise click.UsageError(f"two run directories: RUN {run_arg} and --run-dir {run_dir}; give one")
+    return run_arg
+
+
+def run_dir_params(
+    *,
+    required: bool = True,
+    envvar: str | None = "RANKWATCH_RUN_DIR",
+    type: click.ParamType | None = None,
     callback=existing_run_dir,
-    help="The job's run directory (the trainers' run_dir); env RANKWATCH_RUN_DIR.",
-)
+    help: str = RUN_DIR_HELP,
+    missing: str = "Missing the run directory: give RUN, or --run-dir RUN.",
+):
+    """``--run-dir RUN`` and, the same, a positional ``RUN``, for every command that takes one.
+
+    `rankwatch status runs/demo` was refused while `rankwatch runs ROOT` was
+    accepted: every command now takes both ways. The command gets one
+    ``run_dir``; RUN given with a different ``--run-dir`` is a usage error
+    (the environment's RANKWATCH_RUN_DIR yields to either).
+    """
+    kind = type or click.Path(path_type=Path)
+
+    def decorate(f):
+        @functools.wraps(f)
+        def command(*args, run_dir=None, run_arg=None, **kw):
+            run_dir = one_run_dir(run_dir, run_arg, "run_dir")
+            if required and run_dir is None:
+                raise click.UsageError(missing)
+            return f(*args, run_dir=run_dir, **kw)
+
+        command = click.argument("run_arg", metavar="[RUN]", required=False, type=kind, callback=callback)(
+            command
+        )
+        return click.option("--run-dir", envvar=envvar, type=kind, callback=callback, help=help)(command)
+
+    return decorate
+
+
+# The usual pair: required, an existing directory.
+run_dir_option = run_dir_params()
 
 
 def open_cli_run(run_dir: Path) -> Rankwatch:

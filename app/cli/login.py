@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import click
 
+from app.cli.common import run_dir_params
+
 
 @click.command()
 @click.option("--url", default=None, help="The dashboard's address, when several of yours run.")
-@click.option(
-    "--run-dir",
-    default=None,
-    help="The dashboard's run directory, when several of yours run (env RANKWATCH_RUN_DIR is not read).",
+@run_dir_params(
+    required=False,
+    envvar=None,
+    type=click.STRING,
+    callback=None,
+    help="The dashboard's run directory (or RUN), when several of yours run (env RANKWATCH_RUN_DIR is not read).",
 )
 def login(url: str | None, run_dir: str | None) -> None:
     """Print a single-use link that makes a browser an operator (stop, delete).

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from app.cli.common import plain
+from app.cli.common import one_run_dir, plain
 from app.cli.grouped import GroupedCommand, setting_option
 from app.config import PING_INTERVAL_S, grouped
 
@@ -64,12 +64,14 @@ def settings_params(f):
     default=None,
     help="Serve every run under ROOT: a landing page of runs, a console per run (as --runs-root).",
 )
-def serve(runs: str | None = None, **settings) -> None:
-    """Serve the dashboard on a run directory (--run-dir RUN) or a root of runs (--runs ROOT).
+@click.argument("run_arg", metavar="[RUN]", required=False)
+def serve(runs: str | None = None, run_arg: str | None = None, **settings) -> None:
+    """Serve the dashboard on a run directory (RUN, or --run-dir RUN) or a root of runs (--runs ROOT).
 
     Every setting is an option below and an environment variable; the
     README's "Dashboard settings" explains each one.
     """
+    settings["RUN_DIR"] = one_run_dir(settings["RUN_DIR"], run_arg, "RUN_DIR")
     config = config_from(settings, runs)
     check_port(config["HOST"], config["PORT"])
     if config["RUNS_ROOT"]:
@@ -114,6 +116,7 @@ def parse(argv: list[str], prog: str) -> dict:
     try:
         with serve.make_context(prog, list(argv)) as ctx:
             params = dict(ctx.params)
+            params["RUN_DIR"] = one_run_dir(params["RUN_DIR"], params.pop("run_arg", None), "RUN_DIR")
             return config_from(params, params.pop("runs", None))
     except click.ClickException as e:
         e.show(sys.stderr)

@@ -19,16 +19,17 @@ import click
 from app.cli.common import (
     SEVERITY,
     console,
-    existing_run_dir,
     fmt_bytes,
     fmt_number,
     fmt_seconds,
     open_cli_run,
     plain,
+    run_dir_params,
     untrusted,
     verdict_text,
 )
 from app.cli.runs import existing_root, print_table, runs_table
+from app.run import peers
 from app.run.health import VERDICTS
 
 if TYPE_CHECKING:
@@ -117,9 +118,10 @@ def summary_text(snapshot: dict) -> Text:
             text.append(f" {n}  ")
     slowest = s.get("slowest")
     if slowest:
+        # The page's words (app/run/peers.py), from the dashboard's answer when it has them.
+        said = slowest.get("text")
         text.append(
-            f"\nslowest rank {slowest['rank']}: {slowest['step_time_ms']:.0f} ms vs median "
-            f"{slowest['median_ms']:.0f} ms ({slowest['ratio']:.2f}x, {slowest['basis']})"
+            f"\nslowest rank: {plain(said) if isinstance(said, str) else peers.slowest_text(slowest)}"
         )
     if s.get("throughput"):
         text.append(f"   throughput {s['throughput']:.0f} samples/s")
@@ -206,13 +208,7 @@ def view(source: Source, health: list[str], limit: int | None) -> Group:
 
 
 @click.command()
-@click.option(
-    "--run-dir",
-    envvar="RANKWATCH_RUN_DIR",
-    type=click.Path(path_type=Path),
-    callback=existing_run_dir,
-    help="The job's run directory (the trainers' run_dir); env RANKWATCH_RUN_DIR.",
-)
+@run_dir_params(required=False)
 @click.option(
     "--runs",
     "runs_root",
@@ -234,7 +230,9 @@ def status(run_dir: Path | None, runs_root: Path | None, watch: bool, interval: 
         print_table(runs_table(runs_root, per_page=500))
         return
     if run_dir is None:
-        raise click.UsageError("--run-dir is required (or --runs ROOT for the table of runs)")
+        raise click.UsageError(
+            "give the run directory: RUN or --run-dir RUN (or --runs ROOT for the table of runs)"
+        )
     wanted = [h for h in health.split(",") if h]
     unknown = sorted(set(wanted) - set(VERDICTS))
     if unknown:

@@ -23,7 +23,8 @@ SETTINGS: list[Setting] = [
         "A rank is a straggler when its median step time is at least this many times "
         "the median of its peers (score = peer median / own, at most "
         "1 / this ratio). 1.5 flags a rank that costs the job a third of its speed while "
-        "ignoring ordinary jitter.",
+        "ignoring ordinary jitter. A straggler stays one until it is below 0.9 of this "
+        "ratio, so a rank near the line does not flap.",
         group=G_HEALTH,
     ),
     Setting(

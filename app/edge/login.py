@@ -94,7 +94,7 @@ def announce(app, url: str, terminal: bool) -> str:
     Also writes the server file that ``rankwatch login`` reads to mint a
     new link later.
     """
-    write_server_file(url, app.config["TOKEN"], app.config["RUN_DIR"])
+    write_server_file(url, app.config["TOKEN"], app.config["RUN_DIR"], app.config.get("RUNS_ROOT") or "")
     mode = app.config["LOGIN_LINK"]
     if mode == "never" or (mode == "auto" and not terminal):
         why = "this output may be a log" if mode == "auto" else "LOGIN_LINK is never"
@@ -138,7 +138,7 @@ def _private_dir() -> Path:
     return path
 
 
-def write_server_file(url: str, token: str, run_dir: str) -> Path | None:
+def write_server_file(url: str, token: str, run_dir: str, runs_root: str = "") -> Path | None:
     """Record this dashboard for ``mint_login_url``; removed when the process exits.
 
     Returns the file, or None (with a line on stderr) when it cannot be
@@ -146,7 +146,9 @@ def write_server_file(url: str, token: str, run_dir: str) -> Path | None:
     """
     try:
         path = _private_dir() / f"{SERVER_FILE_PREFIX}{os.getpid()}.json"
-        data = json.dumps({"url": url, "token": token, "pid": os.getpid(), "run_dir": run_dir}).encode()
+        data = json.dumps(
+            {"url": url, "token": token, "pid": os.getpid(), "run_dir": run_dir, "runs_root": runs_root}
+        ).encode()
         try:
             os.unlink(path)  # a leftover of a dead process with our pid
         except FileNotFoundError:
@@ -195,6 +197,20 @@ def running_dashboards() -> list[dict]:
     return found
 
 
+def _serves(info: dict, run_dir: str) -> bool:
+    """Whether the dashboard of this server file serves ``run_dir``: its run, or its --runs ROOT
+    or a run under it (`rankwatch login --run-dir ROOT` found none of a --runs dashboard)."""
+    want = os.path.realpath(run_dir)
+    own = info.get("run_dir")
+    if isinstance(own, str) and own and os.path.realpath(own) == want:
+        return True
+    root = info.get("runs_root")
+    if not (isinstance(root, str) and root):
+        return False
+    root = os.path.realpath(root)
+    return want == root or want.startswith(root + os.sep)
+
+
 def mint_login_url(url: str | None = None, run_dir: str | None = None, timeout: float = 10.0) -> str:
     """A fresh single-use login URL for a running dashboard of this user.
 
@@ -206,7 +222,7 @@ def mint_login_url(url: str | None = None, run_dir: str | None = None, timeout: 
     if url is not None:
         found = [d for d in found if d.get("url", "").rstrip("/") == url.rstrip("/")]
     if run_dir is not None:
-        found = [d for d in found if os.path.realpath(d.get("run_dir", "")) == os.path.realpath(run_dir)]
+        found = [d for d in found if _serves(d, run_dir)]
     if len(found) != 1:
         where = ", ".join(d.get("url", "?") for d in found) or "none"
         raise LookupError(

@@ -27,7 +27,8 @@ The verdicts, in the order the rules are tried:
   terms). The cost is the rank's own *work* per step when every stepping rank
   reports ``step_in_ms`` and ``step_out_ms`` (see ``compare_costs``), else its
   median wall step time. A rank is compared only once its window holds
-  ``straggler_min_steps`` step times (start-up steps are noise).
+  ``straggler_min_steps`` step times (start-up steps are noise). A straggler
+  stays one until clearly back (``app.run.peers.straggling``: hysteresis).
 * **starting** - the rank has reported but not finished its first step yet
   (graph compilation can take minutes): neutral, neither healthy nor a
   problem.
@@ -66,12 +67,12 @@ rank should not make everyone look slow): ``min(1, peer median / own)``, so
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from app.run.peers import median, peer_median, ratio_text, straggling
 from trainer_bridge.rundir.listing import first_of
 
 VERDICTS = (
@@ -196,6 +197,8 @@ class RankEvidence:
     warming: bool = False
     from_log: bool = False
     log_pace_ms: float | None = None
+    # Its last verdict was straggler, which it stays until clearly back (``app.run.peers.straggling``).
+    was_straggler: bool = False
 
 
 def number(value: Any) -> float | None:
@@ -204,32 +207,6 @@ def number(value: Any) -> float | None:
         return None
     value = float(value)
     return value if math.isfinite(value) else None
-
-
-def median(sorted_values: Sequence[float]) -> float | None:
-    n = len(sorted_values)
-    if n == 0:
-        return None
-    mid = n // 2
-    return sorted_values[mid] if n % 2 else (sorted_values[mid - 1] + sorted_values[mid]) / 2
-
-
-def peer_median(sorted_values: Sequence[float], own: float) -> float | None:
-    """The median of ``sorted_values`` without one copy of ``own``, in O(log n).
-
-    ``sorted_values`` holds every rank's time including ``own``; sorting once
-    per tick and answering each rank from it keeps a 1024-rank job cheap.
-    """
-    skip = bisect_left(sorted_values, own)
-    n = len(sorted_values) - 1
-    if n <= 0 or skip > n or sorted_values[skip] != own:
-        return None
-
-    def at(k: int) -> float:
-        return sorted_values[k if k < skip else k + 1]
-
-    mid = n // 2
-    return at(mid) if n % 2 else (at(mid - 1) + at(mid)) / 2
 
 
 class StepWindow:
@@ -428,21 +405,20 @@ def judge(ev: RankEvidence, now: float, th: Thresholds) -> Verdict:
     if (
         ev.own_ms is not None
         and ev.peer_ms is not None
-        and ev.own_ms >= th.straggler_ratio * ev.peer_ms
-        and ev.own_ms - ev.peer_ms >= th.straggler_min_gap_ms
+        and straggling(ev.own_ms, ev.peer_ms, th.straggler_ratio, th.straggler_min_gap_ms, ev.was_straggler)
     ):
         if ev.work is not None:
             out_ms, fastest_ms = ev.work
             return Verdict(
                 "straggler",
                 f"own work {_ms(ev.own_ms)} vs peer median {_ms(ev.peer_ms)} "
-                f"({ev.own_ms / ev.peer_ms:.2g}x): {_ms(out_ms)} between steps "
+                f"({ratio_text(ev.own_ms, ev.peer_ms)}): {_ms(out_ms)} between steps "
                 f"+ {_ms(fastest_ms)} fastest in-step time",
                 rel,
             )
         return Verdict(
             "straggler",
-            f"median step {_ms(ev.own_ms)} is {ev.own_ms / ev.peer_ms:.2g}x the peer median {_ms(ev.peer_ms)}",
+            f"median step {_ms(ev.own_ms)} is {ratio_text(ev.own_ms, ev.peer_ms)} the peer median {_ms(ev.peer_ms)}",
             rel,
         )
     if state == "stopping":
@@ -473,6 +449,7 @@ def judge_all(
     process_alive: set[int] | frozenset[int] = frozenset(),
     steps: Mapping[int, int] | None = None,
     log_pace: Mapping[int, float | None] | None = None,
+    stragglers: set[int] | frozenset[int] = frozenset(),
 ) -> dict[int, Verdict]:
     """Every rank's verdict: peers are the other ranks that are stepping.
 
@@ -482,6 +459,7 @@ def judge_all(
     fewer than ``straggler_min_steps`` is neither judged nor a peer yet
     (None: every rank is). The ranks in ``log_pace`` were read from their
     worker logs, with the median ms between their step lines (or None).
+    ``stragglers``: the ranks whose last verdict was straggler (the rule's hysteresis).
     O(n log n) for the one sort, then O(log n) per rank.
     """
     log_pace = log_pace or {}
@@ -519,6 +497,7 @@ def judge_all(
             warming=r in warming,
             from_log=r in log_pace,
             log_pace_ms=log_pace.get(r),
+            was_straggler=r in stragglers,
         )
         out[r] = judge(evidence, now, th)
     return _with_blockers(latest, out)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from app.run import peers
 from app.run.health import (
     BLOCKER_WORDS,
     STEPPING_STATES,
@@ -127,6 +128,7 @@ class VerdictBoard:
         self._hung: set[int] = set()
         self._note: str | None = None
         self._cap = 0
+        self._cost = self._peer = np.empty(0)  # of the last update (summary_figures)
         self._alloc(64)
         self.basis = "step"
         self.fastest: float | None = None
@@ -158,6 +160,7 @@ class VerdictBoard:
             "log_pace": (np.float64, _NAN),  # ...and the median ms between its step lines
             "host": (np.int32, -1),  # index into self._host_names
             "alive": (np.bool_, False),  # verdict in ALIVE
+            "straggler": (np.bool_, False),  # verdict straggler (the rule's hysteresis: app.run.peers)
             # The last tick's test results, to see which ones changed.
             "sig_age": (np.int8, -1),
             "sig_nostep": (np.bool_, False),
@@ -256,7 +259,7 @@ class VerdictBoard:
             ranks.discard(rank)
         self._hung.discard(rank)
         self._present[rank] = self._has_hb[rank] = self._stepping[rank] = False
-        self._alive[rank] = self._local[rank] = self._from_log[rank] = False
+        self._alive[rank] = self._local[rank] = self._from_log[rank] = self._straggler[rank] = False
         self._log_pace[rank] = _NAN
         self._host[rank] = -1
         self._lost.pop(rank, None)
@@ -315,6 +318,8 @@ class VerdictBoard:
             peer[with_cost] = at(mid) if m % 2 else (at(mid - 1) + at(mid)) / 2
         elif k == 1:
             peer[with_cost] = _NAN
+        # The summary's slowest rank is found, and quoted, by the figures its row was judged by.
+        self._cost, self._peer = cost, peer
 
         # The tests through which time and peers change a verdict.
         age = now - self._time
@@ -328,7 +333,13 @@ class VerdictBoard:
         has_own, has_peer = ~np.isnan(cost), ~np.isnan(peer)
         both = has_own & has_peer
         with np.errstate(invalid="ignore", divide="ignore"):
-            strag = both & (cost >= th.straggler_ratio * peer) & (cost - peer >= th.straggler_min_gap_ms)
+            # peers.straggling, element-wise and in its order of operations.
+            hold = np.where(self._straggler[:n], peers.STRAGGLER_HOLD, 1.0)
+            strag = (
+                both
+                & (cost >= th.straggler_ratio * hold * peer)
+                & (cost - peer >= th.straggler_min_gap_ms * hold)
+            )
             ratio = np.where(both & (cost > 0), np.minimum(1.0, peer / cost), np.where(both, 1.0, _NAN))
         # The score is the ratio rounded to two decimals (in Python, by judge);
         # it can only change when the ratio crosses a rounding edge, an odd
@@ -380,6 +391,7 @@ class VerdictBoard:
                 warming=bool(warming[r]),
                 from_log=bool(self._from_log[r]),
                 log_pace_ms=_opt(self._log_pace[r]),
+                was_straggler=bool(self._straggler[r]),
             )
             verdict = judge(evidence, now, th)
             if self._base.get(r) != verdict or r not in self.verdicts:
@@ -475,6 +487,7 @@ class VerdictBoard:
                 self.counts[final.health] += 1
                 self.verdicts[r] = final
                 self._alive[r] = final.health in ALIVE
+                self._straggler[r] = final.health == "straggler"
                 changed.add(r)
         return changed
 
@@ -483,13 +496,15 @@ class VerdictBoard:
         """The summary strip's job-wide figures, by vector operations over the arrays.
 
         ``slowest`` compares the same cost as the straggler rule among ranks
-        alive and stepping (``straggler``: its verdict says so, the only case
-        the page names it); ``throughput`` sums their samples per second.
+        alive and stepping, with its peer median as its row does (``app.run.peers``);
+        ``throughput`` sums their samples per second.
         """
         n = self._cap
         present = self._present[:n]
         alive_stepping = present & self._alive & self._has_hb & self._stepping
-        if self.basis == "work" and self.fastest is not None:
+        if len(self._cost) == n:
+            cost = self._cost
+        elif self.basis == "work" and self.fastest is not None:
             cost = np.where(~np.isnan(self._split_out), self._split_out + self.fastest, _NAN)
         else:
             cost = self._wall
@@ -498,23 +513,17 @@ class VerdictBoard:
         if mask.any():
             idx = np.flatnonzero(mask)
             vals = cost[idx]
-            ordered = np.sort(vals)
-            k = len(ordered)
-            mid = float(ordered[k // 2]) if k % 2 else float((ordered[k // 2 - 1] + ordered[k // 2]) / 2)
             top = vals.max()
             rank = int(idx[vals == top].max())  # ties: the highest rank, as max() of (cost, rank) pairs
-            worst = float(top)
-            slowest = {
-                "rank": rank,
-                "step_time_ms": round(worst, 2),
-                "median_ms": round(mid, 2),
-                "gap_ms": round(worst - mid, 2),
-                "ratio": round(worst / mid, 2) if mid > 0 else None,
-                "basis": self.basis,
-                # Only past the straggler rule is it a finding; below, the gap is jitter.
-                "straggler": self.verdicts.get(rank, _NO_VERDICT).health == "straggler",
-                "threshold_ratio": self.th.straggler_ratio,
-            }
+            peer = _opt(self._peer[rank]) if len(self._peer) == n else None
+            slowest = peers.slowest(
+                float(top),
+                peer if peer is not None else peers.peer_median(np.sort(vals).tolist(), float(top)),
+                rank,
+                self.basis,
+                straggler=self.verdicts.get(rank, _NO_VERDICT).health == "straggler",
+                threshold_ratio=self.th.straggler_ratio,
+            )
         rates = self._samples[alive_stepping]
         has = present & self._has_hb
         last_steps = self._last_step_at[has]

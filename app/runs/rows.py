@@ -57,6 +57,20 @@ def run_state(status: str, counts: Mapping[str, int], stop_state: str | None, li
     return "idle"
 
 
+def _stop_words(status: Mapping) -> str:
+    """How the run's last stop went, for its row: what the console's stop panel says of it.
+
+    ``rearmed`` is the flag's state, not the stop's: the dashboard clears the flag after a
+    completed stop, and the row said "rearmed" of a stop every rank had obeyed.
+    """
+    if not status.get("request"):
+        return "completed by an earlier launch"
+    state = status.get("state")
+    if state == "rearmed":
+        return "completed" if status.get("summary") else "cleared before it completed"
+    return state or "unknown"
+
+
 def row_from(
     run_id: str, entry, state, stop, checkpoints, now: float, tick_s: float, disk: DiskUsage | None = None
 ) -> dict:
@@ -76,7 +90,7 @@ def row_from(
         request = status.get("request") or status.get("last_stop")
         if isinstance(request, dict):
             last_stop = {k: request.get(k) for k in ("request_id", "requested_by", "requested_at", "reason")}
-            last_stop["state"] = stop_state if status.get("request") else "completed by an earlier launch"
+            last_stop["state"] = _stop_words(status)
     beats = [hb for hb in heartbeats.values() if hb]
     times = [hb["time"] for hb in beats if isinstance(hb.get("time"), (int, float))]
     newest = None

@@ -74,7 +74,7 @@ class StopService(StopView):
 
     # ------------------------------------------------------------ the flag
     @contextmanager
-    def _flag_lock(self, wait_s: float = LOCK_WAIT_S):
+    def _flag_lock(self, wait_s: float = LOCK_WAIT_S, busy_is_expected: bool = False):
         """Serialise read-modify-write of the flag across threads and processes, for at most ``wait_s``.
 
         Yields None when the lock is held, else a sentence saying why the
@@ -84,12 +84,16 @@ class StopService(StopView):
         ``wait_s`` at most; the flag is then written under the in-process
         lock alone, still atomically (a rename), and the audit row says so.
         A stop must never wait on the state of a file.
+
+        ``busy_is_expected``: a lock that is only busy is no news (the
+        dashboard and a waiting ``rankwatch stop`` see a stop end at the same
+        moment, and one of them holds it): nothing is logged then.
         """
         with (
             self._lock,
             safeio.bounded_flock(self.run_dir, f"{runfiles.STATE_DIR}/{LOCK_NAME}", wait_s) as problem,
         ):
-            if problem:
+            if problem and not (busy_is_expected and safeio.LOCK_HELD in problem):
                 log.warning("stop: %s; the flag is written without it (atomically)", problem)
             yield problem
 
@@ -335,7 +339,9 @@ class StopService(StopView):
             return False
         # The watcher never waits on a lock a rank can hold: one try, and if
         # it is held the completion is recorded anyway (audit.has keeps it once).
-        with self._flag_lock(wait_s=0.0):
+        # Held is the usual case when a `rankwatch stop` waits beside a dashboard:
+        # both observe the end at once, so it prints no warning.
+        with self._flag_lock(wait_s=0.0, busy_is_expected=True):
             current_flag, current_error = self.read_flag()
             current = self._active(current_flag)
             if current is None or current["request_id"] != rid:

@@ -38,6 +38,8 @@ export class Attempts {
     this.url = url;
     this.list = $("#attempts-list");
     this.note = $("#attempts-note");
+    // What the note says when nothing is wrong (the template's words and markup).
+    this.intro = this.note ? [...this.note.childNodes].map((n) => n.cloneNode(true)) : [];
     this.last = "";
     if (!this.list || !url) return;
     this.load();
@@ -52,13 +54,30 @@ export class Attempts {
       body = await r.json();
       if (!r.ok) throw new Error(body.error || `HTTP ${r.status}`);
     } catch (err) {
-      this.note.textContent = `Attempts unavailable: ${err.message}`;
+      this.say(`Attempts unavailable: ${err.message}`);
       return;
     }
+    // Said on every answer, not only when the list changed: an error from while the
+    // dashboard was away must go when it answers again, though the list is the same.
+    const notes = [];
+    if (body.error) notes.push(body.error);
+    if (body.skipped_lines) notes.push(`${plural(body.skipped_lines, "line")} of attempts.jsonl skipped as invalid`);
+    this.say(notes.join("; "));
     const key = JSON.stringify(body);
     if (key === this.last) return;
     this.last = key;
     this.render(body);
+  }
+
+  // A problem in the note, or (text "") the template's words back.
+  say(text) {
+    if (text) {
+      if (this.note.textContent !== text) this.note.textContent = text;
+      this.note.dataset.problem = "";
+    } else if ("problem" in this.note.dataset) {
+      this.note.replaceChildren(...this.intro.map((n) => n.cloneNode(true)));
+      delete this.note.dataset.problem;
+    }
   }
 
   render(body) {
@@ -71,10 +90,6 @@ export class Attempts {
     } else {
       this.list.replaceChildren(...rows.map((a) => this.item(a)));
     }
-    const notes = [];
-    if (body.error) notes.push(body.error);
-    if (body.skipped_lines) notes.push(`${plural(body.skipped_lines, "line")} of attempts.jsonl skipped as invalid`);
-    if (notes.length) this.note.textContent = notes.join("; ");
   }
 
   item(a) {

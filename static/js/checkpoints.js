@@ -11,7 +11,12 @@ import { RetentionView } from "./checkpoints_retention.js";
 import { operatorFetch, token } from "./token.js";
 
 window.addEventListener("rankwatch-login-failed", (e) => flash(`The login link did not work: ${e.detail}`, "error"));
-token.adoptFromUrl();
+// A relaunched dashboard refused this tab's token (token.recheck on reconnect): say so now,
+// not when a delete is refused.
+window.addEventListener("rankwatch-token", () => {
+  if (!token.get() && token.stale()) flash("read-only: open a new login link (`rankwatch login`)", "error");
+});
+token.follow();
 const config = JSON.parse($(CKPT.config).textContent);
 // Server time minus this tab's clock, so ages agree with the server.
 let clockOffset = 0;
@@ -65,31 +70,32 @@ function renderAnswer() {
   const headline = $(CKPT.headline);
   const button = $(CKPT.headlineResume);
   const newest = index.newest_complete ? byId(index.newest_complete) : null;
+  // What the next launch really does, as "How to resume" says it (app/checkpoints/resume.py).
+  const bridge = newest && index.bridge_resume ? byId(index.bridge_resume) : null;
+  // Two sets of one step (the periodic save beside the stop's own): the relaunch resumes at that
+  // step from the bridge's set, which is the one the headline, the ★ and How to resume name.
+  const sameStep = Boolean(bridge && bridge.id !== newest.id && bridge.global_step != null
+    && bridge.global_step === newest.global_step);
+  const star = sameStep ? bridge : newest;
   headline.replaceChildren();
   if (newest) {
     answer.dataset.status = "running";
     const age = el("span");
-    age.dataset.mtime = newest.mtime;
-    const facts = ` (epoch / step ${epochLabel(newest)}): complete on all ${plural(newest.world_size, "rank")}, `
-      + `${formatBytes(newest.bytes)}, ${newest.origin}, saved `;
-    // What the next launch really does, as "How to resume" says it (app/checkpoints/service.py).
-    const bridge = index.bridge_resume ? byId(index.bridge_resume) : null;
+    age.dataset.mtime = star.mtime;
+    const facts = ` (epoch / step ${epochLabel(star)}): complete on all ${plural(star.world_size, "rank")}, `
+      + `${formatBytes(star.bytes)}, ${star.origin}, saved `;
     const pin = (step) => [" To resume from it, pin it: relaunch with ",
       el("code", "", `${config.resume_step_env}=${step}`), " (the bridge loads that step), or see How to resume."];
-    if (bridge && bridge.id === newest.id) {
-      headline.append("Resume from ", el("strong", "", `global step ${newest.global_step ?? "?"}`), facts, age,
-        ". An unchanged relaunch with the bridge resumes from it.");
-    } else if (bridge && bridge.global_step != null && bridge.global_step === newest.global_step) {
-      // Two sets of one step (a ModelCheckpoint saved at the stop step too): the
-      // relaunch resumes at that step either way, so there is nothing to pin.
-      headline.append("Resume from ", el("strong", "", `global step ${newest.global_step}`), facts, age,
-        `. An unchanged relaunch with the bridge resumes from this step, from its own ${bridge.origin} set.`);
+    if (bridge && bridge.id === star.id) {
+      headline.append("Resume from ", el("strong", "", `global step ${star.global_step ?? "?"}`), facts, age,
+        ". An unchanged relaunch with the bridge resumes from it"
+        + (sameStep ? ` (★); the ${newest.origin} set of the same step is the same point in training.` : "."));
     } else {
       headline.append("Newest complete set: ", el("strong", "", `global step ${newest.global_step ?? "?"}`),
         facts, age, ".");
       headline.append(bridge
         ? ` An unchanged relaunch with the bridge resumes from global step ${bridge.global_step}, its newest `
-          + "complete graceful-stop set, not from this one."
+          + "complete graceful-stop set (★), not from this one."
         : " An unchanged relaunch does not resume from it: the bridge resumes only from its own saves "
           + "(there are none), and a script without it starts over unless it loads a checkpoint itself.");
       if (newest.global_step != null) headline.append(...pin(newest.global_step));
@@ -105,7 +111,7 @@ function renderAnswer() {
     headline.textContent = index.errors.length ? index.errors[0] : "No checkpoints in the run directory yet.";
   }
   button.hidden = !newest;
-  button.onclick = newest ? () => table.actions.resume(newest) : null;
+  button.onclick = newest ? () => table.actions.resume(star) : null;
   const source = index.world_size_source === "job" ? "from the job" : "per layout: highest rank + 1";
   $(CKPT.meta).textContent = `${plural(index.sets.length, "set")}, ${formatBytes(index.total_bytes)} in `
     + `${index.run_dir}; world size ${index.world_size ?? "unknown"} (${source}); `
@@ -119,6 +125,7 @@ function renderAnswer() {
 const socket = io({ transports: ["websocket", "polling"], tryAllTransports: true, auth: socketAuth("checkpoints") });
 const connection = $(CKPT.connection);
 socket.on("connect", () => {
+  token.recheck();
   connection.dataset.state = "live";
   connection.textContent = "live";
 });

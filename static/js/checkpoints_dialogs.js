@@ -53,16 +53,28 @@ export class ResumeDialog {
     return null;
   }
 
+  // Says what happened on the button itself (a Copy that said nothing was taken for broken),
+  // and, where the clipboard is refused or missing, selects the text for Ctrl+C instead.
   async copy(button) {
-    const text = $(button.dataset.copy, this.dialog).textContent;
-    // The clipboard API exists only in secure contexts (https or localhost).
-    if (navigator.clipboard) {
-      await navigator.clipboard.writeText(text);
-      button.textContent = "Copied";
-    } else {
-      window.getSelection().selectAllChildren($(button.dataset.copy, this.dialog));
-      button.textContent = "Selected: press Ctrl+C";
+    const source = $(button.dataset.copy, this.dialog);
+    let said;
+    try {
+      // The clipboard API exists only in secure contexts (https or localhost), and may be refused.
+      if (!navigator.clipboard) throw new Error("no clipboard");
+      await navigator.clipboard.writeText(source.textContent);
+      said = "Copied ✓";
+      button.dataset.copied = "true";
+    } catch {
+      window.getSelection().selectAllChildren(source);
+      said = "Selected: press Ctrl+C";
+      button.dataset.copied = "selected";
     }
+    button.textContent = said;
+    clearTimeout(button.rwReset);
+    button.rwReset = setTimeout(() => {
+      button.textContent = "Copy";
+      delete button.dataset.copied;
+    }, 4000);
   }
 }
 

@@ -13,14 +13,36 @@ export const RETENTION = Object.freeze({
   disk: "#ckpt-retention-disk",
   apply: "#ckpt-retention-apply",
   head: "#ckpt-table thead tr",
+  dialog: "#retention-dialog",
+  form: "#retention-form",
+  summary: "#retention-summary",
+  modeNote: "#retention-mode-note",
+  sets: "#retention-sets",
+  error: "#retention-error",
+  cancel: "#retention-cancel",
+  confirm: "#retention-confirm",
 });
+
+// What the policy does by itself, and so what Apply adds to it (docs/checkpoints.md, "Retention").
+const MODE = {
+  off: "Retention is off: nothing is deleted by itself. Apply deletes what the plan marks, once, now; "
+    + "it does not turn retention on (RETENTION_MODE=on does).",
+  dry_run: "Retention is a dry run: it audits and alerts what it would delete, and deletes nothing. "
+    + "Apply deletes what the plan marks, once, now.",
+  on: "Retention is on: the plan is applied after each new complete set. Apply does it now.",
+};
 
 export class RetentionView {
   constructor(config, flash) {
     this.config = config;
     this.flash = flash;
     this.plan = null;
-    $(RETENTION.apply).onclick = () => this.apply().catch((err) => flash(err.message, "error"));
+    $(RETENTION.apply).onclick = () => this.ask();
+    $(RETENTION.cancel).onclick = () => $(RETENTION.dialog).close();
+    $(RETENTION.form).addEventListener("submit", (e) => {
+      e.preventDefault();
+      this.apply().catch((err) => this.fail(err.message));
+    });
   }
 
   // After each drawing of the rows: fetch the plan and draw it beside them, unless
@@ -73,6 +95,7 @@ export class RetentionView {
     $(RETENTION.policy).textContent = `Retention ${p.mode}: keep the newest ${plural(p.keep, "complete set")}`
       + (p.every ? `, every multiple of ${p.every}` : "")
       + `, stop, pinned, resume and newest healthy sets (${p.source}).`
+      + (p.mode === "off" ? " Nothing is deleted by itself; Apply deletes the plan's sets once." : "")
       + (p.errors.length ? ` ${p.errors.join(" ")}` : "");
     const d = plan.disk;
     const disk = $(RETENTION.disk);
@@ -83,7 +106,8 @@ export class RetentionView {
     const count = plan.sets.filter((e) => e.action === "delete").length;
     const button = $(RETENTION.apply);
     button.hidden = count === 0;
-    button.textContent = `Apply retention: delete ${count}, will free ${formatBytes(plan.frees_bytes)}`;
+    button.textContent = `${p.mode === "on" ? "Apply retention now" : "Apply retention once"}: delete ${count}, `
+      + `will free ${formatBytes(plan.frees_bytes)}`;
     $(RETENTION.section).hidden = false;
   }
 
@@ -97,21 +121,42 @@ export class RetentionView {
     await this.refresh();
   }
 
-  async apply() {
+  // The page's own dialog: what goes, how much it frees, and what Apply means in this mode.
+  ask() {
     const plan = this.plan;
+    if (!plan) return;
     if (!token.get()) {
       this.flash("Applying retention needs the operator token: open the login link the dashboard printed, "
         + "or enter the token in the delete dialog.", "error");
       return;
     }
-    const count = plan.sets.filter((e) => e.action === "delete").length;
-    if (!window.confirm(`Delete ${plural(count, "set")} or leftovers, freeing ${formatBytes(plan.frees_bytes)}?`)) return;
+    const going = plan.sets.filter((e) => e.action === "delete");
+    $(RETENTION.summary).textContent = `Delete ${plural(going.length, "set")} or leftovers, `
+      + `freeing ${formatBytes(plan.frees_bytes)}. The audit trail records it.`;
+    $(RETENTION.modeNote).textContent = MODE[plan.policy.mode] || "";
+    $(RETENTION.sets).replaceChildren(...going.map((e) => el("li", "", `${e.id}: ${e.why}`)));
+    $(RETENTION.error).hidden = true;
+    $(RETENTION.confirm).disabled = false;
+    $(RETENTION.dialog).showModal();
+  }
+
+  fail(message) {
+    const error = $(RETENTION.error);
+    error.textContent = message;
+    error.hidden = false;
+    $(RETENTION.confirm).disabled = false;
+  }
+
+  async apply() {
+    const plan = this.plan;
+    $(RETENTION.confirm).disabled = true; // a double click sends one request
     const r = await operatorFetch(this.config.urls.retention_apply, { hash: plan.hash });
     if (!r.ok) {
-      this.flash(r.body.error, "error");
+      this.fail(r.body.error);
       await this.refresh();
       return;
     }
+    $(RETENTION.dialog).close();
     const failed = r.body.failed.length ? `; ${r.body.failed.length} failed` : "";
     this.flash(`Retention deleted ${r.body.deleted.length}, freed ${formatBytes(r.body.frees_bytes)}${failed}.`,
       failed ? "error" : "info");

@@ -31,6 +31,27 @@ export function rankList(ranks) {
   return ranks.length > 12 ? `${shown} and ${ranks.length - 12} more` : shown;
 }
 
+// The set that gets the ★: the one an unchanged relaunch resumes from (the bridge's own
+// choice), else the newest complete one.
+export function starOf(index) {
+  return index.star ?? index.bridge_resume ?? index.newest_complete;
+}
+
+// index.sets (newest step first) with the ★ set first among the sets of its step.
+function grouped(index) {
+  const star = starOf(index);
+  const sets = index.sets.slice();
+  const at = sets.findIndex((s) => s.id === star);
+  if (at > 0) {
+    let first = at;
+    while (first > 0 && sets[first - 1].global_step !== null && sets[first - 1].global_step === sets[at].global_step) {
+      first -= 1;
+    }
+    sets.splice(first, 0, ...sets.splice(at, 1));
+  }
+  return sets;
+}
+
 export class SetTable {
   // actions: {resume(set), verify(set), remove(set)}; clock() is the server's time in seconds.
   constructor(config, actions, clock) {
@@ -82,6 +103,7 @@ export class SetTable {
   }
 
   draw(index) {
+    index = { ...index, sets: grouped(index) };
     this.held.hidden = true;
     this.pending = null;
     this.index = index;
@@ -111,6 +133,10 @@ export class SetTable {
     tr.dataset.setId = set.id;
     tr.dataset.complete = String(set.complete);
     tr.dataset.newest = String(set.id === index.newest_complete);
+    tr.dataset.star = String(set.id === starOf(index));
+    // A second save of one step (the periodic set beside the stop's own): one group, ★ first.
+    const first = index.sets.find((s) => s.global_step !== null && s.global_step === set.global_step);
+    if (first && first.id !== set.id) tr.classList.add("same-step");
     tr.dataset.origin = set.origin;
     tr.title = set.notes.join("\n");
 
@@ -170,18 +196,25 @@ export class SetTable {
 
   status(set) {
     const td = el("td");
-    if (set.id === this.index.newest_complete) {
+    const index = this.index;
+    // One ★, on the set an unchanged relaunch uses; the headline and How to resume say the same.
+    if (set.id === index.bridge_resume) {
+      td.append(this.badge("ckpt-newest", "★ an unchanged relaunch resumes here",
+        "The bridge loads this set on every rank when the job is relaunched unchanged"));
+    } else if (set.id === starOf(index)) {
       td.append(this.badge("ckpt-newest", "★ newest complete",
-        "The newest step from which every rank can resume"));
+        "The newest step from which every rank can resume (an unchanged relaunch does not load it by itself)"));
     } else if (set.complete) {
       td.append(this.badge("ckpt-complete", "✓ complete", "Every rank has a readable file"));
     } else {
       td.append(this.badge("ckpt-incomplete", "✕ incomplete",
         `No readable file for ${set.ranks_missing.length === 1 ? "rank" : "ranks"} ${rankList(set.ranks_missing)}`));
     }
-    if (set.id === this.index.bridge_resume) {
-      td.append(" ", this.badge("ckpt-default", "bridge resumes here",
-        "The bridge loads this set when the job is relaunched unchanged"));
+    const twin = index.sets.find((s) => s.id !== set.id && s.global_step !== null && s.global_step === set.global_step);
+    if (twin) {
+      td.append(" ", this.badge("ckpt-same-step", `same step as the ${twin.origin} set`,
+        `Global step ${set.global_step} was saved twice (${set.origin} and ${twin.origin}); `
+        + "either resumes training at the same step"));
     }
     const corrupt = set.files.filter((f) => f.status !== "ok");
     if (corrupt.length) {

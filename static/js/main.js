@@ -48,7 +48,8 @@ socket.on("ranks_snapshot", (msg) => {
   redraw();
   followRunStatus();
 });
-const stop = new StopControls(socket);
+const stop = new StopControls(socket, store);
+stop.onStatus = () => summary.renderPill();
 const incidents = new Incidents(socket);
 const attempts = new Attempts(config.urls.attempts);
 socket.on("ranks_delta", (msg) => {

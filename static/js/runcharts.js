@@ -221,8 +221,10 @@ export class RunCharts {
       const color = a.replayed ? BRANCHES[branch++ % BRANCHES.length] : LINE;
       const dash = a.replayed ? "dash" : "solid";
       const name = attemptName(a, i);
-      const text = attemptStory(a, i, i > 0 ? shown[i - 1] : null);
       const pts = a.points;
+      // One per point: a hovertemplate's %{text} reads the point's own text and shows "-"
+      // for a scalar, however Plotly's trace docs read.
+      const text = pts.map(() => attemptStory(a, i, i > 0 ? shown[i - 1] : null));
       const x = pts.map((p) => (xTime ? new Date(p[1] * 1000) : p[0]));
       const steps = pts.map((p) => p[0]);
       const meta = (kind) => ({ attempt: a.attempt, launch: a.launch, branch: Boolean(a.replayed), kind });
@@ -288,9 +290,13 @@ export class RunCharts {
     if (!el) return;
     const has = traces.some((t) => t.y.some((v) => v !== null && v !== undefined));
     this.empty[name].hidden = has;
+    // Flags are "1", never "": an empty dataset value is falsy, and a guard that tested one
+    // added a plotly_relayout handler on every redraw (261 per chart after 30 minutes).
     if (!has) {
+      // purge drops the chart's handlers too.
       if (el.dataset.drawn) Plotly.purge(el);
       delete el.dataset.drawn;
+      delete el.dataset.listening;
       return;
     }
     const log = this.log;
@@ -309,10 +315,10 @@ export class RunCharts {
       datarevision: this.revision,
       ...marks,
     };
-    el.dataset.drawn = "";
+    el.dataset.drawn = "1";
     Plotly.react(el, traces, layout, this.plotConfig);
     if (!el.dataset.listening) {
-      el.dataset.listening = "";
+      el.dataset.listening = "1";
       el.on("plotly_relayout", (ev) => {
         if ("yaxis.autorange" in ev || "xaxis.autorange" in ev) this.zoomed[name] = false;
         else if (Object.keys(ev).some((k) => k.startsWith("xaxis.range") || k.startsWith("yaxis.range"))) {

@@ -1,12 +1,12 @@
 // The runs table (landing page under --runs): one server page of GET /api/runs
 // at a time, refreshed every few seconds; only the rows on screen are fetched.
 
-import { GLYPH, formatBytes, formatClock, formatSeconds } from "./format.js";
+import { GLYPH, formatBytes, formatClock, formatFixed, formatSeconds } from "./format.js";
 import { token } from "./token.js";
 
 // The printed link (#login=<code>) lands here under --runs: the token it
 // trades for stays in this tab's sessionStorage for every run's console.
-token.adoptFromUrl();
+token.follow();
 
 const config = JSON.parse(document.getElementById("runs-config").textContent);
 const REFRESH_MS = 5000;
@@ -72,6 +72,20 @@ function sparkline(values) {
   return svg;
 }
 
+// The newest loss as a number, its recent course as the sparkline beside it.
+function loss(r) {
+  const spark = sparkline(r.loss_spark);
+  if (typeof r.loss !== "number" || !Number.isFinite(r.loss)) return spark;
+  const span = document.createElement("span");
+  span.className = "run-loss";
+  const value = document.createElement("span");
+  value.className = "run-loss-value";
+  // As the rank table writes a loss.
+  value.textContent = formatFixed(r.loss, 4);
+  span.append(value, " ", spark);
+  return span;
+}
+
 function row(r, now) {
   const tr = document.createElement("tr");
   tr.dataset.run = r.id;
@@ -85,7 +99,7 @@ function row(r, now) {
     cell("state", r.needs_attention ? `⚠ ${r.state}` : (r.status_message || "").startsWith("not read yet") ? "idle (not read yet)" : r.state),
     cell("world", r.hosts > 1 ? `${r.world_size} on ${r.hosts} hosts` : String(r.world_size ?? "–")),
     cell("step", r.global_step == null ? "–" : r.global_step.toLocaleString()),
-    cell("loss", sparkline(r.loss_spark)),
+    cell("loss", loss(r)),
     cell("health", verdicts(r.health_counts || {})),
     cell("ckpt", r.newest_complete_set ? `step ${r.newest_complete_set.global_step ?? "?"}` : "–"),
     cell("disk", r.disk_bytes == null ? "–" : `${r.disk_truncated ? "≥ " : ""}${formatBytes(r.disk_bytes)}`),

@@ -28,6 +28,10 @@ const HEADLINE = {
     : "The stop flag is cleared; relaunching the job trains normally."),
 };
 
+// What a tab whose token the server refused shows (a relaunched dashboard has a
+// new token; docs/security.md says why it does not keep the old one).
+const STALE_TEXT = "read-only: open a new login link (`rankwatch login`)";
+
 // The stop an earlier launch of this run obeyed: one line under "No stop requested".
 function lastStop(last) {
   const l = object(last);
@@ -83,31 +87,58 @@ function logNote(logs) {
 }
 
 export class StopControls {
-  constructor(socket) {
-    this.status = null;
+  // `store` (store.js) holds the status for the header too; onStatus() runs after each new one.
+  constructor(socket, store = { stop: null }) {
+    this.store = store;
+    this.onStatus = () => {};
     this.busy = false;
     // The run's status (from the rank events): an ended job has nothing to stop.
     this.run = null;
     this.bind();
     const followRun = (msg) => {
       if (!msg.run || msg.run.status === this.run?.status) return;
+      const before = this.run;
       this.run = msg.run;
       this.renderOperator();
       this.render();
+      // The job ended or began: the stop it ends with is news too; take it now rather than
+      // show the last pushed stage beside a header that already says the job ended.
+      if (before) this.refresh();
     };
     socket.on("ranks_snapshot", followRun);
     socket.on("ranks_delta", followRun);
-    socket.on("stop_status", (status) => {
-      this.status = status;
-      this.render();
-      this.loadAudit();
-    });
+    socket.on("stop_status", (status) => this.take(status));
     window.addEventListener("rankwatch-token", () => this.renderOperator());
     window.addEventListener("rankwatch-login-failed", (e) => this.openToken(`The login link did not work: ${e.detail}`));
-    token.adoptFromUrl();
+    socket.on("connect", () => token.recheck());
+    token.follow();
     this.renderOperator();
     this.loadAudit();
     setInterval(() => this.renderTimes(), 1000);
+  }
+
+  get status() {
+    return this.store.stop;
+  }
+
+  set status(value) {
+    this.store.stop = value;
+  }
+
+  take(status) {
+    this.status = status;
+    this.render();
+    this.onStatus();
+    this.loadAudit();
+  }
+
+  async refresh() {
+    try {
+      const r = await fetch(api("/api/exit"));
+      if (r.ok) this.take(await r.json());
+    } catch {
+      // the next push brings it
+    }
   }
 
   bind() {
@@ -135,9 +166,10 @@ export class StopControls {
   // -- the token ---------------------------------------------------------------
   renderOperator() {
     const has = Boolean(token.get());
+    const stale = !has && token.stale();
     const state = $(SEL.operatorState);
-    state.dataset.state = has ? "operator" : "read-only";
-    text(state, has ? "operator" : "read-only");
+    state.dataset.state = has ? "operator" : stale ? "stale" : "read-only";
+    text(state, has ? "operator" : stale ? STALE_TEXT : "read-only");
     text($(SEL.tokenOpen), has ? "Token…" : "Enter operator token");
     const stop = $(SEL.stopOpen);
     // Only a proven end (every rank's process gone) disables Stop: files alone can be forged.
@@ -145,7 +177,8 @@ export class StopControls {
     stop.disabled = !has || ended;
     stop.dataset.why = ended ? "ended" : has ? "" : "read-only";
     // Why it is disabled is in its text, not only in a tooltip.
-    text(stop, ended ? "Stop gracefully (job ended)" : has ? "Stop gracefully" : "Stop gracefully (needs the token)");
+    text(stop, ended ? "Stop gracefully (job ended)" : has ? "Stop gracefully"
+      : stale ? "Stop gracefully (needs a new login link)" : "Stop gracefully (needs the token)");
     if (ended) stop.title = `Nothing to stop: ${this.run.message} Relaunch the job to train again.`;
     else if (has && this.run?.status === "ended") stop.title = `Warning: ${this.run.message}`;
     else stop.title = has ? "Every rank saves a checkpoint at the same step, then exits"
@@ -222,7 +255,7 @@ export class StopControls {
     this.renderConfirm();
     const error = $(SEL.stopError);
     error.hidden = false;
-    text(error, res.status === 401 ? "The operator token was refused; enter it again." : res.body.error);
+    text(error, res.status === 401 ? `${STALE_TEXT}: this tab's operator session has ended.` : res.body.error);
   }
 
   async act(url, question, extra = {}) {

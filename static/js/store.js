@@ -10,6 +10,9 @@ export class RankStore {
     this.worldSize = 0;
     this.summary = null;
     this.run = null;
+    // The stop lifecycle as last pushed (GET /api/exit's body): the one copy the stop panel
+    // and the header both read, so one cannot say "Stopped" while the other says "Stopping".
+    this.stop = null;
     // Server clock minus this clock, in seconds, so ages are right on both.
     this.offset = 0;
     // rank -> seq not yet drawn (read by the table's render log).

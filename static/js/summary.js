@@ -63,13 +63,8 @@ export class SummaryStrip {
       option.textContent = `${verdictLabel(option.value)} (${s.counts[option.value] || 0})`;
     }
     const slow = s.slowest;
-    // A gap below the straggler rule is jitter, not a finding: name no rank then.
-    this.set("slowest", !slow ? "–" : slow.straggler
-      ? `rank ${slow.rank}: ${formatNumber(slow.step_time_ms)} ms`
-        + (slow.basis === "work" ? " own work" : "") + `, +${formatNumber(slow.gap_ms)} ms`
-        + ` over the median ${formatNumber(slow.median_ms)} ms`
-        + (slow.ratio ? ` (${slow.ratio}×)` : "")
-      : `none: all within ${slow.threshold_ratio}× of the median ${formatNumber(slow.median_ms)} ms`);
+    // The server words it (app/ranks/peers.py): rankwatch status prints the same sentence.
+    this.set("slowest", slow && typeof slow.text === "string" ? slow.text : "–");
     // null: no rank reports a rate (ranks shown from their logs): unknown, not 0.
     this.set("throughput", s.throughput == null ? "unknown"
       : isNumber(s.throughput) && s.throughput > 0
@@ -108,8 +103,11 @@ export class SummaryStrip {
     } else if (run.status === "ended") {
       const crashed = (counts.failed || 0) + (counts.dead || 0) + (counts.node_lost || 0);
       state = crashed ? "bad" : "ended";
+      // "Stopped" only once the stop panel (the same store.stop) says it completed.
+      const stopping = ["requested", "stopping"].includes(this.store.stop?.state);
       text = crashed ? `${GLYPH.dead} Crashed: ${told}`
-        : counts.exited ? `${GLYPH.exited} Stopped` : `${GLYPH.finished} Finished`;
+        : counts.exited ? (stopping ? `${GLYPH.exited} Stopping: ranks are exiting` : `${GLYPH.exited} Stopped`)
+          : `${GLYPH.finished} Finished`;
     } else if (bad) {
       state = "bad";
       text = `${GLYPH.dead} ${bad} of ${plural(world, "rank")} unhealthy: ${told}`;

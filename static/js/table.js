@@ -40,6 +40,10 @@ const LOG_ONLY = Object.freeze({
 // A rank that has ended (or whose process is gone) has no live rate, step
 // time or CPU: its cells are blank, the last value in their tooltip.
 const ENDED = new Set(["exited", "finished", "failed", "dead", "node_lost"]);
+// Verdicts of a rank that no longer reports, whatever it last said: its reported state is
+// only what it said last ("training" beside "dead" read as a contradiction).
+const SILENT = new Set(["dead", "node_lost", "agent_lost"]);
+const REPORTED_END = new Set(["exited", "finished", "failed"]);
 const LIVE_COLS = new Set(["samples_per_s", "step_time_ms", "step_time_mean_ms", "cpu_percent", "device_util_percent"]);
 
 function compareValues(a, b) {
@@ -454,6 +458,9 @@ export class RankTable {
         // A resumed launch is marked; the cell's title says from where (set and global step).
         return `${formatNumber(row.epoch)} / ${formatNumber(row.step)} (${formatCount(row.global_step)})`
           + (row.resumed_from ? " ↻" : "");
+      case "state":
+        return SILENT.has(row.health) && typeof row.state === "string" && !REPORTED_END.has(row.state)
+          ? `last said ${row.state}` : formatValue(m, row.state);
       case "heartbeat_age_s":
         return isNumber(row.time) ? formatValue(m, Math.max(0, now - row.time)) : "–";
       case "reason": {
@@ -496,6 +503,9 @@ export class RankTable {
         td.textContent = text;
         if (m.name === "reason" || m.name === "host") td.title = text;
         if (m.name === "global_step") td.title = row.resumed_from || "";
+        if (m.name === "state") {
+          td.title = text.startsWith("last said") ? "The rank no longer reports: this is the last state it reported" : "";
+        }
         if (m.name === "heartbeat_age_s") td.title = row.source === "log" ? LOG_ONLY.age : "";
         if (LIVE_COLS.has(m.name)) {
           td.title = ENDED.has(row.health) && isNumber(row[m.name])

@@ -3,6 +3,9 @@
 // site cannot make the browser act for the operator (CSRF).
 
 const KEY = "rankwatch.token";
+// Set when the server refused the token this tab held (a relaunched dashboard
+// has a new one): the page then says how to get a new one, not "enter the token".
+const STALE = "rankwatch.token.stale";
 
 export const token = {
   get() {
@@ -10,11 +13,37 @@ export const token = {
   },
   set(value) {
     sessionStorage.setItem(KEY, value);
+    sessionStorage.removeItem(STALE);
     window.dispatchEvent(new Event("rankwatch-token"));
   },
-  clear() {
+  // `refused`: the server no longer takes it, rather than the operator forgetting it.
+  clear(refused = false) {
     sessionStorage.removeItem(KEY);
+    if (refused) sessionStorage.setItem(STALE, "1");
+    else sessionStorage.removeItem(STALE);
     window.dispatchEvent(new Event("rankwatch-token"));
+  },
+  // True once a token of this tab was refused, until a new one is adopted.
+  stale() {
+    return sessionStorage.getItem(STALE) !== null;
+  },
+  // On every (re)connect of the page's socket: the dashboard may have been
+  // relaunched with a new token, and the tab must say so before the operator
+  // presses Stop, not after. A network failure proves nothing: keep the token.
+  async recheck() {
+    const held = this.get();
+    if (!held) return;
+    try {
+      if (!(await checkToken(held)) && this.get() === held) this.clear(true);
+    } catch {
+      // unreachable or rate-limited: the next reconnect checks again
+    }
+  },
+  // Adopt a login code now and whenever one is pasted into this tab's address
+  // bar later: a new `#login=` changes only the hash, which reloads nothing.
+  follow() {
+    window.addEventListener("hashchange", () => this.adoptFromUrl());
+    return this.adoptFromUrl();
   },
   // `python -m app` prints a URL ending in #login=<code>: a single-use code
   // (app/edge/login.py). Drop it from the address bar at once, then trade it for
@@ -69,6 +98,6 @@ export async function operatorFetch(url, body) {
   } catch {
     data = { error: `HTTP ${r.status}`, status: r.status };
   }
-  if (r.status === 401) token.clear();
+  if (r.status === 401) token.clear(true);
   return { ok: r.ok, status: r.status, body: data };
 }

@@ -352,10 +352,14 @@ def test_resume_of_a_loop_set_gives_loop_code_and_msruns_whole_command(client, r
         front_end="loop",
     )
     info = client.get("/api/checkpoints/resume", query_string={"set": bridge_id(20)}).get_json()
+    # msrun as the job ran it (its interpreter, absolute: a fresh shell needs no venv), without the
+    # old launch's --master_port, which may be taken now (issue 33, section 5).
     assert info["command"] == (
-        "MS_ENABLE_GRACEFUL_EXIT=1 GLOG_v=2 msrun --worker_num=2 --local_worker_num=2 "
-        "--master_port=8118 --log_dir '/runs/a b/msrun_logs' --join=True /opt/job/train_loop.py --epochs 3"
+        "MS_ENABLE_GRACEFUL_EXIT=1 GLOG_v=2 /venv/bin/python -m mindspore.parallel.cluster.run "
+        "--worker_num=2 --local_worker_num=2 "
+        "--log_dir '/runs/a b/msrun_logs' --join=True /opt/job/train_loop.py --epochs 3"
     )
+    assert any("--master_port is left out" in n for n in info["command_notes"])
     assert any("MS_ENABLE_GRACEFUL_EXIT=1" in n for n in info["command_notes"])
     code = info["code"]
     assert "model.train" not in code and "ms.load_param_into_net(network, params)" in code

@@ -56,7 +56,9 @@ def test_new_sets_appear_live_and_the_newest_complete_stands_out(live_server, pa
     expect(set_row(page, bridge_id(10))).to_have_attribute("data-newest", "true")
     save_bridge_set(run_dir, 20, ranks=(1,))
     expect(set_row(page, bridge_id(20))).to_have_attribute("data-newest", "true", timeout=WAIT_MS)
-    expect(set_row(page, bridge_id(20)).locator(".ckpt-newest")).to_have_text("★ newest complete")
+    expect(set_row(page, bridge_id(20)).locator(".ckpt-newest")).to_have_text(
+        "★ an unchanged relaunch resumes here"
+    )
     expect(set_row(page, bridge_id(10))).to_have_attribute("data-newest", "false")
     expect(page.locator("#ckpt-headline")).to_contain_text("global step 20")
     assert page.evaluate("window.notReloaded") is True

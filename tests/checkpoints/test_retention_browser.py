@@ -29,9 +29,12 @@ def test_the_plan_shows_as_a_column_and_apply_deletes_it(live_server, page, run_
     expect(cell(10)).to_contain_text("will free")
     expect(page.locator('#ckpt-table thead th[data-col="retention"]')).to_have_text("Retention")
     expect(page.locator("#ckpt-retention-policy")).to_contain_text("Retention off: keep the newest 3")
+    expect(page.locator("#ckpt-retention-policy")).to_contain_text(
+        "Nothing is deleted by itself; Apply deletes the plan's sets once."
+    )
     expect(page.locator("#ckpt-retention-disk")).to_contain_text("free on their filesystem")
     button = page.locator("#ckpt-retention-apply")
-    expect(button).to_contain_text("delete 1")
+    expect(button).to_contain_text("Apply retention once: delete 1")
     page.evaluate(f"sessionStorage.setItem('rankwatch.token', {TOKEN!r})")
     # Pin set 10, then unpin it: the column and the button follow.
     cell(10).locator("button", has_text="Pin").click()
@@ -39,9 +42,26 @@ def test_the_plan_shows_as_a_column_and_apply_deletes_it(live_server, page, run_
     expect(button).to_be_hidden()
     cell(10).locator("button", has_text="Unpin").click()
     expect(cell(10)).to_contain_text("will free", timeout=WAIT_MS)
-    page.once("dialog", lambda d: d.accept())
+    # The page's own dialog, as stop and delete use (issue 33): a native confirm() would fail the test.
+    native = []
+    page.on("dialog", lambda d: (native.append(d.message), d.dismiss()))
     button.click()
+    dialog = page.locator("#retention-dialog")
+    expect(dialog).to_be_visible()
+    expect(dialog.locator("#retention-summary")).to_contain_text("Delete 1 set or leftovers, freeing ")
+    # While retention is off, the dialog says what Apply does then.
+    expect(dialog.locator("#retention-mode-note")).to_contain_text(
+        "Retention is off: nothing is deleted by itself. Apply deletes what the plan marks, once, now"
+    )
+    expect(dialog.locator("#retention-sets li")).to_have_count(1)
+    dialog.locator("#retention-cancel").click()
+    expect(dialog).to_be_hidden()
+    assert (run_dir / "ckpt/rank_0/net-1_10.ckpt").exists()
+    button.click()
+    dialog.locator("#retention-confirm").click()
     expect(page.locator("#ckpt-flash")).to_contain_text("Retention deleted 1", timeout=WAIT_MS)
+    expect(dialog).to_be_hidden()
+    assert native == []
     expect(row(10)).to_have_count(0, timeout=WAIT_MS)
     expect(button).to_be_hidden(timeout=WAIT_MS)
     assert not (run_dir / "ckpt/rank_0/net-1_10.ckpt").exists()

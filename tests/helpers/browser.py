@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from axe_playwright_python.sync_playwright import Axe
+from tests.helpers.axe import violations
 
 WAIT_MS = 30_000
 
@@ -36,10 +36,5 @@ def horizontal_overflow(page) -> dict:
 
 
 def serious(page) -> list[str]:
-    """axe-core's serious and critical violations on the page, one line each."""
-    results = Axe().run(page)
-    return [
-        f"{v['id']} ({v['impact']}): {[n['target'] for n in v['nodes']][:3]}"
-        for v in results.response["violations"]
-        if v["impact"] in ("serious", "critical")
-    ]
+    """axe-core's serious and critical violations on the page, one line each (``tests/helpers/axe.py``)."""
+    return violations(page, ("serious", "critical"))

@@ -119,15 +119,28 @@ def write_damaged(run: Path, series: str, name: str, global_step: int) -> None:
 OLD = time.time() - 3600  # files older than any settle time
 
 
-def periodic(run_dir: Path, step: int, ranks=(0, 1), mtime: float = OLD, extra=b"", **extras) -> None:
-    """``ckpt/rank_{r}/net-1_{step}.ckpt`` for each rank: a ModelCheckpoint-like periodic set."""
+def periodic(
+    run_dir: Path,
+    step: int,
+    ranks=(0, 1),
+    mtime: float = OLD,
+    extra=b"",
+    name: tuple[int, int] | None = None,
+    **extras,
+) -> None:
+    """``ckpt/rank_{r}/net-1_{step}.ckpt`` for each rank: a ModelCheckpoint-like periodic set.
+
+    ``name``: (epoch, step in epoch) for the file name instead, as ModelCheckpoint names a
+    save at the same point as the bridge's (``net-3_4`` beside ``rankwatch-3_4``).
+    """
     for r in ranks:
         body = ckptcraft.ckpt(
             ckptcraft.entry("w", ckptcraft.tensor([4], "Float32", b"\0" * 16)) + extra,
             *(ckptcraft.scalar_int(k, v) for k, v in extras.items()),
             global_step=step,
         )
-        p = ckptcraft.write(run_dir / f"ckpt/rank_{r}/net-1_{step}.ckpt", body)
+        epoch, in_epoch = name or (1, step)
+        p = ckptcraft.write(run_dir / f"ckpt/rank_{r}/net-{epoch}_{in_epoch}.ckpt", body)
         os.utime(p, (mtime, mtime))
 
 

@@ -112,6 +112,7 @@ def start_dashboard(
     timeout: float = 60.0,
     prefix: list[str] | None = None,
     runs_root: bool = False,
+    port: int | None = None,
 ) -> LiveServer:
     """Start ``python -m app`` on a free port and wait until it answers.
 
@@ -120,10 +121,12 @@ def start_dashboard(
 
     ``runs_root``: ``run_dir`` is a root of runs (``--runs ROOT``).
 
+    ``port``: this one rather than a free one (a relaunch on the same address, as ``make demo`` twice does).
+
     Polls ``/api/summary`` (``/api/runs`` for a root); fails at once, with the server's output, if the
     process exits instead of coming up.
     """
-    port = free_port()
+    port = port or free_port()
     log_file = open(log_path, "wb")
     proc = subprocess.Popen(
         [

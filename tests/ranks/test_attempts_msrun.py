@@ -70,11 +70,12 @@ def refused_launch(run, tmp_path) -> tuple[int, str]:
     return done.returncode, (logs / "worker_0.log").read_text(errors="replace")
 
 
-# The page's Plotly figures, read back: each smoothed trace's attempt, branch flag and x values.
+# The page's Plotly figures, read back: each smoothed trace's attempt, branch flag and x values
+# (the hover text is one per point; the first stands for all).
 SERIES = """sel => { const el = document.querySelector(sel);
   return el && el.data ? el.data.filter(t => t.meta.kind === 'smoothed')
     .map(t => ({attempt: t.meta.attempt, branch: t.meta.branch, dash: t.line.dash, x: t.x, y: t.y,
-                text: t.text, hover: t.hovertemplate})) : []; }"""
+                text: t.text[0], hover: t.hovertemplate})) : []; }"""
 LAYOUT = """sel => { const l = document.querySelector(sel).layout;
   return {x: l.xaxis.type, y: l.yaxis.type, marks: l.shapes.map(m => m.x0), labels: l.annotations.map(a => a.text)}; }"""
 

@@ -20,7 +20,9 @@ from tests.helpers.heartbeats import heartbeat
 from tests.helpers.ranks import TH, Rank
 
 
-def from_scratch(ranks: dict[int, Rank], world: int, now: float, probes: dict) -> dict:
+def from_scratch(
+    ranks: dict[int, Rank], world: int, now: float, probes: dict, before: dict | None = None
+) -> dict:
     view = set(range(world)) | set(ranks)
     latest = {r: (ranks[r].hb if r in ranks else None) for r in view}
     own = {r: (ranks[r].window.median_ms if r in ranks else None) for r in view}
@@ -29,8 +31,19 @@ def from_scratch(ranks: dict[int, Rank], world: int, now: float, probes: dict) -
     gone = {r: p[0] for r, p in probes.items() if p[0]}
     stopped = {r: p[1] for r, p in probes.items() if p[1]}
     alive = {r for r, p in probes.items() if p[2]}
+    # The straggler rule's hysteresis reads the last verdicts.
+    stragglers = {r for r, v in (before or {}).items() if v.health == "straggler"}
     return judge_all(
-        latest, own, now, TH, gone, split, process_stopped=stopped, process_alive=alive, steps=steps
+        latest,
+        own,
+        now,
+        TH,
+        gone,
+        split,
+        process_stopped=stopped,
+        process_alive=alive,
+        steps=steps,
+        stragglers=stragglers,
     )
 
 
@@ -64,8 +77,9 @@ def test_board_equals_judge_all_on_random_histories(seed):
                 ]
             )
             board.set_probe(r, *probes[r])
+        before = dict(board.verdicts)
         board.update(now)
-        expected = from_scratch(ranks, world, now, probes)
+        expected = from_scratch(ranks, world, now, probes, before)
         assert board.verdicts == expected, f"seed {seed}, t={now}"
         # The summary's counts follow the verdicts.
         counts = board.summary_figures()["counts"]
@@ -146,3 +160,37 @@ def test_no_node_is_lost_without_the_whole_node_going_silent_together(ages, loca
     now = 1_800_000_000.0
     board = _board_with_hosts(now, {0: "a", 1: "a", 2: "b", 3: "b"}, ages, local)
     assert "node_lost" not in {v.health for v in board.verdicts.values()}, why
+
+
+def test_a_straggler_near_the_ratio_does_not_flap():
+    """Issue 33: a rank hovering near 1.5x flapped between straggler and healthy within a minute.
+
+    It turns straggler at 1.5x, stays one while it is above 0.9 of the rule
+    (1.35x here), and is healthy again only below that; the board and the
+    from-scratch rules agree at every tick.
+    """
+    board = judging.VerdictBoard(TH)
+    board.set_view({0, 1, 2})
+    now = 1_800_000_000.0
+    seen = []
+    for seq, slow in enumerate((100.0, 160.0, 145.0, 152.0, 140.0, 146.0, 130.0, 145.0), start=1):
+        now += 1.0
+        hbs = {r: heartbeat(r, 3, seq=seq, now=now, step_ms=ms) for r, ms in enumerate((100.0, 100.0, slow))}
+        for r, hb in hbs.items():
+            board.observe(r, judging.RankReport(hb, hb["step_time_ms"], None, TH.straggler_window))
+        before = {r for r, v in board.verdicts.items() if v.health == "straggler"}
+        board.update(now)
+        own = {r: hb["step_time_ms"] for r, hb in hbs.items()}
+        steps = dict.fromkeys(hbs, TH.straggler_window)
+        assert board.verdicts == judge_all(hbs, own, now, TH, steps=steps, stragglers=before)
+        seen.append(board.verdicts[2].health)
+    assert seen == [
+        "healthy",  # 1.0x
+        "straggler",  # 1.6x: past the rule
+        "straggler",  # 1.45x: below 1.5x, yet not clearly back
+        "straggler",
+        "straggler",  # 1.4x
+        "straggler",
+        "healthy",  # 1.3x: below 1.35x, back among its peers
+        "healthy",  # 1.45x: not past the rule again
+    ]

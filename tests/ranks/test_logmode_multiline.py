@@ -65,6 +65,22 @@ def test_an_exception_with_its_message_on_the_line_keeps_it():
     assert log.error == "ValueError: bad"
 
 
+def test_msruns_words_are_read_from_the_exception_not_the_source_line_above_it():
+    """The traceback shows msrun's ``raise`` line first: the page said 'Please check logs in ".'."""
+    launcher = fold(
+        [
+            "Traceback (most recent call last):",
+            '  File "/venv/site-packages/mindspore/parallel/cluster/process_entity/_api.py", line 389, in join',
+            '    raise RuntimeError("Distributed job exited with exception. Please check logs in "',
+            "RuntimeError: Distributed job exited with exception. Please check logs in directory: /run/msrun_logs.",
+        ],
+        LauncherLog,
+    )
+    assert launcher.job_exited == (
+        "Distributed job exited with exception. Please check logs in directory: /run/msrun_logs."
+    )
+
+
 def test_msruns_last_words_say_the_job_is_over():
     launcher = fold(
         [

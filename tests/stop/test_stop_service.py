@@ -189,3 +189,52 @@ def test_audit_survives_a_new_service(tmp_path):
     again = AuditLog(tmp_path / "a.sqlite3")
     assert [r["action"] for r in again.rows()] == ["request"]
     assert "".join(again.iter_csv()).splitlines()[0].startswith("id,at,action")
+
+
+HOLD_LOCK = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_stop_ending_while_another_observer_holds_the_lock_warns_of_nothing(service, tmp_path, caplog):
+    """Issue 33, section 6: an ordinary `rankwatch stop` printed ".flag.lock held by another process for 0 s".
+
+    At a stop's end the dashboard and the waiting CLI both record it; one of them
+    holds the flag lock, and the other's one try finds it busy. That is no problem.
+    """
+    import subprocess
+    import sys
+
+    from app.stop.service import LOCK_NAME
+
+    rid, *_ = service.request("r", "alice", None)
+    done = {r: hb(r, rid, "exited", 8, exited=time.time()) for r in (0, 1)}
+    lock = tmp_path / runfiles.STATE_DIR / LOCK_NAME
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(lock)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with caplog.at_level("WARNING", logger="app.stop.service"):
+            service.tick(inputs=StopInputs(done, 2))
+    finally:
+        holder.communicate("")
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == []
+    assert [r["action"] for r in service.audit.rows()] == ["rearm", "complete", "request"]
+
+
+def test_a_lock_file_that_is_not_a_file_is_still_warned_of(service, tmp_path, caplog):
+    from app.stop.service import LOCK_NAME
+
+    rid, *_ = service.request("r", "alice", None)
+    done = {r: hb(r, rid, "exited", 8, exited=time.time()) for r in (0, 1)}
+    lock = tmp_path / runfiles.STATE_DIR / LOCK_NAME
+    lock.unlink(missing_ok=True)
+    lock.mkdir()
+    with caplog.at_level("WARNING", logger="app.stop.service"):
+        service.tick(inputs=StopInputs(done, 2))
+    assert any("no usable lock file" in r.getMessage() for r in caplog.records), caplog.records

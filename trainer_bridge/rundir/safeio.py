@@ -327,6 +327,11 @@ def open_lock(root: str | os.PathLike, rel: str) -> int:
     return fd
 
 
+# In bounded_flock's sentence when the lock was only busy: a caller that expects company
+# (two observers of one stop's end) may take that as no problem.
+LOCK_HELD = "held by another process"
+
+
 @contextmanager
 def bounded_flock(
     root: str | os.PathLike, rel: str, wait_s: float, poll_s: float = 0.05
@@ -353,7 +358,7 @@ def bounded_flock(
             if time.monotonic() < deadline:
                 time.sleep(poll_s)
                 continue
-            problem = f"the lock {rel} was held by another process for {wait_s:g} s"
+            problem = f"the lock {rel} was {LOCK_HELD} for {wait_s:g} s"
         except OSError as e:
             problem = f"the lock {rel} could not be taken ({why(e)})"
         os.close(fd)

@@ -300,7 +300,13 @@ class LauncherLog:
 
     def feed(self, line: str) -> None:
         self.lines += 1
-        if JOB_EXITED in line and self.job_exited is None:
+        # Not the traceback's source line, `raise RuntimeError("Distributed job ... in "`, which
+        # comes first and ends mid-sentence: the exception's own line, after it, says where.
+        if (
+            JOB_EXITED in line
+            and self.job_exited is None
+            and not line[: line.index(JOB_EXITED)].endswith(('"', "'"))
+        ):
             self.job_exited = cut(line[line.index(JOB_EXITED) :])
             self.version += 1
             return

@@ -1,0 +1,112 @@
+"""The peer median, and the straggler figures built on it, defined once.
+
+A rank's step cost is compared with the median of its *peers'*: the other
+stepping ranks, without the rank itself. The row's verdict
+(``app.run.health``, ``app.run.judging``), the summary tile's "slowest
+rank", ``rankwatch status`` and the agents' hub all take their figures from
+here. The tile once used the median of every rank, the straggler included, and
+said 1.21x against 954 ms while the row said 1.5x against 755 ms.
+
+``slowest()`` words its sentence here too, so that the page and the CLI say
+the same thing; a rank is named only when its verdict is ``straggler``, and
+the gap below that is jitter.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Sequence
+
+
+def median(sorted_values: Sequence[float]) -> float | None:
+    n = len(sorted_values)
+    if n == 0:
+        return None
+    mid = n // 2
+    return float(sorted_values[mid] if n % 2 else (sorted_values[mid - 1] + sorted_values[mid]) / 2)
+
+
+def peer_median(sorted_values: Sequence[float], own: float) -> float | None:
+    """The median of ``sorted_values`` without one copy of ``own``, in O(log n).
+
+    ``sorted_values`` holds every rank's time including ``own``; sorting once
+    per tick and answering each rank from it keeps a 1024-rank job cheap.
+    """
+    skip = bisect_left(sorted_values, own)
+    n = len(sorted_values) - 1
+    if n <= 0 or skip > n or sorted_values[skip] != own:
+        return None
+
+    def at(k: int) -> float:
+        return sorted_values[k if k < skip else k + 1]
+
+    mid = n // 2
+    return float(at(mid) if n % 2 else (at(mid - 1) + at(mid)) / 2)
+
+
+# A straggler stays one until it is clearly back among its peers: below this share of the
+# ratio (and of the gap) that made it one. Without it a rank hovering near 1.5x flapped
+# between straggler and healthy within a minute, and the page and the console disagreed.
+STRAGGLER_HOLD = 0.9
+
+
+def straggling(own_ms: float, peer_ms: float, ratio: float, min_gap_ms: float, was: bool = False) -> bool:
+    """The straggler rule, with its hysteresis: ``was`` says the rank's last verdict was straggler.
+
+    ``app.run.judging`` tests the same, element-wise, in this order of operations.
+    """
+    hold = STRAGGLER_HOLD if was else 1.0
+    return own_ms >= ratio * hold * peer_ms and own_ms - peer_ms >= min_gap_ms * hold
+
+
+def ratio_text(own_ms: float, peer_ms: float) -> str:
+    """How many times the peer median, as the row's reason and the tile both write it."""
+    return f"{own_ms / peer_ms:.2g}x"
+
+
+def slowest(
+    worst_ms: float,
+    peer_ms: float | None,
+    rank: int,
+    basis: str,
+    *,
+    straggler: bool,
+    threshold_ratio: float,
+) -> dict:
+    """The summary's ``slowest``: rank ``rank`` has the largest cost, ``worst_ms``.
+
+    ``peer_ms`` is its peer median (``peer_median``), the figure its row is
+    judged against; with no peer (one rank) it is compared with itself.
+    """
+    worst = float(worst_ms)
+    mid = worst if peer_ms is None else float(peer_ms)
+    figure = {
+        "rank": rank,
+        "step_time_ms": round(worst, 2),
+        "median_ms": round(mid, 2),
+        "gap_ms": round(worst - mid, 2),
+        "ratio": round(worst / mid, 2) if mid > 0 else None,
+        "basis": basis,
+        # Only past the straggler rule is it a finding; below, the gap is jitter.
+        "straggler": straggler,
+        "threshold_ratio": threshold_ratio,
+    }
+    figure["text"] = slowest_text(figure)
+    return figure
+
+
+def _ms(value: float) -> str:
+    """As the row's reason writes a time (``health._ms``)."""
+    return f"{value:.3g} ms" if value < 100 else f"{value:.0f} ms"
+
+
+def slowest_text(s: dict) -> str:
+    """The tile's sentence (the page and ``rankwatch status`` print it as it is)."""
+    median_ms, ms = s["median_ms"], s["step_time_ms"]
+    if not s["straggler"]:
+        return f"none: all within {s['threshold_ratio']:g}x of the peer median {_ms(median_ms)}"
+    own = " own work" if s["basis"] == "work" else ""
+    ratio = f" ({ratio_text(ms, median_ms)})" if median_ms > 0 else ""
+    return (
+        f"rank {s['rank']}: {_ms(ms)}{own}, +{_ms(s['gap_ms'])} over the peer median {_ms(median_ms)}{ratio}"
+    )
