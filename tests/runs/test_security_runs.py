@@ -136,6 +136,7 @@ def test_a_run_directory_swapped_for_a_symlink_is_neither_written_nor_pruned(tmp
     r = app.test_client().post("/api/runs/neighbour/exit", json={"reason": "swap"}, headers=operator())
     assert r.status_code == 404 and "replaced" in r.get_json()["error"], r.get_json()
     assert rw.watcher.tick() is None  # its watcher's next tick: the pin no longer holds, nothing done
+    assert app.test_client().get("/api/runs").status_code == 200  # the table still answers
     assert not runfiles.flag_path(out).exists()
     assert not (runfiles.state_dir(out) / "audit.sqlite3").exists()
     assert sorted(p.name for p in (out / "ckpt/rank_0").iterdir()) == [
