@@ -14,7 +14,7 @@ dashboard restart. Schema (one table, append-only)::
         reason      TEXT,           -- the operator's reason
         outcome     TEXT NOT NULL,  -- accepted | duplicate | refused: ... | completed: ...
         detail      TEXT,           -- JSON with anything else worth keeping
-        basis       TEXT NOT NULL DEFAULT 'authenticated',  -- authenticated | observed
+        basis       TEXT NOT NULL DEFAULT 'authenticated',  -- authenticated | observed | policy
         run         TEXT            -- the run id (its path below the runs root, else its name)
     )
 
@@ -89,7 +89,9 @@ COLUMNS = (
 ACTIONS = ("request", "cancel", "rearm", "delete", "complete", "policy", "pin")
 AUTHENTICATED = "authenticated"
 OBSERVED = "observed"
-BASES = (AUTHENTICATED, OBSERVED)
+# What the automatic stop policy did: no token, and it acts on what the ranks' files say.
+POLICY = "policy"
+BASES = (AUTHENTICATED, OBSERVED, POLICY)
 # The watcher's name in the ``who`` column (rows it writes are observed).
 SYSTEM = "rankwatch"
 # Longest accepted free text (reason, operator name): an audit row, not an essay.

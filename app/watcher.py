@@ -92,6 +92,9 @@ class Watcher:
         self._lock = threading.Lock()
         self._task = None
         self._stopping = threading.Event()
+        # Under --runs: whether the run directory is still the one found (app/runs/registry.py);
+        # a tick through a directory swapped for another does nothing (issue 32, P2).
+        self.guard: Callable[[], bool] | None = None
 
     @property
     def running(self) -> bool:
@@ -110,6 +113,8 @@ class Watcher:
 
     def tick(self) -> tuple[str, dict] | None:
         """Scan once and push the result; returns what was pushed."""
+        if self.guard is not None and not self.guard():
+            return None
         if self.cluster is not None:
             leads = self.cluster.step()
             reachable = self.cluster.reachable

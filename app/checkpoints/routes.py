@@ -7,6 +7,7 @@ starts a MindSpore process that costs memory, so it needs the token too.
 
 from __future__ import annotations
 
+import os
 import time
 
 from flask import Blueprint, current_app, jsonify, render_template, request, send_file, url_for
@@ -15,7 +16,7 @@ from app import push
 from app.checkpoints.params import ApplyPlan, DeleteSet, FilePath, PinSet, SetId, VerifySet
 from app.checkpoints.service import local_only
 from app.edge import params
-from app.edge.auth import require_operator
+from app.edge.auth import has_token, redact_paths, require_operator
 from app.errors import NotFound
 from app.extensions import rankwatch, socketio
 from app.push import CHECKPOINTS_EVENT, VERIFY_EVENT
@@ -61,7 +62,23 @@ def page():
 
 @bp.get("/api/checkpoints")
 def api_checkpoints():
-    return jsonify(rankwatch().checkpoints.body(_world()))
+    return jsonify(_for_viewer(rankwatch().checkpoints.body(_world())))
+
+
+# What a viewer without the token gets instead of the relaunch command.
+COMMAND_NEEDS_TOKEN = (
+    "the relaunch command (the job's own command line and arguments) is shown with the operator token"
+)
+
+
+def _for_viewer(body: dict) -> dict:
+    """``body`` as a viewer without the token sees it: no absolute path of the run directory (P11)."""
+    if has_token():
+        return body
+    run_dir = rankwatch().checkpoints.run_dir
+    name = os.path.basename(os.path.normpath(run_dir)) if run_dir else ""
+    out = redact_paths(body, os.path.realpath(run_dir) if run_dir else None, name)
+    return redact_paths(out, run_dir, name)
 
 
 @bp.get("/api/checkpoints/file")
@@ -82,7 +99,15 @@ def api_resume():
     """The relaunch command and the code that loads the set ``?set=ID``."""
     world = _world()
     heartbeats, _ = rankwatch().state.heartbeats()
-    return jsonify(rankwatch().checkpoints.resume(params.query(SetId).set, world, heartbeats))
+    body = rankwatch().checkpoints.resume(params.query(SetId).set, world, heartbeats)
+    if body.get("command") and not has_token():
+        # job.json's launcher_argv and script arguments: the operator's (P11).
+        body = {
+            **body,
+            "command": None,
+            "command_notes": [COMMAND_NEEDS_TOKEN, *body.get("command_notes", [])],
+        }
+    return jsonify(_for_viewer(body))
 
 
 @bp.post("/api/checkpoints/delete")

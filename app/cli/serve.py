@@ -17,7 +17,7 @@ import click
 
 from app.cli.common import one_run_dir, plain
 from app.cli.grouped import GroupedCommand, setting_option
-from app.config import PING_INTERVAL_S, grouped
+from app.config import PING_INTERVAL_S, grouped, secrets_from_env
 
 PORT_IN_USE = "port {port} is in use (another Rankwatch?): use --port N or --port 0"
 
@@ -48,7 +48,7 @@ def check_port(host: str, port: int) -> None:
 
 
 def settings_params(f):
-    params = [setting_option(s, title) for title, settings in grouped() for s in settings]
+    params = [setting_option(s, title) for title, settings in grouped() for s in settings if s.argv]
     f.__click_params__ = getattr(f, "__click_params__", []) + list(reversed(params))
     return f
 
@@ -93,6 +93,10 @@ def config_from(settings: dict, runs: str | None = None) -> dict:
     """The settings' values by name (``RUN_DIR``...), checked as a whole."""
     config = dict(settings)
     config.pop("runs", None)
+    try:
+        config |= secrets_from_env()  # no flags: the environment, or a file it names
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
     if runs:
         config["RUNS_ROOT"] = runs
     if config["RUN_DIR"] and config["RUNS_ROOT"]:

@@ -59,6 +59,7 @@ __all__ = [
     "coerce_all",
     "from_env",
     "grouped",
+    "secrets_from_env",
 ]
 
 SETTINGS: list[Setting] = [
@@ -79,9 +80,33 @@ def grouped() -> list[tuple[str, list[Setting]]]:
 
 
 def from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Every setting's value: from ``RANKWATCH_<NAME>`` if set, else its default."""
+    """Every setting's value: from ``RANKWATCH_<NAME>`` if set, else its default.
+
+    A secret (``Setting.argv`` False) may come from the file ``RANKWATCH_<NAME>_FILE`` names instead.
+    """
     environ = os.environ if environ is None else environ
-    return {s.name: s.coerce(environ[s.env]) if s.env in environ else s.default for s in SETTINGS}
+    return {s.name: _value(s, environ) for s in SETTINGS}
+
+
+def secrets_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The settings that have no command-line flag (secrets), from the environment or their files."""
+    environ = os.environ if environ is None else environ
+    return {s.name: _value(s, environ) for s in SETTINGS if not s.argv}
+
+
+def _value(s: Setting, environ: Mapping[str, str]) -> Any:
+    if s.env in environ:
+        return s.coerce(environ[s.env])
+    if not s.argv and environ.get(s.env_file):
+        path = environ[s.env_file]
+        try:
+            with open(path, encoding="utf-8") as f:
+                return s.coerce(f.read(4096).strip())
+        except OSError as e:
+            raise ValueError(
+                f"setting {s.name}: cannot read {s.env_file} ({path}): {e.strerror or e}"
+            ) from None
+    return s.default
 
 
 def coerce_all(config: Mapping[str, Any]) -> dict[str, Any]:

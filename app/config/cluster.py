@@ -31,8 +31,10 @@ SETTINGS: list[Setting] = [
         "(`RANKWATCH_REDIS_KEY` on both). The bridge then signs each heartbeat it publishes "
         "(HMAC-SHA256) and the dashboards sign their message-queue messages; unsigned or badly "
         "signed ones are dropped, counted and shown as a warning. Empty: Redis is trusted as it is "
-        "(see the Security section on running Redis).",
+        "(see the Security section on running Redis). A secret: no command-line flag (`ps` shows "
+        "argv to every user); from the environment, or from the file `RANKWATCH_REDIS_KEY_FILE` names.",
         group=G_REDIS,
+        argv=False,
     ),
     Setting(
         "LEADER_TTL_S",

@@ -56,6 +56,13 @@ class Setting(NamedTuple):
     choices: tuple[str, ...] = ()
     # Where ``serve --help`` and the reference list it (one of ``GROUPS``).
     group: str = ""
+    # False for a secret: no command-line flag (every user of the host reads argv in ``ps``),
+    # only ``RANKWATCH_<NAME>`` or a file named by ``RANKWATCH_<NAME>_FILE``.
+    argv: bool = True
+
+    @property
+    def env_file(self) -> str:
+        return self.env + "_FILE"
 
     @property
     def env(self) -> str:

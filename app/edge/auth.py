@@ -156,3 +156,29 @@ def require_operator(count: bool = True) -> None:
         raise WrongToken("wrong operator token")
     if count:
         count_write()
+
+
+def has_token() -> bool:
+    """Whether this request carries the operator token (a read that shows more to the operator).
+
+    A wrong token counts as a wrong guess (``check_token``): a read route is no way around the backoff.
+    """
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and bool(token.strip()) and check_token(token.strip())
+
+
+def redact_paths(value, run_dir: str | None, name: str):
+    """``value`` with the run directory's absolute path replaced by ``name`` in every string.
+
+    For viewers without the token (issue 32, P11): where the run lives on disk (a user's home,
+    a project's name) is the operator's to know.
+    """
+    if not run_dir:
+        return value
+    if isinstance(value, str):
+        return value.replace(run_dir, name)
+    if isinstance(value, dict):
+        return {k: redact_paths(v, run_dir, name) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact_paths(v, run_dir, name) for v in value]
+    return value

@@ -37,7 +37,10 @@ def api_login():
             "this login link is used up or expired: open a new one "
             "(rankwatch login prints it), or enter the token",
         )
-    return jsonify({"token": current_app.config["TOKEN"]})
+    response = jsonify({"token": current_app.config["TOKEN"]})
+    # The token must not stay in a browser's or a proxy's cache (issue 32, P11).
+    response.headers["Cache-Control"] = "no-store"
+    return response
 
 
 @bp.post("/api/login-code")
@@ -46,4 +49,6 @@ def api_login_code():
     require_operator()
     params.body(params.NoFields)
     code, expires = current_app.extensions["rankwatch_login"].mint()
-    return jsonify({"code": code, "expires_at": expires, "login_url": login_url(request.host_url, code)}), 201
+    response = jsonify({"code": code, "expires_at": expires, "login_url": login_url(request.host_url, code)})
+    response.headers["Cache-Control"] = "no-store"  # a live login code is as good as the token
+    return response, 201

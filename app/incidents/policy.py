@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from app.audit import AuditLog
+from app.audit import POLICY, AuditLog
 from app.errors import RankwatchError
 from app.incidents.alerts import AlertDesk, ranks_text
 from app.stop.service import StopService
@@ -240,7 +240,7 @@ class Policy:
             event, text = "policy_dry_run", f"policy (dry run) would stop the job: {reason}{stuck_note}"
         else:
             try:
-                request_id, created, _, _ = self.stop.request(reason, WHO, None)
+                request_id, created, _, _ = self.stop.request(reason, WHO, None, basis=POLICY)
             except RankwatchError as e:
                 outcome = f"failed: {e.message}; the policy will not retry"
                 event, text = "policy_failed", f"policy could not stop the job: {e.message} ({reason})"
@@ -252,7 +252,13 @@ class Policy:
                 self._watch = {"request_id": request_id, "at": now, "alerted": False}
         record.update(request_id=request_id, stuck=stuck)
         self.audit.record(
-            "policy", who=WHO, reason=reason, request_id=request_id, outcome=outcome, detail=record
+            "policy",
+            who=WHO,
+            reason=reason,
+            request_id=request_id,
+            outcome=outcome,
+            detail=record,
+            basis=POLICY,
         )
         self.fired[rule.name] = {**record, "at": now, "outcome": outcome}
         self.alerts.once(

@@ -49,7 +49,11 @@ class EndProof:
         proven, running, used = set(), set(), set()
         for rank in ended:
             verdict = True
-            for host, pid, started in self._ids.get(rank, ()):
+            ids = self._ids.get(rank, ())
+            if any(pid is not None for _, pid, _ in ids):
+                # A beat without a pid (a log read before its writer was found) names no process.
+                ids = [i for i in ids if i[1] is not None]
+            for host, pid, started in ids:
                 if host != self.hostname or pid is None:
                     verdict = None
                     continue

@@ -82,6 +82,8 @@ class RunEntry:
     checked_at: float
     # The non-empty heartbeats and worker logs, not dated in the future, that make it live.
     evidence: int = 0
+    # The run directory's (device, inode) when it was found: its pin (``pin_holds``).
+    ident: tuple = ()
 
     def to_dict(self) -> dict:
         return {
@@ -140,6 +142,29 @@ def _exists(fd: int, rel: str) -> bool:
     except OSError:
         return False
     return True
+
+
+def pin_holds(root: str, rel: str, ident: tuple) -> bool:
+    """Whether ``rel`` below ``root``, walked without following a symlink, is still the directory
+    ``ident`` (device, inode) that discovery found (issue 32, P2): a run directory renamed away
+    and replaced (by a symlink to elsewhere, or another directory) is not the run any more."""
+    if not ident:
+        return False
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        cur = _open_parts(fd, rel.split("/"))
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    try:
+        st = os.fstat(cur)
+    finally:
+        os.close(cur)
+    return (st.st_dev, st.st_ino) == tuple(ident)
 
 
 def _reason(e: OSError) -> str:
@@ -419,6 +444,7 @@ class Discovery:
             signature=signature,
             checked_at=checked,
             evidence=evidence if live else 0,
+            ident=listing.key[:2],
         )
 
     def _activity(

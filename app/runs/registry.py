@@ -25,6 +25,7 @@ With ``--run-dir RUN`` the registry holds that one run under its name
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from app.checkpoints.retention_plan import policy_for
 from app.errors import RunNotFound
-from app.runs.discovery import FLAG, Discovery, RunEntry
+from app.runs.discovery import FLAG, Discovery, RunEntry, pin_holds
 from app.runs.ids import single_id  # noqa: F401  (create_app imports it from here)
 from trainer_bridge.rundir import runfiles
 
@@ -86,6 +87,7 @@ class Registry:
         self._task = None
         self._stopping = threading.Event()
         self._must: set[str] = set()  # runs that are always watched (see the module's docstring)
+        self._pins: dict[str, tuple] = {}  # run id -> the (device, inode) its open container was built on
         self.unwatched: list[str] = []  # live runs the last tick left without a watcher
         # Called after each scan of the loop (the runs table reads idle rows ahead: app/runs/rows.py).
         self.on_tick: Callable[[], object] | None = None
@@ -123,12 +125,27 @@ class Registry:
             return self.single[1]
         if not self.known(run_id):
             raise RunNotFound(f"no run {run_id!r} under {self.config['RUNS_ROOT']}")
+        entry = self.discovery.runs[run_id]
         with self._lock:
+            if run_id in self._open and self._pins.get(run_id) != entry.ident:
+                self._drop(run_id)  # another directory under the same name: a new run (P2)
+            if not pin_holds(self.discovery.root, run_id, entry.ident):
+                if run_id in self._open:
+                    self._drop(run_id)
+                raise RunNotFound(
+                    f"run {run_id!r}: its directory was replaced since it was found (a symlink is never "
+                    "followed); the next scan looks at it again"
+                )
             if touch:
                 self._used[run_id] = self.clock()
             rw = self._open.get(run_id)
             if rw is None:
-                rw = self._open[run_id] = self._build(self.discovery.runs[run_id].path, run_id)
+                rw = self._open[run_id] = self._build(entry.path, run_id)
+                self._pins[run_id] = entry.ident
+                watcher = getattr(rw, "watcher", None)
+                if watcher is not None:
+                    # Each tick first checks the pin: no write or delete through a swapped directory.
+                    watcher.guard = functools.partial(pin_holds, self.discovery.root, run_id, entry.ident)
             self._open.move_to_end(run_id)
             self._trim()
             return rw
@@ -169,6 +186,7 @@ class Registry:
     def _drop(self, run_id: str) -> None:
         rw = self._open.pop(run_id)
         self._used.pop(run_id, None)
+        self._pins.pop(run_id, None)
         close(rw)
 
     # -- the loop -----------------------------------------------------------------
@@ -192,8 +210,13 @@ class Registry:
         chosen = sorted(must) + [e.id for e in live[: max(0, self.cap - len(must))]]
         with self._lock:
             self._must = must
+            for run_id in [r for r in self._open if r in runs and self._pins.get(r) != runs[r].ident]:
+                self._drop(run_id)  # its directory changed identity: the old run is gone (P2)
         for run_id in chosen:
-            self.get(run_id, touch=False).watcher.ensure_started()
+            try:
+                self.get(run_id, touch=False).watcher.ensure_started()
+            except RunNotFound:
+                continue  # replaced since this scan: the next one finds what is there now
         self.unwatched = sorted(e.id for e in live[max(0, self.cap - len(must)) :])
         if self.unwatched:
             log.warning(

@@ -21,6 +21,7 @@ from pydantic import Field
 
 from app import attempts
 from app.edge import params
+from app.errors import RunNotFound
 from app.ranks import charts
 from app.runs.diskuse import DiskUsage
 
@@ -178,7 +179,11 @@ class Rows:
         tick_s = self.config["TICK_S"]
         rw = self.registry.peek(run_id)
         if rw is None and (entry is None or entry.live):
-            rw = self.registry.get(run_id, touch=False)
+            try:
+                rw = self.registry.get(run_id, touch=False)
+            except RunNotFound:
+                # Its directory was replaced since the scan (registry's pin): nothing is read through it.
+                return unread_row(run_id, entry) if entry is not None else {"id": run_id, "state": "idle"}
         if rw is not None:
             with self._lock:
                 disk = self._disk.setdefault(run_id, DiskUsage())

@@ -37,7 +37,7 @@ import time
 from contextlib import contextmanager
 
 from app.attempts import served_by
-from app.audit import OBSERVED, SYSTEM, AuditError, AuditLog
+from app.audit import AUTHENTICATED, OBSERVED, SYSTEM, AuditError, AuditLog
 from app.errors import CannotWrite, StopRefused
 from app.run.jobend import StopInputs
 from app.stop.status import COMMITTED, NOT_OBEYED, StopView, ranks_text, relaunched_since, request_facts
@@ -133,7 +133,12 @@ class StopService(StopView):
 
     # ------------------------------------------------------------- actions
     def request(
-        self, reason: str, who: str, remote_addr: str | None, audit_duplicate: bool = True
+        self,
+        reason: str,
+        who: str,
+        remote_addr: str | None,
+        audit_duplicate: bool = True,
+        basis: str = AUTHENTICATED,
     ) -> tuple[str, bool, str | None, str | None]:
         """Ask every rank to stop; a second press joins the first.
 
@@ -142,7 +147,8 @@ class StopService(StopView):
         here reads a heartbeat, and a flag that cannot be parsed is simply
         replaced: a stop depends on writing one file, nothing else. With
         ``audit_duplicate`` False (a client past its write budget), a press
-        that joins is not recorded.
+        that joins is not recorded. ``basis`` is the audit rows' (``policy``
+        for the stop policy's request: it carried no token).
         """
         with self._flag_lock() as unlocked:
             flag, _ = self.read_flag()
@@ -158,6 +164,7 @@ class StopService(StopView):
                     )
                 problem = self._audit(
                     "request",
+                    basis=basis,
                     who=who,
                     remote_addr=remote_addr,
                     reason=reason,
@@ -178,6 +185,7 @@ class StopService(StopView):
             except OSError as e:
                 self._audit(
                     "request",
+                    basis=basis,
                     who=who,
                     remote_addr=remote_addr,
                     reason=reason,
@@ -187,6 +195,7 @@ class StopService(StopView):
                 raise CannotWrite(f"could not write the stop flag: {e.strerror or e}") from None
             problem = self._audit(
                 "request",
+                basis=basis,
                 who=who,
                 remote_addr=remote_addr,
                 reason=reason,

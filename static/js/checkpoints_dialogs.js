@@ -12,6 +12,8 @@ import { checkToken, operatorFetch, token } from "./token.js";
 // errors come back in the API's one shape.
 export async function api(url, { method = "GET", body } = {}) {
   const headers = body === undefined ? {} : { "Content-Type": "application/json" };
+  // With the token, reads show what viewers without it do not get (paths, the relaunch command).
+  if (token.get()) headers.Authorization = `Bearer ${token.get()}`;
   const response = await fetch(url, {
     method, headers, body: body === undefined ? undefined : JSON.stringify(body),
   });

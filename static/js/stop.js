@@ -44,6 +44,7 @@ function lastStop(last) {
 // Who did an audited action, in plain words (the API's basis, README "Audit trail").
 function basisText(a) {
   if (a.basis === "observed") return "seen in the run directory";
+  if (a.basis === "policy") return "stop policy";
   const from = typeof a.remote_addr === "string" ? a.remote_addr : "";
   if (from.startsWith("shell ")) return `from the shell (user ${from.slice(6)})`;
   return a.who === "policy" ? "stop policy" : "operator token";

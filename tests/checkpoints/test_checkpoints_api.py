@@ -24,7 +24,7 @@ import pytest
 from mindspore import nn
 from mindspore.train import CheckpointConfig, Model, ModelCheckpoint
 
-from tests.helpers.app import AUTH, TOKEN, make_app, wait_for_event
+from tests.helpers.app import AUTH, TOKEN, make_app, operator, wait_for_event
 from tests.helpers.checkpoints import (
     BRIDGE,
     DAMAGED,
@@ -298,7 +298,7 @@ def assert_loaded(net, path: Path, fmt: str = "ckpt") -> None:
 
 def test_resume_from_the_bridge_default_set(client, run_dir):
     write_job(run_dir, 2, argv=["/opt/job/train.py", "--run-dir", str(run_dir), "--epochs", "5"])
-    r = client.get("/api/checkpoints/resume", query_string={"set": bridge_id(20)})
+    r = client.get("/api/checkpoints/resume", query_string={"set": bridge_id(20)}, headers=operator())
     assert r.status_code == 200
     info = r.get_json()
     assert info["bridge_default"] is True and "unchanged" in info["how"]
@@ -351,7 +351,9 @@ def test_resume_of_a_loop_set_gives_loop_code_and_msruns_whole_command(client, r
         env={"MS_ENABLE_GRACEFUL_EXIT": "1", "GLOG_v": "2", "bad name;rm": "x"},
         front_end="loop",
     )
-    info = client.get("/api/checkpoints/resume", query_string={"set": bridge_id(20)}).get_json()
+    info = client.get(
+        "/api/checkpoints/resume", query_string={"set": bridge_id(20)}, headers=operator()
+    ).get_json()
     # msrun as the job ran it (its interpreter, absolute: a fresh shell needs no venv), without the
     # old launch's --master_port, which may be taken now (issue 33, section 5).
     assert info["command"] == (
@@ -383,7 +385,9 @@ def test_resume_of_a_loop_set_gives_loop_code_and_msruns_whole_command(client, r
 
 
 def test_resume_from_an_older_bridge_set_says_how_to_pin_it(client):
-    info = client.get("/api/checkpoints/resume", query_string={"set": bridge_id(10)}).get_json()
+    info = client.get(
+        "/api/checkpoints/resume", query_string={"set": bridge_id(10)}, headers=operator()
+    ).get_json()
     assert info["bridge_default"] is False
     assert "RANKWATCH_RESUME_STEP=10" in info["how"] and "global step 20" in info["how"]
     assert (info["initial_epoch"], info["skip_steps"]) == (1, 2)
@@ -391,7 +395,9 @@ def test_resume_from_an_older_bridge_set_says_how_to_pin_it(client):
 
 
 def test_resume_code_for_modelcheckpoint_and_safetensors_loads_the_files(client, run_dir):
-    periodic = client.get("/api/checkpoints/resume", query_string={"set": f"{MODELCKPT}#g8"}).get_json()
+    periodic = client.get(
+        "/api/checkpoints/resume", query_string={"set": f"{MODELCKPT}#g8"}, headers=operator()
+    ).get_json()
     assert (periodic["initial_epoch"], periodic["skip_steps"]) == (2, 0)
     assert "set_init_step" not in periodic["code"] and "initial_epoch=2" in periodic["code"]
     assert "RANKWATCH_RESUME_STEP=8" in periodic["how"]  # else the bridge loads its own set over it
@@ -399,7 +405,9 @@ def test_resume_code_for_modelcheckpoint_and_safetensors_loads_the_files(client,
     exec_load(periodic["code"], 0, net)
     assert_loaded(net, run_dir / "ckpt/rank_0/train-2_4.ckpt")
 
-    st = client.get("/api/checkpoints/resume", query_string={"set": f"{SAFETENSORS}#g15"}).get_json()
+    st = client.get(
+        "/api/checkpoints/resume", query_string={"set": f"{SAFETENSORS}#g15"}, headers=operator()
+    ).get_json()
     assert 'format="safetensors"' in st["code"]
     net = Small()
     exec_load(st["code"], 1, net)
@@ -410,7 +418,9 @@ def test_resume_of_an_incomplete_set_warns_and_multi_node_jobs_get_node_ranks(cl
     write_job(run_dir, 2, argv=["train.py"])
     for r, host in ((0, "node-a"), (1, "node-b")):
         write_heartbeat(run_dir, heartbeat(r, 2, host=host))
-    info = client.get("/api/checkpoints/resume", query_string={"set": bridge_id(30)}).get_json()
+    info = client.get(
+        "/api/checkpoints/resume", query_string={"set": bridge_id(30)}, headers=operator()
+    ).get_json()
     assert info["complete"] is False and "rank 1 has no readable file" in info["warnings"][0]
     assert info["command"] == (
         "msrun --worker_num=2 --local_worker_num=1 --master_addr=node-a "
@@ -421,7 +431,9 @@ def test_resume_of_an_incomplete_set_warns_and_multi_node_jobs_get_node_ranks(cl
 
 
 def test_resume_of_an_unknown_set_is_404(client):
-    assert_error(client.get("/api/checkpoints/resume", query_string={"set": "nope#g1"}), 404)
+    assert_error(
+        client.get("/api/checkpoints/resume", query_string={"set": "nope#g1"}, headers=operator()), 404
+    )
     assert_error(client.get("/api/checkpoints/resume"), 400)
 
 

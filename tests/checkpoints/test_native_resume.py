@@ -19,7 +19,7 @@ import textwrap
 import pytest
 
 from app import create_app
-from tests.helpers.app import FAST_SETTINGS
+from tests.helpers.app import FAST_SETTINGS, TOKEN, operator
 from tests.helpers.jobs import JOB_TIMEOUT_S
 from trainer_bridge.demo.mnist import write_mnist
 from trainer_bridge.rundir import runfiles
@@ -99,11 +99,13 @@ def stopped_run(tmp_path_factory):
 
 
 def offered(run) -> dict:
-    app = create_app({"RUN_DIR": str(run), "TESTING": True, **FAST_SETTINGS})
+    app = create_app({"RUN_DIR": str(run), "TESTING": True, "TOKEN": TOKEN, **FAST_SETTINGS})
     client = app.test_client()
     sets = client.get("/api/checkpoints").get_json()["sets"]
     (native,) = [s for s in sets if s["origin"] == "native OnRequestExit" and "_train" in s["id"]]
-    return client.get("/api/checkpoints/resume", query_string={"set": native["id"]}).get_json()
+    return client.get(
+        "/api/checkpoints/resume", query_string={"set": native["id"]}, headers=operator()
+    ).get_json()
 
 
 def test_the_offered_code_makes_onrequestexits_own_reload_work_and_training_goes_on(stopped_run, tmp_path):

@@ -6,13 +6,15 @@ Real ``python -m app`` and Chromium; heartbeat files in the bridge's format.
 from __future__ import annotations
 
 import re
+import sys
 
+import psutil
 import pytest
 from playwright.sync_api import expect
 
 from tests.helpers.app import TOKEN
 from tests.helpers.browser import LAPTOP, horizontal_overflow
-from tests.helpers.heartbeats import gone_pid, heartbeat, write_heartbeat, write_job
+from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from tests.helpers.liveserver import sign_in
 
 pytestmark = pytest.mark.browser
@@ -83,18 +85,30 @@ def test_the_rank_table_fits_a_laptop_without_scrolling_sideways(
 
 
 @pytest.mark.parametrize("live_env", [{"TOKEN": TOKEN}], indirect=True)
-def test_the_stop_button_is_disabled_once_the_job_has_ended_and_says_why(live_server, page, run_dir):
+def test_the_stop_button_is_disabled_once_the_job_has_ended_and_says_why(
+    live_server, page, run_dir, start_process
+):
     write_job(run_dir, 2)
+    # The ranks' process: it runs while they train, and is gone when they say they finished,
+    # so the end is proven, not only claimed (a claim alone leaves Stop usable).
+    rank_proc = start_process([sys.executable, "-c", "import time; time.sleep(600)"])
+    started = psutil.Process(rank_proc.pid).create_time()
     for r in range(2):
-        write_heartbeat(run_dir, heartbeat(r, 2, seq=1, global_step=10))
+        write_heartbeat(
+            run_dir, heartbeat(r, 2, seq=1, global_step=10, pid=rank_proc.pid, started_at=started)
+        )
     sign_in(page, live_server.url, TOKEN)
     stop = page.locator("#stop-open")
     expect(page.locator("#operator-state")).to_have_text("operator", timeout=WAIT_MS)
     expect(stop).to_be_enabled(timeout=WAIT_MS)
 
-    pid = gone_pid()  # the processes are gone too: the end is proven, not only claimed
+    rank_proc.kill()
+    rank_proc.wait()
     for r in range(2):
-        write_heartbeat(run_dir, heartbeat(r, 2, seq=2, global_step=20, state="finished", pid=pid))
+        write_heartbeat(
+            run_dir,
+            heartbeat(r, 2, seq=2, global_step=20, state="finished", pid=rank_proc.pid, started_at=started),
+        )
     expect(stop).to_be_disabled(timeout=WAIT_MS)
     expect(stop).to_have_text("Stop gracefully (job ended)")
     expect(stop).to_have_attribute(

@@ -311,6 +311,8 @@ def test_the_verdict_board_equals_judge_all_for_log_ranks(seed):
                 [("process 1 is gone", None, False), (None, None, True), (None, None, False)]
             )
             board.set_probe(r, *probes[r])
+        # A straggler stays one until clearly back (hysteresis): both sides are told who was one.
+        before = {r for r, v in board.verdicts.items() if v.health == "straggler"}
         board.update(now)
         view = set(range(world)) | set(ranks)
         expected = judge_all(
@@ -323,6 +325,7 @@ def test_the_verdict_board_equals_judge_all_for_log_ranks(seed):
             process_alive={r for r, p in probes.items() if p[2]},
             steps={r: ranks[r].window.steps for r in view if r in ranks},
             log_pace={r: pace[r] for r in from_log if r in ranks},
+            stragglers=before,
         )
         assert board.verdicts == expected, f"seed {seed}, t={now}"
     # Log ranks are never "dead" from silence alone, nor a lost node.

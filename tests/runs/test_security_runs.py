@@ -20,6 +20,7 @@ from app import create_app
 from app.runs.discovery import MAX_ENTRIES, Discovery
 from app.runs.registry import OPEN_MAX
 from tests.helpers.app import FAST_SETTINGS, TOKEN, operator
+from tests.helpers.checkpoints import periodic
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from trainer_bridge.rundir import runfiles
 
@@ -107,3 +108,40 @@ def test_a_run_with_a_pending_stop_is_watched_past_the_cap_and_health_says_who_i
     runs = app.test_client().get("/api/health").get_json()["runs"]
     assert runs["always_watched"] == 1 and runs["unwatched"] == 2, runs
     assert len(runs["unwatched_ids"]) == 2
+
+
+def test_a_run_directory_swapped_for_a_symlink_is_neither_written_nor_pruned(tmp_path, root_app):
+    """P2: between scans a neighbour renames their run directory and puts a symlink to OUT in its place.
+
+    The operator's stop of that run must not write OUT's flag or audit trail, and retention
+    (on) must not delete OUT's checkpoint sets.
+    """
+    root = tmp_path / "root"
+    out = tmp_path / "OUT"
+    for d in (root / "neighbour", out):
+        real_run(d.parent, d.name, world=2)
+        for step in (10, 20, 30, 40, 50):
+            periodic(d, step)
+    app = root_app(RUNS_ROOT=str(root), RETENTION_MODE="on", RETENTION_KEEP=1)
+    registry = app.extensions["rankwatch_runs"]
+    registry.tick()
+    assert "neighbour" in registry.discovery.runs
+    # Its loop is stopped, so that its ticks are this test's: a tick already under way when the
+    # directory is swapped is the residual race docs/security.md names.
+    rw = registry.peek("neighbour")
+    rw.watcher.stop()
+    (root / "neighbour").rename(root / "neighbour.old")
+    (root / "neighbour").symlink_to(out, target_is_directory=True)
+
+    r = app.test_client().post("/api/runs/neighbour/exit", json={"reason": "swap"}, headers=operator())
+    assert r.status_code == 404 and "replaced" in r.get_json()["error"], r.get_json()
+    assert rw.watcher.tick() is None  # its watcher's next tick: the pin no longer holds, nothing done
+    assert app.test_client().get("/api/runs").status_code == 200  # the table still answers
+    assert not runfiles.flag_path(out).exists()
+    assert not (runfiles.state_dir(out) / "audit.sqlite3").exists()
+    assert sorted(p.name for p in (out / "ckpt/rank_0").iterdir()) == [
+        f"net-1_{s}.ckpt" for s in (10, 20, 30, 40, 50)
+    ]
+    # The next scan: a symlink is no run; the old directory is a run of its own.
+    registry.tick()
+    assert "neighbour" not in registry.discovery.runs and "neighbour.old" in registry.discovery.runs

@@ -16,20 +16,22 @@ Every wait polls for an event; the timeouts are upper bounds only.
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 import time
 import urllib.request
 
 import pytest
+from playwright.sync_api import expect
 
 from app.run.jobend import StopInputs
 from app.run.logmode.parser import JOB_EXITED
 from tests.helpers.app import TOKEN, operator
+from tests.helpers.browser import WAIT_MS
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from tests.helpers.jobs import JOB_TIMEOUT_S, UNTIL_STOPPED, JobFailed
+from tests.helpers.liveserver import sign_in
 from trainer_bridge.rundir import runfiles
-
-pytestmark = pytest.mark.msrun
 
 FORGED_SEQ = 1_000_000
 
@@ -69,6 +71,7 @@ def forge_finished(run, ranks: int) -> None:
         f.write(f"[ERROR] ME(1:1,python):2026-11-28-08:00:00.000.000 [launcher] {JOB_EXITED}.\n")
 
 
+@pytest.mark.msrun
 def test_a_forged_finished_heartbeat_neither_locks_out_the_real_ones_nor_cancels_the_stop(
     tmp_path, start_job, start_server
 ):
@@ -170,3 +173,20 @@ def test_a_live_process_contradicts_its_finished_file(client, app, run_dir):
     assert status["state"] == "requested" and "still runs on this host" in status["warning"], status
     assert runfiles.read_flag(run_dir).exit
     assert "still runs on this host" in rw.state.summary(now)["run"]["message"]
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("live_env", [{"TOKEN": TOKEN}], indirect=True)
+def test_the_stop_button_stays_usable_with_a_warning_while_only_files_say_the_job_ended(
+    live_server, page, run_dir
+):
+    write_job(run_dir, 2)
+    for r in range(2):  # this test process is each rank's: it runs while the files say finished
+        write_heartbeat(run_dir, heartbeat(r, 2, seq=FORGED_SEQ, state="finished"))
+    sign_in(page, live_server.url, TOKEN)
+    expect(page.locator("#state-pill")).to_have_attribute("data-state", "ended", timeout=WAIT_MS)
+    stop = page.locator("#stop-open")
+    expect(stop).to_be_enabled(timeout=WAIT_MS)
+    expect(stop).to_have_attribute(
+        "title", re.compile(r"^Warning: The job has ended: 2 finished\. But the process")
+    )

@@ -1,0 +1,69 @@
+"""Issue 32, P11: what a viewer without the token is not given: the login token cached, the run
+directory's absolute path, the job's command line; ``--redis-key`` is no flag (``ps`` shows argv)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.helpers.app import TOKEN, operator
+from tests.helpers.checkpoints import bridge_id, save_bridge_set
+from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
+from tests.helpers.liveserver import REPO
+
+
+def test_the_login_answers_are_not_cached(app, client):
+    code = app.extensions["rankwatch_login"].mint()[0]
+    r = client.post("/api/login", json={"code": code})
+    assert r.get_json() == {"token": TOKEN} and r.headers["Cache-Control"] == "no-store"
+    r = client.post("/api/login-code", json={}, headers=operator())
+    assert r.status_code == 201 and r.headers["Cache-Control"] == "no-store"
+
+
+def test_no_absolute_path_nor_command_line_for_a_viewer_without_the_token(client, run_dir):
+    write_job(
+        run_dir,
+        2,
+        launcher_argv=[
+            "msrun",
+            "--worker_num=2",
+            "--local_worker_num=2",
+            "train.py",
+            "--secret-arg",
+            "hunter2",
+        ],
+        argv=["train.py", "--secret-arg", "hunter2"],
+    )
+    for r in range(2):
+        write_heartbeat(run_dir, heartbeat(r, 2, seq=3))
+    save_bridge_set(run_dir, 16)
+    where = str(run_dir)
+    viewer = client.get("/api/checkpoints")
+    assert viewer.status_code == 200 and where not in viewer.get_data(as_text=True)
+    assert viewer.get_json()["run_dir"] == run_dir.name
+    assert client.get("/api/checkpoints", headers=operator()).get_json()["run_dir"] == where
+
+    seen = client.get("/api/checkpoints/resume", query_string={"set": bridge_id(16)})
+    text = seen.get_data(as_text=True)
+    assert seen.status_code == 200 and "hunter2" not in text and where not in text
+    assert seen.get_json()["command"] is None and "operator token" in seen.get_json()["command_notes"][0]
+    op = client.get(
+        "/api/checkpoints/resume", query_string={"set": bridge_id(16)}, headers=operator()
+    ).get_json()
+    assert "hunter2" in op["command"]
+
+
+def test_the_redis_key_is_no_command_line_flag_and_can_come_from_a_file(tmp_path):
+    help_text = subprocess.run(
+        [sys.executable, "-m", "app", "--help"], capture_output=True, text=True, cwd=REPO, timeout=60
+    ).stdout
+    assert "--redis-url" in help_text and "--redis-key" not in help_text
+    from app.config import from_env
+
+    key = tmp_path / "redis.key"
+    key.write_text("from-a-file-0123456789\n")
+    assert from_env({"RANKWATCH_REDIS_KEY_FILE": str(key)})["REDIS_KEY"] == "from-a-file-0123456789"
+    assert (
+        from_env({"RANKWATCH_REDIS_KEY": "env-wins", "RANKWATCH_REDIS_KEY_FILE": str(key)})["REDIS_KEY"]
+        == "env-wins"
+    )
