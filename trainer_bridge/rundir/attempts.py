@@ -49,7 +49,14 @@ ROLL_CALL_READS = 256  # heartbeats read per reporter tick at most
 
 TERMINAL = ("exited", "finished", "failed")
 HEARTBEAT_NAME = re.compile(r"rank_(\d+)\.json")
-LINE_MODELS = {"start": schema.AttemptStart, "hosts": schema.AttemptHosts, "end": schema.AttemptEnd}
+LINE_MODELS = {
+    "start": schema.AttemptStart,
+    "hosts": schema.AttemptHosts,
+    "end": schema.AttemptEnd,
+    "supervised": schema.AttemptSupervised,
+}
+# What a supervised line tells about an attempt with no start line of its own, as an end line would.
+END_OF_CAUSE = {"crash": "failed", "stop": "graceful_stop", "finished": "finished"}
 END_OF_STATE = {"exited": "graceful_stop", "finished": "finished", "failed": "failed"}
 
 
@@ -236,23 +243,86 @@ def stop_by(row: dict) -> str | None:
     return "policy" if row.get("requested_by") == "policy" else "operator"
 
 
+def _blank(rec: dict) -> dict:
+    return {
+        **{k: v for k, v in rec.items() if k != "kind"},
+        "last_step": None,
+        "ended_at": None,
+        "end": None,
+        "request_id": None,
+        "requested_by": None,
+        "source": None,
+        "error": None,
+        "sealed_by": None,
+        "cause": None,
+        "restarted_by": None,
+        "supervisor": None,
+    }
+
+
+def _supervised(rows: dict[int, dict], rec: dict) -> None:
+    """Merge a supervised line into its attempt's row (made from it when the bridge wrote none)."""
+    n = rec["attempt"]
+    row = rows.get(n)
+    if row is None:
+        cause = rec["cause"]
+        row = rows[n] = _blank(
+            {
+                "attempt": n,
+                "launch": None,
+                "started_at": rec["spawned_at"],
+                "world_size": rec["world_size"],
+                "hosts": [rec["host"]],
+                "host_count": None,
+                "pid": None,
+                "resumed_from": None,
+                "first_step": rec["first_step"] if rec["first_step"] is not None else 1,
+                "previous_last_step": None,
+                "replayed": None,
+            }
+        )
+        row["end"] = END_OF_CAUSE.get(cause["kind"], "unknown")
+        row["error"] = cause.get("error") if cause["kind"] == "crash" else None
+        row["ended_at"] = rec["ended_at"]
+    elif rec["launch"] is not None and row["launch"] != rec["launch"]:
+        return
+    told = row["supervisor"] or {}
+    row["supervisor"] = {
+        **told,
+        **{k: v for k, v in rec.items() if k not in ("kind", "attempt", "launch") and v is not None},
+    }
+    row["cause"] = rec["cause"]
+    row["restarted_by"] = rec["restarted_by"] or row["restarted_by"]
+
+
+def downtime(row: dict) -> dict | None:
+    """The parts of a supervised restart's downtime, in seconds (None where a time is missing)."""
+    sup = row.get("supervisor")
+    if not sup or sup.get("cause", {}).get("kind") != "crash":
+        return None
+
+    def gap(a: str, b: str) -> float | None:
+        x, y = sup.get(a), sup.get(b)
+        return round(y - x, 3) if x is not None and y is not None else None
+
+    return {
+        "fault_to_detected_s": gap("fault_at", "detected_at"),
+        "detected_to_ended_s": gap("detected_at", "ended_at"),
+        "ended_to_relaunched_s": gap("ended_at", "relaunched_at"),
+        "total_s": gap("fault_at", "relaunched_at"),
+    }
+
+
 def fold(records: Iterable[dict]) -> list[dict]:
     """One row per attempt, oldest first (the newest ``MAX_ATTEMPTS``); the latest end line wins."""
     rows: dict[int, dict] = {}
     for rec in records:
         n, kind = rec["attempt"], rec["kind"]
         if kind == "start":
-            rows[n] = {
-                **{k: v for k, v in rec.items() if k != "kind"},
-                "last_step": None,
-                "ended_at": None,
-                "end": None,
-                "request_id": None,
-                "requested_by": None,
-                "source": None,
-                "error": None,
-                "sealed_by": None,
-            }
+            rows[n] = _blank(rec)
+            continue
+        if kind == "supervised":
+            _supervised(rows, rec)
             continue
         row = rows.get(n)
         if row is None or row["launch"] != rec["launch"]:
@@ -262,8 +332,15 @@ def fold(records: Iterable[dict]) -> list[dict]:
         else:
             row.update({k: v for k, v in rec.items() if k not in ("kind", "attempt", "launch")})
     out = [rows[n] for n in sorted(rows)][-MAX_ATTEMPTS:]
-    for row in out:
+    for i, row in enumerate(out):
         row["stop_by"] = stop_by(row)
+        row["downtime"] = downtime(row)
+        after = out[i + 1] if i + 1 < len(out) else None
+        if row["downtime"] is not None and after is not None and after["launch"] is not None:
+            # The next attempt's bridge started (its first step follows at once, after the compile).
+            relaunched = row["supervisor"].get("relaunched_at")
+            if relaunched is not None:
+                row["downtime"]["relaunched_to_bridge_start_s"] = round(after["started_at"] - relaunched, 3)
     return out
 
 
@@ -273,6 +350,19 @@ def resumed_text(global_step: int, set_id: str | None) -> str:
 
 
 # ------------------------------------------------------------------ writing
+
+
+def append_record(run_dir, record) -> None:
+    """Append one validated line (a new segment past ``SEGMENT_BYTES``); raises OSError."""
+    path = runfiles.attempts_path(run_dir)
+    line = record.to_json() + b"\n"
+    try:
+        if path.stat().st_size + len(line) > SEGMENT_BYTES:
+            os.replace(path, f"{path}.1")
+    except FileNotFoundError:
+        pass
+    safeio.makedirs(run_dir, runfiles.STATE_DIR)
+    safeio.append(run_dir, safeio.relative(run_dir, path), line)
 
 
 class AttemptLog:
@@ -425,15 +515,7 @@ class AttemptLog:
             self._log_once("end", "rankwatch: attempts.jsonl end line not written: %s", e)
 
     def _append(self, record) -> None:
-        path = runfiles.attempts_path(self.run_dir)
-        line = record.to_json() + b"\n"
-        try:
-            if path.stat().st_size + len(line) > SEGMENT_BYTES:
-                os.replace(path, f"{path}.1")
-        except FileNotFoundError:
-            pass
-        safeio.makedirs(self.run_dir, runfiles.STATE_DIR)
-        safeio.append(self.run_dir, safeio.relative(self.run_dir, path), line)
+        append_record(self.run_dir, record)
 
     def _log_once(self, key: str, msg: str, *args) -> None:
         if key not in self._logged:

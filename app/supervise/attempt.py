@@ -1,0 +1,170 @@
+"""One attempt under the supervisor: msrun started, its processes joined, the attempt ended.
+
+``Attempt.run`` returns when the attempt is over and no process of it is
+left: its workers all exited 0 (finished, or a graceful stop), or one
+process failed (a worker, the scheduler or msrun exited non-zero or on a
+signal) and the supervisor ended the rest (SIGTERM, then SIGKILL after the
+grace period, the scheduler included: its own 30 s heartbeat timeout is
+not waited for), or a second Ctrl-C ended everything at once.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from app.supervise import procs
+from app.supervise.command import Msrun, free_port
+from trainer_bridge.rundir import safeio
+
+# The last line of a worker's log that names an exception: what the cause quotes.
+ERROR_LINE = re.compile(rb"^(?:Traceback|[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit))\b.*$", re.M)
+LOG_TAIL_BYTES = 64 * 1024
+MAX_ERROR_CHARS = 1000
+
+
+@dataclass
+class Outcome:
+    """How an attempt ended, before the supervisor judged progress."""
+
+    kind: str  # crash, done, interrupted
+    spawned_at: float
+    first: procs.Proc | None = None  # the first failed process
+    fault_at: float | None = None
+    detected_at: float | None = None
+    ended_at: float | None = None
+    workers: list[procs.Proc] = field(default_factory=list)
+    clean: bool = True  # no process of it was left
+    error: str | None = None
+
+
+class Attempt:
+    def __init__(
+        self, cmd: Msrun, env: dict, mark: str, keeper_pid: int | None, grace_s: float, poll_s: float, signals
+    ):
+        self.cmd = cmd
+        self.signals = signals  # supervisor.Signals: Ctrl-C/SIGTERM count, and the wake-up event
+        self.env = env
+        self.mark = mark
+        self.keeper_pid = keeper_pid
+        self.grace_s = grace_s
+        self.poll_s = poll_s
+        self.procs: dict[int, procs.Proc] = {}
+        self.msrun_pid: int | None = None
+
+    def _exclude(self) -> set[int]:
+        return {self.keeper_pid} if self.keeper_pid else set()
+
+    def _find(self) -> list:
+        found = {p.pid: p for p in procs.descendants(self._exclude())}
+        for p in procs.marked(self.mark, self._exclude()):
+            found.setdefault(p.pid, p)
+        return list(found.values())
+
+    def _reaped(self, pid: int, status: int) -> None:
+        p = self.procs.get(pid)
+        if p is None:
+            p = self.procs[pid] = procs.Proc(pid, "other", None, 0.0)
+        if p.status is None:
+            p.status, p.gone_at = status, time.time()
+
+    def _discover(self) -> None:
+        for p in procs.descendants(self._exclude()):
+            known = self.procs.get(p.pid)
+            # Asked again while "other": between msrun's fork and its exec, a worker still shows msrun's
+            # own environment (no MS_ROLE yet).
+            if known is None or (known.role == "other" and known.status is None):
+                c = procs.classify(p, self.msrun_pid)
+                if c is not None:
+                    self.procs[p.pid] = c
+
+    def run(self, on_first_interrupt, say) -> Outcome:
+        port = free_port() if self.cmd.single_node else None
+        argv = self.cmd.argv(port)
+        say(" ".join(argv))
+        spawned_at = time.time()
+        # A session of its own: Ctrl-C at the terminal reaches the supervisor, never msrun's scheduler.
+        popen = subprocess.Popen(argv, env=self.env, start_new_session=True)
+        self.msrun_pid = popen.pid
+        self.procs[popen.pid] = procs.Proc(popen.pid, "msrun", None, spawned_at)
+        told_interrupt = False
+        out = Outcome("done", spawned_at)
+        try:
+            while True:
+                self.signals.wake.wait(self.poll_s)
+                self.signals.wake.clear()
+                for pid, status in procs.reap():
+                    self._reaped(pid, status)
+                self._discover()
+                if self.signals.count >= 2:
+                    out.kind, out.detected_at = "interrupted", time.time()
+                    break
+                if self.signals.count == 1 and not told_interrupt:
+                    told_interrupt = True
+                    on_first_interrupt()
+                failed = sorted(
+                    (p for p in self.procs.values() if p.failed and p.role != "other"),
+                    key=lambda p: (p.gone_at, p.role != "worker"),
+                )
+                if failed:
+                    out.kind, out.first = "crash", failed[0]
+                    out.fault_at, out.detected_at = failed[0].gone_at, time.time()
+                    break
+                workers = [p for p in self.procs.values() if p.role == "worker"]
+                msrun_done = self.procs[popen.pid].status is not None
+                if workers and all(w.code == 0 for w in workers):
+                    # The scheduler ends on its own once its workers have; the grace bounds it.
+                    self._wait_quiet(self.grace_s)
+                    break
+                if msrun_done and not workers and not self._find():
+                    out.kind = "crash"
+                    out.first = self.procs[popen.pid]
+                    out.fault_at = out.detected_at = time.time()
+                    out.error = "msrun exited without starting a worker"
+                    break
+        finally:
+            out.clean = procs.end_all(
+                self._find, self.grace_s if out.kind != "interrupted" else 0.0, self._reaped
+            )
+            out.ended_at = time.time()
+            popen.returncode = self.procs[popen.pid].code if self.procs[popen.pid].status is not None else -1
+        out.workers = [p for p in self.procs.values() if p.role == "worker"]
+        if out.kind == "crash" and out.error is None and out.first is not None:
+            out.error = self.error_line(out.first)
+        return out
+
+    def _wait_quiet(self, limit_s: float) -> None:
+        """Until no process of the attempt is left, or ``limit_s``."""
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            for pid, status in procs.reap():
+                self._reaped(pid, status)
+            if not self._find():
+                return
+            self.signals.wake.wait(self.poll_s)
+            self.signals.wake.clear()
+
+    def log_path(self, p: procs.Proc) -> Path | None:
+        base = Path(self.cmd.log_dir or ".")
+        if p.role == "scheduler":
+            return base / "scheduler.log"
+        if p.role == "worker" and p.rank is not None:
+            return base / f"worker_{p.rank}.log"
+        return None
+
+    def error_line(self, p: procs.Proc) -> str | None:
+        """The last exception line of the failed process's log (bounded read; None if none)."""
+        path = self.log_path(p)
+        if path is None:
+            return None
+        try:
+            data, _ = safeio.read_tail(path, LOG_TAIL_BYTES)
+        except (OSError, ValueError):
+            return None
+        found = [m.group(0) for m in ERROR_LINE.finditer(data) if not m.group(0).startswith(b"Traceback")]
+        if not found:
+            return None
+        return found[-1].decode("utf-8", "replace").strip()[:MAX_ERROR_CHARS]
