@@ -106,6 +106,15 @@ class Supervisor:
                 "supervisor records the attempt and neither kills nor relaunches"
             )
         env = {**os.environ, procs.MARK_ENV: self.mark}
+        if self._records() and runfiles.RESUME_STEP_ENV not in env:
+            # The run has attempts already (this supervisor was started again, after a kill or a stop):
+            # go on from the newest healthy set, as a relaunch would.
+            choice = policy.choose_resume(self.run_dir, self.opts.command.worker_num)
+            if choice.global_step is not None:
+                env[runfiles.RESUME_STEP_ENV] = str(choice.global_step)
+                self.say(f"resuming from set {choice.set_id} (global step {choice.global_step})")
+            if choice.note:
+                self.say(choice.note)
         first_step = self._pinned_step(env)
         while True:
             records = self._records()

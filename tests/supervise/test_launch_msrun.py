@@ -1,0 +1,125 @@
+"""``rankwatch launch`` around real msrun jobs (2 ranks, CPU, the demo's LeNet5).
+
+Every wait is for an event (a heartbeat, a process gone, the supervisor's
+exit); the timeouts are failure guards. Durations are measured and printed
+(``MEASURED``), never asserted.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from app.supervise import policy
+from tests.helpers.faults import measure
+from tests.helpers.launch import LaunchJob, wait_gone
+
+pytestmark = pytest.mark.msrun
+
+# 2000 samples, 2 ranks, batch 32: 31 steps an epoch.
+TRAIN = ["--epochs", "3", "--step-delay", "0.05", "--ckpt-every", "10"]
+FAST = ["--backoff-s", "0.5", "--grace-s", "5"]
+
+
+def step(job: LaunchJob, rank: int) -> int:
+    hb = job.heartbeat(rank) or {}
+    return hb.get("global_step") or 0
+
+
+def test_a_killed_rank_is_relaunched_from_the_newest_set_and_nothing_of_it_is_left(tmp_path):
+    """kill -9 of rank 1 mid-training: attempt 2 resumes from the newest complete set and trains to the end."""
+    with LaunchJob(tmp_path / "run", TRAIN, FAST) as job:
+        job.wait_until(lambda: step(job, 1) >= 25, "rank 1 past global step 25")
+        first = job.marked()
+        assert {p.environ()["MS_ROLE"] for p in first if "MS_ROLE" in p.environ()} == {
+            "MS_WORKER",
+            "MS_SCHED",
+        }
+        killed_at = step(job, 1)
+        job.workers()[1].send_signal(signal.SIGKILL)
+        t_kill = time.time()
+        # A second supervisor on the same run directory is refused, and starts nothing.
+        second = LaunchJob(tmp_path / "run", TRAIN, FAST).start()
+        assert second.wait() == policy.REFUSED
+        assert "another rankwatch launch supervises" in second.output()
+        # No process of attempt 1 outlives it: all are gone before attempt 2 trains.
+        job.wait_until(lambda: len(job.rows()) >= 2 and job.rows()[1]["launch"], "attempt 2's start line")
+        assert wait_gone([p.pid for p in first], timeout=5) == [], "a process of attempt 1 outlived it"
+        assert job.wait() == 0, job.output()
+    a, b = job.rows()
+    cause = a["cause"]
+    assert (cause["kind"], cause["rank"], cause["signal"], cause["role"]) == ("crash", 1, "SIGKILL", "worker")
+    assert a["restarted_by"] == "launch" and a["end"] == "failed" and "rank 1" in a["error"]
+    sup = a["supervisor"]
+    assert sup["fault_at"] <= sup["detected_at"] <= sup["ended_at"] <= sup["relaunched_at"]
+    # The newest complete set at or below the kill (periodic sets every 10 steps), by its global step.
+    resumed = b["resumed_from"]["global_step"]
+    assert resumed == b["supervisor"]["first_step"] - 1 and resumed % 10 == 0 and resumed <= killed_at
+    assert a["supervisor"]["resume"]["global_step"] == resumed
+    assert job.steps_logged(0)[0] == resumed + 1 and job.steps_logged(0)[-1] == 3 * job.steps_per_epoch
+    assert b["end"] == "finished" and b["cause"]["kind"] == "finished"
+    assert job.marked() == []
+    down = a["downtime"]
+    measure("launch: kill -9 to detection", down["fault_to_detected_s"])
+    measure("launch: detection to attempt ended", down["detected_to_ended_s"])
+    measure("launch: ended to relaunched", down["ended_to_relaunched_s"])
+    measure("launch: relaunched to the bridge's start", down["relaunched_to_bridge_start_s"])
+    measure("launch: kill -9 to relaunch (test clock)", sup["relaunched_at"] - t_kill)
+
+
+def test_a_script_that_fails_at_import_ends_the_run_by_the_startup_rule(tmp_path):
+    script = tmp_path / "broken.py"
+    script.write_text("import rankwatch_no_such_module  # noqa\n")
+    # A long backoff the startup rule never waits out (the run would outlast the guard).
+    job = LaunchJob(
+        tmp_path / "run", [], ["--backoff-s", "600", "--max-restarts", "5"], script=script, join=False
+    )
+    with job:
+        assert job.wait(timeout=400) == policy.STARTUP, job.output()
+    out = job.output()
+    assert "the same failure twice in a row before the first step" in out
+    assert "ModuleNotFoundError: No module named 'rankwatch_no_such_module'" in out
+    assert "relaunching in" not in out
+    rows = job.rows()
+    assert [r["attempt"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["cause"]["kind"] == "crash" and r["cause"]["before_first_step"]
+        assert "rankwatch_no_such_module" in r["cause"]["error"] and r["end"] == "failed"
+    assert rows[0]["restarted_by"] == "launch" and rows[1]["supervisor"]["exit_code"] == policy.STARTUP
+    assert job.marked() == []
+
+
+def test_the_budget_and_the_no_progress_rule_have_their_own_exit_codes(tmp_path):
+    crash = [*TRAIN, "--crash-rank", "1", "--crash-at", "25"]
+    with LaunchJob(tmp_path / "budget", crash, [*FAST, "--max-restarts", "0"]) as job:
+        assert job.wait() == policy.BUDGET, job.output()
+    (row,) = job.rows()
+    assert row["cause"]["error"] == "RuntimeError: injected crash at global step 25 (--crash-rank)"
+    assert row["cause"]["rank"] == 1 and row["cause"]["exit_code"] not in (None, 0)
+    assert "restart budget is used up (0 of 0" in job.output()
+    # The same run again, with budget: attempt 2 resumes from step 20 and crashes at 25 again.
+    with LaunchJob(tmp_path / "budget", crash, [*FAST, "--max-restarts", "3", "--no-progress", "1"]) as job:
+        assert job.wait() == policy.NO_PROGRESS, job.output()
+    rows = job.rows()
+    assert [r["attempt"] for r in rows] == [1, 2]
+    assert rows[1]["resumed_from"]["global_step"] == 20 and not rows[1]["supervisor"]["progressed"]
+    assert "without training past global step 25" in job.output()
+
+
+def test_a_killed_supervisor_leaves_no_orphan_and_the_next_one_continues(tmp_path):
+    run = tmp_path / "run"
+    with LaunchJob(run, TRAIN, FAST) as job:
+        job.wait_until(lambda: step(job, 0) >= 12, "global step 12")
+        attempt = [p.pid for p in job.marked()]
+        assert len(attempt) >= 3  # the scheduler and two workers
+        os.kill(job.proc.pid, signal.SIGKILL)
+        job.proc.wait()
+        assert wait_gone(attempt, timeout=120) == [], "the job outlived its supervisor"
+    with LaunchJob(run, TRAIN, FAST) as again:
+        assert again.wait() == 0, again.output()
+    a, b = again.rows()
+    assert a["end"] in ("killed", "failed") and b["attempt"] == 2
+    assert b["resumed_from"]["global_step"] >= 10
