@@ -15,7 +15,9 @@ import pytest
 
 from app.supervise import policy
 from tests.helpers.faults import measure
+from tests.helpers.jobs import write_flag
 from tests.helpers.launch import LaunchJob, wait_gone
+from trainer_bridge.rundir import runfiles
 
 pytestmark = pytest.mark.msrun
 
@@ -130,3 +132,36 @@ def test_a_killed_supervisor_leaves_no_orphan_and_the_next_one_continues(tmp_pat
     else:
         assert b["resumed_from"]["global_step"] >= 10
     assert b["end"] == "finished" and again.marked() == []
+
+
+def test_a_stop_is_never_relaunched_and_ctrl_c_stops_gracefully_then_at_once(tmp_path):
+    run = tmp_path / "run"
+    long = ["--epochs", "1000", "--step-delay", "0.05", "--ckpt-every", "10"]
+    # A stop from the page or rankwatch stop (the flag): the ranks save and exit; not a failure.
+    with LaunchJob(run, long, FAST) as job:
+        job.wait_until(lambda: step(job, 0) >= 5, "global step 5")
+        write_flag(run, request_id="req-page")
+        assert job.wait() == 0, job.output()
+    (a,) = job.rows()
+    assert a["end"] == "graceful_stop" and a["cause"]["kind"] == "stop" and a["restarted_by"] is None
+    stop_step = a["last_step"]
+    runfiles.write_flag(run, False)  # re-armed, as the dashboard does once a stop is done
+    # Ctrl-C to rankwatch launch: the same graceful stop, asked through rankwatch stop's request.
+    with LaunchJob(run, long, FAST) as job:
+        job.wait_until(lambda: step(job, 0) > stop_step + 3, "training past the stop")
+        os.kill(job.proc.pid, signal.SIGINT)
+        assert job.wait() == 0, job.output()
+    b = job.rows()[1]
+    assert b["resumed_from"]["global_step"] == stop_step  # the new supervisor resumed from the stop's set
+    assert b["end"] == "graceful_stop" and b["cause"]["kind"] == "stop"
+    assert "graceful stop requested" in job.output() and job.marked() == []
+    runfiles.write_flag(run, False)
+    # Twice: everything ends at once.
+    with LaunchJob(run, long, FAST) as job:
+        job.wait_until(lambda: step(job, 0) > b["last_step"] + 3, "training past the second stop")
+        pids = [p.pid for p in job.marked()]
+        os.kill(job.proc.pid, signal.SIGINT)
+        job.wait_until(lambda: "waiting for the job to stop" in job.output(), "the first Ctrl-C taken")
+        os.kill(job.proc.pid, signal.SIGINT)
+        assert job.wait() == policy.INTERRUPTED, job.output()
+    assert wait_gone(pids, timeout=5) == [] and job.rows()[2]["cause"]["kind"] in ("interrupted", "stop")
