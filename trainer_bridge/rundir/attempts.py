@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from trainer_bridge.rundir import runfiles, safeio, schema
+from trainer_bridge.rundir import runfiles, safeio, schema, supervised
 from trainer_bridge.rundir.liveness import Stopped, probe_process
 
 log = logging.getLogger("trainer_bridge")
@@ -55,8 +55,7 @@ LINE_MODELS = {
     "end": schema.AttemptEnd,
     "supervised": schema.AttemptSupervised,
 }
-# What a supervised line tells about an attempt with no start line of its own, as an end line would.
-END_OF_CAUSE = {"crash": "failed", "stop": "graceful_stop", "finished": "finished"}
+
 END_OF_STATE = {"exited": "graceful_stop", "finished": "finished", "failed": "failed"}
 
 
@@ -260,59 +259,6 @@ def _blank(rec: dict) -> dict:
     }
 
 
-def _supervised(rows: dict[int, dict], rec: dict) -> None:
-    """Merge a supervised line into its attempt's row (made from it when the bridge wrote none)."""
-    n = rec["attempt"]
-    row = rows.get(n)
-    if row is None:
-        cause = rec["cause"]
-        row = rows[n] = _blank(
-            {
-                "attempt": n,
-                "launch": None,
-                "started_at": rec["spawned_at"],
-                "world_size": rec["world_size"],
-                "hosts": [rec["host"]],
-                "host_count": None,
-                "pid": None,
-                "resumed_from": None,
-                "first_step": rec["first_step"] if rec["first_step"] is not None else 1,
-                "previous_last_step": None,
-                "replayed": None,
-            }
-        )
-        row["end"] = END_OF_CAUSE.get(cause["kind"], "unknown")
-        row["error"] = cause.get("error") if cause["kind"] == "crash" else None
-        row["ended_at"] = rec["ended_at"]
-    elif rec["launch"] is not None and row["launch"] != rec["launch"]:
-        return
-    told = row["supervisor"] or {}
-    row["supervisor"] = {
-        **told,
-        **{k: v for k, v in rec.items() if k not in ("kind", "attempt", "launch") and v is not None},
-    }
-    row["cause"] = rec["cause"]
-    row["restarted_by"] = rec["restarted_by"] or row["restarted_by"]
-
-
-def downtime(row: dict) -> dict | None:
-    """The parts of a supervised restart's downtime, in seconds (None where a time is missing)."""
-    sup = row.get("supervisor")
-    if not sup or sup.get("cause", {}).get("kind") != "crash":
-        return None
-
-    def gap(a: str, b: str) -> float | None:
-        x, y = sup.get(a), sup.get(b)
-        return round(y - x, 3) if x is not None and y is not None else None
-
-    return {
-        "fault_to_detected_s": gap("fault_at", "detected_at"),
-        "detected_to_ended_s": gap("detected_at", "ended_at"),
-        "ended_to_relaunched_s": gap("ended_at", "relaunched_at"),
-        "total_s": gap("fault_at", "relaunched_at"),
-    }
-
-
 def fold(records: Iterable[dict]) -> list[dict]:
     """One row per attempt, oldest first (the newest ``MAX_ATTEMPTS``); the latest end line wins."""
     rows: dict[int, dict] = {}
@@ -322,7 +268,7 @@ def fold(records: Iterable[dict]) -> list[dict]:
             rows[n] = _blank(rec)
             continue
         if kind == "supervised":
-            _supervised(rows, rec)
+            supervised.merge(rows, rec, _blank)
             continue
         row = rows.get(n)
         if row is None or row["launch"] != rec["launch"]:
@@ -334,7 +280,7 @@ def fold(records: Iterable[dict]) -> list[dict]:
     out = [rows[n] for n in sorted(rows)][-MAX_ATTEMPTS:]
     for i, row in enumerate(out):
         row["stop_by"] = stop_by(row)
-        row["downtime"] = downtime(row)
+        row["downtime"] = supervised.downtime(row)
         after = out[i + 1] if i + 1 < len(out) else None
         if row["downtime"] is not None and after is not None and after["launch"] is not None:
             # The next attempt's bridge started (its first step follows at once, after the compile).
