@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 from app.supervise import procs
 from app.supervise.command import Msrun, free_port
 from trainer_bridge.rundir import safeio
@@ -43,10 +45,19 @@ class Outcome:
 
 class Attempt:
     def __init__(
-        self, cmd: Msrun, env: dict, mark: str, keeper_pid: int | None, grace_s: float, poll_s: float, signals
+        self,
+        cmd: Msrun,
+        env: dict,
+        mark: str,
+        keeper_pid: int | None,
+        grace_s: float,
+        poll_s: float,
+        signals,
+        record_only: bool = False,
     ):
         self.cmd = cmd
         self.signals = signals  # supervisor.Signals: Ctrl-C/SIGTERM count, and the wake-up event
+        self.record_only = record_only
         self.env = env
         self.mark = mark
         self.keeper_pid = keeper_pid
@@ -71,19 +82,29 @@ class Attempt:
         if p.status is None:
             p.status, p.gone_at = status, time.time()
 
+    def _vanished(self, now: float) -> None:
+        """Workers gone without their exit reaching us (msrun, still their parent, reaped them)."""
+        for p in self.procs.values():
+            if p.role == "worker" and p.status is None and not p.vanished and not _alive(p.pid, p.created):
+                p.vanished, p.gone_at = True, now
+
     def _discover(self) -> None:
         for p in procs.descendants(self._exclude()):
             known = self.procs.get(p.pid)
             # Asked again while "other": between msrun's fork and its exec, a worker still shows msrun's
             # own environment (no MS_ROLE yet).
             if known is None or (known.role == "other" and known.status is None):
-                c = procs.classify(p, self.msrun_pid)
-                if c is not None:
-                    self.procs[p.pid] = c
+                c = procs.classify(p, self.msrun_pid, self.cmd.script[0])
+                if c is None:
+                    continue
+                parent = self.procs.get(c.pid and _ppid(p))
+                if c.role != "other" and parent is not None and parent.role in ("worker", "scheduler"):
+                    c.role, c.rank = "other", None  # a worker's forked helper: same command, same environment
+                self.procs[p.pid] = c
 
     def run(self, on_first_interrupt, say) -> Outcome:
         port = free_port() if self.cmd.single_node else None
-        argv = self.cmd.argv(port)
+        argv = self.cmd.argv(port) if not self.record_only else self.cmd.original
         say(" ".join(argv))
         spawned_at = time.time()
         # A session of its own: Ctrl-C at the terminal reaches the supervisor, never msrun's scheduler.
@@ -109,6 +130,25 @@ class Attempt:
                     (p for p in self.procs.values() if p.failed and p.role != "other"),
                     key=lambda p: (p.gone_at, p.role != "worker"),
                 )
+                if self.record_only:
+                    # TTP or MindCluster own recovery: note the first failure, end nothing, wait for the end.
+                    self._vanished(time.time())
+                    if failed and out.first is None:
+                        out.kind, out.first = "crash", failed[0]
+                        out.fault_at, out.detected_at = failed[0].gone_at, time.time()
+                        gone = sorted(
+                            (p for p in self.procs.values() if p.vanished and p.gone_at <= failed[0].gone_at),
+                            key=lambda p: p.gone_at,
+                        )
+                        if gone and failed[0].role == "msrun":
+                            # msrun failed because a worker did, whose status only msrun saw.
+                            out.first, out.fault_at = gone[0], gone[0].gone_at
+                            out.error = (
+                                f"rank {gone[0].rank}'s process was gone (msrun reaped it; status unknown)"
+                            )
+                    if self.procs[popen.pid].status is not None and not self._find():
+                        break
+                    continue
                 if failed:
                     out.kind, out.first = "crash", failed[0]
                     out.fault_at, out.detected_at = failed[0].gone_at, time.time()
@@ -126,9 +166,10 @@ class Attempt:
                     out.error = "msrun exited without starting a worker"
                     break
         finally:
-            out.clean = procs.end_all(
-                self._find, self.grace_s if out.kind != "interrupted" else 0.0, self._reaped
-            )
+            if not self.record_only or out.kind == "interrupted":
+                out.clean = procs.end_all(
+                    self._find, self.grace_s if out.kind != "interrupted" else 0.0, self._reaped
+                )
             out.ended_at = time.time()
             popen.returncode = self.procs[popen.pid].code if self.procs[popen.pid].status is not None else -1
         out.workers = [p for p in self.procs.values() if p.role == "worker"]
@@ -168,3 +209,18 @@ class Attempt:
         if not found:
             return None
         return found[-1].decode("utf-8", "replace").strip()[:MAX_ERROR_CHARS]
+
+
+def _ppid(p) -> int | None:
+    try:
+        return p.ppid()
+    except Exception:  # noqa: BLE001 - gone meanwhile
+        return None
+
+
+def _alive(pid: int, created: float) -> bool:
+    try:
+        proc = psutil.Process(pid)
+        return proc.status() != psutil.STATUS_ZOMBIE and abs(proc.create_time() - created) < 1.0
+    except psutil.Error:
+        return False

@@ -32,6 +32,9 @@ class Msrun:
     """An msrun command, split: the launcher, its options (in order), the script and its arguments."""
 
     head: list[str]
+    original: list[str] = field(
+        default_factory=list
+    )  # as the user wrote it (run as is where TTP owns recovery)
     options: list[tuple[str, str]] = field(default_factory=list)
     script: list[str] = field(default_factory=list)
 
@@ -95,7 +98,7 @@ def parse(argv: list[str]) -> Msrun:
             f"{argv[0]!r} is not msrun: rankwatch launch supervises `msrun ...` or "
             f"`python -m {MSRUN_MODULE} ...`"
         )
-    cmd = Msrun(head=argv[:start])
+    cmd = Msrun(head=argv[:start], original=list(argv))
     i = start
     while i < len(argv):
         word = argv[i]

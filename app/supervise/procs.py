@@ -49,6 +49,7 @@ class Proc:
     created: float
     status: int | None = None  # the wait status once reaped
     gone_at: float | None = None
+    vanished: bool = False  # gone, reaped by another (msrun with --join True): its status is unknown
 
     @property
     def code(self) -> int | None:
@@ -61,16 +62,25 @@ class Proc:
         return self.code not in (None, 0)
 
 
-def classify(proc: psutil.Process, msrun_pid: int) -> Proc | None:
-    """What ``proc`` is, by the environment msrun gave it (``MS_ROLE``, ``MS_NODE_ID``/``RANK_ID``)."""
+def classify(proc: psutil.Process, msrun_pid: int, script: str) -> Proc | None:
+    """What ``proc`` is, by the environment msrun gave it (``MS_ROLE``, ``MS_NODE_ID``/``RANK_ID``).
+
+    Only a process running ``script`` is a worker or the scheduler: with
+    ``--join True`` msrun also starts a ``tail -f`` per worker log, whose
+    environment says the same.
+    """
     try:
         with proc.oneshot():
             created = proc.create_time()
             env = proc.environ() if proc.pid != msrun_pid else {}
+            cmdline = proc.cmdline() if proc.pid != msrun_pid else []
     except psutil.Error:
         return None
     if proc.pid == msrun_pid:
         return Proc(proc.pid, "msrun", None, created)
+    name = os.path.basename(script)
+    if not any(os.path.basename(arg) == name for arg in cmdline[:8]):
+        return Proc(proc.pid, "other", None, created)
     role = env.get("MS_ROLE")
     if role == "MS_SCHED":
         return Proc(proc.pid, "scheduler", None, created)

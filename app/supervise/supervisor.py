@@ -129,10 +129,15 @@ class Supervisor:
                 self.opts.grace_s,
                 self.opts.poll_s,
                 self.signals,
+                record_only,
             )
-            outcome = attempt.run(
-                self._first_interrupt, lambda argv, n=number: self.say(f"attempt {n}: {argv}")
-            )
+            try:
+                outcome = attempt.run(
+                    self._first_interrupt, lambda argv, n=number: self.say(f"attempt {n}: {argv}")
+                )
+            except OSError as e:  # msrun itself could not be started (not on PATH, not executable)
+                self.say(f"cannot start {self.opts.command.head[0]}: {e}")
+                return policy.FAILED
             code, relaunch_env = self._judge(outcome, history, first_step, record_only)
             if relaunch_env is None:
                 return code

@@ -110,10 +110,13 @@ class LaunchJob:
         out = {}
         for p in self.marked():
             try:
-                env = p.environ()
+                env, cmdline = p.environ(), p.cmdline()
             except psutil.Error:
                 continue
-            if env.get("MS_ROLE") == "MS_WORKER" and (env.get("MS_NODE_ID") or "").isdigit():
+            # msrun's --join True also starts a `tail -f` per worker log, with the worker's environment.
+            if env.get("MS_ROLE") != "MS_WORKER" or not any(a.endswith(".py") for a in cmdline):
+                continue
+            if (env.get("MS_NODE_ID") or "").isdigit():
                 out[int(env["MS_NODE_ID"])] = p
         return out
 

@@ -165,3 +165,19 @@ def test_a_stop_is_never_relaunched_and_ctrl_c_stops_gracefully_then_at_once(tmp
         os.kill(job.proc.pid, signal.SIGINT)
         assert job.wait() == policy.INTERRUPTED, job.output()
     assert wait_gone(pids, timeout=5) == [] and job.rows()[2]["cause"]["kind"] in ("interrupted", "stop")
+
+
+def test_where_mindcluster_owns_recovery_the_supervisor_only_records(tmp_path):
+    """MINDX_TASK_ID set: the command runs as written (msrun's own --join True ends the job), nothing is
+    relaunched, and the attempt's record says what happened."""
+    with LaunchJob(tmp_path / "run", TRAIN, FAST, env={"MINDX_TASK_ID": "job-1"}) as job:
+        job.wait_until(lambda: step(job, 1) >= 12, "rank 1 past global step 12")
+        job.workers()[1].send_signal(signal.SIGKILL)
+        assert job.wait() == policy.FAILED, job.output()
+    out = job.output()
+    assert "--join=True" in out and "--join=False" not in out and "recorded only" in out
+    (row,) = job.rows()
+    # msrun (--join True) reaped rank 1, so its signal is unknown here; it was gone first.
+    assert row["cause"]["rank"] == 1 and "process was gone" in row["cause"]["error"]
+    assert row["supervisor"]["action"] == "record_only" and row["restarted_by"] is None
+    assert job.marked() == []
