@@ -124,7 +124,12 @@ class LaunchJob:
         return runfiles.read_json_or_none(runfiles.heartbeat_path(self.run_dir, rank))
 
     def rows(self) -> list[dict]:
-        return attempts.fold(attempts.read_lines(self.run_dir)[0])
+        return self.rows_of(self.run_dir)
+
+    @staticmethod
+    def rows_of(run_dir: Path) -> list[dict]:
+        """The run's attempts, folded as the dashboard folds them."""
+        return attempts.fold(attempts.read_lines(run_dir)[0])
 
     def wait_until(self, predicate, what: str, timeout: float = JOB_TIMEOUT_S, poll: float = 0.1):
         """Poll ``predicate()`` until truthy; fail early if the supervisor ended."""

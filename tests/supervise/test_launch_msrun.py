@@ -15,7 +15,7 @@ import pytest
 
 from app.supervise import policy
 from tests.helpers.faults import measure
-from tests.helpers.jobs import write_flag
+from tests.helpers.jobs import UNTIL_STOPPED, DemoJob, write_flag
 from tests.helpers.launch import LaunchJob, wait_gone
 from trainer_bridge.rundir import runfiles
 
@@ -181,3 +181,15 @@ def test_where_mindcluster_owns_recovery_the_supervisor_only_records(tmp_path):
     assert row["cause"]["rank"] == 1 and "process was gone" in row["cause"]["error"]
     assert row["supervisor"]["action"] == "record_only" and row["restarted_by"] is None
     assert job.marked() == []
+
+
+def test_the_demo_under_launch_stops_gracefully_on_ctrl_c(tmp_path):
+    """``rankwatch demo``'s way (--supervise): Ctrl-C is a graceful stop through rankwatch launch."""
+    with DemoJob(tmp_path / "demo", epochs=UNTIL_STOPPED, step_delay=0.05, extra=["--supervise"]) as job:
+        job.wait_for_step(5)
+        os.kill(job.proc.pid, signal.SIGINT)
+        assert job.wait() == 0, job.logs()
+        job.stopped_together()
+    (row,) = LaunchJob.rows_of(tmp_path / "demo")
+    assert row["cause"]["kind"] == "stop" and row["end"] == "graceful_stop"
+    assert "stopping gracefully" in job.output_path.read_text()
