@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from app.supervise import finite
 from trainer_bridge.rundir import ckpthealth, ckptindex
 
 # The exit statuses of rankwatch launch (docs/cli.md, "launch").
@@ -109,17 +110,24 @@ class ResumeChoice:
         return "passed over: " + "; ".join(self.passed_over)
 
 
+# The most checkpoint bytes one choice reads to check that weights are finite (finite.py).
+SCAN_BUDGET_BYTES = 8 << 30
+
+
 def choose_resume(run_dir: str, world_size: int, max_named: int = 5) -> ResumeChoice:
     """The newest set that is complete across ``world_size`` ranks and healthy, of any origin.
 
     Newer sets that are incomplete, corrupt or unhealthy (``ckpthealth``: a
     MindSpore ``*_breakpoint.ckpt``, a save after a NaN loss, MindFormers'
-    health file) are passed over and named. A set without a global step
-    cannot be pinned (``RANKWATCH_RESUME_STEP``) and is passed over too.
+    health file), and sets with a weight that is NaN or infinite (read from
+    the files, up to ``SCAN_BUDGET_BYTES`` in all: past it a set is taken
+    unread) are passed over and named. A set without a global step cannot be
+    pinned (``RANKWATCH_RESUME_STEP``) and is passed over too.
     """
     index = ckptindex.scan(run_dir, world_size=world_size)
     unhealthy = ckpthealth.unhealthy(run_dir, index)
     passed: list[str] = []
+    budget = SCAN_BUDGET_BYTES
     for s in index.sets:  # newest first
         why = None
         if s.ranks_corrupt:
@@ -130,6 +138,12 @@ def choose_resume(run_dir: str, world_size: int, max_named: int = 5) -> ResumeCh
             why = f"unhealthy: {unhealthy[s.id]}"
         elif s.global_step is None:
             why = "its files name no global step"
+        elif budget >= s.bytes:
+            budget -= s.bytes
+            why = next(
+                (f"not finite: {f.path}: {bad}" for f in s.files if (bad := finite.nonfinite(f.abspath))),
+                None,
+            )
         if why is None:
             return ResumeChoice(s.id, s.global_step, passed)
         if len(passed) < max_named:

@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from app.cli import main
-from app.supervise import command, lock, policy
+from app.supervise import command, finite, lock, policy
 from app.supervise.supervisor import describe
 from tests.helpers import ckptcraft
 from trainer_bridge.rundir import attempts, ckptindex, runfiles, schema
@@ -235,3 +235,48 @@ def test_resume_passes_over_incomplete_corrupt_and_unhealthy_sets(run_dir):
     bad = ckpthealth.unhealthy(str(run_dir), index)
     picked = ckptindex.resume_set(index, 20, bad)
     assert picked.global_step == 20 and picked.id not in bad
+
+
+def test_a_set_whose_weights_are_not_finite_is_passed_over(run_dir):
+    import struct
+
+    nan = struct.pack("<4f", 1.0, float("nan"), 2.0, 3.0)
+    periodic(run_dir, 10)
+    periodic(
+        run_dir,
+        20,
+        ranks=(1,),
+        body=ckptcraft.ckpt(ckptcraft.entry("fc.w", ckptcraft.tensor([4], "Float32", nan)), global_step=20),
+    )
+    periodic(run_dir, 20, ranks=(0,))
+    choice = policy.choose_resume(str(run_dir), 2)
+    assert choice.global_step == 10
+    assert "not finite: ckpt/rank_1/net-1_20.ckpt: fc.w holds NaN or infinite values" in choice.note
+    bf16_inf = struct.pack("<H", 0x7F80) * 4
+    periodic(
+        run_dir,
+        30,
+        body=ckptcraft.ckpt(
+            ckptcraft.entry("w", ckptcraft.tensor([4], "BFloat16", bf16_inf)), global_step=30
+        ),
+    )
+    assert policy.choose_resume(str(run_dir), 2).global_step == 10
+
+
+def test_real_mindspore_files_with_nan_weights_are_caught(run_dir):
+    """Files MindSpore itself wrote (with a CRC trailer too): a NaN in one weight, and a clean one."""
+    import mindspore as ms
+    import numpy as np
+
+    from tests.helpers.checkpoints import Small
+
+    net = Small()
+    clean = run_dir / "clean.ckpt"
+    ms.save_checkpoint(net, str(clean), crc_check=True)
+    weight = net.fc2.weight.asnumpy().copy()
+    weight[1, 2] = np.nan
+    net.fc2.weight.set_data(ms.Tensor(weight))
+    bad = run_dir / "bad.ckpt"
+    ms.save_checkpoint(net, str(bad), crc_check=True)
+    assert finite.nonfinite(clean) is None
+    assert finite.nonfinite(bad) == "fc2.weight holds NaN or infinite values"
