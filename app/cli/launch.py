@@ -49,9 +49,23 @@ import click
     show_default=True,
     help="End the run after this many attempts in a row that did not train past the furthest step (exit 93).",
 )
+@click.option(
+    "--gasp-s",
+    type=click.FloatRange(min=0),
+    default=5.0,
+    show_default=True,
+    help="After a rank dies, wait at most this long for a survivor to save its replica (the dying gasp) "
+    "before ending the attempt; 0: off.",
+)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
 def launch(
-    run_dir: Path, max_restarts: int, backoff_s: float, grace_s: float, no_progress: int, command: tuple
+    run_dir: Path,
+    max_restarts: int,
+    backoff_s: float,
+    grace_s: float,
+    no_progress: int,
+    gasp_s: float,
+    command: tuple,
 ) -> None:
     """Run an msrun job and relaunch it from the newest healthy checkpoint set when it fails.
 
@@ -94,5 +108,6 @@ def launch(
         backoff_s=backoff_s,
         grace_s=grace_s,
         no_progress=no_progress,
+        gasp_s=gasp_s,
     )
     raise SystemExit(Supervisor(opts, request_stop).run())

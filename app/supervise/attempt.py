@@ -41,6 +41,7 @@ class Outcome:
     workers: list[procs.Proc] = field(default_factory=list)
     clean: bool = True  # no process of it was left
     error: str | None = None
+    gasp: str | None = None  # what the dying gasp gave, in words
 
 
 class Attempt:
@@ -102,7 +103,7 @@ class Attempt:
                     c.role, c.rank = "other", None  # a worker's forked helper: same command, same environment
                 self.procs[p.pid] = c
 
-    def run(self, on_first_interrupt, say) -> Outcome:
+    def run(self, on_first_interrupt, say, on_crash=None) -> Outcome:
         port = free_port() if self.cmd.single_node else None
         argv = self.cmd.argv(port) if not self.record_only else self.cmd.original
         say(" ".join(argv))
@@ -152,6 +153,8 @@ class Attempt:
                 if failed:
                     out.kind, out.first = "crash", failed[0]
                     out.fault_at, out.detected_at = failed[0].gone_at, time.time()
+                    if on_crash is not None:
+                        out.gasp = on_crash(self, failed[0])  # the survivors' dying gasp, before the end
                     break
                 workers = [p for p in self.procs.values() if p.role == "worker"]
                 msrun_done = self.procs[popen.pid].status is not None

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from app.supervise import lock, policy, procs
 from app.supervise.attempt import Attempt, Outcome
 from app.supervise.command import Msrun
-from trainer_bridge.rundir import attempts, runfiles, schema
+from trainer_bridge.rundir import attempts, gaspfiles, runfiles, schema
 
 # Where MindIO TTP or MindCluster own recovery (they relaunch processes themselves).
 EXTERNAL_RECOVERY_ENV = ("MS_ENABLE_TFT", "MINDX_TASK_ID")
@@ -37,6 +37,7 @@ class Options:
     grace_s: float = 10.0
     no_progress: int = 3
     poll_s: float = 0.2
+    gasp_s: float = 5.0
 
 
 class Signals:
@@ -133,11 +134,14 @@ class Supervisor:
             )
             try:
                 outcome = attempt.run(
-                    self._first_interrupt, lambda argv, n=number: self.say(f"attempt {n}: {argv}")
+                    self._first_interrupt,
+                    lambda argv, n=number: self.say(f"attempt {n}: {argv}"),
+                    self._gasp if self.opts.gasp_s > 0 else None,
                 )
             except OSError as e:  # msrun itself could not be started (not on PATH, not executable)
                 self.say(f"cannot start {self.opts.command.head[0]}: {e}")
                 return policy.FAILED
+            self._forget_gasp()
             code, relaunch_env = self._judge(outcome, history, first_step, record_only)
             if relaunch_env is None:
                 return code
@@ -161,6 +165,67 @@ class Supervisor:
         except Exception as e:  # noqa: BLE001 - the flag could not be written: say so, a second Ctrl-C ends it
             told = f"the graceful stop could not be requested ({e}); Ctrl-C again ends the job at once"
         self.say(f"{told}; waiting for the job to stop (Ctrl-C again ends it at once)")
+
+    # ------------------------------------------------------------------ dying gasp
+
+    def _gasp(self, attempt: Attempt, failed: procs.Proc) -> str | None:
+        """Ask the survivors to save their replica (``trainer_bridge/gasp.py``); wait at most ``gasp_s``.
+
+        Returns what came of it, in words, or None when there was no one to ask
+        (no survivor, or a job without the bridge).
+        """
+        workers = [p for p in attempt.procs.values() if p.role == "worker"]
+        survivors = {p.rank: p for p in workers if p.status is None and not p.vanished and p.rank is not None}
+        dead = sorted({p.rank for p in workers if p.rank is not None and p.rank not in survivors})
+        pids = {p.pid for p in workers}
+        beats = attempts.read_heartbeats(self.run_dir)
+        launch = next((hb["launch"] for _, hb in beats if hb.get("pid") in pids and hb.get("launch")), None)
+        if not survivors or launch is None:
+            return None
+        try:
+            runfiles.atomic_write_json(
+                gaspfiles.request_path(self.run_dir),
+                {"launch": launch, "dead": dead, "at": time.time()},
+                root=self.run_dir,
+            )
+        except OSError as e:
+            return f"dying gasp not asked: {e}"
+        self.say(f"asked rank(s) {', '.join(map(str, sorted(survivors)))} to save their replica (dying gasp)")
+        deadline = time.monotonic() + self.opts.gasp_s
+        answers: dict[int, dict] = {}
+        while time.monotonic() < deadline:
+            for rank in survivors:
+                got = runfiles.read_json_or_none(gaspfiles.answer_path(self.run_dir, rank))
+                if isinstance(got, dict) and got.get("launch") == launch:
+                    answers[rank] = got
+            if any(a.get("status") == "saved" for a in answers.values()) or len(answers) == len(survivors):
+                break
+            self.signals.wake.wait(0.05)
+            self.signals.wake.clear()
+        saved = next((a for a in answers.values() if a.get("status") == "saved"), None)
+        if saved is not None:
+            told = (
+                f"dying gasp: rank {saved.get('rank')} saved its replica at global step "
+                f"{saved.get('global_step')} in {float(saved.get('seconds') or 0) * 1e3:.0f} ms"
+            )
+        elif answers:
+            told = "dying gasp: nothing saved: " + "; ".join(
+                f"rank {r}: {str(a.get('why'))[:200]}" for r, a in sorted(answers.items())
+            )
+        else:
+            told = f"dying gasp: no survivor answered within {self.opts.gasp_s:g} s"
+        self.say(told)
+        return told
+
+    def _forget_gasp(self) -> None:
+        """The request and the answers are for one attempt only."""
+        paths = [gaspfiles.request_path(self.run_dir)]
+        paths += [gaspfiles.answer_path(self.run_dir, r) for r in range(self.opts.command.worker_num)]
+        for path in paths:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
     # ------------------------------------------------------------------ keeper
 
@@ -270,13 +335,14 @@ class Supervisor:
             self.say("no complete healthy checkpoint set: the next attempt starts afresh")
         if choice.note:
             self.say(choice.note)
+        notes = [n for n in (outcome.gasp, choice.note) if n]
         self._write(
             base,
             action="relaunch",
             restarted_by="launch",
             relaunched_at=time.time(),
             resume=resume,
-            note=choice.note,
+            note="; ".join(notes)[: schema.MAX_ERROR] if notes else None,
         )
         return policy.OK, env
 

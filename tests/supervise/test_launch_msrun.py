@@ -57,10 +57,15 @@ def test_a_killed_rank_is_relaunched_from_the_newest_set_and_nothing_of_it_is_le
     assert a["restarted_by"] == "launch" and a["end"] == "failed" and "rank 1" in a["error"]
     sup = a["supervisor"]
     assert sup["fault_at"] <= sup["detected_at"] <= sup["ended_at"] <= sup["relaunched_at"]
-    # The newest complete set at or below the kill (periodic sets every 10 steps), by its global step.
+    # The dying gasp: rank 0 saved its replica at its last finished step, in MindIO TTP's layout, one
+    # copy per rank; it is newer than every periodic set (every 10 steps), and attempt 2 resumed from it.
     resumed = b["resumed_from"]["global_step"]
-    assert resumed == b["supervisor"]["first_step"] - 1 and resumed % 10 == 0 and resumed <= killed_at
+    assert b["resumed_from"]["set"].startswith("ttp_checkpoints/ttp_saved_checkpoints-step_{G}/rank_{rank}/")
+    assert resumed == b["supervisor"]["first_step"] - 1 and resumed >= killed_at - 1
+    assert f"dying gasp: rank 0 saved its replica at global step {resumed}" in a["supervisor"]["note"]
     assert a["supervisor"]["resume"]["global_step"] == resumed
+    gasp_set = tmp_path / "run" / "ttp_checkpoints" / f"ttp_saved_checkpoints-step_{resumed}"
+    assert sorted(p.name for p in gasp_set.iterdir()) == ["rank_0", "rank_1"]
     assert job.steps_logged(0)[0] == resumed + 1 and job.steps_logged(0)[-1] == 3 * job.steps_per_epoch
     assert b["end"] == "finished" and b["cause"]["kind"] == "finished"
     assert job.marked() == []
@@ -97,14 +102,17 @@ def test_a_script_that_fails_at_import_ends_the_run_by_the_startup_rule(tmp_path
 
 def test_the_budget_and_the_no_progress_rule_have_their_own_exit_codes(tmp_path):
     crash = [*TRAIN, "--crash-rank", "1", "--crash-at", "25"]
-    with LaunchJob(tmp_path / "budget", crash, [*FAST, "--max-restarts", "0"]) as job:
+    # Without the dying gasp (which would save step 25, past the crash), so each attempt resumes from
+    # the last periodic set and crashes again at 25.
+    nogasp = [*FAST, "--gasp-s", "0"]
+    with LaunchJob(tmp_path / "budget", crash, [*nogasp, "--max-restarts", "0"]) as job:
         assert job.wait() == policy.BUDGET, job.output()
     (row,) = job.rows()
     assert row["cause"]["error"] == "RuntimeError: injected crash at global step 25 (--crash-rank)"
     assert row["cause"]["rank"] == 1 and row["cause"]["exit_code"] not in (None, 0)
     assert "restart budget is used up (0 of 0" in job.output()
     # The same run again, with budget: attempt 2 resumes from step 20 and crashes at 25 again.
-    with LaunchJob(tmp_path / "budget", crash, [*FAST, "--max-restarts", "3", "--no-progress", "1"]) as job:
+    with LaunchJob(tmp_path / "budget", crash, [*nogasp, "--max-restarts", "3", "--no-progress", "1"]) as job:
         assert job.wait() == policy.NO_PROGRESS, job.output()
     rows = job.rows()
     assert [r["attempt"] for r in rows] == [1, 2]
