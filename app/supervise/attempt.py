@@ -163,10 +163,14 @@ class Attempt:
                     self._wait_quiet(self.grace_s)
                     break
                 if msrun_done and not workers and not self._find():
+                    # Its workers (and scheduler) died before they could be told apart (a script that
+                    # fails at import takes a tenth of a second): the logs say what happened.
                     out.kind = "crash"
-                    out.first = self.procs[popen.pid]
-                    out.fault_at = out.detected_at = time.time()
-                    out.error = "msrun exited without starting a worker"
+                    quick = sorted((p for p in self.procs.values() if p.failed), key=lambda p: p.gone_at)
+                    out.first = quick[0] if quick else self.procs[popen.pid]
+                    out.fault_at = out.first.gone_at or time.time()
+                    out.detected_at = time.time()
+                    out.error = self.logs_error() or "msrun exited and no worker of it was seen running"
                     break
         finally:
             if not self.record_only or out.kind == "interrupted":
@@ -197,6 +201,15 @@ class Attempt:
             return base / "scheduler.log"
         if p.role == "worker" and p.rank is not None:
             return base / f"worker_{p.rank}.log"
+        return None
+
+    def logs_error(self) -> str | None:
+        """The first exception line in the workers' logs, rank by rank, then the scheduler's."""
+        ranks = [procs.Proc(0, "worker", r, 0.0) for r in range(self.cmd.local_worker_num)]
+        for p in [*ranks, procs.Proc(0, "scheduler", None, 0.0)]:
+            found = self.error_line(p)
+            if found:
+                return found
         return None
 
     def error_line(self, p: procs.Proc) -> str | None:
