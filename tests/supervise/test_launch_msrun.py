@@ -208,3 +208,15 @@ def test_the_demo_under_launch_stops_gracefully_on_ctrl_c(tmp_path):
     (row,) = LaunchJob.rows_of(tmp_path / "demo")
     assert row["cause"]["kind"] == "stop" and row["end"] == "graceful_stop"
     assert "stopping gracefully" in job.output_path.read_text()
+
+
+def test_a_job_launched_without_the_supervisor_is_not_trampled(tmp_path):
+    """A live job in the run directory (started by hand): rankwatch launch refuses before msrun starts."""
+    run = tmp_path / "run"
+    with DemoJob(run, epochs=UNTIL_STOPPED, step_delay=0.05) as plain:
+        plain.wait_for_step(3)
+        job = LaunchJob(run, TRAIN, FAST).start()
+        assert job.wait() == policy.REFUSED, job.output()
+        assert "refusing to start: another launch of a job is training" in job.output()
+        assert "attempt 1:" not in job.output() and job.marked() == []
+        assert all(h["state"] == "training" for h in plain.heartbeats())
