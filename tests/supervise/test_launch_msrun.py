@@ -220,3 +220,34 @@ def test_a_job_launched_without_the_supervisor_is_not_trampled(tmp_path):
         assert "refusing to start: another launch of a job is training" in job.output()
         assert "attempt 1:" not in job.output() and job.marked() == []
         assert all(h["state"] == "training" for h in plain.heartbeats())
+
+
+def losses(job: LaunchJob, rank: int) -> dict[int, str]:
+    """Global step -> the loss LossMonitor printed (as text: compared bit for bit)."""
+    import re
+
+    text = (job.run_dir / "msrun_logs" / f"worker_{rank}.log").read_text(errors="replace")
+    per = job.steps_per_epoch
+    return {
+        (int(e) - 1) * per + int(s): loss
+        for e, s, loss in re.findall(r"^epoch: (\d+) step: (\d+), loss is (\S+)$", text, re.M)
+    }
+
+
+def test_a_resume_from_the_dying_gasp_gives_the_losses_of_a_run_without_the_fault(tmp_path):
+    """The proof: the replica saved while the survivor was blocked is its last finished step, exactly."""
+    exact = ["--epochs", "2", "--step-delay", "0.05", "--no-shuffle", "--monitors"]
+    with LaunchJob(tmp_path / "clean", exact, FAST) as clean:
+        assert clean.wait() == 0, clean.output()
+    reference = losses(clean, 0)
+    assert len(reference) == 2 * clean.steps_per_epoch
+    with LaunchJob(tmp_path / "fault", exact, FAST) as job:
+        job.wait_until(lambda: step(job, 1) >= 20, "rank 1 past global step 20")
+        job.workers()[1].send_signal(signal.SIGKILL)
+        assert job.wait() == 0, job.output()
+    a, b = job.rows()
+    resumed = b["resumed_from"]["global_step"]
+    assert b["resumed_from"]["set"].startswith("ttp_checkpoints/")
+    after = losses(job, 0)  # attempt 2's log (msrun rewrote it)
+    assert min(after) == resumed + 1 and max(after) == 2 * job.steps_per_epoch
+    assert after == {s: reference[s] for s in after}, "the resumed run's losses differ from the clean run's"
