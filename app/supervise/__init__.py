@@ -7,10 +7,12 @@
   the ``MS_ROLE`` msrun gives them), reaping, and SIGTERM then SIGKILL;
 * ``attempt``: one attempt, from msrun's start until none of its processes is left;
 * ``policy``: the budget, the no-progress and startup rules, the backoff,
-  and the set the next attempt resumes from;
+  and the set the next attempt resumes from (``finite``: its weights are read
+  for NaN and infinities first);
 * ``lock``: one supervisor per run directory;
 * ``keeper``: a small process that ends the attempt if the supervisor dies;
-* ``supervisor``: the loop, and the supervised lines of ``attempts.jsonl``.
+* ``supervisor``: the loop, the dying gasp it asks of the survivors
+  (``trainer_bridge/gasp.py``), and the supervised lines of ``attempts.jsonl``.
 
 It never imports MindSpore: it runs beside the job, like the dashboard.
 """
