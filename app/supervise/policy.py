@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from app.supervise import finite
 from trainer_bridge.rundir import ckpthealth, ckptindex
+from trainer_bridge.rundir.ckptindex import ORIGIN_BRIDGE
 
 # The exit statuses of rankwatch launch (docs/cli.md, "launch").
 OK = 0
@@ -128,7 +129,11 @@ def choose_resume(run_dir: str, world_size: int, max_named: int = 5) -> ResumeCh
     unhealthy = ckpthealth.unhealthy(run_dir, index)
     passed: list[str] = []
     budget = SCAN_BUDGET_BYTES
-    for s in index.sets:  # newest first
+    # Newest first; at one global step the bridge's own set first, as the bridge itself picks it.
+    ordered = sorted(
+        index.sets, key=lambda s: (s.global_step is None, -(s.global_step or 0), s.origin != ORIGIN_BRIDGE)
+    )
+    for s in ordered:
         why = None
         if s.ranks_corrupt:
             why = f"corrupt on rank(s) {', '.join(map(str, s.ranks_corrupt[:8]))}"

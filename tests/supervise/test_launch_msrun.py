@@ -170,7 +170,7 @@ def test_a_stop_is_never_relaunched_and_ctrl_c_stops_gracefully_then_at_once(tmp
         log.unlink()  # the last attempt's steps
     job = LaunchJob(run, [*long, "--no-bridge"], FAST)
     told = len(job.output())  # the three supervisors share one output file
-    with job.start():
+    with job:
         job.wait_until(lambda: len(job.steps_logged(0)) > 3, "steps in worker 0's log")
         pids = [p.pid for p in job.marked()]
         os.kill(job.proc.pid, signal.SIGINT)

@@ -280,3 +280,16 @@ def test_real_mindspore_files_with_nan_weights_are_caught(run_dir):
     ms.save_checkpoint(net, str(bad), crc_check=True)
     assert finite.nonfinite(clean) is None
     assert finite.nonfinite(bad) == "fc2.weight holds NaN or infinite values"
+
+
+def test_at_one_step_the_bridge_set_is_named_as_the_bridge_will_load_it(run_dir):
+    periodic(run_dir, 31)
+    for r in (0, 1):
+        ckptcraft.write(
+            runfiles.checkpoint_path(run_dir, r, 1, 31),
+            ckptcraft.ckpt(
+                ckptcraft.entry("w", ckptcraft.tensor([4], "Float32", b"\0" * 16)), global_step=31
+            ),
+        )
+    choice = policy.choose_resume(str(run_dir), 2)
+    assert choice.global_step == 31 and choice.set_id.startswith("checkpoints/rank_{rank}/")
