@@ -39,6 +39,7 @@ from mindspore import Tensor, nn, ops
 from trainer_bridge import saving
 from trainer_bridge.agreement import Agreement
 from trainer_bridge.counters import Counters
+from trainer_bridge.gasp import Gasp
 from trainer_bridge.reporter import Reporter
 from trainer_bridge.rundir import attempts, ckpthealth, runfiles
 from trainer_bridge.rundir.ckptindex import scan
@@ -281,6 +282,16 @@ class Engine:
             attempts=self.attempts,
         )
         self._begin_attempt(point, global_step, beats)
+        self.reporter.gasp = Gasp(
+            self.run_dir,
+            self.rank,
+            self.world,
+            self.launch,
+            self.cells,
+            self.counters,
+            lambda: time.perf_counter() - self._step_began if self.in_step else None,
+            lambda: self.reporter.loss,
+        )
         self.reporter.start()
         if s.handle_sigterm and threading.current_thread() is threading.main_thread():
             self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)

@@ -159,6 +159,7 @@ class Reporter:
         self._host = socket.gethostname()
         # stacks (trainer_bridge/stacks.py): built here, on the training thread, which it marks.
         self.stacks = StackWatcher(self.run_dir, self.rank, self._host)
+        self.gasp = None  # set by the engine: trainer_bridge.gasp.Gasp
 
     # ------------------------------------------------ training-thread side
     def take_loss(self, outputs) -> None:
@@ -391,6 +392,8 @@ class Reporter:
                 self._poll_flag()
                 if self.attempts is not None:
                     self.attempts.roll_call()
+                if self.gasp is not None:
+                    self.gasp.poll()  # rankwatch launch asks for the dying gasp (trainer_bridge/gasp.py)
                 snap = self.counters.snapshot()
                 # stacks: answer requests, and capture once when no step ends for too long.
                 self.stacks.poll(

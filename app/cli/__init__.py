@@ -6,7 +6,8 @@
   through ``app.compose.build``, the same ``RunState``, ``StopService``
   (and audit trail) and ``CheckpointService`` the dashboard uses, so they
   work with or without a dashboard running;
-* ``login`` prints a fresh single-use login link for a running dashboard.
+* ``login`` prints a fresh single-use login link for a running dashboard;
+* ``launch`` supervises an msrun job and relaunches it after a failure (``app.supervise``).
 
 Settings (thresholds, ``AUDIT_DB``, ...) come from the same ``RANKWATCH_*``
 environment variables as the dashboard's (``app.config.SETTINGS``).
@@ -32,6 +33,7 @@ COMMANDS = {
     "checkpoints": "app.cli.checkpoints:checkpoints",
     "login": "app.cli.login:login",
     "agent": "app.cli.agent:agent",
+    "launch": "app.cli.launch:launch",
 }
 
 

@@ -192,6 +192,31 @@ class Source:
         return snapshot, "judged from the run directory (no dashboard of yours serves it)"
 
 
+def restarts_text(run_dir: Path) -> str | None:
+    """The attempts line: how many, the relaunches by ``rankwatch launch``, the last one's cause."""
+    from app.supervise.supervisor import describe
+    from trainer_bridge.rundir import attempts
+
+    try:
+        rows = attempts.fold(attempts.read_lines(run_dir)[0])
+    except OSError:
+        return None
+    if not rows:
+        return None
+    restarts = [r for r in rows if r.get("restarted_by") == "launch"]
+    text = f"{len(rows)} attempt(s), {len(restarts)} restart(s) by rankwatch launch"
+    if restarts:
+        last = restarts[-1]
+        down = (last.get("downtime") or {}).get("total_s")
+        text += f"; last after attempt {last['attempt']}: {describe(last['cause'])}"
+        if down is not None:
+            text += f" (fault to relaunch {down:.1f} s)"
+    ended = rows[-1].get("supervisor") or {}
+    if ended.get("action") == "end" and ended.get("exit_code"):
+        text += f"; the supervisor ended the run (exit {ended['exit_code']}): {ended.get('note') or ''}"
+    return text
+
+
 def view(source: Source, health: list[str], limit: int | None) -> Group:
     from rich.console import Group
     from rich.text import Text
@@ -204,7 +229,12 @@ def view(source: Source, health: list[str], limit: int | None) -> Group:
         shown.sort(key=lambda r: r["rank"])
     else:
         shown, hidden = rows, 0
-    return Group(summary_text(snapshot), rank_table(shown, hidden), Text(plain(origin), style="dim"))
+    parts = [summary_text(snapshot)]
+    restarts = restarts_text(source.run_dir)
+    if restarts:
+        # Attempt causes quote worker logs: untrusted, printed as plain text.
+        parts.append(Text(plain(restarts)))
+    return Group(*parts, rank_table(shown, hidden), Text(plain(origin), style="dim"))
 
 
 @click.command()

@@ -33,6 +33,24 @@ export function endText(a) {
   }
 }
 
+// The cause rankwatch launch recorded (a crash's rank, signal or status, error line).
+export function causeText(c) {
+  if (!c || c.kind !== "crash") return "";
+  const who = c.role === "worker" ? `rank ${c.rank}` : (c.role || "a process");
+  const how = c.signal ? `killed by ${c.signal}` : `exit status ${c.exit_code}`;
+  const where = c.host ? ` on ${c.host}` : "";
+  return `${who}${where} ${how}${c.error ? `: ${c.error}` : ""}`;
+}
+
+// The downtime of a restart, in its parts (seconds).
+function downtimeText(d) {
+  const s = (v) => (typeof v === "number" ? `${v.toFixed(1)} s` : "?");
+  let text = `down ${s(d.total_s)}: detected ${s(d.fault_to_detected_s)}, ended ${s(d.detected_to_ended_s)}, `
+    + `relaunched ${s(d.ended_to_relaunched_s)}`;
+  if (typeof d.relaunched_to_bridge_start_s === "number") text += `, bridge started ${s(d.relaunched_to_bridge_start_s)} later`;
+  return text;
+}
+
 export class Attempts {
   constructor(url) {
     this.url = url;
@@ -114,6 +132,20 @@ export class Attempts {
     const when = a.ended_at ? ` at ${formatClock(a.ended_at)}` : "";
     end.textContent = ` · ${endText(a)}${a.end ? when : ""}`;
     li.append(end);
+    if (a.cause) {
+      li.dataset.cause = a.cause.kind;
+      const cause = document.createElement("span");
+      cause.className = "attempt-cause";
+      const said = causeText(a.cause);
+      cause.textContent = said ? ` · cause: ${said}` : "";
+      if (a.restarted_by === "launch") {
+        cause.textContent += " · relaunched by rankwatch launch";
+        if (a.downtime) cause.textContent += ` (${downtimeText(a.downtime)})`;
+      } else if (a.supervisor && a.supervisor.note) {
+        cause.textContent += ` · ${a.supervisor.note}`;
+      }
+      li.append(cause);
+    }
     if (a.note) {
       // Log mode: msrun emptied this attempt's worker logs when it relaunched the job.
       const note = document.createElement("span");

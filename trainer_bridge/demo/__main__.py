@@ -11,7 +11,9 @@ to open, and keeps the dashboard up after the job ends, until Ctrl-C. msrun's an
 run directory, so the terminal stays readable.
 
 Relaunching the same command resumes from the newest complete checkpoint set
-of a graceful stop.
+of a graceful stop. With ``--supervise`` (``rankwatch demo``'s default) the
+job runs under ``rankwatch launch``: a rank that dies is relaunched from the
+newest healthy set, and Ctrl-C asks for a graceful stop (twice: at once).
 """
 
 from __future__ import annotations
@@ -131,6 +133,13 @@ def demo_command(name: str, dashboard: bool) -> click.Command:
         show_default=True,
         help="Also serve the dashboard on the run directory (started first: if it cannot start, "
         "nothing trains).",
+    )
+    @click.option(
+        "--supervise/--no-supervise",
+        default=dashboard,
+        show_default=True,
+        help="Run the job under `rankwatch launch`: a rank that dies is relaunched from the newest "
+        "healthy set, and Ctrl-C stops the job gracefully (twice: at once).",
     )
     @click.option("--host", default="127.0.0.1", show_default=True, help="The dashboard's interface.")
     @click.option(
@@ -278,12 +287,29 @@ def run(args: SimpleNamespace, extra: list[str]) -> int:
             dashboard.wait()
     except KeyboardInterrupt:
         code = 130
+        if job is not None and job.poll() is None and getattr(args, "supervise", False):
+            code = stop_supervised(job)
     finally:
         end(job)
         end(dashboard)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return code
+
+
+def stop_supervised(job: subprocess.Popen) -> int:
+    """Ctrl-C under ``rankwatch launch``: ask it for the graceful stop and wait; a second Ctrl-C ends it at once."""
+    print(
+        "rankwatch demo: stopping gracefully: every rank saves at the same step, then exits "
+        "(Ctrl-C again ends the job at once)",
+        flush=True,
+    )
+    job.send_signal(signal.SIGINT)
+    while True:
+        try:
+            return job.wait()
+        except KeyboardInterrupt:
+            job.send_signal(signal.SIGINT)
 
 
 def launch(args: SimpleNamespace, extra: list[str], run_dir: Path, env: dict) -> subprocess.Popen:
@@ -316,9 +342,19 @@ def launch(args: SimpleNamespace, extra: list[str], run_dir: Path, env: dict) ->
         f"stopped (worker logs in {run_dir / 'msrun_logs'})",
         flush=True,
     )
+    if getattr(args, "supervise", False):
+        # rankwatch launch (app/supervise) runs msrun as its own child; a session of its own, so that
+        # Ctrl-C reaches it once, from run(), as the request for a graceful stop.
+        cmd = [sys.executable, "-m", "app.cli", "launch", "--run-dir", str(run_dir), "--", *cmd]
     with open(launcher_log, "ab") as out:
         # msrun tails every worker's log to its own output with --join: into a file.
-        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=bool(getattr(args, "supervise", False)),
+        )
 
 
 if __name__ == "__main__":

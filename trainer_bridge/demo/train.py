@@ -141,6 +141,19 @@ class Hang(Callback):
             hang_here()
 
 
+class Crash(Callback):
+    """Raises at the end of global step ``at`` on this rank (``--crash-rank R --crash-at S``): a rank
+    that dies of an exception, for the supervisor's tests (``rankwatch launch``)."""
+
+    def __init__(self, at: int):
+        super().__init__()
+        self.at = at
+
+    def on_train_step_end(self, run_context):
+        if run_context.original_args().cur_step_num == self.at:
+            raise RuntimeError(f"injected crash at global step {self.at} (--crash-rank)")
+
+
 class StepLog(Callback):
     """Prints one line per step; tests read it to see where a run resumed."""
 
@@ -175,6 +188,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--hang-rank", type=int, default=-1, help="this rank hangs for ever in hang_here() at --hang-at"
     )
     p.add_argument("--hang-at", type=int, default=20, help="global step after which --hang-rank hangs")
+    p.add_argument("--crash-rank", type=int, default=-1, help="this rank raises at --crash-at")
+    p.add_argument("--crash-at", type=int, default=20, help="global step after which --crash-rank raises")
     p.add_argument("--mode", choices=["graph", "pynative"], default="graph")
     p.add_argument("--no-bridge", action="store_true", help="train without the bridge (baseline)")
     p.add_argument(
@@ -268,6 +283,8 @@ def main(argv=None) -> None:
         callbacks += [LossMonitor(), TimeMonitor()]
     if rank == args.hang_rank:
         callbacks.append(Hang(args.hang_at))
+    if rank == args.crash_rank:
+        callbacks.append(Crash(args.crash_at))
     if args.ckpt_every > 0:
         config = CheckpointConfig(save_checkpoint_steps=args.ckpt_every, keep_checkpoint_max=args.ckpt_keep)
         callbacks.append(

@@ -5,7 +5,8 @@ once: the paths and the stop flag (``runfiles``), the typed files
 (``schema``, ``stackfiles``), opening them safely (``safeio``), the Redis
 channel beside the files (``redisbus``), checkpoint sets and their
 metadata (``ckptindex``, ``ckptmeta``, ``ckpthealth``), msrun's launch line
-(``launch``), each launch of the job (``attempts``), whether a rank's
+(``launch``), each launch of the job (``attempts``, with the supervisor's lines folded
+by ``supervised``), whether a rank's
 process lives (``liveness``) and py-spy (``pyspy``).
 
 It imports the standard library, pydantic and psutil, never MindSpore, so the

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from trainer_bridge.rundir import runfiles, safeio, schema
+from trainer_bridge.rundir import runfiles, safeio, schema, supervised
 from trainer_bridge.rundir.listing import first_of
 from trainer_bridge.rundir.liveness import Stopped, probe_process
 
@@ -50,7 +50,13 @@ ROLL_CALL_READS = 256  # heartbeats read per reporter tick at most
 
 TERMINAL = ("exited", "finished", "failed")
 HEARTBEAT_NAME = re.compile(r"rank_(\d+)\.json")
-LINE_MODELS = {"start": schema.AttemptStart, "hosts": schema.AttemptHosts, "end": schema.AttemptEnd}
+LINE_MODELS = {
+    "start": schema.AttemptStart,
+    "hosts": schema.AttemptHosts,
+    "end": schema.AttemptEnd,
+    "supervised": schema.AttemptSupervised,
+}
+
 END_OF_STATE = {"exited": "graceful_stop", "finished": "finished", "failed": "failed"}
 
 
@@ -239,23 +245,33 @@ def stop_by(row: dict) -> str | None:
     return "policy" if row.get("requested_by") == "policy" else "operator"
 
 
+def _blank(rec: dict) -> dict:
+    return {
+        **{k: v for k, v in rec.items() if k != "kind"},
+        "last_step": None,
+        "ended_at": None,
+        "end": None,
+        "request_id": None,
+        "requested_by": None,
+        "source": None,
+        "error": None,
+        "sealed_by": None,
+        "cause": None,
+        "restarted_by": None,
+        "supervisor": None,
+    }
+
+
 def fold(records: Iterable[dict]) -> list[dict]:
     """One row per attempt, oldest first (the newest ``MAX_ATTEMPTS``); the latest end line wins."""
     rows: dict[int, dict] = {}
     for rec in records:
         n, kind = rec["attempt"], rec["kind"]
         if kind == "start":
-            rows[n] = {
-                **{k: v for k, v in rec.items() if k != "kind"},
-                "last_step": None,
-                "ended_at": None,
-                "end": None,
-                "request_id": None,
-                "requested_by": None,
-                "source": None,
-                "error": None,
-                "sealed_by": None,
-            }
+            rows[n] = _blank(rec)
+            continue
+        if kind == "supervised":
+            supervised.merge(rows, rec, _blank)
             continue
         row = rows.get(n)
         if row is None or row["launch"] != rec["launch"]:
@@ -265,8 +281,15 @@ def fold(records: Iterable[dict]) -> list[dict]:
         else:
             row.update({k: v for k, v in rec.items() if k not in ("kind", "attempt", "launch")})
     out = [rows[n] for n in sorted(rows)][-MAX_ATTEMPTS:]
-    for row in out:
+    for i, row in enumerate(out):
         row["stop_by"] = stop_by(row)
+        row["downtime"] = supervised.downtime(row)
+        after = out[i + 1] if i + 1 < len(out) else None
+        if row["downtime"] is not None and after is not None and after["launch"] is not None:
+            # The next attempt's bridge started (its first step follows at once, after the compile).
+            relaunched = row["supervisor"].get("relaunched_at")
+            if relaunched is not None:
+                row["downtime"]["relaunched_to_bridge_start_s"] = round(after["started_at"] - relaunched, 3)
     return out
 
 
@@ -276,6 +299,19 @@ def resumed_text(global_step: int, set_id: str | None) -> str:
 
 
 # ------------------------------------------------------------------ writing
+
+
+def append_record(run_dir, record) -> None:
+    """Append one validated line (a new segment past ``SEGMENT_BYTES``); raises OSError."""
+    path = runfiles.attempts_path(run_dir)
+    line = record.to_json() + b"\n"
+    try:
+        if path.stat().st_size + len(line) > SEGMENT_BYTES:
+            os.replace(path, f"{path}.1")
+    except FileNotFoundError:
+        pass
+    safeio.makedirs(run_dir, runfiles.STATE_DIR)
+    safeio.append(run_dir, safeio.relative(run_dir, path), line)
 
 
 class AttemptLog:
@@ -428,15 +464,7 @@ class AttemptLog:
             self._log_once("end", "rankwatch: attempts.jsonl end line not written: %s", e)
 
     def _append(self, record) -> None:
-        path = runfiles.attempts_path(self.run_dir)
-        line = record.to_json() + b"\n"
-        try:
-            if path.stat().st_size + len(line) > SEGMENT_BYTES:
-                os.replace(path, f"{path}.1")
-        except FileNotFoundError:
-            pass
-        safeio.makedirs(self.run_dir, runfiles.STATE_DIR)
-        safeio.append(self.run_dir, safeio.relative(self.run_dir, path), line)
+        append_record(self.run_dir, record)
 
     def _log_once(self, key: str, msg: str, *args) -> None:
         if key not in self._logged:

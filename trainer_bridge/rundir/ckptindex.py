@@ -483,8 +483,10 @@ def resume_set(index: Index, step: int | None = None, unhealthy: Container[str] 
     if step is None:
         cset = next((s for s in complete if s.origin == ORIGIN_BRIDGE and s.id not in unhealthy), None)
     else:
+        # Healthy first: MindSpore's exception save can hold the same global step as a periodic set.
         matches = sorted(
-            (s for s in complete if s.global_step == step), key=lambda s: s.origin != ORIGIN_BRIDGE
+            (s for s in complete if s.global_step == step),
+            key=lambda s: (s.id in unhealthy, s.origin != ORIGIN_BRIDGE),
         )
         if not matches:
             have = sorted({s.global_step for s in complete if s.global_step is not None})

@@ -69,11 +69,13 @@ from trainer_bridge.rundir.schema.job import (
     MAX_ATTEMPT_HOSTS,
     MAX_PINS,
     MAX_SET_ID,
+    AttemptCause,
     AttemptEnd,
     AttemptHosts,
     AttemptNo,
     AttemptResume,
     AttemptStart,
+    AttemptSupervised,
     Hosts,
     Job,
     RetentionFile,
@@ -81,11 +83,13 @@ from trainer_bridge.rundir.schema.job import (
 from trainer_bridge.rundir.schema.validation import build, clean_device, load, parse, validate
 
 __all__ = [
+    "AttemptCause",
     "AttemptEnd",
     "AttemptHosts",
     "AttemptNo",
     "AttemptResume",
     "AttemptStart",
+    "AttemptSupervised",
     "BridgeCost",
     "Bytes",
     "CheckpointRef",

@@ -12,7 +12,15 @@ from pydantic import BaseModel
 
 from trainer_bridge.rundir.schema.base import _Model
 from trainer_bridge.rundir.schema.heartbeat import BridgeCost, Device, Heartbeat, HistoryLine, StopRecord
-from trainer_bridge.rundir.schema.job import AttemptEnd, AttemptHosts, AttemptStart, Job, RetentionFile
+from trainer_bridge.rundir.schema.job import (
+    AttemptCause,
+    AttemptEnd,
+    AttemptHosts,
+    AttemptStart,
+    AttemptSupervised,
+    Job,
+    RetentionFile,
+)
 
 
 def _describe(field: Any) -> str:
@@ -61,6 +69,8 @@ README_TABLES = {
     "attempt_start": AttemptStart,
     "attempt_hosts": AttemptHosts,
     "attempt_end": AttemptEnd,
+    "attempt_supervised": AttemptSupervised,
+    "attempt_cause": AttemptCause,
 }
 
 

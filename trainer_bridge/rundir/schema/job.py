@@ -152,3 +152,83 @@ class AttemptEnd(_Model):
     sealed_by: AttemptNo | None = Field(
         None, description="the attempt that wrote this line from the heartbeats left behind, if not itself"
     )
+
+
+# The causes a supervised attempt can end with (``rankwatch launch``, app/supervise/).
+CAUSES = ("crash", "hang", "node_lost", "rollback", "preempted", "stop", "finished", "interrupted")
+
+
+class AttemptCause(_Model):
+    """Why an attempt ended, as ``rankwatch launch`` saw it."""
+
+    kind: Literal[
+        "crash", "hang", "node_lost", "rollback", "preempted", "stop", "finished", "interrupted"
+    ] = Field(
+        description="`crash` (a process of the attempt exited non-zero or on a signal), `stop` (a graceful "
+        "stop: never relaunched), `finished`, `interrupted` (a second Ctrl-C to the supervisor ended it at "
+        "once); `hang`, `node_lost`, `rollback` and `preempted` are reserved for the rules that detect them"
+    )
+    rank: Annotated[int, Field(ge=0, lt=MAX_RANKS)] | None = Field(
+        None, description="the rank that failed first (`crash`), when known"
+    )
+    host: Host | None = Field(None, description="its host")
+    pid: Pid | None = Field(None, description="its process id")
+    role: Literal["worker", "scheduler", "msrun"] | None = Field(
+        None, description="what the failed process was: a worker, msrun's scheduler, or msrun itself"
+    )
+    exit_code: Annotated[int, Field(ge=0, le=255)] | None = Field(None, description="its exit status")
+    signal: Annotated[str, Field(max_length=16)] | None = Field(
+        None, description="the signal that ended it (`SIGKILL`, ...)"
+    )
+    error: Annotated[str, Field(max_length=MAX_ERROR)] | None = Field(
+        None, description="the error line, from its worker log (the last exception line)"
+    )
+    before_first_step: bool = Field(
+        False, description="true when the attempt trained no step (the startup rule counts these)"
+    )
+
+
+class AttemptSupervised(_Model):
+    """A supervised line: how ``rankwatch launch`` ended an attempt and what it did next.
+
+    It joins the attempt's row by ``attempt`` (and ``launch`` when the bridge
+    wrote a start line). An attempt whose processes died before the bridge
+    started (a script that fails at import) has only this line.
+    """
+
+    kind: Literal["supervised"] = Field(description="`supervised`")
+    attempt: AttemptNo = Field(description="the attempt's number, as in its start line if it has one")
+    launch: LaunchId | None = Field(None, description="its launch id, when the bridge wrote a start line")
+    supervisor_pid: Pid = Field(description="the `rankwatch launch` process")
+    host: Host = Field(description="the supervisor's host")
+    world_size: WorldSize | None = Field(None, description="msrun's `--worker_num`")
+    spawned_at: UnixTime = Field(description="when the supervisor started msrun for this attempt")
+    first_step: Count | None = Field(None, description="the first global step it was to train")
+    cause: AttemptCause = Field(description="why it ended")
+    fault_at: UnixTime | None = Field(
+        None, description="when the first failed process was seen gone (within one poll of the fault)"
+    )
+    detected_at: UnixTime | None = Field(None, description="when the supervisor decided the attempt failed")
+    ended_at: UnixTime | None = Field(None, description="when the last process of the attempt was gone")
+    relaunched_at: UnixTime | None = Field(
+        None, description="when the next attempt was started (a later line of the same attempt adds it)"
+    )
+    restarted_by: Literal["launch"] | None = Field(
+        None, description="`launch` when `rankwatch launch` relaunched the job after it"
+    )
+    last_step: Count | None = Field(None, description="the last global step it trained (its heartbeats)")
+    progressed: bool = Field(
+        False,
+        description="true when it trained past every earlier attempt's last step (the no-progress rule)",
+    )
+    action: Literal["relaunch", "end", "record_only"] = Field(
+        description="`relaunch`, `end` (the supervisor ended the run) or `record_only` (MindIO TTP or "
+        "MindCluster own recovery)"
+    )
+    exit_code: Annotated[int, Field(ge=0, le=255)] | None = Field(
+        None, description="the supervisor's exit status, when it ended the run"
+    )
+    resume: AttemptResume | None = Field(None, description="the set the next attempt resumes from")
+    note: Annotated[str, Field(max_length=MAX_ERROR)] | None = Field(
+        None, description="what the supervisor said: a set passed over, why the run ended"
+    )

@@ -1,0 +1,113 @@
+"""``rankwatch launch --run-dir RUN [--max-restarts N] [--backoff-s S] -- msrun ...``: supervise a job.
+
+A thin front end over ``app.supervise``; the graceful stop it asks for on
+Ctrl-C or SIGTERM is ``rankwatch stop``'s own (``StopService.request``:
+the same flag write, the same audit row).
+"""
+
+from __future__ import annotations
+
+import getpass
+from pathlib import Path
+
+import click
+
+
+@click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option(
+    "--run-dir",
+    required=True,
+    envvar="RANKWATCH_RUN_DIR",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="The job's run directory (made if absent); env RANKWATCH_RUN_DIR.",
+)
+@click.option(
+    "--max-restarts",
+    type=click.IntRange(min=0),
+    default=3,
+    show_default=True,
+    help="Relaunches allowed in this run directory, counted across supervisors (attempts.jsonl).",
+)
+@click.option(
+    "--backoff-s",
+    type=click.FloatRange(min=0),
+    default=5.0,
+    show_default=True,
+    help="Wait before the first relaunch; doubled for each relaunch in a row without progress (max 300 s).",
+)
+@click.option(
+    "--grace-s",
+    type=click.FloatRange(min=0),
+    default=10.0,
+    show_default=True,
+    help="Between SIGTERM and SIGKILL when ending an attempt.",
+)
+@click.option(
+    "--no-progress",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="End the run after this many attempts in a row that did not train past the furthest step (exit 93).",
+)
+@click.option(
+    "--gasp-s",
+    type=click.FloatRange(min=0),
+    default=5.0,
+    show_default=True,
+    help="After a rank dies, wait at most this long for a survivor to save its replica (the dying gasp) "
+    "before ending the attempt; 0: off.",
+)
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
+def launch(
+    run_dir: Path,
+    max_restarts: int,
+    backoff_s: float,
+    grace_s: float,
+    no_progress: int,
+    gasp_s: float,
+    command: tuple,
+) -> None:
+    """Run an msrun job and relaunch it from the newest healthy checkpoint set when it fails.
+
+    Put the msrun command after `--`. The supervisor owns every process of the
+    job (msrun, its scheduler, the workers): when a worker exits non-zero or
+    is killed, it ends the rest (SIGTERM, then SIGKILL after --grace-s) and
+    starts the same command again, resumed from the newest complete and
+    healthy set. Ctrl-C or SIGTERM asks for a graceful stop and waits for it;
+    a second Ctrl-C ends the job at once. A stop is never relaunched.
+
+    Exit status: 0 finished or stopped; 1 failed and not relaunched (a stop
+    was asked, or MindIO TTP/MindCluster own recovery); 2 usage; 3 refused
+    (another supervisor, or a live job, in the run directory); 4 restart
+    budget used up; 5 the same failure twice before the first step; 93 no
+    progress; 130 ended at once by a second Ctrl-C.
+    """
+    from app.supervise.command import NotMsrun, parse
+    from app.supervise.supervisor import Options, Supervisor
+
+    try:
+        cmd = parse(list(command))
+    except NotMsrun as e:
+        raise click.BadParameter(str(e), param_hint="COMMAND") from None
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    def request_stop() -> str:
+        from app.cli.common import open_cli_run
+        from app.cli.stop import shell_origin
+
+        run = open_cli_run(run_dir)
+        rid, created, _, _ = run.stop.request(
+            "Ctrl-C or SIGTERM to rankwatch launch", getpass.getuser(), shell_origin()
+        )
+        return f"graceful stop {'requested' if created else 'already pending; joined'}: {rid}"
+
+    opts = Options(
+        run_dir=str(run_dir),
+        command=cmd,
+        max_restarts=max_restarts,
+        backoff_s=backoff_s,
+        grace_s=grace_s,
+        no_progress=no_progress,
+        gasp_s=gasp_s,
+    )
+    raise SystemExit(Supervisor(opts, request_stop).run())

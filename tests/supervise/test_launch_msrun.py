@@ -1,0 +1,253 @@
+"""``rankwatch launch`` around real msrun jobs (2 ranks, CPU, the demo's LeNet5).
+
+Every wait is for an event (a heartbeat, a process gone, the supervisor's
+exit); the timeouts are failure guards. Durations are measured and printed
+(``MEASURED``), never asserted.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from app.supervise import policy
+from tests.helpers.faults import measure
+from tests.helpers.jobs import UNTIL_STOPPED, DemoJob, write_flag
+from tests.helpers.launch import LaunchJob, wait_gone
+from trainer_bridge.rundir import runfiles
+
+pytestmark = pytest.mark.msrun
+
+# 2000 samples, 2 ranks, batch 32: 31 steps an epoch.
+TRAIN = ["--epochs", "3", "--step-delay", "0.05", "--ckpt-every", "10"]
+FAST = ["--backoff-s", "0.5", "--grace-s", "5"]
+
+
+def step(job: LaunchJob, rank: int) -> int:
+    hb = job.heartbeat(rank) or {}
+    return hb.get("global_step") or 0
+
+
+def test_a_killed_rank_is_relaunched_from_the_newest_set_and_nothing_of_it_is_left(tmp_path):
+    """kill -9 of rank 1 mid-training: attempt 2 resumes from the newest complete set and trains to the end."""
+    with LaunchJob(tmp_path / "run", TRAIN, FAST) as job:
+        job.wait_until(lambda: step(job, 1) >= 25, "rank 1 past global step 25")
+        first = job.marked()
+        assert {p.environ()["MS_ROLE"] for p in first if "MS_ROLE" in p.environ()} == {
+            "MS_WORKER",
+            "MS_SCHED",
+        }
+        killed_at = step(job, 1)
+        job.workers()[1].send_signal(signal.SIGKILL)
+        t_kill = time.time()
+        # A second supervisor on the same run directory is refused, and starts nothing.
+        second = LaunchJob(tmp_path / "run", TRAIN, FAST).start()
+        assert second.wait() == policy.REFUSED
+        assert "another rankwatch launch supervises" in second.output()
+        # No process of attempt 1 outlives it: all are gone before attempt 2 trains.
+        job.wait_until(lambda: len(job.rows()) >= 2 and job.rows()[1]["launch"], "attempt 2's start line")
+        assert wait_gone([p.pid for p in first], timeout=5) == [], "a process of attempt 1 outlived it"
+        assert job.wait() == 0, job.output()
+    a, b = job.rows()
+    cause = a["cause"]
+    assert (cause["kind"], cause["rank"], cause["signal"], cause["role"]) == ("crash", 1, "SIGKILL", "worker")
+    assert a["restarted_by"] == "launch" and a["end"] == "failed" and "rank 1" in a["error"]
+    sup = a["supervisor"]
+    assert sup["fault_at"] <= sup["detected_at"] <= sup["ended_at"] <= sup["relaunched_at"]
+    # The dying gasp: rank 0 saved its replica at its last finished step, in MindIO TTP's layout, one
+    # copy per rank; it is newer than every periodic set (every 10 steps), and attempt 2 resumed from it.
+    resumed = b["resumed_from"]["global_step"]
+    assert b["resumed_from"]["set"].startswith("ttp_checkpoints/ttp_saved_checkpoints-step_{G}/rank_{rank}/")
+    assert resumed == b["supervisor"]["first_step"] - 1 and resumed >= killed_at - 1
+    assert f"dying gasp: rank 0 saved its replica at global step {resumed}" in a["supervisor"]["note"]
+    assert a["supervisor"]["resume"]["global_step"] == resumed
+    gasp_set = tmp_path / "run" / "ttp_checkpoints" / f"ttp_saved_checkpoints-step_{resumed}"
+    assert sorted(p.name for p in gasp_set.iterdir()) == ["rank_0", "rank_1"]
+    assert job.steps_logged(0)[0] == resumed + 1 and job.steps_logged(0)[-1] == 3 * job.steps_per_epoch
+    assert b["end"] == "finished" and b["cause"]["kind"] == "finished"
+    assert job.marked() == []
+    down = a["downtime"]
+    measure("launch: kill -9 to detection", down["fault_to_detected_s"])
+    measure("launch: detection to attempt ended", down["detected_to_ended_s"])
+    measure("launch: ended to relaunched", down["ended_to_relaunched_s"])
+    measure("launch: relaunched to the bridge's start", down["relaunched_to_bridge_start_s"])
+    measure("launch: kill -9 to detection (test clock)", sup["detected_at"] - t_kill)
+    measure("launch: kill -9 to relaunch (test clock)", sup["relaunched_at"] - t_kill)
+
+
+def test_a_script_that_fails_at_import_ends_the_run_by_the_startup_rule(tmp_path):
+    script = tmp_path / "broken.py"
+    script.write_text("import rankwatch_no_such_module  # noqa\n")
+    # A long backoff the startup rule never waits out (the run would outlast the guard).
+    job = LaunchJob(
+        tmp_path / "run", [], ["--backoff-s", "600", "--max-restarts", "5"], script=script, join=False
+    )
+    with job:
+        assert job.wait(timeout=400) == policy.STARTUP, job.output()
+    out = job.output()
+    assert "the same failure twice in a row before the first step" in out
+    assert "ModuleNotFoundError: No module named 'rankwatch_no_such_module'" in out
+    assert "relaunching in" not in out
+    rows = job.rows()
+    assert [r["attempt"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["cause"]["kind"] == "crash" and r["cause"]["before_first_step"]
+        assert "rankwatch_no_such_module" in r["cause"]["error"] and r["end"] == "failed"
+    assert rows[0]["restarted_by"] == "launch" and rows[1]["supervisor"]["exit_code"] == policy.STARTUP
+    assert job.marked() == []
+
+
+def test_the_budget_and_the_no_progress_rule_have_their_own_exit_codes(tmp_path):
+    crash = [*TRAIN, "--crash-rank", "1", "--crash-at", "25"]
+    # Without the dying gasp (which would save step 25, past the crash), so each attempt resumes from
+    # the last periodic set and crashes again at 25.
+    nogasp = [*FAST, "--gasp-s", "0"]
+    with LaunchJob(tmp_path / "budget", crash, [*nogasp, "--max-restarts", "0"]) as job:
+        assert job.wait() == policy.BUDGET, job.output()
+    (row,) = job.rows()
+    assert row["cause"]["error"] == "RuntimeError: injected crash at global step 25 (--crash-rank)"
+    assert row["cause"]["rank"] == 1 and row["cause"]["exit_code"] not in (None, 0)
+    assert "restart budget is used up (0 of 0" in job.output()
+    # The same run again, with budget: attempt 2 resumes from step 20 and crashes at 25 again.
+    with LaunchJob(tmp_path / "budget", crash, [*nogasp, "--max-restarts", "3", "--no-progress", "1"]) as job:
+        assert job.wait() == policy.NO_PROGRESS, job.output()
+    rows = job.rows()
+    assert [r["attempt"] for r in rows] == [1, 2]
+    assert rows[1]["resumed_from"]["global_step"] == 20 and not rows[1]["supervisor"]["progressed"]
+    assert "without training past global step 25" in job.output()
+
+
+def test_a_killed_supervisor_leaves_no_orphan_and_the_next_one_continues(tmp_path):
+    run = tmp_path / "run"
+    with LaunchJob(run, TRAIN, FAST) as job:
+        job.wait_until(lambda: step(job, 0) >= 12, "global step 12")
+        attempt = [p.pid for p in job.marked()]
+        assert len(attempt) >= 3  # the scheduler and two workers
+        os.kill(job.proc.pid, signal.SIGKILL)
+        job.proc.wait()
+        assert wait_gone(attempt, timeout=120) == [], "the job outlived its supervisor"
+    with LaunchJob(run, TRAIN, FAST) as again:
+        assert again.wait() == 0, again.output()
+    a, b = again.rows()
+    # The keeper's SIGTERM reaches the bridge, which stops the ranks gracefully (a set at one step) if
+    # they can agree in the grace period; else SIGKILL leaves them killed.
+    assert a["end"] in ("graceful_stop", "killed") and b["attempt"] == 2
+    if a["end"] == "graceful_stop":
+        assert a["source"] == "sigterm" and b["resumed_from"]["global_step"] == a["last_step"]
+    else:
+        assert b["resumed_from"]["global_step"] >= 10
+    assert b["end"] == "finished" and again.marked() == []
+
+
+def test_a_stop_is_never_relaunched_and_ctrl_c_stops_gracefully_then_at_once(tmp_path):
+    run = tmp_path / "run"
+    long = ["--epochs", "1000", "--step-delay", "0.05", "--ckpt-every", "10"]
+    # A stop from the page or rankwatch stop (the flag): the ranks save and exit; not a failure.
+    with LaunchJob(run, long, FAST) as job:
+        job.wait_until(lambda: step(job, 0) >= 5, "global step 5")
+        write_flag(run, request_id="req-page")
+        assert job.wait() == 0, job.output()
+    (a,) = job.rows()
+    assert a["end"] == "graceful_stop" and a["cause"]["kind"] == "stop" and a["restarted_by"] is None
+    stop_step = a["last_step"]
+    runfiles.write_flag(run, False)  # re-armed, as the dashboard does once a stop is done
+    # Ctrl-C to rankwatch launch: the same graceful stop, asked through rankwatch stop's request.
+    with LaunchJob(run, long, FAST) as job:
+        job.wait_until(lambda: step(job, 0) > stop_step + 3, "training past the stop")
+        os.kill(job.proc.pid, signal.SIGINT)
+        assert job.wait() == 0, job.output()
+    b = job.rows()[1]
+    assert b["resumed_from"]["global_step"] == stop_step  # the new supervisor resumed from the stop's set
+    assert b["end"] == "graceful_stop" and b["cause"]["kind"] == "stop"
+    assert "graceful stop requested" in job.output() and job.marked() == []
+    runfiles.write_flag(run, False)
+    # Twice: everything ends at once. A script without the bridge never obeys the first (nor could a
+    # bridge job be relied on to take longer to stop than the test takes to press again).
+    for log in (run / "msrun_logs").glob("worker_*.log"):
+        log.unlink()  # the last attempt's steps
+    job = LaunchJob(run, [*long, "--no-bridge"], FAST)
+    told = len(job.output())  # the three supervisors share one output file
+    with job:
+        job.wait_until(lambda: len(job.steps_logged(0)) > 3, "steps in worker 0's log")
+        pids = [p.pid for p in job.marked()]
+        os.kill(job.proc.pid, signal.SIGINT)
+        job.wait_until(lambda: "waiting for the job to stop" in job.output()[told:], "the first Ctrl-C taken")
+        os.kill(job.proc.pid, signal.SIGINT)
+        assert job.wait() == policy.INTERRUPTED, job.output()
+    assert wait_gone(pids, timeout=5) == []
+    c = job.rows()[2]
+    assert c["attempt"] == 3 and c["cause"]["kind"] == "interrupted" and c["supervisor"]["exit_code"] == 130
+
+
+def test_where_mindcluster_owns_recovery_the_supervisor_only_records(tmp_path):
+    """MINDX_TASK_ID set: the command runs as written (msrun's own --join True ends the job), nothing is
+    relaunched, and the attempt's record says what happened."""
+    with LaunchJob(tmp_path / "run", TRAIN, FAST, env={"MINDX_TASK_ID": "job-1"}) as job:
+        job.wait_until(lambda: step(job, 1) >= 12, "rank 1 past global step 12")
+        job.workers()[1].send_signal(signal.SIGKILL)
+        assert job.wait() == policy.FAILED, job.output()
+    out = job.output()
+    assert "--join=True" in out and "--join=False" not in out and "recorded only" in out
+    (row,) = job.rows()
+    # msrun (--join True) reaped rank 1, so its signal is unknown here; it was gone first.
+    assert row["cause"]["rank"] == 1 and "process was gone" in row["cause"]["error"]
+    assert row["supervisor"]["action"] == "record_only" and row["restarted_by"] is None
+    assert job.marked() == []
+
+
+def test_the_demo_under_launch_stops_gracefully_on_ctrl_c(tmp_path):
+    """``rankwatch demo``'s way (--supervise): Ctrl-C is a graceful stop through rankwatch launch."""
+    with DemoJob(tmp_path / "demo", epochs=UNTIL_STOPPED, step_delay=0.05, extra=["--supervise"]) as job:
+        job.wait_for_step(5)
+        os.kill(job.proc.pid, signal.SIGINT)
+        assert job.wait() == 0, job.logs()
+        job.stopped_together()
+    (row,) = LaunchJob.rows_of(tmp_path / "demo")
+    assert row["cause"]["kind"] == "stop" and row["end"] == "graceful_stop"
+    assert "stopping gracefully" in job.output_path.read_text()
+
+
+def test_a_job_launched_without_the_supervisor_is_not_trampled(tmp_path):
+    """A live job in the run directory (started by hand): rankwatch launch refuses before msrun starts."""
+    run = tmp_path / "run"
+    with DemoJob(run, epochs=UNTIL_STOPPED, step_delay=0.05) as plain:
+        plain.wait_for_step(3)
+        job = LaunchJob(run, TRAIN, FAST).start()
+        assert job.wait() == policy.REFUSED, job.output()
+        assert "refusing to start: another launch of a job is training" in job.output()
+        assert "attempt 1:" not in job.output() and job.marked() == []
+        assert all(h["state"] == "training" for h in plain.heartbeats())
+
+
+def losses(job: LaunchJob, rank: int) -> dict[int, str]:
+    """Global step -> the loss LossMonitor printed (as text: compared bit for bit)."""
+    import re
+
+    text = (job.run_dir / "msrun_logs" / f"worker_{rank}.log").read_text(errors="replace")
+    per = job.steps_per_epoch
+    return {
+        (int(e) - 1) * per + int(s): loss
+        for e, s, loss in re.findall(r"^epoch: (\d+) step: (\d+), loss is (\S+)$", text, re.M)
+    }
+
+
+def test_a_resume_from_the_dying_gasp_gives_the_losses_of_a_run_without_the_fault(tmp_path):
+    """The proof: the replica saved while the survivor was blocked is its last finished step, exactly."""
+    exact = ["--epochs", "2", "--step-delay", "0.05", "--no-shuffle", "--monitors"]
+    with LaunchJob(tmp_path / "clean", exact, FAST) as clean:
+        assert clean.wait() == 0, clean.output()
+    reference = losses(clean, 0)
+    assert len(reference) == 2 * clean.steps_per_epoch
+    with LaunchJob(tmp_path / "fault", exact, FAST) as job:
+        job.wait_until(lambda: step(job, 1) >= 20, "rank 1 past global step 20")
+        job.workers()[1].send_signal(signal.SIGKILL)
+        assert job.wait() == 0, job.output()
+    a, b = job.rows()
+    resumed = b["resumed_from"]["global_step"]
+    assert b["resumed_from"]["set"].startswith("ttp_checkpoints/")
+    after = losses(job, 0)  # attempt 2's log (msrun rewrote it)
+    assert min(after) == resumed + 1 and max(after) == 2 * job.steps_per_epoch
+    assert after == {s: reference[s] for s in after}, "the resumed run's losses differ from the clean run's"

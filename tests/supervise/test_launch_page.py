@@ -1,0 +1,74 @@
+"""The attempts timeline (Chromium) names each supervised attempt's cause and its restart's downtime."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from playwright.sync_api import expect
+
+from trainer_bridge.rundir import runfiles
+
+pytestmark = pytest.mark.browser
+
+T = 1.7e9
+
+
+def test_the_timeline_names_the_cause_and_the_downtime(run_dir, live_server, page, console_errors):
+    lines = [
+        {
+            "kind": "start",
+            "attempt": 1,
+            "launch": "aaa",
+            "started_at": T,
+            "world_size": 2,
+            "hosts": ["a"],
+            "first_step": 1,
+        },
+        {
+            "kind": "supervised",
+            "attempt": 1,
+            "launch": "aaa",
+            "supervisor_pid": 100,
+            "host": "a",
+            "spawned_at": T - 5,
+            "cause": {"kind": "crash", "rank": 1, "host": "a", "role": "worker", "signal": "SIGKILL"},
+            "fault_at": T + 15,
+            "detected_at": T + 15.2,
+            "ended_at": T + 20.2,
+            "relaunched_at": T + 20.7,
+            "restarted_by": "launch",
+            "action": "relaunch",
+        },
+        {
+            "kind": "supervised",
+            "attempt": 2,
+            "supervisor_pid": 100,
+            "host": "a",
+            "spawned_at": T + 21,
+            "world_size": 2,
+            "cause": {
+                "kind": "crash",
+                "rank": 0,
+                "role": "worker",
+                "exit_code": 1,
+                "error": "ModuleNotFoundError: No module named 'x'",
+                "before_first_step": True,
+            },
+            "action": "end",
+            "exit_code": 5,
+            "note": "the same failure twice in a row before the first step; ending the run",
+        },
+    ]
+    path = runfiles.attempts_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    page.goto(live_server.url)
+    first = page.locator("#attempts-list li[data-attempt='1'][data-cause='crash'] .attempt-cause")
+    expect(first).to_contain_text("cause: rank 1 on a killed by SIGKILL", timeout=60_000)
+    expect(first).to_contain_text("relaunched by rankwatch launch (down 5.7 s: detected 0.2 s, ended 5.0 s")
+    second = page.locator("#attempts-list li[data-attempt='2']")
+    expect(second).to_contain_text("crashed: ModuleNotFoundError: No module named 'x'")
+    expect(second.locator(".attempt-cause")).to_contain_text("exit status 1")
+    expect(second.locator(".attempt-cause")).to_contain_text("the same failure twice in a row")
+    assert console_errors == []
