@@ -166,10 +166,10 @@ def answer_listings(url: str, t0, stop, counts=None, save_every: int = SAVE_EVER
     listings = SimListings(save_every)
     total, reported = 0, time.monotonic()
     while not stop.is_set():
-        now = time.time()
-        total += sum(answer_requests(client, listings, lambda host: max(1, int(now - t0.value) + 1)).values())
+        seq = max(1, int(time.time() - t0.value) + 1)  # every host's digest number by now
+        total += sum(answer_requests(client, listings, lambda host, seq=seq: seq).values())
         if counts is not None and time.monotonic() - reported >= 1:
-            counts.put((now, total))
+            counts.put((time.time(), total))
             reported = time.monotonic()
         stop.wait(0.05)
 
@@ -262,7 +262,15 @@ def _planned_t0(reports, plan, first: int, estimate: float) -> float:
 
 
 def live_digests(
-    first: int, count: int, url: str, stop, reports, flips=None, horizon: float = 0, plan=None
+    first: int,
+    count: int,
+    url: str,
+    stop,
+    reports,
+    flips=None,
+    horizon: float = 0,
+    plan=None,
+    save_every: int = SAVE_EVERY,
 ) -> None:
     """Sender: each host's digest built, signed and added when due, once a second (redis-py pipelines).
 
@@ -276,7 +284,7 @@ def live_digests(
 
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     flip_hosts, flip_every, flip_queue = flips if flips is not None else (frozenset(), 0, None)
-    sim = SimHosts(first, count, flip_hosts, flip_every)
+    sim = SimHosts(first, count, flip_hosts, flip_every, SimListings(save_every))
     client = redis.Redis.from_url(url)
     stream = dg.keys(RUN)[0]
     key = KEY.encode()
@@ -359,7 +367,15 @@ def _discard_replies(sock: socket.socket, errors: list) -> None:
 
 
 def prebuilt_digests(
-    first: int, count: int, url: str, stop, reports, flips=None, horizon: float = 60.0, plan=None
+    first: int,
+    count: int,
+    url: str,
+    stop,
+    reports,
+    flips=None,
+    horizon: float = 60.0,
+    plan=None,
+    save_every: int = SAVE_EVERY,
 ) -> None:
     """Sender: ``horizon`` seconds of digests built first, then written as raw RESP when due.
 
@@ -376,7 +392,7 @@ def prebuilt_digests(
     start = time.perf_counter()
     build(probe, time.time(), 1)
     per_digest = (time.perf_counter() - start) / len(probe)
-    sim = SimHosts(first, count, flip_hosts, flip_every)
+    sim = SimHosts(first, count, flip_hosts, flip_every, SimListings(save_every))
     t0 = _planned_t0(reports, plan, first, 3 + 1.5 * per_digest * count * seconds)
     batches = build(sim, t0, seconds)
     built = time.time()
@@ -414,16 +430,38 @@ class Simulators:
     stop: object
     procs: list
     reports: object
+    # Kept while the senders run: freed, its shared memory would go to the next Value made here,
+    # and a sender not yet woken would read that one's value as its t0.
+    plan: tuple = ()
 
     @classmethod
-    def start(cls, sender: str, hosts: int, workers: int, url: str, horizon: float, flips=None) -> Simulators:
+    def start(
+        cls,
+        sender: str,
+        hosts: int,
+        workers: int,
+        url: str,
+        horizon: float,
+        flips=None,
+        save_every: int = SAVE_EVERY,
+    ) -> Simulators:
         stop, reports = multiprocessing.Event(), multiprocessing.Queue()
         plan = (multiprocessing.Event(), multiprocessing.Value("d", 0.0))
         share = -(-hosts // workers)
         procs = [
             multiprocessing.Process(
                 target=SENDERS[sender],
-                args=(i * share, min(share, hosts - i * share), url, stop, reports, flips, horizon, plan),
+                args=(
+                    i * share,
+                    min(share, hosts - i * share),
+                    url,
+                    stop,
+                    reports,
+                    flips,
+                    horizon,
+                    plan,
+                    save_every,
+                ),
             )
             for i in range(workers)
             if i * share < hosts
@@ -440,7 +478,7 @@ class Simulators:
             raise
         plan[1].value = time.time() + max(estimates)
         plan[0].set()
-        return cls(stop, procs, reports)
+        return cls(stop, procs, reports, plan)
 
     def sending(self, timeout: float = 600) -> dict:
         """Wait until every process sends (its first digest is due); what they said when they began."""
