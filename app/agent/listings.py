@@ -11,8 +11,10 @@ host that saved a file of it.
 
 The merged list (every host's files, as ``ask.remote_files`` chooses
 them) is rebuilt only when a listing, a host's note or a rank's host
-changed; otherwise ``files`` returns the same tuple as the last call, which
-tells the checkpoint service that it need not group the files again.
+changed, and during a burst of answers (a new set on every host) only once
+they are in or ``timeout_s`` has passed; otherwise ``files`` returns the same
+tuple as the last call, which tells the checkpoint service that it need not
+group the files again.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Listings:
         self._notes: dict[str, str] = {}
         self._owner_changes = -1
         self._result: tuple[list, list[str]] = ([], [])
+        self._deferred = 0.0  # since when a change waits for the answers still pending (monotonic), or 0
 
     def files(self, wait: bool = True) -> tuple[list, list[str]]:
         """Every agent's checkpoint files and what is wrong with them (``CheckpointService._merged``).
@@ -96,7 +99,14 @@ class Listings:
                     del self._notes[host]
                 else:
                     self._notes[host] = note
-        if rebuild:
+        if rebuild or self._deferred:
+            if not wait and self._pending:
+                # A new set reaches every host within a second or so, and their answers over a few
+                # ticks: group the files once they are in (or the bound has passed), not at each tick.
+                self._deferred = self._deferred or time.monotonic()
+                if time.monotonic() - self._deferred < self.timeout_s:
+                    return self._result
+            self._deferred = 0.0
             with self._lock:
                 owner = dict(self.hub.owner)
             files, errors = ask.remote_files(self._files, owner)
