@@ -12,7 +12,8 @@ answers them at once in one more round trip. A request is ``rank`` (that
 rank's full row and chart history: ``RunState.rank``, as a dashboard on the
 node would answer), ``node`` (every row of the node's ranks, when the page
 opens a node) or ``ckpt`` (the node's checkpoint files:
-``ckptindex.walk``, grouped by the hub with the same ``build_index``).
+``ckptindex.walk``, grouped by the hub with the same ``build_index``; asked
+only when the digests' listing version changes, ``app/agent/listings.py``).
 
 Requests and answers are sealed like the flag (``digest.seal``), signed with
 ``RANKWATCH_REDIS_KEY`` when there is one and bound to the host and the

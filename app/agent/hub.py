@@ -124,6 +124,7 @@ class Hub(redisbus.Guarded):
         self.refused = 0
         self.refused_last: str | None = None
         self.ask_timeouts = 0  # requests to agents unanswered within the bound (app/agent/ask.py)
+        self.listings_pending = 0  # checkpoint-listing requests not answered yet (app/agent/listings.py)
         self._grouped = False
         self._down_since: float | None = None
         self._flag_sent: tuple | None = None
@@ -481,6 +482,7 @@ class Hub(redisbus.Guarded):
             "refused": self.refused,
             "refused_last": self.refused_last,
             "ask_timeouts": self.ask_timeouts,
+            "listings_pending": self.listings_pending,
         }
 
     def world_size(self) -> int:

@@ -26,6 +26,10 @@ from app.agent import ask
 from trainer_bridge.rundir import ckptindex
 
 _NEVER = object()  # no listing held yet (None is a version: an agent that sends none)
+# A listing request stays pending as long as the agent may still pop it (its queue expires then):
+# the tick never waits for it, and re-asking a host that is merely slow (thousands answering
+# after a new set) would only add requests and re-groupings to its queue.
+PENDING_S = ask.ASK_TTL_S
 
 
 class Listings:
@@ -76,8 +80,14 @@ class Listings:
             else:
                 self._want[host] = version
         pending = self._pending
-        got = ask.collect(self.hub, pending) | ask.overdue(self.hub, pending, self.timeout_s)
+        got = ask.collect(self.hub, pending) | ask.overdue(self.hub, pending, max(PENDING_S, self.timeout_s))
         listed = self._take(got)
+        # Still waited for, but past the bound a page waits: its note says so meanwhile.
+        now = time.monotonic()
+        for host, (*_, sent) in pending.items():
+            if now - sent >= self.timeout_s and host not in self._errors:
+                self._errors[host] = f"the agent on host {host} did not answer within {self.timeout_s:g} s"
+                touched.add(host)
         due = {h: v for h, v in self._want.items() if h not in pending and h not in self._lost}
         later = ask.post(self.hub, dict.fromkeys(due, ("ckpt", None)), pending)
         self._asked.update((h, v) for h, v in due.items() if h in pending)
@@ -100,11 +110,12 @@ class Listings:
                 else:
                     self._notes[host] = note
         if rebuild or self._deferred:
-            if not wait and self._pending:
+            if not wait and pending:
                 # A new set reaches every host within a second or so, and their answers over a few
                 # ticks: group the files once they are in (or the bound has passed), not at each tick.
                 self._deferred = self._deferred or time.monotonic()
                 if time.monotonic() - self._deferred < self.timeout_s:
+                    self.hub.listings_pending = len(pending)
                     return self._result
             self._deferred = 0.0
             with self._lock:
@@ -112,6 +123,7 @@ class Listings:
             files, errors = ask.remote_files(self._files, owner)
             self._result = (files, errors + [self._notes[h] for h in sorted(self._notes)])
             self._owner_changes = owner_changes
+        self.hub.listings_pending = len(pending)
         return self._result
 
     def _take(self, got: dict[str, dict | str]) -> bool:
@@ -141,8 +153,3 @@ class Listings:
         if host not in self._files:
             return f"the agent on host {host} has not listed its checkpoint files yet"
         return None
-
-    @property
-    def pending(self) -> int:
-        """Listing requests posted and not answered yet."""
-        return len(self._pending)
