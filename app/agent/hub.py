@@ -108,9 +108,8 @@ class Hub(redisbus.Guarded):
             int, dict
         ] = {}  # rank -> {stop, started_at, sync_every, state, ...} for the stop service
         self.owner: dict[int, str] = {}
-        self.owner_changes = (
-            0  # counts the ranks that moved or left a host (the checkpoint index's misplaced files)
-        )
+        # Counts the ranks that moved or left a host: the checkpoint index's misplaced files change.
+        self.owner_changes = 0
         self.removed: set[int] = set()  # ranks gone from every host since the caller last took them
         # Hosts whose checkpoint-listing version (``ckpt``) or agent-lost state changed since
         # ``HubState.checkpoint_files`` last took them: it asks only those agents for their listing.

@@ -91,7 +91,7 @@ class Listings:
         due = {h: v for h, v in self._want.items() if h not in pending and h not in self._lost}
         later = ask.post(self.hub, dict.fromkeys(due, ("ckpt", None)), pending)
         self._asked.update((h, v) for h, v in due.items() if h in pending)
-        first = [h for h in due if h in pending and h not in self._files and h not in self._waited]
+        first = [h for h in pending if h not in self._files and h not in self._waited]
         if first and wait:
             self._waited.update(first)
             deadline = time.monotonic() + self.timeout_s
