@@ -12,7 +12,8 @@ answers them at once in one more round trip. A request is ``rank`` (that
 rank's full row and chart history: ``RunState.rank``, as a dashboard on the
 node would answer), ``node`` (every row of the node's ranks, when the page
 opens a node) or ``ckpt`` (the node's checkpoint files:
-``ckptindex.walk``, grouped by the hub with the same ``build_index``).
+``ckptindex.walk``, grouped by the hub with the same ``build_index``; asked
+only when the digests' listing version changes, ``app/agent/listings.py``).
 
 Requests and answers are sealed like the flag (``digest.seal``), signed with
 ``RANKWATCH_REDIS_KEY`` when there is one and bound to the host and the
@@ -317,8 +318,11 @@ def check(value: bytes, hub, host: str, request_id: str, request: tuple[str, int
     return data
 
 
-def remote_files(answers: dict[str, dict | str], owner: dict[int, str]) -> tuple[list, list[str]]:
-    """The checkpoint files the agents listed, and what went wrong, for ``ckptindex.build_index``.
+def remote_files(
+    listed: dict[str, tuple[list[ckptindex.CheckpointFile], list[str]]], owner: dict[int, str]
+) -> tuple[list, list[str]]:
+    """The checkpoint files the agents listed (host -> its files, ``from_listing``'s, and its
+    errors), grouped for ``ckptindex.build_index``, and what went wrong.
 
     A file counts towards its set only on the node its rank runs on: a copy
     elsewhere cannot be loaded by that rank, so it is listed as misplaced.
@@ -327,14 +331,10 @@ def remote_files(answers: dict[str, dict | str], owner: dict[int, str]) -> tuple
     """
     chosen: dict[str, ckptindex.CheckpointFile] = {}
     errors: list[str] = []
-    for host in sorted(answers):
-        got = answers[host]
-        if isinstance(got, str):
-            errors.append(got)
-            continue
-        errors.extend(f"host {host}: {e}" for e in got["errors"])
-        for entry in got["files"]:
-            f = ckptindex.from_listing(entry, host)
+    for host in sorted(listed):
+        files, their_errors = listed[host]
+        errors.extend(their_errors)
+        for f in files:
             old = chosen.get(f.path)
             if old is None or (owner.get(f.rank) == host and old.host != host):
                 chosen[f.path] = f

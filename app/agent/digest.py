@@ -13,6 +13,12 @@ node, by default the run directory's base name):
                  that read them to the other processes of its ``HUB_GROUP``
                  (``app/agent/hub.py``).
 
+A digest carries its host's checkpoint-listing version (``ckpt``): a hash
+of the listing the agent would answer (``app/agent/ask.py``), which
+changes when a checkpoint file appears, changes or goes. The hub asks a
+host for its listing only when that version changed, so at rest no
+listing travels at all.
+
 A digest's size does not grow with the ranks on the host: counts by
 verdict, a few figures, and at most ``MAX_ROWS`` rows: those whose verdict,
 state or stop stage changed, plus a few of a rolling full resynchronisation.
@@ -23,6 +29,7 @@ signed, before anything is allocated per rank.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from typing import Annotated, Any, Literal, NotRequired
@@ -54,6 +61,8 @@ Reason = Annotated[str, Field(max_length=4000)]
 Short = Annotated[str, Field(max_length=100)]
 Float = Annotated[float, Field(ge=-1e15, le=1e15)]
 Loss = Annotated[float, Field(allow_inf_nan=False)]
+# A checkpoint-listing version: hex, short (``listing_version`` makes 32 digits).
+ListingVersion = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[0-9a-f]+$")]
 
 
 # TypedDicts, not models: the validator hands out plain dicts, so a hub keeps
@@ -142,6 +151,9 @@ class Digest(TypedDict):
     samples_per_s: Annotated[float, Field(ge=0, le=1e15)] | None
     stop_stages: dict[Short, Annotated[int, Field(ge=0, le=MAX_HOST_RANKS)]]
     flag: NotRequired[Annotated[float, Field(ge=0)] | None]  # the hub flag's version this agent applied
+    # The version of the host's checkpoint listing (None: not listed yet); the hub asks for the
+    # listing only when it changes (``HubState.checkpoint_files``).
+    ckpt: NotRequired[ListingVersion | None]
     rows: Annotated[list[RankEntry], Field(max_length=MAX_ROWS)]
     # The ranks of ``rows`` sent because their verdict, state or stop stage changed (not the
     # rolling resynchronisation's): the hub processes of one group forward only such digests.
@@ -176,6 +188,12 @@ def keys(run: str) -> tuple[str, str, str]:
 def peers_key(run: str) -> str:
     """The stream where the hub processes of one group forward the digests that carried a change."""
     return f"rankwatch:run:{run}:peers"
+
+
+def listing_version(listing: dict) -> str:
+    """The ``ckpt`` version of a checkpoint listing (``ask.file_listing``): any change, a new one."""
+    body = json.dumps(listing, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    return hashlib.blake2b(body, digest_size=16).hexdigest()
 
 
 def check_run(name: str) -> str:

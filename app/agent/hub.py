@@ -110,11 +110,22 @@ class Hub(redisbus.Guarded):
             int, dict
         ] = {}  # rank -> {stop, started_at, sync_every, state, ...} for the stop service
         self.owner: dict[int, str] = {}
+        # Counts the ranks that moved or left a host: the checkpoint index's misplaced files change.
+        self.owner_changes = 0
         self.removed: set[int] = set()  # ranks gone from every host since the caller last took them
+        # Hosts whose checkpoint-listing version (``ckpt``) or agent-lost state changed since
+        # ``HubState.checkpoint_files`` last took them: it asks only those agents for their listing.
+        self.listings_changed: set[str] = set()
+        # The hosts heard, the longest silent first (a digest moves its host to the end), and the
+        # hosts lost: each poll finds the newly lost at the front, without a pass over every host.
+        self._heard: dict[str, None] = {}
+        self.lost: set[str] = set()
+        self._world: int | None = None  # world_size(), until a host's ranks or declared size change
         self.accepted = 0
         self.refused = 0
         self.refused_last: str | None = None
         self.ask_timeouts = 0  # requests to agents unanswered within the bound (app/agent/ask.py)
+        self.listings_pending = 0  # checkpoint-listing requests not answered yet (app/agent/listings.py)
         self._grouped = False
         self._down_since: float | None = None
         self._flag_sent: tuple | None = None
@@ -135,8 +146,11 @@ class Hub(redisbus.Guarded):
         changed: set[int] = set()
         if self._down_since is not None:
             # Nobody could be heard while Redis was away: every agent's clock starts again now.
-            for view in self.hosts.values():
+            for host, view in self.hosts.items():
                 view.heard_at = max(view.heard_at, now)
+                self._heard[host] = None
+                if view.lost:
+                    changed |= self._back(host, view)
             self._down_since = None
             self._flag_sent = None
         for fields, forwarded in entries:
@@ -146,27 +160,43 @@ class Hub(redisbus.Guarded):
                 self._call(self._send_forward)
             except redisbus.RedisUnavailable:
                 del self._forward[: -dg.MAX_FORWARD]  # kept for the next poll, bounded
-        for host, view in self.hosts.items():
-            lost = now - view.heard_at > self.lost_after_s
-            if lost != view.lost:
-                view.lost = lost
-                changed |= view.ranks
-                log.warning(
-                    "rankwatch hub: the agent on host %s %s",
-                    host[:100],
-                    f"sent no digest for {now - view.heard_at:.0f} s: agent lost" if lost else "is back",
-                )
+        silent = []
+        for host in self._heard:
+            if now - self.hosts[host].heard_at <= self.lost_after_s:
+                break  # every host after it was heard later
+            silent.append(host)
+        for host in silent:
+            del self._heard[host]  # back in the order with its next digest
+            changed |= self._lose(host, self.hosts[host], now)
         changed |= self._judge_lost(now)
         return changed
+
+    def _lose(self, host: str, view: HostView, now: float) -> set[int]:
+        view.lost = True
+        self.lost.add(host)
+        self.listings_changed.add(host)
+        log.warning(
+            "rankwatch hub: the agent on host %s sent no digest for %.0f s: agent lost",
+            host[:100],
+            now - view.heard_at,
+        )
+        return view.ranks
+
+    def _back(self, host: str, view: HostView) -> set[int]:
+        view.lost, view.gone, view.evidence = False, None, ""
+        self.lost.discard(host)
+        self.listings_changed.add(host)
+        log.warning("rankwatch hub: the agent on host %s is back", host[:100])
+        return view.ranks
 
     def _judge_lost(self, now: float) -> set[int]:
         """Node lost or only the agent: each lost host judged by the other hosts' progress.
 
         O(hosts) per poll, and only while some host is lost.
         """
-        lost = [v for v in self.hosts.values() if v.lost]
-        if not lost:
+        if not self.lost:
             return set()
+        lost = [self.hosts[h] for h in self.lost]
         live = [v.digest for v in self.hosts.values() if not v.lost]
         stepped = max((d["last_step_at"] for d in live if d["last_step_at"] is not None), default=None)
         # Every other host has ranks stalled and none still training at its pace.
@@ -297,15 +327,27 @@ class Hub(redisbus.Guarded):
         if newer:
             if view is None:
                 view = self.hosts[host] = HostView(digest, now)
+                self.listings_changed.add(host)
+                self._world = None
+            else:
+                if view.digest.get("ckpt") != digest.get("ckpt"):
+                    self.listings_changed.add(host)
+                if view.digest["world_size"] != digest["world_size"]:
+                    self._world = None
             view.digest, view.heard_at = digest, now
+            self._heard.pop(host, None)
+            self._heard[host] = None
             self.accepted += not forwarded
         changed = set()
         for entry in entries:
             row = entry["row"]
             rank = row["rank"]
             old = self.owner.get(rank)
-            if old is not None and old != host:
-                self.hosts[old].ranks.discard(rank)
+            if old != host:
+                if old is not None:
+                    self.hosts[old].ranks.discard(rank)
+                self.owner_changes += 1
+                self._world = None
             self.owner[rank] = host
             view.ranks.add(rank)
             self.rows[rank] = row
@@ -327,13 +369,13 @@ class Hub(redisbus.Guarded):
         for rank in [r for r in view.ranks if not low <= r <= high]:
             view.ranks.discard(rank)
             del self.owner[rank], self.rows[rank], self.beats[rank]
+            self.owner_changes += 1
+            self._world = None
             self.row_seq.pop(rank, None)
             self.removed.add(rank)
             changed.discard(rank)
         if view.lost:
-            view.lost, view.gone, view.evidence = False, None, ""
-            changed |= view.ranks
-            log.warning("rankwatch hub: the agent on host %s is back", host[:100])
+            changed |= self._back(host, view)
         return changed
 
     # ------------------------------------------------------------------ what is shown
@@ -443,17 +485,21 @@ class Hub(redisbus.Guarded):
             "run": self.run,
             "group": self.group,
             "hosts": len(self.hosts),
-            "agents_lost": sum(1 for v in self.hosts.values() if v.lost),
+            "agents_lost": len(self.lost),
             "accepted": self.accepted,
             "forwarded": self.forwarded,
             "refused": self.refused,
             "refused_last": self.refused_last,
             "ask_timeouts": self.ask_timeouts,
+            "listings_pending": self.listings_pending,
         }
 
     def world_size(self) -> int:
-        declared = max((v.digest["world_size"] or 0 for v in self.hosts.values()), default=0)
-        return max(declared, max(self.rows, default=-1) + 1)
+        """The largest world size a host declares, or the highest rank + 1 (recounted only when they change)."""
+        if self._world is None:
+            declared = max((v.digest["world_size"] or 0 for v in self.hosts.values()), default=0)
+            self._world = max(declared, max(self.rows, default=-1) + 1)
+        return self._world
 
     # ------------------------------------------------------------------ the stop, to the agents
     def publish_flag(self, raw: bytes, version: float) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import atexit
 import gc
 import os
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 from app.agent import ask
 from app.agent import digest as dg
 from app.agent.hub import Hub
+from app.agent.listings import Listings
 from app.cluster import redis_key
 from app.run.health import VERDICTS
 from app.run.rows import with_age
@@ -63,13 +63,9 @@ class HubState(RunState):
     def __init__(self, run_dir, config, hub: Hub):
         self.hub = hub
         self.ask_timeout_s = float(config["AGENT_ASK_TIMEOUT_S"])
-        # The checkpoint browser's requests to the agents (``checkpoint_files``): host -> its agent's
-        # last listing, its request waiting, why its last one failed, and whether its first was waited for.
-        self._listings: dict[str, dict] = {}
-        self._ckpt_pending = ask.Pending()
-        self._ckpt_errors: dict[str, str] = {}
-        self._ckpt_waited: set[str] = set()
         super().__init__(run_dir, config)
+        # The checkpoint browser's listings of the agents, by version (``checkpoint_files``).
+        self.listings = Listings(hub, self._lock, self.ask_timeout_s)
 
     def _clear(self) -> None:
         super()._clear()
@@ -123,7 +119,7 @@ class HubState(RunState):
 
     def _hub_status(self) -> dict:
         hub = self.hub
-        lost = [h for h, v in hub.hosts.items() if v.lost]
+        lost = hub.lost
         if not hub.hosts:
             kind, message = (
                 "waiting",
@@ -229,45 +225,7 @@ class HubState(RunState):
     def checkpoint_files(self, wait: bool = True) -> tuple[list, list[str]]:
         """Every agent's checkpoint files (``CheckpointService`` groups them with its own).
 
-        It takes the answers that came since the last call and asks each live
-        agent again, at most one request per host outstanding, so the
-        watcher's tick (``wait`` False) never waits. A request (``wait``) waits,
-        within the bound, only for a host never listed yet, once. A host
-        whose agent is lost or did not answer keeps its last listing, and a
-        line in ``errors`` says so; one not listed yet is named there too.
+        Asked of an agent only when its digest's listing version changed
+        (``app/agent/listings.py``); the same tuple while none did.
         """
-        with self._lock:
-            hosts = {h: v.lost for h, v in self.hub.hosts.items()}
-            owner = dict(self.hub.owner)
-        live = [h for h, lost in hosts.items() if not lost]
-        pending = self._ckpt_pending
-        for host in [h for h in pending if h not in live]:
-            del pending[host]
-        got = ask.collect(self.hub, pending) | ask.overdue(self.hub, pending, self.ask_timeout_s)
-        got |= ask.post(self.hub, {h: ("ckpt", None) for h in live if h not in pending}, pending)
-        first = [h for h in pending if h not in self._listings and h not in self._ckpt_waited]
-        if first and wait:
-            self._ckpt_waited.update(first)
-            deadline = time.monotonic() + self.ask_timeout_s
-            while any(h in pending for h in first) and time.monotonic() < deadline:
-                time.sleep(ask.POLL_S)
-                got |= ask.collect(self.hub, pending)
-        for host, answer in got.items():
-            if isinstance(answer, dict):
-                self._listings[host] = answer
-                self._ckpt_errors.pop(host, None)
-            else:
-                self._ckpt_errors[host] = answer
-        for gone in (set(self._listings) | set(self._ckpt_errors) | self._ckpt_waited) - set(hosts):
-            self._listings.pop(gone, None)
-            self._ckpt_errors.pop(gone, None)
-            self._ckpt_waited.discard(gone)
-        notes = []
-        for host in sorted(hosts):
-            why = f"the agent on host {host} is lost" if hosts[host] else self._ckpt_errors.get(host)
-            if why is not None:
-                notes.append(f"{why}: its files as it last listed them" if host in self._listings else why)
-            elif host not in self._listings:
-                notes.append(f"the agent on host {host} has not listed its checkpoint files yet")
-        files, errors = ask.remote_files(self._listings, owner)
-        return files, errors + notes
+        return self.listings.files(wait)

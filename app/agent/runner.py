@@ -147,6 +147,12 @@ class Agent:
         self.state = RunState(self.run_dir, config, hostname=self.host)
         self.outbox = Outbox(url, run, key, buffer, self.host)
         self.ckpt_cache = MetaCache()
+        # This node's checkpoint listing, re-walked at most every ``CHECKPOINT_SCAN_S``: its
+        # version goes in every digest, the listing itself only to a hub that asks for it.
+        self.scan_s = float(config.get("CHECKPOINT_SCAN_S", 2.0))
+        self._listing: dict | None = None
+        self.listing_version: str | None = None
+        self._listed_at = -math.inf
         self.asks_refused = 0
         self.key = key
         self.interval_s = interval_s
@@ -165,6 +171,7 @@ class Agent:
     def tick(self, now: float) -> dict:
         """One round: scan, digest, send, apply the hub's flag. Returns the digest built."""
         self.state.scan(now)
+        self._list_checkpoints()
         digest = self.build(now)
         answer = self.outbox.send(digest)
         if answer is not None:
@@ -238,6 +245,7 @@ class Agent:
             "ranks": [ordered[0], ordered[-1]] if ordered else None,
             "n": len(ordered),
             "flag": self.flag_version,
+            "ckpt": self.listing_version,
             "rows": entries,
             "changed": [e["row"]["rank"] for e in entries if e["row"]["rank"] in changed],
             **figures(rows),
@@ -261,8 +269,22 @@ class Agent:
         return {"rows": [row for row in rows if dg.entry_problem({"row": row}) is None]}
 
     def checkpoint_files(self) -> dict:
-        """This host's checkpoint files, for a hub's checkpoint browser."""
-        return ask.file_listing(self.run_dir, self.ckpt_cache)
+        """This host's checkpoint files, for a hub's checkpoint browser (the listing its version names)."""
+        self._list_checkpoints()
+        return self._listing
+
+    def _list_checkpoints(self) -> None:
+        """Re-walk this node's checkpoints if the last walk is ``scan_s`` old; a new version if they changed."""
+        if time.monotonic() - self._listed_at < self.scan_s and self._listing is not None:
+            return
+        try:
+            listing = ask.file_listing(self.run_dir, self.ckpt_cache)
+        except Exception as e:  # a walk that fails must not cost the host its digest: said in the listing
+            log.exception("rankwatch agent: cannot list the checkpoint files")
+            listing = {"files": [], "errors": [f"the agent cannot list its checkpoint files: {e}"[:4000]]}
+        self._listed_at = time.monotonic()
+        if listing != self._listing:
+            self._listing, self.listing_version = listing, dg.listing_version(listing)
 
     def apply_flag(self, value: bytes) -> None:
         """Write the hub's flag into this host's run directory when it is newer than the one applied."""

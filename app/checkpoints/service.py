@@ -107,6 +107,9 @@ class CheckpointService:
         # With agents and no shared filesystem: (wait) -> (the other nodes' files, errors)
         # (HubState.checkpoint_files; ``wait``: a request may wait for a node's first listing).
         self.remote = remote
+        self._remote_seen: tuple | None = None  # what ``remote`` last gave, and this directory's files then
+        self._local_seen: tuple | None = None
+        self._polled: Index | None = None  # the index ``poll`` last looked at
         # The retention plan and its automatic mode, over this index (``config``: the RETENTION_* settings).
         self.retention = Retention(self, config) if config is not None else None
 
@@ -148,9 +151,17 @@ class CheckpointService:
         """
         scanned_at = time.time()
         files, errors = ckptindex.walk(self.run_dir, self.cache) if self.run_dir else ([], [])
-        theirs, their_errors = self.remote(wait)
+        remote = self.remote(wait)
+        # The agents' listings come back as the very same tuple while none changed: with this
+        # directory's files and the world unchanged too, the last grouping stands (at 12,500
+        # hosts, grouping every node's files costs far more than the walk of this directory).
+        seen = (world, files, errors)
+        if remote is self._remote_seen and seen == self._local_seen and self._index is not None:
+            return self._index
+        self._remote_seen, self._local_seen = remote, seen
+        theirs, their_errors = remote
         here = {f.path for f in files}
-        files += [f for f in theirs if f.path not in here]
+        files = files + [f for f in theirs if f.path not in here]
         return ckptindex.build_index(
             self.run_dir or "", files, world or None, errors + their_errors, scanned_at
         )
@@ -166,6 +177,10 @@ class CheckpointService:
         that changed the files (delete) calls it to push at once.
         """
         index = self.index(world, wait=False)
+        # The same index as last time (nothing was re-grouped): no need to fingerprint its files again.
+        if index is self._polled:
+            return None
+        self._polled = index
         if not self._pushed.take(_fingerprint(index)):
             return None
         return self._body(index, world)

@@ -12,33 +12,50 @@
   (``--sender prebuilt``) every digest is built and serialised before the
   window and only written to a socket during it, so that the simulator
   does not take the hub's CPU; ``--sender live`` builds each one when due.
-  A real dashboard (``python -m app`` with ``RANKWATCH_AGENTS``) reads them.
-  After a warm-up, the digests it took in over the window are the growth
-  of its ``accepted`` count (``GET /api/health``, read just outside the
-  window) and its CPU is psutil's ``cpu_times`` delta.
+  A real dashboard (``python -m app`` with ``RANKWATCH_AGENTS``) reads them,
+  with what a real hub runs besides: every host holds checkpoint sets
+  (``SimListings``: ``SETS_BEFORE`` sets, one more every ``--save-every``
+  digests, its digests carrying the listing's version) and answers the
+  hub's listing requests (``answer_listings``, a process of its own, with
+  ``ask.serve``); the hub runs retention (``dry_run``), alerts (to a local
+  webhook receiver; a few hosts flip a rank to straggler and back) and the
+  stop policy (``dry_run``). After a warm-up, the digests it took in over
+  the window are the growth of its ``accepted`` count (``GET /api/health``,
+  read just outside the window), its CPU is psutil's ``cpu_times`` delta,
+  and its lag is sampled four times a second: the age of the oldest digest
+  in the stream that its consumer group has not read yet (``XINFO GROUPS``;
+  the stream holds ``STREAM_MAXLEN`` digests, 4 s at 12,500 hosts, so a lag
+  of 4 s there means digests were trimmed unread). With ``--save-every 0``
+  the window opens once every host's first listing is in and the hub has
+  caught up (lag under 1.5 s), within a bound.
 * **Agent.** A real ``rankwatch agent`` on a run directory where
   ``tests.bench.simulate`` writes ``--agent-ranks`` heartbeat files at 1 Hz:
   its CPU (cores) and RSS over the window.
 
-Targets (issue 20): the hub ingests 12,500 digests per second in at most 1 core.
+Targets (issues 20, 36): the hub ingests 12,500 digests per second in at most 1 core.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import http.server
 import json
 import multiprocessing
 import os
+import re
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
 
 import psutil
 
-from tests.bench.hostsim import KEY, RUN, SENDERS, Simulators, live_digests
+from tests.bench.hostsim import KEY, RUN, SAVE_EVERY, SENDERS, Simulators, answer_listings, live_digests
 from tests.bench.ingest import start_redis
 from tests.helpers.liveserver import REPO, start_dashboard
 
@@ -48,6 +65,12 @@ def host_seq_sum(url: str) -> tuple[int, int]:
     with urllib.request.urlopen(url + "/api/health", timeout=120) as r:
         hub = json.loads(r.read())["hub"]
     return hub["accepted"], hub["hosts"]
+
+
+def listings_pending(url: str) -> int:
+    """Checkpoint-listing requests the dashboard has not had answered yet (``GET /api/health``)."""
+    with urllib.request.urlopen(url + "/api/health", timeout=120) as r:
+        return json.loads(r.read())["hub"]["listings_pending"]
 
 
 def simulator_line(r: dict) -> str:
@@ -72,6 +95,77 @@ def start_hub(workdir: Path, url: str, run: str = RUN, key: str = KEY, lost_s: f
     return start_dashboard(hub_dir, workdir / "dashboard.log", env=settings)
 
 
+class Webhooks:
+    """A local receiver for the hub's alerts (``WEBHOOK_URL``): counts them by event."""
+
+    def __init__(self):
+        got = self.got = collections.Counter()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                try:
+                    got[json.loads(body).get("event", "?")] += 1
+                except ValueError:
+                    got["?"] += 1
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+class LagSampler:
+    """The hub's lag, sampled on a thread: how long the oldest digest its group has not read has waited."""
+
+    def __init__(self, url: str, every_s: float = 0.25):
+        import redis
+
+        from app.agent import digest as dg
+
+        self.client = redis.Redis.from_url(url)
+        self.stream = dg.keys(RUN)[0]
+        self.every_s = every_s
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def lag_s(self) -> float:
+        groups = [g for g in self.client.xinfo_groups(self.stream) if g["name"].startswith(b"hub:")]
+        if not groups:
+            return float("nan")
+        last = groups[0]["last-delivered-id"]
+        unread = self.client.xrange(self.stream, min=b"(" + last, count=1)
+        if not unread:
+            return 0.0
+        added_ms = int(unread[0][0].split(b"-")[0])  # an entry's id is Redis's clock when it was added
+        return max(0.0, time.time() - added_ms / 1000)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.samples.append(self.lag_s())
+
+    def start(self) -> LagSampler:
+        self._thread.start()
+        return self
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join(10)
+        s = sorted(x for x in self.samples if x == x)
+        return {
+            "lag_p50_s": statistics.median(s) if s else float("nan"),
+            "lag_max_s": s[-1] if s else float("nan"),
+        }
+
+
 def measure_hub(
     hosts: int,
     seconds: float,
@@ -81,19 +175,52 @@ def measure_hub(
     url: str,
     sender: str = "prebuilt",
     profile: str | None = None,
+    save_every: int = SAVE_EVERY,
 ) -> dict:
-    """A real dashboard fed by ``hosts`` simulated agents: digests taken in a second, its CPU and RSS.
+    """A real dashboard fed by ``hosts`` simulated agents: digests taken in a second, its CPU, RSS and lag.
 
     ``profile``: a flame graph of the dashboard's serving process over the
     window, by ``py-spy record`` (sampling from outside, without pausing it).
     """
-    server = start_hub(workdir, url)
-    # Enough digests for the warm-up, the window and the reads of /api/health around it.
-    sims = Simulators.start(sender, hosts, workers, url, horizon=warmup + seconds + 30)
+    hooks = Webhooks()
+    server = start_hub(
+        workdir,
+        url,
+        RANKWATCH_RETENTION_MODE="dry_run",
+        RANKWATCH_WEBHOOK_URL=hooks.url,
+        RANKWATCH_POLICY_MODE="dry_run",
+        RANKWATCH_POLICY_RULES="straggler:5,stalled:60,node_lost:60,device_unhealthy:60",
+    )
+    # A few hosts turn a rank straggler and back every 10 digests: verdict alerts and the policy's rule.
+    flips = (frozenset(range(0, hosts, max(1, hosts // 10))), 10, multiprocessing.Queue())
+    threading.Thread(target=_drain, args=(flips[2],), daemon=True).start()
+    # Enough digests for the warm-up, the first listings, the window and the reads of /api/health around it.
+    horizon_s = warmup + seconds + 30 + (hosts // 200 if save_every == 0 else 0)
+    sims = Simulators.start(
+        sender, hosts, workers, url, horizon=horizon_s, flips=flips, save_every=save_every
+    )
+    answering = multiprocessing.Event()
+    t0 = multiprocessing.Value("d", 0.0)
+    answerer = None
     try:
         began = sims.sending()
+        t0.value = began["t0"]
+        answerer = multiprocessing.Process(
+            target=answer_listings, args=(url, t0, answering, None, save_every)
+        )
+        answerer.start()
         time.sleep(warmup)
+        # Every host's first listing (a request and an answer each) is the hub's start-up, not its
+        # steady cost: the window opens once they are in (and the merged index built once more).
+        while listings_pending(server.url) and time.time() - began["t0"] < horizon_s - seconds - 10:
+            time.sleep(1)
+        listed_after = time.time() - began["t0"]
+        # ... and once the hub has caught up with its stream after grouping them (within a bound).
+        lag = LagSampler(url)
+        while lag.lag_s() > 1.5 and time.time() - began["t0"] < horizon_s - seconds - 10:
+            time.sleep(0.5)
         seq0, _ = host_seq_sum(server.url)
+        lag.start()
         spy = (
             subprocess.Popen(
                 [str(Path(sys.executable).with_name("py-spy")), "record", "--nonblocking", "-o", profile]
@@ -108,12 +235,17 @@ def measure_hub(
         cpu0, t0 = server.cpu_seconds(), time.monotonic()
         time.sleep(seconds)
         cpu1, t1 = server.cpu_seconds(), time.monotonic()
+        lags = lag.stop()
         seq1, heard = host_seq_sum(server.url)
         rss = server.rss_bytes()
         if spy is not None:
             spy.wait(60)
     finally:
+        answering.set()
+        if answerer is not None:
+            answerer.join(10)
         ran = sims.end(server)
+        hooks.close()
     wall = t1 - t0
     per_s = (seq1 - seq0) / wall
     cores = (cpu1 - cpu0) / wall
@@ -124,10 +256,47 @@ def measure_hub(
         "cores": cores,
         "us_per_digest": cores / per_s * 1e6 if per_s else float("nan"),
         "rss_mb": rss / 2**20,
+        "alerts": dict(hooks.got),
+        "listed_after_s": listed_after,
+        **lags,
         "sender": sender,
         "built_late_s": began["built_late_s"],
         **ran,
     }
+
+
+def _drain(q) -> None:
+    """Read the flips the senders report (nobody needs them here) so that their queue never fills."""
+    while True:
+        q.get()
+
+
+def top_frames(collapsed: str, n: int = 5) -> tuple[list, list]:
+    """The busiest places in py-spy's collapsed stacks (``--profile``), as shares of all samples.
+
+    Two lists of (share, ``function (file:line)``): the ``n`` functions with
+    the most samples of their own, and the ``n`` of the dashboard's
+    (``app/``) with the most samples in all, leaving out the loop and the
+    tick that hold everything.
+    """
+    inclusive: collections.Counter = collections.Counter()
+    own: collections.Counter = collections.Counter()
+    total = 0
+    for line in Path(collapsed).read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        frames = [re.sub(r":\d+\)$", ")", f) for f in stack.split(";")]  # a function, whatever its line
+        total += int(count)
+        for f in set(frames):
+            inclusive[f] += int(count)
+        own[frames[-1]] += int(count)
+    loop = ("Watcher._run", "Watcher.tick ", "Thread.", "serve_forever")
+    ours = [(c, f) for f, c in inclusive.most_common() if "(app/" in f and not any(w in f for w in loop)]
+    return (
+        [(c / total, f) for f, c in own.most_common(n)],
+        [(c / total, f) for c, f in ours[:n]],
+    )
 
 
 def measure_drain(hosts: int, workdir: Path, url: str) -> dict:
@@ -219,6 +388,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-drain", action="store_true", help="skip the in-process drain")
     parser.add_argument(
+        "--save-every",
+        type=int,
+        default=SAVE_EVERY,
+        help="each simulated host saves a new checkpoint set every this many digests (0: never)",
+    )
+    parser.add_argument(
         "--profile",
         metavar="FILE",
         help="py-spy's profile of the hub over the window: a flame graph (.svg) or collapsed stacks (other names)",
@@ -236,13 +411,33 @@ def main(argv: list[str] | None = None) -> int:
                     f"{drain['us_per_digest']:.1f} us/digest = {1e6 / drain['us_per_digest']:.0f} digests/s per core"
                 )
             hub = measure_hub(
-                args.hosts, args.seconds, args.warmup, args.workers, workdir, url, args.sender, args.profile
+                args.hosts,
+                args.seconds,
+                args.warmup,
+                args.workers,
+                workdir,
+                url,
+                args.sender,
+                args.profile,
+                args.save_every,
             )
             print(
                 f"hub: {hub['hosts']} hosts ({hub['heard']} heard), {hub['digests_per_s']:.0f} digests/s, "
-                f"{hub['cores']:.3f} cores, {hub['us_per_digest']:.1f} us/digest, RSS {hub['rss_mb']:.0f} MB"
+                f"{hub['cores']:.3f} cores, {hub['us_per_digest']:.1f} us/digest, "
+                f"lag p50 {hub['lag_p50_s']:.2f} s max {hub['lag_max_s']:.2f} s, RSS {hub['rss_mb']:.0f} MB"
+            )
+            print(
+                f"hub's alerts received: {hub['alerts']}; every host's first listing in "
+                f"{hub['listed_after_s']:.0f} s after the first digest"
             )
             print(simulator_line(hub))
+            if args.profile and not args.profile.endswith(".svg"):
+                print("hub's profile: share of its samples, and its us/digest times that share")
+                by_self, by_total = top_frames(args.profile)
+                for title, rows in (("self", by_self), ("inclusive, app/", by_total)):
+                    print(f"  top 5 by {title}:")
+                    for share, where in rows:
+                        print(f"    {share:6.1%} {share * hub['us_per_digest']:6.1f} us/digest  {where}")
             if args.agent_ranks:
                 agent = measure_agent(args.agent_ranks, args.seconds, args.warmup, workdir, url)
                 print(

@@ -42,6 +42,136 @@ RUN = "bench"
 KEY = "bench-key"
 RANKS_PER_HOST = 8
 SLICES = 10  # a prebuilt second is written in this many evenly spaced slices
+# Checkpoint sets every simulated host holds before the first digest (steps 100, 200, 300), and
+# how often (in digests) each saves one more: a real hub's checkpoint browser and retention.
+SETS_BEFORE = 3
+SAVE_EVERY = 30
+STEPS_PER_SET = 100
+
+
+class SimListings:
+    """Every simulated host's checkpoint listing (``ask.file_listing``'s shape) and its version.
+
+    Host ``i`` (of the job: ``first`` + its index) holds, by its digest
+    number ``seq``, ``SETS_BEFORE`` sets plus one per ``save_every``
+    digests, each a file per rank in the bridge's layout; its digests carry
+    the listing's version (``dg.listing_version``), and ``answer_listings``
+    answers a hub's request with the same listing. ``changed`` hosts hold
+    one extra set from then on (the request-count test's one change).
+    """
+
+    def __init__(self, save_every: int = SAVE_EVERY):
+        self.save_every = save_every
+        self.changed: set[int] = set()
+        self._versions: dict[tuple[int, int, bool], str] = {}
+
+    def sets(self, seq: int) -> int:
+        return SETS_BEFORE + (max(seq, 1) - 1) // self.save_every if self.save_every else SETS_BEFORE
+
+    def listing(self, host: int, seq: int) -> tuple[dict, str]:
+        """(listing, version) of job host ``host`` as of its digest ``seq``."""
+        from app.agent import digest as dg
+        from trainer_bridge.rundir import runfiles
+
+        sets = self.sets(seq) + (host in self.changed)
+        files = [
+            {
+                "path": f"{runfiles.CHECKPOINT_DIR}/rank_{r}/{runfiles.CHECKPOINT_PREFIX}-1_{g}.ckpt",
+                "format": "ckpt",
+                "bytes": 1 << 20,
+                "mtime": 1.7e9 + g,
+                "status": "ok",
+                "reason": None,
+                "epoch": 1,
+                "step": g,
+                "global_step": g,
+                "step_source": "contents",
+            }
+            for g in range(STEPS_PER_SET, (sets + 1) * STEPS_PER_SET, STEPS_PER_SET)
+            for r in range(host * RANKS_PER_HOST, (host + 1) * RANKS_PER_HOST)
+        ]
+        listing = {"files": files, "errors": []}
+        return listing, dg.listing_version(listing)
+
+    def version(self, host: int, seq: int) -> str:
+        """The version of ``listing(host, seq)`` (only the versions are kept: a digest carries no more)."""
+        key = (host, self.sets(seq), host in self.changed)
+        got = self._versions.get(key)
+        if got is None:
+            got = self._versions[key] = self.listing(host, seq)[1]
+        return got
+
+
+class SimAgent:
+    """What ``ask.serve`` needs of an agent, for one simulated host: its name and its listing."""
+
+    def __init__(self, name: str, listing: dict, key: bytes):
+        self.host, self.run, self.key = name, RUN, key
+        self.asks_refused = 0
+        self._listing = listing
+
+    def checkpoint_files(self) -> dict:
+        return self._listing
+
+    def full_row(self, rank, now):
+        return None  # the benchmarks' pages ask for no rank
+
+    def node_rows(self) -> dict:
+        return {"rows": []}
+
+
+def answer_requests(client, listings: SimListings, seq_of) -> dict[str, int]:
+    """Answer every request the hub queued for the simulated hosts (``ask.serve``, as an agent does);
+    host -> how many it had. ``seq_of(host)``: the digest number the host has sent by now."""
+    from app.agent import ask
+
+    prefix = ask.ask_key(RUN, "")
+    keys = list(client.scan_iter(match=prefix + "sim-*", count=10_000))
+    if not keys:
+        return {}
+    pipe = client.pipeline(transaction=False)
+    for k in keys:
+        pipe.rpop(k, 10_000)
+    popped = pipe.execute()
+    answers = []
+    now = time.time()
+    for k, raws in zip(keys, popped, strict=True):
+        if not raws:
+            continue
+        name = k.decode()[len(prefix) :]
+        host = int(name.split("-")[1])
+        listing, _ = listings.listing(host, seq_of(host))
+        answers += ask.serve(SimAgent(name, listing, KEY.encode()), raws, now)
+        # ask.serve answers at most MAX_ASKS a call, as an agent per tick: the rest are answered too.
+        for at in range(ask.MAX_ASKS, len(raws), ask.MAX_ASKS):
+            answers += ask.serve(SimAgent(name, listing, KEY.encode()), raws[at:], now)
+    pipe = client.pipeline(transaction=False)
+    for key, value in answers:
+        pipe.set(key, value, ex=ask.ANSWER_TTL_S)
+    pipe.execute()
+    return {k.decode()[len(prefix) :]: len(r) for k, r in zip(keys, popped, strict=True) if r}
+
+
+def answer_listings(url: str, t0, stop, counts=None, save_every: int = SAVE_EVERY) -> None:
+    """The simulated hosts' answers to the hub's listing requests, in a process of their own, until ``stop``.
+
+    A host's digest number is known from the clock (its first digest goes
+    at ``t0``, one a second), so each answer lists what its digests said.
+    ``counts``: a queue that gets (time, requests answered) every second.
+    """
+    import redis
+
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    client = redis.Redis.from_url(url)
+    listings = SimListings(save_every)
+    total, reported = 0, time.monotonic()
+    while not stop.is_set():
+        seq = max(1, int(time.time() - t0.value) + 1)  # every host's digest number by now
+        total += sum(answer_requests(client, listings, lambda host, seq=seq: seq).values())
+        if counts is not None and time.monotonic() - reported >= 1:
+            counts.put((time.time(), total))
+            reported = time.monotonic()
+        stop.wait(0.05)
 
 
 class SimHosts:
@@ -51,13 +181,21 @@ class SimHosts:
     ``flip_every`` digests (the window benchmark's latency).
     """
 
-    def __init__(self, first: int, count: int, flip_hosts=frozenset(), flip_every: int = 0):
+    def __init__(
+        self,
+        first: int,
+        count: int,
+        flip_hosts=frozenset(),
+        flip_every: int = 0,
+        listings: SimListings | None = None,
+    ):
         from app.agent.runner import figures
         from app.run.health import Verdict
         from app.run.rows import make_row
         from tests.helpers.heartbeats import heartbeat
 
         self.first = first
+        self.listings = listings if listings is not None else SimListings()
         self.flip_hosts, self.flip_every = flip_hosts, flip_every
         self.boot = time.time()
         self.world = (first + count) * RANKS_PER_HOST
@@ -103,6 +241,7 @@ class SimHosts:
             "ranks": [rows[0]["rank"], rows[-1]["rank"]],
             "n": RANKS_PER_HOST,
             "flag": None,
+            "ckpt": self.listings.version(self.first + i, seq),
             "rows": [{"row": r, "stop": None, "started_at": self.boot, "sync_every": 16} for r in sent],
             **figs,
         }
@@ -123,7 +262,15 @@ def _planned_t0(reports, plan, first: int, estimate: float) -> float:
 
 
 def live_digests(
-    first: int, count: int, url: str, stop, reports, flips=None, horizon: float = 0, plan=None
+    first: int,
+    count: int,
+    url: str,
+    stop,
+    reports,
+    flips=None,
+    horizon: float = 0,
+    plan=None,
+    save_every: int = SAVE_EVERY,
 ) -> None:
     """Sender: each host's digest built, signed and added when due, once a second (redis-py pipelines).
 
@@ -137,7 +284,7 @@ def live_digests(
 
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     flip_hosts, flip_every, flip_queue = flips if flips is not None else (frozenset(), 0, None)
-    sim = SimHosts(first, count, flip_hosts, flip_every)
+    sim = SimHosts(first, count, flip_hosts, flip_every, SimListings(save_every))
     client = redis.Redis.from_url(url)
     stream = dg.keys(RUN)[0]
     key = KEY.encode()
@@ -220,7 +367,15 @@ def _discard_replies(sock: socket.socket, errors: list) -> None:
 
 
 def prebuilt_digests(
-    first: int, count: int, url: str, stop, reports, flips=None, horizon: float = 60.0, plan=None
+    first: int,
+    count: int,
+    url: str,
+    stop,
+    reports,
+    flips=None,
+    horizon: float = 60.0,
+    plan=None,
+    save_every: int = SAVE_EVERY,
 ) -> None:
     """Sender: ``horizon`` seconds of digests built first, then written as raw RESP when due.
 
@@ -237,7 +392,7 @@ def prebuilt_digests(
     start = time.perf_counter()
     build(probe, time.time(), 1)
     per_digest = (time.perf_counter() - start) / len(probe)
-    sim = SimHosts(first, count, flip_hosts, flip_every)
+    sim = SimHosts(first, count, flip_hosts, flip_every, SimListings(save_every))
     t0 = _planned_t0(reports, plan, first, 3 + 1.5 * per_digest * count * seconds)
     batches = build(sim, t0, seconds)
     built = time.time()
@@ -275,16 +430,38 @@ class Simulators:
     stop: object
     procs: list
     reports: object
+    # Kept while the senders run: freed, its shared memory would go to the next Value made here,
+    # and a sender not yet woken would read that one's value as its t0.
+    plan: tuple = ()
 
     @classmethod
-    def start(cls, sender: str, hosts: int, workers: int, url: str, horizon: float, flips=None) -> Simulators:
+    def start(
+        cls,
+        sender: str,
+        hosts: int,
+        workers: int,
+        url: str,
+        horizon: float,
+        flips=None,
+        save_every: int = SAVE_EVERY,
+    ) -> Simulators:
         stop, reports = multiprocessing.Event(), multiprocessing.Queue()
         plan = (multiprocessing.Event(), multiprocessing.Value("d", 0.0))
         share = -(-hosts // workers)
         procs = [
             multiprocessing.Process(
                 target=SENDERS[sender],
-                args=(i * share, min(share, hosts - i * share), url, stop, reports, flips, horizon, plan),
+                args=(
+                    i * share,
+                    min(share, hosts - i * share),
+                    url,
+                    stop,
+                    reports,
+                    flips,
+                    horizon,
+                    plan,
+                    save_every,
+                ),
             )
             for i in range(workers)
             if i * share < hosts
@@ -301,7 +478,7 @@ class Simulators:
             raise
         plan[1].value = time.time() + max(estimates)
         plan[0].set()
-        return cls(stop, procs, reports)
+        return cls(stop, procs, reports, plan)
 
     def sending(self, timeout: float = 600) -> dict:
         """Wait until every process sends (its first digest is due); what they said when they began."""

@@ -18,6 +18,7 @@ from app.checkpoints.relaunch import relaunch_command
 from tests.helpers.app import TOKEN
 from tests.helpers.checkpoints import bridge_id, periodic, save_bridge_set, sid
 from tests.helpers.heartbeats import write_job
+from tests.helpers.liveserver import sign_in
 
 pytestmark = pytest.mark.browser
 
@@ -52,6 +53,9 @@ def test_the_star_the_headline_and_how_to_resume_name_one_set(live_server, page,
     # after it: the newest complete set, which took the ★.
     periodic(run_dir, 20, mtime=time.time(), name=(3, 4))
     page.context.grant_permissions(["clipboard-read", "clipboard-write"])
+    # The relaunch command is the operator's (a viewer without the token gets none: issue 32, P11).
+    sign_in(page, live_server.url + "/", TOKEN)
+    expect(page.locator("#operator-state")).to_have_text("operator", timeout=WAIT_MS)
     page.goto(live_server.url + "/checkpoints")
 
     stop_set, twin = row(page, bridge_id(20)), row(page, sid(20))

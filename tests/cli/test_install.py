@@ -193,7 +193,7 @@ def test_a_wheel_installed_without_e_serves_reads_and_stops_a_real_job(
         r"ckpt_of_rank/\{rank\}/lenet-\{E\}_\{S\}\.ckpt#g(\d+) .*periodic\s+yes", ckpts.stdout
     )
     assert listed and all(int(g) % 10 == 0 for g in listed), ckpts.stdout
-    assert "Resume from" in ckpts.stdout and "msrun --worker_num=2" in ckpts.stdout
+    assert "Resume from" in ckpts.stdout and "--worker_num=2" in ckpts.stdout
 
     demo = subprocess.run(
         [str(bin_dir / "rankwatch"), "demo", "--no-dashboard"],

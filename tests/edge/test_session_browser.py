@@ -13,6 +13,7 @@ import re
 import pytest
 from playwright.sync_api import expect
 
+from tests.helpers.browser import wait_for_js
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from tests.helpers.liveserver import free_port
 
@@ -38,7 +39,7 @@ def test_a_tab_left_open_across_a_relaunch_says_so_and_takes_a_pasted_link(
     page.goto(f"{first.url}/#login={login_code(first)}")
     expect(page.locator("#operator-state")).to_have_text("operator", timeout=WAIT_MS)
     expect(page.locator("#stop-open")).to_be_enabled()
-    page.wait_for_function("window.rankwatch && window.rankwatch.socket.connected", timeout=WAIT_MS)
+    wait_for_js(page, "window.rankwatch && window.rankwatch.socket.connected")
     # Survives only as long as the document does: a reload would drop it.
     page.evaluate("window.__sameDocument = true")
 
@@ -65,10 +66,10 @@ def test_the_checkpoints_page_says_so_too(start_server, run_dir, tmp_path, live_
     port = free_port()
     first = start_server(run_dir, tmp_path / "first.log", env=live_env, port=port)
     page.goto(f"{first.url}/checkpoints#login={login_code(first)}")
-    page.wait_for_function("sessionStorage.getItem('rankwatch.token') !== null", timeout=WAIT_MS)
+    wait_for_js(page, "sessionStorage.getItem('rankwatch.token') !== null")
     expect(page.locator("#ckpt-connection")).to_have_text("live", timeout=WAIT_MS)
     first.stop()
     second = start_server(run_dir, tmp_path / "second.log", env=live_env, port=port)
     expect(page.locator("#ckpt-flash")).to_have_text(STALE, timeout=WAIT_MS)
     page.evaluate("(code) => { location.hash = '#login=' + code; }", login_code(second))
-    page.wait_for_function("sessionStorage.getItem('rankwatch.token') !== null", timeout=WAIT_MS)
+    wait_for_js(page, "sessionStorage.getItem('rankwatch.token') !== null")

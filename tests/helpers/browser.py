@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from tests.helpers.axe import violations
 
 WAIT_MS = 30_000
@@ -38,3 +40,17 @@ def horizontal_overflow(page) -> dict:
 def serious(page) -> list[str]:
     """axe-core's serious and critical violations on the page, one line each (``tests/helpers/axe.py``)."""
     return violations(page, ("serious", "critical"))
+
+
+def wait_for_js(page, expression: str, timeout_ms: int = WAIT_MS) -> None:
+    """Poll ``expression`` in the page until it is truthy (a failure guard, not a timing).
+
+    Not ``page.wait_for_function``: while its predicate is false it polls by
+    evaluating the string inside the page, which the dashboard's CSP (no
+    ``'unsafe-eval'``) refuses; ``page.evaluate`` is the browser's own.
+    """
+    deadline = time.monotonic() + timeout_ms / 1000
+    while not page.evaluate(expression):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{expression!r} still false after {timeout_ms} ms")
+        page.wait_for_timeout(50)

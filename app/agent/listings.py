@@ -1,0 +1,155 @@
+"""The hub's copy of every agent's checkpoint listing, fetched only when a host's version changes.
+
+Each digest names its host's listing version (``ckpt``, ``app/agent/digest.py``).
+The hub notes the hosts whose version, or agent-lost state, changed
+(``Hub.listings_changed``), and ``Listings.files`` (the checkpoint
+service's ``remote``, through ``HubState.checkpoint_files``) asks only
+those agents for their listing (``app/agent/ask.py``), at most one request
+per host outstanding. So at rest a tick posts no request and reads none,
+whatever the number of hosts; a new checkpoint set costs one request per
+host that saved a file of it.
+
+The merged list (every host's files, as ``ask.remote_files`` chooses
+them) is rebuilt only when a listing, a host's note or a rank's host
+changed, and during a burst of answers (a new set on every host) only once
+they are in or ``timeout_s`` has passed; otherwise ``files`` returns the same
+tuple as the last call, which tells the checkpoint service that it need not
+group the files again.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from app.agent import ask
+from trainer_bridge.rundir import ckptindex
+
+_NEVER = object()  # no listing held yet (None is a version: an agent that sends none)
+# A listing request stays pending as long as the agent may still pop it (its queue expires then):
+# the tick never waits for it, and re-asking a host that is merely slow (thousands answering
+# after a new set) would only add requests and re-groupings to its queue.
+PENDING_S = ask.ASK_TTL_S
+
+
+class Listings:
+    """host -> its agent's last listing, each asked for again only when its version changed."""
+
+    def __init__(self, hub, lock: threading.RLock | threading.Lock, timeout_s: float):
+        self.hub = hub
+        self._lock = lock  # the view's lock, under which the hub reads the digests
+        self.timeout_s = timeout_s
+        self._files: dict[str, tuple[list[ckptindex.CheckpointFile], list[str]]] = {}  # host -> its listing
+        self._held: dict[str, object] = {}  # host -> the version its listing was asked for
+        self._want: dict[str, object] = {}  # host -> the newer version to ask it for
+        self._asked: dict[str, object] = {}  # host -> the version its pending request asks for
+        self._lost: set[str] = set()
+        self._pending = ask.Pending()
+        self._errors: dict[str, str] = {}  # host -> why its last request failed
+        self._waited: set[str] = set()  # hosts a request already waited for, once
+        self._notes: dict[str, str] = {}
+        self._owner_changes = -1
+        self._result: tuple[list, list[str]] = ([], [])
+        self._deferred = 0.0  # since when a change waits for the answers still pending (monotonic), or 0
+
+    def files(self, wait: bool = True) -> tuple[list, list[str]]:
+        """Every agent's checkpoint files and what is wrong with them (``CheckpointService._merged``).
+
+        It takes the answers that came since the last call and asks each live
+        agent whose listing version changed, so the watcher's tick (``wait``
+        False) never waits. A request (``wait``) waits, within the bound, only
+        for a host never listed yet, once. A host whose agent is lost or did
+        not answer keeps its last listing, and a line in ``errors`` says so;
+        one not listed yet is named there too.
+        """
+        with self._lock:
+            hub = self.hub
+            notices = {h: (hub.hosts[h].lost, hub.hosts[h].digest.get("ckpt")) for h in hub.listings_changed}
+            hub.listings_changed.clear()
+            owner_changes = hub.owner_changes
+        touched = set(notices)
+        for host, (lost, version) in notices.items():
+            if lost:
+                self._lost.add(host)
+                self._pending.pop(host, None)  # its answer, if it comes, is not waited for
+                self._asked.pop(host, None)
+            else:
+                self._lost.discard(host)
+            if version == self._held.get(host, _NEVER):
+                self._want.pop(host, None)
+            else:
+                self._want[host] = version
+        pending = self._pending
+        got = ask.collect(self.hub, pending) | ask.overdue(self.hub, pending, max(PENDING_S, self.timeout_s))
+        listed = self._take(got)
+        # Still waited for, but past the bound a page waits: its note says so meanwhile.
+        now = time.monotonic()
+        for host, (*_, sent) in pending.items():
+            if now - sent >= self.timeout_s and host not in self._errors:
+                self._errors[host] = f"the agent on host {host} did not answer within {self.timeout_s:g} s"
+                touched.add(host)
+        due = {h: v for h, v in self._want.items() if h not in pending and h not in self._lost}
+        later = ask.post(self.hub, dict.fromkeys(due, ("ckpt", None)), pending)
+        self._asked.update((h, v) for h, v in due.items() if h in pending)
+        first = [h for h in pending if h not in self._files and h not in self._waited]
+        if first and wait:
+            self._waited.update(first)
+            deadline = time.monotonic() + self.timeout_s
+            while any(h in pending for h in first) and time.monotonic() < deadline:
+                time.sleep(ask.POLL_S)
+                later |= ask.collect(self.hub, pending)
+        listed |= self._take(later)  # the hosts not asked (Redis away), and the answers waited for
+        touched.update(got, later)
+        rebuild = listed or owner_changes != self._owner_changes
+        for host in touched:
+            note = self._note(host)
+            if note != self._notes.get(host):
+                rebuild = True
+                if note is None:
+                    del self._notes[host]
+                else:
+                    self._notes[host] = note
+        if rebuild or self._deferred:
+            if not wait and pending:
+                # A new set reaches every host within a second or so, and their answers over a few
+                # ticks: group the files once they are in (or the bound has passed), not at each tick.
+                self._deferred = self._deferred or time.monotonic()
+                if time.monotonic() - self._deferred < self.timeout_s:
+                    self.hub.listings_pending = len(pending)
+                    return self._result
+            self._deferred = 0.0
+            with self._lock:
+                owner = dict(self.hub.owner)
+            files, errors = ask.remote_files(self._files, owner)
+            self._result = (files, errors + [self._notes[h] for h in sorted(self._notes)])
+            self._owner_changes = owner_changes
+        self.hub.listings_pending = len(pending)
+        return self._result
+
+    def _take(self, got: dict[str, dict | str]) -> bool:
+        """Keep the answers (host -> listing, or why none); whether a listing came."""
+        listed = False
+        for host, answer in got.items():
+            version = self._asked.pop(host, None)
+            if isinstance(answer, dict):
+                self._files[host] = (
+                    [ckptindex.from_listing(entry, host) for entry in answer["files"]],
+                    [f"host {host}: {e}" for e in answer["errors"]],
+                )
+                self._held[host] = version
+                if self._want.get(host, _NEVER) == version:
+                    del self._want[host]
+                self._errors.pop(host, None)
+                listed = True
+            else:
+                self._errors[host] = answer  # still wanted: asked again on the next call
+        return listed
+
+    def _note(self, host: str) -> str | None:
+        """What the checkpoint page says of ``host``'s listing, if anything is amiss."""
+        why = f"the agent on host {host} is lost" if host in self._lost else self._errors.get(host)
+        if why is not None:
+            return f"{why}: its files as it last listed them" if host in self._files else why
+        if host not in self._files:
+            return f"the agent on host {host} has not listed its checkpoint files yet"
+        return None
