@@ -129,6 +129,12 @@ class Retention:
         policy_for(None, config)  # a bad RETENTION_MODE fails at start
         self._auto_seen: str | None = None
         self._lock = threading.Lock()
+        # Under --runs, the registry's pin check (issue 32, P2): asked again before every journal
+        # write and every delete, so a directory swapped during a plan deletes nothing through it.
+        self.guard: Callable[[], bool] | None = None
+
+    def _pin_lost(self) -> bool:
+        return self.guard is not None and not self.guard()
 
     def policy(self) -> Policy:
         return policy_for(self.service.run_dir, self.config)
@@ -213,13 +219,19 @@ class Retention:
             gone = sorted(p.deletions, key=lambda e: e.id not in first)
             held = [i for i in held if i["id"] not in {e.id for e in gone}]  # partial, but not deletable now
             for batch in _batches(gone):
+                if self._pin_lost():
+                    failed.extend(e.id for e in batch)
+                    continue
                 journal = held + [
                     {"id": e.id, "kind": e.kind, "bytes": e.bytes, "why": e.why, "who": who} for e in batch
                 ]
                 # Written before the first unlink: a kill -9 from here on leaves a named reason.
                 _write_journal(run_dir, journal)
                 for e in batch:
-                    ok, errs, outcome = self._delete(run_dir, e)
+                    if self._pin_lost():
+                        ok, errs, outcome = False, [], "not deleted: the run's directory was replaced"
+                    else:
+                        ok, errs, outcome = self._delete(run_dir, e)
                     self.service.audit.record(
                         "delete",
                         who=who,
@@ -229,7 +241,7 @@ class Retention:
                         detail={"set": e.id, "kind": e.kind, "rule": e.why, "bytes": e.bytes, "errors": errs},
                     )
                     (done if ok else failed).append(e.id)
-                    if ok:
+                    if ok and not self._pin_lost():
                         journal = [i for i in journal if i["id"] != e.id]
                         _write_journal(run_dir, journal)
             self.service.index(world, force=True)

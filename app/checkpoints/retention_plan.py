@@ -213,7 +213,18 @@ def plan(
     unhealthy = unhealthy or {}
     pinned = set(policy.pinned)
     resume = resume_set(index, unhealthy=unhealthy)
-    healthy = next((s for s in index.sets if s.complete and s.id not in unhealthy), None)
+    # The newest complete set that is healthy and settled: a set still being written (a file
+    # changed within the settle time) may yet fail, so it never stands in for the last good one.
+    healthy = next(
+        (
+            s
+            for s in index.sets
+            if s.complete
+            and s.id not in unhealthy
+            and all(now - f.meta.mtime >= policy.settle_s for f in s.files)
+        ),
+        None,
+    )
     newer_complete = False  # a complete set newer than the one at hand was seen
     complete_seen = 0
     entries = []

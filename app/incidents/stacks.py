@@ -21,12 +21,12 @@ import os
 import re
 import socket
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 from app.errors import CannotWrite, CaptureRefused, NoRunDir, NotFound, RankNotFound
 from app.incidents.alerts import ranks_text
+from app.incidents.captures import MAX_TRIED, Budget, CaptureReader
 from app.incidents.proof import prove_rank
 from app.run.health import TERMINAL_STATES
 from app.run.heartbeats import Stopped, probe_process
@@ -34,15 +34,8 @@ from app.run.state import RunState
 from trainer_bridge.rundir import pyspy, runfiles, safeio, schema, stackfiles
 
 ENDED = ("exited", "finished", "failed")
-# Capture files kept parsed in memory, by their size on disk (a capture is
-# typically 10-30 KB: 1,024 ranks' newest fit many times over).
-CACHE_BYTES = 64 * 1024 * 1024
 # Native frames naming the collective a thread waits in, most specific first.
 COLLECTIVES = ("AllReduce", "AllGather", "ReduceScatter", "AllToAll", "Broadcast", "Barrier", "Send", "Recv")
-# A rank's capture directory is listed again at most this often while unchanged.
-LIST_TTL_S = 1.0
-# Capture files tried per rank, newest first: the bridge keeps 8, so the rest is junk.
-MAX_TRIED = 32
 _LIBRARY = re.compile(r"[/\\](?:site|dist)-packages[/\\]|[/\\]lib[/\\]python3[^/\\]*[/\\]|^<")
 
 
@@ -161,9 +154,7 @@ class StackService:
         self._pyspy = pyspy
         self._lock = threading.Lock()
         self._pending: dict[int, dict] = {}  # rank -> the newest request made through this dashboard
-        self._cache: dict[Path, tuple[tuple, dict | None]] = {}  # path -> (stat key, capture or None)
-        self._cache_bytes = 0
-        self._listings: dict[int, tuple[tuple, float, list[Path]]] = {}  # rank -> (dir key, when, files)
+        self._reader = CaptureReader(self.run_dir) if self.run_dir else None
 
     def _need_run_dir(self) -> Path:
         if self.run_dir is None:
@@ -171,65 +162,14 @@ class StackService:
         return self.run_dir
 
     # ------------------------------------------------------------------ reading
-    def _load(self, path: Path) -> dict | None:
-        """A capture file as a dict, cached by (inode, mtime, size); None if it is not a valid one."""
-        try:
-            st = path.stat()
-        except OSError:
-            return None
-        key = (st.st_ino, st.st_mtime_ns, st.st_size)
-        with self._lock:
-            hit = self._cache.get(path)
-        if hit is not None and hit[0] == key:
-            return hit[1]
-        try:
-            capture = stackfiles.load_capture(path).to_dict()
-        except (OSError, schema.SchemaError):
-            capture = None
-        with self._lock:
-            # Bounded by the bytes read: a hostile run directory full of
-            # maximal captures must not grow the dashboard without limit.
-            if self._cache_bytes + st.st_size > CACHE_BYTES:
-                self._cache.clear()
-                self._cache_bytes = 0
-            self._cache[path] = (key, capture)
-            self._cache_bytes += st.st_size
-        return capture
-
-    def _files(self, rank: int) -> list[Path]:
-        """``stackfiles.capture_files``, listed again only when the directory changed or ``LIST_TTL_S`` passed.
-
-        A tokenless viewer can ask for every rank's stacks as often as it
-        likes: each request then costs one ``stat`` per rank, and a directory
-        stuffed with junk at most one bounded listing per ``LIST_TTL_S``.
-        """
-        folder = runfiles.stack_captures_dir(self._need_run_dir(), rank)
-        try:
-            st = os.stat(folder)
-        except OSError:
-            return []
-        key, now = (st.st_ino, st.st_mtime_ns), time.monotonic()
-        with self._lock:
-            hit = self._listings.get(rank)
-        # The TTL covers a change within the mtime's granularity (a clock tick).
-        if hit is not None and hit[0] == key and now - hit[1] < LIST_TTL_S:
-            return hit[2]
-        files = stackfiles.capture_files(self.run_dir, rank)
-        with self._lock:
-            if len(self._listings) > schema.MAX_RANKS:
-                self._listings.clear()
-            self._listings[rank] = (key, now, files)
-        return files
-
     def newest(self, rank: int, trigger: str | None = None) -> dict | None:
-        """Rank ``rank``'s newest valid capture (of ``trigger``, if given), among its newest ``MAX_TRIED`` files."""
-        for path in self._files(rank)[:MAX_TRIED]:
-            if trigger is not None and not path.name.endswith(f"-{trigger}.json"):
-                continue
-            capture = self._load(path)
-            if capture is not None and capture["rank"] == rank:
-                return capture
-        return None
+        """Rank ``rank``'s newest valid capture (of ``trigger``, if given), among its newest ``MAX_TRIED`` files.
+
+        One rank's files always fit a request's read budget, so None means none is valid.
+        """
+        self._need_run_dir()
+        found, _ = self._reader.newest([rank], Budget(), trigger)
+        return found.get(rank)
 
     def get(self, rank: int, now: float, trigger: str | None = None) -> dict:
         """``GET /api/ranks/<rank>/stack``: the newest capture (of ``trigger``, one of ``stackfiles.TRIGGERS``), with its age and any pending request."""
@@ -249,7 +189,7 @@ class StackService:
                 "trigger": p.stem.rpartition("-")[2],
                 "captured_at": int(p.stem.partition("-")[0]) / 1e3,
             }
-            for p in self._files(rank)[:MAX_TRIED]
+            for p in self._reader.files(rank)[:MAX_TRIED]
             if p.stem.partition("-")[0].isdigit()
         ]
         return {
@@ -385,8 +325,12 @@ class StackService:
         groups: dict[tuple, dict] = {}
         missing = []
         answered = 0
+        budget = Budget()
+        captures, unread = self._reader.newest(ranks, budget)
         for r in ranks:
-            capture = self.newest(r)
+            if r not in captures:
+                continue
+            capture = captures[r]
             started = (hbs.get(r) or {}).get("started_at")
             if capture is None or (started is not None and capture["captured_at"] < started - 1.0):
                 missing.append(r)
@@ -424,12 +368,19 @@ class StackService:
             parts.append(g["summary"])
         if missing:
             parts.append(f"rank{'s' if len(missing) > 1 else ''} {ranks_text(missing, 16)}: no capture yet")
+        if unread:
+            parts.append(
+                f"rank{'s' if len(unread) > 1 else ''} {ranks_text(unread, 16)}: captures not read yet "
+                f"(this request read its {budget.bytes // 1024 // 1024} MiB of capture files; ask again)"
+            )
         return {
             "now": now,
             "world_size": world,
-            "captured": len(ranks) - len(missing),
+            "captured": len(ranks) - len(missing) - len(unread),
             "answered": answered if request_id is not None else None,
             "missing": missing,
+            "unread": unread,
+            "read": {"files": budget.files, "bytes": budget.bytes},
             "text": "; ".join(parts) if parts else "no stack captures yet",
             "groups": ordered,
         }

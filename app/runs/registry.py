@@ -146,6 +146,9 @@ class Registry:
                 if watcher is not None:
                     # Each tick first checks the pin: no write or delete through a swapped directory.
                     watcher.guard = functools.partial(pin_holds, self.discovery.root, run_id, entry.ident)
+                    retention = getattr(getattr(rw, "checkpoints", None), "retention", None)
+                    if retention is not None:
+                        retention.guard = watcher.guard
             self._open.move_to_end(run_id)
             self._trim()
             return rw

@@ -278,14 +278,16 @@ def test_second_scan_only_stats(run, monkeypatch):
 
 
 def test_unlistable_directory_is_reported(run, monkeypatch):
-    real = os.scandir
+    real = os.open
 
-    def scandir(path):
-        if os.path.basename(path) == "ttp_checkpoints":
+    # Each folder is opened (then listed through its descriptor): refuse that open, as a
+    # folder without read permission would (the tests run as root, whom chmod does not stop).
+    def open_(path, *args, **kwargs):
+        if isinstance(path, str) and os.path.basename(path) == "ttp_checkpoints":
             raise PermissionError(13, "Permission denied", path)
-        return real(path)
+        return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(ckptindex.os, "scandir", scandir)
+    monkeypatch.setattr(ckptindex.os, "open", open_)
     index = scan(run, world_size=2)
     assert index.errors == ("cannot list ttp_checkpoints: permission denied",)
     assert not _sets(index, ORIGIN_TTP)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from app.incidents import stacks as incident_stacks
+from app.incidents import captures as incident_captures
 from tests.helpers.app import AUTH, make_app
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from trainer_bridge.rundir import runfiles, stackfiles
@@ -350,7 +350,7 @@ def test_junk_capture_files_cost_a_bounded_cached_listing(dashboard, run_dir, mo
     monkeypatch.setattr(os, "listdir", listdir)
     # The listing is kept while the directory's mtime is unchanged; the TTL (a
     # second) only covers the mtime's granularity and is no part of this test.
-    monkeypatch.setattr(incident_stacks, "LIST_TTL_S", 1e9)
+    monkeypatch.setattr(incident_captures, "LIST_TTL_S", 1e9)
     for _ in range(5):
         response = call(lambda: client.get("/api/stacks"), "GET /api/stacks")
         assert response.status_code == 200

@@ -37,6 +37,7 @@ symlinks (see ``_walk``), and anything deeper than ``MAX_DEPTH`` directories.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import time
@@ -295,14 +296,31 @@ def _walk(root: str, errors: list[str]):
     Symlinks are never followed: one that stays inside the run directory
     points at files the walk reaches by their own path (following it would
     list them twice), and one that leaves it must not be exposed. Skipping
-    them also rules out loops.
+    them also rules out loops. A folder is listed through a descriptor that
+    must be the very directory its parent listed (device and inode): one
+    swapped for a symlink in between is not listed (issue 32: retention
+    planned on another folder's files).
     """
-    stack: list[tuple[str, tuple[str, ...]]] = [(root, ())]
+    stack: list[tuple[str, tuple[str, ...], tuple | None]] = [(root, (), None)]
     while stack:
-        dirpath, rel = stack.pop()
+        dirpath, rel, ident = stack.pop()
         try:
-            with os.scandir(dirpath) as it:
-                entries = list(it)
+            fd = os.open(dirpath, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                st = os.fstat(fd)
+                if ident is not None and (st.st_dev, st.st_ino) != ident:
+                    raise OSError(errno.ELOOP, "replaced during the listing (not followed)")
+                with os.scandir(fd) as it:
+                    entries = []
+                    for entry in it:
+                        try:
+                            # Cached in the entry while the descriptor it is relative to is open.
+                            entry.stat(follow_symlinks=False)
+                        except OSError:
+                            continue  # gone since it was listed
+                        entries.append(entry)
+            finally:
+                os.close(fd)
         except OSError as e:
             errors.append(f"cannot list {'/'.join(rel) or '.'}: {(e.strerror or str(e)).lower()}")
             continue
@@ -318,9 +336,12 @@ def _walk(root: str, errors: list[str]):
             try:
                 if entry.is_symlink():
                     continue
+                path = os.path.join(dirpath, name)
                 if entry.is_dir(follow_symlinks=False):
                     if len(rel) < MAX_DEPTH and not _TTP_TMP_DIR_RE.match(name):
-                        stack.append((entry.path, rel + (name,)))
+                        # Taken now, while the entry is known not to be a symlink.
+                        st = entry.stat(follow_symlinks=False)
+                        stack.append((path, rel + (name,), (st.st_dev, st.st_ino)))
                     continue
                 ext = os.path.splitext(name)[1].lower()
                 if (
@@ -329,7 +350,7 @@ def _walk(root: str, errors: list[str]):
                     or not entry.is_file(follow_symlinks=False)
                 ):
                     continue
-                yield rel + (name,), entry.path, entry.stat(follow_symlinks=False)
+                yield rel + (name,), path, entry.stat(follow_symlinks=False)
             except OSError as e:
                 errors.append(f"cannot stat {'/'.join(rel + (name,))}: {(e.strerror or str(e)).lower()}")
 
