@@ -33,6 +33,7 @@ import time
 import pytest
 
 from tests.helpers.checkpoints import OLD, periodic, retention, save_bridge_set
+from tests.helpers.faults import tree_snapshot
 from tests.helpers.heartbeats import write_job
 from trainer_bridge.rundir.ckptindex import resume_set
 
@@ -49,16 +50,6 @@ def digest(path) -> str | None:
             return hashlib.sha256(f.read()).hexdigest()
     except OSError:
         return None
-
-
-def snapshot(top) -> dict:
-    tree = {}
-    for dirpath, dirnames, filenames in os.walk(top, followlinks=False):
-        for name in [".", *dirnames, *filenames]:
-            path = os.path.join(dirpath, name)
-            st = os.lstat(path)
-            tree[os.path.relpath(path, top)] = (st.st_mode, st.st_size, st.st_mtime_ns)
-    return tree
 
 
 def set_files(run, step: int) -> list:
@@ -194,14 +185,14 @@ def test_retention_fuzz_never_deletes_the_newest_complete_or_the_resume_set(tmp_
     write_job(out, WORLD)
     for step in (10, 20, 30, 40, 50):
         periodic(out, step)
-    before = snapshot(out)
+    before = tree_snapshot(out)
     rng = random.Random(SEED)
     stats = {"bridge": 0, "symlinked": 0, "swapping": 0, "writing": 0, "deleted": 0}
     for i in range(ITERS):
         one_round(tmp_path, out, rng, i, stats)
     print(f"retention fuzz: seed {SEED}, {ITERS} rounds, {stats}")
     assert stats["deleted"] > 0, "nothing was ever deleted: the fuzzer tested nothing"
-    after = snapshot(out)
+    after = tree_snapshot(out)
     changed = {
         "removed": sorted(set(before) - set(after)),
         "added": sorted(set(after) - set(before)),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import time
 import urllib.error
 import urllib.request
@@ -138,3 +139,17 @@ def poll_until(predicate, what: str, timeout: float = WAIT_S, poll: float = 0.1)
             return value
         time.sleep(poll)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def tree_snapshot(top) -> dict:
+    """Every entry below ``top`` (and ``top``): its type, size and mtime, symlinks not followed.
+
+    The fuzzers compare one taken before and one after: nothing outside ROOT may change.
+    """
+    tree = {}
+    for dirpath, dirnames, filenames in os.walk(top, followlinks=False):
+        for name in [".", *dirnames, *filenames]:
+            path = os.path.join(dirpath, name)
+            st = os.lstat(path)
+            tree[os.path.relpath(path, top)] = (stat.S_IFMT(st.st_mode), st.st_size, st.st_mtime_ns)
+    return tree

@@ -37,6 +37,18 @@ class JobFailed(AssertionError):
     pass
 
 
+def wait_for_job(what: str, probe, job=None, timeout: float = JOB_TIMEOUT_S, every_s: float = 0.1):
+    """Poll ``probe()`` until truthy and return it; past ``timeout`` (a failure guard), fail with the job's logs."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(every_s)
+    raise JobFailed(f"timed out waiting for {what}: {last}\n{job.logs() if job else ''}")
+
+
 class DemoJob:
     """One ``msrun`` demo job writing into ``run_dir``."""
 

@@ -34,6 +34,7 @@ import pytest
 from app.errors import RunNotFound
 from tests.helpers.app import make_app, operator
 from tests.helpers.checkpoints import periodic
+from tests.helpers.faults import tree_snapshot
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from trainer_bridge.rundir import runfiles
 
@@ -59,17 +60,6 @@ def make_run(path, ckpts: bool = False) -> str:
     ident = uuid.uuid4().hex
     (path / IDENT).write_text(ident)
     return ident
-
-
-def snapshot(top) -> dict:
-    """Every entry below ``top`` (and ``top``): its type, size and mtime, symlinks not followed."""
-    tree = {}
-    for dirpath, dirnames, filenames in os.walk(top, followlinks=False):
-        for name in [".", *dirnames, *filenames]:
-            path = os.path.join(dirpath, name)
-            st = os.lstat(path)
-            tree[os.path.relpath(path, top)] = (stat.S_IFMT(st.st_mode), st.st_size, st.st_mtime_ns)
-    return tree
 
 
 def ident_at(path) -> str | None:
@@ -180,7 +170,7 @@ def test_runs_root_fuzz_every_stop_lands_in_its_own_run_and_out_is_untouched(tmp
         periodic(out, step)
     for name in NAMES[:4]:
         make_run(root / name, ckpts=name == "run0")
-    before = snapshot(out)
+    before = tree_snapshot(out)
 
     app = make_app(None, RUNS_ROOT=str(root), RETENTION_MODE="on", RETENTION_KEEP=1)
     registry = app.extensions["rankwatch_runs"]
@@ -265,7 +255,7 @@ def test_runs_root_fuzz_every_stop_lands_in_its_own_run_and_out_is_untouched(tmp
     )
     assert not scan_errors, scan_errors[:3]
     assert answers.get(202, 0) > 0, "no stop landed: the fuzzer tested nothing"
-    after = snapshot(out)
+    after = tree_snapshot(out)
     changed = {
         "removed": sorted(set(before) - set(after)),
         "added": sorted(set(after) - set(before)),

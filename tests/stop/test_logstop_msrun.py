@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import time
 import urllib.error
 import urllib.request
 
 import pytest
 
 from tests.helpers.app import AUTH, TOKEN
-from tests.helpers.jobs import JOB_TIMEOUT_S, DemoJob, JobFailed
+from tests.helpers.jobs import JOB_TIMEOUT_S, DemoJob, wait_for_job
 from trainer_bridge.rundir import runfiles
 from trainer_bridge.rundir.ckptmeta import read_meta
 
@@ -47,14 +46,7 @@ def api(server, path: str, body: dict | None = None) -> dict:
 
 def wait_for(what: str, probe, job: DemoJob | None = None, timeout: float = JOB_TIMEOUT_S):
     """Poll ``probe()`` until truthy; a job that exits first is a failure unless the probe holds then."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(0.2)
-    raise JobFailed(f"timed out waiting for {what}: {last}\n{job.logs() if job else ''}")
+    return wait_for_job(what, probe, job, timeout, every_s=0.2)
 
 
 def training_rows(server, ranks: int, at_least: int):

@@ -29,7 +29,7 @@ from app.run.logmode.parser import JOB_EXITED
 from tests.helpers.app import TOKEN, operator
 from tests.helpers.browser import WAIT_MS
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
-from tests.helpers.jobs import JOB_TIMEOUT_S, UNTIL_STOPPED, JobFailed
+from tests.helpers.jobs import UNTIL_STOPPED, wait_for_job
 from tests.helpers.liveserver import sign_in
 from trainer_bridge.rundir import runfiles
 
@@ -45,17 +45,6 @@ def api(server, path: str, body: dict | None = None) -> dict:
     )
     with urllib.request.urlopen(req) as r:
         return json.load(r)
-
-
-def poll(what: str, probe, job, timeout: float = JOB_TIMEOUT_S):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(0.1)
-    raise JobFailed(f"timed out waiting for {what}: {last}\n{job.logs()}")
 
 
 def forge_finished(run, ranks: int) -> None:
@@ -83,7 +72,7 @@ def test_a_forged_finished_heartbeat_neither_locks_out_the_real_ones_nor_cancels
         env={"RANKWATCH_TOKEN": TOKEN, "RANKWATCH_TICK_S": "0.2", "RANKWATCH_PROCESS_CHECK_AFTER_S": "1"},
     )
     job.wait_for_step(3)
-    poll("both ranks training on the dashboard", lambda: _training(server), job)
+    wait_for_job("both ranks training on the dashboard", lambda: _training(server), job)
 
     forge_finished(run, 2)
     assert api(server, "/api/exit", {"reason": "security: forged end"})["created"] is True
@@ -97,13 +86,13 @@ def test_a_forged_finished_heartbeat_neither_locks_out_the_real_ones_nor_cancels
         back = all(any("a second writer" in w for w in r["warnings"]) and r["seq"] < FORGED_SEQ for r in rs)
         return rs if back else None
 
-    rows = poll("the real heartbeats shown again, flagged as a second writer", real_beats_back, job)
+    rows = wait_for_job("the real heartbeats shown again, flagged as a second writer", real_beats_back, job)
     assert all(r["state"] != "finished" for r in rows), rows
 
     # The stop lands: every rank exits for it at one step, and the job ends by it.
     assert job.wait() == 0, job.logs()
     stop_step, _ = job.stopped_together()
-    done = poll(
+    done = wait_for_job(
         "the stop's outcome",
         lambda: (s := api(server, "/api/exit"))["state"] in ("completed", "rearmed", "not_obeyed") and s,
         job,
