@@ -198,16 +198,20 @@ def test_where_mindcluster_owns_recovery_the_supervisor_only_records(tmp_path):
     assert job.marked() == []
 
 
-def test_the_demo_under_launch_stops_gracefully_on_ctrl_c(tmp_path):
-    """``rankwatch demo``'s way (--supervise): Ctrl-C is a graceful stop through rankwatch launch."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_the_demo_under_launch_stops_gracefully_on_ctrl_c(tmp_path, sig):
+    """``rankwatch demo``'s way (--supervise): Ctrl-C or SIGTERM is a graceful stop through rankwatch
+    launch, and the terminal says where it stopped (issue 33, section 3)."""
     with DemoJob(tmp_path / "demo", epochs=UNTIL_STOPPED, step_delay=0.05, extra=["--supervise"]) as job:
         job.wait_for_step(5)
-        os.kill(job.proc.pid, signal.SIGINT)
+        os.kill(job.proc.pid, sig)
         assert job.wait() == 0, job.logs()
         job.stopped_together()
     (row,) = LaunchJob.rows_of(tmp_path / "demo")
     assert row["cause"]["kind"] == "stop" and row["end"] == "graceful_stop"
-    assert "stopping gracefully" in job.output_path.read_text()
+    said = job.output_path.read_text()
+    assert "stopping gracefully" in said
+    assert f"stopped gracefully at global step {row['last_step']}: every rank saved" in said, said
 
 
 def test_a_job_launched_without_the_supervisor_is_not_trampled(tmp_path):

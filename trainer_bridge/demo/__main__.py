@@ -18,6 +18,7 @@ newest healthy set, and Ctrl-C asks for a graceful stop (twice: at once).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import os
@@ -255,10 +256,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m trainer_bridge.de
     demo_command("demo", dashboard=False).main(argv, prog_name=prog)
 
 
+class _Signalled(SystemExit):
+    """SIGTERM or SIGHUP: the demo ends as Ctrl-C ends it."""
+
+
 def _exit_on_signal(signum, _frame):
     # kill, or the terminal closed: end the job and the dashboard as Ctrl-C
-    # does, rather than leave them running (and the port taken) without us.
-    raise SystemExit(128 + signum)
+    # does (under rankwatch launch, a graceful stop), rather than leave them
+    # running (and the port taken) without us.
+    raise _Signalled(128 + signum)
 
 
 def run(args: SimpleNamespace, extra: list[str]) -> int:
@@ -285,10 +291,12 @@ def run(args: SimpleNamespace, extra: list[str]) -> int:
         if dashboard is not None and dashboard.poll() is None:
             print("rankwatch demo: the dashboard stays up; Ctrl-C to quit", flush=True)
             dashboard.wait()
-    except KeyboardInterrupt:
-        code = 130
+    except (KeyboardInterrupt, _Signalled) as e:
+        code = 130 if isinstance(e, KeyboardInterrupt) else e.code
         if job is not None and job.poll() is None and getattr(args, "supervise", False):
             code = stop_supervised(job)
+            with contextlib.suppress(OSError):  # the terminal may be gone (SIGHUP)
+                print(stopped_line(run_dir), flush=True)
     finally:
         end(job)
         end(dashboard)
@@ -310,6 +318,26 @@ def stop_supervised(job: subprocess.Popen) -> int:
             return job.wait()
         except KeyboardInterrupt:
             job.send_signal(signal.SIGINT)
+
+
+def stopped_line(run_dir: Path) -> str:
+    """What the terminal says once a graceful stop has ended the job: where it stopped, from attempts.jsonl."""
+    from trainer_bridge.rundir import attempts
+
+    try:
+        rows = attempts.fold(attempts.read_lines(run_dir)[0])
+    except OSError:
+        rows = []
+    last = rows[-1] if rows else {}
+    if last.get("end") == "graceful_stop" and last.get("last_step") is not None:
+        return (
+            f"rankwatch demo: stopped gracefully at global step {last['last_step']}: every rank saved a "
+            "checkpoint there; run the same command again to resume from it"
+        )
+    return (
+        "rankwatch demo: the job ended without a graceful stop (see "
+        f"{run_dir / 'msrun_logs'}); the same command resumes from the newest complete checkpoint set"
+    )
 
 
 def launch(args: SimpleNamespace, extra: list[str], run_dir: Path, env: dict) -> subprocess.Popen:
