@@ -28,6 +28,11 @@ LOG_TAIL_BYTES = 64 * 1024
 MAX_ERROR_CHARS = 1000
 
 
+# Once msrun has returned, this long with no worker running ends the attempt as a crash: long
+# enough for a worker between msrun's fork and its exec to show its role, short beside any backoff.
+NO_WORKER_SETTLE_S = 2.0
+
+
 @dataclass
 class Outcome:
     """How an attempt ended, before the supervisor judged progress."""
@@ -113,6 +118,7 @@ class Attempt:
         self.msrun_pid = popen.pid
         self.procs[popen.pid] = procs.Proc(popen.pid, "msrun", None, spawned_at)
         told_interrupt = False
+        no_worker_since: float | None = None
         out = Outcome("done", spawned_at)
         try:
             while True:
@@ -162,9 +168,17 @@ class Attempt:
                     # The scheduler ends on its own once its workers have; the grace bounds it.
                     self._wait_quiet(self.grace_s)
                     break
-                if msrun_done and not workers and not self._find():
-                    # Its workers (and scheduler) died before they could be told apart (a script that
-                    # fails at import takes a tenth of a second): the logs say what happened.
+                live_workers = [
+                    p for q in self._find() if (p := self.procs.get(q.pid)) is not None and p.role == "worker"
+                ]
+                if not (msrun_done and not live_workers):
+                    no_worker_since = None
+                elif no_worker_since is None:
+                    no_worker_since = time.monotonic()
+                if no_worker_since is not None and time.monotonic() - no_worker_since >= NO_WORKER_SETTLE_S:
+                    # msrun has returned and no worker runs, yet none was seen to fail: they died
+                    # before they could be told apart (a script that fails at import takes a tenth
+                    # of a second), and the scheduler may wait for them for ever. The logs say why.
                     out.kind = "crash"
                     quick = sorted((p for p in self.procs.values() if p.failed), key=lambda p: p.gone_at)
                     out.first = quick[0] if quick else self.procs[popen.pid]
