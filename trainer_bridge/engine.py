@@ -40,6 +40,7 @@ from trainer_bridge import saving
 from trainer_bridge.agreement import Agreement
 from trainer_bridge.counters import Counters
 from trainer_bridge.gasp import Gasp
+from trainer_bridge.launcher_tty import tell_launcher
 from trainer_bridge.reporter import Reporter
 from trainer_bridge.rundir import attempts, ckpthealth, runfiles
 from trainer_bridge.rundir.ckptindex import scan
@@ -338,6 +339,11 @@ class Engine:
                 f"{self.run_dir} (rank 0's log names them)"
             )
             log.error("%s", message)
+            if self.rank == 0:
+                # The page and msrun's terminal: the worker log alone is read by nobody.
+                here = attempts.refusal("this run directory", live) if live else message
+                attempts.note_refusal(self.run_dir, here, self.world, socket.gethostname(), os.getpid())
+                tell_launcher(message)
             raise LaunchRefused(message)
         self.launch = f"{halves[0]:06x}{halves[1]:06x}"
         if self.rank == 0:

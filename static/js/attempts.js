@@ -80,6 +80,11 @@ export class Attempts {
     const notes = [];
     if (body.error) notes.push(body.error);
     if (body.skipped_lines) notes.push(`${plural(body.skipped_lines, "line")} of attempts.jsonl skipped as invalid`);
+    // A second launch into this run directory, turned away by its rank 0: its own logs are elsewhere.
+    for (const r of Array.isArray(body.refused) ? body.refused : []) {
+      const when = new Date(r.at * 1000).toLocaleString();
+      notes.push(`A second launch into this run directory was refused at ${when} (pid ${r.pid} on ${r.host}): ${r.reason}`);
+    }
     this.say(notes.join("; "));
     const key = JSON.stringify(body);
     if (key === this.last) return;

@@ -232,3 +232,21 @@ class AttemptSupervised(_Model):
     note: Annotated[str, Field(max_length=MAX_ERROR)] | None = Field(
         None, description="what the supervisor said: a set passed over, why the run ended"
     )
+
+
+class AttemptRefused(_Model):
+    """A refused line: a launch into the run directory while another launch's ranks were alive.
+
+    Its rank 0 appends it before it exits: msrun sends a worker's output to
+    its log, so without this line the page and the person who launched it
+    never learn why the second job ended.
+    """
+
+    kind: Literal["refused"] = Field(description="`refused`")
+    at: UnixTime = Field(description="when the launch was refused")
+    host: Host = Field(description="the refused launch's rank 0 host")
+    pid: Pid = Field(description="its rank 0 process id")
+    world_size: WorldSize = Field(description="ranks in the refused launch")
+    reason: Annotated[str, Field(max_length=MAX_ERROR)] = Field(
+        description="the refusal, naming the live ranks"
+    )
