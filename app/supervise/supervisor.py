@@ -17,9 +17,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from app.supervise import lock, policy, procs
+from app.supervise import lock, policy, procs, rollback
 from app.supervise.attempt import Attempt, Outcome
 from app.supervise.command import Msrun
 from trainer_bridge.rundir import attempts, gaspfiles, runfiles, schema
@@ -38,6 +38,7 @@ class Options:
     no_progress: int = 3
     poll_s: float = 0.2
     gasp_s: float = 5.0
+    rollback: rollback.Settings = field(default_factory=rollback.Settings)
 
 
 class Signals:
@@ -146,7 +147,7 @@ class Supervisor:
             if relaunch_env is None:
                 return code
             env = relaunch_env
-            first_step = int(env.get(runfiles.RESUME_STEP_ENV, "0")) + 1
+            first_step = rollback.data_step(env) + 1
 
     def _pinned_step(self, env: dict) -> int:
         step = env.get(runfiles.RESUME_STEP_ENV, "")
@@ -296,6 +297,10 @@ class Supervisor:
         )
         if not outcome.clean:
             self.say("WARNING: a process of the attempt survived SIGKILL (uninterruptible sleep?)")
+        if cause["kind"] == "stop" and not self.signals.count:
+            rolled = self._rollback(outcome, base, number)
+            if rolled is not None:
+                return rolled
         if cause["kind"] != "crash":
             code = policy.INTERRUPTED if cause["kind"] == "interrupted" else policy.OK
             self._write(base, action="end", exit_code=code)
@@ -344,6 +349,33 @@ class Supervisor:
             resume=resume,
             note="; ".join(notes)[: schema.MAX_ERROR] if notes else None,
         )
+        return policy.OK, env
+
+    def _rollback(self, outcome: Outcome, base: dict, number: int) -> tuple[int, dict | None] | None:
+        """A stop the loss-spike detector asked for (``rollback.py``): roll back, or end needing attention."""
+        req = rollback.pending(self.run_dir, outcome.spawned_at, self.say)
+        if req is None:
+            return None
+        world, settings = self.opts.command.worker_num, self.opts.rollback
+        d = rollback.decide(self.run_dir, world, req, settings, self.say)
+        if d.code is None:
+            rollback.confirm(self.run_dir, world, d, settings, req, self.say)
+        base = {**base, "cause": {**d.cause, "before_first_step": base["cause"]["before_first_step"]}}
+        self.say(d.said)
+        note = d.said[: schema.MAX_ERROR]
+        if d.code is not None:
+            self._write(base, action="end", exit_code=d.code, note=note)
+            return d.code, None
+        env = rollback.environment({**os.environ, procs.MARK_ENV: self.mark}, d)
+        self._write(
+            base,
+            action="relaunch",
+            restarted_by="launch",
+            relaunched_at=time.time(),
+            resume=d.resume,
+            note=note,
+        )
+        rollback.committed(self.run_dir, d, number + 1, self.say)
         return policy.OK, env
 
     def _stop_asked_since(self, since: float) -> bool:
