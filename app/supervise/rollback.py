@@ -273,11 +273,8 @@ def committed(run_dir: str, decision: Decision, attempt: int, say: Callable[[str
 
 def data_step(env: dict) -> int:
     """The global step the relaunched job's data (and step count) resumes at, by the bridge's rule."""
-    resumed = int(env.get(runfiles.RESUME_STEP_ENV) or 0)
-    skip = int(env.get(rollbacks.SKIP_BATCHES_ENV) or 0)
-    start = env.get(rollbacks.SKIP_FROM_ENV)
-    base = int(start) - 1 if start else resumed
-    return max(resumed, base + skip) if skip else resumed
+    resumed = env.get(runfiles.RESUME_STEP_ENV, "")
+    return rollbacks.data_step(int(resumed) if resumed.isdigit() else 0, env)
 
 
 def environment(base: dict, decision: Decision | None) -> dict:
