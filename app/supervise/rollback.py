@@ -31,6 +31,9 @@ end the run (``decide``):
    the next one is taken and the note says so. The request is cleared and a
    ``relaunched`` line appended.
 
+A later relaunch after a crash, resumed from a set older than the data the
+last rollback skipped, skips it again (``carry``).
+
 A request asked before the attempt started is stale (its attempt is gone):
 it is cleared and the stop ends the run as any stop does. So is a stop
 asked by Ctrl-C or SIGTERM to the supervisor: the operator's stop wins.
@@ -275,6 +278,24 @@ def data_step(env: dict) -> int:
     """The global step the relaunched job's data (and step count) resumes at, by the bridge's rule."""
     resumed = env.get(runfiles.RESUME_STEP_ENV, "")
     return rollbacks.data_step(int(resumed) if resumed.isdigit() else 0, env)
+
+
+def carry(run_dir: str, resumed: int) -> dict:
+    """The last rollback's skip, for any later resume from a set older than the data it skipped.
+
+    A crash after a rollback may leave no newer healthy set than the target:
+    resumed there without the skip, the job would train the bad batches again.
+    """
+    lines, _ = rollbacks.read_lines(run_dir)
+    last = next((ln for ln in reversed(lines) if ln.kind == "relaunched"), None)
+    if last is None or last.target_step is None or not last.target_step <= resumed:
+        return {}
+    env = {rollbacks.SKIP_FROM_ENV: str(last.first_step), rollbacks.SKIP_BATCHES_ENV: str(last.skip_batches)}
+    if rollbacks.data_step(resumed, env) <= resumed:
+        return {}
+    if last.rung > 1:
+        env[rollbacks.LR_SCALE_ENV] = repr(LR_SCALE_PER_RUNG ** (last.rung - 1))
+    return env
 
 
 def environment(base: dict, decision: Decision | None) -> dict:

@@ -114,6 +114,7 @@ class Supervisor:
             choice = policy.choose_resume(self.run_dir, self.opts.command.worker_num)
             if choice.global_step is not None:
                 env[runfiles.RESUME_STEP_ENV] = str(choice.global_step)
+                env.update(rollback.carry(self.run_dir, choice.global_step))
                 self.say(f"resuming from set {choice.set_id} (global step {choice.global_step})")
             if choice.note:
                 self.say(choice.note)
@@ -329,11 +330,12 @@ class Supervisor:
             if self._sleep(wait):
                 self._write(base, action="end", exit_code=policy.OK, note="stopped during the backoff")
                 return policy.OK, None
-        env = {k: v for k, v in os.environ.items() if k != runfiles.RESUME_STEP_ENV}
+        env = rollback.environment(dict(os.environ), None)
         env[procs.MARK_ENV] = self.mark
         resume = None
         if choice.global_step is not None:
             env[runfiles.RESUME_STEP_ENV] = str(choice.global_step)
+            env.update(rollback.carry(self.run_dir, choice.global_step))
             resume = {"set": choice.set_id, "global_step": choice.global_step}
             self.say(f"resuming from set {choice.set_id} (global step {choice.global_step})")
         else:

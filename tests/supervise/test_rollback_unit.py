@@ -199,3 +199,17 @@ def test_the_rollback_environment_is_dropped_from_any_other_relaunch():
     assert rollback.data_step({runfiles.RESUME_STEP_ENV: "20", rollbacks.SKIP_BATCHES_ENV: "5"}) == 25
     env = {runfiles.RESUME_STEP_ENV: "20", rollbacks.SKIP_BATCHES_ENV: "1", rollbacks.SKIP_FROM_ENV: "5"}
     assert rollback.data_step(env) == 20
+
+
+def test_a_crash_relaunch_from_a_set_before_the_skipped_data_skips_it_again(run_dir):
+    for step in (10, 20):
+        periodic(run_dir, step)
+    assert rollback.carry(str(run_dir), 20) == {}
+    d = rollback.decide(str(run_dir), 2, request(first_step=25, skip=10), rollback.Settings(), Said())
+    rollback.committed(str(run_dir), d, 2, Said())
+    assert rollback.carry(str(run_dir), 20) == {
+        rollbacks.SKIP_FROM_ENV: "25",
+        rollbacks.SKIP_BATCHES_ENV: "10",
+    }
+    # A set past the skipped data (34) needs no skip; one older than the target is another story.
+    assert rollback.carry(str(run_dir), 34) == {} and rollback.carry(str(run_dir), 10) == {}
