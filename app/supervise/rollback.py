@@ -85,6 +85,17 @@ def evidence_text(ev: rollbacks.Evidence) -> str:
     return f"{ev.rule}: rank {ev.rank} at global step {ev.step}: {value}{level}"
 
 
+def describe(cause: dict) -> str:
+    """A rollback cause in one line, as the terminal, ``rankwatch status`` and the page say it."""
+    text = f"loss-spike rollback ({cause.get('rule')}): {cause.get('evidence') or '?'}"
+    if cause.get("to_step") is not None:
+        text += (
+            f"; from global step {cause.get('from_step')} back to global step {cause['to_step']} "
+            f"(set {cause.get('to_set')}), {cause.get('skip_batches')} batches skipped past it"
+        )
+    return text
+
+
 def abnormal_spans(lines: list[rollbacks.Line]) -> list[tuple[int, int]]:
     """The global steps the detector's record shows abnormal: each line's first step to its evidence's."""
     spans = set()

@@ -483,7 +483,9 @@ def procs_exit(p: procs.Proc | None) -> int | None:
 
 
 def describe(cause: dict) -> str:
-    """A crash cause in one line: who, how, and the error line."""
+    """A crash cause in one line: who, how, and the error line (a rollback: ``rollback.describe``)."""
+    if cause.get("kind") == "rollback":
+        return rollback.describe(cause)
     who = {"worker": f"rank {cause.get('rank')}", "scheduler": "the scheduler", "msrun": "msrun"}.get(
         cause.get("role") or "", "a process"
     )

@@ -10,6 +10,7 @@ import struct
 import time
 
 from app.supervise import policy, rollback
+from app.supervise.supervisor import describe
 from tests.helpers import ckptcraft
 from tests.helpers.checkpoints import periodic, sid
 from trainer_bridge.rundir import rollbacks, runfiles
@@ -74,6 +75,10 @@ def test_the_target_is_the_newest_finite_set_before_the_spike_and_the_nan_breakp
         "to_set": sid(20),
         "to_step": 20,
     }
+    assert describe(d.cause) == (
+        "loss-spike rollback (nonfinite): nonfinite: rank 1 at global step 48: nan; from global step 45 back "
+        f"to global step 20 (set {sid(20)}), 20 batches skipped past it"
+    )
     assert rollback.confirm(str(run_dir), 2, d, rollback.Settings(), req, said) is None
     rollback.committed(str(run_dir), d, 2, said)
     (line,) = rollbacks.read_lines(run_dir)[0]
