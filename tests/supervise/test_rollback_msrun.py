@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from tests.helpers.faults import measure
 from tests.helpers.jobs import write_flag
 from tests.helpers.launch import LaunchJob
 from trainer_bridge.rundir import rollbacks, runfiles
@@ -64,6 +65,7 @@ def test_a_nan_from_step_k_is_rolled_back_to_the_last_healthy_set_and_the_bad_ba
             ),
         )
         write_flag(run, "req-spike", who="policy", reason="nonfinite")
+        t_asked = time.time()
         assert job.wait() == 0, job.output()
     a, b = job.rows()
     data_step = first - 1 + SKIP
@@ -100,3 +102,9 @@ def test_a_nan_from_step_k_is_rolled_back_to_the_last_healthy_set_and_the_bad_ba
     assert (line.target_step, line.skip_batches, line.attempt, line.first_step) == (20, SKIP, 2, first)
     assert rollbacks.read_request(run) == (None, None)
     assert "rolling back to set" in job.output() and job.marked() == []
+    sup = a["supervisor"]
+    measure("rollback: stop asked to attempt ended", sup["ended_at"] - t_asked, first_step=first)
+    measure(
+        "rollback: attempt ended to relaunched (the target's choice)", sup["relaunched_at"] - sup["ended_at"]
+    )
+    measure("rollback: relaunched to the bridge's start", b["started_at"] - sup["relaunched_at"])
