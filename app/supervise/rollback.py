@@ -35,8 +35,10 @@ A later relaunch after a crash, resumed from a set older than the data the
 last rollback skipped, skips it again (``carry``).
 
 A request asked before the attempt started is stale (its attempt is gone):
-it is cleared and the stop ends the run as any stop does. So is a stop
-asked by Ctrl-C or SIGTERM to the supervisor: the operator's stop wins.
+it is cleared and the stop ends the run as any stop does. A request that
+joined an operator's stop (the flag's ``requested_by`` names someone, not
+``policy``), and a stop asked by Ctrl-C or SIGTERM to the supervisor, end
+the run too: the operator's stop wins.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from app.audit import POLICY  # the flag's ``requested_by`` of a stop the policy asked
 from app.supervise import policy
 from trainer_bridge.rundir import ckptindex, rollbacks, runfiles
 
@@ -141,9 +144,25 @@ def pending(run_dir: str, since: float, say: Callable[[str], None]) -> rollbacks
         req = None
     elif req is None:
         return None
+    elif (who := operator(run_dir)) is not None:
+        say(
+            f"a loss-spike rollback was pending, but the stop was asked by {who[:100]!r}, not the policy: "
+            "the run ends as asked (the request is cleared)"
+        )
+        req = None
     if req is None:
         _clear(run_dir, say)
     return req
+
+
+def operator(run_dir: str) -> str | None:
+    """Who asked the stop, when the flag names someone other than the policy (their stop wins)."""
+    try:
+        flag = runfiles.read_flag(run_dir)
+    except (OSError, runfiles.FlagError):
+        return None
+    who = flag.raw.get("requested_by") if flag is not None and flag.exit else None
+    return who if isinstance(who, str) and who and who != POLICY else None
 
 
 def decide(

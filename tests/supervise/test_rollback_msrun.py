@@ -5,7 +5,7 @@ from K on its weights and losses are NaN on both ranks. The test plays the
 detector's part, as the contract between the two halves says
 (``trainer_bridge/rundir/rollbacks.py``): once a rank's heartbeat shows a
 non-finite loss, it writes the pending request and a ``requested`` line,
-and asks for the graceful stop through the flag, who = ``policy``. Every
+and asks for the graceful stop through the flag, ``requested_by`` = ``policy``. Every
 wait is for an event; the timeouts are failure guards.
 """
 
@@ -64,7 +64,7 @@ def test_a_nan_from_step_k_is_rolled_back_to_the_last_healthy_set_and_the_bad_ba
                 kind="requested", at=req.asked_at, rule="nonfinite", evidence=ev, first_step=first
             ),
         )
-        write_flag(run, "req-spike", who="policy", reason="nonfinite")
+        write_flag(run, "req-spike", requested_by="policy", reason="nonfinite")
         t_asked = time.time()
         assert job.wait() == 0, job.output()
     a, b = job.rows()

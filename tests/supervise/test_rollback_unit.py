@@ -188,6 +188,18 @@ def test_a_stale_or_bad_request_is_cleared_and_ignored(run_dir):
     assert "rollback.json" in said[-1] and not path.exists()
 
 
+def test_a_request_that_joined_an_operators_stop_ends_the_run_as_asked(run_dir):
+    said = Said()
+    rollbacks.write_request(run_dir, request(first_step=25))
+    runfiles.write_flag(run_dir, True, request_id="r1", requested_by="alice", reason="done for today")
+    assert rollback.pending(str(run_dir), since=0, say=said) is None
+    assert "the stop was asked by 'alice', not the policy" in said[-1]
+    assert rollbacks.read_request(run_dir) == (None, None)
+    rollbacks.write_request(run_dir, request(first_step=25))
+    runfiles.write_flag(run_dir, True, request_id="r2", requested_by="policy", reason="nonfinite")
+    assert rollback.pending(str(run_dir), since=0, say=said).first_step == 25
+
+
 def test_rollback_relaunches_do_not_spend_the_restart_budget():
     recs = [
         {"kind": "supervised", "restarted_by": "launch", "cause": {"kind": "rollback"}, "last_step": 30},
