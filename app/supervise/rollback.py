@@ -134,8 +134,13 @@ def rung_for(req: rollbacks.Request, lines: list[rollbacks.Line], cooldown: int)
     return rung, min(skip, 1 << 40)
 
 
-def pending(run_dir: str, since: float, say: Callable[[str], None]) -> rollbacks.Request | None:
-    """The request asked during the attempt that began at ``since``; a stale or bad one is cleared."""
+def pending(
+    run_dir: str, since: float, say: Callable[[str], None], stopped_by: str | None = None
+) -> rollbacks.Request | None:
+    """The request asked during the attempt that began at ``since``; a stale or bad one is cleared.
+
+    ``stopped_by``: the operator asked the supervisor itself to stop (Ctrl-C, SIGTERM): their stop wins.
+    """
     req, bad = rollbacks.read_request(run_dir)
     if bad:
         say(f"loss-spike rollback request ignored: {bad}")
@@ -144,9 +149,9 @@ def pending(run_dir: str, since: float, say: Callable[[str], None]) -> rollbacks
         req = None
     elif req is None:
         return None
-    elif (who := operator(run_dir)) is not None:
+    elif (who := stopped_by or operator(run_dir)) is not None:
         say(
-            f"a loss-spike rollback was pending, but the stop was asked by {who[:100]!r}, not the policy: "
+            f"a loss-spike rollback was pending, but the stop was asked by {who[:100]}, not the policy: "
             "the run ends as asked (the request is cleared)"
         )
         req = None
@@ -162,7 +167,7 @@ def operator(run_dir: str) -> str | None:
     except (OSError, runfiles.FlagError):
         return None
     who = flag.raw.get("requested_by") if flag is not None and flag.exit else None
-    return who if isinstance(who, str) and who and who != POLICY else None
+    return repr(who) if isinstance(who, str) and who and who != POLICY else None
 
 
 def decide(

@@ -298,7 +298,7 @@ class Supervisor:
         )
         if not outcome.clean:
             self.say("WARNING: a process of the attempt survived SIGKILL (uninterruptible sleep?)")
-        if cause["kind"] == "stop" and not self.signals.count:
+        if cause["kind"] == "stop":
             rolled = self._rollback(outcome, base, number)
             if rolled is not None:
                 return rolled
@@ -355,7 +355,8 @@ class Supervisor:
 
     def _rollback(self, outcome: Outcome, base: dict, number: int) -> tuple[int, dict | None] | None:
         """A stop the loss-spike detector asked for (``rollback.py``): roll back, or end needing attention."""
-        req = rollback.pending(self.run_dir, outcome.spawned_at, self.say)
+        by = "Ctrl-C or SIGTERM to rankwatch launch" if self.signals.count else None
+        req = rollback.pending(self.run_dir, outcome.spawned_at, self.say, by)
         if req is None:
             return None
         world, settings = self.opts.command.worker_num, self.opts.rollback

@@ -198,6 +198,9 @@ def test_a_request_that_joined_an_operators_stop_ends_the_run_as_asked(run_dir):
     rollbacks.write_request(run_dir, request(first_step=25))
     runfiles.write_flag(run_dir, True, request_id="r2", requested_by="policy", reason="nonfinite")
     assert rollback.pending(str(run_dir), since=0, say=said).first_step == 25
+    assert rollback.pending(str(run_dir), 0, said, "Ctrl-C or SIGTERM to rankwatch launch") is None
+    assert "asked by Ctrl-C or SIGTERM to rankwatch launch, not the policy" in said[-1]
+    assert rollbacks.read_request(run_dir) == (None, None)
 
 
 def test_rollback_relaunches_do_not_spend_the_restart_budget():
