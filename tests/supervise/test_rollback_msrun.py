@@ -73,6 +73,7 @@ def test_a_nan_from_step_k_is_rolled_back_to_the_last_healthy_set_and_the_bad_ba
     # later hold NaN weights; 20 is older than the first step minus the margin of 1).
     cause = a["cause"]
     assert a["end"] == "graceful_stop" and a["restarted_by"] == "launch", job.output()
+    assert a["stop_by"] == "policy" and a["request_id"] == "req-spike"
     assert (cause["kind"], cause["rule"], cause["from_step"], cause["to_step"], cause["skip_batches"]) == (
         "rollback",
         "nonfinite",
