@@ -57,6 +57,27 @@ import click
     help="After a rank dies, wait at most this long for a survivor to save its replica (the dying gasp) "
     "before ending the attempt; 0: off.",
 )
+@click.option(
+    "--max-rollbacks",
+    type=click.IntRange(min=0),
+    default=3,
+    show_default=True,
+    help="Loss-spike rollbacks allowed in this run directory (rollbacks.jsonl); past it exit 7.",
+)
+@click.option(
+    "--rollback-margin",
+    type=click.IntRange(min=0),
+    default=1,
+    show_default=True,
+    help="A rollback target is older than the spike's first step minus this many steps.",
+)
+@click.option(
+    "--rollback-cooldown-steps",
+    type=click.IntRange(min=0),
+    default=100,
+    show_default=True,
+    help="A spike within this many steps past a rollback's skipped data is the same place: the next rung.",
+)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
 def launch(
     run_dir: Path,
@@ -65,6 +86,9 @@ def launch(
     grace_s: float,
     no_progress: int,
     gasp_s: float,
+    max_rollbacks: int,
+    rollback_margin: int,
+    rollback_cooldown_steps: int,
     command: tuple,
 ) -> None:
     """Run an msrun job and relaunch it from the newest healthy checkpoint set when it fails.
@@ -79,10 +103,12 @@ def launch(
     Exit status: 0 finished or stopped; 1 failed and not relaunched (a stop
     was asked, or MindIO TTP/MindCluster own recovery); 2 usage; 3 refused
     (another supervisor, or a live job, in the run directory); 4 restart
-    budget used up; 5 the same failure twice before the first step; 93 no
-    progress; 130 ended at once by a second Ctrl-C.
+    budget used up; 5 the same failure twice before the first step; 6 a
+    loss-spike rollback found no healthy set; 7 the rollback budget is used
+    up; 93 no progress; 130 ended at once by a second Ctrl-C.
     """
     from app.supervise.command import NotMsrun, parse
+    from app.supervise.rollback import Settings
     from app.supervise.supervisor import Options, Supervisor
 
     try:
@@ -109,5 +135,6 @@ def launch(
         grace_s=grace_s,
         no_progress=no_progress,
         gasp_s=gasp_s,
+        rollback=Settings(max_rollbacks, rollback_margin, rollback_cooldown_steps),
     )
     raise SystemExit(Supervisor(opts, request_stop).run())

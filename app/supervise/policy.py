@@ -19,6 +19,7 @@ them rather than starting afresh:
 
 from __future__ import annotations
 
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 
 from app.supervise import finite
@@ -32,6 +33,8 @@ REFUSED = 3
 BUDGET = 4
 STARTUP = 5
 NO_PROGRESS = 93  # as nvidia-resiliency-ext: do not requeue
+ROLLBACK_REFUSED = 6  # a loss-spike rollback found no healthy set to go back to: needs attention
+ROLLBACK_EXHAUSTED = 7  # MAX_ROLLBACKS loss-spike rollbacks spent in this run: needs attention
 INTERRUPTED = 130
 MAX_BACKOFF_S = 300.0
 
@@ -48,9 +51,10 @@ class History:
 
     def add(self, rec: dict) -> None:
         """Fold one supervised record (oldest first)."""
-        if rec.get("restarted_by") == "launch":
-            self.restarts += 1
         cause = rec["cause"]
+        # A loss-spike rollback has its own budget (rollback.py, rollbacks.jsonl), not the restarts'.
+        if rec.get("restarted_by") == "launch" and cause["kind"] != "rollback":
+            self.restarts += 1
         if cause["kind"] != "crash":
             return
         last = rec.get("last_step")
@@ -115,7 +119,15 @@ class ResumeChoice:
 SCAN_BUDGET_BYTES = 8 << 30
 
 
-def choose_resume(run_dir: str, world_size: int, max_named: int = 5) -> ResumeChoice:
+def choose_resume(
+    run_dir: str,
+    world_size: int,
+    max_named: int = 5,
+    *,
+    before_step: int | None = None,
+    more_unhealthy: Mapping[str, str] | None = None,
+    exclude: Container[str] = (),
+) -> ResumeChoice:
     """The newest set that is complete across ``world_size`` ranks and healthy, of any origin.
 
     Newer sets that are incomplete, corrupt or unhealthy (``ckpthealth``: a
@@ -124,16 +136,24 @@ def choose_resume(run_dir: str, world_size: int, max_named: int = 5) -> ResumeCh
     the files, up to ``SCAN_BUDGET_BYTES`` in all: past it a set is taken
     unread) are passed over and named. A set without a global step cannot be
     pinned (``RANKWATCH_RESUME_STEP``) and is passed over too.
+
+    A rollback (``rollback.py``) asks for a set older than ``before_step``
+    only, with its own evidence of bad sets (``more_unhealthy``), and without
+    the sets in ``exclude`` (a target deleted meanwhile).
     """
     index = ckptindex.scan(run_dir, world_size=world_size)
-    unhealthy = ckpthealth.unhealthy(run_dir, index)
+    unhealthy = {**ckpthealth.unhealthy(run_dir, index), **(more_unhealthy or {})}
     passed: list[str] = []
     budget = SCAN_BUDGET_BYTES
     # Newest first; at one global step the bridge's own set first, as the bridge itself picks it.
     ordered = sorted(
         index.sets, key=lambda s: (s.global_step is None, -(s.global_step or 0), s.origin != ORIGIN_BRIDGE)
     )
+    if before_step is not None:
+        ordered = [s for s in ordered if s.global_step is not None and s.global_step < before_step]
     for s in ordered:
+        if s.id in exclude:
+            continue
         why = None
         if s.ranks_corrupt:
             why = f"corrupt on rank(s) {', '.join(map(str, s.ranks_corrupt[:8]))}"

@@ -35,11 +35,22 @@ export function endText(a) {
 
 // The cause rankwatch launch recorded (a crash's rank, signal or status, error line).
 export function causeText(c) {
+  if (c && c.kind === "rollback") return rollbackText(c);
   if (!c || c.kind !== "crash") return "";
   const who = c.role === "worker" ? `rank ${c.rank}` : (c.role || "a process");
   const how = c.signal ? `killed by ${c.signal}` : `exit status ${c.exit_code}`;
   const where = c.host ? ` on ${c.host}` : "";
   return `${who}${where} ${how}${c.error ? `: ${c.error}` : ""}`;
+}
+
+// A loss-spike rollback (rankwatch launch, issue 34): the rule, the evidence, from where to where.
+function rollbackText(c) {
+  let text = `loss-spike rollback (${c.rule || "?"}${c.rung > 1 ? `, rung ${c.rung}` : ""})`;
+  if (c.evidence) text += `: ${c.evidence}`;
+  if (typeof c.from_step === "number") text += `; from global step ${formatCount(c.from_step)}`;
+  if (typeof c.to_step === "number") text += ` back to global step ${formatCount(c.to_step)} (set ${c.to_set || "?"})`;
+  if (typeof c.skip_batches === "number") text += `, ${plural(c.skip_batches, "batch", "batches")} skipped past it`;
+  return text;
 }
 
 // The downtime of a restart, in its parts (seconds).
@@ -131,6 +142,13 @@ export class Attempts {
       replay.textContent = ` · trained global steps ${formatCount(a.replayed[0])}–${formatCount(a.replayed[1])} `
         + "again (a branch: it resumed from an older set)";
       li.append(replay);
+    }
+    if (Array.isArray(a.skipped)) {
+      const skip = document.createElement("span");
+      skip.className = "attempt-skipped";
+      skip.textContent = ` · skipped the batches of global steps ${formatCount(a.skipped[0])}–`
+        + `${formatCount(a.skipped[1])}, untrained (a loss-spike rollback)`;
+      li.append(skip);
     }
     const end = document.createElement("span");
     end.className = "attempt-end";

@@ -366,7 +366,15 @@ class AttemptLog:
         self._roll_until = 0.0
         self._logged: set[str] = set()
 
-    def begin(self, *, started_at: float, resumed, first_step: int, beats: list[tuple[int, dict]]) -> None:
+    def begin(
+        self,
+        *,
+        started_at: float,
+        resumed,
+        first_step: int,
+        beats: list[tuple[int, dict]],
+        skipped: list[int] | None = None,
+    ) -> None:
         """Append this launch's start line (and an end line for a previous launch that wrote none).
 
         ``beats``: the run's heartbeats as read before this launch wrote any.
@@ -375,11 +383,11 @@ class AttemptLog:
         if self.number is not None:
             return  # a second model.train on the same bridge: the same launch
         try:
-            self._begin(started_at, resumed, first_step, beats)
+            self._begin(started_at, resumed, first_step, beats, skipped)
         except (OSError, schema.SchemaError, ValueError) as e:
             self._log_once("begin", "rankwatch: attempts.jsonl not written (training continues): %s", e)
 
-    def _begin(self, started_at: float, resumed, first_step: int, beats) -> None:
+    def _begin(self, started_at: float, resumed, first_step: int, beats, skipped=None) -> None:
         try:
             records, _ = read_lines(self.run_dir)
         except OSError as e:
@@ -423,6 +431,7 @@ class AttemptLog:
             first_step=first_step,
             previous_last_step=prev_last,
             replayed=replayed,
+            skipped=skipped,
         )
         self._append(start)
         self.number = number
