@@ -141,7 +141,7 @@ class HubState(RunState):
         return {
             "status": kind,
             "message": message,
-            "run_dir": str(self.run_dir or ""),
+            "run_dir": str(self.shown_dir or ""),
             "transport": "agents",
             "hosts": len(hub.hosts),
             "agents_lost": len(lost),
