@@ -66,6 +66,8 @@ class RunState:
         redis=None,
     ):
         self.run_dir = Path(run_dir) if run_dir else None
+        # A run under --runs is its descriptor (app/runs/pinned.py): held open while this reads by it.
+        self._pinned = run_dir
         # What the status line names (under --runs, the run's path as found, not its descriptor's).
         self.shown_dir = Path(safeio.shown(run_dir)) if run_dir else None
         self.thresholds = Thresholds.from_config(config)
