@@ -163,7 +163,10 @@ class Neighbour:
             if os.path.islink(root / name):
                 os.unlink(root / name)
             else:
-                shutil.rmtree(root / name)
+                # Renamed away first: in the race mode a watcher may still be writing into it (its
+                # audit trail), and an rmtree racing that write can fail; the name is free anyway.
+                self.put_aside(name)
+                shutil.rmtree(root / f"aside{self.aside}", ignore_errors=True)
         return kind
 
 
