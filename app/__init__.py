@@ -108,7 +108,7 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
 
     registry = Registry(
         app.config,
-        lambda path, run_id: build(path, app.config, room=run_id),
+        lambda path, run_id: build(path, app.config, run_id=run_id, room=run_id),
         single=None if app.config["RUNS_ROOT"] else (single_id(app.config["RUN_DIR"] or "."), rw),
         start_task=socketio.start_background_task,
         sleep=socketio.sleep,

@@ -31,6 +31,7 @@ from app.run.logmode.kept import KeptAttempts
 from app.run.state import RunState
 from app.runs import ids
 from app.stop.service import StopService
+from trainer_bridge.rundir import safeio
 
 
 def _thread(fn, *args) -> threading.Thread:
@@ -59,7 +60,8 @@ def build(
     for the one run of ``--run-dir``, today's rooms; else the run id, so
     pushes never mix runs). ``cluster``: several dashboards behind one Redis.
     """
-    config = {**config, "RUN_DIR": run_dir or ""}
+    # What alerts name; a run under --runs is held by its descriptor (app/runs/pinned.py).
+    config = {**config, "RUN_DIR": safeio.shown(run_dir) if run_dir else ""}
     start_task = socketio.start_background_task if live else _thread
     emit = functools.partial(push.emit, socketio, run=room) if live else (lambda event, payload: None)
     # The default trail lives in the run directory: walked from it, following no symlink.

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from typing import Annotated, Any, Literal, NotRequired
 
@@ -151,6 +152,9 @@ class Digest(TypedDict):
     samples_per_s: Annotated[float, Field(ge=0, le=1e15)] | None
     stop_stages: dict[Short, Annotated[int, Field(ge=0, le=MAX_HOST_RANKS)]]
     flag: NotRequired[Annotated[float, Field(ge=0)] | None]  # the hub flag's version this agent applied
+    # Why the agent refused the hub's flag value it read last (unsigned, stale, older, out of
+    # bounds: issue 32, P4), None once a good one comes: the page says so.
+    flag_problem: NotRequired[Annotated[str, Field(max_length=300)] | None]
     # The version of the host's checkpoint listing (None: not listed yet); the hub asks for the
     # listing only when it changes (``HubState.checkpoint_files``).
     ckpt: NotRequired[ListingVersion | None]
@@ -275,19 +279,49 @@ def unseal(value: bytes, purpose: str, name: str, key: bytes | None, run: str, m
     return body
 
 
-def flag_value(raw: bytes, version: float, key: bytes | None, run: str) -> bytes:
-    """The ``{p}:flag`` value: the flag file's bytes and its version, signed with a key."""
-    return seal({"flag": raw.decode(), "version": version}, "flag", "hub", key, run)
+# How far the hub's publication time (``at``) may be from an agent's clock, either way (issue 32, P4).
+# The hub publishes its flag every tick, so a genuine value is never older than a tick or two: an
+# older one is a replay (or the clocks are apart, which the agent then says). The flag's version (its
+# file's mtime on the hub) may not be ahead of the agent's clock by more either: a version of 1e300
+# would make every later stop "older".
+FLAG_FRESH_S = 60.0
 
 
-def open_flag(value: bytes, key: bytes | None, run: str) -> tuple[bytes, float]:
-    """(flag file bytes, version) of a ``{p}:flag`` value; ValueError if unsigned, bad or malformed."""
+def flag_value(
+    raw: bytes, version: float, key: bytes | None, run: str, *, request_id: str | None, at: float
+) -> bytes:
+    """The ``{p}:flag`` value: the flag file's bytes, its version, the request it is and when the hub
+    published it, signed with a key."""
+    body = {"flag": raw.decode(), "version": version, "request_id": request_id, "at": at}
+    return seal(body, "flag", "hub", key, run)
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def open_flag(
+    value: bytes, key: bytes | None, run: str, now: float
+) -> tuple[bytes, float, float, str | None]:
+    """(flag file bytes, version, publication time, request id) of a ``{p}:flag`` value, as of ``now``.
+
+    ValueError if unsigned, bad or malformed, published more than ``FLAG_FRESH_S`` from ``now`` either way, or with a version out of bounds.
+    """
     inner: Any = json.loads(unseal(value, "flag", "hub", key, run, 4 * 65536))
     if not (
         isinstance(inner, dict)
         and isinstance(inner.get("flag"), str)
-        and isinstance(inner.get("version"), int | float)
-        and not isinstance(inner.get("version"), bool)
+        and _number(inner.get("version"))
+        and _number(inner.get("at"))
+        and (inner.get("request_id") is None or isinstance(inner.get("request_id"), str))
     ):
         raise ValueError("a malformed flag value")
-    return inner["flag"].encode(), float(inner["version"])
+    version, at = float(inner["version"]), float(inner["at"])
+    if not 0 <= version <= now + FLAG_FRESH_S:
+        raise ValueError(f"a flag version out of bounds ({version:.6g}, this host's clock is {now:.0f})")
+    if abs(now - at) > FLAG_FRESH_S:
+        raise ValueError(
+            f"a flag published {now - at:.0f} s from this host's clock (at most {FLAG_FRESH_S:g}): "
+            "a replayed value, or the hub's and this host's clocks are apart"
+        )
+    return inner["flag"].encode(), version, at, inner["request_id"]

@@ -492,6 +492,8 @@ class Hub(redisbus.Guarded):
             "refused_last": self.refused_last,
             "ask_timeouts": self.ask_timeouts,
             "listings_pending": self.listings_pending,
+            # Agents that refuse the hub's stop flag read from Redis (issue 32, P4).
+            "flag_refused_by": sorted(h for h, v in self.hosts.items() if v.digest.get("flag_problem")),
         }
 
     def world_size(self) -> int:
@@ -502,17 +504,22 @@ class Hub(redisbus.Guarded):
         return self._world
 
     # ------------------------------------------------------------------ the stop, to the agents
-    def publish_flag(self, raw: bytes, version: float) -> None:
-        """Put the hub's flag (its file's bytes) where the agents read it, once per change."""
-        sent = (raw, version)
-        if sent == self._flag_sent:
-            return
-        value = dg.flag_value(raw, version, self.key, self.run)
+    def publish_flag(
+        self, raw: bytes, version: float, request_id: str | None, now: float | None = None
+    ) -> None:
+        """Put the hub's flag (its file's bytes) where the agents read it, every tick (issue 32, P4).
+
+        Every tick, not once per change: a value written over it in Redis (an older signed one,
+        a forged one) stands for one tick at most. Each carries the request id its flag names and
+        the time it was published, so an agent can refuse a replay (``digest.open_flag``).
+        """
+        at = time.time() if now is None else now
+        value = dg.flag_value(raw, version, self.key, self.run, request_id=request_id, at=at)
         try:
             self._call(lambda client: client.set(self.flag_key, value))
         except redisbus.RedisUnavailable:
             return
-        self._flag_sent = sent
+        self._flag_sent = (raw, version)
 
     def close(self) -> None:
         """Leave the group (remove this process's own); quietly, since Redis may be gone at exit."""

@@ -103,10 +103,10 @@ class HubState(RunState):
             **self.hub.figures(dict(self._counts), self.thresholds.straggler_ratio),
         }
         self._run = self._hub_status()
-        self._mirror_flag()
+        self._mirror_flag(now)
 
-    def _mirror_flag(self) -> None:
-        """Publish this dashboard's flag file (the stop service writes it) whenever it changes."""
+    def _mirror_flag(self, now: float) -> None:
+        """Publish this dashboard's flag file (the stop service writes it), every scan."""
         if self.run_dir is None:
             return
         path = runfiles.flag_path(self.run_dir)
@@ -115,7 +115,11 @@ class HubState(RunState):
             raw = runfiles.read_capped(path)
         except (OSError, runfiles.FileTooLarge):
             return
-        self.hub.publish_flag(raw, st.st_mtime_ns / 1e9)
+        try:
+            request_id = runfiles.parse_flag(raw).request_id
+        except runfiles.FlagError:
+            return  # a flag this dashboard cannot read is not one to send its agents
+        self.hub.publish_flag(raw, st.st_mtime_ns / 1e9, request_id, now)
 
     def _hub_status(self) -> dict:
         hub = self.hub
@@ -138,14 +142,23 @@ class HubState(RunState):
             message += f" Redis is unreachable ({self._redis_error}): the rows are as last heard."
         if hub.refused:
             message += f" {hub.refused} digest(s) or answer(s) refused, the last {hub.refused_last}."
+        # An agent that refuses the hub's stop flag (issue 32, P4): a stop may not reach its node.
+        refusing = {h: p for h, v in hub.hosts.items() if (p := v.digest.get("flag_problem"))}
+        if refusing:
+            host, why = sorted(refusing.items())[0]
+            message += (
+                f" The agent on {first_of(sorted(refusing), 8)} refuses the hub's stop flag in Redis "
+                f"(on {host}: {why}): a stop may not reach that node; check what else writes to Redis."
+            )
         return {
             "status": kind,
             "message": message,
-            "run_dir": str(self.run_dir or ""),
+            "run_dir": str(self.shown_dir or ""),
             "transport": "agents",
             "hosts": len(hub.hosts),
             "agents_lost": len(lost),
             "refused": hub.refused,
+            "flag_refused_by": sorted(refusing),
         }
 
     def page(self, now, health, start, count, order="rank"):

@@ -166,6 +166,9 @@ class Agent:
         self.flag_version: float | None = None
         self._resync_seen: bytes | None = None
         self.flag_error: str | None = None
+        self._flag_seen: tuple[float, float] | None = None  # (version, publication time) taken last
+        self.flags_refused = 0
+        self._refused_at = -math.inf
         self._bad_rows: dict[int, str] = {}
 
     def tick(self, now: float) -> dict:
@@ -184,7 +187,7 @@ class Agent:
                     self._pending.update(dict.fromkeys(sorted(self._sent)))
                 self._resync_seen = resync
             if flag is not None:
-                self.apply_flag(flag)
+                self.apply_flag(flag, now)
         return digest
 
     def build(self, now: float) -> dict:
@@ -245,6 +248,11 @@ class Agent:
             "ranks": [ordered[0], ordered[-1]] if ordered else None,
             "n": len(ordered),
             "flag": self.flag_version,
+            # Said for a while after the last refusal, though good values came since: one
+            # written over by something else in Redis every tick must not flicker out of sight.
+            "flag_problem": self.flag_error[:300]
+            if self.flag_error and now - self._refused_at <= dg.FLAG_FRESH_S
+            else None,
             "ckpt": self.listing_version,
             "rows": entries,
             "changed": [e["row"]["rank"] for e in entries if e["row"]["rank"] in changed],
@@ -286,19 +294,33 @@ class Agent:
         if listing != self._listing:
             self._listing, self.listing_version = listing, dg.listing_version(listing)
 
-    def apply_flag(self, value: bytes) -> None:
-        """Write the hub's flag into this host's run directory when it is newer than the one applied."""
+    def apply_flag(self, value: bytes, now: float | None = None) -> None:
+        """Write the hub's flag into this host's run directory when it is newer than the one applied.
+
+        Refused, and said (the log, ``flag_problem`` in every digest: the hub's page names this
+        host), never applied: a value unsigned or badly signed, malformed, published more than
+        ``FLAG_FRESH_S`` from this host's clock (a replay: the hub publishes every tick), with a
+        version out of bounds, not bound to the request its flag names, or older than the one
+        applied (issue 32, P4). A refused value changes nothing here: the flag written last stays.
+        """
+        now = time.time() if now is None else now
         try:
-            raw, version = dg.open_flag(value, self.key, self.run)
+            raw, version, at, request_id = dg.open_flag(value, self.key, self.run, now)
             flag = runfiles.parse_flag(raw)
+            if flag.request_id != request_id:
+                raise ValueError("a flag value bound to another request than its flag names")
+            if self._flag_seen is not None and version < self._flag_seen[0]:
+                raise ValueError(
+                    f"a flag older than the one applied (version {version:.3f} < {self._flag_seen[0]:.3f})"
+                )
         except (ValueError, runfiles.FlagError) as e:
-            if self.flag_error != str(e):
-                log.warning("rankwatch agent: ignored the hub's stop flag in redis: %s", e)
-            self.flag_error = str(e)
+            self._refuse_flag(str(e))
             return
-        self.flag_error = None
+        if self._flag_seen is not None and (version, at) <= self._flag_seen:
+            return  # the same publication again, or an earlier one of the same flag: nothing new
         if self.flag_version is not None and version <= self.flag_version:
-            return
+            self._flag_seen = (version, at)
+            return  # the hub's every-tick republication of the flag already written
         try:
             current = runfiles.read_flag(self.run_dir)
         except runfiles.FlagError:
@@ -317,6 +339,17 @@ class Agent:
                 self.run_dir,
             )
         self.flag_version = version
+        self._flag_seen = (version, at)
+
+    def _refuse_flag(self, why: str) -> None:
+        self.flags_refused += 1
+        self._refused_at = time.time()
+        if self.flag_error != why:
+            log.error(
+                "rankwatch agent: REFUSED the hub's stop flag in redis (a stop may not reach this node): %s",
+                why,
+            )
+        self.flag_error = why
 
 
 def figures(rows: list[dict]) -> dict:

@@ -293,7 +293,7 @@ class Retention:
                 errs,
                 (f"deleted: {len(deleted)} file(s)" if not errs else f"partial: {len(errs)} failed"),
             )
-        root = os.path.realpath(run_dir)
+        root = safeio.anchor(run_dir)
         try:
             if _is_file(run_dir, e.id):
                 safeio.unlink(root, e.id)
@@ -358,7 +358,7 @@ class Retention:
 
 def _is_file(run_dir: str, rel: str) -> bool:
     try:
-        with safeio.parent_fd(os.path.realpath(run_dir), rel) as (fd, name):
+        with safeio.parent_fd(safeio.anchor(run_dir), rel) as (fd, name):
             return not stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
     except OSError:
         return False

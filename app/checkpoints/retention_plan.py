@@ -344,7 +344,7 @@ def find_temps(run_dir: str, errors: list[str], index: Index) -> tuple[Temp, ...
     in the run directory is not a checkpoint's. Each is dated by the newest mtime inside it, so
     a directory still being written into is never old (issue 32, P9).
     """
-    root = os.path.realpath(run_dir)
+    root = safeio.anchor(run_dir)
     found: list[Temp] = []
     for rel in sorted(leftover_dirs(index)):
         if len(found) >= MAX_TEMP:

@@ -76,8 +76,11 @@ def _for_viewer(body: dict) -> dict:
     if has_token():
         return body
     run_dir = rankwatch().checkpoints.run_dir
-    name = os.path.basename(os.path.normpath(run_dir)) if run_dir else ""
+    # A run under --runs is held by its descriptor (app/runs/pinned.py): its name is the one found.
+    logical = getattr(run_dir, "logical", run_dir)
+    name = os.path.basename(os.path.normpath(logical)) if run_dir else ""
     out = redact_paths(body, os.path.realpath(run_dir) if run_dir else None, name)
+    out = redact_paths(out, logical, name)
     return redact_paths(out, run_dir, name)
 
 

@@ -272,7 +272,7 @@ class CheckpointService:
             )
         local_only([known[rel]], "downloaded")
         try:
-            fd, st = safeio.open_file(os.path.realpath(self.run_dir), rel)
+            fd, st = safeio.open_file(safeio.anchor(self.run_dir), rel)
         except OSError as e:
             refusal = Forbidden if e.errno in (errno.EPERM, errno.EACCES) else NotFound
             raise refusal(f"cannot open {rel!r}: {safeio.why(e)}") from None
@@ -357,7 +357,7 @@ class CheckpointService:
         directory swapped for a symlink since the scan cannot make it remove
         a file outside the run directory.
         """
-        root = os.path.realpath(self.run_dir)
+        root = safeio.anchor(self.run_dir)
         deleted, failed, dirs = [], [], set()
         for f in cset.files:
             if f.host is not None:

@@ -185,7 +185,7 @@ class Verifier:
             }
             event = {k: job[k] for k in EVENT_FIELDS}
         self._emit(VERIFY_EVENT, event)
-        self._start_task(self._run, job, list(files), os.path.realpath(root))
+        self._start_task(self._run, job, list(files), safeio.anchor(root))
         return event
 
     def _run(self, job: dict, files: list[CheckpointFile], root: str) -> None:
@@ -225,7 +225,10 @@ class Verifier:
                 return _result(False, f"not loaded: {meta.reason}"), worker
             if worker is None:
                 worker = _Worker(self.python)
-            result = worker.load(f.abspath, fd, meta.format or "ckpt")
+            # The worker only checks that the path exists (it loads the descriptor): a pinned run's
+            # /proc/self/fd/N means nothing in another process, the file's current name does.
+            shown = os.path.realpath(f.abspath) if f.abspath.startswith(safeio.PINNED_PREFIX) else f.abspath
+            result = worker.load(shown, fd, meta.format or "ckpt")
             if result is None:
                 why = worker.died()
                 worker.close()

@@ -11,10 +11,12 @@ SETTINGS: list[Setting] = [
         "The operator token that stop, cancel, re-arm and delete require (as "
         "`Authorization: Bearer <token>`, or typed once into the page). When unset, one is "
         "generated at start. It is never printed: the dashboard prints a single-use login link "
-        "instead (`rankwatch login` mints another). Prefer the environment variable to the "
-        "flag: command lines are visible to every user of the host. A token shorter than 16 "
-        "characters, or with little entropy, is warned about at start.",
+        "instead (`rankwatch login` mints another). A secret: no command-line flag (`ps` shows "
+        "argv to every user of the host); from the environment, or from the file "
+        "`RANKWATCH_TOKEN_FILE` names. A token shorter than 16 characters, or with little "
+        "entropy, is warned about at start.",
         group=G_ACCESS,
+        argv=False,
     ),
     Setting(
         "LOGIN_TTL_S",

@@ -146,6 +146,8 @@ class StackService:
         log_dir: str | os.PathLike | None = None,
     ):
         self.run_dir = Path(run_dir) if run_dir else None
+        # A run under --runs is its descriptor (app/runs/pinned.py): held open while this reads by it.
+        self._pinned = run_dir
         self.log_dir = log_dir
         self.state = state
         self.hostname = hostname or socket.gethostname()

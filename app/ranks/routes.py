@@ -7,6 +7,7 @@ by ``create_app`` alone, as in tests).
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import time
@@ -17,6 +18,7 @@ from flask import Blueprint, Response, current_app, jsonify, render_template, se
 
 from app.attempts import answer as attempts_answer
 from app.edge import params, plotly_csp
+from app.edge.auth import has_token
 from app.errors import NotFound, RankNotFound
 from app.extensions import rankwatch
 from app.large import large_answer
@@ -143,6 +145,11 @@ def api_attempts():
     return jsonify(attempts_answer(state.run_dir, beats, state.job_ended(), state.log_attempts()))
 
 
+def opaque(name: str) -> str:
+    """A stable stand-in for a ``host:pid:tag`` name, the same in every process that shows it."""
+    return "p-" + hashlib.sha256(name.encode()).hexdigest()[:12]
+
+
 @bp.get("/api/summary")
 def api_summary():
     now = time.time()
@@ -158,6 +165,13 @@ def api_health():
         body |= {"role": "only", "redis": None}
     else:
         body |= cluster.status()
+    if not has_token():
+        # Host names and process ids are for the operator (issue 32, P11): a viewer without the
+        # token gets an opaque name per process, enough to tell one leader.
+        body.pop("pid")
+        for field in ("id", "leader"):
+            if body.get(field):
+                body[field] = opaque(body[field])
     hub = getattr(rankwatch().state, "hub", None)  # with agents (app/agent/hub.py)
     if hub is not None:
         body["hub"] = hub.status()

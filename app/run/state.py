@@ -48,6 +48,7 @@ from app.run.jobend import JobFacts, StopInputs
 from app.run.judging import RankReport, VerdictBoard
 from app.run.rows import make_row, with_age
 from app.run.status import StatusFacts, run_status
+from trainer_bridge.rundir import safeio
 
 _SEVERITY = {v: i for i, v in enumerate(WORST_FIRST)}
 
@@ -65,6 +66,10 @@ class RunState:
         redis=None,
     ):
         self.run_dir = Path(run_dir) if run_dir else None
+        # A run under --runs is its descriptor (app/runs/pinned.py): held open while this reads by it.
+        self._pinned = run_dir
+        # What the status line names (under --runs, the run's path as found, not its descriptor's).
+        self.shown_dir = Path(safeio.shown(run_dir)) if run_dir else None
         self.thresholds = Thresholds.from_config(config)
         self.points = int(config["HISTORY_POINTS"])
         self.bucket_s = float(config["CHART_BUCKET_S"])
@@ -261,7 +266,7 @@ class RunState:
         reader, logs, latest = self._reader, self._logs, self._board.latest
         shown = set(range(self._world)) | set(latest)
         return StatusFacts(
-            run_dir=self.run_dir,
+            run_dir=self.shown_dir,
             world=self._world,
             reported=self._summary.get("reported", 0),
             redis=reader.redis,

@@ -75,7 +75,7 @@ class DiskUsage:
 
     def _measure(self, run_dir: str, now: float) -> int | None:
         try:
-            fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = safeio.open_root_nofollow(run_dir)
         except OSError:
             self._dirs = {}
             return None

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from app.checkpoints.retention_plan import policy_for
 from app.errors import RunNotFound
+from app.runs import pinned
 from app.runs.discovery import FLAG, Discovery, RunEntry, pin_holds
 from app.runs.ids import single_id  # noqa: F401  (create_app imports it from here)
 from trainer_bridge.rundir import runfiles
@@ -88,6 +89,8 @@ class Registry:
         self._stopping = threading.Event()
         self._must: set[str] = set()  # runs that are always watched (see the module's docstring)
         self._pins: dict[str, tuple] = {}  # run id -> the (device, inode) its open container was built on
+        # run id -> its directory's descriptor as a path (app/runs/pinned.py), closed when the last user goes
+        self._paths: dict[str, pinned.PinnedPath] = {}
         self.unwatched: list[str] = []  # live runs the last tick left without a watcher
         # Called after each scan of the loop (the runs table reads idle rows ahead: app/runs/rows.py).
         self.on_tick: Callable[[], object] | None = None
@@ -140,8 +143,17 @@ class Registry:
                 self._used[run_id] = self.clock()
             rw = self._open.get(run_id)
             if rw is None:
-                rw = self._open[run_id] = self._build(entry.path, run_id)
+                try:
+                    # The engines get the directory by its descriptor, never ROOT/name (P2).
+                    path = pinned.pin(self.discovery.root, run_id, entry.ident)
+                except pinned.Replaced:
+                    raise RunNotFound(
+                        f"run {run_id!r}: its directory was replaced since it was found (a symlink is "
+                        "never followed); the next scan looks at it again"
+                    ) from None
+                rw = self._open[run_id] = self._build(path, run_id)
                 self._pins[run_id] = entry.ident
+                self._paths[run_id] = path
                 watcher = getattr(rw, "watcher", None)
                 if watcher is not None:
                     # Each tick first checks the pin: no write or delete through a swapped directory.
@@ -190,6 +202,7 @@ class Registry:
         rw = self._open.pop(run_id)
         self._used.pop(run_id, None)
         self._pins.pop(run_id, None)
+        self._paths.pop(run_id, None)
         close(rw)
 
     # -- the loop -----------------------------------------------------------------

@@ -53,11 +53,12 @@ def test_no_absolute_path_nor_command_line_for_a_viewer_without_the_token(client
     assert "hunter2" in op["command"]
 
 
-def test_the_redis_key_is_no_command_line_flag_and_can_come_from_a_file(tmp_path):
+def test_the_redis_key_and_the_token_are_no_command_line_flags_and_can_come_from_a_file(tmp_path):
     help_text = subprocess.run(
         [sys.executable, "-m", "app", "--help"], capture_output=True, text=True, cwd=REPO, timeout=60
     ).stdout
     assert "--redis-url" in help_text and "--redis-key" not in help_text
+    assert "--host" in help_text and "--token" not in help_text  # P11: argv shows in ps
     from app.config import from_env
 
     key = tmp_path / "redis.key"
@@ -67,3 +68,29 @@ def test_the_redis_key_is_no_command_line_flag_and_can_come_from_a_file(tmp_path
         from_env({"RANKWATCH_REDIS_KEY": "env-wins", "RANKWATCH_REDIS_KEY_FILE": str(key)})["REDIS_KEY"]
         == "env-wins"
     )
+    token = tmp_path / "token"
+    token.write_text("a-token-from-a-file-0123456789\n")
+    assert from_env({"RANKWATCH_TOKEN_FILE": str(token)})["TOKEN"] == "a-token-from-a-file-0123456789"
+
+
+def test_health_names_no_host_nor_pid_to_a_viewer_without_the_token(tmp_path, run_dir, redis_server):
+    """P11: ``/api/health`` showed this process's pid and the ``host:pid:tag`` of it and of the leader."""
+    import os
+    import socket
+
+    from tests.helpers.app import make_app
+
+    app = make_app(run_dir, REDIS_URL=redis_server.url)
+    client = app.test_client()
+    client.get("/api/ranks", headers=operator())  # the watcher's first tick elects this process
+    app.extensions["rankwatch"].watcher.tick()
+    full = client.get("/api/health", headers=operator()).get_json()
+    assert full["pid"] == os.getpid() and full["id"].startswith(socket.gethostname()), full
+    shown = client.get("/api/health").get_json()
+    text = str(shown)
+    assert "pid" not in shown and f"{socket.gethostname()}:{os.getpid()}" not in text, shown
+    assert shown["role"] == full["role"] and shown["id"].startswith("p-"), shown
+    if full["leader"]:
+        assert (
+            shown["leader"] == shown["id"] if full["leader"] == full["id"] else shown["leader"] != shown["id"]
+        )

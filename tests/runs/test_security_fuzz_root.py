@@ -17,6 +17,13 @@ outside ROOT was written, created or deleted.
 
 A seeded loop, ``RANKWATCH_FUZZ_ITERS`` moves (120 by default: a few
 seconds); ``RANKWATCH_FUZZ_SEED`` replays one seed. The count is printed.
+
+The race mode (the second test) lets every live run's watcher run its own
+loop while the neighbour moves, so that swaps land inside a tick, between its
+pin check and its writes: ``RANKWATCH_FUZZ_RACE_ITERS`` moves (24 by default)
+for each of ``RANKWATCH_FUZZ_RACE_SEEDS`` (``7``). Before the engines held
+their run directory by its descriptor (app/runs/pinned.py), seed 7 wrote
+``OUT/rankwatch/audit.sqlite3`` within 30 moves.
 """
 
 from __future__ import annotations
@@ -42,10 +49,8 @@ pytestmark = pytest.mark.security
 
 ITERS = int(os.environ.get("RANKWATCH_FUZZ_ITERS", "120"))
 SEED = int(os.environ.get("RANKWATCH_FUZZ_SEED", "32"))
-# Off: watchers tick between moves, so no move lands inside a tick. On: they run their own
-# loops while the neighbour moves, which reaches the residual race docs/security.md names
-# (a swap between a tick's pin check and its write): seed 7 wrote OUT/rankwatch/audit.sqlite3.
-RACE = os.environ.get("RANKWATCH_FUZZ_RACE") == "1"
+RACE_ITERS = int(os.environ.get("RANKWATCH_FUZZ_RACE_ITERS", "24"))
+RACE_SEEDS = [int(x) for x in os.environ.get("RANKWATCH_FUZZ_RACE_SEEDS", "7").split(",")]
 NAMES = [f"run{i}" for i in range(6)]
 IDENT = "fuzz-ident"
 
@@ -158,11 +163,26 @@ class Neighbour:
             if os.path.islink(root / name):
                 os.unlink(root / name)
             else:
-                shutil.rmtree(root / name)
+                # Renamed away first: in the race mode a watcher may still be writing into it (its
+                # audit trail), and an rmtree racing that write can fail; the name is free anyway.
+                self.put_aside(name)
+                shutil.rmtree(root / f"aside{self.aside}", ignore_errors=True)
         return kind
 
 
 def test_runs_root_fuzz_every_stop_lands_in_its_own_run_and_out_is_untouched(tmp_path):
+    fuzz(tmp_path, SEED, ITERS, race=False)
+
+
+@pytest.mark.parametrize("seed", RACE_SEEDS)
+def test_runs_root_fuzz_with_watchers_racing_the_moves_writes_nothing_outside_root(tmp_path, seed):
+    """The race mode: watchers tick on their own loops, so swaps land between a tick's check and its writes."""
+    fuzz(tmp_path, seed, RACE_ITERS, race=True)
+
+
+def fuzz(tmp_path, seed: int, iters: int, *, race: bool) -> None:
+    """Off ``race``: watchers tick between moves, so no move lands inside a tick. On: they run their
+    own loops while the neighbour moves (each live run's watcher started by the registry's tick)."""
     root, out = tmp_path / "ROOT", tmp_path / "OUT"
     root.mkdir()
     make_run(out, ckpts=True)
@@ -179,7 +199,7 @@ def test_runs_root_fuzz_every_stop_lands_in_its_own_run_and_out_is_untouched(tmp
     scans, scan_errors, ticks, tick_errors = [0], [], [0], {}
 
     def scan() -> None:
-        if RACE:
+        if race:
             registry.tick()  # and so every live run's watcher runs its own loop
             return
         registry.refresh(max_age=0)
@@ -213,16 +233,16 @@ def test_runs_root_fuzz_every_stop_lands_in_its_own_run_and_out_is_untouched(tmp
 
     thread = threading.Thread(target=scanner, daemon=True)
     thread.start()
-    rng = random.Random(SEED)
+    rng = random.Random(seed)
     neighbour = Neighbour(root, out, rng)
     moves, answers = {}, {}
     try:
-        for i in range(ITERS):
+        for i in range(iters):
             kind = neighbour.move()
             moves[kind] = moves.get(kind, 0) + 1
             name = rng.choice(NAMES)
             own = ident_at(root / name)
-            reason = f"fuzz {SEED}/{i}"
+            reason = f"fuzz {seed}/{i}"
             r = client.post(f"/api/runs/{name}/exit", json={"reason": reason}, headers=operator())
             answers[r.status_code] = answers.get(r.status_code, 0) + 1
             body = r.get_json()
@@ -243,15 +263,15 @@ def test_runs_root_fuzz_every_stop_lands_in_its_own_run_and_out_is_untouched(tmp
                     body,
                 )
             assert not os.path.lexists(runfiles.flag_path(out)), f"move {i} ({kind}): a flag in OUT"
-            if not RACE:
+            if not race:
                 tick_watchers()
     finally:
         done.set()
         thread.join(timeout=60)
         registry.stop()
     print(
-        f"runs-root fuzz: seed {SEED}, {ITERS} moves {moves}, stops answered {answers}, "
-        f"{scans[0]} scans, {ticks[0]} watcher ticks (refused: {tick_errors}), race mode {RACE}"
+        f"runs-root fuzz: seed {seed}, {iters} moves {moves}, stops answered {answers}, "
+        f"{scans[0]} scans, {ticks[0]} watcher ticks (refused: {tick_errors}), race mode {race}"
     )
     assert not scan_errors, scan_errors[:3]
     assert answers.get(202, 0) > 0, "no stop landed: the fuzzer tested nothing"
@@ -261,4 +281,4 @@ def test_runs_root_fuzz_every_stop_lands_in_its_own_run_and_out_is_untouched(tmp
         "added": sorted(set(after) - set(before)),
         "changed": sorted(k for k in set(before) & set(after) if before[k] != after[k]),
     }
-    assert after == before, f"seed {SEED}: OUT was written outside ROOT: {changed}"
+    assert after == before, f"seed {seed}: OUT was written outside ROOT: {changed}"

@@ -145,3 +145,43 @@ def test_a_run_directory_swapped_for_a_symlink_is_neither_written_nor_pruned(tmp
     # The next scan: a symlink is no run; the old directory is a run of its own.
     registry.tick()
     assert "neighbour" not in registry.discovery.runs and "neighbour.old" in registry.discovery.runs
+
+
+def test_a_swap_after_the_pin_check_still_writes_and_deletes_only_in_the_pinned_directory(tmp_path, root_app):
+    """P2's residual: the swap lands between the pin check and the engine's write or delete.
+
+    The run's container is built and its checkpoint index read (the check and the plan); then
+    the neighbour renames the directory and puts a symlink to OUT at its name; then the engines
+    act, as a request or a tick already past its check does: the stop flag and its audit row, a
+    set's delete. Each must land in the directory that was pinned (now ``neighbour.old``, still in
+    ROOT), never in OUT, because the engines hold it by its descriptor (app/runs/pinned.py).
+    """
+    root = tmp_path / "root"
+    out = tmp_path / "OUT"
+    for d in (root / "neighbour", out):
+        real_run(d.parent, d.name, world=2)
+        for step in (10, 20, 30):
+            periodic(d, step)
+    app = root_app(RUNS_ROOT=str(root))
+    registry = app.extensions["rankwatch_runs"]
+    registry.refresh(max_age=0)
+    rw = registry.get("neighbour", touch=False)  # the pin check, and the container's build
+    oldest = min(rw.checkpoints.index(2).sets, key=lambda s: s.step)  # the plan, before the swap
+    (root / "neighbour").rename(root / "neighbour.old")
+    (root / "neighbour").symlink_to(out, target_is_directory=True)
+
+    request_id, created, _, _ = rw.stop.request("after the check", "tester", None)
+    deleted, failed, _ = rw.checkpoints.remove_set(oldest)
+
+    assert created and not failed and deleted, (created, failed, deleted)
+    assert not runfiles.flag_path(out).exists(), "the stop flag was written in OUT"
+    assert not [p.name for p in runfiles.state_dir(out).iterdir() if p.name.startswith("audit")], (
+        "the audit trail was created in OUT"
+    )
+    assert sorted(p.name for p in (out / "ckpt/rank_0").iterdir()) == [
+        f"net-1_{s}.ckpt" for s in (10, 20, 30)
+    ], "OUT's checkpoint set was deleted"
+    old = root / "neighbour.old"
+    assert runfiles.read_flag(old).request_id == request_id
+    assert (runfiles.state_dir(old) / "audit.sqlite3").is_file()
+    assert sorted(p.name for p in (old / "ckpt/rank_0").iterdir()) == ["net-1_20.ckpt", "net-1_30.ckpt"]

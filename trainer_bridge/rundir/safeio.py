@@ -429,6 +429,38 @@ def pinned_dir(root: str | os.PathLike, rel: str, *, create: bool = False) -> It
         os.close(fd)
 
 
+# pinned_dir's paths, and app/runs/pinned.py's run directories: names the kernel resolves through
+# an open descriptor, to the very directory it holds.
+PINNED_PREFIX = "/proc/self/fd/"
+
+
+def anchor(path: str | os.PathLike) -> str:
+    """The root to walk from: ``realpath(path)``, but a path pinned to a descriptor as it is.
+
+    ``realpath`` of ``/proc/self/fd/N`` is the directory's *current name*,
+    which a rename and a symlink put there can lead elsewhere by the time
+    it is opened: a pinned run directory must be walked from its descriptor.
+    """
+    p = os.fspath(path)
+    return p if p.startswith(PINNED_PREFIX) else os.path.realpath(p)
+
+
+def shown(path: str | os.PathLike) -> str:
+    """The name to show for a run directory: a pinned one's as it was found, not ``/proc/self/fd/N``."""
+    return getattr(path, "logical", None) or os.fspath(path)
+
+
+def open_root_nofollow(path: str | os.PathLike) -> int:
+    """A descriptor of the directory ``path``, not through a symlink at its last name.
+
+    A pinned path (``/proc/self/fd/N``) is itself a link, the kernel's, to
+    the very directory held: it is opened through it.
+    """
+    p = os.fspath(path)
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+    return os.open(p, flags if p.startswith(PINNED_PREFIX) else flags | os.O_NOFOLLOW)
+
+
 def check_absent_or_regular(dir_path: str | os.PathLike, names: tuple[str, ...]) -> None:
     """NotRegular (naming the file) if any of ``names`` in ``dir_path`` exists and is not a regular file."""
     for name in names:
