@@ -183,10 +183,11 @@ class Slurm:
         r = self.run(["sinfo", "-h", "-n", self.node, "-o", "%T"], check=False)
         return r.stdout.strip() if r.returncode == 0 else ""
 
-    def sbatch(self, script: Path, *args: str, cwd: Path | None = None) -> str:
+    def sbatch(self, script: Path, *args: str, cwd: Path | None = None, env: dict | None = None) -> str:
+        """Submit; ``env`` (the job's environment, sbatch's --export=ALL) is laid over the clients'."""
         r = subprocess.run(
             ["sbatch", "--parsable", *args, str(script)],
-            env=self.env,
+            env={**self.env, **(env or {}), "SLURM_CONF": str(self.conf)},
             capture_output=True,
             text=True,
             cwd=cwd,
@@ -261,3 +262,34 @@ class Slurm:
                     os.kill(int(pid_dir.name), signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+
+
+def demo_script(
+    tmp_path: Path, run_dir: Path, train_args: list[str], script: Path | None = None, **opts
+) -> Path:
+    """The batch script ``rankwatch slurm template`` prints for the 2-rank CPU demo, written to a file.
+
+    The demo's training (train.py) with its MNIST sample in the run directory; ``opts`` are the
+    template's options (``signal_s=...``, ``max_restarts=...``).
+    """
+    import sys
+
+    from trainer_bridge.demo.__main__ import TRAIN_SCRIPT
+    from trainer_bridge.demo.mnist import write_mnist
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    data = write_mnist(run_dir / "mnist", samples=2000)
+    train = [str(script or TRAIN_SCRIPT), "--run-dir", str(run_dir), "--data-dir", str(data), "--step-log"]
+    args = ["--job-name", "rw-test", "--workers-per-node", "2", "--cpus-per-task", str(os.cpu_count() or 1)]
+    args += ["--master-port", str(free_port()), "--run-dir", str(run_dir)]
+    for key, value in opts.items():
+        args += [f"--{key.replace('_', '-')}", str(value)]
+    out = subprocess.run(
+        [sys.executable, "-m", "app.cli", "slurm", "template", *args, "--", *train, *train_args],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    path = tmp_path / "job.sbatch"
+    path.write_text(out)
+    return path

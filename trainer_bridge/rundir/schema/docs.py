@@ -20,6 +20,7 @@ from trainer_bridge.rundir.schema.job import (
     AttemptSupervised,
     Job,
     RetentionFile,
+    Scheduler,
 )
 
 
@@ -71,6 +72,7 @@ README_TABLES = {
     "attempt_end": AttemptEnd,
     "attempt_supervised": AttemptSupervised,
     "attempt_cause": AttemptCause,
+    "attempt_scheduler": Scheduler,
 }
 
 

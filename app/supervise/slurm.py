@@ -1,0 +1,83 @@
+"""``rankwatch launch`` under Slurm: the signal that preempts a job, and what the attempt says of it.
+
+Slurm ends a job (preemption, ``scontrol requeue``, the time limit) with
+SIGTERM, then SIGKILL ``KillWait`` seconds later; ``--signal=B:TERM@N`` sends
+the batch shell SIGTERM N seconds before the time limit. Either way the
+graceful stop is the answer: the flag, one agreed step, a checkpoint on every
+rank, exit. What this module adds is the record: the signal note
+(``trainer_bridge.rundir.slurm``) says Slurm asked, so the attempt the stop
+ends is ``preempted`` (with the signal and the time left), not ``stop``, and
+the batch script (``slurmscript.py``) requeues the job only then.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+
+from trainer_bridge.rundir import slurm as rundir_slurm
+
+SQUEUE_TIMEOUT_S = 5.0
+# squeue's %L: [days-]hours:minutes:seconds, minutes:seconds, or UNLIMITED / NOT_SET / INVALID.
+_TIME = re.compile(r"^(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)$")
+
+
+def parse_duration(text: str) -> float | None:
+    """Slurm's time left (``squeue -o %L``) in seconds; None for UNLIMITED and anything unparsable."""
+    m = _TIME.match(text.strip())
+    if not m:
+        return None
+    days, hours, minutes, seconds = (int(g) if g else 0 for g in m.groups())
+    return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
+
+
+def time_left_s(job_id: str) -> float | None:
+    """What Slurm says the job has left, or None (no limit, no squeue, no answer within a few seconds)."""
+    try:
+        out = subprocess.run(
+            ["squeue", "-h", "-j", job_id, "-o", "%L"],
+            capture_output=True,
+            text=True,
+            timeout=SQUEUE_TIMEOUT_S,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return parse_duration(out.stdout.splitlines()[0]) if out.returncode == 0 and out.stdout.strip() else None
+
+
+def note_signal(run_dir: str, signal: str, env=None) -> dict | None:
+    """Write the signal note for this Slurm job; None (nothing written) outside Slurm."""
+    env = os.environ if env is None else env
+    job_id = env.get("SLURM_JOB_ID")
+    if not job_id:
+        return None
+    name = signal.upper()
+    name = name if name.startswith("SIG") else f"SIG{name}"
+    return rundir_slurm.write_note(run_dir, name, time.time(), time_left_s(job_id), job_id)
+
+
+def preempted(cause: dict, run_dir: str, spawned_at: float) -> dict:
+    """``cause`` as ``preempted`` when the graceful stop that ended the attempt followed Slurm's signal."""
+    if cause.get("kind") != "stop":
+        return cause
+    note = rundir_slurm.read_note(run_dir, since=spawned_at)
+    if note is None:
+        return cause
+    return {
+        **cause,
+        "kind": "preempted",
+        "signal": note["signal"],
+        "signalled_at": note["at"],
+        "time_left_s": note["time_left_s"],
+    }
+
+
+def reason(note: dict) -> str:
+    """The stop request's reason for a Slurm signal (the audit trail and the page show it)."""
+    left = note.get("time_left_s")
+    told = f"; {left:g} s left" if left is not None else ""
+    return (
+        f"Slurm sent {note['signal']} to job {note.get('job_id')} (preemption, requeue or time limit){told}"
+    )
