@@ -81,3 +81,26 @@ def reason(note: dict) -> str:
     return (
         f"Slurm sent {note['signal']} to job {note.get('job_id')} (preemption, requeue or time limit){told}"
     )
+
+
+def status_text(rows: list[dict]) -> str | None:
+    """``rankwatch status``'s Slurm line: the job of the newest attempt that ran under Slurm, and its preemptions."""
+    scheds = [(r, (r.get("supervisor") or {}).get("scheduler")) for r in rows]
+    scheds = [(r, s) for r, s in scheds if isinstance(s, dict) and s.get("kind") == "slurm"]
+    if not scheds:
+        return None
+    _, s = scheds[-1]
+    task = f"_{s['array_task_id']}" if s.get("array_task_id") else ""
+    text = f"Slurm job {s.get('job_id')}{task}, restart {s.get('restart_count', 0)}"
+    if s.get("partition"):
+        text += f", partition {s['partition']}"
+    if s.get("nodelist"):
+        text += f", on {s['nodelist']}"
+    preempted = [r for r in rows if (r.get("cause") or {}).get("kind") == "preempted"]
+    if preempted:
+        c = preempted[-1]["cause"]
+        left = f", {c['time_left_s']:g} s left" if c.get("time_left_s") is not None else ""
+        text += f"; attempt {preempted[-1]['attempt']} preempted by {c.get('signal')}{left}"
+        if len(preempted) > 1:
+            text += f" ({len(preempted)} preemptions)"
+    return text

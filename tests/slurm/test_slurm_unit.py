@@ -130,3 +130,37 @@ def test_the_template_is_valid_bash_and_quotes_the_training_command():
     )
     assert "TRAIN=(train.py --name 'a b; rm -rf /' '$HOME')" in text
     assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+
+
+def test_rankwatch_status_names_the_slurm_job_and_its_preemption(tmp_path):
+    from click.testing import CliRunner
+
+    from app.cli import main
+
+    runfiles.state_dir(tmp_path).mkdir(parents=True)
+    sched = {"kind": "slurm", "job_id": "42", "restart_count": 1, "partition": "gpu", "nodelist": "n1"}
+    for n, cause in (
+        (1, {"kind": "preempted", "signal": "SIGTERM", "time_left_s": 25.0}),
+        (2, {"kind": "finished"}),
+    ):
+        attempts.append_record(
+            tmp_path,
+            schema.build(
+                schema.AttemptSupervised,
+                kind="supervised",
+                attempt=n,
+                supervisor_pid=1,
+                host="h",
+                spawned_at=float(n),
+                cause=cause,
+                action="end",
+                exit_code=0,
+                scheduler={**sched, "restart_count": n - 1},
+            ),
+        )
+    out = CliRunner().invoke(main, ["status", "--run-dir", str(tmp_path)])
+    assert (
+        "Slurm job 42, restart 1, partition gpu, on n1; attempt 1 preempted by SIGTERM, 25 s left"
+        in out.output
+    ), out.output
+    assert slurm.status_text([]) is None
