@@ -22,9 +22,11 @@ The script is documented in docs/slurm.md; the choices it makes, in short:
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 
+from app.slurmqueue import COMMENT_PREFIX
 from app.supervise import policy
 from trainer_bridge.rundir import attempts
 
@@ -44,7 +46,7 @@ TEMPLATE = """\
 #SBATCH --signal=B:TERM@{signal_s}
 #SBATCH --open-mode=append
 #SBATCH --output={output}
-{time_line}
+{time_line}{comment_line}
 set -u
 
 # Stable across requeues (same job name and submit directory): the requeued job resumes from it.
@@ -112,6 +114,8 @@ def render(
         signal_s=signal_s,
         output=q(f"{job_name}-%j.out"),
         time_line=f"#SBATCH --time={q(time_limit)}\n" if time_limit else "",
+        # How the dashboard (RANKWATCH_SLURM) finds the run of a queued job: without it, SUBMIT_DIR/runs/NAME.
+        comment_line=f"#SBATCH --comment={q(COMMENT_PREFIX + os.path.abspath(run_dir))}\n" if run_dir else "",
         run_dir=q(run_dir) if run_dir else '"$SLURM_SUBMIT_DIR/runs/$SLURM_JOB_NAME"',
         workers=workers,
         master_port=master_port,
