@@ -141,3 +141,20 @@ def ended(run_dir: Path, launch_exit: int) -> None:
         if failed:
             click.echo(f"rankwatch slurm: scontrol requeue failed: {failed}", err=True)
     raise SystemExit(code)
+
+
+@slurm.command()
+@RUN_DIR
+def check(run_dir: Path) -> None:
+    """Say whether the run's graceful stop fits in Slurm's KillWait (exit 1 when it does not).
+
+    The stop's time is the dashboard's estimate (the stop dialog's): the flag poll, the steps to the
+    next agreement, and the save time measured at the last stop.
+    """
+    from app.cli.common import open_cli_run
+    from app.supervise import slurm as supervise_slurm
+
+    estimate = open_cli_run(run_dir).stop.estimate()
+    ok, told = supervise_slurm.fits(estimate.get("seconds"), supervise_slurm.kill_wait_s())
+    click.echo(f"rankwatch slurm: {told}")
+    raise SystemExit(1 if ok is False else 0)

@@ -104,3 +104,32 @@ def status_text(rows: list[dict]) -> str | None:
         if len(preempted) > 1:
             text += f" ({len(preempted)} preemptions)"
     return text
+
+
+_KILL_WAIT = re.compile(r"^KillWait\s*=\s*(\d+)\s*sec", re.M)
+
+
+def kill_wait_s() -> int | None:
+    """Slurm's ``KillWait`` (``scontrol show config``): seconds between its SIGTERM and its SIGKILL."""
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "config"], capture_output=True, text=True, timeout=SQUEUE_TIMEOUT_S
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = _KILL_WAIT.search(out.stdout) if out.returncode == 0 else None
+    return int(m.group(1)) if m else None
+
+
+def fits(needs_s: float | None, kill_wait: int | None) -> tuple[bool | None, str]:
+    """Whether the graceful stop fits in ``KillWait``, and the sentence that says so."""
+    if kill_wait is None:
+        return None, "Slurm's KillWait is unknown here (scontrol show config did not answer)"
+    if needs_s is None:
+        return None, f"Slurm gives a stop {kill_wait} s (KillWait); this job's stop time is not known yet"
+    if needs_s > kill_wait:
+        return False, (
+            f"this job needs about {needs_s:.0f} s to stop; Slurm gives it {kill_wait} (KillWait): a preemption "
+            "would kill it before every rank saved"
+        )
+    return True, f"this job needs about {needs_s:.0f} s to stop; Slurm gives it {kill_wait} (KillWait)"

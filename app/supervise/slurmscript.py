@@ -66,6 +66,9 @@ mkdir -p "$RUN_DIR"
 echo "rankwatch slurm: job $SLURM_JOB_ID, restart ${{SLURM_RESTART_COUNT:-0}}, nodes $SLURM_JOB_NODELIST," \\
     "run directory $RUN_DIR"
 
+# Whether the stop fits in KillWait, from the save time measured at the run's last stop (a warning only).
+rankwatch slurm check --run-dir "$RUN_DIR" || true
+
 # Slurm's signal asks for the graceful stop: the flag, one agreed step, a checkpoint on every rank.
 on_signal() {{
     rankwatch slurm signalled --run-dir "$RUN_DIR" --signal "$1"

@@ -8,6 +8,7 @@ never asserted: docs/slurm.md quotes it.
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
@@ -61,6 +62,9 @@ def test_a_signal_from_slurm_saves_requeues_and_the_next_run_resumes_as_attempt_
     assert cause["signal"] == "SIGTERM" and cause["signalled_at"] >= signalled - 1
     assert sched["kind"] == "slurm" and sched["job_id"] == job and sched["restart_count"] == 0
     assert sched["partition"] == slurm.partition and sched["nodelist"] == slurm.node
+    # The stop's estimate (the dialog's, with the save time measured at this stop) against KillWait.
+    check = slurm.run([sys.executable, "-m", "app.cli", "slurm", "check", "--run-dir", str(run)], check=False)
+    assert check.returncode == 0 and "s to stop; Slurm gives it 30 (KillWait)" in check.stdout, check
     saved = first["last_step"]
     stopped = first["supervisor"]["ended_at"]
     print(

@@ -164,3 +164,14 @@ def test_rankwatch_status_names_the_slurm_job_and_its_preemption(tmp_path):
         in out.output
     ), out.output
     assert slurm.status_text([]) is None
+
+
+def test_the_stop_fits_in_killwait_or_the_sentence_says_it_does_not():
+    assert slurm.fits(40.4, 30) == (
+        False,
+        "this job needs about 40 s to stop; Slurm gives it 30 (KillWait): a preemption would kill it before "
+        "every rank saved",
+    )
+    assert slurm.fits(12.0, 30)[0] is True
+    assert slurm.fits(None, 30)[0] is None and slurm.fits(5.0, None)[0] is None
+    assert slurm._KILL_WAIT.search("JobRequeue = 1\nKillWait                = 30 sec\n").group(1) == "30"
