@@ -95,14 +95,17 @@ def template(
 @slurm.command()
 @RUN_DIR
 @click.option("--signal", "signal_name", default="TERM", show_default=True, help="The signal Slurm sent.")
-def signalled(run_dir: Path, signal_name: str) -> None:
+@click.option(
+    "--at", "at", type=click.FloatRange(min=0), default=None, help="When it came (Unix time); default now."
+)
+def signalled(run_dir: Path, signal_name: str, at: float | None) -> None:
     """Slurm signalled the job: note it and ask for the graceful stop (the batch script's trap calls this)."""
     from app.cli.common import open_cli_run
     from app.cli.stop import shell_origin
     from app.supervise import slurm as supervise_slurm
 
     try:
-        note = supervise_slurm.note_signal(str(run_dir), signal_name)
+        note = supervise_slurm.note_signal(str(run_dir), signal_name, at=at)
     except OSError as e:
         note = None
         click.echo(f"rankwatch slurm: the signal note was not written ({e})", err=True)
@@ -148,13 +151,20 @@ def ended(run_dir: Path, launch_exit: int) -> None:
 def check(run_dir: Path) -> None:
     """Say whether the run's graceful stop fits in Slurm's KillWait (exit 1 when it does not).
 
-    The stop's time is the dashboard's estimate (the stop dialog's): the flag poll, the steps to the
-    next agreement, and the save time measured at the last stop.
+    The stop's time is the one measured at the run's last stop (from Slurm's signal, or from the
+    first rank seeing the flag, to the last rank's exit, in the heartbeats); before any stop, the
+    stop dialog's estimate (the flag poll and the steps to the next agreement).
     """
     from app.cli.common import open_cli_run
     from app.supervise import slurm as supervise_slurm
 
-    estimate = open_cli_run(run_dir).stop.estimate()
-    ok, told = supervise_slurm.fits(estimate.get("seconds"), supervise_slurm.kill_wait_s())
+    needs = supervise_slurm.measured_stop_s(str(run_dir))
+    if needs is None:
+        import time
+
+        run = open_cli_run(run_dir)
+        run.state.scan(time.time())
+        needs = run.stop.estimate().get("seconds")
+    ok, told = supervise_slurm.fits(needs, supervise_slurm.kill_wait_s())
     click.echo(f"rankwatch slurm: {told}")
     raise SystemExit(1 if ok is False else 0)

@@ -17,6 +17,7 @@ import re
 import subprocess
 import time
 
+from trainer_bridge.rundir import attempts
 from trainer_bridge.rundir import slurm as rundir_slurm
 
 SQUEUE_TIMEOUT_S = 5.0
@@ -47,15 +48,18 @@ def time_left_s(job_id: str) -> float | None:
     return parse_duration(out.stdout.splitlines()[0]) if out.returncode == 0 and out.stdout.strip() else None
 
 
-def note_signal(run_dir: str, signal: str, env=None) -> dict | None:
-    """Write the signal note for this Slurm job; None (nothing written) outside Slurm."""
+def note_signal(run_dir: str, signal: str, env=None, at: float | None = None) -> dict | None:
+    """Write the signal note for this Slurm job (``at``: when the signal came, default now); None outside Slurm."""
     env = os.environ if env is None else env
     job_id = env.get("SLURM_JOB_ID")
     if not job_id:
         return None
     name = signal.upper()
     name = name if name.startswith("SIG") else f"SIG{name}"
-    return rundir_slurm.write_note(run_dir, name, time.time(), time_left_s(job_id), job_id)
+    now = time.time()
+    # A time from the caller's clock, not later than now (a future note would outlive its attempt).
+    at = now if at is None or at > now else at
+    return rundir_slurm.write_note(run_dir, name, at, time_left_s(job_id), job_id)
 
 
 def preempted(cause: dict, run_dir: str, spawned_at: float) -> dict:
@@ -133,3 +137,39 @@ def fits(needs_s: float | None, kill_wait: int | None) -> tuple[bool | None, str
             "would kill it before every rank saved"
         )
     return True, f"this job needs about {needs_s:.0f} s to stop; Slurm gives it {kill_wait} (KillWait)"
+
+
+def measured_stop_s(run_dir: str) -> float | None:
+    """The last stop's time on this run, measured.
+
+    After a preemption: from Slurm's signal to the last process of the attempt gone, as ``rankwatch
+    launch`` recorded them (``cause.signalled_at``, ``ended_at``): what KillWait must cover. Else from
+    the first rank seeing the flag to the last rank's exit stamp (the heartbeats' ``stop.at``), which
+    leaves out the processes' own teardown after it.
+    """
+    try:
+        rows = attempts.fold(attempts.read_lines(run_dir)[0])
+    except OSError:
+        rows = []
+    for row in reversed(rows):
+        cause, sup = row.get("cause") or {}, row.get("supervisor") or {}
+        if cause.get("kind") == "preempted":
+            at, ended = cause.get("signalled_at"), sup.get("ended_at")
+            if rundir_slurm.finite(at) and rundir_slurm.finite(ended) and ended >= at:
+                return float(ended - at)
+            break
+    seen, exited = [], []
+    for _, hb in attempts.read_heartbeats(run_dir):
+        at = (hb.get("stop") or {}).get("at") if isinstance(hb.get("stop"), dict) else None
+        if not isinstance(at, dict):
+            continue
+        if rundir_slurm.finite(at.get("seen")):
+            seen.append(float(at["seen"]))
+        if rundir_slurm.finite(at.get("exited")):
+            exited.append(float(at["exited"]))
+    if not exited:
+        return None
+    note = rundir_slurm.read_note(run_dir)
+    if note is not None and note["at"] <= max(exited):
+        return max(exited) - note["at"]
+    return max(exited) - min(seen) if seen else None

@@ -70,8 +70,9 @@ echo "rankwatch slurm: job $SLURM_JOB_ID, restart ${{SLURM_RESTART_COUNT:-0}}, n
 rankwatch slurm check --run-dir "$RUN_DIR" || true
 
 # Slurm's signal asks for the graceful stop: the flag, one agreed step, a checkpoint on every rank.
+# --at: when the shell got it (the command's own start takes seconds of KillWait; the note says so).
 on_signal() {{
-    rankwatch slurm signalled --run-dir "$RUN_DIR" --signal "$1"
+    rankwatch slurm signalled --run-dir "$RUN_DIR" --signal "$1" --at "$(date +%s.%N)"
 }}
 trap 'on_signal TERM' TERM
 trap 'on_signal USR1' USR1

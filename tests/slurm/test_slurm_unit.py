@@ -175,3 +175,33 @@ def test_the_stop_fits_in_killwait_or_the_sentence_says_it_does_not():
     assert slurm.fits(12.0, 30)[0] is True
     assert slurm.fits(None, 30)[0] is None and slurm.fits(5.0, None)[0] is None
     assert slurm._KILL_WAIT.search("JobRequeue = 1\nKillWait                = 30 sec\n").group(1) == "30"
+
+
+def test_the_stop_time_is_measured_from_slurms_signal_else_from_the_flag_seen(tmp_path):
+    from tests.helpers.heartbeats import heartbeat, write_heartbeat
+
+    assert slurm.measured_stop_s(str(tmp_path)) is None
+    for rank, (seen, exited) in enumerate([(101.0, 104.0), (100.5, 109.5)]):
+        hb = heartbeat(rank, 2, state="exited")
+        hb["stop"] = {"source": "flag", "stage": "exited", "at": {"seen": seen, "exited": exited}}
+        write_heartbeat(tmp_path, hb, history=False)
+    assert slurm.measured_stop_s(str(tmp_path)) == 9.0  # first seen 100.5, last exit 109.5
+    rundir_slurm.write_note(tmp_path, "SIGTERM", 98.0, None, "7")
+    assert slurm.measured_stop_s(str(tmp_path)) == 11.5  # from the signal
+    supervised(tmp_path, "preempted", 0)  # launch's record wins: signal to the last process gone
+    attempts.append_record(
+        tmp_path,
+        schema.build(
+            schema.AttemptSupervised,
+            kind="supervised",
+            attempt=2,
+            supervisor_pid=1,
+            host="h",
+            spawned_at=90.0,
+            cause={"kind": "preempted", "signal": "SIGTERM", "signalled_at": 98.0},
+            ended_at=113.0,
+            action="end",
+            exit_code=0,
+        ),
+    )
+    assert slurm.measured_stop_s(str(tmp_path)) == 15.0

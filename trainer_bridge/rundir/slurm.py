@@ -74,14 +74,14 @@ def read_note(run_dir, since: float | None = None) -> dict | None:
     if not isinstance(note, dict):
         return None
     at, left, sig = note.get("at"), note.get("time_left_s"), note.get("signal")
-    if not _finite(at) or not isinstance(sig, str) or not sig or len(sig) > 16:
+    if not finite(at) or not isinstance(sig, str) or not sig or len(sig) > 16:
         return None
-    if left is not None and not (_finite(left) and 0 <= left <= 10**9):
+    if left is not None and not (finite(left) and 0 <= left <= 10**9):
         return None
     if since is not None and at < since:
         return None
     return {"signal": sig, "at": float(at), "time_left_s": None if left is None else float(left)}
 
 
-def _finite(x) -> bool:
+def finite(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
