@@ -136,6 +136,26 @@ def redis_server(tmp_path):
 
 
 @pytest.fixture
+def slurm(tmp_path):
+    """A real Slurm (munged, slurmctld, one slurmd) on the loopback (tests/helpers/slurm.py), stopped after.
+
+    Skips where Slurm cannot run (not installed, not root), except under CI=true: CI always runs these.
+    """
+    import os
+
+    from tests.helpers.slurm import Slurm, unavailable
+
+    why = unavailable()
+    if why:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true and {why}")
+        pytest.skip(why)
+    server = Slurm(tmp_path).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
 def simulator(run_dir):
     """Starts the scale simulator's heartbeat writers (tests/bench/simulate.py) in the run directory."""
     from tests.bench.simulate import Simulator

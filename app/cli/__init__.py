@@ -7,7 +7,8 @@
   (and audit trail) and ``CheckpointService`` the dashboard uses, so they
   work with or without a dashboard running;
 * ``login`` prints a fresh single-use login link for a running dashboard;
-* ``launch`` supervises an msrun job and relaunches it after a failure (``app.supervise``).
+* ``launch`` supervises an msrun job and relaunches it after a failure (``app.supervise``);
+* ``slurm`` prints the batch script that runs ``launch`` under Slurm, and holds the steps it calls.
 
 Settings (thresholds, ``AUDIT_DB``, ...) come from the same ``RANKWATCH_*``
 environment variables as the dashboard's (``app.config.SETTINGS``).
@@ -34,6 +35,7 @@ COMMANDS = {
     "login": "app.cli.login:login",
     "agent": "app.cli.agent:agent",
     "launch": "app.cli.launch:launch",
+    "slurm": "app.cli.slurm:slurm",
 }
 
 

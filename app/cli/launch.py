@@ -120,11 +120,16 @@ def launch(
     def request_stop() -> str:
         from app.cli.common import open_cli_run
         from app.cli.stop import shell_origin
+        from app.supervise import slurm
 
+        # Under Slurm a SIGTERM is Slurm's (scontrol requeue, preemption, the end of the time limit).
+        try:
+            note = slurm.note_signal(str(run_dir), "SIGTERM")
+        except OSError:
+            note = None  # the stop matters more than its record
+        reason = slurm.reason(note) if note else "Ctrl-C or SIGTERM to rankwatch launch"
         run = open_cli_run(run_dir)
-        rid, created, _, _ = run.stop.request(
-            "Ctrl-C or SIGTERM to rankwatch launch", getpass.getuser(), shell_origin()
-        )
+        rid, created, _, _ = run.stop.request(reason, getpass.getuser(), shell_origin())
         return f"graceful stop {'requested' if created else 'already pending; joined'}: {rid}"
 
     opts = Options(

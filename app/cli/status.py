@@ -214,7 +214,10 @@ def restarts_text(run_dir: Path) -> str | None:
     ended = rows[-1].get("supervisor") or {}
     if ended.get("action") == "end" and ended.get("exit_code"):
         text += f"; the supervisor ended the run (exit {ended['exit_code']}): {ended.get('note') or ''}"
-    return text
+    from app.supervise.slurm import status_text
+
+    scheduler = status_text(rows)
+    return f"{text}\n{scheduler}" if scheduler else text
 
 
 def view(source: Source, health: list[str], limit: int | None) -> Group:

@@ -46,6 +46,20 @@ SETTINGS: list[Setting] = [
         group=G_RUN,
     ),
     Setting(
+        "SLURM",
+        False,
+        "Show Slurm's view of the runs on the landing page (docs/slurm.md): pending with its reason, "
+        "running and on which nodes, the time left, and a run still in the queue before its first "
+        "heartbeat. One `squeue --json` for all runs per SLURM_POLL_S; the dashboard never cancels a job.",
+        group=G_RUN,
+    ),
+    Setting(
+        "SLURM_POLL_S",
+        10.0,
+        "How often, at most, the dashboard asks Slurm (`squeue --json`) about the jobs (with SLURM on).",
+        group=G_RUN,
+    ),
+    Setting(
         "HOST",
         "127.0.0.1",
         "Interface to listen on. Loopback by default so that the console is private "

@@ -12,6 +12,7 @@ change (discovery's signature), so a root of finished runs is read once.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -19,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from app import attempts
+from app import attempts, slurmqueue
 from app.edge import params
 from app.errors import RunNotFound
 from app.ranks import charts
@@ -141,7 +142,7 @@ def unread_row(run_id: str, entry) -> dict:
         "id": run_id,
         "state": "idle",
         "live": False,
-        "last_activity": entry.last_activity,
+        "last_activity": entry.last_activity if entry is not None else None,
         "world_size": None,
         "global_step": None,
         "throughput": None,
@@ -173,6 +174,8 @@ class Rows:
         # Open runs' disk measures, kept between rows (an idle run's row is kept instead).
         self._disk: dict[str, DiskUsage] = {}
         self._lock = threading.Lock()
+        # Slurm's view of the runs (RANKWATCH_SLURM): one squeue for the whole table, per SLURM_POLL_S.
+        self.slurm = slurmqueue.SlurmQueue(config["SLURM_POLL_S"]) if config.get("SLURM") else None
 
     def row(self, run_id: str, entry, now: float, deadline: float | None = None) -> dict:
         """The run's row; past ``deadline`` (``time.monotonic()``) an idle run not read yet is ``unread_row``."""
@@ -249,6 +252,8 @@ class Rows:
                 del self._disk[closed]
         wanted = [i for i in entries if not q or q.casefold() in i.casefold()]
         rows = [self.row(i, entries[i], now, deadline) for i in wanted]
+        if self.slurm is not None:
+            rows = self._with_slurm(rows, entries, q)
         unread = sum(1 for r in rows if r["status_message"] is UNREAD_MESSAGE)
         counts = {s: 0 for s in STATES}
         for r in rows:
@@ -288,6 +293,29 @@ class Rows:
             "unread": unread,
             "discovery": discovery.status() if discovery is not None else None,
         }
+
+    def _with_slurm(self, rows: list[dict], entries: dict, q: str | None) -> list[dict]:
+        """Each row with its Slurm job (copies: idle rows are cached); a queued run not on disk yet as a row."""
+        root = self.registry.discovery.root if self.registry.discovery is not None else None
+        jobs = dict(self.slurm.by_run_dir())
+        out = []
+        for row in rows:
+            entry = entries.get(row["id"])
+            path = os.path.normpath(entry.path) if entry is not None else None
+            out.append({**row, "scheduler": jobs.pop(path, None) if path else None})
+        if root is None:
+            return out
+        for path, job in jobs.items():
+            rel = os.path.relpath(path, root)
+            if rel.startswith("..") or rel == "." or (q and q.casefold() not in rel.casefold()):
+                continue
+            # Before its first heartbeat: the queue's word is all there is.
+            row = unread_row(rel, None)
+            row["status_message"] = f"{job['state'].lower()} in Slurm's queue" + (
+                f": {job['reason']}" if job.get("reason") else ""
+            )
+            out.append({**row, "scheduler": job})
+        return out
 
 
 class RunsQuery(params.Query):

@@ -19,10 +19,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from app.supervise import lock, policy, procs, rollback
+from app.supervise import lock, policy, procs, rollback, slurm
 from app.supervise.attempt import Attempt, Outcome
 from app.supervise.command import Msrun
 from trainer_bridge.rundir import attempts, gaspfiles, runfiles, schema
+from trainer_bridge.rundir import slurm as rundir_slurm
 
 # Where MindIO TTP or MindCluster own recovery (they relaunch processes themselves).
 EXTERNAL_RECOVERY_ENV = ("MS_ENABLE_TFT", "MINDX_TASK_ID")
@@ -295,6 +296,7 @@ class Supervisor:
             ended_at=outcome.ended_at,
             last_step=last_step,
             progressed=progressed,
+            scheduler=rundir_slurm.scheduler(),
         )
         if not outcome.clean:
             self.say("WARNING: a process of the attempt survived SIGKILL (uninterruptible sleep?)")
@@ -433,7 +435,9 @@ class Supervisor:
                 outcome.spawned_at
             )
             kind = "stop" if stopped else "finished"
-            return {"kind": kind, "before_first_step": not trained}
+            return slurm.preempted(
+                {"kind": kind, "before_first_step": not trained}, self.run_dir, outcome.spawned_at
+            )
         p = outcome.first
         failed = next((hb for hb in beats if p is not None and hb.get("pid") == p.pid), None)
         error = (failed or {}).get("error") or outcome.error

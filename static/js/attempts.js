@@ -36,6 +36,10 @@ export function endText(a) {
 // The cause rankwatch launch recorded (a crash's rank, signal or status, error line).
 export function causeText(c) {
   if (c && c.kind === "rollback") return rollbackText(c);
+  if (c && c.kind === "preempted") {
+    const left = typeof c.time_left_s === "number" ? `, ${Math.round(c.time_left_s)} s left` : "";
+    return `preempted by the scheduler (${c.signal || "a signal"}${left}): saved and stopped gracefully`;
+  }
   if (!c || c.kind !== "crash") return "";
   const who = c.role === "worker" ? `rank ${c.rank}` : (c.role || "a process");
   const how = c.signal ? `killed by ${c.signal}` : `exit status ${c.exit_code}`;
@@ -51,6 +55,16 @@ function rollbackText(c) {
   if (typeof c.to_step === "number") text += ` back to global step ${formatCount(c.to_step)} (set ${c.to_set || "?"})`;
   if (typeof c.skip_batches === "number") text += `, ${plural(c.skip_batches, "batch", "batches")} skipped past it`;
   return text;
+}
+
+// The batch scheduler an attempt ran under (rankwatch launch's record of Slurm's variables).
+export function schedulerText(s) {
+  if (!s || s.kind !== "slurm") return "";
+  const task = s.array_task_id ? `_${s.array_task_id}` : "";
+  const where = [s.partition ? `partition ${s.partition}` : "", s.nodelist ? `on ${s.nodelist}` : ""]
+    .filter(Boolean).join(" ");
+  return `Slurm job ${s.job_id}${task}${s.restart_count ? ` (requeued, restart ${s.restart_count})` : ""}`
+    + `${where ? `, ${where}` : ""}`;
 }
 
 // The downtime of a restart, in its parts (seconds).
@@ -168,6 +182,14 @@ export class Attempts {
         cause.textContent += ` · ${a.supervisor.note}`;
       }
       li.append(cause);
+    }
+    const sched = schedulerText(a.supervisor && a.supervisor.scheduler);
+    if (sched) {
+      li.dataset.scheduler = a.supervisor.scheduler.kind;
+      const span = document.createElement("span");
+      span.className = "attempt-scheduler";
+      span.textContent = ` · ${sched}`;
+      li.append(span);
     }
     if (a.note) {
       // Log mode: msrun emptied this attempt's worker logs when it relaunched the job.

@@ -16,6 +16,7 @@ const search = document.getElementById("runs-q");
 const pageLabel = document.getElementById("runs-page");
 const summary = document.getElementById("runs-summary");
 const empty = document.getElementById("runs-empty");
+const slurmHead = document.getElementById("runs-slurm-head");
 const view = { page: 1, sort: "attention", state: "", q: "" };
 let pages = 1;
 let timer = null;
@@ -86,6 +87,18 @@ function loss(r) {
   return span;
 }
 
+// Slurm's view of the run (RANKWATCH_SLURM): its job's state, the reason it waits, its nodes, the time left.
+function slurmText(s) {
+  if (!s) return "–";
+  const state = s.state.toLowerCase();
+  let text = `job ${s.job_id}: ${state}`;
+  if (s.reason) text += ` (${s.reason})`;
+  if (s.nodes) text += ` on ${s.nodes}`;
+  if (typeof s.time_left_s === "number") text += `, ${formatSeconds(s.time_left_s)} left`;
+  if (s.restart_count) text += `, restart ${s.restart_count}`;
+  return text;
+}
+
 function row(r, now) {
   const tr = document.createElement("tr");
   tr.dataset.run = r.id;
@@ -106,6 +119,10 @@ function row(r, now) {
     cell("stop", r.last_stop ? `${r.last_stop.state}, by ${r.last_stop.requested_by || "?"} at ${formatClock(r.last_stop.requested_at)}` : "–"),
     cell("activity", r.last_activity == null ? "–" : `${formatSeconds(Math.max(0, now - r.last_activity))} ago`),
   );
+  if ("scheduler" in r) {
+    tr.append(cell("slurm", slurmText(r.scheduler)));
+    if (r.scheduler) tr.dataset.slurm = r.scheduler.state.toLowerCase();
+  }
   return tr;
 }
 
@@ -119,6 +136,8 @@ async function load() {
     if (!r.ok) throw new Error(data.error || `HTTP ${r.status}`);
     const now = Date.now() / 1000;
     body.replaceChildren(...data.runs.map((x) => row(x, now)));
+    // The Slurm column is there when the dashboard asks Slurm (RANKWATCH_SLURM).
+    slurmHead.hidden = !data.runs.some((x) => "scheduler" in x);
     pages = data.pages;
     empty.hidden = data.runs.length > 0;
     pageLabel.textContent = `page ${data.page} of ${data.pages}`;

@@ -80,6 +80,7 @@ from trainer_bridge.rundir.schema.job import (
     Hosts,
     Job,
     RetentionFile,
+    Scheduler,
 )
 from trainer_bridge.rundir.schema.validation import build, clean_device, load, parse, validate
 
@@ -120,6 +121,7 @@ __all__ = [
     "RequestId",
     "ResumedFrom",
     "RetentionFile",
+    "Scheduler",
     "SchemaError",
     "StopRecord",
     "UnixTime",

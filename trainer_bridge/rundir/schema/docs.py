@@ -21,6 +21,7 @@ from trainer_bridge.rundir.schema.job import (
     AttemptSupervised,
     Job,
     RetentionFile,
+    Scheduler,
 )
 
 
@@ -73,6 +74,7 @@ README_TABLES = {
     "attempt_supervised": AttemptSupervised,
     "attempt_cause": AttemptCause,
     "attempt_refused": AttemptRefused,
+    "attempt_scheduler": Scheduler,
 }
 
 

@@ -163,6 +163,25 @@ class AttemptEnd(_Model):
 CAUSES = ("crash", "hang", "node_lost", "rollback", "preempted", "stop", "finished", "interrupted")
 
 
+SlurmName = Annotated[str, Field(max_length=256)]
+
+
+class Scheduler(_Model):
+    """The batch scheduler an attempt ran under, as its supervisor's environment told it (Slurm's variables)."""
+
+    kind: Literal["slurm"] = Field(description="`slurm`")
+    job_id: Annotated[str, Field(max_length=64)] = Field(description="`SLURM_JOB_ID`")
+    array_task_id: Annotated[str, Field(max_length=64)] | None = Field(
+        None, description="`SLURM_ARRAY_TASK_ID`"
+    )
+    restart_count: Annotated[int, Field(ge=0, le=10**6)] = Field(
+        0, description="`SLURM_RESTART_COUNT`: how many times Slurm requeued the job before this run of it"
+    )
+    partition: SlurmName | None = Field(None, description="`SLURM_JOB_PARTITION`")
+    nodelist: Annotated[str, Field(max_length=4096)] | None = Field(None, description="`SLURM_JOB_NODELIST`")
+    job_name: SlurmName | None = Field(None, description="`SLURM_JOB_NAME`")
+
+
 class AttemptCause(_Model):
     """Why an attempt ended, as ``rankwatch launch`` saw it."""
 
@@ -170,10 +189,11 @@ class AttemptCause(_Model):
         "crash", "hang", "node_lost", "rollback", "preempted", "stop", "finished", "interrupted"
     ] = Field(
         description="`crash` (a process of the attempt exited non-zero or on a signal), `stop` (a graceful "
-        "stop: never relaunched), `finished`, `interrupted` (a second Ctrl-C to the supervisor ended it at "
-        "once), `rollback` (a graceful stop asked by the loss-spike detector in `enforce` mode: relaunched from an "
-        "older healthy set with the bad data skipped, or ended when no target or budget is left); `hang`, "
-        "`node_lost` and `preempted` are reserved for the rules that detect them"
+        "stop: never relaunched), `preempted` (a graceful stop the batch scheduler asked for, by a signal: "
+        "the scheduler requeues the job), `finished`, `interrupted` (a second Ctrl-C to the supervisor ended "
+        "it at once), `rollback` (a graceful stop asked by the loss-spike detector in `enforce` mode: relaunched "
+        "from an older healthy set with the bad data skipped, or ended when no target or budget is left); `hang` "
+        "and `node_lost` are reserved for the rules that detect them"
     )
     rank: Annotated[int, Field(ge=0, lt=MAX_RANKS)] | None = Field(
         None, description="the rank that failed first (`crash`), when known"
@@ -212,6 +232,10 @@ class AttemptCause(_Model):
     )
     rung: Annotated[int, Field(ge=1, le=100)] | None = Field(
         None, description="`rollback`: the ladder's rung (2 and up: the same place again, more skipped)"
+    )
+    signalled_at: UnixTime | None = Field(None, description="when the scheduler's signal came (`preempted`)")
+    time_left_s: Annotated[float, Field(ge=0, le=10**9)] | None = Field(
+        None, description="the job's time left when the signal came, as the scheduler said (`preempted`)"
     )
 
 
@@ -259,6 +283,7 @@ class AttemptSupervised(_Model):
     note: Annotated[str, Field(max_length=MAX_ERROR)] | None = Field(
         None, description="what the supervisor said: a set passed over, why the run ended"
     )
+    scheduler: Scheduler | None = Field(None, description="the batch scheduler it ran under (Slurm), if any")
 
 
 class AttemptRefused(_Model):
