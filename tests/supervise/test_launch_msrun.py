@@ -21,8 +21,10 @@ from trainer_bridge.rundir import runfiles
 
 pytestmark = pytest.mark.msrun
 
-# 2000 samples, 2 ranks, batch 32: 31 steps an epoch.
-TRAIN = ["--epochs", "3", "--step-delay", "0.05", "--ckpt-every", "10"]
+# 2000 samples, 2 ranks, batch 32: 31 steps an epoch. Two epochs: a kill at step 25 leaves a
+# relaunch some 35 steps to train (every step a relaunch trains costs the suite time).
+EPOCHS = 2
+TRAIN = ["--epochs", str(EPOCHS), "--step-delay", "0.05", "--ckpt-every", "10"]
 FAST = ["--backoff-s", "0.5", "--grace-s", "5"]
 
 
@@ -66,7 +68,7 @@ def test_a_killed_rank_is_relaunched_from_the_newest_set_and_nothing_of_it_is_le
     assert a["supervisor"]["resume"]["global_step"] == resumed
     gasp_set = tmp_path / "run" / "ttp_checkpoints" / f"ttp_saved_checkpoints-step_{resumed}"
     assert sorted(p.name for p in gasp_set.iterdir()) == ["rank_0", "rank_1"]
-    assert job.steps_logged(0)[0] == resumed + 1 and job.steps_logged(0)[-1] == 3 * job.steps_per_epoch
+    assert job.steps_logged(0)[0] == resumed + 1 and job.steps_logged(0)[-1] == EPOCHS * job.steps_per_epoch
     assert b["end"] == "finished" and b["cause"]["kind"] == "finished"
     assert job.marked() == []
     down = a["downtime"]
