@@ -243,12 +243,14 @@ def losses(job: LaunchJob, rank: int) -> dict[int, str]:
 def test_a_resume_from_the_dying_gasp_gives_the_losses_of_a_run_without_the_fault(tmp_path):
     """The proof: the replica saved while the survivor was blocked is its last finished step, exactly."""
     exact = ["--epochs", "2", "--step-delay", "0.05", "--no-shuffle", "--monitors"]
-    with LaunchJob(tmp_path / "clean", exact, FAST) as clean:
+    # 640 samples: 10 steps an epoch, 20 a run (not 62). The kill, at step 5, is in the first
+    # epoch, so the resumed run crosses an epoch boundary, as with 31-step epochs and a kill at 20.
+    with LaunchJob(tmp_path / "clean", exact, FAST, samples=640) as clean:
         assert clean.wait() == 0, clean.output()
     reference = losses(clean, 0)
     assert len(reference) == 2 * clean.steps_per_epoch
-    with LaunchJob(tmp_path / "fault", exact, FAST) as job:
-        job.wait_until(lambda: step(job, 1) >= 20, "rank 1 past global step 20")
+    with LaunchJob(tmp_path / "fault", exact, FAST, samples=640) as job:
+        job.wait_until(lambda: step(job, 1) >= 5, "rank 1 past global step 5")
         job.workers()[1].send_signal(signal.SIGKILL)
         assert job.wait() == 0, job.output()
     a, b = job.rows()
