@@ -31,9 +31,12 @@ demo: venv
 
 # Two workers (pytest-xdist): most tests wait on msrun jobs, so two at once on
 # 2 cores take about 0.6 of the time one at a time does (docs/benchmarks.md).
+# --dist worksteal: a worker that runs out takes half of the other's queue.
+# xdist's default (load) leaves each worker its queue, which at the end can
+# hold minutes of msrun jobs while the other worker idles.
 # Debug one test without it: .venv/bin/python -m pytest tests/x.py -k name
 test: venv
-	$(PY) -m pytest -ra --durations=40 -n 2
+	$(PY) -m pytest -ra --durations=40 -n 2 --dist worksteal
 
 test-fast: venv
 	$(PY) -m pytest -ra -m "$(FAST)"

@@ -20,7 +20,9 @@ from trainer_bridge.rundir.ckptmeta import read_meta
 
 pytestmark = pytest.mark.msrun
 
-SAMPLES, BATCH = 2000, 32
+# 640 samples: 10 steps an epoch, so the relaunch crosses an epoch boundary (the same batch
+# again one epoch later) within some 15 steps, not 55.
+SAMPLES, BATCH = 640, 32
 PER_EPOCH = SAMPLES // 2 // BATCH  # steps per epoch on each of the 2 ranks
 LOOP = ["--loop", "--no-shuffle"]
 

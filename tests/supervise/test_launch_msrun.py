@@ -21,8 +21,10 @@ from trainer_bridge.rundir import runfiles
 
 pytestmark = pytest.mark.msrun
 
-# 2000 samples, 2 ranks, batch 32: 31 steps an epoch.
-TRAIN = ["--epochs", "3", "--step-delay", "0.05", "--ckpt-every", "10"]
+# 2000 samples, 2 ranks, batch 32: 31 steps an epoch. Two epochs: a kill at step 25 leaves a
+# relaunch some 35 steps to train (every step a relaunch trains costs the suite time).
+EPOCHS = 2
+TRAIN = ["--epochs", str(EPOCHS), "--step-delay", "0.05", "--ckpt-every", "10"]
 FAST = ["--backoff-s", "0.5", "--grace-s", "5"]
 
 
@@ -66,7 +68,7 @@ def test_a_killed_rank_is_relaunched_from_the_newest_set_and_nothing_of_it_is_le
     assert a["supervisor"]["resume"]["global_step"] == resumed
     gasp_set = tmp_path / "run" / "ttp_checkpoints" / f"ttp_saved_checkpoints-step_{resumed}"
     assert sorted(p.name for p in gasp_set.iterdir()) == ["rank_0", "rank_1"]
-    assert job.steps_logged(0)[0] == resumed + 1 and job.steps_logged(0)[-1] == 3 * job.steps_per_epoch
+    assert job.steps_logged(0)[0] == resumed + 1 and job.steps_logged(0)[-1] == EPOCHS * job.steps_per_epoch
     assert b["end"] == "finished" and b["cause"]["kind"] == "finished"
     assert job.marked() == []
     down = a["downtime"]
@@ -241,12 +243,14 @@ def losses(job: LaunchJob, rank: int) -> dict[int, str]:
 def test_a_resume_from_the_dying_gasp_gives_the_losses_of_a_run_without_the_fault(tmp_path):
     """The proof: the replica saved while the survivor was blocked is its last finished step, exactly."""
     exact = ["--epochs", "2", "--step-delay", "0.05", "--no-shuffle", "--monitors"]
-    with LaunchJob(tmp_path / "clean", exact, FAST) as clean:
+    # 640 samples: 10 steps an epoch, 20 a run (not 62). The kill, at step 5, is in the first
+    # epoch, so the resumed run crosses an epoch boundary, as with 31-step epochs and a kill at 20.
+    with LaunchJob(tmp_path / "clean", exact, FAST, samples=640) as clean:
         assert clean.wait() == 0, clean.output()
     reference = losses(clean, 0)
     assert len(reference) == 2 * clean.steps_per_epoch
-    with LaunchJob(tmp_path / "fault", exact, FAST) as job:
-        job.wait_until(lambda: step(job, 1) >= 20, "rank 1 past global step 20")
+    with LaunchJob(tmp_path / "fault", exact, FAST, samples=640) as job:
+        job.wait_until(lambda: step(job, 1) >= 5, "rank 1 past global step 5")
         job.workers()[1].send_signal(signal.SIGKILL)
         assert job.wait() == 0, job.output()
     a, b = job.rows()
