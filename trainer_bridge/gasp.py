@@ -146,7 +146,7 @@ class Gasp:
             append["rankwatch_gasp_by"] = self.rank
             first = tmp / f"rank_{self.rank}" / f"ttp_rank_{self.rank}-{epoch}_{in_epoch}.ckpt"
             running = self.step_running_s()
-            saving.save_state(self.cells, first, append)
+            saving.save_state(self.cells, first, append, global_step=step)
             after = self.step_running_s()
             if c.global_step != step or (running is not None and (after is None or after < running)):
                 raise RuntimeError("the training thread finished a step while the replica was saved")

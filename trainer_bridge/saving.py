@@ -203,16 +203,34 @@ def param_names(cells) -> set[str]:
     return {p.name for p in _parameters(cells)}
 
 
-def save_state(cells, path: Path, append: dict) -> None:
-    """Save ``cells``' parameters with ``append`` into ``path`` (one cell as itself, as before)."""
+def save_state(cells, path: Path, append: dict, global_step: int | None = None) -> None:
+    """Save ``cells``' parameters with ``append`` into ``path`` (one cell as itself, as before).
+
+    ``global_step``: the value to save for a ``global_step`` Parameter instead
+    of its own. The dying gasp saves while the training thread is blocked in
+    the gradient AllReduce, and an optimizer's ``global_step`` increment does
+    not depend on the gradients: in graph mode it may already have run for
+    the step whose update never came, so the file would name a step its
+    weights never reached (and a resume would skip that step's data).
+    """
     import mindspore as ms
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    if len(cells) == 1:
+    if len(cells) == 1 and global_step is None:
         obj = cells[0]
     else:
-        obj = [{"name": p.name, "data": p} for p in _parameters(cells)]
+        obj = [{"name": p.name, "data": _at_step(p, global_step)} for p in _parameters(cells)]
     ms.save_checkpoint(obj, str(path), append_dict=append)
+
+
+def _at_step(p, global_step: int | None):
+    """``p``, or for the optimizer's ``global_step`` a tensor like it holding ``global_step``."""
+    if global_step is None or p.name != "global_step":
+        return p
+    import mindspore as ms
+    import numpy as np
+
+    return ms.Tensor(np.full(p.shape, global_step, dtype=p.asnumpy().dtype))
 
 
 def load_state(path: Path, cells) -> list[str]:
