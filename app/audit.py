@@ -86,7 +86,7 @@ COLUMNS = (
     "basis",
     "run",
 )
-ACTIONS = ("request", "cancel", "rearm", "delete", "complete", "policy", "pin")
+ACTIONS = ("request", "cancel", "rearm", "delete", "complete", "policy", "pin", "spike")
 AUTHENTICATED = "authenticated"
 OBSERVED = "observed"
 # What the automatic stop policy did: no token, and it acts on what the ranks' files say.

@@ -79,6 +79,7 @@ from trainer_bridge.rundir.schema.job import (
     Hosts,
     Job,
     RetentionFile,
+    SpikesFile,
 )
 from trainer_bridge.rundir.schema.validation import build, clean_device, load, parse, validate
 
@@ -118,6 +119,7 @@ __all__ = [
     "RequestId",
     "ResumedFrom",
     "RetentionFile",
+    "SpikesFile",
     "SchemaError",
     "StopRecord",
     "UnixTime",

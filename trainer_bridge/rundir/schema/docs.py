@@ -20,6 +20,7 @@ from trainer_bridge.rundir.schema.job import (
     AttemptSupervised,
     Job,
     RetentionFile,
+    SpikesFile,
 )
 
 
@@ -66,6 +67,7 @@ README_TABLES = {
     "history": HistoryLine,
     "job": Job,
     "retention": RetentionFile,
+    "spikes": SpikesFile,
     "attempt_start": AttemptStart,
     "attempt_hosts": AttemptHosts,
     "attempt_end": AttemptEnd,
