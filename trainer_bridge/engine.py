@@ -387,7 +387,7 @@ class Engine:
         c.global_step += steps
         c.step_times.append(dt / steps)
         if now >= self.reporter.loss_due and outputs is not None:
-            self.reporter.take_loss(outputs, grad_norm)
+            self.reporter.take_loss(outputs, grad_norm, c.global_step)
         if self.agreement.due(c.global_step, dt, steps):
             return self._agree()
         return False

@@ -120,6 +120,7 @@ class Reporter:
         self.reporter_cpu_ms = 0.0
         self.loss: float | None = None
         self.grad_norm: float | None = None
+        self.loss_step: int | None = None  # the global step whose loss self.loss is
         self.loss_due = 0.0
         self.request: runfiles.Flag | None = None
         self.stop: dict | None = None
@@ -173,7 +174,7 @@ class Reporter:
         self.gasp = None  # set by the engine: trainer_bridge.gasp.Gasp
 
     # ------------------------------------------------ training-thread side
-    def take_loss(self, outputs, grad_norm=None) -> None:
+    def take_loss(self, outputs, grad_norm=None, step: int | None = None) -> None:
         """Convert the loss (and the norm) about once a heartbeat; every step would cost a device sync.
 
         A NaN or infinite value is kept as it is: the schema writes it as
@@ -184,6 +185,7 @@ class Reporter:
         value = outputs[0] if isinstance(outputs, (tuple, list)) and outputs else outputs
         self.loss = _scalar(value)
         self.grad_norm = None if grad_norm is None else _scalar(grad_norm)
+        self.loss_step = step if self.loss is not None else None
 
     def saw_request(self, flag: runfiles.Flag | None, source: str, step: int) -> None:
         if self.stop is None:
@@ -513,6 +515,7 @@ class Reporter:
             step=(gstep - 1) % per_epoch + 1 if per_epoch and gstep else 0,
             global_step=gstep,
             loss=self.loss,
+            loss_step=self.loss_step,
             # A negative norm is no norm (the schema would refuse the heartbeat): left out.
             grad_norm=None if self.grad_norm is not None and self.grad_norm < 0 else self.grad_norm,
             step_time_ms=self._last_step_ms,

@@ -91,7 +91,9 @@ class Detection:
     step: int
     value: float | str | None  # the loss or norm; "nan", "inf", "-inf" when not finite
     level: float | None
-    first_step: int  # the episode's first abnormal global step (K)
+    # The earliest step that may be abnormal (K): the step after the rank's last normal
+    # sample, since the loss is sampled about once a heartbeat, not every step.
+    first_step: int
     at: float
     ranks: int = 1
     lone: bool = False  # one rank's non-finite loss while another's is finite
@@ -137,12 +139,14 @@ def _number(value: Any) -> float | None:
 class _Series:
     """One rank's figure (loss or norm): its rolling median and the run of abnormal samples."""
 
-    __slots__ = ("order", "sorted", "above_since", "above_n", "level_before", "last")
+    __slots__ = ("order", "sorted", "above_since", "above_n", "level_before", "last", "ok_step", "first")
 
     def __init__(self) -> None:
         self.order: deque[float] = deque()
         self.sorted: list[float] = []
-        self.above_since: int | None = None
+        self.above_since: int | None = None  # the first abnormal sample's step
+        self.ok_step: int | None = None  # the last normal sample's step
+        self.first: int = 0  # the earliest step that may be abnormal (``Detection.first_step``)
         self.above_n = 0
         self.level_before: float | None = None
         self.last: float | None = None
@@ -161,16 +165,20 @@ class _Series:
             old = self.order.popleft()
             del self.sorted[bisect.bisect_left(self.sorted, old)]
 
+    def start(self, step: int, level: float | None) -> None:
+        self.above_since, self.level_before = step, level
+        self.first = step if self.ok_step is None else self.ok_step + 1
+
     def judge(self, step: int, value: float, params: Params) -> tuple[bool, float | None]:
         """(whether the spike rule trips now, the level judged against); keeps the window."""
         level = self.level()
         self.last = value
         if level is None or level <= 0 or not value > params.factor * level:
-            self.above_since, self.above_n = None, 0
+            self.above_since, self.above_n, self.ok_step = None, 0, step
             self.add(value)
             return False, level
         if self.above_since is None:
-            self.above_since, self.level_before = step, level
+            self.start(step, level)
         self.above_n += 1
         span = step - self.above_since + 1
         trips = span >= params.steps and (self.above_n >= 2 or params.steps <= 1)
@@ -185,7 +193,8 @@ class _Rank:
         self.step = -1
         self.loss = _Series()
         self.norm = _Series()
-        self.nonfinite_at: tuple[int, str] | None = None  # (step, name) not yet confirmed or refuted
+        # (the earliest step that may be abnormal, step, name), not yet confirmed or refuted
+        self.nonfinite_at: tuple[int, int, str] | None = None
 
 
 @dataclass
@@ -229,8 +238,12 @@ class Detector:
         if st is None or st.launch != launch or step < st.step:
             st = self._ranks[rank] = _Rank(launch)  # a new launch, a resume, a rollback: start over
             self._forget(rank)
+        # The step whose loss it is (the bridge's loss_step), else the heartbeat's.
+        taken = hb.get("loss_step")
+        if isinstance(taken, int) and not isinstance(taken, bool) and 0 <= taken <= step:
+            step = taken
         if step == st.step:
-            return  # no step since the last heartbeat: the same sample again
+            return  # no new loss since the last heartbeat: the same sample again
         st.step = step
         loss = self._value(hb, "loss", rank)
         if loss is not None:
@@ -273,11 +286,14 @@ class Detector:
             if ep is not None:
                 self._join(ep, rank)
                 return
-            st.nonfinite_at = (step, name)
+            ok = st.loss.ok_step
+            if st.nonfinite_at is None:  # a rank's first NaN sample is its evidence
+                st.nonfinite_at = (step if ok is None else ok + 1, step, name)
             seen = [(o.nonfinite_at, r) for r, o in self._ranks.items() if o.nonfinite_at is not None]
             if self.world <= 1 or len(seen) > 1:
-                (first, first_name), first_rank = min(seen)  # the evidence: the earliest step, lowest rank
-                self._nonfinite(first_rank, first, first_name, now, len(seen))
+                # The evidence: the rank that may have turned first (then the lowest).
+                (first, at, first_name), first_rank = min(seen)
+                self._nonfinite(first_rank, at, first_name, now, len(seen), first=first)
             return
         st.nonfinite_at = None
         self._lone.discard(rank)
@@ -299,10 +315,11 @@ class Detector:
                     step,
                     loss,
                     level,
-                    series.above_since,
+                    series.first,
                     now,
                     text=f"rank {rank}: loss {loss:.5g} at step {step}, above {self.params.factor:g} x "
-                    f"its level {level:.5g} since step {series.above_since}",
+                    f"its level {level:.5g} since step {series.above_since} (normal at step "
+                    f"{series.first - 1 if series.ok_step is not None else '?'})",
                 )
                 ep = self._open["spike"] = _Episode(det)
                 self._emit(det)
@@ -341,7 +358,7 @@ class Detector:
         if not math.isfinite(norm):
             trips, level = False, series.level()
             if series.above_since is None:
-                series.above_since, series.level_before = step, level
+                series.start(step, level)
             series.above_n += 1
             trips = step - series.above_since + 1 >= self.params.steps and series.above_n >= 2
         else:
@@ -354,7 +371,7 @@ class Detector:
                 step,
                 shown,
                 level,
-                series.above_since,
+                series.first,
                 now,
                 text=f"rank {rank}: global norm {shown if isinstance(shown, str) else f'{shown:.5g}'} at step "
                 f"{step}, above {self.params.factor:g} x its level "
@@ -368,7 +385,16 @@ class Detector:
             if not ep.ranks:
                 del self._open["grad_norm"]
 
-    def _nonfinite(self, rank: int, step: int, name: str, now: float, ranks: int, lone: bool = False) -> None:
+    def _nonfinite(
+        self,
+        rank: int,
+        step: int,
+        name: str,
+        now: float,
+        ranks: int,
+        lone: bool = False,
+        first: int | None = None,
+    ) -> None:
         if lone:
             text = (
                 f"rank {rank}: loss {name} at step {step}, while another rank's loss is finite at that "
@@ -377,7 +403,10 @@ class Detector:
         else:
             more = f" (and {ranks - 1} more rank{'s' if ranks > 2 else ''})" if ranks > 1 else ""
             text = f"rank {rank}: loss {name} at step {step}{more}"
-        det = Detection("nonfinite", rank, step, name, None, step, now, ranks=ranks, lone=lone, text=text)
+        first = step if first is None else first
+        if first < step:
+            text += f" (finite at step {first - 1})"
+        det = Detection("nonfinite", rank, step, name, None, first, now, ranks=ranks, lone=lone, text=text)
         if not lone:
             ep = self._open["nonfinite"] = _Episode(det)
             for r, o in self._ranks.items():
@@ -390,12 +419,12 @@ class Detector:
         if loss is None or not math.isfinite(loss):
             return
         for r, o in self._ranks.items():
-            if r != rank and o.nonfinite_at is not None and o.nonfinite_at[0] <= step:
-                at, name = o.nonfinite_at
+            if r != rank and o.nonfinite_at is not None and o.nonfinite_at[1] <= step:
+                first, at, name = o.nonfinite_at
                 o.nonfinite_at = None
                 if "nonfinite" not in self._open and r not in self._lone:
                     self._lone.add(r)
-                    self._nonfinite(r, at, name, now, 1, lone=True)
+                    self._nonfinite(r, at, name, now, 1, lone=True, first=first)
 
     def _join(self, ep: _Episode, rank: int) -> None:
         if rank not in ep.ranks:

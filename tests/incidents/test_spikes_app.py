@@ -59,7 +59,7 @@ def curve(r, step):
 def test_observe_alerts_marks_and_records_what_enforce_would_do_and_stops_nothing(run_dir, receiver):
     write_job(run_dir, 2)
     save_bridge_set(run_dir, 150)
-    save_bridge_set(run_dir, 200)  # at the first NaN step itself: not a target (margin)
+    save_bridge_set(run_dir, 200)  # saved after the first NaN step: not a target
     app = make_app(run_dir, receiver)
     t0 = time.time()
     train(run_dir, app, range(5, 300, 5), lambda r, s: math.nan if s >= 200 else curve(r, s), t0)
@@ -75,7 +75,8 @@ def test_observe_alerts_marks_and_records_what_enforce_would_do_and_stops_nothin
         True,
     )
     (line,) = body["rollbacks"]
-    assert line["kind"] == "observed" and line["first_step"] == 200 and line["target_step"] == 150
+    # K is the step after the last finite sample (195); the set at 200 holds NaN weights: 150 is the target.
+    assert line["kind"] == "observed" and line["first_step"] == 196 and line["target_step"] == 150
     assert line["skip_batches"] == 100 and "enforce would roll back to step 150" in line["note"]
     got = receiver.wait_for(lambda p: [x for x in p if x["event"] == "loss_spike"], "the spike alert")
     assert got[0]["rule"] == "nonfinite" and got[0]["step"] == 200 and got[0]["mode"] == "observe"
@@ -102,7 +103,7 @@ def test_enforce_requests_the_rollback_and_joins_a_pending_stop(run_dir, receive
     # The dead-ReLU case: the loss jumps to ln 5 at step 160 and stays.
     train(run_dir, app, range(5, 260, 5), lambda r, s: math.log(5) if s >= 160 else 0.3, t0)
     req, why = rollbacks.read_request(run_dir)
-    assert why is None and req.rule == "divergence" and req.first_step == 160 and req.skip_batches == 100
+    assert why is None and req.rule == "divergence" and req.first_step == 156 and req.skip_batches == 100
     assert req.evidence.level == pytest.approx(0.3) and req.evidence.step >= 190
     lines, _ = rollbacks.read_lines(run_dir)
     assert [(ln.kind, ln.rule, ln.target_step) for ln in lines] == [("requested", "divergence", 100)]

@@ -45,7 +45,10 @@ def test_a_falling_noisy_curve_raises_nothing():
 def test_nan_on_every_rank_is_one_detection_that_acts():
     det = Detector(world=2)
     got = feed(det, [0, 1], range(5, 400, 5), lambda r, s: math.nan if s >= 200 else noisy(r, s))
-    assert [(d.rule, d.step, d.value, d.ranks, d.acts) for d in got] == [("nonfinite", 200, "nan", 2, True)]
+    # Sampled every 5 steps: the last finite sample was at 195, so K (the earliest abnormal step) is 196.
+    assert [(d.rule, d.step, d.first_step, d.value, d.ranks, d.acts) for d in got] == [
+        ("nonfinite", 200, 196, "nan", 2, True)
+    ]
     assert "rank 0" in got[0].text
     assert det.open_rules() == ["nonfinite"]
 
@@ -68,12 +71,14 @@ def test_a_one_rank_job_nan_acts_at_once():
 def test_a_spike_that_comes_back_warns_and_one_that_stays_diverges():
     det = Detector(Params(factor=3.0, steps=3, recover_steps=50), world=1)
     back = feed(det, [0], range(5, 600, 5), lambda r, s: 9.0 if 300 <= s < 320 else 1.0)
-    assert [(d.rule, d.first_step, d.level, d.acts) for d in back] == [("spike", 300, 1.0, False)]
+    assert [(d.rule, d.step, d.first_step, d.level, d.acts) for d in back] == [
+        ("spike", 305, 296, 1.0, False)
+    ]
     assert det.open_rules() == []
     det = Detector(Params(factor=3.0, steps=3, recover_steps=50), world=1)
     # The dead-ReLU case of the issue: the loss jumps to ln 5 and stays there.
     stays = feed(det, [0], range(5, 600, 5), lambda r, s: math.log(5) if s >= 300 else 0.3)
-    assert [(d.rule, d.first_step) for d in stays] == [("spike", 300), ("divergence", 300)]
+    assert [(d.rule, d.first_step) for d in stays] == [("spike", 296), ("divergence", 296)]
     div = stays[1]
     assert div.acts and div.step >= 350 and div.level == pytest.approx(0.3)
     assert "not back under" in div.text
@@ -102,7 +107,14 @@ def test_a_norm_spike_and_a_lone_overflow():
     for step in (1500, 1505, 1510):
         det.observe(0, beat(step, 1.0, norm=50.0), 1.0)
     (d,) = det.take()
-    assert (d.rule, d.first_step, d.value, d.level, d.acts) == ("grad_norm", 1500, 50.0, 2.0, False)
+    assert (d.rule, d.step, d.first_step, d.value, d.level, d.acts) == (
+        "grad_norm",
+        1505,
+        1406,
+        50.0,
+        2.0,
+        False,
+    )
 
 
 def test_a_new_launch_starts_over():

@@ -18,6 +18,7 @@ import mindspore as ms
 import mindspore.dataset as ds
 import mindspore.dataset.transforms as transforms
 import mindspore.dataset.vision as vision
+import numpy as np
 from mindspore import nn
 from mindspore.train import (
     Callback,
@@ -53,6 +54,28 @@ def create_dataset(data_dir: str, batch_size: int, rank: int, world: int, shuffl
     return mnist.batch(batch_size, drop_remainder=True)
 
 
+# Tests of the loss-spike detector (issue 34): the inputs turn NaN from this global step on.
+POISON_ENV = "RANKWATCH_DEMO_POISON_STEP"
+
+
+def poison_from(dataset: ds.Dataset, step: int, first: list[int]) -> ds.Dataset:
+    """``dataset`` whose images are NaN from global step ``step`` on (the demo's data hook).
+
+    A batch's global step is ``first[0]`` (the step this launch resumes
+    after, set once the bridge has resumed) plus the batches this process
+    has produced; one worker, so they are produced in order. A NaN input
+    makes a NaN loss, and the gradient AllReduce makes every rank's weights
+    NaN from there on, as a corrupt shard does in a real job.
+    """
+    produced = [0]
+
+    def nan_from(image):
+        produced[0] += 1
+        return image * np.float32("nan") if first[0] + produced[0] >= step else image
+
+    return dataset.map(nan_from, input_columns="image", num_parallel_workers=1)
+
+
 class LeNet5(nn.Cell):
     """LeNet5 as in MindSpore's graceful-exit sample, with MindSpore's default initialisers.
 
@@ -62,23 +85,25 @@ class LeNet5(nn.Cell):
     as in MindSpore's LeNet quick start, start learning from the first steps.
     """
 
-    def __init__(self, num_class: int = 10, channel: int = 1):
+    def __init__(self, num_class: int = 10, channel: int = 1, activation: str = "relu"):
         super().__init__()
         self.conv1 = nn.Conv2d(channel, 6, 5, pad_mode="valid", has_bias=False)
         self.conv2 = nn.Conv2d(6, 16, 5, pad_mode="valid", has_bias=False)
         self.fc1 = nn.Dense(16 * 5 * 5, 120)
         self.fc2 = nn.Dense(120, 84)
         self.fc3 = nn.Dense(84, num_class)
-        self.relu = nn.ReLU()
+        # ReLU turns a NaN input into 0 (max(NaN, 0) is 0): the net dies with a finite loss,
+        # ln 10, and the NaN never shows. Tanh lets it through, as the issue's tests need.
+        self.act = nn.Tanh() if activation == "tanh" else nn.ReLU()
         self.max_pool2d = nn.MaxPool2d(kernel_size=2, stride=2)
         self.flatten = nn.Flatten()
 
     def construct(self, x):
-        x = self.max_pool2d(self.relu(self.conv1(x)))
-        x = self.max_pool2d(self.relu(self.conv2(x)))
+        x = self.max_pool2d(self.act(self.conv1(x)))
+        x = self.max_pool2d(self.act(self.conv2(x)))
         x = self.flatten(x)
-        x = self.relu(self.fc1(x))
-        x = self.relu(self.fc2(x))
+        x = self.act(self.fc1(x))
+        x = self.act(self.fc2(x))
         return self.fc3(x)
 
 
@@ -218,6 +243,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.01, help="Momentum's learning rate (default 0.01)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument(
+        "--activation",
+        choices=["relu", "tanh"],
+        default="relu",
+        help="LeNet5's activation (default relu); with tanh a NaN input (RANKWATCH_DEMO_POISON_STEP) "
+        "makes a NaN loss, with relu a dead net",
+    )
+    p.add_argument(
         "--no-shuffle",
         action="store_true",
         help="read the samples in file order (tests check data positions)",
@@ -247,7 +279,11 @@ def main(argv=None) -> None:
     rank, world = init_job(args)
 
     dataset = create_dataset(args.data_dir, args.batch_size, rank, world, shuffle=not args.no_shuffle)
-    net = LeNet5()
+    poison_step = int(os.environ.get(POISON_ENV) or 0)
+    resumed_after = [0]
+    if poison_step > 0:
+        dataset = poison_from(dataset, poison_step, resumed_after)
+    net = LeNet5(activation=args.activation)
     loss = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
     opt = nn.Momentum(net.trainable_params(), args.lr, 0.9)
     model = Model(net, loss, opt)
@@ -270,6 +306,8 @@ def main(argv=None) -> None:
         initial_epoch = bridge.resume(dataset, epochs=args.epochs)  # bridge
         if bridge.finished:
             return  # the set resumed from already covers --epochs (the bridge logged it)
+        point = bridge._engine.find_resume() if poison_step > 0 else None
+        resumed_after[0] = point.global_step if point is not None and point.global_step else 0
         callbacks.append(bridge)
     slow = rank == args.slow_rank
     delay = args.step_delay + (args.slow_delay if slow else 0.0)

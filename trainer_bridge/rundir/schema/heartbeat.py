@@ -162,6 +162,11 @@ class Heartbeat(_Model):
     loss_nonfinite: NonFinite | None = Field(
         None, description="`nan`, `inf` or `-inf` when the last loss was one (the loss is then null)"
     )
+    loss_step: Count | None = Field(
+        None,
+        description="the global step whose loss `loss` is (the bridge converts one about once a heartbeat, "
+        "so it may be a few steps behind `global_step`)",
+    )
     grad_norm: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = Field(
         None, description="the global gradient norm, when the script reports it (`bridge.report`)"
     )
@@ -240,6 +245,7 @@ class HistoryLine(_Model):
     global_step: Count | None = Field(None, description="as in the heartbeat")
     loss: Annotated[float, Field(allow_inf_nan=False)] | None = Field(None, description="as in the heartbeat")
     loss_nonfinite: NonFinite | None = Field(None, description="as in the heartbeat")
+    loss_step: Count | None = Field(None, description="as in the heartbeat")
     grad_norm: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = Field(
         None, description="as in the heartbeat"
     )
