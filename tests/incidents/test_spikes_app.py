@@ -13,6 +13,8 @@ import time
 import pytest
 
 from app import create_app
+from app.cli.status import spikes_text
+from app.runs.rows import spike_facts
 from tests.helpers.app import AUTH, FAST_SETTINGS, TOKEN
 from tests.helpers.checkpoints import save_bridge_set
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
@@ -87,6 +89,11 @@ def test_observe_alerts_marks_and_records_what_enforce_would_do_and_stops_nothin
     assert rollbacks.read_request(run_dir) == (None, None)
     audit = client.get("/api/audit", headers=AUTH).get_json()
     assert any(row["action"] == "spike" for row in audit["rows"])
+    # The landing page's row: an unresolved NaN needs attention; rankwatch status says it.
+    facts = spike_facts(app.extensions["rankwatch"].state)
+    assert facts == {"spike_open": ["nonfinite"], "rollbacks": 0, "spike_stuck": False}
+    said = spikes_text(run_dir)
+    assert "1 observed" in said and "nonfinite from step 196" in said and "the set at step 150" in said
     app.extensions["rankwatch"].incidents.alerts.sender.close()
 
 
