@@ -186,15 +186,13 @@ class _Series:
 
 
 class _Rank:
-    __slots__ = ("launch", "step", "loss", "norm", "nonfinite_at")
+    __slots__ = ("launch", "step", "loss", "norm")
 
     def __init__(self, launch: Any) -> None:
         self.launch = launch
         self.step = -1
         self.loss = _Series()
         self.norm = _Series()
-        # (the earliest step that may be abnormal, step, name), not yet confirmed or refuted
-        self.nonfinite_at: tuple[int, int, str] | None = None
 
 
 @dataclass
@@ -220,6 +218,10 @@ class Detector:
         self.last_refusal: str | None = None
         self._norm_steps: set[int] = set()
         self._lone: set[int] = set()  # ranks reported lone, until their loss is finite again
+        # rank -> (the earliest step that may be abnormal, the NaN sample's step, its name): the
+        # ranks whose NaN is not yet confirmed or refuted. Kept apart so that a sample costs
+        # O(pending), usually nothing, and never O(world).
+        self._pending: dict[int, tuple[int, int, str]] = {}
 
     # ------------------------------------------------------------------ input
     def observe(self, rank: int, hb: Mapping[str, Any] | None, now: float) -> None:
@@ -272,6 +274,7 @@ class Detector:
 
     def _forget(self, rank: int) -> None:
         """Rank ``rank`` started over (a resume, a rollback): its episodes end with it."""
+        self._pending.pop(rank, None)
         for rule, ep in list(self._open.items()):
             ep.ranks.discard(rank)
             ep.levels.pop(rank, None)
@@ -287,15 +290,15 @@ class Detector:
                 self._join(ep, rank)
                 return
             ok = st.loss.ok_step
-            if st.nonfinite_at is None:  # a rank's first NaN sample is its evidence
-                st.nonfinite_at = (step if ok is None else ok + 1, step, name)
-            seen = [(o.nonfinite_at, r) for r, o in self._ranks.items() if o.nonfinite_at is not None]
+            if rank not in self._pending:  # a rank's first NaN sample is its evidence
+                self._pending[rank] = (step if ok is None else ok + 1, step, name)
+            seen = [(v, r) for r, v in self._pending.items()]
             if self.world <= 1 or len(seen) > 1:
                 # The evidence: the rank that may have turned first (then the lowest).
                 (first, at, first_name), first_rank = min(seen)
                 self._nonfinite(first_rank, at, first_name, now, len(seen), first=first)
             return
-        st.nonfinite_at = None
+        self._pending.pop(rank, None)
         self._lone.discard(rank)
         series = st.loss
         trips, level = series.judge(step, loss, self.params)
@@ -409,19 +412,16 @@ class Detector:
         det = Detection("nonfinite", rank, step, name, None, first, now, ranks=ranks, lone=lone, text=text)
         if not lone:
             ep = self._open["nonfinite"] = _Episode(det)
-            for r, o in self._ranks.items():
-                if o.nonfinite_at is not None:
-                    ep.ranks.add(r)
+            ep.ranks.update(self._pending)
         self._emit(det)
 
     def _confirm(self, rank: int, step: int, loss: float | None, now: float) -> None:
         """Another rank's sample at ``step`` settles a pending lone NaN: refuted if finite."""
-        if loss is None or not math.isfinite(loss):
+        if not self._pending or loss is None or not math.isfinite(loss):
             return
-        for r, o in self._ranks.items():
-            if r != rank and o.nonfinite_at is not None and o.nonfinite_at[1] <= step:
-                first, at, name = o.nonfinite_at
-                o.nonfinite_at = None
+        for r, (first, at, name) in list(self._pending.items()):
+            if r != rank and at <= step:
+                del self._pending[r]
                 if "nonfinite" not in self._open and r not in self._lone:
                     self._lone.add(r)
                     self._nonfinite(r, at, name, now, 1, lone=True, first=first)
