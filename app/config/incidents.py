@@ -85,10 +85,9 @@ SETTINGS: list[Setting] = [
     Setting(
         "SPIKE_MODE",
         "observe",
-        'The loss-spike detector (docs/incidents.md, "Loss spikes and NaN"): `off`, `observe` (default: '
-        "alert, mark the loss chart, record in the incidents and in `rankwatch/rollbacks.jsonl` what "
-        "`enforce` would do; stop nothing) or `enforce` (ask `rankwatch launch` for a rollback and stop "
-        "gracefully, with who = `policy`). A run's `rankwatch/spikes.json` overrides it and the five below.",
+        "Loss spikes and NaN (docs/incidents.md): `off`; `observe` (default: alert, mark the chart, record "
+        "what `enforce` would do, stop nothing); `enforce` (ask `rankwatch launch` for a rollback, stop "
+        "gracefully as `policy`). A run's `rankwatch/spikes.json` overrides the `SPIKE_*` settings.",
         choices=("off", "observe", "enforce"),
         group=G_INCIDENTS,
     ),
