@@ -35,7 +35,7 @@ from typing import Any
 from app.audit import POLICY, AuditError, AuditLog
 from app.errors import RankwatchError
 from app.incidents.alerts import AlertDesk
-from app.run import spikes
+from app.run import mfnorms, spikes
 from app.run.state import RunState
 from app.stop.service import StopService
 from trainer_bridge.rundir import ckpthealth, rollbacks, spikepolicy
@@ -139,7 +139,7 @@ class SpikeWatch:
         if not self.run_dir or policy.mode == "off":
             return
         sig = []
-        for rel in spikes.MINDFORMERS_NORMS:
+        for rel in mfnorms.MINDFORMERS_NORMS:
             try:
                 st = os.stat(os.path.join(self.run_dir, rel), follow_symlinks=False)
                 sig.append((rel, st.st_size, st.st_mtime_ns))
@@ -148,7 +148,7 @@ class SpikeWatch:
         if tuple(sig) == self._norms_sig:
             return
         self._norms_sig = tuple(sig)
-        norms, self.norms_error = spikes.read_mindformers(self.run_dir)
+        norms, self.norms_error = mfnorms.read_mindformers(self.run_dir)
         if norms:
             self.state.add_mindformers_norms(norms, now)
 

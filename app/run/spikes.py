@@ -49,25 +49,18 @@ resume, a rollback) starts over.
 from __future__ import annotations
 
 import bisect
-import json
 import math
-import os
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
-
-from trainer_bridge.rundir import safeio
 
 MODES = ("off", "observe", "enforce")
 WINDOW = 32  # normal samples in a rank's rolling median
 WARMUP = 8  # samples before the spike rules judge a rank
 RECOVER_SLACK = 1.25  # "back under the pre-spike level" allows this much noise
 ACTS = ("nonfinite", "divergence")
-# MindFormers' record of the steps whose global norm passed its threshold.
-MINDFORMERS_NORMS = ("abnormal_global_norm.json", "output/abnormal_global_norm.json")
-MAX_NORMS_BYTES = 64 * 1024
-MAX_NORMS_STEPS = 1000
+MAX_NORMS_STEPS = 1000  # MindFormers' abnormal steps taken in at most
 MAX_RANK = 1 << 17
 MAX_STEP = 2**53
 DETECTIONS_KEPT = 200
@@ -472,34 +465,6 @@ class Detector:
     def marks(self, since_step: int | None = None) -> list[dict]:
         """The kept detections as the loss chart's marks, oldest first."""
         return [d.to_dict() for d in self.detections if since_step is None or d.step >= since_step]
-
-
-def read_mindformers(run_dir: str | os.PathLike) -> tuple[dict[int, float], str | None]:
-    """MindFormers' ``{"<global step>": [norm, ...]}``, bounded and validated: ({step: largest norm}, why refused)."""
-    for rel in MINDFORMERS_NORMS:
-        try:
-            data = safeio.read_regular(os.path.join(run_dir, rel), MAX_NORMS_BYTES)
-        except FileNotFoundError:
-            continue
-        except (OSError, ValueError) as e:
-            return {}, f"{rel}: {e}"
-        try:
-            obj = json.loads(data)
-        except (ValueError, RecursionError) as e:
-            return {}, f"{rel}: not JSON: {str(e)[:100]}"
-        if not isinstance(obj, dict):
-            return {}, f"{rel}: not an object"
-        out: dict[int, float] = {}
-        for key, values in list(obj.items())[:MAX_NORMS_STEPS]:
-            if not (isinstance(key, str) and key.isdigit() and len(key) <= 16):
-                return {}, f"{rel}: key {key[:20]!r} is not a global step"
-            seq = values if isinstance(values, list) else [values]
-            nums = [n for n in (_number(v) for v in seq[:100]) if n is not None]
-            if not nums:
-                return {}, f"{rel}: step {key}: no number"
-            out[int(key)] = max(nums, key=lambda n: math.inf if math.isnan(n) else n)
-        return out, None
-    return {}, None
 
 
 def ranks_of(detections: Iterable[Detection]) -> list[int]:

@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from app.run.spikes import Detector, Params, read_mindformers
+from app.run.mfnorms import read_mindformers
+from app.run.spikes import Detector, Params
 
 
 def beat(step, loss=None, *, nonfinite=None, norm=None, launch="L1"):
