@@ -7,7 +7,7 @@ dashboard restart. Schema (one table, append-only)::
     CREATE TABLE audit (
         id          INTEGER PRIMARY KEY AUTOINCREMENT,
         at          REAL NOT NULL,  -- Unix seconds
-        action      TEXT NOT NULL,  -- request | cancel | rearm | delete | complete | policy | pin
+        action      TEXT NOT NULL,  -- request | cancel | rearm | delete | complete | policy | pin | spike
         request_id  TEXT,           -- the stop request it concerns, if any
         who         TEXT NOT NULL,  -- the operator's name (typed in the page) or "rankwatch"
         remote_addr TEXT,           -- where the HTTP request came from
@@ -86,7 +86,7 @@ COLUMNS = (
     "basis",
     "run",
 )
-ACTIONS = ("request", "cancel", "rearm", "delete", "complete", "policy", "pin")
+ACTIONS = ("request", "cancel", "rearm", "delete", "complete", "policy", "pin", "spike")
 AUTHENTICATED = "authenticated"
 OBSERVED = "observed"
 # What the automatic stop policy did: no token, and it acts on what the ranks' files say.

@@ -103,7 +103,14 @@ def build(
     from app.watcher import Watcher
     from trainer_bridge.rundir.pyspy import find_pyspy
 
-    rw.incidents = Incidents.from_config(config, state, stop, audit, socketio.start_background_task)
+    rw.incidents = Incidents.from_config(
+        config,
+        state,
+        stop,
+        audit,
+        socketio.start_background_task,
+        index=lambda: checkpoints.index(state.world_size(), wait=False),
+    )
     rw.stacks = StackService(
         run_dir,
         state,

@@ -139,9 +139,16 @@ class GracefulExitBridge(Callback):
         """
         return _loop.rows(self._engine, dataset, network, optimizer, epochs)
 
-    def report(self, *, loss=None) -> None:
-        """The step's loss (a Tensor or a float) for the heartbeat; converted about once a second."""
+    def report(self, *, loss=None, grad_norm=None) -> None:
+        """The step's loss (a Tensor or a float) for the heartbeat; converted about once a second.
+
+        ``grad_norm``: the step's global gradient norm, if the script computes
+        it (e.g. ``ops.clip_by_global_norm``'s input norm); the dashboard's
+        spike detector judges it beside the loss. Never computed here: that
+        would be a collective the script did not ask for.
+        """
         self._engine.reported_loss = loss
+        self._engine.reported_grad_norm = grad_norm
 
     # ----------------------------------------------------------------- Model.train
     def resume(self, dataset=None, epochs: int | None = None) -> int:

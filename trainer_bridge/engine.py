@@ -147,6 +147,7 @@ class Engine:
         self.served = NOTHING_SERVED
         self.stopped = False
         self.reported_loss = None  # the functional loop's bridge.report(loss=...)
+        self.reported_grad_norm = None  # and its grad_norm=...
         self.in_step = False
         self.reporter: Reporter | None = None
         self.counters: Counters | None = None
@@ -404,11 +405,13 @@ class Engine:
         self._step_began = now
         self.in_step = True
 
-    def step_end(self, outputs=None, step_num: int | None = None) -> bool:
+    def step_end(self, outputs=None, step_num: int | None = None, grad_norm=None) -> bool:
         """Account one step (or, in sink mode, the steps up to ``step_num``); True: stop now.
 
         ``outputs``: the step's loss (a Tensor, a float, or a tuple starting
-        with it), converted about once a heartbeat.
+        with it), converted about once a heartbeat, as is ``grad_norm`` (the
+        functional loop's ``bridge.report(grad_norm=...)``; ``Model.train``
+        has no norm to give).
         """
         now = time.perf_counter()
         c = self.counters
@@ -421,7 +424,7 @@ class Engine:
         c.global_step += steps
         c.step_times.append(dt / steps)
         if now >= self.reporter.loss_due and outputs is not None:
-            self.reporter.take_loss(outputs)
+            self.reporter.take_loss(outputs, grad_norm, c.global_step)
         if self.agreement.due(c.global_step, dt, steps):
             return self._agree()
         return False

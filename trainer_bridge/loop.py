@@ -46,7 +46,8 @@ def rows(engine: Engine, dataset, network, optimizer, epochs: int):
                 engine.step_begin()
                 yield row
                 loss, engine.reported_loss = engine.reported_loss, None
-                if engine.step_end(loss):
+                norm, engine.reported_grad_norm = engine.reported_grad_norm, None
+                if engine.step_end(loss, grad_norm=norm):
                     return
     finally:
         engine.end()

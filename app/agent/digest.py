@@ -84,6 +84,7 @@ class Row(TypedDict):
     step: Count | None
     global_step: Count | None
     loss: Loss | None
+    loss_nonfinite: Literal["nan", "inf", "-inf"] | None
     step_time_ms: Millis | None
     step_time_mean_ms: Millis | None
     samples_per_s: Annotated[float, Field(ge=0, le=1e12)] | None

@@ -220,6 +220,36 @@ def restarts_text(run_dir: Path) -> str | None:
     return f"{text}\n{scheduler}" if scheduler else text
 
 
+def spikes_text(run_dir: Path) -> str | None:
+    """The loss-spike line: the pending rollback, and the lines of ``rankwatch/rollbacks.jsonl``."""
+    from trainer_bridge.rundir import rollbacks
+
+    lines, skipped = rollbacks.read_lines(run_dir)
+    pending, refused = rollbacks.read_request(run_dir)
+    if not lines and pending is None and refused is None:
+        return None
+    kinds: dict[str, int] = {}
+    for ln in lines:
+        kinds[ln.kind] = kinds.get(ln.kind, 0) + 1
+    parts = [", ".join(f"{n} {kind}" for kind, n in kinds.items()) or "no line yet"]
+    if lines:
+        last = lines[-1]
+        to = f"the set at step {last.target_step}" if last.target_step is not None else "no healthy set"
+        parts.append(
+            f"last: {last.kind} {last.rule} from step {last.first_step} (rank {last.evidence.rank}, "
+            f"step {last.evidence.step}), to {to}, skip {last.skip_batches}"
+        )
+        if last.kind in ("refused", "exhausted"):
+            parts.append("needs attention")
+    if pending is not None:
+        parts.append(f"a rollback for step {pending.first_step} ({pending.rule}) is pending")
+    if refused:
+        parts.append(refused)
+    if skipped:
+        parts.append(f"{skipped} invalid line(s) skipped")
+    return "loss spikes (rollbacks.jsonl): " + "; ".join(parts)
+
+
 def view(source: Source, health: list[str], limit: int | None) -> Group:
     from rich.console import Group
     from rich.text import Text
@@ -237,6 +267,10 @@ def view(source: Source, health: list[str], limit: int | None) -> Group:
     if restarts:
         # Attempt causes quote worker logs: untrusted, printed as plain text.
         parts.append(Text(plain(restarts)))
+    spikes = spikes_text(source.run_dir)
+    if spikes:
+        # Evidence text quotes rank-written files: untrusted, printed as plain text.
+        parts.append(Text(plain(spikes), style="bold red" if "needs attention" in spikes else ""))
     return Group(*parts, rank_table(shown, hidden), Text(plain(origin), style="dim"))
 
 

@@ -82,4 +82,46 @@ SETTINGS: list[Setting] = [
         "mode (a typo fails at once); acted on only when POLICY_MODE is not `off`.",
         group=G_INCIDENTS,
     ),
+    Setting(
+        "SPIKE_MODE",
+        "observe",
+        "Loss spikes and NaN (docs/incidents.md): `off`; `observe` (default: alert, mark the chart, record "
+        "what `enforce` would do, stop nothing); `enforce` (ask `rankwatch launch` for a rollback, stop "
+        "gracefully as `policy`). A run's `rankwatch/spikes.json` overrides the `SPIKE_*` settings.",
+        choices=("off", "observe", "enforce"),
+        group=G_INCIDENTS,
+    ),
+    Setting(
+        "SPIKE_FACTOR",
+        3.0,
+        "A loss (or reported global norm) above this many times the rank's rolling median is abnormal. "
+        "Must be above 1.",
+        group=G_INCIDENTS,
+    ),
+    Setting(
+        "SPIKE_STEPS",
+        3,
+        "A spike is abnormal losses over this many global steps in a row (and two samples at least: "
+        "one odd value is never a spike).",
+        group=G_INCIDENTS,
+    ),
+    Setting(
+        "SPIKE_RECOVER_STEPS",
+        100,
+        "A spike whose loss is not back under its pre-spike level within this many global steps is a "
+        "divergence, which `enforce` rolls back for (as for a NaN or infinite loss).",
+        group=G_INCIDENTS,
+    ),
+    Setting(
+        "SKIP_BATCHES",
+        100,
+        "A rollback skips this many batches past the spike's first step (the ladder's first rung).",
+        group=G_INCIDENTS,
+    ),
+    Setting(
+        "MAX_ROLLBACKS",
+        3,
+        "At most this many rollbacks per run; past it the job is stopped and needs attention.",
+        group=G_INCIDENTS,
+    ),
 ]

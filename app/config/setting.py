@@ -18,7 +18,7 @@ BOOLEANS = {
 
 
 # Settings for which 0 means something (pick a port; retention milestones off).
-ZERO_OK = ("PORT", "RETENTION_EVERY")
+ZERO_OK = ("PORT", "RETENTION_EVERY", "SKIP_BATCHES", "MAX_ROLLBACKS")
 
 
 # The settings' groups (``Setting.group``).

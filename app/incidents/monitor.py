@@ -18,6 +18,7 @@ from typing import Any
 from app.audit import AuditLog
 from app.incidents.alerts import AlertDesk
 from app.incidents.policy import Policy, parse_mode, parse_rules
+from app.incidents.spikes import SpikeWatch
 from app.incidents.webhooks import WebhookSender, parse_urls
 from app.push import DELTA_EVENT, SNAPSHOT_EVENT, Changed
 from app.push import INCIDENTS_EVENT as EVENT
@@ -30,11 +31,17 @@ KEEP = ("health", "reason", "host", "device", "device_health")
 
 class Incidents:
     def __init__(
-        self, state: RunState, alerts: AlertDesk, policy: Policy, clock: Callable[[], float] = time.time
+        self,
+        state: RunState,
+        alerts: AlertDesk,
+        policy: Policy,
+        clock: Callable[[], float] = time.time,
+        spikes: SpikeWatch | None = None,
     ):
         self.state = state
         self.alerts = alerts
         self.policy = policy
+        self.spikes = spikes
         self.clock = clock
         self.rows: dict[int, dict] = {}
         self._pushed = Changed()  # (policy version, deliveries version) last pushed
@@ -47,6 +54,7 @@ class Incidents:
         stop: StopService,
         audit: AuditLog,
         start_task: Callable,
+        index: Callable | None = None,
     ) -> Incidents:
         """Build from the settings; ValueError (naming the setting) for a bad URL, mode or rule."""
         sender = WebhookSender(
@@ -75,7 +83,9 @@ class Incidents:
             alerts,
             deadline_s=config["STOP_DEADLINE_S"],
         )
-        return cls(state, alerts, policy)
+        # The loss-spike policy (issue 34); index: the checkpoint index, for the rollback target.
+        spikes = SpikeWatch(state, config, stop, audit, alerts, index=index)
+        return cls(state, alerts, policy, spikes=spikes)
 
     # ------------------------------------------------------------------ the tick
     def tick(self, now: float, pushed: tuple[str, dict] | None, stop_status: Mapping | None) -> tuple | None:
@@ -88,7 +98,9 @@ class Incidents:
             self._stop_alerts(stop_status)
         self.alerts.flush(now)
         self.policy.tick(now, self.rows, stop_status)
-        mark = (self.policy.version, self.alerts.sender.version)
+        if self.spikes is not None:
+            self.spikes.tick(now)
+        mark = (self.policy.version, self.alerts.sender.version, self.spikes.version if self.spikes else 0)
         if self._pushed.take(mark):
             return EVENT, self.status(now)
         return None

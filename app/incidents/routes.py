@@ -68,6 +68,13 @@ def api_policy():
     return jsonify(rankwatch().incidents.policy.status(time.time()))
 
 
+@bp.get("/api/spikes")
+def api_spikes():
+    """The loss-spike policy in force, the detections (the loss chart's marks) and the rollbacks."""
+    _fresh_now()
+    return jsonify(rankwatch().incidents.spikes.status())
+
+
 @bp.get("/api/alerts")
 def api_alerts():
     """The webhook targets and delivery attempts, newest first; ``?limit=N`` (1 to 10000, default 100)."""

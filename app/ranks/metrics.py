@@ -36,6 +36,13 @@ METRICS: list[Metric] = [
         "Steps since the job began (the table shows epoch / step in epoch (global step)).",
     ),
     Metric("loss", "Loss", "", "Last loss the rank reported."),
+    Metric(
+        "loss_nonfinite",
+        "Loss not finite",
+        "",
+        "`nan`, `inf` or `-inf` when the last loss was one (the loss is then null; the page shows NaN or Inf).",
+        "detail",
+    ),
     Metric("step_time_ms", "Step", "ms", "Wall time of the rank's last step."),
     Metric(
         "step_time_mean_ms",

@@ -72,6 +72,7 @@ def page_config() -> dict:
             "history": url_for("ranks.api_history"),
             "run_history": url_for("ranks.api_run_history"),
             "attempts": url_for("ranks.api_attempts"),
+            "spikes": url_for("incidents.api_spikes"),
         },
     }
 

@@ -65,6 +65,7 @@ def make_row(
         "step": hb.get("step"),
         "global_step": hb.get("global_step"),
         "loss": _loss(hb.get("loss")),
+        "loss_nonfinite": hb.get("loss_nonfinite"),
         "step_time_ms": _round(hb.get("step_time_ms")),
         "step_time_mean_ms": _round(hb.get("step_time_mean_ms")),
         "samples_per_s": _round(hb.get("samples_per_s"), 1),

@@ -31,7 +31,7 @@ from typing import Any
 
 from app.attempts import LaunchWatch, launches
 from app.push import DELTA_EVENT, SNAPSHOT_EVENT, Changed, changed_fields
-from app.run import logmode
+from app.run import logmode, spikes
 from app.run.endproof import EndProof
 from app.run.health import TERMINAL_STATES, WORST_FIRST, Thresholds
 from app.run.heartbeats import (  # noqa: F401  (re-exported: tests and tools import them from here)
@@ -90,6 +90,9 @@ class RunState:
             else None
         )
         self._kept = None  # where the log-mode attempts are kept (keep_log_attempts)
+        # The loss-spike detector's thresholds, and whether it runs (SPIKE_MODE; app/incidents/spikes.py sets them).
+        self._spike_params = spikes.Params()
+        self.spikes_on = True
         self._clear()
         # Nobody has seen anything yet, and each client gets a snapshot when it
         # connects: the first tick's changes can go out as a plain delta.
@@ -119,6 +122,7 @@ class RunState:
         self._run_pushed = Changed()
         self._launches = LaunchWatch()  # two launches writing at once (app/attempts.py)
         self._run_history = RunHistory(self.run_points)  # the whole-run charts (app/run/history.py)
+        self._spikes = spikes.Detector(self._spike_params)
         # Ranks can only be added by a delta; anything else (a run directory
         # deleted, a heartbeat removed) needs every client to take a snapshot.
         self._needs_snapshot = True
@@ -200,6 +204,8 @@ class RunState:
             shown = set(self._slots) | set(self._log_slots())
         self._world = world
         self._feed_run_history(changed)
+        if self.spikes_on:
+            self._feed_spikes(changed, now)
         board = self._board
         view = set(range(world)) | shown
         board.set_view(view)
@@ -260,6 +266,41 @@ class RunState:
             slot = self._slot(r)
             if slot is not None and slot.history:
                 hist.feed_new(r, slot.history, slot.hb.get("launch") if slot.hb else None)
+
+    def _feed_spikes(self, changed: set[int], now: float) -> None:
+        """The ranks that wrote this tick, to the loss-spike detector: O(changed), not O(world)."""
+        det = self._spikes
+        det.world = self._world
+        for r in changed:
+            slot = self._slot(r)
+            if slot is not None and slot.hb is not None:
+                det.observe(r, slot.hb, now)
+
+    def set_spike_params(self, params: spikes.Params, on: bool) -> None:
+        with self._lock:
+            self.spikes_on = on
+            if params != self._spike_params:
+                self._spike_params = self._spikes.params = params
+
+    def take_spikes(self) -> list[spikes.Detection]:
+        """The detections since the last call (the watcher's incident step acts on them)."""
+        with self._lock:
+            return self._spikes.take()
+
+    def spike_view(self) -> dict:
+        """The detections kept (the loss chart's marks), the open rules and the refused input."""
+        with self._lock:
+            det = self._spikes
+            return {
+                "detections": det.marks(),
+                "open": det.open_rules(),
+                "refused": det.refused,
+                "last_refusal": det.last_refusal,
+            }
+
+    def add_mindformers_norms(self, norms: dict[int, float], now: float) -> None:
+        with self._lock:
+            self._spikes.mindformers(norms, now)
 
     def _status_facts(self) -> StatusFacts:
         """What the status line is made from (``app.run.status``), read under the lock."""

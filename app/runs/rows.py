@@ -25,6 +25,7 @@ from app.edge import params
 from app.errors import RunNotFound
 from app.ranks import charts
 from app.runs.diskuse import DiskUsage
+from trainer_bridge.rundir import rollbacks
 
 STATES = ("training", "stopping", "stopped", "finished", "failed", "stalled", "idle")
 # Verdicts that put a run first: a rank in trouble.
@@ -73,6 +74,17 @@ def _stop_words(status: Mapping) -> str:
     return state or "unknown"
 
 
+def spike_facts(state) -> dict:
+    """The loss-spike facts of a run's row: the open rules, the rollbacks made, a ladder given up."""
+    lines = rollbacks.read_lines(state.run_dir)[0] if state.run_dir is not None else []
+    last = lines[-1].kind if lines else None
+    return {
+        "spike_open": state.spike_view()["open"],
+        "rollbacks": sum(ln.kind == "relaunched" for ln in lines),
+        "spike_stuck": last in ("refused", "exhausted"),
+    }
+
+
 def row_from(
     run_id: str, entry, state, stop, checkpoints, now: float, tick_s: float, disk: DiskUsage | None = None
 ) -> dict:
@@ -103,6 +115,7 @@ def row_from(
     live = bool(entry.live) if entry is not None else head["run"]["status"] == "running"
     name = run_state(head["run"]["status"], counts, stop_state, live)
     spark = charts.loss_spark(state, SPARK_POINTS)
+    spikes = spike_facts(state)
     disk = disk if disk is not None else DiskUsage()
     disk_bytes = disk.measure(state.run_dir, now)
     return {
@@ -120,7 +133,14 @@ def row_from(
         "disk_bytes": disk_bytes,
         "disk_truncated": disk.truncated,
         "health_counts": counts,
-        "needs_attention": name in ("failed", "stalled") or any(counts.get(v) for v in TROUBLE),
+        "needs_attention": name in ("failed", "stalled")
+        or any(counts.get(v) for v in TROUBLE)
+        or bool(spikes["spike_open"])
+        or spikes["spike_stuck"],
+        # Loss spikes (app/incidents/spikes.py): the rules still open (an unresolved spike or NaN),
+        # the rollbacks rankwatch launch made, and whether the ladder gave up (refused, exhausted).
+        "spike_open": spikes["spike_open"],
+        "rollbacks": spikes["rollbacks"],
         "newest_complete_set": newest,
         "stop_state": stop_state,
         "last_stop": last_stop,
@@ -158,6 +178,8 @@ def unread_row(run_id: str, entry) -> dict:
         "hosts": 0,
         "oldest_heartbeat_at": None,
         "attempts": 0,
+        "spike_open": [],
+        "rollbacks": 0,
         "status_message": UNREAD_MESSAGE,
     }
 

@@ -86,6 +86,14 @@ export function formatClock(t, withDate = false) {
   return withDate ? `${d.getFullYear()}-${pad2(d.getMonth() + 1)}-${pad2(d.getDate())} ${time}` : time;
 }
 
+// A loss as the page writes it: NaN or ±Inf when the rank's loss was not
+// finite (the row's loss is then null and loss_nonfinite names it).
+const NONFINITE = { nan: "NaN", inf: "Inf", "-inf": "-Inf" };
+export function formatLoss(value, nonfinite, digits = 4) {
+  if (Object.hasOwn(NONFINITE, nonfinite ?? "")) return NONFINITE[nonfinite];
+  return isNumber(value) ? value.toPrecision(digits) : other(value);
+}
+
 // Cell text for a value; the unit sits in the column header, except bytes.
 export function formatValue(metric, value) {
   if (!isNumber(value)) return other(value);

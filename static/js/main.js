@@ -10,6 +10,7 @@ import { Charts } from "./charts.js";
 import { StopControls } from "./stop.js";
 import { Incidents } from "./incidents.js";
 import { Attempts } from "./attempts.js";
+import { Rollbacks } from "./spikes.js";
 
 const config = JSON.parse($(SEL.config).textContent);
 const store = new RankStore();
@@ -52,6 +53,7 @@ const stop = new StopControls(socket, store);
 stop.onStatus = () => summary.renderPill();
 const incidents = new Incidents(socket);
 const attempts = new Attempts(config.urls.attempts);
+const rollbacks = new Rollbacks(config.urls.spikes, (marks) => charts.run.setSpikes(marks));
 socket.on("ranks_delta", (msg) => {
   charts.addRows(store.applyDelta(msg));
   redraw();

@@ -16,6 +16,7 @@
 import { SEL, $ } from "./dom.js";
 import { formatClock, formatCount } from "./format.js";
 import { endText } from "./attempts.js";
+import { evidenceText } from "./spikes.js";
 
 const FETCH_MS = 3000;
 // Each attempt's first points (the compile step, the first checkpoint) are suspects: the y
@@ -118,6 +119,7 @@ export class RunCharts {
     this.plotConfig = plotConfig;
     this.titles = titles;
     this.attempts = [];
+    this.spikes = []; // the loss-spike detections (/api/spikes' marks), drawn on the loss chart
     this.thinned = [];
     this.generation = null;
     this.newest = null;
@@ -142,6 +144,28 @@ export class RunCharts {
     setInterval(() => {
       if (this.dirty && !document.hidden) this.load();
     }, FETCH_MS);
+  }
+
+  // The loss-spike detections changed (static/js/spikes.js polls them).
+  setSpikes(marks) {
+    this.spikes = marks;
+    this.draw();
+  }
+
+  // One marker per detection at its step (its time on a time axis), on the loss chart:
+  // at its loss, or for a NaN or Inf (no y) at the top of the chart. Hover: rule and evidence.
+  spikeTrace(xTime, ranged) {
+    if (!this.spikes.length) return null;
+    const finite = ranged.filter((v) => typeof v === "number" && Number.isFinite(v));
+    const top = finite.length ? Math.max(...finite) : 1;
+    const x = this.spikes.map((d) => (xTime ? new Date(d.at * 1000) : d.step));
+    const y = this.spikes.map((d) => (typeof d.value === "number" && Number.isFinite(d.value) && d.rule !== "grad_norm" ? d.value : top));
+    return {
+      type: "scatter", mode: "markers", x, y, name: "loss spikes", showlegend: false,
+      marker: { symbol: "x", size: 11, color: "#b3261e", line: { width: 2, color: "#b3261e" } },
+      text: this.spikes.map((d) => `${evidenceText(d)}<br>${d.text}`),
+      hovertemplate: "%{text}<extra>loss spike</extra>", meta: { kind: "spike" },
+    };
   }
 
   // New heartbeats arrived: the series has grown.
@@ -254,6 +278,8 @@ export class RunCharts {
       });
     });
     const marks = this.marks(shown, xTime);
+    const spikes = this.spikeTrace(xTime, ranged.loss);
+    if (spikes && traces.loss.length) traces.loss.push(spikes);
     this.plot("step", traces.step, ranged.step, suspects.step, this.titles.step, marks, xTime);
     this.plot("loss", traces.loss, ranged.loss, suspects.loss, this.titles.loss, marks, xTime);
     this.noteThinned();

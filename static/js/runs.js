@@ -109,7 +109,9 @@ function row(r, now) {
   a.textContent = r.id;
   tr.append(
     cell("id", a),
-    cell("state", r.needs_attention ? `⚠ ${r.state}` : (r.status_message || "").startsWith("not read yet") ? "idle (not read yet)" : r.state),
+    cell("state", (r.needs_attention ? `⚠ ${r.state}` : (r.status_message || "").startsWith("not read yet") ? "idle (not read yet)" : r.state)
+      + (r.spike_open?.length ? ` · loss ${r.spike_open.join(", ")}` : "")
+      + (r.rollbacks ? ` · ${r.rollbacks} rollback${r.rollbacks === 1 ? "" : "s"}` : "")),
     cell("world", r.hosts > 1 ? `${r.world_size} on ${r.hosts} hosts` : String(r.world_size ?? "–")),
     cell("step", r.global_step == null ? "–" : r.global_step.toLocaleString()),
     cell("loss", loss(r)),

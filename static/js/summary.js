@@ -1,7 +1,7 @@
 // The summary strip and the run status line above the table.
 
 import { SEL, $, $all } from "./dom.js";
-import { GLYPH, formatCount, formatNumber, formatSeconds, isNumber, plural, verdictLabel } from "./format.js";
+import { GLYPH, formatCount, formatLoss, formatNumber, formatSeconds, isNumber, plural, verdictLabel } from "./format.js";
 
 // Verdicts that turn the page's state red; straggler first would read oddly, so worst first.
 const TROUBLE = ["node_lost", "agent_lost", "dead", "failed", "stalled", "corrupt", "straggler"];
@@ -84,8 +84,9 @@ export class SummaryStrip {
     const world = s.world_size || 0;
     const figures = [];
     if (isNumber(s.global_step)) figures.push(`step ${formatCount(s.global_step)}`);
-    const loss = this.store.rows.get(0)?.loss;
-    if (isNumber(loss)) figures.push(`loss ${formatNumber(loss)}`);
+    const first = this.store.rows.get(0);
+    if (first?.loss_nonfinite) figures.push(`loss ${formatLoss(null, first.loss_nonfinite)}`);
+    else if (isNumber(first?.loss)) figures.push(`loss ${formatNumber(first.loss)}`);
     const trouble = TROUBLE.filter((v) => counts[v] > 0);
     const bad = trouble.reduce((n, v) => n + counts[v], 0);
     const told = trouble.map((v) => `${counts[v]} ${verdictLabel(v)}`).join(", ");

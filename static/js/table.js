@@ -18,7 +18,7 @@
 import { api } from "./base.js";
 import { SEL, $ } from "./dom.js";
 import {
-  GLYPH, formatCount, formatNumber, formatSeconds, formatValue, headerLabel, isNumber, verdictLabel,
+  GLYPH, formatCount, formatLoss, formatNumber, formatSeconds, formatValue, headerLabel, isNumber, verdictLabel,
 } from "./format.js";
 import { NODES_OPEN_MAX_RANKS } from "./nodes.js";
 import { SERVER_SORTS, differs, wantedView, windowInfo } from "./serverview.js";
@@ -473,6 +473,7 @@ export class RankTable {
           ? `${reason} ⚠ ${formatValue(m, warnings[warnings.length - 1])}${more}` : reason;
         return row.source === "log" ? `${text} · ${LOG_ONLY.note}` : text;
       }
+      case "loss": return formatLoss(row.loss, row.loss_nonfinite);
       default: return formatValue(m, row[m.name]);
     }
   }

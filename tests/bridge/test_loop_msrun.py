@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from tests.helpers.jobs import UNTIL_STOPPED, DemoJob, dump, write_flag
+from tests.helpers.spikes import replay
 from trainer_bridge.rundir import runfiles
 from trainer_bridge.rundir.ckptmeta import read_meta
 
@@ -103,3 +104,6 @@ def test_loop_flag_stops_every_rank_at_one_step_saves_optimizer_state_and_resume
         hb = again.heartbeat(r)
         assert hb["state"] == "finished" and hb["stop"] is None, dump(hb)
         assert hb["resumed_from"]["global_step"] == stop_step
+    # No false alarm: the loss-spike detector, with its defaults, over the whole run (issue 34).
+    found, judged = replay(run, 2)
+    assert found == [] and judged >= 4, (found, judged)

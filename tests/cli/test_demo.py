@@ -21,6 +21,7 @@ import pytest
 
 from tests.helpers.jobs import DemoJob, dump
 from tests.helpers.liveserver import free_port
+from tests.helpers.spikes import replay
 from trainer_bridge.rundir import ckptindex, runfiles
 
 pytestmark = pytest.mark.msrun
@@ -122,6 +123,11 @@ def test_the_default_demo_trains_learns_checkpoints_and_resumes(tmp_path, start_
         lambda hbs: hbs if all(h and h["state"] == "exited" for h in hbs) else None, "every rank exited"
     )
     stop_step = stopped[0]["stop"]["stop_step"]
+    # No false alarm: the demo's own dashboard runs the loss-spike detector (SPIKE_MODE observe by
+    # default) over the whole first run, and marked nothing (issue 34).
+    with urllib.request.urlopen(url.split("#")[0] + "api/spikes", timeout=30) as r:
+        spikes = json.loads(r.read())
+    assert spikes["policy"]["mode"] == "observe" and spikes["marks"] == [], spikes
     job.kill()  # the demo keeps its dashboard up until Ctrl-C
 
     second = start_job(demo_job(run, free_port()))
@@ -134,6 +140,9 @@ def test_the_default_demo_trains_learns_checkpoints_and_resumes(tmp_path, start_
     )
     assert [h["resumed_from"]["global_step"] for h in resumed] == [stop_step, stop_step], dump(resumed)
     assert all(h["state"] == "training" for h in resumed), dump(resumed)
+    # And over both runs, replayed from the history files with the defaults.
+    found, judged = replay(run, 2)
+    assert found == [] and judged >= 100, (found, judged)
 
 
 def test_the_demo_says_what_it_does():

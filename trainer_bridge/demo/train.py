@@ -63,23 +63,25 @@ class LeNet5(nn.Cell):
     as in MindSpore's LeNet quick start, start learning from the first steps.
     """
 
-    def __init__(self, num_class: int = 10, channel: int = 1):
+    def __init__(self, num_class: int = 10, channel: int = 1, activation: str = "relu"):
         super().__init__()
         self.conv1 = nn.Conv2d(channel, 6, 5, pad_mode="valid", has_bias=False)
         self.conv2 = nn.Conv2d(6, 16, 5, pad_mode="valid", has_bias=False)
         self.fc1 = nn.Dense(16 * 5 * 5, 120)
         self.fc2 = nn.Dense(120, 84)
         self.fc3 = nn.Dense(84, num_class)
-        self.relu = nn.ReLU()
+        # ReLU turns a NaN input into 0 (max(NaN, 0) is 0): the net dies with a finite loss,
+        # ln 10, and the NaN never shows. Tanh lets it through, as the issue's tests need.
+        self.act = nn.Tanh() if activation == "tanh" else nn.ReLU()
         self.max_pool2d = nn.MaxPool2d(kernel_size=2, stride=2)
         self.flatten = nn.Flatten()
 
     def construct(self, x):
-        x = self.max_pool2d(self.relu(self.conv1(x)))
-        x = self.max_pool2d(self.relu(self.conv2(x)))
+        x = self.max_pool2d(self.act(self.conv1(x)))
+        x = self.max_pool2d(self.act(self.conv2(x)))
         x = self.flatten(x)
-        x = self.relu(self.fc1(x))
-        x = self.relu(self.fc2(x))
+        x = self.act(self.fc1(x))
+        x = self.act(self.fc2(x))
         return self.fc3(x)
 
 
@@ -255,6 +257,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.01, help="Momentum's learning rate (default 0.01)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument(
+        "--activation",
+        choices=["relu", "tanh"],
+        default="relu",
+        help="LeNet5's activation (default relu); with relu a NaN input makes a dead net whose loss "
+        "sits at ln 10, with tanh a NaN loss",
+    )
+    p.add_argument(
         "--no-shuffle",
         action="store_true",
         help="read the samples in file order (tests check data positions)",
@@ -284,7 +293,7 @@ def main(argv=None) -> None:
     rank, world = init_job(args)
 
     dataset = create_dataset(args.data_dir, args.batch_size, rank, world, shuffle=not args.no_shuffle)
-    net = LeNet5()
+    net = LeNet5(activation=args.activation)
     loss = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
     opt = nn.Momentum(net.trainable_params(), args.lr * lr_scale(), 0.9)
     model = Model(net, loss, opt)

@@ -81,6 +81,7 @@ from trainer_bridge.rundir.schema.job import (
     Job,
     RetentionFile,
     Scheduler,
+    SpikesFile,
 )
 from trainer_bridge.rundir.schema.validation import build, clean_device, load, parse, validate
 
@@ -122,6 +123,7 @@ __all__ = [
     "ResumedFrom",
     "RetentionFile",
     "Scheduler",
+    "SpikesFile",
     "SchemaError",
     "StopRecord",
     "UnixTime",

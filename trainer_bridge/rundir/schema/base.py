@@ -50,9 +50,11 @@ class SchemaError(ValueError):
 class _Model(BaseModel):
     # strict: no silent coercion of "3" or true into numbers; extra fields
     # ignored for forward compatibility; frozen so a validated object stays so.
-    # A NaN or infinite loss is news (the run diverged): written as JSON's
-    # NaN/Infinity extension, which Python's json and pydantic read back.
-    model_config = ConfigDict(strict=True, extra="ignore", frozen=True, ser_json_inf_nan="constants")
+    # A NaN or infinite loss is news (the run diverged), but JSON has no such
+    # number: the heartbeat writes null plus ``loss_nonfinite`` (heartbeat.py).
+    # Any other stray non-finite float is written as null, never as the
+    # NaN/Infinity extension other readers (browsers, jq) refuse.
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True, ser_json_inf_nan="null")
 
     def to_json(self) -> bytes:
         return self.model_dump_json().encode()

@@ -22,6 +22,7 @@ from trainer_bridge.rundir.schema.job import (
     Job,
     RetentionFile,
     Scheduler,
+    SpikesFile,
 )
 
 
@@ -68,6 +69,7 @@ README_TABLES = {
     "history": HistoryLine,
     "job": Job,
     "retention": RetentionFile,
+    "spikes": SpikesFile,
     "attempt_start": AttemptStart,
     "attempt_hosts": AttemptHosts,
     "attempt_end": AttemptEnd,

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from trainer_bridge.rundir.runfiles import HEARTBEAT_SCHEMA, STATES, STOP_STAGES
 from trainer_bridge.rundir.schema.base import (
@@ -26,6 +27,39 @@ from trainer_bridge.rundir.schema.base import (
     WorldSize,
     _Model,
 )
+
+# A value with no JSON number: the name it is written under, beside a null.
+NonFinite = Literal["nan", "inf", "-inf"]
+# The figures a heartbeat (and its history line) may carry as NaN or infinite.
+_NONFINITE_FIELDS = ("loss", "grad_norm")
+
+
+def nonfinite_name(value: float) -> NonFinite:
+    """``nan``, ``inf`` or ``-inf``: how a non-finite float is written (JSON has no such number)."""
+    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+
+
+def _split_nonfinite(data: Any) -> Any:
+    """A non-finite ``loss``/``grad_norm`` becomes null plus ``loss_nonfinite``/``grad_norm_nonfinite``.
+
+    So the file stays valid JSON (issue 34), and files written before this
+    (JSON's ``NaN``/``Infinity`` constants, which pydantic reads as floats)
+    read the same. A finite value wins over a stale flag beside it.
+    """
+    if not isinstance(data, dict):
+        return data
+    out = None
+    for name in _NONFINITE_FIELDS:
+        value = data.get(name)
+        if isinstance(value, float) and not math.isfinite(value):
+            out = out or dict(data)
+            out[name], out[f"{name}_nonfinite"] = None, nonfinite_name(value)
+        elif (
+            isinstance(value, (int, float)) and not isinstance(value, bool) and data.get(f"{name}_nonfinite")
+        ):
+            out = out or dict(data)
+            out[f"{name}_nonfinite"] = None
+    return data if out is None else out
 
 
 class Device(_Model):
@@ -122,7 +156,21 @@ class Heartbeat(_Model):
         description="steps since the job began (continues across resume); the bridge always knows it, "
         "a row read from a worker log has null until the log tells",
     )
-    loss: Annotated[float, Field(allow_inf_nan=True)] | None = Field(None, description="last loss")
+    loss: Annotated[float, Field(allow_inf_nan=False)] | None = Field(
+        None, description="last loss; null when none yet or when it is NaN or infinite (below)"
+    )
+    loss_nonfinite: NonFinite | None = Field(
+        None, description="`nan`, `inf` or `-inf` when the last loss was one (the loss is then null)"
+    )
+    loss_step: Count | None = Field(
+        None,
+        description="the global step whose loss `loss` is (the bridge converts one about once a heartbeat, "
+        "so it may be a few steps behind `global_step`)",
+    )
+    grad_norm: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = Field(
+        None, description="the global gradient norm, when the script reports it (`bridge.report`)"
+    )
+    grad_norm_nonfinite: NonFinite | None = Field(None, description="as `loss_nonfinite`, for the norm")
     step_time_ms: Millis | None = Field(None, description="the last step's wall time")
     step_time_mean_ms: Millis | None = Field(
         None,
@@ -180,6 +228,8 @@ class Heartbeat(_Model):
         list[Annotated[str, Field(max_length=MAX_WARNING)]], Field(max_length=MAX_WARNINGS)
     ] = Field(default_factory=list, description="problems the bridge met and survived (e.g. disk full)")
 
+    _nonfinite = model_validator(mode="before")(_split_nonfinite)
+
     def to_json(self) -> bytes:
         # by_alias: the field is `schema` on disk (a BaseModel attribute name otherwise).
         return self.model_dump_json(by_alias=True).encode()
@@ -193,11 +243,19 @@ class HistoryLine(_Model):
 
     time: UnixTime = Field(description="the heartbeat's `time`")
     global_step: Count | None = Field(None, description="as in the heartbeat")
-    loss: Annotated[float, Field(allow_inf_nan=True)] | None = Field(None, description="as in the heartbeat")
+    loss: Annotated[float, Field(allow_inf_nan=False)] | None = Field(None, description="as in the heartbeat")
+    loss_nonfinite: NonFinite | None = Field(None, description="as in the heartbeat")
+    loss_step: Count | None = Field(None, description="as in the heartbeat")
+    grad_norm: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = Field(
+        None, description="as in the heartbeat"
+    )
+    grad_norm_nonfinite: NonFinite | None = Field(None, description="as in the heartbeat")
     step_time_ms: Millis | None = Field(None, description="as in the heartbeat")
     step_time_mean_ms: Millis | None = Field(None, description="as in the heartbeat")
     cpu_percent: Annotated[float, Field(ge=0, le=1e5)] | None = Field(None, description="as in the heartbeat")
     rss_bytes: Bytes | None = Field(None, description="as in the heartbeat")
+
+    _nonfinite = model_validator(mode="before")(_split_nonfinite)
 
     @classmethod
     def of(cls, beat: Heartbeat) -> HistoryLine:

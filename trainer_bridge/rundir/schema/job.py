@@ -81,6 +81,22 @@ class RetentionFile(_Model):
     )
 
 
+class SpikesFile(_Model):
+    """``RUN/rankwatch/spikes.json``: this run's loss-spike policy, over the dashboard's settings.
+
+    Every field is optional: a missing one keeps the setting's value.
+    """
+
+    mode: Literal["off", "observe", "enforce"] | None = Field(None, description="`SPIKE_MODE` for this run")
+    factor: Annotated[float, Field(gt=1, le=1e6)] | None = Field(None, description="`SPIKE_FACTOR`")
+    steps: Annotated[int, Field(ge=1, le=10**6)] | None = Field(None, description="`SPIKE_STEPS`")
+    recover_steps: Annotated[int, Field(ge=1, le=10**9)] | None = Field(
+        None, description="`SPIKE_RECOVER_STEPS`"
+    )
+    skip_batches: Annotated[int, Field(ge=0, le=10**9)] | None = Field(None, description="`SKIP_BATCHES`")
+    max_rollbacks: Annotated[int, Field(ge=0, le=100)] | None = Field(None, description="`MAX_ROLLBACKS`")
+
+
 # An attempt line names at most this many hosts (a job's hosts beyond are counted, not named).
 MAX_ATTEMPT_HOSTS = 256
 AttemptNo = Annotated[int, Field(ge=1, le=10**9)]
