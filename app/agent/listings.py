@@ -9,6 +9,12 @@ per host outstanding. So at rest a tick posts no request and reads none,
 whatever the number of hosts; a new checkpoint set costs one request per
 host that saved a file of it.
 
+A request names the version the hub holds (``base``), and the agent answers
+what changed since (``ask.files_answer``): a new set costs its new files,
+not the host's whole listing. The hub asks for the whole listing when it
+holds none, or when it refused a change: one for a base it did not ask
+for, or one that would leave the host more than ``ask.MAX_FILES`` files.
+
 The merged list (every host's files, as ``ask.remote_files`` chooses
 them) is rebuilt only when a listing, a host's note or a rank's host
 changed, and during a burst of answers (a new set on every host) only once
@@ -39,10 +45,12 @@ class Listings:
         self.hub = hub
         self._lock = lock  # the view's lock, under which the hub reads the digests
         self.timeout_s = timeout_s
-        self._files: dict[str, tuple[list[ckptindex.CheckpointFile], list[str]]] = {}  # host -> its listing
-        self._held: dict[str, object] = {}  # host -> the version its listing was asked for
+        self._files: dict[str, dict[str, ckptindex.CheckpointFile]] = {}  # host -> path -> its file
+        self._host_errors: dict[str, list[str]] = {}  # host -> what its listing says went wrong
+        self._held: dict[str, object] = {}  # host -> the version of the listing held
         self._want: dict[str, object] = {}  # host -> the newer version to ask it for
-        self._asked: dict[str, object] = {}  # host -> the version its pending request asks for
+        self._asked: dict[str, tuple[object, str | None]] = {}  # host -> (version asked for, base sent)
+        self._whole: set[str] = set()  # hosts whose next answer must be their whole listing
         self._lost: set[str] = set()
         self._pending = ask.Pending()
         self._errors: dict[str, str] = {}  # host -> why its last request failed
@@ -89,8 +97,9 @@ class Listings:
                 self._errors[host] = f"the agent on host {host} did not answer within {self.timeout_s:g} s"
                 touched.add(host)
         due = {h: v for h, v in self._want.items() if h not in pending and h not in self._lost}
-        later = ask.post(self.hub, dict.fromkeys(due, ("ckpt", None)), pending)
-        self._asked.update((h, v) for h, v in due.items() if h in pending)
+        bases = {h: self._base(h) for h in due}
+        later = ask.post(self.hub, dict.fromkeys(due, ("ckpt", None)), pending, bases)
+        self._asked.update((h, (v, bases[h])) for h, v in due.items() if h in pending)
         first = [h for h in pending if h not in self._files and h not in self._waited]
         if first and wait:
             self._waited.update(first)
@@ -120,30 +129,63 @@ class Listings:
             self._deferred = 0.0
             with self._lock:
                 owner = dict(self.hub.owner)
-            files, errors = ask.remote_files(self._files, owner)
+            listed = {h: (fs.values(), self._host_errors[h]) for h, fs in self._files.items()}
+            files, errors = ask.remote_files(listed, owner)
             self._result = (files, errors + [self._notes[h] for h in sorted(self._notes)])
             self._owner_changes = owner_changes
         self.hub.listings_pending = len(pending)
         return self._result
 
+    def _base(self, host: str) -> str | None:
+        """The version a request asks ``host`` for the changes since (None: its whole listing)."""
+        held = self._held.get(host)
+        return held if isinstance(held, str) and host in self._files and host not in self._whole else None
+
     def _take(self, got: dict[str, dict | str]) -> bool:
-        """Keep the answers (host -> listing, or why none); whether a listing came."""
+        """Keep the answers (host -> listing or its changes, or why none); whether a listing came."""
         listed = False
         for host, answer in got.items():
-            version = self._asked.pop(host, None)
-            if isinstance(answer, dict):
-                self._files[host] = (
-                    [ckptindex.from_listing(entry, host) for entry in answer["files"]],
-                    [f"host {host}: {e}" for e in answer["errors"]],
-                )
-                self._held[host] = version
-                if self._want.get(host, _NEVER) == version:
-                    del self._want[host]
-                self._errors.pop(host, None)
-                listed = True
-            else:
+            version, base = self._asked.pop(host, (None, None))
+            if not isinstance(answer, dict):
                 self._errors[host] = answer  # still wanted: asked again on the next call
+                continue
+            why = self._apply(host, answer, base)
+            if why is not None:
+                # Refused, and counted with the hostile digests; the next request asks for it all.
+                self.hub.refuse(f"a listing of host {host[:100]!r}: {why}")
+                self._whole.add(host)
+                self._errors[host] = f"the agent on host {host} sent a listing refused: {why}"
+                continue
+            self._whole.discard(host)
+            version = answer.get("version", version)
+            self._held[host] = version
+            if self._want.get(host, _NEVER) == version:
+                del self._want[host]
+            self._errors.pop(host, None)
+            listed = True
         return listed
+
+    def _apply(self, host: str, answer: dict, base: str | None) -> str | None:
+        """Take ``host``'s listing or its changes (checked by ``ask.check``); why not, if refused."""
+        entries = answer["files"]
+        self.hub.listing_entries += len(entries) + len(answer.get("removed", ()))
+        if answer.get("base") is None:
+            self._files[host] = {e["path"]: ckptindex.from_listing(e, host) for e in entries}
+        else:
+            held = self._files.get(host)
+            if held is None or answer["base"] != base:
+                return f"changes since version {answer['base'][:64]}, not the one held"
+            removed = set(answer.get("removed", ()))
+            new = {e["path"] for e in entries}
+            gone = removed & held.keys()
+            if len(held) - len(gone) + len(new - held.keys()) + len(new & gone) > ask.MAX_FILES:
+                return f"it would leave more than {ask.MAX_FILES} files"
+            for path in gone:
+                del held[path]
+            for e in entries:
+                held[e["path"]] = ckptindex.from_listing(e, host)
+        self._host_errors[host] = [f"host {host}: {e}" for e in answer["errors"]]
+        return None
 
     def _note(self, host: str) -> str | None:
         """What the checkpoint page says of ``host``'s listing, if anything is amiss."""
