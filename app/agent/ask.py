@@ -380,33 +380,43 @@ def remote_files(
     listed: dict[str, tuple[list[ckptindex.CheckpointFile], list[str]]], owner: dict[int, str]
 ) -> tuple[list, list[str]]:
     """The checkpoint files the agents listed (host -> its files, ``from_listing``'s, and its
-    errors), grouped for ``ckptindex.build_index``, and what went wrong.
+    errors), grouped for ``ckptindex.build_index``, and what went wrong: the whole merge, which
+    ``app/agent/listings.py`` keeps up to date path by path with ``pick`` and ``placed``.
 
-    A file counts towards its set only on the node its rank runs on: a copy
-    elsewhere cannot be loaded by that rank, so it is listed as misplaced.
     Nodes that share a run directory list the same files: each path is kept
     once, from its rank's node when that node listed it.
     """
-    chosen: dict[str, ckptindex.CheckpointFile] = {}
+    holders: dict[str, list[str]] = {}
     errors: list[str] = []
     for host in sorted(listed):
         files, their_errors = listed[host]
         errors.extend(their_errors)
         for f in files:
-            old = chosen.get(f.path)
-            if old is None or (owner.get(f.rank) == host and old.host != host):
-                chosen[f.path] = f
+            holders.setdefault(f.path, []).append(host)
+    by_host = {host: {f.path: f for f in listed[host][0]} for host in listed}
     files = []
-    for f in chosen.values():
-        runs_on = owner.get(f.rank)
-        if f.ok and runs_on is not None and runs_on != f.host:
-            f = ckptindex.from_listing(
-                ckptindex.listing(f)
-                | {
-                    "status": "misplaced",
-                    "reason": f"on host {f.host}, but rank {f.rank} runs on host {runs_on}",
-                },
-                f.host,
-            )
-        files.append(f)
+    for path, hosts in holders.items():
+        host = hosts[0] if len(hosts) == 1 else pick(hosts, owner.get(by_host[hosts[0]][path].rank))
+        files.append(placed(by_host[host][path], owner))
     return files, errors
+
+
+def pick(hosts, runs_on: str | None) -> str:
+    """Of the hosts that list one path, the one whose file counts: its rank's, else the first by name."""
+    return runs_on if runs_on in hosts else min(hosts)
+
+
+def placed(f: ckptindex.CheckpointFile, owner) -> ckptindex.CheckpointFile:
+    """``f`` as the index shows it: a file counts towards its set only on the node its rank runs
+    on; a copy elsewhere cannot be loaded by that rank, so it is listed as misplaced."""
+    runs_on = owner.get(f.rank)
+    if f.ok and runs_on is not None and runs_on != f.host:
+        return ckptindex.from_listing(
+            ckptindex.listing(f)
+            | {
+                "status": "misplaced",
+                "reason": f"on host {f.host}, but rank {f.rank} runs on host {runs_on}",
+            },
+            f.host,
+        )
+    return f

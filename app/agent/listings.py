@@ -15,18 +15,22 @@ not the host's whole listing. The hub asks for the whole listing when it
 holds none, or when it refused a change: one for a base it did not ask
 for, or one that would leave the host more than ``ask.MAX_FILES`` files.
 
-The merged list (every host's files, as ``ask.remote_files`` chooses
-them) is rebuilt only when a listing, a host's note or a rank's host
-changed, and during a burst of answers (a new set on every host) only once
-they are in or ``timeout_s`` has passed; otherwise ``files`` returns the same
-tuple as the last call, which tells the checkpoint service that it need not
-group the files again.
+The merged files (every path's file, from the host ``ask.pick`` chooses)
+are kept up to date path by path: an answer updates the paths it changed,
+and only a rank changing host chooses every path again. ``files`` returns a
+new ``Remote`` when a listing, a host's note or a rank's host changed, and
+during a burst of answers (a new set on every host) only once they are in or
+``timeout_s`` has passed; it names the paths changed since the last one, so
+the checkpoint service groups only their sets again
+(``trainer_bridge.rundir.ckptgroup``). Otherwise it returns the same
+``Remote`` as the last call, which tells the service that nothing changed.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from typing import NamedTuple
 
 from app.agent import ask
 from trainer_bridge.rundir import ckptindex
@@ -36,6 +40,14 @@ _NEVER = object()  # no listing held yet (None is a version: an agent that sends
 # the tick never waits for it, and re-asking a host that is merely slow (thousands answering
 # after a new set) would only add requests and re-groupings to its queue.
 PENDING_S = ask.ASK_TTL_S
+
+
+class Remote(NamedTuple):
+    """What ``Listings.files`` gives the checkpoint service."""
+
+    files: dict[str, ckptindex.CheckpointFile]  # path -> the file chosen (kept up to date: read it at once)
+    errors: list[str]
+    changed: frozenset[str] | None  # the paths changed since the last ``Remote`` (None: any may have)
 
 
 class Listings:
@@ -57,10 +69,13 @@ class Listings:
         self._waited: set[str] = set()  # hosts a request already waited for, once
         self._notes: dict[str, str] = {}
         self._owner_changes = -1
-        self._result: tuple[list, list[str]] = ([], [])
+        self._holders: dict[str, str | set[str]] = {}  # path -> the host or hosts that list it
+        self._chosen: dict[str, ckptindex.CheckpointFile] = {}  # path -> its file as merged
+        self._dirty: set[str] = set()  # paths whose holders changed since the last merge
+        self._result = Remote({}, [], None)
         self._deferred = 0.0  # since when a change waits for the answers still pending (monotonic), or 0
 
-    def files(self, wait: bool = True) -> tuple[list, list[str]]:
+    def files(self, wait: bool = True) -> Remote:
         """Every agent's checkpoint files and what is wrong with them (``CheckpointService._merged``).
 
         It takes the answers that came since the last call and asks each live
@@ -127,12 +142,11 @@ class Listings:
                     self.hub.listings_pending = len(pending)
                     return self._result
             self._deferred = 0.0
-            with self._lock:
-                owner = dict(self.hub.owner)
-            listed = {h: (fs.values(), self._host_errors[h]) for h, fs in self._files.items()}
-            files, errors = ask.remote_files(listed, owner)
-            self._result = (files, errors + [self._notes[h] for h in sorted(self._notes)])
-            self._owner_changes = owner_changes
+            changed = self._merge(owner_changes)
+            errors = [e for h in sorted(self._host_errors) for e in self._host_errors[h]]
+            self._result = Remote(
+                self._chosen, errors + [self._notes[h] for h in sorted(self._notes)], changed
+            )
         self.hub.listings_pending = len(pending)
         return self._result
 
@@ -169,23 +183,72 @@ class Listings:
         """Take ``host``'s listing or its changes (checked by ``ask.check``); why not, if refused."""
         entries = answer["files"]
         self.hub.listing_entries += len(entries) + len(answer.get("removed", ()))
+        held = self._files.setdefault(host, {})
         if answer.get("base") is None:
-            self._files[host] = {e["path"]: ckptindex.from_listing(e, host) for e in entries}
+            new = {e["path"]: ckptindex.from_listing(e, host) for e in entries}
+            changes = {p: new.get(p) for p in held.keys() | new.keys() if held.get(p) != new.get(p)}
         else:
-            held = self._files.get(host)
-            if held is None or answer["base"] != base:
+            if answer["base"] != base:
                 return f"changes since version {answer['base'][:64]}, not the one held"
             removed = set(answer.get("removed", ()))
-            new = {e["path"] for e in entries}
+            new_paths = {e["path"] for e in entries}
             gone = removed & held.keys()
-            if len(held) - len(gone) + len(new - held.keys()) + len(new & gone) > ask.MAX_FILES:
+            if len(held) - len(gone) + len(new_paths - held.keys()) + len(new_paths & gone) > ask.MAX_FILES:
                 return f"it would leave more than {ask.MAX_FILES} files"
-            for path in gone:
-                del held[path]
-            for e in entries:
-                held[e["path"]] = ckptindex.from_listing(e, host)
+            changes = dict.fromkeys(gone - new_paths)
+            changes.update((e["path"], ckptindex.from_listing(e, host)) for e in entries)
+        for path, f in changes.items():
+            self._hold(host, path, f)
         self._host_errors[host] = [f"host {host}: {e}" for e in answer["errors"]]
         return None
+
+    def _hold(self, host: str, path: str, f: ckptindex.CheckpointFile | None) -> None:
+        """``host`` now lists ``path`` as ``f`` (None: no longer lists it)."""
+        held, holders = self._files[host], self._holders.get(path)
+        if f is not None:
+            held[path] = f
+            if holders is None:
+                self._holders[path] = host
+            elif isinstance(holders, set):
+                holders.add(host)
+            elif holders != host:
+                self._holders[path] = {holders, host}
+        elif held.pop(path, None) is not None:
+            if isinstance(holders, set):
+                holders.discard(host)
+                if len(holders) == 1:
+                    self._holders[path] = holders.pop()
+            else:
+                del self._holders[path]
+        self._dirty.add(path)
+
+    def _merge(self, owner_changes: int) -> frozenset[str] | None:
+        """Choose again the files of the paths that changed (of every path, when a rank changed
+        host); the paths changed, or None for all."""
+        if owner_changes != self._owner_changes:
+            with self._lock:
+                owner = dict(self.hub.owner)
+            self._chosen.clear()
+            for path in self._holders:
+                self._choose(path, owner)
+            self._owner_changes = owner_changes
+            self._dirty.clear()
+            return None
+        with self._lock:  # a few paths: the owner's lookups are made under the lock, not copied
+            for path in self._dirty:
+                self._choose(path, self.hub.owner)
+        changed, self._dirty = frozenset(self._dirty), set()
+        return changed
+
+    def _choose(self, path: str, owner) -> None:
+        holders = self._holders.get(path)
+        if holders is None:
+            self._chosen.pop(path, None)
+            return
+        if isinstance(holders, set):  # nodes sharing a directory: every copy has the same path, so rank
+            rank = self._files[next(iter(holders))][path].rank
+            holders = ask.pick(holders, owner.get(rank))
+        self._chosen[path] = ask.placed(self._files[holders][path], owner)
 
     def _note(self, host: str) -> str | None:
         """What the checkpoint page says of ``host``'s listing, if anything is amiss."""
