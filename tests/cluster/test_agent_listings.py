@@ -10,6 +10,7 @@ the requests the hosts find in Redis after each tick: not a timing.
 
 from __future__ import annotations
 
+import json
 import random
 import time
 
@@ -253,5 +254,122 @@ def test_listing_changes_cost_what_changed_and_the_index_stays_a_full_rebuilds(t
             assert hub.listing_entries - entries == expected
             assert shape(rw.checkpoints.index(world, wait=False)) == shape(rebuilt())
         assert hub.refused == 0
+    finally:
+        hub.close()
+
+
+class LyingAgent:
+    """What ``ask.serve`` needs of an agent, answering a listing request with ``answer(base)``."""
+
+    def __init__(self, name: str, answer):
+        self.host, self.run, self.key = name, RUN, KEY.encode()
+        self.asks_refused = 0
+        self.checkpoint_files = answer
+
+
+def test_a_listing_change_the_hub_did_not_ask_for_or_past_the_bound_is_refused(tmp_path, redis_server):
+    """Changes since a version the hub does not hold, or leaving a host more than MAX_FILES files,
+    change nothing: counted with the refused, and the next request asks for the whole listing."""
+    hosts = 3
+    hub_dir = tmp_path / "hub" / RUN
+    hub_dir.mkdir(parents=True)
+    app = make_app(
+        hub_dir,
+        REDIS_URL=redis_server.url,
+        REDIS_KEY=KEY,
+        AGENTS=True,
+        AGENT_LOST_S=3600.0,
+        CHECKPOINT_SCAN_S=0.001,
+    )
+    rw = app.extensions["rankwatch"]
+    hub = rw.state.hub
+    client = redis_py.Redis.from_url(redis_server.url)
+    stream = dg.keys(RUN)[0]
+    sim = SimHosts(0, hosts, listings=None)
+    sim.listings.save_every = 0
+    world = hosts * RANKS_PER_HOST
+    seq = 0
+    requests: list[dict] = []
+
+    responder = None  # how host 1 answers its next listing request (None: as its listing says)
+
+    def tick() -> None:
+        """Digests, a hub tick, and the hosts' answers (host 1's next one by ``responder``, once)."""
+        nonlocal seq, responder
+        seq += 1
+        pipe = client.pipeline(transaction=False)
+        for i in range(hosts):
+            pipe.xadd(stream, dg.encode(sim.digest(i, seq, time.time())[0], KEY.encode()))
+        pipe.execute()
+        rw.watcher.tick()
+        raws = client.lrange(ask.ask_key(RUN, "sim-00001"), 0, -1)
+        for raw in reversed(raws):
+            requests.append(json.loads(dg.unseal(raw, "ask", "sim-00001", KEY.encode(), RUN, 4096)))
+        if raws and responder is not None:
+            client.delete(ask.ask_key(RUN, "sim-00001"))
+            for key, value in ask.serve(LyingAgent("sim-00001", responder), raws, time.time()):
+                client.set(key, value, ex=ask.ANSWER_TTL_S)
+            responder = None
+        answer_requests(client, sim.listings, lambda host: seq)
+
+    def lie(answer) -> int:
+        """Host 1's next request answered by ``answer``; tick until the hub has read it and any
+        request that follows is answered. The index of that request in ``requests``."""
+        nonlocal responder
+        responder, asked = answer, len(requests)
+        for _ in range(50):  # a guard: the request goes at the tick that reads the new version
+            tick()
+            if responder is None and not rw.state.listings._pending:
+                break
+        assert responder is None and len(requests) > asked, requests
+        return asked
+
+    def files_of_host_1() -> set[str]:
+        index = rw.checkpoints.index(world, wait=False)
+        return {f.path for s in index.sets for f in s.files if f.host == "sim-00001"} | {
+            f.path for f in index.other_files if f.host == "sim-00001"
+        }
+
+    def real_files() -> set[str]:
+        return {e["path"] for e in sim.listings.listing(1, seq)[0]["files"]}
+
+    try:
+        rw.watcher.tick()
+        for _ in range(RANKS_PER_HOST + 1):
+            tick()
+        assert files_of_host_1() == real_files() and hub.refused == 0
+        held = sim.listings.version(1, seq)
+        # Host 1's version changes; its answer claims changes since a version the hub does not hold.
+        sim.listings.changed.add(1)
+        gone = {
+            "files": [],
+            "errors": [],
+            "version": "a" * 32,
+            "base": "f" * 32,
+            "removed": sorted(real_files()),
+        }
+        at = lie(lambda base: gone)
+        assert requests[at]["base"] == held
+        assert hub.refused == 1 and "not the one held" in hub.refused_last
+        # Nothing removed; the next request asked for the whole listing, and the real one was taken.
+        assert [r["base"] for r in requests[at + 1 :]] == [None]
+        assert files_of_host_1() == real_files() and len(real_files()) == (SETS_BEFORE + 1) * RANKS_PER_HOST
+        # A whole listing of MAX_FILES files is taken; one more file in a change is refused.
+        sim.listings.changed.discard(1)
+        entry = sim.listings.listing(1, seq)[0]["files"][0]
+        many = [dict(entry, path=f"checkpoints/rank_8/x-{i}.ckpt") for i in range(ask.MAX_FILES)]
+        # (with the version the digests name, or the hub would ask again at once)
+        version = sim.listings.version(1, seq)
+        lie(lambda base: {"files": many, "errors": [], "version": version, "base": None, "removed": []})
+        assert len(files_of_host_1()) == ask.MAX_FILES and hub.refused == 1
+        sim.listings.changed.add(1)
+        one_more = [dict(entry, path="checkpoints/rank_8/x-extra.ckpt")]
+        at = lie(
+            lambda base: {"files": one_more, "errors": [], "version": "c" * 32, "base": base, "removed": []}
+        )
+        assert requests[at]["base"] == version
+        assert hub.refused == 2 and f"more than {ask.MAX_FILES} files" in hub.refused_last
+        assert [r["base"] for r in requests[at + 1 :]] == [None]
+        assert files_of_host_1() == real_files()  # the real whole listing, asked for next
     finally:
         hub.close()
