@@ -234,20 +234,28 @@ class Listings:
             self._owner_changes = owner_changes
             self._dirty.clear()
             return None
-        with self._lock:  # a few paths: the owner's lookups are made under the lock, not copied
-            for path in self._dirty:
-                self._choose(path, self.hub.owner)
+        ranks = {self._rank(path) for path in self._dirty}
+        with self._lock:  # the hosts of the ranks concerned only, not a copy of every rank's
+            owner = {rank: self.hub.owner.get(rank) for rank in ranks}
+        for path in self._dirty:
+            self._choose(path, owner)
         changed, self._dirty = frozenset(self._dirty), set()
         return changed
+
+    def _rank(self, path: str) -> int | None:
+        """The rank of ``path``'s file (the same for every copy: it comes from the path), if held."""
+        holders = self._holders.get(path)
+        if holders is None:
+            return None
+        return self._files[holders if isinstance(holders, str) else next(iter(holders))][path].rank
 
     def _choose(self, path: str, owner) -> None:
         holders = self._holders.get(path)
         if holders is None:
             self._chosen.pop(path, None)
             return
-        if isinstance(holders, set):  # nodes sharing a directory: every copy has the same path, so rank
-            rank = self._files[next(iter(holders))][path].rank
-            holders = ask.pick(holders, owner.get(rank))
+        if isinstance(holders, set):  # nodes sharing a directory list the same paths
+            holders = ask.pick(holders, owner.get(self._rank(path)))
         self._chosen[path] = ask.placed(self._files[holders][path], owner)
 
     def _note(self, host: str) -> str | None:
