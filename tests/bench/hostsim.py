@@ -420,7 +420,7 @@ def prebuilt_digests(
     build(probe, time.time(), 1)
     per_digest = (time.perf_counter() - start) / len(probe)
     sim = SimHosts(first, count, flip_hosts, flip_every, SimListings(save_every))
-    t0 = _planned_t0(reports, plan, first, 3 + 3 * per_digest * count * seconds)  # margin: a loaded machine
+    t0 = _planned_t0(reports, plan, first, 3 + 1.5 * per_digest * count * seconds)
     batches = build(sim, t0, seconds)
     built = time.time()
     parts = urlsplit(url)
