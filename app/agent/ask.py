@@ -14,6 +14,11 @@ node would answer), ``node`` (every row of the node's ranks, when the page
 opens a node) or ``ckpt`` (the node's checkpoint files:
 ``ckptindex.walk``, grouped by the hub with the same ``build_index``; asked
 only when the digests' listing version changes, ``app/agent/listings.py``).
+A ``ckpt`` request names the listing version the hub holds (``base``); an
+agent that still holds that listing answers only what changed since
+(``files`` added or changed, ``removed`` paths), one that does not, or a
+request without a base, the whole listing (``base`` None). Either way the
+answer names the version it brings the hub to (``version``).
 
 Requests and answers are sealed like the flag (``digest.seal``), signed with
 ``RANKWATCH_REDIS_KEY`` when there is one and bound to the host and the
@@ -30,7 +35,7 @@ import logging
 import math
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Literal, NotRequired
 
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 from typing_extensions import TypedDict
@@ -49,6 +54,8 @@ MAX_FILES = 10_000
 MAX_HISTORY = 100_000
 # Requests an agent answers per tick; more wait for the next tick.
 MAX_ASKS = 8
+# Listings an agent keeps by version, to answer a hub holding one of them with what changed since.
+LISTING_HISTORY = 4
 # Requests kept waiting per host: a hub asking a dead agent does not grow its list.
 QUEUE_MAX = 32
 ASK_TTL_S = 30
@@ -68,6 +75,8 @@ class Request(TypedDict):
     kind: Literal[KINDS]
     rank: Rank | None
     time: Num
+    # ``ckpt``: the listing version the hub holds (None or absent: it wants the whole listing).
+    base: NotRequired[dg.ListingVersion | None]
 
 
 class Point(TypedDict):
@@ -99,9 +108,14 @@ class FileEntry(TypedDict):
 
 
 class FilesData(TypedDict):
+    """A node's checkpoint listing (``base`` None), or what changed in it since the listing ``base``."""
+
     __pydantic_config__ = _STRICT  # type: ignore[misc]
-    files: Annotated[list[FileEntry], Field(max_length=MAX_FILES)]
-    errors: Annotated[list[Text], Field(max_length=50)]
+    files: Annotated[list[FileEntry], Field(max_length=MAX_FILES)]  # all of them, or those added or changed
+    errors: Annotated[list[Text], Field(max_length=50)]  # always all of them (a few lines)
+    version: NotRequired[dg.ListingVersion | None]  # the listing's version once applied
+    base: NotRequired[dg.ListingVersion | None]
+    removed: NotRequired[Annotated[list[Annotated[str, Field(max_length=4096)]], Field(max_length=MAX_FILES)]]
 
 
 class NodeData(TypedDict):
@@ -155,7 +169,7 @@ def serve(agent, raws: list[bytes], now: float) -> list[tuple[str, bytes]]:
             elif req["kind"] == "node":
                 answer["node"] = agent.node_rows()
             else:
-                answer["ckpt"] = agent.checkpoint_files()
+                answer["ckpt"] = agent.checkpoint_files(req.get("base"))
         except Exception as e:  # one request the agent cannot serve must not cost it its tick
             log.exception("rankwatch agent: cannot answer a %s request", req["kind"])
             answer |= dict.fromkeys(KINDS) | {"error": f"the agent failed: {e}"[:4000]}
@@ -186,13 +200,57 @@ def file_listing(run_dir, cache) -> dict:
     return {"files": [ckptindex.listing(f) for f in files[:MAX_FILES]], "errors": errors[:50]}
 
 
+def files_answer(listing: dict, version: str | None, base: str | None, held: dict | None) -> dict:
+    """The ``ckpt`` answer that brings a hub holding listing ``base`` (``held``, None if this agent
+    no longer has it) to ``listing`` (of ``version``): what changed, or the whole listing when the
+    hub holds none, the agent cannot tell what changed, or the change is no smaller."""
+    if base is not None and held is not None:
+        before = {e["path"]: e for e in held["files"]}
+        changed = [e for e in listing["files"] if before.pop(e["path"], None) != e]
+        # ``before`` now holds the paths gone since ``base``.
+        if len(changed) + len(before) < len(listing["files"]):
+            return {
+                "files": changed,
+                "errors": listing["errors"],
+                "version": version,
+                "base": base,
+                "removed": list(before),
+            }
+    return {
+        "files": listing["files"],
+        "errors": listing["errors"],
+        "version": version,
+        "base": None,
+        "removed": [],
+    }
+
+
+class ListingHistory:
+    """An agent's last ``LISTING_HISTORY`` checkpoint listings by version, to answer with changes."""
+
+    def __init__(self):
+        self._by_version: dict[str, dict] = {}
+
+    def keep(self, version: str, listing: dict) -> None:
+        self._by_version.pop(version, None)
+        self._by_version[version] = listing
+        while len(self._by_version) > LISTING_HISTORY:
+            del self._by_version[next(iter(self._by_version))]
+
+    def get(self, version: str | None) -> dict | None:
+        return None if version is None else self._by_version.get(version)
+
+
 # ---------------------------------------------------------------------- the hub's side
 class Pending(dict):
     """host -> (request id, kind, rank, monotonic time sent): requests posted, not yet answered."""
 
 
-def post(hub, requests: dict[str, tuple[str, int | None]], pending: Pending) -> dict[str, str]:
-    """Push ``requests`` (host -> (kind, rank)) to the agents and note them in ``pending``.
+def post(
+    hub, requests: dict[str, tuple[str, int | None]], pending: Pending, bases: dict[str, str] | None = None
+) -> dict[str, str]:
+    """Push ``requests`` (host -> (kind, rank)) to the agents and note them in ``pending``;
+    ``bases``: host -> the listing version the hub holds, for ``ckpt`` requests.
 
     Returns host -> why it could not be asked (Redis away), for the hosts not posted.
     """
@@ -206,6 +264,8 @@ def post(hub, requests: dict[str, tuple[str, int | None]], pending: Pending) -> 
         pipe = client.pipeline(transaction=False)
         for host, (kind, rank) in requests.items():
             req = {"id": ids[host], "kind": kind, "rank": rank, "time": now}
+            if kind == "ckpt":
+                req["base"] = (bases or {}).get(host)
             key = ask_key(hub.run, host)
             pipe.lpush(key, dg.seal(req, "ask", host, hub.key, hub.run))
             pipe.ltrim(key, 0, QUEUE_MAX - 1)
@@ -308,13 +368,11 @@ def check(value: bytes, hub, host: str, request_id: str, request: tuple[str, int
             if row["host"] != host:
                 raise ValueError(f"it holds rank {row['rank']} of host {str(row['host'])[:100]!r}")
     else:
-        for entry in data["files"]:
+        for path in [entry["path"] for entry in data["files"]] + data.get("removed", []):
             try:
-                safeio.parts(entry["path"])
+                safeio.parts(path)
             except safeio.UnsafePath:
-                raise ValueError(
-                    f"it lists a file outside the run directory: {entry['path'][:200]!r}"
-                ) from None
+                raise ValueError(f"it lists a file outside the run directory: {path[:200]!r}") from None
     return data
 
 
@@ -322,33 +380,43 @@ def remote_files(
     listed: dict[str, tuple[list[ckptindex.CheckpointFile], list[str]]], owner: dict[int, str]
 ) -> tuple[list, list[str]]:
     """The checkpoint files the agents listed (host -> its files, ``from_listing``'s, and its
-    errors), grouped for ``ckptindex.build_index``, and what went wrong.
+    errors), grouped for ``ckptindex.build_index``, and what went wrong: the whole merge, which
+    ``app/agent/listings.py`` keeps up to date path by path with ``pick`` and ``placed``.
 
-    A file counts towards its set only on the node its rank runs on: a copy
-    elsewhere cannot be loaded by that rank, so it is listed as misplaced.
     Nodes that share a run directory list the same files: each path is kept
     once, from its rank's node when that node listed it.
     """
-    chosen: dict[str, ckptindex.CheckpointFile] = {}
+    holders: dict[str, list[str]] = {}
     errors: list[str] = []
     for host in sorted(listed):
         files, their_errors = listed[host]
         errors.extend(their_errors)
         for f in files:
-            old = chosen.get(f.path)
-            if old is None or (owner.get(f.rank) == host and old.host != host):
-                chosen[f.path] = f
+            holders.setdefault(f.path, []).append(host)
+    by_host = {host: {f.path: f for f in listed[host][0]} for host in listed}
     files = []
-    for f in chosen.values():
-        runs_on = owner.get(f.rank)
-        if f.ok and runs_on is not None and runs_on != f.host:
-            f = ckptindex.from_listing(
-                ckptindex.listing(f)
-                | {
-                    "status": "misplaced",
-                    "reason": f"on host {f.host}, but rank {f.rank} runs on host {runs_on}",
-                },
-                f.host,
-            )
-        files.append(f)
+    for path, hosts in holders.items():
+        host = hosts[0] if len(hosts) == 1 else pick(hosts, owner.get(by_host[hosts[0]][path].rank))
+        files.append(placed(by_host[host][path], owner))
     return files, errors
+
+
+def pick(hosts, runs_on: str | None) -> str:
+    """Of the hosts that list one path, the one whose file counts: its rank's, else the first by name."""
+    return runs_on if runs_on in hosts else min(hosts)
+
+
+def placed(f: ckptindex.CheckpointFile, owner) -> ckptindex.CheckpointFile:
+    """``f`` as the index shows it: a file counts towards its set only on the node its rank runs
+    on; a copy elsewhere cannot be loaded by that rank, so it is listed as misplaced."""
+    runs_on = owner.get(f.rank)
+    if f.ok and runs_on is not None and runs_on != f.host:
+        return ckptindex.from_listing(
+            ckptindex.listing(f)
+            | {
+                "status": "misplaced",
+                "reason": f"on host {f.host}, but rank {f.rank} runs on host {runs_on}",
+            },
+            f.host,
+        )
+    return f

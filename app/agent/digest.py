@@ -16,8 +16,9 @@ node, by default the run directory's base name):
 A digest carries its host's checkpoint-listing version (``ckpt``): a hash
 of the listing the agent would answer (``app/agent/ask.py``), which
 changes when a checkpoint file appears, changes or goes. The hub asks a
-host for its listing only when that version changed, so at rest no
-listing travels at all.
+host for its listing only when that version changed, and then for what
+changed since the version it holds (``app/agent/ask.py``), so at rest no
+listing travels at all and a new set costs its files.
 
 A digest's size does not grow with the ranks on the host: counts by
 verdict, a few figures, and at most ``MAX_ROWS`` rows: those whose verdict,

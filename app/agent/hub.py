@@ -126,6 +126,8 @@ class Hub(redisbus.Guarded):
         self.refused_last: str | None = None
         self.ask_timeouts = 0  # requests to agents unanswered within the bound (app/agent/ask.py)
         self.listings_pending = 0  # checkpoint-listing requests not answered yet (app/agent/listings.py)
+        # Entries the listings' answers carried (files, and paths removed): what they cost the hub.
+        self.listing_entries = 0
         self._grouped = False
         self._down_since: float | None = None
         self._flag_sent: tuple | None = None
@@ -492,6 +494,7 @@ class Hub(redisbus.Guarded):
             "refused_last": self.refused_last,
             "ask_timeouts": self.ask_timeouts,
             "listings_pending": self.listings_pending,
+            "listing_entries": self.listing_entries,
             # Agents that refuse the hub's stop flag read from Redis (issue 32, P4).
             "flag_refused_by": sorted(h for h, v in self.hosts.items() if v.digest.get("flag_problem")),
         }

@@ -20,7 +20,7 @@ from typing import Any
 from app.agent import ask
 from app.agent import digest as dg
 from app.agent.hub import Hub
-from app.agent.listings import Listings
+from app.agent.listings import Listings, Remote
 from app.cluster import redis_key
 from app.run.health import VERDICTS
 from app.run.rows import with_age
@@ -235,7 +235,7 @@ class HubState(RunState):
             "agent": {"host": host, "answered": answered, "error": None if answered else got},
         }
 
-    def checkpoint_files(self, wait: bool = True) -> tuple[list, list[str]]:
+    def checkpoint_files(self, wait: bool = True) -> Remote:
         """Every agent's checkpoint files (``CheckpointService`` groups them with its own).
 
         Asked of an agent only when its digest's listing version changed

@@ -9,18 +9,28 @@ per host outstanding. So at rest a tick posts no request and reads none,
 whatever the number of hosts; a new checkpoint set costs one request per
 host that saved a file of it.
 
-The merged list (every host's files, as ``ask.remote_files`` chooses
-them) is rebuilt only when a listing, a host's note or a rank's host
-changed, and during a burst of answers (a new set on every host) only once
-they are in or ``timeout_s`` has passed; otherwise ``files`` returns the same
-tuple as the last call, which tells the checkpoint service that it need not
-group the files again.
+A request names the version the hub holds (``base``), and the agent answers
+what changed since (``ask.files_answer``): a new set costs its new files,
+not the host's whole listing. The hub asks for the whole listing when it
+holds none, or when it refused a change: one for a base it did not ask
+for, or one that would leave the host more than ``ask.MAX_FILES`` files.
+
+The merged files (every path's file, from the host ``ask.pick`` chooses)
+are kept up to date path by path: an answer updates the paths it changed,
+and only a rank changing host chooses every path again. ``files`` returns a
+new ``Remote`` when a listing, a host's note or a rank's host changed, and
+during a burst of answers (a new set on every host) only once they are in or
+``timeout_s`` has passed; it names the paths changed since the last one, so
+the checkpoint service groups only their sets again
+(``trainer_bridge.rundir.ckptgroup``). Otherwise it returns the same
+``Remote`` as the last call, which tells the service that nothing changed.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from typing import NamedTuple
 
 from app.agent import ask
 from trainer_bridge.rundir import ckptindex
@@ -32,6 +42,14 @@ _NEVER = object()  # no listing held yet (None is a version: an agent that sends
 PENDING_S = ask.ASK_TTL_S
 
 
+class Remote(NamedTuple):
+    """What ``Listings.files`` gives the checkpoint service."""
+
+    files: dict[str, ckptindex.CheckpointFile]  # path -> the file chosen (kept up to date: read it at once)
+    errors: list[str]
+    changed: frozenset[str] | None  # the paths changed since the last ``Remote`` (None: any may have)
+
+
 class Listings:
     """host -> its agent's last listing, each asked for again only when its version changed."""
 
@@ -39,20 +57,25 @@ class Listings:
         self.hub = hub
         self._lock = lock  # the view's lock, under which the hub reads the digests
         self.timeout_s = timeout_s
-        self._files: dict[str, tuple[list[ckptindex.CheckpointFile], list[str]]] = {}  # host -> its listing
-        self._held: dict[str, object] = {}  # host -> the version its listing was asked for
+        self._files: dict[str, dict[str, ckptindex.CheckpointFile]] = {}  # host -> path -> its file
+        self._host_errors: dict[str, list[str]] = {}  # host -> what its listing says went wrong
+        self._held: dict[str, object] = {}  # host -> the version of the listing held
         self._want: dict[str, object] = {}  # host -> the newer version to ask it for
-        self._asked: dict[str, object] = {}  # host -> the version its pending request asks for
+        self._asked: dict[str, tuple[object, str | None]] = {}  # host -> (version asked for, base sent)
+        self._whole: set[str] = set()  # hosts whose next answer must be their whole listing
         self._lost: set[str] = set()
         self._pending = ask.Pending()
         self._errors: dict[str, str] = {}  # host -> why its last request failed
         self._waited: set[str] = set()  # hosts a request already waited for, once
         self._notes: dict[str, str] = {}
         self._owner_changes = -1
-        self._result: tuple[list, list[str]] = ([], [])
+        self._holders: dict[str, str | set[str]] = {}  # path -> the host or hosts that list it
+        self._chosen: dict[str, ckptindex.CheckpointFile] = {}  # path -> its file as merged
+        self._dirty: set[str] = set()  # paths whose holders changed since the last merge
+        self._result = Remote({}, [], None)
         self._deferred = 0.0  # since when a change waits for the answers still pending (monotonic), or 0
 
-    def files(self, wait: bool = True) -> tuple[list, list[str]]:
+    def files(self, wait: bool = True) -> Remote:
         """Every agent's checkpoint files and what is wrong with them (``CheckpointService._merged``).
 
         It takes the answers that came since the last call and asks each live
@@ -89,8 +112,9 @@ class Listings:
                 self._errors[host] = f"the agent on host {host} did not answer within {self.timeout_s:g} s"
                 touched.add(host)
         due = {h: v for h, v in self._want.items() if h not in pending and h not in self._lost}
-        later = ask.post(self.hub, dict.fromkeys(due, ("ckpt", None)), pending)
-        self._asked.update((h, v) for h, v in due.items() if h in pending)
+        bases = {h: self._base(h) for h in due}
+        later = ask.post(self.hub, dict.fromkeys(due, ("ckpt", None)), pending, bases)
+        self._asked.update((h, (v, bases[h])) for h, v in due.items() if h in pending)
         first = [h for h in pending if h not in self._files and h not in self._waited]
         if first and wait:
             self._waited.update(first)
@@ -118,32 +142,121 @@ class Listings:
                     self.hub.listings_pending = len(pending)
                     return self._result
             self._deferred = 0.0
-            with self._lock:
-                owner = dict(self.hub.owner)
-            files, errors = ask.remote_files(self._files, owner)
-            self._result = (files, errors + [self._notes[h] for h in sorted(self._notes)])
-            self._owner_changes = owner_changes
+            changed = self._merge(owner_changes)
+            errors = [e for h in sorted(self._host_errors) for e in self._host_errors[h]]
+            self._result = Remote(
+                self._chosen, errors + [self._notes[h] for h in sorted(self._notes)], changed
+            )
         self.hub.listings_pending = len(pending)
         return self._result
 
+    def _base(self, host: str) -> str | None:
+        """The version a request asks ``host`` for the changes since (None: its whole listing)."""
+        held = self._held.get(host)
+        return held if isinstance(held, str) and host in self._files and host not in self._whole else None
+
     def _take(self, got: dict[str, dict | str]) -> bool:
-        """Keep the answers (host -> listing, or why none); whether a listing came."""
+        """Keep the answers (host -> listing or its changes, or why none); whether a listing came."""
         listed = False
         for host, answer in got.items():
-            version = self._asked.pop(host, None)
-            if isinstance(answer, dict):
-                self._files[host] = (
-                    [ckptindex.from_listing(entry, host) for entry in answer["files"]],
-                    [f"host {host}: {e}" for e in answer["errors"]],
-                )
-                self._held[host] = version
-                if self._want.get(host, _NEVER) == version:
-                    del self._want[host]
-                self._errors.pop(host, None)
-                listed = True
-            else:
+            version, base = self._asked.pop(host, (None, None))
+            if not isinstance(answer, dict):
                 self._errors[host] = answer  # still wanted: asked again on the next call
+                continue
+            why = self._apply(host, answer, base)
+            if why is not None:
+                # Refused, and counted with the hostile digests; the next request asks for it all.
+                self.hub.refuse(f"a listing of host {host[:100]!r}: {why}")
+                self._whole.add(host)
+                self._errors[host] = f"the agent on host {host} sent a listing refused: {why}"
+                continue
+            self._whole.discard(host)
+            version = answer.get("version", version)
+            self._held[host] = version
+            if self._want.get(host, _NEVER) == version:
+                del self._want[host]
+            self._errors.pop(host, None)
+            listed = True
         return listed
+
+    def _apply(self, host: str, answer: dict, base: str | None) -> str | None:
+        """Take ``host``'s listing or its changes (checked by ``ask.check``); why not, if refused."""
+        entries = answer["files"]
+        self.hub.listing_entries += len(entries) + len(answer.get("removed", ()))
+        held = self._files.setdefault(host, {})
+        if answer.get("base") is None:
+            new = {e["path"]: ckptindex.from_listing(e, host) for e in entries}
+            changes = {p: new.get(p) for p in held.keys() | new.keys() if held.get(p) != new.get(p)}
+        else:
+            if answer["base"] != base:
+                return f"changes since version {answer['base'][:64]}, not the one held"
+            removed = set(answer.get("removed", ()))
+            new_paths = {e["path"] for e in entries}
+            gone = removed & held.keys()
+            if len(held) - len(gone) + len(new_paths - held.keys()) + len(new_paths & gone) > ask.MAX_FILES:
+                return f"it would leave more than {ask.MAX_FILES} files"
+            changes = dict.fromkeys(gone - new_paths)
+            changes.update((e["path"], ckptindex.from_listing(e, host)) for e in entries)
+        for path, f in changes.items():
+            self._hold(host, path, f)
+        self._host_errors[host] = [f"host {host}: {e}" for e in answer["errors"]]
+        return None
+
+    def _hold(self, host: str, path: str, f: ckptindex.CheckpointFile | None) -> None:
+        """``host`` now lists ``path`` as ``f`` (None: no longer lists it)."""
+        held, holders = self._files[host], self._holders.get(path)
+        if f is not None:
+            held[path] = f
+            if holders is None:
+                self._holders[path] = host
+            elif isinstance(holders, set):
+                holders.add(host)
+            elif holders != host:
+                self._holders[path] = {holders, host}
+        elif held.pop(path, None) is not None:
+            if isinstance(holders, set):
+                holders.discard(host)
+                if len(holders) == 1:
+                    self._holders[path] = holders.pop()
+            else:
+                del self._holders[path]
+        self._dirty.add(path)
+
+    def _merge(self, owner_changes: int) -> frozenset[str] | None:
+        """Choose again the files of the paths that changed (of every path, when a rank changed
+        host); the paths changed, or None for all."""
+        if owner_changes != self._owner_changes:
+            with self._lock:
+                owner = dict(self.hub.owner)
+            self._chosen.clear()
+            for path in self._holders:
+                self._choose(path, owner)
+            self._owner_changes = owner_changes
+            self._dirty.clear()
+            return None
+        ranks = {self._rank(path) for path in self._dirty}
+        with self._lock:  # the hosts of the ranks concerned only, not a copy of every rank's
+            owner = {rank: self.hub.owner.get(rank) for rank in ranks}
+        for path in self._dirty:
+            self._choose(path, owner)
+        changed, self._dirty = frozenset(self._dirty), set()
+        return changed
+
+    def _rank(self, path: str) -> int | None:
+        """The rank of ``path``'s file (the same for every copy: it comes from the path), if held."""
+        holders = self._holders.get(path)
+        if holders is None:
+            return None
+        return self._files[holders if isinstance(holders, str) else next(iter(holders))][path].rank
+
+    def _choose(self, path: str, owner) -> None:
+        holders = self._holders.get(path)
+        if holders is None:
+            self._chosen.pop(path, None)
+            return
+        if isinstance(holders, set):  # nodes sharing a directory list the same paths
+            holders = ask.pick(holders, owner.get(self._rank(path)))
+        self._chosen[path] = ask.placed(self._files[holders][path], owner)
 
     def _note(self, host: str) -> str | None:
         """What the checkpoint page says of ``host``'s listing, if anything is amiss."""

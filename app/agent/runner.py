@@ -152,6 +152,7 @@ class Agent:
         self.scan_s = float(config.get("CHECKPOINT_SCAN_S", 2.0))
         self._listing: dict | None = None
         self.listing_version: str | None = None
+        self._listings = ask.ListingHistory()  # the last few, so a hub gets what changed since its own
         self._listed_at = -math.inf
         self.asks_refused = 0
         self.key = key
@@ -276,10 +277,11 @@ class Agent:
         rows = [row for row in self.state.rows() if row["host"] == self.host][: dg.MAX_HOST_RANKS]
         return {"rows": [row for row in rows if dg.entry_problem({"row": row}) is None]}
 
-    def checkpoint_files(self) -> dict:
-        """This host's checkpoint files, for a hub's checkpoint browser (the listing its version names)."""
+    def checkpoint_files(self, base: str | None = None) -> dict:
+        """This host's checkpoint files for a hub's checkpoint browser, as ``ask.files_answer``
+        makes them: what changed since the listing ``base`` the hub holds, or all of them."""
         self._list_checkpoints()
-        return self._listing
+        return ask.files_answer(self._listing, self.listing_version, base, self._listings.get(base))
 
     def _list_checkpoints(self) -> None:
         """Re-walk this node's checkpoints if the last walk is ``scan_s`` old; a new version if they changed."""
@@ -293,6 +295,7 @@ class Agent:
         self._listed_at = time.monotonic()
         if listing != self._listing:
             self._listing, self.listing_version = listing, dg.listing_version(listing)
+            self._listings.keep(self.listing_version, listing)
 
     def apply_flag(self, value: bytes, now: float | None = None) -> None:
         """Write the hub's flag into this host's run directory when it is newer than the one applied.

@@ -25,6 +25,7 @@ import os
 import re
 import threading
 import time
+from collections import ChainMap
 from collections.abc import Callable, Mapping
 from typing import BinaryIO
 
@@ -45,7 +46,7 @@ from app.errors import (
     SetNotFound,
 )
 from app.push import Changed
-from trainer_bridge.rundir import ckpthealth, ckptindex, safeio
+from trainer_bridge.rundir import ckptgroup, ckpthealth, ckptindex, safeio
 from trainer_bridge.rundir.ckptindex import (
     ORIGIN_TTP,
     CheckpointFile,
@@ -90,7 +91,7 @@ class CheckpointService:
         scan_s: float,
         verifier: Verifier,
         config: Mapping | None = None,
-        remote: Callable[[bool], tuple[list[CheckpointFile], list[str]]] | None = None,
+        remote: Callable[[bool], tuple] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.run_dir = run_dir
@@ -104,11 +105,14 @@ class CheckpointService:
         self._index: Index | None = None
         self._scanned: tuple[float, int] | None = None  # (monotonic time, world) of the scan
         self._pushed = Changed()  # the fingerprint of the index last pushed
-        # With agents and no shared filesystem: (wait) -> (the other nodes' files, errors)
-        # (HubState.checkpoint_files; ``wait``: a request may wait for a node's first listing).
+        # With agents and no shared filesystem: (wait) -> (the other nodes' files, errors, and the
+        # paths changed since the last call: ``Listings.files``'s ``Remote``; without them, all may
+        # have) (HubState.checkpoint_files; ``wait``: a request may wait for a node's first listing).
         self.remote = remote
         self._remote_seen: tuple | None = None  # what ``remote`` last gave, and this directory's files then
         self._local_seen: tuple | None = None
+        self._local_files: dict[str, CheckpointFile] = {}  # this directory's, as last merged
+        self._grouping = ckptgroup.Grouping()  # the merged index, regrouped where paths changed
         self._polled: Index | None = None  # the index ``poll`` last looked at
         # The retention plan and its automatic mode, over this index (``config``: the RETENTION_* settings).
         self.retention = Retention(self, config) if config is not None else None
@@ -152,18 +156,31 @@ class CheckpointService:
         scanned_at = time.time()
         files, errors = ckptindex.walk(self.run_dir, self.cache) if self.run_dir else ([], [])
         remote = self.remote(wait)
-        # The agents' listings come back as the very same tuple while none changed: with this
-        # directory's files and the world unchanged too, the last grouping stands (at 12,500
-        # hosts, grouping every node's files costs far more than the walk of this directory).
+        # The agents' listings come back as the very same object while none changed: with this
+        # directory's files and the world unchanged too, the last grouping stands. Otherwise
+        # (``Listings.files``) they name the paths that changed, and only their sets are grouped
+        # again: at 12,500 hosts, grouping every node's files costs far more than the walk here.
         seen = (world, files, errors)
         if remote is self._remote_seen and seen == self._local_seen and self._index is not None:
             return self._index
-        self._remote_seen, self._local_seen = remote, seen
-        theirs, their_errors = remote
-        here = {f.path for f in files}
-        files = files + [f for f in theirs if f.path not in here]
-        return ckptindex.build_index(
-            self.run_dir or "", files, world or None, errors + their_errors, scanned_at
+        theirs, their_errors, *rest = remote
+        changed = (
+            set() if remote is self._remote_seen else (set(rest[0]) if rest and rest[0] is not None else None)
+        )
+        if not isinstance(theirs, Mapping):
+            theirs, changed = {f.path: f for f in theirs}, None
+        here = {f.path: f for f in files}
+        before = self._local_files
+        if changed is not None:
+            changed |= {p for p in here.keys() | before.keys() if here.get(p) != before.get(p)}
+        self._remote_seen, self._local_seen, self._local_files = remote, seen, here
+        return self._grouping.index(
+            self.run_dir or "",
+            ChainMap(here, theirs),
+            changed,
+            world or None,
+            errors + their_errors,
+            scanned_at,
         )
 
     def body(self, world: int) -> dict:

@@ -70,10 +70,26 @@ class SimListings:
 
     def listing(self, host: int, seq: int) -> tuple[dict, str]:
         """(listing, version) of job host ``host`` as of its digest ``seq``."""
+        return self._listing(host, self.sets(seq) + (host in self.changed))
+
+    def held(self, host: int, seq: int, version: str | None) -> dict | None:
+        """The listing of version ``version`` if host ``host`` held it among its last few (as an
+        agent keeps them, ``ask.ListingHistory``) by its digest ``seq``; else None."""
+        from app.agent import ask
+
+        if version is None:
+            return None
+        top = self.sets(seq) + (host in self.changed)
+        for sets in range(top, max(0, top - ask.LISTING_HISTORY), -1):
+            listing, v = self._listing(host, sets)
+            if v == version:
+                return listing
+        return None
+
+    def _listing(self, host: int, sets: int) -> tuple[dict, str]:
         from app.agent import digest as dg
         from trainer_bridge.rundir import runfiles
 
-        sets = self.sets(seq) + (host in self.changed)
         files = [
             {
                 "path": f"{runfiles.CHECKPOINT_DIR}/rank_{r}/{runfiles.CHECKPOINT_PREFIX}-1_{g}.ckpt",
@@ -105,13 +121,16 @@ class SimListings:
 class SimAgent:
     """What ``ask.serve`` needs of an agent, for one simulated host: its name and its listing."""
 
-    def __init__(self, name: str, listing: dict, key: bytes):
+    def __init__(self, name: str, listing: tuple[dict, str], key: bytes, held=lambda version: None):
         self.host, self.run, self.key = name, RUN, key
         self.asks_refused = 0
-        self._listing = listing
+        self._listing, self._version = listing
+        self._held = held  # version -> that listing, if the host still holds it
 
-    def checkpoint_files(self) -> dict:
-        return self._listing
+    def checkpoint_files(self, base: str | None = None) -> dict:
+        from app.agent import ask
+
+        return ask.files_answer(self._listing, self._version, base, self._held(base))
 
     def full_row(self, rank, now):
         return None  # the benchmarks' pages ask for no rank
@@ -140,11 +159,17 @@ def answer_requests(client, listings: SimListings, seq_of) -> dict[str, int]:
             continue
         name = k.decode()[len(prefix) :]
         host = int(name.split("-")[1])
-        listing, _ = listings.listing(host, seq_of(host))
-        answers += ask.serve(SimAgent(name, listing, KEY.encode()), raws, now)
+        seq = seq_of(host)
+        agent = SimAgent(
+            name,
+            listings.listing(host, seq),
+            KEY.encode(),
+            lambda v, host=host, seq=seq: listings.held(host, seq, v),
+        )
+        answers += ask.serve(agent, raws, now)
         # ask.serve answers at most MAX_ASKS a call, as an agent per tick: the rest are answered too.
         for at in range(ask.MAX_ASKS, len(raws), ask.MAX_ASKS):
-            answers += ask.serve(SimAgent(name, listing, KEY.encode()), raws[at:], now)
+            answers += ask.serve(agent, raws[at:], now)
     pipe = client.pipeline(transaction=False)
     for key, value in answers:
         pipe.set(key, value, ex=ask.ANSWER_TTL_S)
@@ -389,6 +414,8 @@ def prebuilt_digests(
     flip_hosts, flip_every, flip_queue = flips if flips is not None else (frozenset(), 0, None)
     seconds = math.ceil(horizon)
     probe = SimHosts(first, min(count, 200))
+    # Each host's listing version is made once and kept: the probe's first second would count it.
+    build(probe, time.time(), 1)
     start = time.perf_counter()
     build(probe, time.time(), 1)
     per_digest = (time.perf_counter() - start) / len(probe)

@@ -430,28 +430,40 @@ def _group(files: list[CheckpointFile], world_size: int | None) -> list[Checkpoi
     sets = []
     for (origin, layout), group in by_layout.items():
         world = world_size or max(f.rank for f in group) + 1
-        # The global step each file name stands for, learnt from readable files,
-        # so a corrupt file joins its peers' set.
-        name_to_global = {}
-        for f in group:
-            name_steps = steps_from_name(f.path)[:2]
-            if f.ok and f.meta.global_step is not None and None not in name_steps:
-                name_to_global.setdefault(name_steps, f.meta.global_step)
-        members: dict[tuple, list[CheckpointFile]] = defaultdict(list)
-        for f in group:
-            g = f.meta.global_step
-            if g is None:
-                g = name_to_global.get(steps_from_name(f.path)[:2])
-            if g is not None:
-                key = ("g", g)
-            elif f.meta.epoch is not None or f.meta.step is not None:
-                key = ("e", f.meta.epoch, f.meta.step)
-            else:
-                key = ("?",)
-            members[key].append(f)
+        members = _members(group)
         sets.extend(_make_set(origin, layout, key, fs, world) for key, fs in members.items())
     sets.sort(key=_order, reverse=True)
     return sets
+
+
+def _members(group) -> dict[tuple, list[CheckpointFile]]:
+    """The files of one layout by the key of their set (``set_key``)."""
+    # The global step each file name stands for, learnt from readable files,
+    # so a corrupt file joins its peers' set.
+    name_to_global = {}
+    for f in group:
+        if f.meta.global_step is None:
+            continue
+        name_steps = steps_from_name(f.path)[:2]
+        if f.ok and None not in name_steps:
+            name_to_global.setdefault(name_steps, f.meta.global_step)
+    members: dict[tuple, list[CheckpointFile]] = defaultdict(list)
+    for f in group:
+        members[set_key(f, name_to_global)].append(f)
+    return members
+
+
+def set_key(f: CheckpointFile, name_to_global: dict | None = None) -> tuple:
+    """The key of ``f``'s set within its layout: its global step, else (with ``name_to_global``,
+    its layout's files' name -> global step) its name's, else its epoch and step."""
+    g = f.meta.global_step
+    if g is None and name_to_global:
+        g = name_to_global.get(steps_from_name(f.path)[:2])
+    if g is not None:
+        return ("g", g)
+    if f.meta.epoch is not None or f.meta.step is not None:
+        return ("e", f.meta.epoch, f.meta.step)
+    return ("?",)
 
 
 def _make_set(origin: str, layout: str, key: tuple, files: list[CheckpointFile], world: int) -> CheckpointSet:
