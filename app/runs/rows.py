@@ -28,7 +28,18 @@ from app.runs.diskuse import DiskUsage
 STATES = ("training", "stopping", "stopped", "finished", "failed", "stalled", "idle")
 # Verdicts that put a run first: a rank in trouble.
 TROUBLE = ("straggler", "stalled", "dead", "node_lost", "failed", "corrupt")
-SORTS = ("attention", "id", "state", "world_size", "global_step", "loss", "disk_bytes", "last_activity")
+SORTS = (
+    "attention",
+    "id",
+    "state",
+    "world_size",
+    "global_step",
+    "loss",
+    "goodput",
+    "restarts",
+    "disk_bytes",
+    "last_activity",
+)
 # Losses in a row's sparkline (the landing page draws them as an inline SVG).
 SPARK_POINTS = 32
 PER_PAGE_DEFAULT = 50
@@ -104,6 +115,8 @@ def row_from(
     spark = charts.loss_spark(state, SPARK_POINTS)
     disk = disk if disk is not None else DiskUsage()
     disk_bytes = disk.measure(state.run_dir, now)
+    tried = attempts.answer(state.run_dir, heartbeats, state.job_ended(), state.log_attempts())["attempts"]
+    good = state.goodput(tried, now)
     return {
         "id": run_id,
         "state": name,
@@ -128,9 +141,12 @@ def row_from(
         "oldest_heartbeat_at": min(times) if times else None,
         # Launches of the job in this run directory (rankwatch/attempts.jsonl, else msrun's
         # logs starting over; 0 before the first).
-        "attempts": len(
-            attempts.answer(state.run_dir, heartbeats, state.job_ended(), state.log_attempts())["attempts"]
-        ),
+        "attempts": len(tried),
+        # The share of the run's wall time spent on steps that were kept (app/run/goodput.py), and
+        # the launches after the first.
+        "goodput": good["goodput"],
+        "restarts": good["restarts"],
+        "steps_lost": good["steps_lost"],
         "status_message": head["run"]["message"],
     }
 
@@ -157,6 +173,9 @@ def unread_row(run_id: str, entry) -> dict:
         "hosts": 0,
         "oldest_heartbeat_at": None,
         "attempts": 0,
+        "goodput": None,
+        "restarts": 0,
+        "steps_lost": 0,
         "status_message": UNREAD_MESSAGE,
     }
 

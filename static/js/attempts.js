@@ -51,6 +51,18 @@ function downtimeText(d) {
   return text;
 }
 
+// As app/run/goodput.py's text() says it in the terminal.
+export function goodputText(g) {
+  const parts = [g.goodput == null ? "goodput not known yet" : `goodput ${(g.goodput * 100).toFixed(1)}%`,
+    plural(g.restarts, "restart"), `${plural(g.steps_lost, "step")} lost`];
+  if (typeof g.downtime_s === "number") parts.push(`${g.downtime_s.toFixed(1)} s down`);
+  let text = parts.join(" · ");
+  if (typeof g.kept_s === "number" && typeof g.wall_s === "number") {
+    text += ` (${formatCount(g.kept_steps)} kept steps took ${g.kept_s.toFixed(1)} s of ${g.wall_s.toFixed(1)} s since the first attempt started)`;
+  }
+  return text;
+}
+
 export class Attempts {
   constructor(url) {
     this.url = url;
@@ -99,6 +111,7 @@ export class Attempts {
   }
 
   render(body) {
+    this.goodput(body.goodput);
     const rows = Array.isArray(body.attempts) ? body.attempts : [];
     if (!rows.length) {
       const li = document.createElement("li");
@@ -108,6 +121,19 @@ export class Attempts {
     } else {
       this.list.replaceChildren(...rows.map((a) => this.item(a)));
     }
+  }
+
+  // The run's goodput, restarts and steps lost (app/run/goodput.py), above the timeline.
+  goodput(g) {
+    const p = $("#attempts-goodput");
+    if (!p) return;
+    if (!g || !g.restarts && g.goodput == null) {
+      p.hidden = true;
+      return;
+    }
+    p.hidden = false;
+    p.dataset.goodput = g.goodput == null ? "" : String(g.goodput);
+    p.textContent = goodputText(g);
   }
 
   item(a) {

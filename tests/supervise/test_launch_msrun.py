@@ -7,12 +7,18 @@ exit); the timeouts are failure guards. Durations are measured and printed
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 
 import pytest
+from click.testing import CliRunner
 
+from app.attempts import answer as attempts_answer
+from app.cli import main as cli_main
+from app.cli.common import open_cli_run
+from app.run import goodput
 from app.supervise import policy
 from tests.helpers.faults import measure
 from tests.helpers.jobs import UNTIL_STOPPED, DemoJob, write_flag
@@ -29,6 +35,10 @@ FAST = ["--backoff-s", "0.5", "--grace-s", "5"]
 def step(job: LaunchJob, rank: int) -> int:
     hb = job.heartbeat(rank) or {}
     return hb.get("global_step") or 0
+
+
+def down_total(row: dict) -> float | None:
+    return (row.get("downtime") or {}).get("total_s")
 
 
 def test_a_killed_rank_is_relaunched_from_the_newest_set_and_nothing_of_it_is_left(tmp_path):
@@ -69,6 +79,24 @@ def test_a_killed_rank_is_relaunched_from_the_newest_set_and_nothing_of_it_is_le
     assert job.steps_logged(0)[0] == resumed + 1 and job.steps_logged(0)[-1] == 3 * job.steps_per_epoch
     assert b["end"] == "finished" and b["cause"]["kind"] == "finished"
     assert job.marked() == []
+    # The goodput (app/run/goodput.py) from the real files: every global step is kept once, attempt 1's
+    # steps past the set attempt 2 resumed from are lost, and the downtime is in the wall time only.
+    state = open_cli_run(tmp_path / "run").state
+    state.scan(time.time())
+    beats, _ = state.heartbeats()
+    g = state.goodput(attempts_answer(state.run_dir, beats, state.job_ended())["attempts"], time.time())
+    assert g["kept_steps"] == 3 * job.steps_per_epoch and g["steps_lost"] == a["last_step"] - resumed
+    assert g["restarts"] == 1 and g["restarts_by_launch"] == 1 and g["downtime_s"] == down_total(a)
+    assert g["wall_s"] >= b["ended_at"] - a["started_at"] and 0 < g["kept_s"] < g["wall_s"]
+    assert 0 < g["goodput"] < 1
+    # rankwatch status and rankwatch runs say the same.
+    status = CliRunner().invoke(cli_main, ["status", "--run-dir", str(tmp_path / "run")])
+    assert status.exit_code == 0, status.output
+    assert goodput.text(g) in " ".join(status.output.split()), status.output
+    body = json.loads(CliRunner().invoke(cli_main, ["runs", str(tmp_path), "--json"]).output)
+    (run,) = [r for r in body["runs"] if r["id"].endswith("run")]
+    assert (run["goodput"], run["restarts"], run["steps_lost"]) == (g["goodput"], 1, g["steps_lost"])
+    measure("launch: goodput of the kill -9 job", g["goodput"] * 100, "%", wall_s=g["wall_s"])
     down = a["downtime"]
     measure("launch: kill -9 to detection", down["fault_to_detected_s"])
     measure("launch: detection to attempt ended", down["detected_to_ended_s"])
