@@ -35,6 +35,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+from trainer_bridge.rundir import supervised
+
 # A ratio shown with this many decimals (a percentage with two).
 DIGITS = 4
 
@@ -154,6 +156,8 @@ def measure(
         "restarts": max(0, len(rows) - 1),
         "restarts_by_launch": sum(1 for r in rows if r.get("restarted_by") == "launch"),
         "downtime_s": round(sum(downtime), 3) if downtime else None,
+        # rankwatch launch gave up after the newest attempt (its budget, the startup or no-progress rule).
+        "gave_up": supervised.gave_up(rows[-1]) if rows else None,
     }
 
 

@@ -132,7 +132,11 @@ def row_from(
         "disk_bytes": disk_bytes,
         "disk_truncated": disk.truncated,
         "health_counts": counts,
-        "needs_attention": name in ("failed", "stalled") or any(counts.get(v) for v in TROUBLE),
+        # A run rankwatch launch gave up on needs a person, though every rank has ended.
+        "needs_attention": name in ("failed", "stalled")
+        or any(counts.get(v) for v in TROUBLE)
+        or good["gave_up"] is not None,
+        "gave_up": good["gave_up"],
         "newest_complete_set": newest,
         "stop_state": stop_state,
         "last_stop": last_stop,
@@ -167,6 +171,7 @@ def unread_row(run_id: str, entry) -> dict:
         "disk_truncated": False,
         "health_counts": {},
         "needs_attention": False,
+        "gave_up": None,
         "newest_complete_set": None,
         "stop_state": None,
         "last_stop": None,

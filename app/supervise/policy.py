@@ -22,16 +22,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from app.supervise import finite
-from trainer_bridge.rundir import ckpthealth, ckptindex
+from trainer_bridge.rundir import ckpthealth, ckptindex, supervised
 from trainer_bridge.rundir.ckptindex import ORIGIN_BRIDGE
 
 # The exit statuses of rankwatch launch (docs/cli.md, "launch").
 OK = 0
 FAILED = 1  # a failure that is not relaunched (a stop was asked, or TTP/MindCluster own recovery)
 REFUSED = 3
-BUDGET = 4
-STARTUP = 5
-NO_PROGRESS = 93  # as nvidia-resiliency-ext: do not requeue
+# The statuses that give up on a failing run live with the supervised lines: the dashboard reads them.
+BUDGET, STARTUP, NO_PROGRESS = supervised.BUDGET, supervised.STARTUP, supervised.NO_PROGRESS
 INTERRUPTED = 130
 MAX_BACKOFF_S = 300.0
 

@@ -134,6 +134,13 @@ export class Attempts {
     p.hidden = false;
     p.dataset.goodput = g.goodput == null ? "" : String(g.goodput);
     p.textContent = goodputText(g);
+    // The supervisor gave up: the run needs a person.
+    if (g.gave_up) {
+      p.dataset.gaveUp = "";
+      p.textContent += ` · ⚠ ${g.gave_up}`;
+    } else {
+      delete p.dataset.gaveUp;
+    }
   }
 
   item(a) {

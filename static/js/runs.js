@@ -87,9 +87,16 @@ function loss(r) {
 }
 
 // The run's goodput (app/run/goodput.py) and its restarts, as the run page says them.
+// A run rankwatch launch gave up on says so (the cell's title says why).
 function goodput(r) {
   const ratio = r.goodput == null ? "–" : `${(r.goodput * 100).toFixed(1)}%`;
-  return r.restarts ? `${ratio} · ${plural(r.restarts, "restart")}` : ratio;
+  const text = r.restarts ? `${ratio} · ${plural(r.restarts, "restart")}` : ratio;
+  if (!r.gave_up) return text;
+  const span = document.createElement("span");
+  span.className = "run-gave-up";
+  span.title = r.gave_up;
+  span.textContent = `⚠ ${text} · launch gave up`;
+  return span;
 }
 
 function row(r, now) {

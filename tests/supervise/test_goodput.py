@@ -102,3 +102,18 @@ def test_the_ratio_is_clamped_to_one():
     # Step times that overlap the wall (a clock step) never make more than all of it.
     g = goodput.measure([row(1, 1, 10, T, T + 5)], {"L1": [(10, 1.0)]}, now=T + 5, running=False)
     assert g["goodput"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("sup", "said"),
+    [
+        ({"action": "end", "exit_code": 4, "note": None}, "(exit 4): the restart budget is used up"),
+        ({"action": "end", "exit_code": 93, "note": "3 attempts"}, "(exit 93): 3 attempts"),
+        ({"action": "end", "exit_code": 1, "note": "a stop was asked"}, None),
+        ({"action": "relaunch"}, None),
+        ({"action": "record_only", "exit_code": 1}, None),
+    ],
+)
+def test_the_supervisor_gave_up_only_on_its_budget_startup_and_no_progress_rules(sup, said):
+    g = goodput.measure([row(1, 1, 10, T, T + 10, supervisor=sup)], {}, now=T + 20, running=False)
+    assert (g["gave_up"] is None) if said is None else (said in g["gave_up"])

@@ -20,6 +20,7 @@ from app.cli import main as cli_main
 from app.cli.common import open_cli_run
 from app.run import goodput
 from app.supervise import policy
+from tests.helpers.app import make_app, wait_for
 from tests.helpers.faults import measure
 from tests.helpers.jobs import UNTIL_STOPPED, DemoJob, write_flag
 from tests.helpers.launch import LaunchJob, wait_gone
@@ -41,7 +42,7 @@ def down_total(row: dict) -> float | None:
     return (row.get("downtime") or {}).get("total_s")
 
 
-def test_a_killed_rank_is_relaunched_from_the_newest_set_and_nothing_of_it_is_left(tmp_path):
+def test_a_killed_rank_is_relaunched_from_the_newest_set_and_nothing_of_it_is_left(tmp_path, make_receiver):
     """kill -9 of rank 1 mid-training: attempt 2 resumes from the newest complete set and trains to the end."""
     with LaunchJob(tmp_path / "run", TRAIN, FAST) as job:
         job.wait_until(lambda: step(job, 1) >= 25, "rank 1 past global step 25")
@@ -96,6 +97,11 @@ def test_a_killed_rank_is_relaunched_from_the_newest_set_and_nothing_of_it_is_le
     body = json.loads(CliRunner().invoke(cli_main, ["runs", str(tmp_path), "--json"]).output)
     (run,) = [r for r in body["runs"] if r["id"].endswith("run")]
     assert (run["goodput"], run["restarts"], run["steps_lost"]) == (g["goodput"], 1, g["steps_lost"])
+    # The restart is announced once, through a real webhook receiver.
+    (alert,) = alerts_of(tmp_path / "run", make_receiver().start(), 1)
+    assert (alert["event"], alert["attempt"], alert["resume"]["global_step"]) == ("restart", 1, resumed)
+    assert alert["cause"]["signal"] == "SIGKILL" and alert["downtime"] == a["downtime"]
+    assert f"rankwatch launch relaunched it from global step {resumed}" in alert["text"]
     measure("launch: goodput of the kill -9 job", g["goodput"] * 100, "%", wall_s=g["wall_s"])
     down = a["downtime"]
     measure("launch: kill -9 to detection", down["fault_to_detected_s"])
@@ -128,7 +134,33 @@ def test_a_script_that_fails_at_import_ends_the_run_by_the_startup_rule(tmp_path
     assert job.marked() == []
 
 
-def test_the_budget_and_the_no_progress_rule_have_their_own_exit_codes(tmp_path):
+def runs_row(root, run_dir) -> dict:
+    """``rankwatch runs ROOT --json``'s row of ``run_dir``."""
+    body = json.loads(CliRunner().invoke(cli_main, ["runs", str(root), "--json"]).output)
+    (row,) = [r for r in body["runs"] if r["id"].endswith(run_dir.name)]
+    return row
+
+
+def alerts_of(run_dir, receiver, n: int) -> list[dict]:
+    """The alerts a dashboard on ``run_dir`` sends to ``receiver`` (``n`` of them), each once: a second
+    dashboard on the same run sends none again."""
+    settings = {"WEBHOOK_URL": receiver.url, "ALERT_GROUP_S": 0.1}
+    first = make_app(run_dir, **settings)
+    first.extensions["rankwatch"].watcher.tick()
+    mine = ("restart", "launch_gave_up")  # not the ranks' verdicts
+    got = receiver.wait_for(
+        lambda p: len(x := [e for e in p if e["event"] in mine]) >= n and x, f"{n} alert(s)"
+    )
+    sender = first.extensions["rankwatch"].incidents.alerts.sender
+    wait_for(lambda: len(sender.rows()) >= n, "the delivery log's rows")
+    again = make_app(run_dir, **settings)
+    again.extensions["rankwatch"].watcher.tick()
+    assert again.extensions["rankwatch"].incidents.restarts._seen, "the second dashboard read no attempt"
+    assert again.extensions["rankwatch"].incidents.alerts.sender.raised == 0
+    return got
+
+
+def test_the_budget_and_the_no_progress_rule_have_their_own_exit_codes(tmp_path, make_receiver):
     crash = [*TRAIN, "--crash-rank", "1", "--crash-at", "25"]
     # Without the dying gasp (which would save step 25, past the crash), so each attempt resumes from
     # the last periodic set and crashes again at 25.
@@ -139,6 +171,11 @@ def test_the_budget_and_the_no_progress_rule_have_their_own_exit_codes(tmp_path)
     assert row["cause"]["error"] == "RuntimeError: injected crash at global step 25 (--crash-rank)"
     assert row["cause"]["rank"] == 1 and row["cause"]["exit_code"] not in (None, 0)
     assert "restart budget is used up (0 of 0" in job.output()
+    # The run needs a person: the landing page's row says why.
+    row = runs_row(tmp_path, tmp_path / "budget")
+    assert (
+        row["needs_attention"] and "ended the run (exit 4): the restart budget is used up" in row["gave_up"]
+    )
     # The same run again, with budget: attempt 2 resumes from step 20 and crashes at 25 again.
     with LaunchJob(tmp_path / "budget", crash, [*nogasp, "--max-restarts", "3", "--no-progress", "1"]) as job:
         assert job.wait() == policy.NO_PROGRESS, job.output()
@@ -146,6 +183,18 @@ def test_the_budget_and_the_no_progress_rule_have_their_own_exit_codes(tmp_path)
     assert [r["attempt"] for r in rows] == [1, 2]
     assert rows[1]["resumed_from"]["global_step"] == 20 and not rows[1]["supervisor"]["progressed"]
     assert "without training past global step 25" in job.output()
+    # The landing page's row: attempt 2 was a relaunch by hand (a restart, not by launch), the steps it
+    # trained again are lost, and the supervisor gave up on the run.
+    row = runs_row(tmp_path, tmp_path / "budget")
+    assert (row["restarts"], row["steps_lost"]) == (1, rows[0]["last_step"] - 20)
+    assert row["needs_attention"] and "(exit 93)" in row["gave_up"]
+    # An alert for each time the supervisor gave up, from the real file through a real receiver.
+    got = alerts_of(tmp_path / "budget", make_receiver().start(), 2)
+    assert [(p["event"], p["attempt"], p["exit_code"]) for p in got] == [
+        ("launch_gave_up", 1, 4),
+        ("launch_gave_up", 2, 93),
+    ]
+    assert "the run needs attention" in got[1]["text"] and got[1]["cause"]["rank"] == 1
 
 
 def test_a_killed_supervisor_leaves_no_orphan_and_the_next_one_continues(tmp_path):
