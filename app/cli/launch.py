@@ -57,6 +57,21 @@ import click
     help="After a rank dies, wait at most this long for a survivor to save its replica (the dying gasp) "
     "before ending the attempt; 0: off.",
 )
+@click.option(
+    "--hang-restart-s",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="The hang rule: a rank stalled (the dashboard's verdict) this long ends the attempt with cause "
+    "hang; 0: off. See --hang-mode.",
+)
+@click.option(
+    "--hang-mode",
+    type=click.Choice(["dry-run", "restart"]),
+    default="dry-run",
+    show_default=True,
+    help="dry-run: only say what the hang rule would do; restart: end the attempt and relaunch it.",
+)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
 def launch(
     run_dir: Path,
@@ -65,6 +80,8 @@ def launch(
     grace_s: float,
     no_progress: int,
     gasp_s: float,
+    hang_restart_s: float,
+    hang_mode: str,
     command: tuple,
 ) -> None:
     """Run an msrun job and relaunch it from the newest healthy checkpoint set when it fails.
@@ -109,5 +126,7 @@ def launch(
         grace_s=grace_s,
         no_progress=no_progress,
         gasp_s=gasp_s,
+        hang_restart_s=hang_restart_s,
+        hang_mode=hang_mode,
     )
     raise SystemExit(Supervisor(opts, request_stop).run())

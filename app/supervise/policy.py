@@ -33,6 +33,8 @@ REFUSED = 3
 BUDGET, STARTUP, NO_PROGRESS = supervised.BUDGET, supervised.STARTUP, supervised.NO_PROGRESS
 INTERRUPTED = 130
 MAX_BACKOFF_S = 300.0
+# The causes that are failures: relaunched, and counted by the budget and the rules.
+FAILURES = ("crash", "hang")
 
 
 @dataclass
@@ -50,7 +52,7 @@ class History:
         if rec.get("restarted_by") == "launch":
             self.restarts += 1
         cause = rec["cause"]
-        if cause["kind"] != "crash":
+        if cause["kind"] not in FAILURES:
             return
         last = rec.get("last_step")
         if rec.get("progressed"):

@@ -35,6 +35,10 @@ export function endText(a) {
 
 // The cause rankwatch launch recorded (a crash's rank, signal or status, error line).
 export function causeText(c) {
+  if (c && c.kind === "hang") {
+    // The hang rule (app/supervise/hang.py): its error says how long, why, and the stack capture.
+    return `rank ${c.rank}${c.host ? ` on ${c.host}` : ""} hung: ${c.error || "stalled"}`;
+  }
   if (!c || c.kind !== "crash") return "";
   const who = c.role === "worker" ? `rank ${c.rank}` : (c.role || "a process");
   const how = c.signal ? `killed by ${c.signal}` : `exit status ${c.exit_code}`;

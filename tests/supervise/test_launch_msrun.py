@@ -20,7 +20,7 @@ from app.cli import main as cli_main
 from app.cli.common import open_cli_run
 from app.run import goodput
 from app.supervise import policy
-from tests.helpers.app import make_app, wait_for
+from tests.helpers.app import FAST_SETTINGS, make_app, wait_for
 from tests.helpers.faults import measure
 from tests.helpers.jobs import UNTIL_STOPPED, DemoJob, write_flag
 from tests.helpers.launch import LaunchJob, wait_gone
@@ -110,6 +110,34 @@ def test_a_killed_rank_is_relaunched_from_the_newest_set_and_nothing_of_it_is_le
     measure("launch: relaunched to the bridge's start", down["relaunched_to_bridge_start_s"])
     measure("launch: kill -9 to detection (test clock)", sup["detected_at"] - t_kill)
     measure("launch: kill -9 to relaunch (test clock)", sup["relaunched_at"] - t_kill)
+
+
+def test_a_hung_rank_ends_its_attempt_as_a_hang_and_the_job_goes_on(tmp_path):
+    """The hang rule (--hang-restart-s, restart mode): rank 1 stopped with SIGSTOP is stalled; 10 s later
+    the attempt ends with cause hang (SIGKILL ends a stopped process) and attempt 2 trains to the end."""
+    # 10 s: well past a slow step on a loaded machine, well within the survivor's 30 s collective timeout.
+    hang = [*FAST, "--hang-restart-s", "10", "--hang-mode", "restart"]
+    # The dashboard's verdict, with its test thresholds: a stopped process is stalled at its first probe.
+    env = {f"RANKWATCH_{k}": str(FAST_SETTINGS[k]) for k in ("STALL_MIN_S", "PROCESS_CHECK_AFTER_S")}
+    with LaunchJob(tmp_path / "run", TRAIN, hang, env=env) as job:
+        job.wait_until(lambda: step(job, 1) >= 25, "rank 1 past global step 25")
+        stopped = job.workers()[1]
+        stopped.send_signal(signal.SIGSTOP)
+        assert job.wait() == 0, job.output()
+    a, b = job.rows()
+    cause = a["cause"]
+    assert (cause["kind"], cause["rank"], cause["pid"], cause["role"]) == ("hang", 1, stopped.pid, "worker")
+    assert cause["error"].startswith("stalled for over 10 s: ") and "is stopped" in cause["error"], cause
+    assert a["restarted_by"] == "launch" and f"rank 1 (pid {stopped.pid} on " in a["error"]
+    assert f"attempt 1 failed: rank 1 (pid {stopped.pid} on" in job.output() and " hung: " in job.output()
+    # No dying gasp for a hang: attempt 2 resumed from the newest periodic set, and finished.
+    assert b["resumed_from"]["global_step"] % 10 == 0 and b["end"] == "finished"
+    assert job.steps_logged(0)[-1] == 3 * job.steps_per_epoch
+    assert job.marked() == []
+    measure(
+        "launch: SIGSTOP to the hang's detection",
+        a["supervisor"]["detected_at"] - a["supervisor"]["fault_at"],
+    )
 
 
 def test_a_script_that_fails_at_import_ends_the_run_by_the_startup_rule(tmp_path):

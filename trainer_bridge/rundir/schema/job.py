@@ -166,7 +166,8 @@ class AttemptCause(_Model):
     ] = Field(
         description="`crash` (a process of the attempt exited non-zero or on a signal), `stop` (a graceful "
         "stop: never relaunched), `finished`, `interrupted` (a second Ctrl-C to the supervisor ended it at "
-        "once); `hang`, `node_lost`, `rollback` and `preempted` are reserved for the rules that detect them"
+        "once), `hang` (a rank stalled past `--hang-restart-s`); `node_lost`, `rollback` and `preempted` are "
+        "reserved for the rules that detect them"
     )
     rank: Annotated[int, Field(ge=0, lt=MAX_RANKS)] | None = Field(
         None, description="the rank that failed first (`crash`), when known"
