@@ -171,8 +171,10 @@ def run_way(name: str, base: Path, plan, train: list[str], quick: bool) -> dict:
         for fault, row in zip(faults, rows, strict=False):
             sup = row.get("supervisor") or {}
             fault.update({k: sup.get(k) for k in ("detected_at", "ended_at", "relaunched_at")})
-    for fault, nxt in zip(faults, rows[1:], strict=False):
+    for fault, row, nxt in zip(faults, rows, rows[1:], strict=False):
         fault["bridge_at"] = nxt["started_at"]
+        # The steps the attempt the fault ended had trained that the next one trained again.
+        fault["steps_lost"] = max(0, (row["last_step"] or 0) - (nxt["first_step"] - 1))
     state = build(str(run_dir), {**from_env(), "RUN_DIR": str(run_dir)}, live=False).state
     state.scan(time.time())
     beats, _ = state.heartbeats()
@@ -255,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({k: v for k, v in r.items() if k != "faults"}), flush=True)
             results.append(r)
     print(table(results))
+    for r in results:
+        lost = ", ".join(f"{f['kind']} {f.get('steps_lost', '?')}" for f in r["faults"])
+        print(f"steps lost by fault, {r['way']}: {lost}")
     step = next((r["kept_s"] / r["kept_steps"] for r in results if r["kept_steps"]), math.nan)
     print(
         "\nAt Llama 3's rate (one interruption every 3 h = 10,800 s), a way's goodput from faults alone is "
