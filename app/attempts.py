@@ -29,13 +29,17 @@ NAMED = 4
 
 
 class _Cache:
-    """(stat signature, rows, lines skipped, read error) per run directory, least recently used out."""
+    """(stat signature, rows, lines skipped, read error, refused launches) per run directory, least recently used out."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._runs: OrderedDict[str, tuple] = OrderedDict()
 
     def rows(self, run_dir: Path) -> tuple[list[dict], int, str | None]:
+        return self.read(run_dir)[:3]
+
+    def read(self, run_dir: Path) -> tuple[list[dict], int, str | None, list[dict]]:
+        """(rows, lines skipped, read error, the newest refused launches)."""
         path = runfiles.attempts_path(run_dir)
         sig = tuple(_stat(p) for p in (path, Path(f"{path}.1")))
         key = str(run_dir)
@@ -43,18 +47,18 @@ class _Cache:
             hit = self._runs.get(key)
             if hit is not None and hit[0] == sig:
                 self._runs.move_to_end(key)
-                return hit[1], hit[2], hit[3]
+                return hit[1:]
         try:
-            records, skipped = attempts.read_lines(run_dir)
-            rows, error = attempts.fold(records), None
+            records, skipped = attempts.read_lines(run_dir, with_refused=True)
+            rows, error, refused = attempts.fold(records), None, attempts.refused(records)
         except OSError as e:
-            rows, skipped, error = [], 0, f"cannot read {path.name}: {safeio.why(e)}"
+            rows, skipped, error, refused = [], 0, f"cannot read {path.name}: {safeio.why(e)}", []
         with self._lock:
-            self._runs[key] = (sig, rows, skipped, error)
+            self._runs[key] = (sig, rows, skipped, error, refused)
             self._runs.move_to_end(key)
             while len(self._runs) > CACHED_RUNS:
                 self._runs.popitem(last=False)
-        return rows, skipped, error
+        return rows, skipped, error, refused
 
 
 def _stat(path: Path) -> tuple | None:
@@ -108,10 +112,15 @@ def answer(
     the answer when the bridge wrote none (a script without it).
     """
     if run_dir is None:
-        return {"attempts": [], "skipped_lines": 0, "error": None}
-    rows, skipped, error = _cache.rows(run_dir)
+        return {"attempts": [], "skipped_lines": 0, "error": None, "refused": []}
+    rows, skipped, error, refused = _cache.read(run_dir)
     if not rows and from_logs:
-        return {"attempts": _log_rows(from_logs, job_over), "skipped_lines": 0, "error": error}
+        return {
+            "attempts": _log_rows(from_logs, job_over),
+            "skipped_lines": 0,
+            "error": error,
+            "refused": refused,
+        }
     rows = copy.deepcopy(rows)
     for row in rows[:-1]:
         if row["end"] is None:
@@ -136,7 +145,7 @@ def answer(
         row["resumed_text"] = (
             attempts.resumed_text(resumed["global_step"], resumed["set"]) if resumed else "a fresh start"
         )
-    return {"attempts": rows, "skipped_lines": skipped, "error": error}
+    return {"attempts": rows, "skipped_lines": skipped, "error": error, "refused": refused}
 
 
 def _log_rows(rows: list[dict], job_over: str | None) -> list[dict]:

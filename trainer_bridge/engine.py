@@ -40,8 +40,9 @@ from trainer_bridge import saving
 from trainer_bridge.agreement import Agreement
 from trainer_bridge.counters import Counters
 from trainer_bridge.gasp import Gasp
+from trainer_bridge.launcher_tty import tell_launcher
 from trainer_bridge.reporter import Reporter
-from trainer_bridge.rundir import attempts, ckpthealth, runfiles
+from trainer_bridge.rundir import attempts, ckpthealth, rollbacks, runfiles
 from trainer_bridge.rundir.ckptindex import scan
 from trainer_bridge.saving import NOTHING_SERVED, ResumePoint
 
@@ -198,7 +199,7 @@ class Engine:
         point = self.find_resume()
         if point is None:
             return 0, 0, False
-        first, skip = saving.data_position(point.global_step, per_epoch)
+        first, skip = saving.data_position(self.data_step(point), per_epoch)
         over = epochs is not None and first >= epochs
         if over:
             log.warning(
@@ -207,6 +208,20 @@ class Engine:
                 epochs,
             )
         return first, skip, over
+
+    def data_step(self, point: ResumePoint) -> int:
+        """Where the data and the step count go on from: ``point``'s step, or past a rollback's skip.
+
+        A loss-spike rollback (``rankwatch launch``) pins the set and sets
+        ``RANKWATCH_SKIP_FROM``/``RANKWATCH_SKIP_BATCHES``: the weights are the
+        set's, the data resumes ``rollbacks.data_step`` batches in, through the
+        same ``Dataset.set_init_step`` as any resume (both front ends). The
+        skipped batches keep their step numbers, untrained, so a global step
+        stays a data position and a later resume lines the data up as ever.
+        """
+        if self.settings.resume_step is None:
+            return point.global_step  # only a pinned relaunch carries a rollback's skip
+        return rollbacks.data_step(point.global_step, os.environ)
 
     # -------------------------------------------------------------- lifecycle
     def begin(
@@ -252,7 +267,15 @@ class Engine:
                     len(missing),
                     ", ".join(missing[:3]),
                 )
-            global_step = point.global_step
+            global_step = self.data_step(point)
+            if global_step > point.global_step:
+                log.warning(
+                    "rankwatch: loss-spike rollback: the weights of global step %d, the data from global step "
+                    "%d on (%d batches skipped, untrained)",
+                    point.global_step,
+                    global_step + 1,
+                    global_step - point.global_step,
+                )
             # Loaded once: a second run on the same bridge goes on from its own weights.
             self.resume_point = None
         self.counters = Counters(epoch, per_epoch, global_step)
@@ -338,6 +361,11 @@ class Engine:
                 f"{self.run_dir} (rank 0's log names them)"
             )
             log.error("%s", message)
+            if self.rank == 0:
+                # The page and msrun's terminal: the worker log alone is read by nobody.
+                here = attempts.refusal("this run directory", live) if live else message
+                attempts.note_refusal(self.run_dir, here, self.world, socket.gethostname(), os.getpid())
+                tell_launcher(message)
             raise LaunchRefused(message)
         self.launch = f"{halves[0]:06x}{halves[1]:06x}"
         if self.rank == 0:
@@ -351,8 +379,17 @@ class Engine:
         log_ = self.attempts
         if log_ is None or log_.number is not None:
             return
+        skipped = (
+            [point.global_step + 1, global_step]
+            if point is not None and global_step > point.global_step
+            else None
+        )
         log_.begin(
-            started_at=self.reporter.started_at, resumed=point, first_step=global_step + 1, beats=beats
+            started_at=self.reporter.started_at,
+            resumed=point,
+            first_step=global_step + 1,
+            beats=beats,
+            skipped=skipped,
         )
         what = "a fresh start" if point is None else attempts.resumed_text(point.global_step, point.set_id)
         again = (

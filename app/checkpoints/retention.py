@@ -41,7 +41,7 @@ from app.checkpoints.retention_plan import (
     read_override,
 )
 from app.errors import CheckpointRefused, NoRunDir
-from trainer_bridge.rundir import ckpthealth, runfiles, safeio, schema
+from trainer_bridge.rundir import ckpthealth, rollbacks, runfiles, safeio, schema
 
 __all__ = [
     "MODES",
@@ -146,12 +146,14 @@ class Retention:
         errors: list[str] = []
         temps = find_temps(self.service.run_dir, errors, index)
         policy, activity, now = self.policy(), Activity.of(heartbeats), self.clock()
+        pending, _ = rollbacks.read_request(self.service.run_dir)
+        before = pending.first_step if pending is not None else None
         proven = None
         if any(f.host is not None for s in index.sets for f in s.files):
             # Agents listed some of these files: only what this disk alone proves may go (P3).
             local = local_index(index)
             unhealthy = ckpthealth.unhealthy(self.service.run_dir, local)
-            mine = plan(local, policy, activity, now=now, unhealthy=unhealthy)
+            mine = plan(local, policy, activity, now=now, unhealthy=unhealthy, rollback_before=before)
             proven = frozenset(e.id for e in mine.deletions)
         return plan(
             index,
@@ -161,6 +163,7 @@ class Retention:
             unhealthy=ckpthealth.unhealthy(self.service.run_dir, index),
             temps=temps,
             proven=proven,
+            rollback_before=before,
         )
 
     def body(self, world: int, heartbeats: Mapping[int, dict | None]) -> dict:

@@ -191,6 +191,10 @@ def _held(s: CheckpointSet, activity: Activity, settle_s: float, now: float) -> 
     return None
 
 
+# The sets kept while a rollback is pending: the target is the newest of them whose tensors are finite.
+ROLLBACK_CANDIDATES = 3
+
+
 def plan(
     index: Index,
     policy: Policy,
@@ -200,6 +204,7 @@ def plan(
     unhealthy: Mapping[str, str] | None = None,
     temps: tuple[Temp, ...] = (),
     proven: frozenset[str] | None = None,
+    rollback_before: int | None = None,
 ) -> Plan:
     """Decide every set's fate. Pure: the same inputs give the same plan and hash.
 
@@ -208,7 +213,10 @@ def plan(
     nothing says a rank may still be writing it. ``proven``, when given, is
     the sets whose deletion this disk alone proves (the plan of the local
     files only, ``local_index``): any other is kept, whatever an agent's
-    listing says (issue 32, P3).
+    listing says (issue 32, P3). ``rollback_before``: a loss-spike rollback
+    is pending from that global step (``rankwatch/rollback.json``): the
+    newest ``ROLLBACK_CANDIDATES`` complete healthy sets older than it are
+    kept, since ``rankwatch launch`` is about to pick its target among them.
     """
     unhealthy = unhealthy or {}
     pinned = set(policy.pinned)
@@ -225,6 +233,21 @@ def plan(
         ),
         None,
     )
+    candidates = (
+        set()
+        if rollback_before is None
+        else {
+            s.id
+            for s in [
+                s
+                for s in index.sets
+                if s.complete
+                and s.id not in unhealthy
+                and s.global_step is not None
+                and s.global_step < rollback_before
+            ][:ROLLBACK_CANDIDATES]
+        }
+    )
     newer_complete = False  # a complete set newer than the one at hand was seen
     complete_seen = 0
     entries = []
@@ -234,6 +257,8 @@ def plan(
             keep = "kept: pinned"
         elif resume is not None and s.id == resume.id:
             keep = "kept: the bridge resumes from it"
+        elif s.id in candidates:
+            keep = f"kept: a loss-spike rollback from global step {rollback_before} is pending (a possible target)"
         elif healthy is not None and s.id == healthy.id:
             keep = "kept: newest complete healthy"
         elif s.origin == ORIGIN_BRIDGE:

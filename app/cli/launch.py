@@ -72,6 +72,27 @@ import click
     show_default=True,
     help="dry-run: only say what the hang rule would do; restart: end the attempt and relaunch it.",
 )
+@click.option(
+    "--max-rollbacks",
+    type=click.IntRange(min=0),
+    default=3,
+    show_default=True,
+    help="Loss-spike rollbacks allowed in this run directory (rollbacks.jsonl); past it exit 7.",
+)
+@click.option(
+    "--rollback-margin",
+    type=click.IntRange(min=0),
+    default=1,
+    show_default=True,
+    help="A rollback target is older than the spike's first step minus this many steps.",
+)
+@click.option(
+    "--rollback-cooldown-steps",
+    type=click.IntRange(min=0),
+    default=100,
+    show_default=True,
+    help="A spike within this many steps past a rollback's skipped data is the same place: the next rung.",
+)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
 def launch(
     run_dir: Path,
@@ -82,6 +103,9 @@ def launch(
     gasp_s: float,
     hang_restart_s: float,
     hang_mode: str,
+    max_rollbacks: int,
+    rollback_margin: int,
+    rollback_cooldown_steps: int,
     command: tuple,
 ) -> None:
     """Run an msrun job and relaunch it from the newest healthy checkpoint set when it fails.
@@ -96,10 +120,12 @@ def launch(
     Exit status: 0 finished or stopped; 1 failed and not relaunched (a stop
     was asked, or MindIO TTP/MindCluster own recovery); 2 usage; 3 refused
     (another supervisor, or a live job, in the run directory); 4 restart
-    budget used up; 5 the same failure twice before the first step; 93 no
-    progress; 130 ended at once by a second Ctrl-C.
+    budget used up; 5 the same failure twice before the first step; 6 a
+    loss-spike rollback found no healthy set; 7 the rollback budget is used
+    up; 93 no progress; 130 ended at once by a second Ctrl-C.
     """
     from app.supervise.command import NotMsrun, parse
+    from app.supervise.rollback import Settings
     from app.supervise.supervisor import Options, Supervisor
 
     try:
@@ -128,5 +154,6 @@ def launch(
         gasp_s=gasp_s,
         hang_restart_s=hang_restart_s,
         hang_mode=hang_mode,
+        rollback=Settings(max_rollbacks, rollback_margin, rollback_cooldown_steps),
     )
     raise SystemExit(Supervisor(opts, request_stop).run())

@@ -12,6 +12,7 @@ import errno
 import socket
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import click
 
@@ -20,6 +21,35 @@ from app.cli.grouped import GroupedCommand, setting_option
 from app.config import PING_INTERVAL_S, grouped, secrets_from_env
 
 PORT_IN_USE = "port {port} is in use (another Rankwatch?): use --port N or --port 0"
+# When the port's holder is one of this user's dashboards, say which run it
+# serves: the advice "use another port" alone led newcomers to launch a second
+# job into the same run directory (issue 33).
+PORT_HELD_BY_DASHBOARD = (
+    "port {port} is in use by your Rankwatch dashboard of {what} (pid {pid}, {url}): "
+    "`rankwatch login --url {url}` prints a login link for it. To run another job beside it, "
+    "give that job its own run directory and a free port (--run-dir OTHER --port 0; "
+    "make demo RUN=runs/other PORT=0)"
+)
+
+
+def port_in_use(port: int) -> str:
+    """What to say about a port in use: the dashboard of ours that holds it, else the plain advice."""
+    from app.edge.login import running_dashboards
+
+    for info in running_dashboards():
+        url = info.get("url")
+        if not isinstance(url, str) or urlsplit(url).port != port:
+            continue
+        root, run = info.get("runs_root"), info.get("run_dir")
+        what = (
+            f"the runs under {root}"
+            if isinstance(root, str) and root
+            else run
+            if isinstance(run, str)
+            else "?"
+        )
+        return PORT_HELD_BY_DASHBOARD.format(port=port, what=what, pid=info.get("pid", "?"), url=url)
+    return PORT_IN_USE.format(port=port)
 
 
 def check_port(host: str, port: int) -> None:
@@ -43,7 +73,7 @@ def check_port(host: str, port: int) -> None:
             s.bind(address)
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
-                raise click.ClickException(PORT_IN_USE.format(port=port)) from None
+                raise click.ClickException(port_in_use(port)) from None
             raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror}") from None
 
 

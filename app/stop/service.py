@@ -1,8 +1,8 @@
 """The stop request's life: write the flag, cancel, re-arm, complete it, audit.
 
 Following a stop (each rank's stage, who holds the others up, the status)
-is ``StopView``'s, in ``app/stop/status.py``; ``StopService`` inherits it
-and acts. Both read the run through ``view`` (``RunState.stop_inputs``): no
+is ``StopView``'s, in ``app/stop/status.py``; ``StopService`` holds one
+(``follow``), asks it, and acts. Both read the run through ``view`` (``RunState.stop_inputs``): no
 caller gathers the heartbeats, the log ranks' facts and the job's end itself.
 
 The flag file is the request's only record the trainers see, so the service
@@ -40,7 +40,14 @@ from app.attempts import served_by
 from app.audit import AUTHENTICATED, OBSERVED, SYSTEM, AuditError, AuditLog
 from app.errors import CannotWrite, StopRefused
 from app.run.jobend import StopInputs
-from app.stop.status import COMMITTED, NOT_OBEYED, StopView, ranks_text, relaunched_since, request_facts
+from app.stop.status import (
+    COMMITTED,
+    NOT_OBEYED,
+    StopView,
+    active_request,
+    ranks_text,
+    relaunched_since,
+)
 from trainer_bridge.rundir import runfiles, safeio
 
 # The lock that orders flag writes between dashboards and ``rankwatch stop``;
@@ -51,7 +58,7 @@ LOCK_WAIT_S = 1.5
 log = logging.getLogger(__name__)
 
 
-class StopService(StopView):
+class StopService:
     def __init__(
         self,
         run_dir: str,
@@ -64,13 +71,28 @@ class StopService(StopView):
     ):
         self.run_dir = run_dir
         self.audit = audit
-        # The run the stop follows: a RunState (stop_inputs()), read by every method that needs it.
-        self.view = view
+        # The read side: the run it follows is ``view`` (a RunState: stop_inputs()).
+        self.follow = StopView(
+            run_dir, audit, view=view, deadline_s=deadline_s, holding_after_s=holding_after_s
+        )
         self.deadline_s = deadline_s
-        self.holding_after_s = holding_after_s
         self.auto_rearm = auto_rearm
         self._lock = threading.Lock()
-        self._first_seen = {}
+
+    # ------------------------------------------------------- what it shows
+    def status(self, now: float, inputs: StopInputs | None = None) -> dict:
+        """The body of ``GET /api/exit`` (``StopView.status``)."""
+        return self.follow.status(now, inputs)
+
+    def estimate(self, inputs: StopInputs | None = None) -> dict:
+        """What the dialog shows before confirming (``StopView.estimate``)."""
+        return self.follow.estimate(inputs)
+
+    def claims_min_s(self, ranks) -> float:
+        return self.follow.claims_min_s(ranks)
+
+    def read_flag(self) -> tuple[dict | None, str | None]:
+        return self.follow.read_flag()
 
     # ------------------------------------------------------------ the flag
     @contextmanager
@@ -110,27 +132,6 @@ class StopService(StopView):
             return str(e)
         return None
 
-    def read_flag(self) -> tuple[dict | None, str | None]:
-        """(the flag's JSON object or None, an error sentence if it is unreadable)."""
-        try:
-            flag = runfiles.read_flag(self.run_dir)
-        except runfiles.FlagError as e:
-            return None, str(e)
-        except OSError as e:
-            return None, f"cannot read {runfiles.FLAG_NAME}: {e.strerror or e}"
-        return (flag.raw if flag else None), None
-
-    @staticmethod
-    def _active(flag: dict | None) -> dict | None:
-        """The pending request in the flag as checked facts, or None if the flag does not say stop.
-
-        Only ``request_facts`` of the flag is ever used: its other keys are
-        whatever the last writer left, and any rank can be that writer.
-        """
-        if flag and runfiles.flag_from_obj(flag).exit:
-            return request_facts(flag)
-        return None
-
     # ------------------------------------------------------------- actions
     def request(
         self,
@@ -152,7 +153,7 @@ class StopService(StopView):
         """
         with self._flag_lock() as unlocked:
             flag, _ = self.read_flag()
-            active = self._active(flag)
+            active = active_request(flag)
             if active is not None:
                 rid = active["request_id"] or "native-flag"
                 if not audit_duplicate:
@@ -208,7 +209,7 @@ class StopService(StopView):
         self, action: str, who: str, remote_addr: str | None, reason: str | None, refusal: str
     ) -> dict:
         """The pending request in the flag; if there is none, audit the refusal and raise ``StopRefused``."""
-        active = self._active(self.read_flag()[0])
+        active = active_request(self.read_flag()[0])
         if active is None:
             self._audit(
                 action, who=who, remote_addr=remote_addr, reason=reason, outcome=f"refused: {refusal}"
@@ -219,12 +220,12 @@ class StopService(StopView):
     def cancel(
         self, who: str, remote_addr: str | None, reason: str | None, inputs: StopInputs | None = None
     ) -> str:
-        inputs = self._inputs(inputs)
+        inputs = self.follow.inputs(inputs)
         ranks, facts = inputs.ranks, inputs.facts
         with self._flag_lock() as unlocked:
             active = self._pending_or_refuse("cancel", who, remote_addr, reason, "no stop request is pending")
             rid = active["request_id"]
-            stages = self._stages(rid, ranks, facts, active["requested_at"])
+            stages = self.follow.stages(rid, ranks, facts, active["requested_at"])
             committed = sorted(r for r, s in stages.items() if s["stage"] in COMMITTED)
             if committed:
                 self._audit(
@@ -265,14 +266,14 @@ class StopService(StopView):
         inputs: StopInputs | None = None,
     ) -> str:
         """Return the flag to ``{"GracefulExit": 0}`` after a stop, so a relaunch runs."""
-        inputs = self._inputs(inputs)
+        inputs = self.follow.inputs(inputs)
         ranks, world_size, facts = inputs.ranks, inputs.world_size, inputs.facts
         with self._flag_lock() as unlocked:
             active = self._pending_or_refuse(
                 "rearm", who, remote_addr, reason, "nothing to re-arm: the flag does not say stop"
             )
             rid = active["request_id"]
-            done = self._completed(rid, ranks, world_size, facts, active["requested_at"]) or (
+            done = self.follow.completed(rid, ranks, world_size, facts, active["requested_at"]) or (
                 facts is not None and facts.job_ended(world_size)
             )
             if not done and not force:
@@ -318,22 +319,22 @@ class StopService(StopView):
         completes a stop reads the flag again, under its lock and after writing it.
         """
         now = time.time() if now is None else now
-        inputs = self._inputs(inputs)
+        inputs = self.follow.inputs(inputs)
         flag, flag_error = self.read_flag()
         if self._complete(flag, inputs, now):
             flag, flag_error = self.read_flag()
-        return self._status(flag, flag_error, inputs, now)
+        return self.follow.status_of(flag, flag_error, inputs, now)
 
     def _complete(self, flag: dict | None, inputs: StopInputs, now: float) -> bool:
         """Record the pending stop's end once, and re-arm if configured; whether the flag was written."""
         ranks, world_size, facts = inputs.ranks, inputs.world_size, inputs.facts
-        active = self._active(flag)
+        active = active_request(flag)
         if active is None:
             return False
         rid = active["request_id"]
         if rid is None:
             return False
-        done = self._completed(rid, ranks, world_size, facts, active["requested_at"])
+        done = self.follow.completed(rid, ranks, world_size, facts, active["requested_at"])
         # A dashboard that was not watching when the ranks stopped sees only a later launch:
         # attempts.jsonl says whether an earlier one stopped for this request.
         earlier = (
@@ -342,7 +343,7 @@ class StopService(StopView):
             else None
         )
         done = done or earlier is not None
-        verdict = None if done else self._job_over(rid, ranks, world_size, facts, now)
+        verdict = None if done else self.follow.job_over(rid, ranks, world_size, facts, now)
         ignored = verdict is not None
         if not (done or ignored):
             return False
@@ -352,7 +353,7 @@ class StopService(StopView):
         # both observe the end at once, so it prints no warning.
         with self._flag_lock(wait_s=0.0, busy_is_expected=True):
             current_flag, current_error = self.read_flag()
-            current = self._active(current_flag)
+            current = active_request(current_flag)
             if current is None or current["request_id"] != rid:
                 return True  # someone else re-armed or replaced it meanwhile: read it again
             # once=True: a dashboard and a waiting `rankwatch stop` may both see the end at once,
@@ -369,7 +370,7 @@ class StopService(StopView):
                     detail={"attempt": earlier},
                 )
             else:
-                status = self._status(current_flag, current_error, inputs, now)
+                status = self.follow.status_of(current_flag, current_error, inputs, now)
                 self._audit(
                     "complete",
                     once=True,

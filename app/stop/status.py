@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from app.attempts import served_by
-from app.audit import MAX_TEXT, AuditError
+from app.audit import MAX_TEXT, AuditError, AuditLog
 from app.run.jobend import JobFacts, StopInputs, log_stage
 from trainer_bridge.rundir import runfiles
 from trainer_bridge.rundir.listing import first_of
@@ -37,15 +37,33 @@ class StopView:
 
     What it reads of the run comes from ``view`` (a ``RunState``:
     ``stop_inputs()``), taken once per call, or as a caller hands it in.
+    ``StopService`` holds one and asks it; it writes nothing.
     """
 
-    view: Any  # has stop_inputs() -> StopInputs; None: no run to follow (every rank unknown)
+    def __init__(
+        self, run_dir: str, audit: AuditLog, *, view=None, deadline_s: float, holding_after_s: float
+    ):
+        self.run_dir = run_dir
+        self.audit = audit
+        # has stop_inputs() -> StopInputs; None: no run to follow (every rank unknown)
+        self.view = view
+        self.deadline_s = deadline_s
+        self.holding_after_s = holding_after_s
+        # request id -> when this process first saw it pending (the flag's own time is a file's word)
+        self._first_seen: dict[str, float] = {}
 
-    # request id -> when this process first saw it pending (the flag's own time is a file's word)
-    _first_seen: dict[str, float]
+    def read_flag(self) -> tuple[dict | None, str | None]:
+        """(the flag's JSON object or None, an error sentence if it is unreadable)."""
+        try:
+            flag = runfiles.read_flag(self.run_dir)
+        except runfiles.FlagError as e:
+            return None, str(e)
+        except OSError as e:
+            return None, f"cannot read {runfiles.FLAG_NAME}: {e.strerror or e}"
+        return (flag.raw if flag else None), None
 
     # -------------------------------------------------------------- status
-    def _stages(
+    def stages(
         self,
         rid: str | None,
         ranks: Mapping[int, dict | None],
@@ -102,7 +120,7 @@ class StopView:
                 }
         return out
 
-    def _completed(
+    def completed(
         self,
         rid: str | None,
         ranks: Mapping[int, dict | None],
@@ -110,7 +128,7 @@ class StopView:
         facts: JobFacts | None = None,
         requested_at: float | None = None,
     ) -> bool:
-        stages = self._stages(rid, ranks, facts, requested_at)
+        stages = self.stages(rid, ranks, facts, requested_at)
         return (
             world_size > 0
             and len(stages) >= world_size
@@ -127,15 +145,15 @@ class StopView:
     def status(self, now: float, inputs: StopInputs | None = None) -> dict[str, Any]:
         """The body of ``GET /api/exit``, from the flag as it is now and the run as ``view`` shows it."""
         flag, flag_error = self.read_flag()
-        return self._status(flag, flag_error, self._inputs(inputs), now)
+        return self.status_of(flag, flag_error, self.inputs(inputs), now)
 
-    def _inputs(self, given: StopInputs | None) -> StopInputs:
+    def inputs(self, given: StopInputs | None) -> StopInputs:
         """``given`` (a test's, or one tick's), else the run as ``view`` shows it now."""
         if given is not None:
             return given
         return self.view.stop_inputs() if self.view is not None else StopInputs({}, 0)
 
-    def _status(
+    def status_of(
         self, flag: dict | None, flag_error: str | None, inputs: StopInputs, now: float
     ) -> dict[str, Any]:
         """The status of the stop in ``flag`` (as read once by the caller).
@@ -147,7 +165,7 @@ class StopView:
         which ranks have ended (see ``app.run.jobend``).
         """
         ranks, world_size, logs, facts = inputs.ranks, inputs.world_size, inputs.logs, inputs.facts
-        active = self._active(flag)
+        active = active_request(flag)
         last = (flag or {}).get("last_request")
         request = active if active else (request_facts(last) if isinstance(last, dict) else None)
         base = {
@@ -188,9 +206,9 @@ class StopView:
                 base.update(request=None, last_stop={**request, "outcome": outcome, "attempt": earlier})
                 return base
         rid = request["request_id"]
-        stages = self._stages(rid, ranks, facts, request["requested_at"])
+        stages = self.stages(rid, ranks, facts, request["requested_at"])
         requested_at = request["requested_at"] or now
-        verdict = self._job_over(rid if active else None, ranks, world_size, facts, now)
+        verdict = self.job_over(rid if active else None, ranks, world_size, facts, now)
         rows = []
         for rank in sorted(stages):
             s = stages[rank]
@@ -256,7 +274,7 @@ class StopView:
         )
         return base
 
-    def _job_over(
+    def job_over(
         self,
         rid: str | None,
         ranks: Mapping[int, dict | None],
@@ -304,7 +322,7 @@ class StopView:
 
     def estimate(self, inputs: StopInputs | None = None) -> dict[str, Any]:
         """What the dialog shows before confirming: ranks, time to stop, where checkpoints go."""
-        inputs = self._inputs(inputs)
+        inputs = self.inputs(inputs)
         ranks, world_size = inputs.ranks, inputs.world_size
         sync_s = _agreement_s(ranks)
         save_s = self._last_save_s()
@@ -384,6 +402,17 @@ def _outcome(flag: dict | None) -> str:
     ):
         return "cancelled"
     return NOT_OBEYED if flag.get("outcome") == NOT_OBEYED else "completed"
+
+
+def active_request(flag: dict | None) -> dict | None:
+    """The pending request in the flag as checked facts, or None if the flag does not say stop.
+
+    Only ``request_facts`` of the flag is ever used: its other keys are
+    whatever the last writer left, and any rank can be that writer.
+    """
+    if flag and runfiles.flag_from_obj(flag).exit:
+        return request_facts(flag)
+    return None
 
 
 def request_facts(flag: dict) -> dict:

@@ -19,6 +19,7 @@ them rather than starting afresh:
 
 from __future__ import annotations
 
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 
 from app.supervise import finite
@@ -31,6 +32,8 @@ FAILED = 1  # a failure that is not relaunched (a stop was asked, or TTP/MindClu
 REFUSED = 3
 # The statuses that give up on a failing run live with the supervised lines: the dashboard reads them.
 BUDGET, STARTUP, NO_PROGRESS = supervised.BUDGET, supervised.STARTUP, supervised.NO_PROGRESS
+ROLLBACK_REFUSED = supervised.ROLLBACK_REFUSED  # a loss-spike rollback found no healthy set to go back to
+ROLLBACK_EXHAUSTED = supervised.ROLLBACK_EXHAUSTED  # MAX_ROLLBACKS loss-spike rollbacks spent in this run
 INTERRUPTED = 130
 MAX_BACKOFF_S = 300.0
 # The causes that are failures: relaunched, and counted by the budget and the rules.
@@ -49,9 +52,10 @@ class History:
 
     def add(self, rec: dict) -> None:
         """Fold one supervised record (oldest first)."""
-        if rec.get("restarted_by") == "launch":
-            self.restarts += 1
         cause = rec["cause"]
+        # A loss-spike rollback has its own budget (rollback.py, rollbacks.jsonl), not the restarts'.
+        if rec.get("restarted_by") == "launch" and cause["kind"] != "rollback":
+            self.restarts += 1
         if cause["kind"] not in FAILURES:
             return
         last = rec.get("last_step")
@@ -116,7 +120,15 @@ class ResumeChoice:
 SCAN_BUDGET_BYTES = 8 << 30
 
 
-def choose_resume(run_dir: str, world_size: int, max_named: int = 5) -> ResumeChoice:
+def choose_resume(
+    run_dir: str,
+    world_size: int,
+    max_named: int = 5,
+    *,
+    before_step: int | None = None,
+    more_unhealthy: Mapping[str, str] | None = None,
+    exclude: Container[str] = (),
+) -> ResumeChoice:
     """The newest set that is complete across ``world_size`` ranks and healthy, of any origin.
 
     Newer sets that are incomplete, corrupt or unhealthy (``ckpthealth``: a
@@ -125,16 +137,24 @@ def choose_resume(run_dir: str, world_size: int, max_named: int = 5) -> ResumeCh
     the files, up to ``SCAN_BUDGET_BYTES`` in all: past it a set is taken
     unread) are passed over and named. A set without a global step cannot be
     pinned (``RANKWATCH_RESUME_STEP``) and is passed over too.
+
+    A rollback (``rollback.py``) asks for a set older than ``before_step``
+    only, with its own evidence of bad sets (``more_unhealthy``), and without
+    the sets in ``exclude`` (a target deleted meanwhile).
     """
     index = ckptindex.scan(run_dir, world_size=world_size)
-    unhealthy = ckpthealth.unhealthy(run_dir, index)
+    unhealthy = {**ckpthealth.unhealthy(run_dir, index), **(more_unhealthy or {})}
     passed: list[str] = []
     budget = SCAN_BUDGET_BYTES
     # Newest first; at one global step the bridge's own set first, as the bridge itself picks it.
     ordered = sorted(
         index.sets, key=lambda s: (s.global_step is None, -(s.global_step or 0), s.origin != ORIGIN_BRIDGE)
     )
+    if before_step is not None:
+        ordered = [s for s in ordered if s.global_step is not None and s.global_step < before_step]
     for s in ordered:
+        if s.id in exclude:
+            continue
         why = None
         if s.ranks_corrupt:
             why = f"corrupt on rank(s) {', '.join(map(str, s.ranks_corrupt[:8]))}"

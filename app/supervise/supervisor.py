@@ -17,9 +17,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from app.supervise import lock, policy, procs
+from app.supervise import lock, policy, procs, rollback
 from app.supervise.attempt import Attempt, Outcome
 from app.supervise.command import Msrun
 from app.supervise.hang import HangWatch, hang_cause, hang_words
@@ -41,6 +41,7 @@ class Options:
     gasp_s: float = 5.0
     hang_restart_s: float = 0.0  # 0: the hang rule is off
     hang_mode: str = "dry-run"
+    rollback: rollback.Settings = field(default_factory=rollback.Settings)
 
 
 class Signals:
@@ -121,6 +122,7 @@ class Supervisor:
             choice = policy.choose_resume(self.run_dir, self.opts.command.worker_num)
             if choice.global_step is not None:
                 env[runfiles.RESUME_STEP_ENV] = str(choice.global_step)
+                env.update(rollback.carry(self.run_dir, choice.global_step))
                 self.say(f"resuming from set {choice.set_id} (global step {choice.global_step})")
             if choice.note:
                 self.say(choice.note)
@@ -155,7 +157,7 @@ class Supervisor:
             if relaunch_env is None:
                 return code
             env = relaunch_env
-            first_step = int(env.get(runfiles.RESUME_STEP_ENV, "0")) + 1
+            first_step = rollback.data_step(env) + 1
 
     def _pinned_step(self, env: dict) -> int:
         step = env.get(runfiles.RESUME_STEP_ENV, "")
@@ -312,6 +314,10 @@ class Supervisor:
         )
         if not outcome.clean:
             self.say("WARNING: a process of the attempt survived SIGKILL (uninterruptible sleep?)")
+        if cause["kind"] == "stop":
+            rolled = self._rollback(outcome, base, number)
+            if rolled is not None:
+                return rolled
         if cause["kind"] not in policy.FAILURES:
             code = policy.INTERRUPTED if cause["kind"] == "interrupted" else policy.OK
             self._write(base, action="end", exit_code=code)
@@ -340,11 +346,12 @@ class Supervisor:
             if self._sleep(wait):
                 self._write(base, action="end", exit_code=policy.OK, note="stopped during the backoff")
                 return policy.OK, None
-        env = {k: v for k, v in os.environ.items() if k != runfiles.RESUME_STEP_ENV}
+        env = rollback.environment(dict(os.environ), None)
         env[procs.MARK_ENV] = self.mark
         resume = None
         if choice.global_step is not None:
             env[runfiles.RESUME_STEP_ENV] = str(choice.global_step)
+            env.update(rollback.carry(self.run_dir, choice.global_step))
             resume = {"set": choice.set_id, "global_step": choice.global_step}
             self.say(f"resuming from set {choice.set_id} (global step {choice.global_step})")
         else:
@@ -360,6 +367,34 @@ class Supervisor:
             resume=resume,
             note="; ".join(notes)[: schema.MAX_ERROR] if notes else None,
         )
+        return policy.OK, env
+
+    def _rollback(self, outcome: Outcome, base: dict, number: int) -> tuple[int, dict | None] | None:
+        """A stop the loss-spike detector asked for (``rollback.py``): roll back, or end needing attention."""
+        by = "Ctrl-C or SIGTERM to rankwatch launch" if self.signals.count else None
+        req = rollback.pending(self.run_dir, outcome.spawned_at, self.say, by)
+        if req is None:
+            return None
+        world, settings = self.opts.command.worker_num, self.opts.rollback
+        d = rollback.decide(self.run_dir, world, req, settings, self.say)
+        if d.code is None:
+            rollback.confirm(self.run_dir, world, d, settings, req, self.say)
+        base = {**base, "cause": {**d.cause, "before_first_step": base["cause"]["before_first_step"]}}
+        self.say(d.said)
+        note = d.said[: schema.MAX_ERROR]
+        if d.code is not None:
+            self._write(base, action="end", exit_code=d.code, note=note)
+            return d.code, None
+        env = rollback.environment({**os.environ, procs.MARK_ENV: self.mark}, d)
+        self._write(
+            base,
+            action="relaunch",
+            restarted_by="launch",
+            relaunched_at=time.time(),
+            resume=d.resume,
+            note=note,
+        )
+        rollback.committed(self.run_dir, d, number + 1, self.say)
         return policy.OK, env
 
     def _stop_asked_since(self, since: float) -> bool:
@@ -467,7 +502,9 @@ def procs_exit(p: procs.Proc | None) -> int | None:
 
 
 def describe(cause: dict) -> str:
-    """A crash or hang cause in one line: who, how, and the error line."""
+    """A crash or hang cause in one line: who, how, and the error line (a rollback: ``rollback.describe``)."""
+    if cause.get("kind") == "rollback":
+        return rollback.describe(cause)
     if cause.get("kind") == "hang":
         return hang_words(cause)
     who = {"worker": f"rank {cause.get('rank')}", "scheduler": "the scheduler", "msrun": "msrun"}.get(

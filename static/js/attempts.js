@@ -35,6 +35,7 @@ export function endText(a) {
 
 // The cause rankwatch launch recorded (a crash's rank, signal or status, error line).
 export function causeText(c) {
+  if (c && c.kind === "rollback") return rollbackText(c);
   if (c && c.kind === "hang") {
     // The hang rule (app/supervise/hang.py): its error says how long, why, and the stack capture.
     return `rank ${c.rank}${c.host ? ` on ${c.host}` : ""} hung: ${c.error || "stalled"}`;
@@ -44,6 +45,16 @@ export function causeText(c) {
   const how = c.signal ? `killed by ${c.signal}` : `exit status ${c.exit_code}`;
   const where = c.host ? ` on ${c.host}` : "";
   return `${who}${where} ${how}${c.error ? `: ${c.error}` : ""}`;
+}
+
+// A loss-spike rollback (rankwatch launch, issue 34): the rule, the evidence, from where to where.
+function rollbackText(c) {
+  let text = `loss-spike rollback (${c.rule || "?"}${c.rung > 1 ? `, rung ${c.rung}` : ""})`;
+  if (c.evidence) text += `: ${c.evidence}`;
+  if (typeof c.from_step === "number") text += `; from global step ${formatCount(c.from_step)}`;
+  if (typeof c.to_step === "number") text += ` back to global step ${formatCount(c.to_step)} (set ${c.to_set || "?"})`;
+  if (typeof c.skip_batches === "number") text += `, ${plural(c.skip_batches, "batch", "batches")} skipped past it`;
+  return text;
 }
 
 // The downtime of a restart, in its parts (seconds).
@@ -96,6 +107,11 @@ export class Attempts {
     const notes = [];
     if (body.error) notes.push(body.error);
     if (body.skipped_lines) notes.push(`${plural(body.skipped_lines, "line")} of attempts.jsonl skipped as invalid`);
+    // A second launch into this run directory, turned away by its rank 0: its own logs are elsewhere.
+    for (const r of Array.isArray(body.refused) ? body.refused : []) {
+      const when = new Date(r.at * 1000).toLocaleString();
+      notes.push(`A second launch into this run directory was refused at ${when} (pid ${r.pid} on ${r.host}): ${r.reason}`);
+    }
     this.say(notes.join("; "));
     const key = JSON.stringify(body);
     if (key === this.last) return;
@@ -163,6 +179,13 @@ export class Attempts {
       replay.textContent = ` · trained global steps ${formatCount(a.replayed[0])}–${formatCount(a.replayed[1])} `
         + "again (a branch: it resumed from an older set)";
       li.append(replay);
+    }
+    if (Array.isArray(a.skipped)) {
+      const skip = document.createElement("span");
+      skip.className = "attempt-skipped";
+      skip.textContent = ` · skipped the batches of global steps ${formatCount(a.skipped[0])}–`
+        + `${formatCount(a.skipped[1])}, untrained (a loss-spike rollback)`;
+      li.append(skip);
     }
     const end = document.createElement("span");
     end.className = "attempt-end";

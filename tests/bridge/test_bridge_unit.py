@@ -456,3 +456,70 @@ def test_bridge_epoch_and_step_in_epoch_are_loss_monitors(tmp_path):
     model.train(2, data, callbacks=[bridge, position], dataset_sink_mode=False)
     assert len(position.seen) == 2 * STEPS_PER_EPOCH
     assert all(ours == monitor for ours, monitor in position.seen), position.seen
+
+
+def test_a_rollbacks_skip_moves_the_data_and_the_step_count_on_both_front_ends(tmp_path, monkeypatch):
+    """Issue 34: RANKWATCH_SKIP_FROM/RANKWATCH_SKIP_BATCHES on a pinned resume (what rankwatch launch sets)."""
+    from trainer_bridge.rundir import attempts
+
+    loop_dir, train_dir = tmp_path / "loop", tmp_path / "train"
+    _, seen, _ = _functional(loop_dir, flag_at=3)
+    stop = seen[-1][0]
+    monkeypatch.setenv("RANKWATCH_RESUME_STEP", str(stop))
+    monkeypatch.setenv("RANKWATCH_SKIP_FROM", str(stop + 2))
+    monkeypatch.setenv("RANKWATCH_SKIP_BATCHES", "3")
+    data_step = stop + 4  # SKIP_FROM - 1 + SKIP_BATCHES
+    again, seen2, _ = _functional(loop_dir)
+    # The loop: the step count and the data position both jump; the optimizer's own step counts updates.
+    assert seen2[0] == (data_step + 1, data_step % STEPS_PER_EPOCH, stop + 1)
+    assert [s for s, _, _ in seen2] == list(range(data_step + 1, 2 * STEPS_PER_EPOCH + 1))
+    start = [r for r in attempts.read_lines(loop_dir)[0] if r["kind"] == "start"][-1]
+    assert start["skipped"] == [stop + 1, data_step] and start["first_step"] == data_step + 1
+    assert start["resumed_from"]["global_step"] == stop
+    # Model.train: bridge.resume(dataset) gives the epoch and the set_init_step of the data step.
+    monkeypatch.delenv("RANKWATCH_RESUME_STEP")
+    train_dir.mkdir()
+    runfiles.write_flag(train_dir, True, request_id="req-1")
+    first = _train_indexed(train_dir)
+    stop = first[-1][0]
+    monkeypatch.setenv("RANKWATCH_RESUME_STEP", str(stop))
+    monkeypatch.setenv("RANKWATCH_SKIP_FROM", str(stop + 1))
+    monkeypatch.setenv("RANKWATCH_SKIP_BATCHES", str(STEPS_PER_EPOCH))  # past the epoch's end
+    second = _train_indexed(train_dir, epochs=3)
+    # Each step trains the batch of its own data position: (global step, batch within its epoch).
+    expected = [
+        (g, (g - 1) % STEPS_PER_EPOCH) for g in range(stop + STEPS_PER_EPOCH + 1, 3 * STEPS_PER_EPOCH + 1)
+    ]
+    assert second == expected
+    # Without a pin, the skip is not the bridge's business: the newest set (the same one) and no jump.
+    monkeypatch.delenv("RANKWATCH_RESUME_STEP")
+    third = _train_indexed(train_dir)
+    assert third == [(g, (g - 1) % STEPS_PER_EPOCH) for g in range(stop + 1, 2 * STEPS_PER_EPOCH + 1)]
+
+
+class _Batches(Callback):
+    """(global step, the batch's position within its epoch) of every step ``Model.train`` trains."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_step_end(self, run_context):
+        cb = run_context.original_args()
+        x = cb.train_dataset_element[0].asnumpy()
+        self.seen.append((cb.cur_step_num, int(x[0, 0]) // 4))
+
+
+def _train_indexed(run_dir, epochs=2):
+    ms.set_seed(0)
+    data = ds.GeneratorDataset(_Indexed(), ["x", "y"], shuffle=False).batch(4)
+    net = nn.SequentialCell(nn.Dense(4, 8), nn.ReLU(), nn.Dense(8, 2))
+    loss = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
+    model = Model(net, loss, nn.Momentum(net.trainable_params(), 0.001, 0.9))
+    bridge = GracefulExitBridge(run_dir, heartbeat_interval_s=0.05)
+    batches = _Batches()
+    initial_epoch = bridge.resume(data)
+    model.train(
+        epochs, data, callbacks=[bridge, batches], dataset_sink_mode=False, initial_epoch=initial_epoch
+    )
+    return batches.seen

@@ -429,3 +429,27 @@ def test_a_bad_retention_mode_is_refused_with_a_message(job):
     assert out.exit_code == 1 and "RETENTION_MODE must be one of off, dry_run, on" in out.output
     with pytest.raises(ValueError, match="RETENTION_MODE"):
         create_app({"RUN_DIR": str(job), "RETENTION_MODE": "sometimes"})
+
+
+def test_a_pending_rollback_keeps_its_possible_targets_until_it_is_cleared(job):
+    """Issue 34: retention never deletes the rollback target while a rollback is pending."""
+    from trainer_bridge.rundir import rollbacks
+
+    for step in (10, 20, 30, 40, 50, 60):
+        periodic(job, step)
+    runfiles.atomic_write_json(job / "rankwatch/retention.json", {"keep": 1})
+    ev = rollbacks.Evidence(rule="nonfinite", rank=0, step=47, value="nan")
+    rollbacks.write_request(
+        job,
+        rollbacks.Request(
+            rule="nonfinite", evidence=ev, first_step=45, skip_batches=20, asked_at=time.time()
+        ),
+    )
+    r = retention(job)
+    p = r.plan(2, {})
+    assert actions(p) == {60: "keep", 50: "delete", 40: "keep", 30: "keep", 20: "keep", 10: "delete"}
+    assert whys(p)[40] == "kept: a loss-spike rollback from global step 45 is pending (a possible target)"
+    r.apply(p.hash, 2, {}, who="test")
+    assert sorted(s.global_step for s in ckptindex.scan(job, world_size=2).sets) == [20, 30, 40, 60]
+    rollbacks.clear_request(job)
+    assert actions(r.plan(2, {})) == {60: "keep", 40: "delete", 30: "delete", 20: "delete"}

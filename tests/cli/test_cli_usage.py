@@ -31,6 +31,7 @@ from app.cli import main
 from app.config import GROUPS, SETTINGS
 from tests.helpers.checkpoints import save_bridge_set
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
+from tests.helpers.liveserver import start_dashboard
 from tests.helpers.signals import ctrl_c_default
 
 REPO = Path(__file__).resolve().parents[2]
@@ -142,6 +143,28 @@ def test_a_port_in_use_is_said_at_once_with_what_to_do(run_dir, taken_port, comm
     assert proc.returncode == 1, proc
     said = f"port {taken_port} is in use (another Rankwatch?): use --port N or --port 0"
     assert said in proc.stderr and "Can't connect" not in proc.stderr + proc.stdout, proc
+
+
+def test_a_port_held_by_our_own_dashboard_names_its_run_and_a_safe_way_beside_it(tmp_path, run_dir):
+    """'Use another port' alone led a newcomer to start a second job into the same run (issue 33)."""
+    first = start_dashboard(run_dir, tmp_path / "first.log")
+    try:
+        port = int(first.url.rsplit(":", 1)[1])
+        proc = subprocess.run(
+            [sys.executable, "-m", "app", "--run-dir", str(tmp_path / "other"), "--port", str(port)],
+            cwd=REPO,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=WAIT_S,
+        )
+    finally:
+        first.stop()
+    assert proc.returncode == 1, proc
+    said = proc.stderr
+    assert f"port {port} is in use by your Rankwatch dashboard of {run_dir}" in said, said
+    assert f"pid {first.proc.pid}" in said and f"rankwatch login --url {first.url}" in said, said
+    assert "its own run directory" in said and "--port 0" in said, said
 
 
 def test_the_demo_stops_before_training_when_its_port_is_in_use(tmp_path, taken_port):

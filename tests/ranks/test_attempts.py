@@ -194,6 +194,26 @@ def test_writer_numbers_seals_a_silent_attempt_and_reports_the_replay(tmp_path):
     assert rows[1]["request_id"] == "req-9" and rows[1]["last_step"] == 25
 
 
+def test_a_refused_launch_is_a_line_of_its_own_never_an_attempt(tmp_path, client, run_dir):
+    """Refused lines sit between attempts' lines: the writer's numbering and the fold ignore them."""
+    write_lines(tmp_path, [start(1, "one"), end(1, "one")])
+    assert attempts.note_refusal(tmp_path, "rankwatch: refusing to start: rank 0 (pid 7)", 2, HOST, 4242)
+    log = attempts.AttemptLog(tmp_path, "two", 2, HOST, os.getpid())
+    log.begin(started_at=time.time(), resumed=None, first_step=1, beats=[])
+    assert log.number == 2
+    records, skipped = attempts.read_lines(tmp_path)
+    assert skipped == 0 and [r["kind"] for r in records] == ["start", "end", "start"]
+    everything, _ = attempts.read_lines(tmp_path, with_refused=True)
+    (refused,) = attempts.refused(everything)
+    assert refused["pid"] == 4242 and refused["reason"].endswith("rank 0 (pid 7)")
+    assert [r["attempt"] for r in attempts.fold(everything)] == [1, 2]
+    # A refusal longer than the schema allows is cut, not lost; the page's answer carries it.
+    assert attempts.note_refusal(run_dir, "x" * 10_000, 2, HOST, 4243)
+    body = client.get("/api/attempts").get_json()
+    (told,) = body["refused"]
+    assert told["pid"] == 4243 and len(told["reason"]) == schema.MAX_ERROR
+
+
 def test_outcome_of_heartbeats():
     hb = lambda r, state, **kw: heartbeat(r, 2, state=state, **kw)  # noqa: E731
     assert attempts.outcome([])["end"] == "unknown"

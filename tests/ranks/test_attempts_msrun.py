@@ -30,6 +30,7 @@ from tests.helpers.browser import serious
 from tests.helpers.heartbeats import HOST
 from tests.helpers.jobs import JOB_TIMEOUT_S, DemoJob, write_flag
 from tests.helpers.liveserver import start_dashboard
+from tests.helpers.signals import Terminal
 from trainer_bridge.demo.__main__ import TRAIN_SCRIPT, free_port, job_env, msrun_command
 from trainer_bridge.rundir import attempts, runfiles
 
@@ -53,7 +54,7 @@ def rows(run) -> list[dict]:
     return attempts.fold(records)
 
 
-def refused_launch(run, tmp_path) -> tuple[int, str]:
+def refused_launch(run, tmp_path) -> tuple[int, str, str]:
     """msrun with the demo's worker in ``run`` while A trains; its logs elsewhere, so A's stay whole."""
     logs = tmp_path / "b_logs"
     data = run / "mnist"
@@ -65,9 +66,17 @@ def refused_launch(run, tmp_path) -> tuple[int, str]:
         TRAIN_SCRIPT,
     )
     cmd = [f"--log_dir={logs}" if a.startswith("--log_dir=") else a for a in cmd]
-    with open(tmp_path / "b.out", "wb") as out:
-        done = subprocess.run(cmd, env=job_env(), stdout=out, stderr=subprocess.STDOUT, timeout=JOB_TIMEOUT_S)
-    return done.returncode, (logs / "worker_0.log").read_text(errors="replace")
+    # On a terminal, as a person starts it: the refusal must reach it, not only the worker log.
+    with Terminal() as tty:
+        done = subprocess.run(
+            cmd,
+            env=job_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=tty.slave,
+            stderr=tty.slave,
+            timeout=JOB_TIMEOUT_S,
+        )
+    return done.returncode, (logs / "worker_0.log").read_text(errors="replace"), tty.text()
 
 
 # The page's Plotly figures, read back: each smoothed trace's attempt, branch flag and x values
@@ -139,11 +148,18 @@ def test_attempts_refusal_resume_replay_kill(tmp_path, browser, console_errors, 
         beats = a.heartbeats()
         (launch_a,) = launches(a)
         pids_a = [hb["pid"] for hb in beats]
-        code, said = refused_launch(run, tmp_path)
+        code, said, terminal = refused_launch(run, tmp_path)
         assert code != 0
         assert "refusing to start: another launch of a job is training in" in said, said[-3000:]
         for r, pid in enumerate(pids_a):
             assert f"rank {r} (pid {pid} on {HOST}, heartbeat " in said
+        assert "rankwatch: refusing to start: another launch of a job is training in" in terminal, terminal
+        (turned_away,) = attempts.refused(attempts.read_lines(run, with_refused=True)[0])
+        assert turned_away["world_size"] == 2 and turned_away["host"] == HOST, turned_away
+        assert turned_away["reason"].startswith(
+            "rankwatch: refusing to start: another launch of a job is "
+            "training in this run directory: rank 0 (pid "
+        ), turned_away
         past = max(hb["global_step"] for hb in a.heartbeats()) + 5
         a.wait_until(
             lambda hbs: all(h and h["global_step"] >= past and h["launch"] == launch_a for h in hbs),
@@ -230,6 +246,9 @@ def test_attempts_refusal_resume_replay_kill(tmp_path, browser, console_errors, 
         killed = page.locator("#attempts-list li[data-end='killed']")
         expect(killed).to_contain_text(f"resumed from global step {s}")
         expect(killed).to_contain_text(f"trained global steps {s + 1}–{s2} again")
+        expect(page.locator("#attempts-note")).to_contain_text(
+            "A second launch into this run directory was refused at "
+        )
         # The dashboard was not watching when C stopped for req-c: the stop is C's, not "not obeyed" by D.
         expect(page.locator("#stop-headline")).to_contain_text(
             "No stop requested. Last stop: completed", timeout=UI_TIMEOUT_MS

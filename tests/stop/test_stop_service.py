@@ -93,10 +93,10 @@ def test_lifecycle_and_summary(service):
     s = service.status(t, StopInputs(ranks, 2))
     # Behind, but only just: a normal stop, no culprit yet.
     assert s["state"] == "stopping" and s["holding_up"] == [] and s["can_cancel"]
-    assert service.status(t + service.holding_after_s + 1, StopInputs(ranks, 2))["holding_up"] == [1]
+    assert service.status(t + service.follow.holding_after_s + 1, StopInputs(ranks, 2))["holding_up"] == [1]
 
     ranks = {0: hb(0, rid, "agreed", 8, agreed=t), 1: hb(1, rid, "saving", 8, saving=t)}
-    s = service.status(t + service.holding_after_s + 1, StopInputs(ranks, 2))
+    s = service.status(t + service.follow.holding_after_s + 1, StopInputs(ranks, 2))
     assert not s["can_cancel"] and s["stop_step"] == 8 and s["holding_up"] == [0]
 
     ranks = {r: hb(r, rid, "exited", 8, exited=t + 2) for r in (0, 1)}

@@ -79,3 +79,60 @@ def test_the_timeline_names_the_cause_and_the_downtime(run_dir, live_server, pag
         "(exit 5): the same failure twice in a row before the first step; ending the run"
     )
     assert console_errors == []
+
+
+def test_a_rollback_is_named_with_its_evidence_and_the_next_attempt_its_skipped_steps(
+    run_dir, live_server, page, console_errors
+):
+    start = {"kind": "start", "world_size": 2, "hosts": ["a"]}
+    lines = [
+        {**start, "attempt": 1, "launch": "aaa", "started_at": T, "first_step": 1},
+        {
+            "kind": "supervised",
+            "attempt": 1,
+            "launch": "aaa",
+            "supervisor_pid": 100,
+            "host": "a",
+            "spawned_at": T - 5,
+            "cause": {
+                "kind": "rollback",
+                "rule": "nonfinite",
+                "evidence": "nonfinite: rank 0 at global step 31: nan",
+                "from_step": 31,
+                "to_set": "ckpt/rank_{rank}/lenet-{E}_{S}.ckpt#g20",
+                "to_step": 20,
+                "skip_batches": 5,
+                "rung": 1,
+            },
+            "ended_at": T + 20.2,
+            "relaunched_at": T + 20.7,
+            "restarted_by": "launch",
+            "action": "relaunch",
+            "resume": {"set": "ckpt/rank_{rank}/lenet-{E}_{S}.ckpt#g20", "global_step": 20},
+        },
+        {
+            **start,
+            "attempt": 2,
+            "launch": "bbb",
+            "started_at": T + 30,
+            "first_step": 36,
+            "resumed_from": {"set": "ckpt/rank_{rank}/lenet-{E}_{S}.ckpt#g20", "global_step": 20},
+            "skipped": [21, 35],
+        },
+    ]
+    path = runfiles.attempts_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    page.goto(live_server.url)
+    first = page.locator("#attempts-list li[data-attempt='1'][data-cause='rollback'] .attempt-cause")
+    expect(first).to_contain_text(
+        "cause: loss-spike rollback (nonfinite): nonfinite: rank 0 at global step 31: nan; from global step 31 "
+        "back to global step 20 (set ckpt/rank_{rank}/lenet-{E}_{S}.ckpt#g20), 5 batches skipped past it",
+        timeout=60_000,
+    )
+    expect(first).to_contain_text("relaunched by rankwatch launch")
+    second = page.locator("#attempts-list li[data-attempt='2'] .attempt-skipped")
+    expect(second).to_have_text(
+        " · skipped the batches of global steps 21–35, untrained (a loss-spike rollback)"
+    )
+    assert console_errors == []

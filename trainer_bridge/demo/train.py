@@ -31,6 +31,7 @@ from mindspore.train import (
 
 from trainer_bridge import GracefulExitBridge
 from trainer_bridge.native import on_request_exit_resume
+from trainer_bridge.rundir.rollbacks import LR_SCALE_ENV
 from trainer_bridge.rundir.runfiles import flag_path
 
 
@@ -154,6 +155,42 @@ class Crash(Callback):
             raise RuntimeError(f"injected crash at global step {self.at} (--crash-rank)")
 
 
+POISON_ENV = "RANKWATCH_DEMO_POISON_STEP"
+
+
+class Poison(Callback):
+    """``RANKWATCH_DEMO_POISON_STEP=K[:N]``: global steps K..K+N-1 (N 5 by default) are poisoned.
+
+    It stands for bad input batches at those data positions: their update
+    is made with a NaN learning rate, so the weights are NaN from step K on
+    and every later loss is NaN, on every rank at once, as a bad batch does
+    in data parallel. A rollback that skips those steps' batches
+    (``RANKWATCH_SKIP_BATCHES``; a global step is a data position) trains
+    on clean.
+    """
+
+    def __init__(self, spec: str, optimizer):
+        super().__init__()
+        first, _, count = spec.partition(":")
+        self.first, self.count = int(first), int(count or 5)
+        self.lr = optimizer.learning_rate
+        self.clean = self.lr.asnumpy().copy()
+
+    def on_train_step_begin(self, run_context):
+        step = run_context.original_args().cur_step_num  # the step about to run
+        poisoned = self.first <= step < self.first + self.count
+        self.lr.set_data(ms.Tensor(self.clean * float("nan") if poisoned else self.clean))
+
+
+def lr_scale() -> float:
+    """``RANKWATCH_LR_SCALE``, which a loss-spike rollback's later rungs set: this script opts in."""
+    try:
+        x = float(os.environ.get(LR_SCALE_ENV) or 1.0)
+    except ValueError:
+        return 1.0
+    return x if 0 < x < float("inf") else 1.0
+
+
 class StepLog(Callback):
     """Prints one line per step; tests read it to see where a run resumed."""
 
@@ -249,7 +286,7 @@ def main(argv=None) -> None:
     dataset = create_dataset(args.data_dir, args.batch_size, rank, world, shuffle=not args.no_shuffle)
     net = LeNet5()
     loss = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
-    opt = nn.Momentum(net.trainable_params(), args.lr, 0.9)
+    opt = nn.Momentum(net.trainable_params(), args.lr * lr_scale(), 0.9)
     model = Model(net, loss, opt)
 
     callbacks = []
@@ -276,6 +313,8 @@ def main(argv=None) -> None:
     factor = args.slow_factor if slow else 0.0
     if delay > 0 or factor > 0:
         callbacks.append(Pacer(delay, factor, args.slow_after))
+    if os.environ.get(POISON_ENV):
+        callbacks.append(Poison(os.environ[POISON_ENV], opt))
     if args.step_log:
         callbacks.append(StepLog())
     if args.monitors:

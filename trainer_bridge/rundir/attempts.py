@@ -55,6 +55,7 @@ LINE_MODELS = {
     "hosts": schema.AttemptHosts,
     "end": schema.AttemptEnd,
     "supervised": schema.AttemptSupervised,
+    "refused": schema.AttemptRefused,
 }
 
 END_OF_STATE = {"exited": "graceful_stop", "finished": "finished", "failed": "failed"}
@@ -213,8 +214,11 @@ def parse_line(line: bytes) -> dict | None:
         return None
 
 
-def read_lines(run_dir: str | os.PathLike) -> tuple[list[dict], int]:
+def read_lines(run_dir: str | os.PathLike, *, with_refused: bool = False) -> tuple[list[dict], int]:
     """(the valid records in the newest ``MAX_TAIL_BYTES`` of the file and its previous segment, lines skipped).
+
+    Every record is an attempt's (it has ``attempt``), unless ``with_refused``
+    adds the refused launches' lines, which belong to no attempt.
 
     Raises OSError when the file is there but cannot be read (a FIFO, a directory, no permission).
     """
@@ -231,7 +235,7 @@ def read_lines(run_dir: str | os.PathLike) -> tuple[list[dict], int]:
         rec = parse_line(line)
         if rec is None:
             skipped += 1
-        else:
+        elif with_refused or rec["kind"] != "refused":
             records.append(rec)
     return records, skipped
 
@@ -266,6 +270,8 @@ def fold(records: Iterable[dict]) -> list[dict]:
     """One row per attempt, oldest first (the newest ``MAX_ATTEMPTS``); the latest end line wins."""
     rows: dict[int, dict] = {}
     for rec in records:
+        if rec["kind"] == "refused":
+            continue  # a launch turned away made no attempt (``refused``)
         n, kind = rec["attempt"], rec["kind"]
         if kind == "start":
             rows[n] = _blank(rec)
@@ -293,6 +299,11 @@ def fold(records: Iterable[dict]) -> list[dict]:
     return out
 
 
+def refused(records: Iterable[dict], newest: int = 3) -> list[dict]:
+    """The newest refused lines: launches turned away while another launch trained."""
+    return [r for r in records if r["kind"] == "refused"][-newest:]
+
+
 def resumed_text(global_step: int, set_id: str | None) -> str:
     """The words the terminal, the page and the rank rows use for a resume."""
     return f"resumed from global step {global_step}" + (f" (set {set_id})" if set_id else "")
@@ -312,6 +323,27 @@ def append_record(run_dir, record) -> None:
         pass
     safeio.makedirs(run_dir, runfiles.STATE_DIR)
     safeio.append(run_dir, safeio.relative(run_dir, path), line)
+
+
+def note_refusal(run_dir, reason: str, world: int, host: str, pid: int) -> bool:
+    """Rank 0 of a refused launch: its refused line, for the page. Best effort: False if not written."""
+    try:
+        append_record(
+            run_dir,
+            schema.build(
+                schema.AttemptRefused,
+                kind="refused",
+                at=time.time(),
+                host=host[:253] or "?",
+                pid=pid,
+                world_size=world,
+                reason=reason[: schema.MAX_ERROR],
+            ),
+        )
+        return True
+    except (OSError, ValueError) as e:
+        log.warning("rankwatch: could not record the refused launch in attempts.jsonl: %s", e)
+        return False
 
 
 class AttemptLog:
@@ -334,7 +366,15 @@ class AttemptLog:
         self._roll_until = 0.0
         self._logged: set[str] = set()
 
-    def begin(self, *, started_at: float, resumed, first_step: int, beats: list[tuple[int, dict]]) -> None:
+    def begin(
+        self,
+        *,
+        started_at: float,
+        resumed,
+        first_step: int,
+        beats: list[tuple[int, dict]],
+        skipped: list[int] | None = None,
+    ) -> None:
         """Append this launch's start line (and an end line for a previous launch that wrote none).
 
         ``beats``: the run's heartbeats as read before this launch wrote any.
@@ -343,11 +383,11 @@ class AttemptLog:
         if self.number is not None:
             return  # a second model.train on the same bridge: the same launch
         try:
-            self._begin(started_at, resumed, first_step, beats)
+            self._begin(started_at, resumed, first_step, beats, skipped)
         except (OSError, schema.SchemaError, ValueError) as e:
             self._log_once("begin", "rankwatch: attempts.jsonl not written (training continues): %s", e)
 
-    def _begin(self, started_at: float, resumed, first_step: int, beats) -> None:
+    def _begin(self, started_at: float, resumed, first_step: int, beats, skipped=None) -> None:
         try:
             records, _ = read_lines(self.run_dir)
         except OSError as e:
@@ -391,6 +431,7 @@ class AttemptLog:
             first_step=first_step,
             previous_last_step=prev_last,
             replayed=replayed,
+            skipped=skipped,
         )
         self._append(start)
         self.number = number

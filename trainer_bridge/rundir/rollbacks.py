@@ -23,6 +23,7 @@ and a bad file is "no request", never an exception on the stop path.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Annotated, Literal
 
 from pydantic import Field
@@ -35,6 +36,10 @@ REQUEST_NAME = "rollback.json"
 LINES_NAME = "rollbacks.jsonl"
 # How many batches past the spike's first step the relaunched job skips (the bridge reads it).
 SKIP_BATCHES_ENV = "RANKWATCH_SKIP_BATCHES"
+# The spike's first step, beside SKIP_BATCHES: the relaunched job's data resumes at global step
+# SKIP_FROM - 1 + SKIP_BATCHES (its global step jumps there too; the skipped steps are never trained).
+# Added by the enforce half (optional: without it the skip counts from the resumed set's step).
+SKIP_FROM_ENV = "RANKWATCH_SKIP_FROM"
 # A learning-rate scale a script may opt in to read on a later rung (1.0 when unset).
 LR_SCALE_ENV = "RANKWATCH_LR_SCALE"
 
@@ -90,6 +95,23 @@ class Line(_Model):
     rung: Annotated[int, Field(ge=1, le=100)] = Field(1, description="the rung of the ladder")
     attempt: Count | None = Field(None, description="the attempt the rollback started, once relaunched")
     note: Annotated[str, Field(max_length=1000)] = Field("", description="why, in words")
+
+
+def data_step(resumed: int, env: Mapping[str, str]) -> int:
+    """The global step a job resumed at ``resumed`` goes on from, its data skipped (``SKIP_*_ENV``).
+
+    The bridge resumes the weights of the set at ``resumed`` and the data (and
+    the step count) at ``SKIP_FROM - 1 + SKIP_BATCHES``: the batches between
+    the set and the spike are skipped too, because the detector sees the
+    loss a heartbeat at a time, so its first step is a bound, not the first
+    bad batch. Never backwards; values that are not plain counts are ignored.
+    """
+    skip = env.get(SKIP_BATCHES_ENV, "")
+    start = env.get(SKIP_FROM_ENV, "")
+    if not (skip.isascii() and skip.isdigit()) or len(skip) > 12:
+        return resumed
+    base = int(start) - 1 if start.isascii() and start.isdigit() and 0 < len(start) <= 12 else resumed
+    return max(resumed, base + int(skip))
 
 
 def request_rel() -> str:

@@ -15,10 +15,14 @@ from collections.abc import Callable
 BUDGET = 4
 STARTUP = 5
 NO_PROGRESS = 93  # as nvidia-resiliency-ext: do not requeue
+ROLLBACK_REFUSED = 6  # a loss-spike rollback found no healthy set to go back to
+ROLLBACK_EXHAUSTED = 7  # MAX_ROLLBACKS loss-spike rollbacks spent in this run
 GAVE_UP = {
     BUDGET: "the restart budget is used up",
     STARTUP: "the same failure twice in a row before the first step",
     NO_PROGRESS: "no progress",
+    ROLLBACK_REFUSED: "a loss-spike rollback found no healthy set to go back to",
+    ROLLBACK_EXHAUSTED: "the loss-spike rollback budget is used up",
 }
 
 # What a supervised line tells about an attempt with no start line of its own, as an end line would.

@@ -16,6 +16,7 @@ from trainer_bridge.rundir.schema.job import (
     AttemptCause,
     AttemptEnd,
     AttemptHosts,
+    AttemptRefused,
     AttemptStart,
     AttemptSupervised,
     Job,
@@ -71,6 +72,7 @@ README_TABLES = {
     "attempt_end": AttemptEnd,
     "attempt_supervised": AttemptSupervised,
     "attempt_cause": AttemptCause,
+    "attempt_refused": AttemptRefused,
 }
 
 

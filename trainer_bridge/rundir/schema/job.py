@@ -119,6 +119,11 @@ class AttemptStart(_Model):
         description="`[from, to]`: global steps the previous attempt had trained that this one trains again "
         "(it resumed from an older set); null when it goes on after the last step",
     )
+    skipped: Annotated[list[Count], Field(min_length=2, max_length=2)] | None = Field(
+        None,
+        description="`[from, to]`: global steps whose batches this attempt skipped, untrained (a loss-spike "
+        "rollback, `RANKWATCH_SKIP_BATCHES`); the step numbers still count them, so a step is a data position",
+    )
 
 
 class AttemptHosts(_Model):
@@ -166,8 +171,10 @@ class AttemptCause(_Model):
     ] = Field(
         description="`crash` (a process of the attempt exited non-zero or on a signal), `stop` (a graceful "
         "stop: never relaunched), `finished`, `interrupted` (a second Ctrl-C to the supervisor ended it at "
-        "once), `hang` (a rank stalled past `--hang-restart-s`); `node_lost`, `rollback` and `preempted` are "
-        "reserved for the rules that detect them"
+        "once), `hang` (a rank stalled past `--hang-restart-s`), `rollback` (a graceful stop asked by the "
+        "loss-spike detector in `enforce` mode: relaunched from an older healthy set with the bad data skipped, "
+        "or ended when no target or budget is left); `node_lost` and `preempted` are reserved for the rules "
+        "that detect them"
     )
     rank: Annotated[int, Field(ge=0, lt=MAX_RANKS)] | None = Field(
         None, description="the rank that failed first (`crash`), when known"
@@ -186,6 +193,26 @@ class AttemptCause(_Model):
     )
     before_first_step: bool = Field(
         False, description="true when the attempt trained no step (the startup rule counts these)"
+    )
+    # The rollback's fields (issue 34), set with kind `rollback` only; optional, so older lines still load.
+    rule: Annotated[str, Field(max_length=32)] | None = Field(
+        None, description="`rollback`: the detector's rule (`nonfinite`, `spike`, `grad_norm`, `divergence`)"
+    )
+    evidence: Annotated[str, Field(max_length=MAX_ERROR)] | None = Field(
+        None, description="`rollback`: the evidence in words (rank, step, value, level)"
+    )
+    from_step: Count | None = Field(None, description="`rollback`: the spike's first abnormal global step")
+    to_set: Annotated[str, Field(max_length=2 * MAX_PATH)] | None = Field(
+        None, description="`rollback`: the set rolled back to"
+    )
+    to_step: Count | None = Field(None, description="`rollback`: its global step")
+    skip_batches: Count | None = Field(
+        None,
+        description="`rollback`: `RANKWATCH_SKIP_BATCHES`: the data resumes at global step `from_step - 1 + "
+        "skip_batches` (the batches since `to_step` are skipped too)",
+    )
+    rung: Annotated[int, Field(ge=1, le=100)] | None = Field(
+        None, description="`rollback`: the ladder's rung (2 and up: the same place again, more skipped)"
     )
 
 
@@ -232,4 +259,22 @@ class AttemptSupervised(_Model):
     resume: AttemptResume | None = Field(None, description="the set the next attempt resumes from")
     note: Annotated[str, Field(max_length=MAX_ERROR)] | None = Field(
         None, description="what the supervisor said: a set passed over, why the run ended"
+    )
+
+
+class AttemptRefused(_Model):
+    """A refused line: a launch into the run directory while another launch's ranks were alive.
+
+    Its rank 0 appends it before it exits: msrun sends a worker's output to
+    its log, so without this line the page and the person who launched it
+    never learn why the second job ended.
+    """
+
+    kind: Literal["refused"] = Field(description="`refused`")
+    at: UnixTime = Field(description="when the launch was refused")
+    host: Host = Field(description="the refused launch's rank 0 host")
+    pid: Pid = Field(description="its rank 0 process id")
+    world_size: WorldSize = Field(description="ranks in the refused launch")
+    reason: Annotated[str, Field(max_length=MAX_ERROR)] = Field(
+        description="the refusal, naming the live ranks"
     )

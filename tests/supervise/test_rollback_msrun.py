@@ -1,0 +1,111 @@
+"""A loss-spike rollback under ``rankwatch launch``, end to end: a real 2-rank msrun job (CPU, the demo's LeNet5).
+
+The demo's global steps K..K+4 are poisoned (``RANKWATCH_DEMO_POISON_STEP``):
+from K on its weights and losses are NaN on both ranks. The test plays the
+detector's part, as the contract between the two halves says
+(``trainer_bridge/rundir/rollbacks.py``): once a rank's heartbeat shows a
+non-finite loss, it writes the pending request and a ``requested`` line,
+and asks for the graceful stop through the flag, ``requested_by`` = ``policy``. Every
+wait is for an event; the timeouts are failure guards.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+
+from tests.helpers.faults import measure
+from tests.helpers.jobs import write_flag
+from tests.helpers.launch import LaunchJob
+from trainer_bridge.rundir import rollbacks, runfiles
+
+pytestmark = pytest.mark.msrun
+
+K = 25
+SKIP = 5
+# 2000 samples, 2 ranks, batch 32: 31 steps an epoch, 93 in all; a periodic set every 10 steps.
+TRAIN = ["--epochs", "3", "--step-delay", "0.05", "--ckpt-every", "10"]
+FAST = ["--backoff-s", "0.5", "--grace-s", "5"]
+
+
+def nonfinite_loss(job: LaunchJob, rank: int) -> int | None:
+    """The heartbeat's step when its loss is NaN or infinite, however the bridge spells it."""
+    try:
+        hb = json.loads(runfiles.heartbeat_path(job.run_dir, rank).read_bytes())
+    except (OSError, ValueError):
+        return None
+    loss = hb.get("loss")
+    bad = (isinstance(loss, float) and not math.isfinite(loss)) or (
+        isinstance(loss, str) and loss.lower() in ("nan", "inf", "-inf")
+    )
+    return hb.get("global_step") if bad or hb.get("loss_nonfinite") else None
+
+
+def test_a_nan_from_step_k_is_rolled_back_to_the_last_healthy_set_and_the_bad_batches_skipped(tmp_path):
+    run = tmp_path / "run"
+    env = {"RANKWATCH_DEMO_POISON_STEP": f"{K}:5"}
+    with LaunchJob(run, TRAIN, FAST, env=env) as job:
+        # The detector's part: the first heartbeat with a NaN loss, on either rank.
+        first = job.wait_until(
+            lambda: nonfinite_loss(job, 0) or nonfinite_loss(job, 1), "a non-finite loss in a heartbeat"
+        )
+        assert first > K
+        ev = rollbacks.Evidence(rule="nonfinite", rank=0, step=first, value="nan", ranks=2)
+        req = rollbacks.Request(
+            rule="nonfinite", evidence=ev, first_step=first, skip_batches=SKIP, asked_at=time.time()
+        )
+        rollbacks.write_request(run, req)
+        rollbacks.append(
+            run,
+            rollbacks.Line(
+                kind="requested", at=req.asked_at, rule="nonfinite", evidence=ev, first_step=first
+            ),
+        )
+        write_flag(run, "req-spike", requested_by="policy", reason="nonfinite")
+        t_asked = time.time()
+        assert job.wait() == 0, job.output()
+    a, b = job.rows()
+    data_step = first - 1 + SKIP
+    # Attempt 1 ended by the stop, rolled back: to the newest healthy set before K (the sets at 30 and
+    # later hold NaN weights; 20 is older than the first step minus the margin of 1).
+    cause = a["cause"]
+    assert a["end"] == "graceful_stop" and a["restarted_by"] == "launch", job.output()
+    assert a["stop_by"] == "policy" and a["request_id"] == "req-spike"
+    assert (cause["kind"], cause["rule"], cause["from_step"], cause["to_step"], cause["skip_batches"]) == (
+        "rollback",
+        "nonfinite",
+        first,
+        20,
+        SKIP,
+    )
+    assert cause["rung"] == 1 and f"global step {first}: nan" in cause["evidence"]
+    assert a["supervisor"]["resume"]["global_step"] == 20
+    if first > 31:  # the periodic set at 30 (NaN weights) was a candidate: named as passed over
+        assert "not finite" in a["supervisor"]["note"]
+    # Attempt 2: the weights of step 20, the data from first + SKIP on; the skipped steps are in its
+    # start line, never trained, and it trains to the end with a finite loss.
+    assert b["resumed_from"]["global_step"] == 20 and b["skipped"] == [21, data_step]
+    assert b["first_step"] == data_step + 1 and b["end"] == "finished"
+    steps = job.steps_logged(0)  # msrun's worker log holds the last attempt's, or both attempts' in turn
+    restart = max((i for i in range(1, len(steps)) if steps[i] <= steps[i - 1]), default=0)
+    again = steps[restart:]
+    assert again[0] == data_step + 1 and again[-1] == 3 * job.steps_per_epoch
+    assert not set(again) & set(range(21, data_step + 1))
+    for rank in (0, 1):
+        hb = json.loads(runfiles.heartbeat_path(run, rank).read_bytes())
+        assert hb["global_step"] == 3 * job.steps_per_epoch and math.isfinite(hb["loss"]), hb
+    lines, skipped = rollbacks.read_lines(run)
+    assert skipped == 0 and [ln.kind for ln in lines] == ["requested", "relaunched"]
+    line = lines[1]
+    assert (line.target_step, line.skip_batches, line.attempt, line.first_step) == (20, SKIP, 2, first)
+    assert rollbacks.read_request(run) == (None, None)
+    assert "rolling back to set" in job.output() and job.marked() == []
+    sup = a["supervisor"]
+    measure("rollback: stop asked to attempt ended", sup["ended_at"] - t_asked, first_step=first)
+    measure(
+        "rollback: attempt ended to relaunched (the target's choice)", sup["relaunched_at"] - sup["ended_at"]
+    )
+    measure("rollback: relaunched to the bridge's start", b["started_at"] - sup["relaunched_at"])
