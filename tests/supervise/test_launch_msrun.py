@@ -204,17 +204,22 @@ def test_the_budget_and_the_no_progress_rule_have_their_own_exit_codes(tmp_path,
     assert (
         row["needs_attention"] and "ended the run (exit 4): the restart budget is used up" in row["gave_up"]
     )
-    # The same run again, with budget: attempt 2 resumes from step 20 and crashes at 25 again.
+    # The newest periodic set (step 20) is corrupt: rank 1's file cut short, as by a full disk.
+    (cut,) = (tmp_path / "budget" / "ckpt_of_rank" / "1").glob("*_20.ckpt")
+    cut.write_bytes(cut.read_bytes()[:300])
+    # The same run again, with budget: attempt 2 resumes from the set before (step 10), says why, and
+    # crashes at 25 again.
     with LaunchJob(tmp_path / "budget", crash, [*nogasp, "--max-restarts", "3", "--no-progress", "1"]) as job:
         assert job.wait() == policy.NO_PROGRESS, job.output()
     rows = job.rows()
     assert [r["attempt"] for r in rows] == [1, 2]
-    assert rows[1]["resumed_from"]["global_step"] == 20 and not rows[1]["supervisor"]["progressed"]
+    assert rows[1]["resumed_from"]["global_step"] == 10 and not rows[1]["supervisor"]["progressed"]
+    assert "passed over: " in job.output() and "#g20: corrupt on rank(s) 1" in job.output(), job.output()
     assert "without training past global step 25" in job.output()
     # The landing page's row: attempt 2 was a relaunch by hand (a restart, not by launch), the steps it
     # trained again are lost, and the supervisor gave up on the run.
     row = runs_row(tmp_path, tmp_path / "budget")
-    assert (row["restarts"], row["steps_lost"]) == (1, rows[0]["last_step"] - 20)
+    assert (row["restarts"], row["steps_lost"]) == (1, rows[0]["last_step"] - 10)
     assert row["needs_attention"] and "(exit 93)" in row["gave_up"]
     # An alert for each time the supervisor gave up, from the real file through a real receiver.
     got = alerts_of(tmp_path / "budget", make_receiver().start(), 2)
