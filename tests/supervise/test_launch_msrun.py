@@ -114,7 +114,8 @@ def test_a_killed_rank_is_relaunched_from_the_newest_set_and_nothing_of_it_is_le
 
 def test_a_hung_rank_ends_its_attempt_as_a_hang_and_the_job_goes_on(tmp_path):
     """The hang rule (--hang-restart-s, restart mode): rank 1 stopped with SIGSTOP is stalled; 10 s later
-    the attempt ends with cause hang (SIGKILL ends a stopped process) and attempt 2 trains to the end."""
+    the attempt ends with cause hang (SIGKILL ends a stopped process) and attempt 2 goes on; both its
+    ranks killed at once, attempt 3 resumes from the newest periodic set and trains to the end."""
     # 10 s: well past a slow step on a loaded machine, well within the survivor's 30 s collective timeout.
     hang = [*FAST, "--hang-restart-s", "10", "--hang-mode", "restart"]
     # The dashboard's verdict, with its test thresholds: a stopped process is stalled at its first probe.
@@ -123,15 +124,32 @@ def test_a_hung_rank_ends_its_attempt_as_a_hang_and_the_job_goes_on(tmp_path):
         job.wait_until(lambda: step(job, 1) >= 25, "rank 1 past global step 25")
         stopped = job.workers()[1]
         stopped.send_signal(signal.SIGSTOP)
+        # Then, in attempt 2, both ranks die at once: no survivor can save, the next attempt resumes
+        # from the newest periodic set.
+        job.wait_until(lambda: len(job.rows()) >= 2 and step(job, 0) >= 55, "attempt 2 past global step 55")
+        both = job.workers()
+        for p in both.values():
+            p.send_signal(signal.SIGKILL)
+        killed_at = max(step(job, 0), step(job, 1))
         assert job.wait() == 0, job.output()
-    a, b = job.rows()
+    a, b, c = job.rows()
+    assert b["cause"]["kind"] == "crash" and b["cause"]["signal"] == "SIGKILL"
+    assert "saved its replica" not in (b["supervisor"].get("note") or "")
+    # A periodic set attempt 2 saved (MindSpore's, not a dying gasp's), none of it newer than the kill.
+    again = c["resumed_from"]["global_step"]
+    assert c["resumed_from"]["set"].startswith("ckpt_of_rank/"), c["resumed_from"]
+    assert b["resumed_from"]["global_step"] < again <= killed_at and c["end"] == "finished", (
+        again,
+        killed_at,
+    )
+    assert not list((tmp_path / "run").glob("ttp_checkpoints/ttp_saved_checkpoints-step_*"))
     cause = a["cause"]
     assert (cause["kind"], cause["rank"], cause["pid"], cause["role"]) == ("hang", 1, stopped.pid, "worker")
     assert cause["error"].startswith("stalled for over 10 s: ") and "is stopped" in cause["error"], cause
     assert a["restarted_by"] == "launch" and f"rank 1 (pid {stopped.pid} on " in a["error"]
     assert f"attempt 1 failed: rank 1 (pid {stopped.pid} on" in job.output() and " hung: " in job.output()
-    # No dying gasp for a hang: attempt 2 resumed from the newest periodic set, and finished.
-    assert b["resumed_from"]["global_step"] % 10 == 0 and b["end"] == "finished"
+    # No dying gasp for a hang: attempt 2 resumed from the newest periodic set.
+    assert b["resumed_from"]["global_step"] % 10 == 0
     assert job.steps_logged(0)[-1] == 3 * job.steps_per_epoch
     assert job.marked() == []
     measure(
