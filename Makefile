@@ -9,7 +9,7 @@ PORT   ?= 5000
 # The fast half: no msrun job, no browser, no fresh venv (about a minute).
 FAST   := not msrun and not browser and not slow
 
-.PHONY: venv demo test test-fast test-slow lint format bench bench-overhead bench-soak wheel clean
+.PHONY: venv demo test test-fast test-slow lint format bench bench-overhead bench-soak bench-goodput wheel clean
 
 venv: $(VENV)/.installed
 
@@ -73,6 +73,11 @@ bench-overhead: venv
 
 bench-soak: venv
 	$(PY) -m tests.bench.soak
+
+# Goodput under injected faults: plain msrun, rankwatch launch, and launch with the dying gasp
+# (about 25 min per way; BENCH_FLAGS=--quick: about 10 min in all).
+bench-goodput: venv
+	$(PY) -m tests.bench.goodput $(BENCH_FLAGS)
 
 wheel: venv
 	$(PY) -m pip wheel --no-deps -w dist .

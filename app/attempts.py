@@ -87,6 +87,11 @@ def served_by(run_dir: str | os.PathLike, request_id: str | None) -> int | None:
     )
 
 
+def rows(run_dir: str | os.PathLike) -> list[dict]:
+    """The folded rows as read from the file (shared: never change them); the same list while it is unchanged."""
+    return _cache.rows(Path(run_dir))[0]
+
+
 def launches(run_dir: str | os.PathLike) -> list[tuple[float, str]]:
     """(started_at, launch id) of each attempt, oldest first: which launch a history line's time fell in."""
     rows, _, _ = _cache.rows(Path(run_dir))

@@ -58,6 +58,21 @@ import click
     "before ending the attempt; 0: off.",
 )
 @click.option(
+    "--hang-restart-s",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="The hang rule: a rank stalled (the dashboard's verdict) this long ends the attempt with cause "
+    "hang; 0: off. See --hang-mode.",
+)
+@click.option(
+    "--hang-mode",
+    type=click.Choice(["dry-run", "restart"]),
+    default="dry-run",
+    show_default=True,
+    help="dry-run: only say what the hang rule would do; restart: end the attempt and relaunch it.",
+)
+@click.option(
     "--max-rollbacks",
     type=click.IntRange(min=0),
     default=3,
@@ -86,6 +101,8 @@ def launch(
     grace_s: float,
     no_progress: int,
     gasp_s: float,
+    hang_restart_s: float,
+    hang_mode: str,
     max_rollbacks: int,
     rollback_margin: int,
     rollback_cooldown_steps: int,
@@ -140,6 +157,8 @@ def launch(
         grace_s=grace_s,
         no_progress=no_progress,
         gasp_s=gasp_s,
+        hang_restart_s=hang_restart_s,
+        hang_mode=hang_mode,
         rollback=Settings(max_rollbacks, rollback_margin, rollback_cooldown_steps),
     )
     raise SystemExit(Supervisor(opts, request_stop).run())

@@ -49,6 +49,7 @@ def print_table(body: dict) -> None:
         ("loss", "right"),
         ("verdicts", "left"),
         ("newest set", "right"),
+        ("goodput", "right"),
         ("disk", "right"),
         ("last activity", "right"),
     ):
@@ -67,6 +68,7 @@ def print_table(body: dict) -> None:
             "–" if r["loss"] is None else f"{r['loss']:.4g}",
             verdicts,
             "–" if newest is None else f"step {newest['global_step']}",
+            goodput_cell(r),
             ("≥ " if r["disk_truncated"] else "") + fmt_bytes(r["disk_bytes"]),
             "–" if r["last_activity"] is None else fmt_seconds(max(0.0, now - r["last_activity"])) + " ago",
         )
@@ -81,6 +83,13 @@ def print_table(body: dict) -> None:
             style="dim",
         )
     )
+
+
+def goodput_cell(r: dict) -> str:
+    """The row's goodput and restarts, as the landing page's column says them."""
+    ratio = "–" if r.get("goodput") is None else f"{r['goodput'] * 100:.1f}%"
+    n = r.get("restarts") or 0
+    return f"{ratio} · {n} restart{'' if n == 1 else 's'}" if n else ratio
 
 
 def existing_root(ctx, param, value: Path | None) -> Path | None:

@@ -180,31 +180,41 @@ class Source:
         self.run_dir = run_dir
         self.state: RunState | None = None
 
+    def files(self) -> RunState:
+        if self.state is None:
+            self.state = open_cli_run(self.run_dir).state
+        return self.state
+
     def snapshot(self, health: list[str]) -> tuple[dict, str]:
         found = dashboard_snapshot(self.run_dir, health)
         if found is not None:
             return found[0], f"as the dashboard at {found[1]} shows it"
-        if self.state is None:
-            self.state = open_cli_run(self.run_dir).state
         now = time.time()
-        self.state.scan(now)
-        snapshot = self.state.snapshot(now, health or None)
+        self.files().scan(now)
+        snapshot = self.files().snapshot(now, health or None)
         return snapshot, "judged from the run directory (no dashboard of yours serves it)"
 
 
-def restarts_text(run_dir: Path) -> str | None:
-    """The attempts line: how many, the relaunches by ``rankwatch launch``, the last one's cause."""
-    from app.supervise.supervisor import describe
-    from trainer_bridge.rundir import attempts
+def restarts_text(source: Source) -> str | None:
+    """The attempts line: the goodput, the restarts, the relaunches by ``rankwatch launch``, the last one's cause.
 
-    try:
-        rows = attempts.fold(attempts.read_lines(run_dir)[0])
-    except OSError:
-        return None
+    The goodput is judged from the run directory's files (the page's ``/api/attempts`` does the same
+    from the dashboard's whole-run series, ``app.run.goodput``).
+    """
+    from app import attempts
+    from app.run import goodput
+    from app.supervise.supervisor import describe
+
+    state = source.files()
+    now = time.time()
+    state.scan(now)
+    beats, _ = state.heartbeats()
+    answer = attempts.answer(state.run_dir, beats, state.job_ended(), state.log_attempts())
+    rows = answer["attempts"]
     if not rows:
         return None
     restarts = [r for r in rows if r.get("restarted_by") == "launch"]
-    text = f"{len(rows)} attempt(s), {len(restarts)} restart(s) by rankwatch launch"
+    text = f"{goodput.text(state.goodput(rows, now))}; {len(rows)} attempt(s), {len(restarts)} restart(s) by rankwatch launch"
     if restarts:
         last = restarts[-1]
         down = (last.get("downtime") or {}).get("total_s")
@@ -263,7 +273,7 @@ def view(source: Source, health: list[str], limit: int | None) -> Group:
     else:
         shown, hidden = rows, 0
     parts = [summary_text(snapshot)]
-    restarts = restarts_text(source.run_dir)
+    restarts = restarts_text(source)
     if restarts:
         # Attempt causes quote worker logs: untrusted, printed as plain text.
         parts.append(Text(plain(restarts)))

@@ -18,6 +18,7 @@ from typing import Any
 from app.audit import AuditLog
 from app.incidents.alerts import AlertDesk
 from app.incidents.policy import Policy, parse_mode, parse_rules
+from app.incidents.restarts import RestartAlerts
 from app.incidents.spikes import SpikeWatch
 from app.incidents.webhooks import WebhookSender, parse_urls
 from app.push import DELTA_EVENT, SNAPSHOT_EVENT, Changed
@@ -44,6 +45,7 @@ class Incidents:
         self.spikes = spikes
         self.clock = clock
         self.rows: dict[int, dict] = {}
+        self.restarts = RestartAlerts(alerts, state.run_dir)  # rankwatch launch's relaunches
         self._pushed = Changed()  # (policy version, deliveries version) last pushed
 
     @classmethod
@@ -96,6 +98,7 @@ class Incidents:
         self.policy.new_job(None if job is None else job.get("started_at"))
         if stop_status is not None and self.alerts.enabled:
             self._stop_alerts(stop_status)
+        self.restarts.tick()
         self.alerts.flush(now)
         self.policy.tick(now, self.rows, stop_status)
         if self.spikes is not None:

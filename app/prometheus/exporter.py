@@ -48,6 +48,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 
+from app import attempts
 from app.ranks.metrics import METRICS_BY_NAME
 from app.run.health import ENDED_VERDICTS, VERDICTS
 from app.stop.status import STAGES
@@ -139,6 +140,7 @@ class RankwatchCollector:
             1 if per_rank else 0,
         )
         yield from self._job(head, rows)
+        yield from self._goodput(rw.state, ranks, now)
         yield from self._stop(stop)
         if per_rank:
             yield from self._ranks(rows, ranks)
@@ -253,6 +255,27 @@ class RankwatchCollector:
         )
         run.add_metric([head["run"]["status"]], 1)
         yield run
+
+    @staticmethod
+    def _goodput(state, heartbeats: dict[int, dict | None], now: float) -> Iterator[Metric]:
+        """The run's goodput, restarts and steps lost, as the run page shows them (app/run/goodput.py)."""
+        tried = attempts.answer(state.run_dir, heartbeats, state.job_ended(), state.log_attempts())
+        g = state.goodput(tried["attempts"], now)
+        if g["goodput"] is not None:
+            yield GaugeMetricFamily(
+                PREFIX + "goodput_ratio",
+                "The wall time spent on training steps that were kept, over the wall time since the "
+                "first attempt started (1.0 = 100%).",
+                _num(g["goodput"]),
+            )
+        yield GaugeMetricFamily(
+            PREFIX + "restarts", "Launches of the job in this run directory after the first.", g["restarts"]
+        )
+        yield GaugeMetricFamily(
+            PREFIX + "steps_lost",
+            "Global steps an attempt trained that a later attempt trained again (it resumed from an older set).",
+            g["steps_lost"],
+        )
 
     @staticmethod
     def _stop(status: dict) -> Iterator[Metric]:

@@ -143,7 +143,9 @@ def api_attempts():
     now = time.time()
     state = fresh_state(now)
     beats, _ = state.heartbeats()
-    return jsonify(attempts_answer(state.run_dir, beats, state.job_ended(), state.log_attempts()))
+    body = attempts_answer(state.run_dir, beats, state.job_ended(), state.log_attempts())
+    # The run's goodput, restarts and steps lost (app/run/goodput.py), shown above the timeline.
+    return jsonify(body | {"goodput": state.goodput(body["attempts"], now)})
 
 
 def opaque(name: str) -> str:

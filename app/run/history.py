@@ -373,6 +373,17 @@ class RunHistory:
         out.med.append(_nanmean(s.med[i] for i in group))
         out.max.append(_nanmax(s.max[i] for i in group))
 
+    def step_times(self) -> dict[str | None, list[tuple[float, float]]]:
+        """Launch id -> (global step, median step seconds) of its points, sealed and open (goodput's input)."""
+        out: dict[str | None, list[tuple[float, float]]] = {}
+        for launch, s in self._series.items():
+            out[launch] = [(s.step[j], s.med[j] / 1000.0) for j in range(len(s)) if s.med[j] == s.med[j]]
+        for (launch, step), acc in self._open.items():
+            med = self._point(step, acc)[3]
+            if med == med:
+                out.setdefault(launch, []).append((step, med / 1000.0))
+        return out
+
     # -- answering ---------------------------------------------------------------------
 
     def answer(

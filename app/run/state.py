@@ -31,7 +31,7 @@ from typing import Any
 
 from app.attempts import LaunchWatch, launches
 from app.push import DELTA_EVENT, SNAPSHOT_EVENT, Changed, changed_fields
-from app.run import logmode, spikes
+from app.run import goodput, logmode, spikes
 from app.run.endproof import EndProof
 from app.run.health import TERMINAL_STATES, WORST_FIRST, Thresholds
 from app.run.heartbeats import (  # noqa: F401  (re-exported: tests and tools import them from here)
@@ -551,6 +551,13 @@ class RunState:
         """The whole-run chart series (``/api/history/run``; ``RunHistory.answer``)."""
         with self._lock:
             return self._run_history.answer(attempts, after, generation)
+
+    def goodput(self, attempts: list[dict], now: float) -> dict:
+        """The run's goodput (``app.run.goodput.measure``) from ``/api/attempts``' rows and the whole-run series."""
+        with self._lock:
+            times = self._run_history.step_times()
+            running = self._job_over() is None
+        return goodput.measure(attempts, times, now, running)
 
     def job(self) -> dict | None:
         """job.json as last read and validated (None: missing or invalid)."""

@@ -30,7 +30,18 @@ from trainer_bridge.rundir import rollbacks
 STATES = ("training", "stopping", "stopped", "finished", "failed", "stalled", "idle")
 # Verdicts that put a run first: a rank in trouble.
 TROUBLE = ("straggler", "stalled", "dead", "node_lost", "failed", "corrupt")
-SORTS = ("attention", "id", "state", "world_size", "global_step", "loss", "disk_bytes", "last_activity")
+SORTS = (
+    "attention",
+    "id",
+    "state",
+    "world_size",
+    "global_step",
+    "loss",
+    "goodput",
+    "restarts",
+    "disk_bytes",
+    "last_activity",
+)
 # Losses in a row's sparkline (the landing page draws them as an inline SVG).
 SPARK_POINTS = 32
 PER_PAGE_DEFAULT = 50
@@ -118,6 +129,8 @@ def row_from(
     spikes = spike_facts(state)
     disk = disk if disk is not None else DiskUsage()
     disk_bytes = disk.measure(state.run_dir, now)
+    tried = attempts.answer(state.run_dir, heartbeats, state.job_ended(), state.log_attempts())["attempts"]
+    good = state.goodput(tried, now)
     return {
         "id": run_id,
         "state": name,
@@ -133,12 +146,14 @@ def row_from(
         "disk_bytes": disk_bytes,
         "disk_truncated": disk.truncated,
         "health_counts": counts,
+        # A run rankwatch launch gave up on needs a person, though every rank has ended; so does
+        # an open loss spike (app/incidents/spikes.py) or a ladder that gave up (refused, exhausted).
         "needs_attention": name in ("failed", "stalled")
         or any(counts.get(v) for v in TROUBLE)
         or bool(spikes["spike_open"])
-        or spikes["spike_stuck"],
-        # Loss spikes (app/incidents/spikes.py): the rules still open (an unresolved spike or NaN),
-        # the rollbacks rankwatch launch made, and whether the ladder gave up (refused, exhausted).
+        or spikes["spike_stuck"]
+        or good["gave_up"] is not None,
+        "gave_up": good["gave_up"],
         "spike_open": spikes["spike_open"],
         "rollbacks": spikes["rollbacks"],
         "newest_complete_set": newest,
@@ -149,9 +164,12 @@ def row_from(
         "oldest_heartbeat_at": min(times) if times else None,
         # Launches of the job in this run directory (rankwatch/attempts.jsonl, else msrun's
         # logs starting over; 0 before the first).
-        "attempts": len(
-            attempts.answer(state.run_dir, heartbeats, state.job_ended(), state.log_attempts())["attempts"]
-        ),
+        "attempts": len(tried),
+        # The share of the run's wall time spent on steps that were kept (app/run/goodput.py), and
+        # the launches after the first.
+        "goodput": good["goodput"],
+        "restarts": good["restarts"],
+        "steps_lost": good["steps_lost"],
         "status_message": head["run"]["message"],
     }
 
@@ -172,6 +190,7 @@ def unread_row(run_id: str, entry) -> dict:
         "disk_truncated": False,
         "health_counts": {},
         "needs_attention": False,
+        "gave_up": None,
         "newest_complete_set": None,
         "stop_state": None,
         "last_stop": None,
@@ -180,6 +199,9 @@ def unread_row(run_id: str, entry) -> dict:
         "attempts": 0,
         "spike_open": [],
         "rollbacks": 0,
+        "goodput": None,
+        "restarts": 0,
+        "steps_lost": 0,
         "status_message": UNREAD_MESSAGE,
     }
 

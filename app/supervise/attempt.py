@@ -47,6 +47,7 @@ class Outcome:
     clean: bool = True  # no process of it was left
     error: str | None = None
     gasp: str | None = None  # what the dying gasp gave, in words
+    hang: object | None = None  # the hang rule's finding (app.supervise.hang.Hang), kind "hang"
 
 
 class Attempt:
@@ -108,7 +109,7 @@ class Attempt:
                     c.role, c.rank = "other", None  # a worker's forked helper: same command, same environment
                 self.procs[p.pid] = c
 
-    def run(self, on_first_interrupt, say, on_crash=None) -> Outcome:
+    def run(self, on_first_interrupt, say, on_crash=None, on_poll=None) -> Outcome:
         port = free_port() if self.cmd.single_node else None
         argv = self.cmd.argv(port) if not self.record_only else self.cmd.original
         say(" ".join(argv))
@@ -161,6 +162,13 @@ class Attempt:
                     out.fault_at, out.detected_at = failed[0].gone_at, time.time()
                     if on_crash is not None:
                         out.gasp = on_crash(self, failed[0])  # the survivors' dying gasp, before the end
+                    break
+                hang = on_poll(self) if on_poll is not None else None
+                if hang is not None:
+                    # The hang rule (app/supervise/hang.py): a rank stalled too long ends the attempt.
+                    out.kind, out.hang = "hang", hang
+                    out.first = next((p for p in self.procs.values() if p.pid == hang.pid), None)
+                    out.fault_at, out.detected_at = hang.since, time.time()
                     break
                 workers = [p for p in self.procs.values() if p.role == "worker"]
                 msrun_done = self.procs[popen.pid].status is not None

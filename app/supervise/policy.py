@@ -23,20 +23,21 @@ from collections.abc import Container, Mapping
 from dataclasses import dataclass
 
 from app.supervise import finite
-from trainer_bridge.rundir import ckpthealth, ckptindex
+from trainer_bridge.rundir import ckpthealth, ckptindex, supervised
 from trainer_bridge.rundir.ckptindex import ORIGIN_BRIDGE
 
 # The exit statuses of rankwatch launch (docs/cli.md, "launch").
 OK = 0
 FAILED = 1  # a failure that is not relaunched (a stop was asked, or TTP/MindCluster own recovery)
 REFUSED = 3
-BUDGET = 4
-STARTUP = 5
-NO_PROGRESS = 93  # as nvidia-resiliency-ext: do not requeue
-ROLLBACK_REFUSED = 6  # a loss-spike rollback found no healthy set to go back to: needs attention
-ROLLBACK_EXHAUSTED = 7  # MAX_ROLLBACKS loss-spike rollbacks spent in this run: needs attention
+# The statuses that give up on a failing run live with the supervised lines: the dashboard reads them.
+BUDGET, STARTUP, NO_PROGRESS = supervised.BUDGET, supervised.STARTUP, supervised.NO_PROGRESS
+ROLLBACK_REFUSED = supervised.ROLLBACK_REFUSED  # a loss-spike rollback found no healthy set to go back to
+ROLLBACK_EXHAUSTED = supervised.ROLLBACK_EXHAUSTED  # MAX_ROLLBACKS loss-spike rollbacks spent in this run
 INTERRUPTED = 130
 MAX_BACKOFF_S = 300.0
+# The causes that are failures: relaunched, and counted by the budget and the rules.
+FAILURES = ("crash", "hang")
 
 
 @dataclass
@@ -55,7 +56,7 @@ class History:
         # A loss-spike rollback has its own budget (rollback.py, rollbacks.jsonl), not the restarts'.
         if rec.get("restarted_by") == "launch" and cause["kind"] != "rollback":
             self.restarts += 1
-        if cause["kind"] != "crash":
+        if cause["kind"] not in FAILURES:
             return
         last = rec.get("last_step")
         if rec.get("progressed"):

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from app.supervise import lock, policy, procs, rollback, slurm
 from app.supervise.attempt import Attempt, Outcome
 from app.supervise.command import Msrun
+from app.supervise.hang import HangWatch, hang_cause, hang_words
 from trainer_bridge.rundir import attempts, gaspfiles, runfiles, schema
 from trainer_bridge.rundir import slurm as rundir_slurm
 
@@ -39,6 +40,8 @@ class Options:
     no_progress: int = 3
     poll_s: float = 0.2
     gasp_s: float = 5.0
+    hang_restart_s: float = 0.0  # 0: the hang rule is off
+    hang_mode: str = "dry-run"
     rollback: rollback.Settings = field(default_factory=rollback.Settings)
 
 
@@ -71,6 +74,11 @@ class Supervisor:
         self.mark = procs.run_mark(self.run_dir)
         self.signals = Signals()
         self.keeper: subprocess.Popen | None = None
+        self.hang = (
+            HangWatch(self.run_dir, opts.hang_restart_s, opts.hang_mode, self.say)
+            if opts.hang_restart_s
+            else None
+        )
         self._keeper_pipe: int | None = None
 
     # ------------------------------------------------------------------ start
@@ -140,6 +148,7 @@ class Supervisor:
                     self._first_interrupt,
                     lambda argv, n=number: self.say(f"attempt {n}: {argv}"),
                     self._gasp if self.opts.gasp_s > 0 else None,
+                    self._hang_poll() if self.hang is not None and not record_only else None,
                 )
             except OSError as e:  # msrun itself could not be started (not on PATH, not executable)
                 self.say(f"cannot start {self.opts.command.head[0]}: {e}")
@@ -168,6 +177,13 @@ class Supervisor:
         except Exception as e:  # noqa: BLE001 - the flag could not be written: say so, a second Ctrl-C ends it
             told = f"the graceful stop could not be requested ({e}); Ctrl-C again ends the job at once"
         self.say(f"{told}; waiting for the job to stop (Ctrl-C again ends it at once)")
+
+    def _hang_poll(self):
+        """The hang rule's check for one attempt (app/supervise/hang.py)."""
+        self.hang.begin()
+        return lambda attempt: self.hang.check(
+            p.pid for p in attempt.procs.values() if p.role == "worker" and p.status is None
+        )
 
     # ------------------------------------------------------------------ dying gasp
 
@@ -304,7 +320,7 @@ class Supervisor:
             rolled = self._rollback(outcome, base, number)
             if rolled is not None:
                 return rolled
-        if cause["kind"] != "crash":
+        if cause["kind"] not in policy.FAILURES:
             code = policy.INTERRUPTED if cause["kind"] == "interrupted" else policy.OK
             self._write(base, action="end", exit_code=code)
             self.say(f"attempt {number} ended: {cause['kind']}; not relaunched")
@@ -438,6 +454,8 @@ class Supervisor:
             return slurm.preempted(
                 {"kind": kind, "before_first_step": not trained}, self.run_dir, outcome.spawned_at
             )
+        if outcome.kind == "hang":
+            return hang_cause(outcome, self.host, trained, self.opts.hang_restart_s)
         p = outcome.first
         failed = next((hb for hb in beats if p is not None and hb.get("pid") == p.pid), None)
         error = (failed or {}).get("error") or outcome.error
@@ -488,9 +506,11 @@ def procs_exit(p: procs.Proc | None) -> int | None:
 
 
 def describe(cause: dict) -> str:
-    """A crash cause in one line: who, how, and the error line (a rollback: ``rollback.describe``)."""
+    """A crash or hang cause in one line: who, how, and the error line (a rollback: ``rollback.describe``)."""
     if cause.get("kind") == "rollback":
         return rollback.describe(cause)
+    if cause.get("kind") == "hang":
+        return hang_words(cause)
     who = {"worker": f"rank {cause.get('rank')}", "scheduler": "the scheduler", "msrun": "msrun"}.get(
         cause.get("role") or "", "a process"
     )

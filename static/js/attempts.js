@@ -40,6 +40,10 @@ export function causeText(c) {
     const left = typeof c.time_left_s === "number" ? `, ${Math.round(c.time_left_s)} s left` : "";
     return `preempted by the scheduler (${c.signal || "a signal"}${left}): saved and stopped gracefully`;
   }
+  if (c && c.kind === "hang") {
+    // The hang rule (app/supervise/hang.py): its error says how long, why, and the stack capture.
+    return `rank ${c.rank}${c.host ? ` on ${c.host}` : ""} hung: ${c.error || "stalled"}`;
+  }
   if (!c || c.kind !== "crash") return "";
   const who = c.role === "worker" ? `rank ${c.rank}` : (c.role || "a process");
   const how = c.signal ? `killed by ${c.signal}` : `exit status ${c.exit_code}`;
@@ -73,6 +77,18 @@ function downtimeText(d) {
   let text = `down ${s(d.total_s)}: detected ${s(d.fault_to_detected_s)}, ended ${s(d.detected_to_ended_s)}, `
     + `relaunched ${s(d.ended_to_relaunched_s)}`;
   if (typeof d.relaunched_to_bridge_start_s === "number") text += `, bridge started ${s(d.relaunched_to_bridge_start_s)} later`;
+  return text;
+}
+
+// As app/run/goodput.py's text() says it in the terminal.
+export function goodputText(g) {
+  const parts = [g.goodput == null ? "goodput not known yet" : `goodput ${(g.goodput * 100).toFixed(1)}%`,
+    plural(g.restarts, "restart"), `${plural(g.steps_lost, "step")} lost`];
+  if (typeof g.downtime_s === "number") parts.push(`${g.downtime_s.toFixed(1)} s down`);
+  let text = parts.join(" · ");
+  if (typeof g.kept_s === "number" && typeof g.wall_s === "number") {
+    text += ` (${formatCount(g.kept_steps)} kept steps took ${g.kept_s.toFixed(1)} s of ${g.wall_s.toFixed(1)} s since the first attempt started)`;
+  }
   return text;
 }
 
@@ -129,6 +145,7 @@ export class Attempts {
   }
 
   render(body) {
+    this.goodput(body.goodput);
     const rows = Array.isArray(body.attempts) ? body.attempts : [];
     if (!rows.length) {
       const li = document.createElement("li");
@@ -137,6 +154,26 @@ export class Attempts {
       this.list.replaceChildren(li);
     } else {
       this.list.replaceChildren(...rows.map((a) => this.item(a)));
+    }
+  }
+
+  // The run's goodput, restarts and steps lost (app/run/goodput.py), above the timeline.
+  goodput(g) {
+    const p = $("#attempts-goodput");
+    if (!p) return;
+    if (!g || !g.restarts && g.goodput == null) {
+      p.hidden = true;
+      return;
+    }
+    p.hidden = false;
+    p.dataset.goodput = g.goodput == null ? "" : String(g.goodput);
+    p.textContent = goodputText(g);
+    // The supervisor gave up: the run needs a person.
+    if (g.gave_up) {
+      p.dataset.gaveUp = "";
+      p.textContent += ` · ⚠ ${g.gave_up}`;
+    } else {
+      delete p.dataset.gaveUp;
     }
   }
 

@@ -1,7 +1,7 @@
 // The runs table (landing page under --runs): one server page of GET /api/runs
 // at a time, refreshed every few seconds; only the rows on screen are fetched.
 
-import { GLYPH, formatBytes, formatClock, formatFixed, formatSeconds } from "./format.js";
+import { GLYPH, formatBytes, formatClock, formatFixed, formatSeconds, plural } from "./format.js";
 import { token } from "./token.js";
 
 // The printed link (#login=<code>) lands here under --runs: the token it
@@ -99,6 +99,19 @@ function slurmText(s) {
   return text;
 }
 
+// The run's goodput (app/run/goodput.py) and its restarts, as the run page says them.
+// A run rankwatch launch gave up on says so (the cell's title says why).
+function goodput(r) {
+  const ratio = r.goodput == null ? "–" : `${(r.goodput * 100).toFixed(1)}%`;
+  const text = r.restarts ? `${ratio} · ${plural(r.restarts, "restart")}` : ratio;
+  if (!r.gave_up) return text;
+  const span = document.createElement("span");
+  span.className = "run-gave-up";
+  span.title = r.gave_up;
+  span.textContent = `⚠ ${text} · launch gave up`;
+  return span;
+}
+
 function row(r, now) {
   const tr = document.createElement("tr");
   tr.dataset.run = r.id;
@@ -117,6 +130,7 @@ function row(r, now) {
     cell("loss", loss(r)),
     cell("health", verdicts(r.health_counts || {})),
     cell("ckpt", r.newest_complete_set ? `step ${r.newest_complete_set.global_step ?? "?"}` : "–"),
+    cell("goodput", goodput(r)),
     cell("disk", r.disk_bytes == null ? "–" : `${r.disk_truncated ? "≥ " : ""}${formatBytes(r.disk_bytes)}`),
     cell("stop", r.last_stop ? `${r.last_stop.state}, by ${r.last_stop.requested_by || "?"} at ${formatClock(r.last_stop.requested_at)}` : "–"),
     cell("activity", r.last_activity == null ? "–" : `${formatSeconds(Math.max(0, now - r.last_activity))} ago`),

@@ -7,13 +7,20 @@ exit); the timeouts are failure guards. Durations are measured and printed
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 
 import pytest
+from click.testing import CliRunner
 
+from app.attempts import answer as attempts_answer
+from app.cli import main as cli_main
+from app.cli.common import open_cli_run
+from app.run import goodput
 from app.supervise import policy
+from tests.helpers.app import FAST_SETTINGS, make_app, wait_for
 from tests.helpers.faults import measure
 from tests.helpers.jobs import UNTIL_STOPPED, DemoJob, write_flag
 from tests.helpers.launch import LaunchJob, wait_gone
@@ -33,7 +40,11 @@ def step(job: LaunchJob, rank: int) -> int:
     return hb.get("global_step") or 0
 
 
-def test_a_killed_rank_is_relaunched_from_the_newest_set_and_nothing_of_it_is_left(tmp_path):
+def down_total(row: dict) -> float | None:
+    return (row.get("downtime") or {}).get("total_s")
+
+
+def test_a_killed_rank_is_relaunched_from_the_newest_set_and_nothing_of_it_is_left(tmp_path, make_receiver):
     """kill -9 of rank 1 mid-training: attempt 2 resumes from the newest complete set and trains to the end."""
     with LaunchJob(tmp_path / "run", TRAIN, FAST) as job:
         job.wait_until(lambda: step(job, 1) >= 25, "rank 1 past global step 25")
@@ -71,6 +82,29 @@ def test_a_killed_rank_is_relaunched_from_the_newest_set_and_nothing_of_it_is_le
     assert job.steps_logged(0)[0] == resumed + 1 and job.steps_logged(0)[-1] == EPOCHS * job.steps_per_epoch
     assert b["end"] == "finished" and b["cause"]["kind"] == "finished"
     assert job.marked() == []
+    # The goodput (app/run/goodput.py) from the real files: every global step is kept once, attempt 1's
+    # steps past the set attempt 2 resumed from are lost, and the downtime is in the wall time only.
+    state = open_cli_run(tmp_path / "run").state
+    state.scan(time.time())
+    beats, _ = state.heartbeats()
+    g = state.goodput(attempts_answer(state.run_dir, beats, state.job_ended())["attempts"], time.time())
+    assert g["kept_steps"] == 3 * job.steps_per_epoch and g["steps_lost"] == a["last_step"] - resumed
+    assert g["restarts"] == 1 and g["restarts_by_launch"] == 1 and g["downtime_s"] == down_total(a)
+    assert g["wall_s"] >= b["ended_at"] - a["started_at"] and 0 < g["kept_s"] < g["wall_s"]
+    assert 0 < g["goodput"] < 1
+    # rankwatch status and rankwatch runs say the same.
+    status = CliRunner().invoke(cli_main, ["status", "--run-dir", str(tmp_path / "run")])
+    assert status.exit_code == 0, status.output
+    assert goodput.text(g) in " ".join(status.output.split()), status.output
+    body = json.loads(CliRunner().invoke(cli_main, ["runs", str(tmp_path), "--json"]).output)
+    (run,) = [r for r in body["runs"] if r["id"].endswith("run")]
+    assert (run["goodput"], run["restarts"], run["steps_lost"]) == (g["goodput"], 1, g["steps_lost"])
+    # The restart is announced once, through a real webhook receiver.
+    (alert,) = alerts_of(tmp_path / "run", make_receiver().start(), 1)
+    assert (alert["event"], alert["attempt"], alert["resume"]["global_step"]) == ("restart", 1, resumed)
+    assert alert["cause"]["signal"] == "SIGKILL" and alert["downtime"] == a["downtime"]
+    assert f"rankwatch launch relaunched it from global step {resumed}" in alert["text"]
+    measure("launch: goodput of the kill -9 job", g["goodput"] * 100, "%", wall_s=g["wall_s"])
     down = a["downtime"]
     measure("launch: kill -9 to detection", down["fault_to_detected_s"])
     measure("launch: detection to attempt ended", down["detected_to_ended_s"])
@@ -78,6 +112,52 @@ def test_a_killed_rank_is_relaunched_from_the_newest_set_and_nothing_of_it_is_le
     measure("launch: relaunched to the bridge's start", down["relaunched_to_bridge_start_s"])
     measure("launch: kill -9 to detection (test clock)", sup["detected_at"] - t_kill)
     measure("launch: kill -9 to relaunch (test clock)", sup["relaunched_at"] - t_kill)
+
+
+def test_a_hung_rank_ends_its_attempt_as_a_hang_and_the_job_goes_on(tmp_path):
+    """The hang rule (--hang-restart-s, restart mode): rank 1 stopped with SIGSTOP is stalled; 10 s later
+    the attempt ends with cause hang (SIGKILL ends a stopped process) and attempt 2 goes on; both its
+    ranks killed at once, attempt 3 resumes from the newest periodic set and trains to the end."""
+    # 10 s: well past a slow step on a loaded machine, well within the survivor's 30 s collective timeout.
+    hang = [*FAST, "--hang-restart-s", "10", "--hang-mode", "restart"]
+    # The dashboard's verdict, with its test thresholds: a stopped process is stalled at its first probe.
+    env = {f"RANKWATCH_{k}": str(FAST_SETTINGS[k]) for k in ("STALL_MIN_S", "PROCESS_CHECK_AFTER_S")}
+    with LaunchJob(tmp_path / "run", TRAIN, hang, env=env) as job:
+        job.wait_until(lambda: step(job, 1) >= 25, "rank 1 past global step 25")
+        stopped = job.workers()[1]
+        stopped.send_signal(signal.SIGSTOP)
+        # Then, in attempt 2, both ranks die at once: no survivor can save, the next attempt resumes
+        # from the newest periodic set.
+        job.wait_until(lambda: len(job.rows()) >= 2 and step(job, 0) >= 55, "attempt 2 past global step 55")
+        both = job.workers()
+        for p in both.values():
+            p.send_signal(signal.SIGKILL)
+        killed_at = max(step(job, 0), step(job, 1))
+        assert job.wait() == 0, job.output()
+    a, b, c = job.rows()
+    assert b["cause"]["kind"] == "crash" and b["cause"]["signal"] == "SIGKILL"
+    assert "saved its replica" not in (b["supervisor"].get("note") or "")
+    # A periodic set attempt 2 saved (MindSpore's, not a dying gasp's), none of it newer than the kill.
+    again = c["resumed_from"]["global_step"]
+    assert c["resumed_from"]["set"].startswith("ckpt_of_rank/"), c["resumed_from"]
+    assert b["resumed_from"]["global_step"] < again <= killed_at and c["end"] == "finished", (
+        again,
+        killed_at,
+    )
+    assert not list((tmp_path / "run").glob("ttp_checkpoints/ttp_saved_checkpoints-step_*"))
+    cause = a["cause"]
+    assert (cause["kind"], cause["rank"], cause["pid"], cause["role"]) == ("hang", 1, stopped.pid, "worker")
+    assert cause["error"].startswith("stalled for over 10 s: ") and "is stopped" in cause["error"], cause
+    assert a["restarted_by"] == "launch" and f"rank 1 (pid {stopped.pid} on " in a["error"]
+    assert f"attempt 1 failed: rank 1 (pid {stopped.pid} on" in job.output() and " hung: " in job.output()
+    # No dying gasp for a hang: attempt 2 resumed from the newest periodic set.
+    assert b["resumed_from"]["global_step"] % 10 == 0
+    assert job.steps_logged(0)[-1] == 3 * job.steps_per_epoch
+    assert job.marked() == []
+    measure(
+        "launch: SIGSTOP to the hang's detection",
+        a["supervisor"]["detected_at"] - a["supervisor"]["fault_at"],
+    )
 
 
 def test_a_script_that_fails_at_import_ends_the_run_by_the_startup_rule(tmp_path):
@@ -102,7 +182,33 @@ def test_a_script_that_fails_at_import_ends_the_run_by_the_startup_rule(tmp_path
     assert job.marked() == []
 
 
-def test_the_budget_and_the_no_progress_rule_have_their_own_exit_codes(tmp_path):
+def runs_row(root, run_dir) -> dict:
+    """``rankwatch runs ROOT --json``'s row of ``run_dir``."""
+    body = json.loads(CliRunner().invoke(cli_main, ["runs", str(root), "--json"]).output)
+    (row,) = [r for r in body["runs"] if r["id"].endswith(run_dir.name)]
+    return row
+
+
+def alerts_of(run_dir, receiver, n: int) -> list[dict]:
+    """The alerts a dashboard on ``run_dir`` sends to ``receiver`` (``n`` of them), each once: a second
+    dashboard on the same run sends none again."""
+    settings = {"WEBHOOK_URL": receiver.url, "ALERT_GROUP_S": 0.1}
+    first = make_app(run_dir, **settings)
+    first.extensions["rankwatch"].watcher.tick()
+    mine = ("restart", "launch_gave_up")  # not the ranks' verdicts
+    got = receiver.wait_for(
+        lambda p: len(x := [e for e in p if e["event"] in mine]) >= n and x, f"{n} alert(s)"
+    )
+    sender = first.extensions["rankwatch"].incidents.alerts.sender
+    wait_for(lambda: len(sender.rows()) >= n, "the delivery log's rows")
+    again = make_app(run_dir, **settings)
+    again.extensions["rankwatch"].watcher.tick()
+    assert again.extensions["rankwatch"].incidents.restarts._seen, "the second dashboard read no attempt"
+    assert again.extensions["rankwatch"].incidents.alerts.sender.raised == 0
+    return got
+
+
+def test_the_budget_and_the_no_progress_rule_have_their_own_exit_codes(tmp_path, make_receiver):
     crash = [*TRAIN, "--crash-rank", "1", "--crash-at", "25"]
     # Without the dying gasp (which would save step 25, past the crash), so each attempt resumes from
     # the last periodic set and crashes again at 25.
@@ -113,13 +219,35 @@ def test_the_budget_and_the_no_progress_rule_have_their_own_exit_codes(tmp_path)
     assert row["cause"]["error"] == "RuntimeError: injected crash at global step 25 (--crash-rank)"
     assert row["cause"]["rank"] == 1 and row["cause"]["exit_code"] not in (None, 0)
     assert "restart budget is used up (0 of 0" in job.output()
-    # The same run again, with budget: attempt 2 resumes from step 20 and crashes at 25 again.
+    # The run needs a person: the landing page's row says why.
+    row = runs_row(tmp_path, tmp_path / "budget")
+    assert (
+        row["needs_attention"] and "ended the run (exit 4): the restart budget is used up" in row["gave_up"]
+    )
+    # The newest periodic set (step 20) is corrupt: rank 1's file cut short, as by a full disk.
+    (cut,) = (tmp_path / "budget" / "ckpt_of_rank" / "1").glob("*_20.ckpt")
+    cut.write_bytes(cut.read_bytes()[:300])
+    # The same run again, with budget: attempt 2 resumes from the set before (step 10), says why, and
+    # crashes at 25 again.
     with LaunchJob(tmp_path / "budget", crash, [*nogasp, "--max-restarts", "3", "--no-progress", "1"]) as job:
         assert job.wait() == policy.NO_PROGRESS, job.output()
     rows = job.rows()
     assert [r["attempt"] for r in rows] == [1, 2]
-    assert rows[1]["resumed_from"]["global_step"] == 20 and not rows[1]["supervisor"]["progressed"]
+    assert rows[1]["resumed_from"]["global_step"] == 10 and not rows[1]["supervisor"]["progressed"]
+    assert "passed over: " in job.output() and "#g20: corrupt on rank(s) 1" in job.output(), job.output()
     assert "without training past global step 25" in job.output()
+    # The landing page's row: attempt 2 was a relaunch by hand (a restart, not by launch), the steps it
+    # trained again are lost, and the supervisor gave up on the run.
+    row = runs_row(tmp_path, tmp_path / "budget")
+    assert (row["restarts"], row["steps_lost"]) == (1, rows[0]["last_step"] - 10)
+    assert row["needs_attention"] and "(exit 93)" in row["gave_up"]
+    # An alert for each time the supervisor gave up, from the real file through a real receiver.
+    got = alerts_of(tmp_path / "budget", make_receiver().start(), 2)
+    assert [(p["event"], p["attempt"], p["exit_code"]) for p in got] == [
+        ("launch_gave_up", 1, 4),
+        ("launch_gave_up", 2, 93),
+    ]
+    assert "the run needs attention" in got[1]["text"] and got[1]["cause"]["rank"] == 1
 
 
 def test_a_killed_supervisor_leaves_no_orphan_and_the_next_one_continues(tmp_path):

@@ -71,6 +71,13 @@ def test_the_timeline_names_the_cause_and_the_downtime(run_dir, live_server, pag
     expect(second).to_contain_text("crashed: ModuleNotFoundError: No module named 'x'")
     expect(second.locator(".attempt-cause")).to_contain_text("exit status 1")
     expect(second.locator(".attempt-cause")).to_contain_text("the same failure twice in a row")
+    # Above the timeline: the goodput (no step time in these lines: not known), restarts, downtime,
+    # and, since the supervisor gave up (the startup rule, exit 5), that the run needs attention.
+    good = page.locator("#attempts-goodput[data-gave-up]")
+    expect(good).to_have_text(
+        "goodput not known yet · 1 restart · 0 steps lost · 5.7 s down · ⚠ rankwatch launch ended the run "
+        "(exit 5): the same failure twice in a row before the first step; ending the run"
+    )
     assert console_errors == []
 
 

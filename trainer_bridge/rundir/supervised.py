@@ -10,6 +10,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+# rankwatch launch's exit statuses when it gives up on a failing run (docs/cli.md, "launch"), and what
+# each means: the run then needs a person (the landing page's attention, an alert).
+BUDGET = 4
+STARTUP = 5
+NO_PROGRESS = 93  # as nvidia-resiliency-ext: do not requeue
+ROLLBACK_REFUSED = 6  # a loss-spike rollback found no healthy set to go back to
+ROLLBACK_EXHAUSTED = 7  # MAX_ROLLBACKS loss-spike rollbacks spent in this run
+GAVE_UP = {
+    BUDGET: "the restart budget is used up",
+    STARTUP: "the same failure twice in a row before the first step",
+    NO_PROGRESS: "no progress",
+    ROLLBACK_REFUSED: "a loss-spike rollback found no healthy set to go back to",
+    ROLLBACK_EXHAUSTED: "the loss-spike rollback budget is used up",
+}
+
 # What a supervised line tells about an attempt with no start line of its own, as an end line would.
 END_OF_CAUSE = {"crash": "failed", "stop": "graceful_stop", "finished": "finished"}
 
@@ -65,3 +80,13 @@ def downtime(row: dict) -> dict | None:
         "ended_to_relaunched_s": gap("ended_at", "relaunched_at"),
         "total_s": gap("fault_at", "relaunched_at"),
     }
+
+
+def gave_up(row: dict) -> str | None:
+    """Why ``rankwatch launch`` ended the run after this attempt (budget, startup, no progress), or None."""
+    sup = row.get("supervisor") or {}
+    code = sup.get("exit_code")
+    if sup.get("action") != "end" or code not in GAVE_UP:
+        return None
+    note = sup.get("note")
+    return f"rankwatch launch ended the run (exit {code}): {note or GAVE_UP[code]}"

@@ -207,9 +207,10 @@ class AttemptCause(_Model):
         description="`crash` (a process of the attempt exited non-zero or on a signal), `stop` (a graceful "
         "stop: never relaunched), `preempted` (a graceful stop the batch scheduler asked for, by a signal: "
         "the scheduler requeues the job), `finished`, `interrupted` (a second Ctrl-C to the supervisor ended "
-        "it at once), `rollback` (a graceful stop asked by the loss-spike detector in `enforce` mode: relaunched "
-        "from an older healthy set with the bad data skipped, or ended when no target or budget is left); `hang` "
-        "and `node_lost` are reserved for the rules that detect them"
+        "it at once), `hang` (a rank stalled past `--hang-restart-s`), `rollback` (a graceful stop asked by "
+        "the loss-spike detector in `enforce` mode: relaunched from an older healthy set with the bad data "
+        "skipped, or ended when no target or budget is left); `node_lost` is reserved for the rule that "
+        "detects it"
     )
     rank: Annotated[int, Field(ge=0, lt=MAX_RANKS)] | None = Field(
         None, description="the rank that failed first (`crash`), when known"
