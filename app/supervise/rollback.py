@@ -209,10 +209,22 @@ def decide(
     return _relaunch(run_dir, req, rung, skip, choice, cause, text)
 
 
+def skip_from(req: rollbacks.Request | rollbacks.Line) -> int:
+    """Where the skipped data starts counting: the step the abnormal value was seen at.
+
+    The weights go back before ``first_step`` (the step after the last normal
+    sample), but the bad batch may lie anywhere up to the step the detector
+    saw the value at: heartbeats sample the loss, and on a loaded host one
+    sample can come 15 steps after the last. Counting the skip from
+    ``first_step`` then replayed the bad batch, and a second rollback was needed.
+    """
+    return max(req.first_step, req.evidence.step)
+
+
 def _relaunch(run_dir, req, rung, skip, choice, cause, text) -> Decision:
     env = {
         runfiles.RESUME_STEP_ENV: str(choice.global_step),
-        rollbacks.SKIP_FROM_ENV: str(req.first_step),
+        rollbacks.SKIP_FROM_ENV: str(skip_from(req)),
         rollbacks.SKIP_BATCHES_ENV: str(skip),
     }
     if rung > 1:
@@ -325,7 +337,7 @@ def carry(run_dir: str, resumed: int) -> dict:
     last = next((ln for ln in reversed(lines) if ln.kind == "relaunched"), None)
     if last is None or last.target_step is None or not last.target_step <= resumed:
         return {}
-    env = {rollbacks.SKIP_FROM_ENV: str(last.first_step), rollbacks.SKIP_BATCHES_ENV: str(last.skip_batches)}
+    env = {rollbacks.SKIP_FROM_ENV: str(skip_from(last)), rollbacks.SKIP_BATCHES_ENV: str(last.skip_batches)}
     if rollbacks.data_step(resumed, env) <= resumed:
         return {}
     if last.rung > 1:

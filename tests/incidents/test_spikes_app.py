@@ -12,33 +12,22 @@ import time
 
 import pytest
 
-from app import create_app
 from app.cli.status import spikes_text
 from app.runs.rows import spike_facts
-from tests.helpers.app import AUTH, FAST_SETTINGS, TOKEN
+from tests.helpers.app import AUTH, make_app
 from tests.helpers.checkpoints import save_bridge_set
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
-from tests.helpers.receiver import Receiver
 from trainer_bridge.rundir import rollbacks, runfiles
 
 
 @pytest.fixture
-def receiver():
-    with Receiver() as r:
-        yield r
+def receiver(make_receiver):
+    return make_receiver().start()
 
 
-def make_app(run_dir, receiver, **extra):
-    return create_app(
-        {
-            "RUN_DIR": str(run_dir),
-            "TESTING": True,
-            "TOKEN": TOKEN,
-            **FAST_SETTINGS,
-            "WEBHOOK_URL": receiver.url,
-            **extra,
-        }
-    )
+def spike_app(run_dir, receiver, **extra):
+    """The dashboard with its webhooks going to ``receiver``."""
+    return make_app(run_dir, WEBHOOK_URL=receiver.url, **extra)
 
 
 def train(run_dir, app, steps, loss_at, t0):
@@ -62,7 +51,7 @@ def test_observe_alerts_marks_and_records_what_enforce_would_do_and_stops_nothin
     write_job(run_dir, 2)
     save_bridge_set(run_dir, 150)
     save_bridge_set(run_dir, 200)  # saved after the first NaN step: not a target
-    app = make_app(run_dir, receiver)
+    app = spike_app(run_dir, receiver)
     t0 = time.time()
     train(run_dir, app, range(5, 300, 5), lambda r, s: math.nan if s >= 200 else curve(r, s), t0)
     client = app.test_client()
@@ -100,7 +89,7 @@ def test_observe_alerts_marks_and_records_what_enforce_would_do_and_stops_nothin
 def test_enforce_requests_the_rollback_and_joins_a_pending_stop(run_dir, receiver):
     write_job(run_dir, 2)
     save_bridge_set(run_dir, 100)
-    app = make_app(run_dir, receiver, SPIKE_MODE="enforce", SPIKE_RECOVER_STEPS=30)
+    app = spike_app(run_dir, receiver, SPIKE_MODE="enforce", SPIKE_RECOVER_STEPS=30)
     client = app.test_client()
     # An operator's stop is already pending: the rollback joins it, no second stop.
     rid = client.post("/api/exit", json={"reason": "maintenance", "who": "alice"}, headers=AUTH).get_json()[
@@ -126,13 +115,13 @@ def test_a_bad_override_is_ignored_and_off_runs_nothing(run_dir, receiver):
     write_job(run_dir, 2)
     runfiles.state_dir(run_dir).mkdir(parents=True, exist_ok=True)
     (runfiles.state_dir(run_dir) / "spikes.json").write_text('{"mode": "loud"}')
-    app = make_app(run_dir, receiver, SPIKE_MODE="off")
+    app = spike_app(run_dir, receiver, SPIKE_MODE="off")
     body = app.test_client().get("/api/spikes").get_json()
     assert body["policy"]["mode"] == "off" and "spikes.json ignored" in body["policy"]["error"]
     train(run_dir, app, range(5, 100, 5), lambda r, s: math.nan if s >= 50 else 1.0, time.time())
     assert app.test_client().get("/api/spikes").get_json()["marks"] == []
     (runfiles.state_dir(run_dir) / "spikes.json").write_text('{"mode": "observe", "factor": 4}')
-    app2 = make_app(run_dir, receiver, SPIKE_MODE="off")
+    app2 = spike_app(run_dir, receiver, SPIKE_MODE="off")
     assert app2.test_client().get("/api/spikes").get_json()["policy"]["factor"] == 4.0
     for a in (app, app2):
         a.extensions["rankwatch"].incidents.alerts.sender.close()

@@ -1,25 +1,25 @@
-"""A loss-spike rollback under ``rankwatch launch``, end to end: a real 2-rank msrun job (CPU, the demo's LeNet5).
+"""A loss-spike rollback end to end: a real 2-rank msrun job under ``rankwatch launch``, a real dashboard.
 
 The demo's global steps K..K+4 are poisoned (``RANKWATCH_DEMO_POISON_STEP``):
-from K on its weights and losses are NaN on both ranks. The test plays the
-detector's part, as the contract between the two halves says
-(``trainer_bridge/rundir/rollbacks.py``): once a rank's heartbeat shows a
-non-finite loss, it writes the pending request and a ``requested`` line,
-and asks for the graceful stop through the flag, ``requested_by`` = ``policy``. Every
-wait is for an event; the timeouts are failure guards.
+from K on its weights and losses are NaN on both ranks. The dashboard, in
+``SPIKE_MODE=enforce``, detects it from the heartbeats, writes the pending
+request and a ``requested`` line and asks the graceful stop (who = ``policy``);
+``rankwatch launch`` rolls back to the newest healthy set before K, skips the
+bad batches and trains on to the end. Every wait is for an event; the
+timeouts are failure guards.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import time
 
 import pytest
 
+from tests.helpers.app import FAST_SETTINGS, TOKEN
 from tests.helpers.faults import measure
-from tests.helpers.jobs import write_flag
 from tests.helpers.launch import LaunchJob
+from tests.helpers.liveserver import start_dashboard
 from trainer_bridge.rundir import rollbacks, runfiles
 
 pytestmark = pytest.mark.msrun
@@ -46,34 +46,38 @@ def nonfinite_loss(job: LaunchJob, rank: int) -> int | None:
 
 def test_a_nan_from_step_k_is_rolled_back_to_the_last_healthy_set_and_the_bad_batches_skipped(tmp_path):
     run = tmp_path / "run"
-    env = {"RANKWATCH_DEMO_POISON_STEP": f"{K}:5"}
-    with LaunchJob(run, TRAIN, FAST, env=env) as job:
-        # The detector's part: the first heartbeat with a NaN loss, on either rank.
-        first = job.wait_until(
-            lambda: nonfinite_loss(job, 0) or nonfinite_loss(job, 1), "a non-finite loss in a heartbeat"
-        )
-        assert first > K
-        ev = rollbacks.Evidence(rule="nonfinite", rank=0, step=first, value="nan", ranks=2)
-        req = rollbacks.Request(
-            rule="nonfinite", evidence=ev, first_step=first, skip_batches=SKIP, asked_at=time.time()
-        )
-        rollbacks.write_request(run, req)
-        rollbacks.append(
-            run,
-            rollbacks.Line(
-                kind="requested", at=req.asked_at, rule="nonfinite", evidence=ev, first_step=first
-            ),
-        )
-        write_flag(run, "req-spike", requested_by="policy", reason="nonfinite")
-        t_asked = time.time()
-        assert job.wait() == 0, job.output()
-    a, b = job.rows()
-    data_step = first - 1 + SKIP
+    run.mkdir()
+    settings = {**FAST_SETTINGS, "TOKEN": TOKEN, "SPIKE_MODE": "enforce", "SKIP_BATCHES": SKIP}
+    env = {f"RANKWATCH_{k}": str(v) for k, v in settings.items()}
+    server = start_dashboard(run, tmp_path / "dashboard.log", env=env)
+    try:
+        with LaunchJob(run, TRAIN, FAST, env={"RANKWATCH_DEMO_POISON_STEP": f"{K}:5"}) as job:
+            seen = job.wait_until(
+                lambda: nonfinite_loss(job, 0) or nonfinite_loss(job, 1), "a non-finite loss in a heartbeat"
+            )
+            assert seen > K
+            requested = job.wait_until(
+                lambda: [ln for ln in rollbacks.read_lines(run)[0] if ln.kind == "requested"],
+                "the dashboard's rollback request",
+            )
+            t_asked = requested[0].at
+            assert job.wait() == 0, job.output() + server.log()
+    finally:
+        server.stop()
+    first = requested[0].first_step
+    # The detector's K: the step after the last finite sample, at most the first NaN loss's (K + 1).
+    assert first <= K + 1, requested
+    rows = job.rows()
+    ends = [(r["attempt"], r["end"], (r.get("cause") or {}).get("kind"), r.get("first_step")) for r in rows]
+    assert len(rows) == 2, (ends, rollbacks.read_lines(run)[0], job.output()[-3000:])
+    a, b = rows
+    # The data resumes SKIP batches past the step the NaN was seen at (the bad batch lies up to there).
+    data_step = max(first, requested[0].evidence.step) - 1 + SKIP
     # Attempt 1 ended by the stop, rolled back: to the newest healthy set before K (the sets at 30 and
     # later hold NaN weights; 20 is older than the first step minus the margin of 1).
     cause = a["cause"]
     assert a["end"] == "graceful_stop" and a["restarted_by"] == "launch", job.output()
-    assert a["stop_by"] == "policy" and a["request_id"] == "req-spike"
+    assert a["stop_by"] == "policy" and a["request_id"]
     assert (cause["kind"], cause["rule"], cause["from_step"], cause["to_step"], cause["skip_batches"]) == (
         "rollback",
         "nonfinite",
@@ -81,7 +85,11 @@ def test_a_nan_from_step_k_is_rolled_back_to_the_last_healthy_set_and_the_bad_ba
         20,
         SKIP,
     )
-    assert cause["rung"] == 1 and f"global step {first}: nan" in cause["evidence"]
+    assert (
+        cause["rung"] == 1
+        and cause["evidence"] == requested[0].evidence.text
+        and "nan" in cause["evidence"].lower()
+    )
     assert a["supervisor"]["resume"]["global_step"] == 20
     if first > 31:  # the periodic set at 30 (NaN weights) was a candidate: named as passed over
         assert "not finite" in a["supervisor"]["note"]

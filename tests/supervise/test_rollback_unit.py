@@ -60,11 +60,12 @@ def test_the_target_is_the_newest_finite_set_before_the_spike_and_the_nan_breakp
     assert "breakpoint" in d.said and "not finite" in d.said
     assert d.env == {
         runfiles.RESUME_STEP_ENV: "20",
-        rollbacks.SKIP_FROM_ENV: "45",
+        rollbacks.SKIP_FROM_ENV: "48",
         rollbacks.SKIP_BATCHES_ENV: "20",
     }
-    # The bridge's rule: the data (and the step count) resume at 45 - 1 + 20.
-    assert rollback.data_step(d.env) == 64
+    # The bridge's rule: the data (and the step count) resume at 48 - 1 + 20, counted from the
+    # step the NaN was seen at (first step 45 + 3): the bad batch may lie anywhere up to there.
+    assert rollback.data_step(d.env) == 67
     assert d.cause == {
         "kind": "rollback",
         "rule": "nonfinite",
@@ -228,8 +229,8 @@ def test_a_crash_relaunch_from_a_set_before_the_skipped_data_skips_it_again(run_
     d = rollback.decide(str(run_dir), 2, request(first_step=25, skip=10), rollback.Settings(), Said())
     rollback.committed(str(run_dir), d, 2, Said())
     assert rollback.carry(str(run_dir), 20) == {
-        rollbacks.SKIP_FROM_ENV: "25",
+        rollbacks.SKIP_FROM_ENV: "28",
         rollbacks.SKIP_BATCHES_ENV: "10",
     }
-    # A set past the skipped data (34) needs no skip; one older than the target is another story.
-    assert rollback.carry(str(run_dir), 34) == {} and rollback.carry(str(run_dir), 10) == {}
+    # A set past the skipped data (37) needs no skip; one older than the target is another story.
+    assert rollback.carry(str(run_dir), 37) == {} and rollback.carry(str(run_dir), 10) == {}

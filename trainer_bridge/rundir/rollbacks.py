@@ -36,7 +36,7 @@ REQUEST_NAME = "rollback.json"
 LINES_NAME = "rollbacks.jsonl"
 # How many batches past the spike's first step the relaunched job skips (the bridge reads it).
 SKIP_BATCHES_ENV = "RANKWATCH_SKIP_BATCHES"
-# The spike's first step, beside SKIP_BATCHES: the relaunched job's data resumes at global step
+# The step the abnormal value was seen at (the spike's first step or later), beside SKIP_BATCHES: the relaunched job's data resumes at global step
 # SKIP_FROM - 1 + SKIP_BATCHES (its global step jumps there too; the skipped steps are never trained).
 # Added by the enforce half (optional: without it the skip counts from the resumed set's step).
 SKIP_FROM_ENV = "RANKWATCH_SKIP_FROM"

@@ -244,8 +244,9 @@ class AttemptCause(_Model):
     to_step: Count | None = Field(None, description="`rollback`: its global step")
     skip_batches: Count | None = Field(
         None,
-        description="`rollback`: `RANKWATCH_SKIP_BATCHES`: the data resumes at global step `from_step - 1 + "
-        "skip_batches` (the batches since `to_step` are skipped too)",
+        description="`rollback`: `RANKWATCH_SKIP_BATCHES`: the data resumes at global step `E - 1 + "
+        "skip_batches`, E being the step the abnormal value was seen at (`from_step` or later; the batches "
+        "since `to_step` are skipped too)",
     )
     rung: Annotated[int, Field(ge=1, le=100)] | None = Field(
         None, description="`rollback`: the ladder's rung (2 and up: the same place again, more skipped)"
