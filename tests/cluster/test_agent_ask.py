@@ -242,10 +242,15 @@ def test_the_checkpoint_browser_lists_sets_across_nodes(tmp_path, make_hub, agen
     write_set(b, 24, (3,))
 
     def listed():
+        # Both agents' listings merged: node-a's alone already names all three sets, so wait
+        # for node-b's files too (rank 3's at 8 and at 24), never on how long that takes.
         status, body = get(hub, "/api/checkpoints")
         assert status == 200, body
         sets = {s["id"]: s for s in body["sets"]}
-        return body if {bridge_id(g) for g in (8, 16, 24)} <= set(sets) else None
+        if not {bridge_id(g) for g in (8, 16, 24)} <= set(sets):
+            return None
+        from_b = [any(f["rank"] == 3 for f in sets[bridge_id(g)]["files"]) for g in (8, 24)]
+        return body if all(from_b) else None
 
     body = wait_for(listed, "three sets listed from the two agents", timeout=120)
     sets = {s["id"]: s for s in body["sets"]}
