@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import pty
 import re
 import signal
 import subprocess
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import psutil
 
+from tests.helpers.signals import on_terminal
 from trainer_bridge.rundir import runfiles
 
 # Upper bounds only: a job that takes longer is broken, not slow.
@@ -61,9 +63,13 @@ class DemoJob:
         step_delay: float = 0.0,
         extra: list[str] | None = None,
         env: dict | None = None,
+        terminal: bool = False,
     ):
+        """``terminal``: started on a pty as its controlling terminal (``ctrl_c()`` types Ctrl-C there)."""
         self.run_dir = Path(run_dir)
         self.ranks = ranks
+        self.terminal = terminal
+        self._master: int | None = None
         self.steps_per_epoch = max(1, -(-samples // ranks) // BATCH)  # as the demo computes it
         self.cmd = [
             sys.executable,
@@ -92,11 +98,27 @@ class DemoJob:
     def start(self) -> DemoJob:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._out = open(self.output_path, "ab")
+        if self.terminal:
+            self._master, slave = pty.openpty()
+            self.proc = subprocess.Popen(
+                self.cmd,
+                stdin=slave,
+                stdout=self._out,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                preexec_fn=on_terminal,
+            )
+            os.close(slave)
+            return self
         # A new session, so a test can signal the whole job without hitting pytest.
         self.proc = subprocess.Popen(
             self.cmd, stdout=self._out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
         )
         return self
+
+    def ctrl_c(self) -> None:
+        """Type Ctrl-C on the job's terminal: the line discipline sends SIGINT to its foreground group."""
+        os.write(self._master, b"\x03")
 
     def __enter__(self) -> DemoJob:
         return self.start()
@@ -122,6 +144,9 @@ class DemoJob:
             self.proc.wait()
         if getattr(self, "_out", None):
             self._out.close()
+        if self._master is not None:
+            os.close(self._master)
+            self._master = None
 
     def wait(self, timeout: float = JOB_TIMEOUT_S) -> int:
         try:

@@ -10,9 +10,11 @@ the same, passed as ``Popen``'s ``preexec_fn``.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pty
 import signal
+import termios
 import threading
 
 
@@ -51,3 +53,14 @@ class Terminal:
 
     def text(self) -> str:
         return b"".join(self._chunks).decode(errors="replace")
+
+
+def on_terminal() -> None:
+    """``preexec_fn``: a new session whose controlling terminal is stdin (a pty slave), as a shell's job has.
+
+    The terminal's Ctrl-C (a ``\\x03`` written to the master) then reaches the
+    session's foreground process group, as a person's Ctrl-C does.
+    """
+    os.setsid()
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    ctrl_c_default()

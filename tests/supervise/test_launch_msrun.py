@@ -330,11 +330,19 @@ def test_where_mindcluster_owns_recovery_the_supervisor_only_records(tmp_path):
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_the_demo_under_launch_stops_gracefully_on_ctrl_c(tmp_path, sig):
-    """``rankwatch demo``'s way (--supervise): Ctrl-C or SIGTERM is a graceful stop through rankwatch
-    launch, and the terminal says where it stopped (issue 33, section 3)."""
-    with DemoJob(tmp_path / "demo", epochs=UNTIL_STOPPED, step_delay=0.05, extra=["--supervise"]) as job:
+    """``rankwatch demo``'s way (--supervise): Ctrl-C typed on its terminal (a pty: the line discipline
+    signals the whole foreground group, as a person's Ctrl-C does) or SIGTERM is a graceful stop
+    through rankwatch launch, and the terminal says where it stopped (issue 33, section 3)."""
+    on_pty = sig == signal.SIGINT
+    demo = DemoJob(
+        tmp_path / "demo", epochs=UNTIL_STOPPED, step_delay=0.05, extra=["--supervise"], terminal=on_pty
+    )
+    with demo as job:
         job.wait_for_step(5)
-        os.kill(job.proc.pid, sig)
+        if on_pty:
+            job.ctrl_c()
+        else:
+            os.kill(job.proc.pid, sig)
         assert job.wait() == 0, job.logs()
         job.stopped_together()
     (row,) = LaunchJob.rows_of(tmp_path / "demo")
