@@ -118,7 +118,8 @@ def write_heartbeat(run_dir: str | os.PathLike, hb: dict, history: bool = True) 
     path.parent.mkdir(parents=True, exist_ok=True)
     runfiles.atomic_write_json(path, hb, fsync=False)
     if history:
-        line = schema.HistoryLine(**{k: hb[k] for k in schema.HistoryLine.model_fields})
+        # Fields a heartbeat may leave out (an older bridge's, the simulator's) take their defaults.
+        line = schema.HistoryLine(**{k: hb[k] for k in schema.HistoryLine.model_fields if k in hb})
         with open(runfiles.history_path(run_dir, hb["rank"]), "ab") as f:
             f.write(line.to_json() + b"\n")
     return path

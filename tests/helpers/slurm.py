@@ -20,6 +20,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -58,7 +59,16 @@ class Slurm:
         self.conf = self.dir / "slurm.conf"
         self.munge_socket = self.dir / "munge" / "munge.socket"
         self.procs: dict[str, subprocess.Popen] = {}
-        self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        # The jobs' environment (sbatch's --export=ALL) as a user's who activated the venv: the
+        # template runs `rankwatch` and `msrun` from PATH, and `make test` calls the venv's python
+        # without putting its bin/ on PATH.
+        venv_bin = os.path.dirname(sys.executable)
+        path = os.environ.get("PATH", "")
+        self.env = {
+            **os.environ,
+            "SLURM_CONF": str(self.conf),
+            "PATH": path if path.split(os.pathsep)[0] == venv_bin else f"{venv_bin}{os.pathsep}{path}",
+        }
         for var in [v for v in self.env if v.startswith(("SLURM_", "SBATCH_", "SRUN_", "SQUEUE_"))]:
             if var != "SLURM_CONF":
                 # The tests may themselves run inside a Slurm job: its variables would steer the clients.
