@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.app import wait_for
 from tests.helpers.jobs import DemoJob, dump
 from tests.helpers.liveserver import free_port
 from tests.helpers.spikes import replay
@@ -123,6 +124,15 @@ def test_the_default_demo_trains_learns_checkpoints_and_resumes(tmp_path, start_
         lambda hbs: hbs if all(h and h["state"] == "exited" for h in hbs) else None, "every rank exited"
     )
     stop_step = stopped[0]["stop"]["stop_step"]
+    # The terminal says where a stop from the page stopped it, as it does after Ctrl-C.
+    wait_for(
+        lambda: (
+            f"stopped gracefully at global step {stop_step}: every rank saved"
+            in job.output_path.read_text(errors="replace")
+        ),
+        "the demo's line on where it stopped",
+        timeout=120,
+    )
     # No false alarm: the demo's own dashboard runs the loss-spike detector (SPIKE_MODE observe by
     # default) over the whole first run, and marked nothing (issue 34).
     with urllib.request.urlopen(url.split("#")[0] + "api/spikes", timeout=30) as r:

@@ -287,7 +287,14 @@ def run(args: SimpleNamespace, extra: list[str]) -> int:
             f"rankwatch demo: the job exited with {code}; worker logs in {run_dir / 'msrun_logs'}", flush=True
         )
         if code == 0:
-            print("rankwatch demo: run the same command again to resume from its last stop", flush=True)
+            # A stop from the page or `rankwatch stop` ends the job as Ctrl-C does: the same words.
+            said = stopped_line(run_dir)
+            print(
+                said
+                if " stopped gracefully at " in said
+                else "rankwatch demo: run the same command again to resume from its last stop",
+                flush=True,
+            )
         if dashboard is not None and dashboard.poll() is None:
             print("rankwatch demo: the dashboard stays up; Ctrl-C to quit", flush=True)
             dashboard.wait()
