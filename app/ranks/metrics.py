@@ -31,7 +31,7 @@ METRICS: list[Metric] = [
     Metric("state", "State", "", "Lifecycle state the rank reports (starting, training, ...)."),
     Metric(
         "global_step",
-        "Epoch / step",
+        "Epoch / step (global)",
         "",
         "Steps since the job began (the table shows epoch / step in epoch (global step)).",
     ),
@@ -52,7 +52,7 @@ METRICS: list[Metric] = [
     ),
     Metric(
         "score",
-        "Score",
+        "Speed vs peers",
         "",
         "Relative performance: peer median / own, of the work per step in a synchronous "
         "job, else of the step time (1 = as fast as peers).",
