@@ -88,7 +88,7 @@ def test_a_killed_rank_is_relaunched_from_the_newest_set_and_nothing_of_it_is_le
     state.scan(time.time())
     beats, _ = state.heartbeats()
     g = state.goodput(attempts_answer(state.run_dir, beats, state.job_ended())["attempts"], time.time())
-    assert g["kept_steps"] == 3 * job.steps_per_epoch and g["steps_lost"] == a["last_step"] - resumed
+    assert g["kept_steps"] == EPOCHS * job.steps_per_epoch and g["steps_lost"] == a["last_step"] - resumed
     assert g["restarts"] == 1 and g["restarts_by_launch"] == 1 and g["downtime_s"] == down_total(a)
     assert g["wall_s"] >= b["ended_at"] - a["started_at"] and 0 < g["kept_s"] < g["wall_s"]
     assert 0 < g["goodput"] < 1
@@ -152,7 +152,7 @@ def test_a_hung_rank_ends_its_attempt_as_a_hang_and_the_job_goes_on(tmp_path):
     assert f"attempt 1 failed: rank 1 (pid {stopped.pid} on" in job.output() and " hung: " in job.output()
     # No dying gasp for a hang: attempt 2 resumed from the newest periodic set.
     assert b["resumed_from"]["global_step"] % 10 == 0
-    assert job.steps_logged(0)[-1] == 3 * job.steps_per_epoch
+    assert job.steps_logged(0)[-1] == EPOCHS * job.steps_per_epoch
     assert job.marked() == []
     measure(
         "launch: SIGSTOP to the hang's detection",
