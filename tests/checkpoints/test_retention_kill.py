@@ -23,7 +23,10 @@ from tests.helpers.heartbeats import write_job
 from trainer_bridge.rundir import ckptindex
 
 WORLD = 32
-KILLS = 60
+# Kills that land while the journal is there (mid-deletion). Counted as events, not
+# expected from a fixed number of rounds: on a loaded host more kills land after it.
+MID_DELETE_KILLS = 20
+MAX_ROUNDS = 400  # a guard only
 OLD = time.time() - 3600
 
 
@@ -93,9 +96,10 @@ def test_kill_9_of_the_deleter_at_random_points(run_dir):
     rng = random.Random(18)
     written: dict[int, dict[str, Path]] = {}
     step = 0
-    kills = mid_delete = partial_seen = 0
+    rounds = mid_delete = partial_seen = 0
     journal = Path(rt.journal_path(str(run_dir)))
-    while kills < KILLS:
+    while (mid_delete < MID_DELETE_KILLS or not partial_seen) and rounds < MAX_ROUNDS:
+        rounds += 1
         for _ in range(3):
             step += 10
             written[step] = write_set(run_dir, step)
@@ -113,12 +117,11 @@ def test_kill_9_of_the_deleter_at_random_points(run_dir):
         if running and alive(pid):
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
-            kills += 1
             mid_delete += journal.exists()
         partial_seen += check(run_dir, written)
     # The killed runs really stopped mid-deletion, and some left a set half deleted.
-    assert mid_delete >= KILLS // 2, mid_delete
-    assert partial_seen > 0
+    assert mid_delete >= MID_DELETE_KILLS, (mid_delete, rounds)
+    assert partial_seen > 0, rounds
     # The next run finishes the job: only the newest three sets are left, all whole.
     _, status = os.waitpid(gc(run_dir), 0)
     assert os.waitstatus_to_exitcode(status) == 0
