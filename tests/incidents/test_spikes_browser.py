@@ -31,9 +31,10 @@ def test_a_nan_is_shown_marked_on_the_chart_with_its_evidence_and_listed(
         for r in (0, 1):
             loss = math.nan if step >= 40 else 2.3 / (1 + step / 100) * (1 + 0.05 * math.sin(step + r))
             write_heartbeat(run_dir, heartbeat(r, 2, seq=i, global_step=step, loss=loss))
-        # One sample per tick: wait until the dashboard has read this step on both ranks.
+        # One sample per tick: wait until the dashboard has read this step on both ranks (both
+        # rows there: before its first tick it lists none, and all() of nothing is true).
         wait_for(
-            lambda step=step: all(row["global_step"] == step for row in rank_rows(live_server.url)),
+            lambda step=step: [row["global_step"] for row in rank_rows(live_server.url)] == [step, step],
             f"the dashboard at step {step}",
         )
     page.goto(live_server.url + "/")
