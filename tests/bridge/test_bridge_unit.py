@@ -15,6 +15,7 @@ from mindspore import nn  # noqa: E402
 from mindspore.train import Callback, Model  # noqa: E402
 
 from trainer_bridge import GracefulExitBridge  # noqa: E402
+from trainer_bridge import reporter as reporter_module  # noqa: E402
 from trainer_bridge.rundir import runfiles  # noqa: E402
 from trainer_bridge.rundir.ckptmeta import read_meta  # noqa: E402
 
@@ -390,13 +391,15 @@ def _reporter_thread() -> bool:
     return any(t.name == "rankwatch-reporter" and t.is_alive() for t in threading.enumerate())
 
 
-def test_loop_steps_with_no_reporter_thread_and_a_pause_brings_it_back(tmp_path):
+def test_loop_steps_with_no_reporter_thread_and_a_pause_brings_it_back(tmp_path, monkeypatch):
     """While agreements come, the training thread does the reporter's work (reporter.py)."""
+    # Only a deliberate stall may bar the hand-over (test_reporter_handover.py), not a loaded disk.
+    monkeypatch.setattr(reporter_module, "SLOW_TICK_S", 5.0)
     ms.set_seed(0)
     data = ds.GeneratorDataset(_Indexed(), ["x", "y"], shuffle=False).batch(4)
     net = nn.Dense(4, 2)
     opt = nn.Momentum(net.trainable_params(), 0.01, 0.9)
-    bridge = GracefulExitBridge(tmp_path, heartbeat_interval_s=0.1, poll_interval_s=0.05, max_sync_every=2)
+    bridge = GracefulExitBridge(tmp_path, heartbeat_interval_s=0.25, poll_interval_s=0.05, max_sync_every=2)
 
     def beat():
         return runfiles.read_json(runfiles.heartbeat_path(tmp_path, 0))

@@ -48,8 +48,12 @@ def cost(run_dir) -> dict:
 
 
 @pytest.fixture
-def reporter(tmp_path):
-    r = new_reporter(tmp_path, heartbeat_interval_s=0.1, poll_interval_s=0.05)
+def reporter(tmp_path, monkeypatch):
+    # A loaded host can make any heartbeat write slower than SLOW_TICK_S, which bars the
+    # hand-over for a minute (the rule under test below, with a tick slowed on purpose).
+    # Here that would test the host's disk, not an event: only a deliberate stall counts.
+    monkeypatch.setattr(reporter_module, "SLOW_TICK_S", 5.0)
+    r = new_reporter(tmp_path, heartbeat_interval_s=0.25, poll_interval_s=0.05)
     yield r
     r.close()
 
@@ -142,6 +146,7 @@ def test_agreements_further_apart_than_a_heartbeat_leave_the_work_to_the_thread(
 def test_a_slow_tick_on_the_training_thread_gives_the_work_to_the_thread_for_a_while(
     reporter, tmp_path, monkeypatch, caplog
 ):
+    monkeypatch.setattr(reporter_module, "SLOW_TICK_S", 0.5)  # the stall below is twice that
     reporter.start()
     reporter.state = "training"
     until(lambda: not thread_alive(), "the thread handing over", between=lambda: agree(reporter))
