@@ -74,18 +74,25 @@ def test_a_signal_from_slurm_saves_requeues_and_the_next_run_resumes_as_attempt_
         f" from the batch shell's trap to the last process gone (rankwatch slurm check's figure): {slurm_measured(run):.1f} s"
     )
 
-    fields = slurm.wait_job(
+    slurm.wait_job(
         job,
         lambda f: f.get("Restarts") == "1" and f.get("JobState") in ("PENDING", "RUNNING"),
         "requeued once",
     )
     assert "preempted by SIGTERM: requeueing job" in log(), log()
-    if fields["JobState"] == "PENDING" and fields.get("Reason") == "BeginTime":
-        # Slurm holds a requeued batch job back (its begin time, about two minutes on): not this test's matter.
-        slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+
+    def release_if_held() -> bool:
+        # Slurm holds a requeued batch job back (its begin time, about two minutes on): not this
+        # test's matter. Its Reason may turn BeginTime only after the requeue shows, so each poll looks.
+        f = slurm.job(job)
+        if f.get("JobState") == "PENDING" and f.get("Reason") == "BeginTime":
+            slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False)
+        return False
 
     second = wait_for_job(
-        "attempt 2 training", lambda: [r for r in rows(run) if r["attempt"] == 2 and r.get("launch")]
+        "attempt 2 training",
+        lambda: [r for r in rows(run) if r["attempt"] == 2 and r.get("launch")] or release_if_held(),
+        every_s=0.5,
     )[0]
     assert second["resumed_from"]["global_step"] == saved, second
     assert second["first_step"] == saved + 1
