@@ -202,7 +202,6 @@ def restarts_text(source: Source) -> str | None:
     from the dashboard's whole-run series, ``app.run.goodput``).
     """
     from app import attempts
-    from app.run import goodput
     from app.supervise.supervisor import describe
 
     state = source.files()
@@ -214,8 +213,9 @@ def restarts_text(source: Source) -> str | None:
     if not rows:
         return None
     restarts = [r for r in rows if r.get("restarted_by") == "launch"]
-    text = f"{goodput.text(state.goodput(rows, now))}; {len(rows)} attempt(s), {len(restarts)} restart(s) by rankwatch launch"
+    text = f"{state.goodput(rows, now)['text']}; {len(rows)} attempt(s)"
     if restarts:
+        text += f", {len(restarts)} restarted by rankwatch launch"
         last = restarts[-1]
         down = (last.get("downtime") or {}).get("total_s")
         text += f"; last after attempt {last['attempt']}: {describe(last['cause'])}"

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from itertools import pairwise
 
 from trainer_bridge.rundir import supervised
 
@@ -147,7 +148,7 @@ def measure(
     wall_s = end - start if start is not None and end > start else None
     downtime = [d for r in rows if (d := _num((r.get("downtime") or {}).get("total_s"))) is not None]
     ratio = min(1.0, kept_s / wall_s) if known and wall_s else None
-    return {
+    g = {
         "goodput": round(ratio, DIGITS) if ratio is not None else None,
         "kept_s": round(kept_s, 3) if known else None,
         "wall_s": round(wall_s, 3) if wall_s is not None else None,
@@ -155,20 +156,57 @@ def measure(
         "steps_lost": lost_steps,
         "restarts": max(0, len(rows) - 1),
         "restarts_by_launch": sum(1 for r in rows if r.get("restarted_by") == "launch"),
+        # What relaunched each attempt after the first: rankwatch launch or a Slurm requeue
+        # (after a fault, a hang, a preemption), else a person (a stop, then the command again).
+        "automatic_restarts": sum(1 for a, b in pairwise(rows) if _automatic(a, b)),
         "downtime_s": round(sum(downtime), 3) if downtime else None,
         # rankwatch launch gave up after the newest attempt (its budget, the startup or no-progress rule).
         "gave_up": supervised.gave_up(rows[-1]) if rows else None,
     }
+    # Said once, here: the page, the runs table and the terminal show these words.
+    g["text"], g["detail"] = text(g), detail(g)
+    return g
+
+
+def _requeues(row: Mapping) -> int:
+    count = ((row.get("supervisor") or {}).get("scheduler") or {}).get("restart_count")
+    return count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else 0
+
+
+def _automatic(ended: Mapping, next_: Mapping) -> bool:
+    """Whether ``next_`` was started by rankwatch launch (it marks the attempt it relaunched) or a Slurm requeue."""
+    return ended.get("restarted_by") == "launch" or _requeues(next_) > _requeues(ended)
 
 
 def text(g: Mapping) -> str:
-    """The goodput in one line, as the terminal and the page say it."""
+    """The goodput in one line, as the terminal and the page say it (the page takes it from the API).
+
+    Relaunches by hand are told apart from automatic restarts: a stop and the
+    same command again is not a fault, though its gap counts against goodput.
+    """
     ratio = g.get("goodput")
     said = f"goodput {ratio * 100:.1f}%" if ratio is not None else "goodput not known yet"
-    parts = [said, _plural(g["restarts"], "restart"), f"{_plural(g['steps_lost'], 'step')} lost"]
+    auto = g.get("automatic_restarts", g["restarts"])
+    by_hand = max(0, g["restarts"] - auto)
+    parts = [said]
+    if auto or not by_hand:
+        parts.append(_plural(auto, "automatic restart"))
+    if by_hand:
+        parts.append(f"{by_hand:,} relaunch{'' if by_hand == 1 else 'es'} by hand")
+    parts.append(f"{_plural(g['steps_lost'], 'step')} lost")
     if g.get("downtime_s") is not None:
         parts.append(f"{g['downtime_s']:.1f} s down")
     return " · ".join(parts)
+
+
+def detail(g: Mapping) -> str | None:
+    """What the ratio is made of, for the page's line (None until both figures are known)."""
+    if g.get("kept_s") is None or g.get("wall_s") is None:
+        return None
+    return (
+        f"{g['kept_steps']:,} kept steps took {g['kept_s']:.1f} s of {g['wall_s']:.1f} s "
+        "since the first attempt started"
+    )
 
 
 def _plural(n: int, word: str) -> str:

@@ -169,6 +169,7 @@ def row_from(
         # the launches after the first.
         "goodput": good["goodput"],
         "restarts": good["restarts"],
+        "automatic_restarts": good["automatic_restarts"],
         "steps_lost": good["steps_lost"],
         "status_message": head["run"]["message"],
     }
@@ -201,6 +202,7 @@ def unread_row(run_id: str, entry) -> dict:
         "rollbacks": 0,
         "goodput": None,
         "restarts": 0,
+        "automatic_restarts": 0,
         "steps_lost": 0,
         "status_message": UNREAD_MESSAGE,
     }

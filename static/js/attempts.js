@@ -80,16 +80,9 @@ function downtimeText(d) {
   return text;
 }
 
-// As app/run/goodput.py's text() says it in the terminal.
+// The words are app/run/goodput.py's (text and detail in the answer), as the terminal says them.
 export function goodputText(g) {
-  const parts = [g.goodput == null ? "goodput not known yet" : `goodput ${(g.goodput * 100).toFixed(1)}%`,
-    plural(g.restarts, "restart"), `${plural(g.steps_lost, "step")} lost`];
-  if (typeof g.downtime_s === "number") parts.push(`${g.downtime_s.toFixed(1)} s down`);
-  let text = parts.join(" · ");
-  if (typeof g.kept_s === "number" && typeof g.wall_s === "number") {
-    text += ` (${formatCount(g.kept_steps)} kept steps took ${g.kept_s.toFixed(1)} s of ${g.wall_s.toFixed(1)} s since the first attempt started)`;
-  }
-  return text;
+  return g.detail ? `${g.text} (${g.detail})` : g.text;
 }
 
 export class Attempts {

@@ -103,7 +103,8 @@ function slurmText(s) {
 // A run rankwatch launch gave up on says so (the cell's title says why).
 function goodput(r) {
   const ratio = r.goodput == null ? "–" : `${(r.goodput * 100).toFixed(1)}%`;
-  const text = r.restarts ? `${ratio} · ${plural(r.restarts, "restart")}` : ratio;
+  // Automatic restarts only: a relaunch by hand after a stop is not a fault (the run page says both).
+  const text = r.automatic_restarts ? `${ratio} · ${plural(r.automatic_restarts, "automatic restart")}` : ratio;
   if (!r.gave_up) return text;
   const span = document.createElement("span");
   span.className = "run-gave-up";

@@ -49,7 +49,12 @@ def test_steps_trained_again_after_a_resume_are_lost_and_downtime_is_not_kept():
     assert g["kept_s"] == 40.0 and g["wall_s"] == 62.0  # from the supervisor's spawn to the last end
     assert g["goodput"] == round(40 / 62, 4)
     assert g["restarts"] == 1 and g["restarts_by_launch"] == 1 and g["downtime_s"] == 3.5
-    assert goodput.text(g) == "goodput 64.5% · 1 restart · 5 steps lost · 3.5 s down"
+    assert g["automatic_restarts"] == 1
+    assert goodput.text(g) == "goodput 64.5% · 1 automatic restart · 5 steps lost · 3.5 s down"
+    assert (
+        g["text"] == goodput.text(g)
+        and g["detail"] == "40 kept steps took 40.0 s of 62.0 s since the first attempt started"
+    )
 
 
 def test_a_heartbeat_point_stands_for_every_step_since_the_previous_one():
@@ -117,3 +122,20 @@ def test_the_ratio_is_clamped_to_one():
 def test_the_supervisor_gave_up_only_on_its_budget_startup_and_no_progress_rules(sup, said):
     g = goodput.measure([row(1, 1, 10, T, T + 10, supervisor=sup)], {}, now=T + 20, running=False)
     assert (g["gave_up"] is None) if said is None else (said in g["gave_up"])
+
+
+def test_a_relaunch_by_hand_is_told_apart_from_automatic_restarts():
+    # Attempt 1 stopped by its operator and relaunched by hand; attempt 2 relaunched by launch;
+    # attempt 4 is Slurm's requeue (its scheduler record counts one restart more).
+    slurm = lambda n: {"scheduler": {"kind": "slurm", "job_id": "7", "restart_count": n}}  # noqa: E731
+    rows = [
+        row(1, 1, 10, T, T + 10),
+        row(2, 11, 20, T + 20, T + 30, restarted_by="launch"),
+        row(3, 21, 30, T + 40, T + 50, supervisor=slurm(0)),
+        row(4, 31, 40, T + 60, T + 70, supervisor=slurm(1)),
+    ]
+    g = goodput.measure(rows, {}, now=T + 100, running=False)
+    assert (g["restarts"], g["automatic_restarts"]) == (3, 2)
+    assert g["text"] == "goodput not known yet · 2 automatic restarts · 1 relaunch by hand · 0 steps lost"
+    only_by_hand = goodput.measure(rows[:2], {}, now=T + 100, running=False)
+    assert only_by_hand["text"] == "goodput not known yet · 1 relaunch by hand · 0 steps lost"

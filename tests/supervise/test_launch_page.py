@@ -75,7 +75,7 @@ def test_the_timeline_names_the_cause_and_the_downtime(run_dir, live_server, pag
     # and, since the supervisor gave up (the startup rule, exit 5), that the run needs attention.
     good = page.locator("#attempts-goodput[data-gave-up]")
     expect(good).to_have_text(
-        "goodput not known yet · 1 restart · 0 steps lost · 5.7 s down · ⚠ rankwatch launch ended the run "
+        "goodput not known yet · 1 automatic restart · 0 steps lost · 5.7 s down · ⚠ rankwatch launch ended the run "
         "(exit 5): the same failure twice in a row before the first step; ending the run"
     )
     assert console_errors == []

@@ -157,7 +157,7 @@ def test_supervised_lines_join_their_attempts_and_make_rows_of_their_own(run_dir
     result = CliRunner().invoke(main, ["status", "--run-dir", str(run_dir)])
     assert result.exit_code == 0, result.output
     said = " ".join(result.output.split())
-    assert "3 attempt(s), 1 restart(s) by rankwatch launch" in said
+    assert "3 attempt(s), 1 restarted by rankwatch launch" in said
     assert "rank 1 (pid 7 on a) killed by SIGKILL (fault to relaunch 5.7 s)" in said
 
 
