@@ -156,15 +156,16 @@ def check(run_dir: Path) -> None:
     stop dialog's estimate (the flag poll and the steps to the next agreement).
     """
     from app.cli.common import open_cli_run
+    from app.run import slurmstop
     from app.supervise import slurm as supervise_slurm
 
-    needs = supervise_slurm.measured_stop_s(str(run_dir))
+    needs = slurmstop.measured_stop_s(str(run_dir))
     if needs is None:
         import time
 
         run = open_cli_run(run_dir)
         run.state.scan(time.time())
         needs = run.stop.estimate().get("seconds")
-    ok, told = supervise_slurm.fits(needs, supervise_slurm.kill_wait_s())
+    ok, told = slurmstop.fits(needs, supervise_slurm.kill_wait_s())
     click.echo(f"rankwatch slurm: {told}")
     raise SystemExit(1 if ok is False else 0)

@@ -17,6 +17,7 @@ from typing import Any
 
 from app.audit import AuditLog
 from app.incidents.alerts import AlertDesk
+from app.incidents.killwait import KillWaitAlerts
 from app.incidents.policy import Policy, parse_mode, parse_rules
 from app.incidents.restarts import RestartAlerts
 from app.incidents.spikes import SpikeWatch
@@ -38,6 +39,7 @@ class Incidents:
         policy: Policy,
         clock: Callable[[], float] = time.time,
         spikes: SpikeWatch | None = None,
+        stop_estimate: Callable[[], float | None] | None = None,
     ):
         self.state = state
         self.alerts = alerts
@@ -46,6 +48,7 @@ class Incidents:
         self.clock = clock
         self.rows: dict[int, dict] = {}
         self.restarts = RestartAlerts(alerts, state.run_dir)  # rankwatch launch's relaunches
+        self.killwait = KillWaitAlerts(alerts, state, stop_estimate)  # a stop longer than Slurm's KillWait
         self._pushed = Changed()  # (policy version, deliveries version) last pushed
 
     @classmethod
@@ -87,7 +90,7 @@ class Incidents:
         )
         # The loss-spike policy (issue 34); index: the checkpoint index, for the rollback target.
         spikes = SpikeWatch(state, config, stop, audit, alerts, index=index)
-        return cls(state, alerts, policy, spikes=spikes)
+        return cls(state, alerts, policy, spikes=spikes, stop_estimate=lambda: stop.estimate().get("seconds"))
 
     # ------------------------------------------------------------------ the tick
     def tick(self, now: float, pushed: tuple[str, dict] | None, stop_status: Mapping | None) -> tuple | None:
@@ -99,6 +102,7 @@ class Incidents:
         if stop_status is not None and self.alerts.enabled:
             self._stop_alerts(stop_status)
         self.restarts.tick()
+        self.killwait.tick(now)
         self.alerts.flush(now)
         self.policy.tick(now, self.rows, stop_status)
         if self.spikes is not None:

@@ -31,6 +31,7 @@ from app.ranks.window import (  # noqa: F401  (the page bounds are re-exported: 
     RanksPage,
     page_of,
 )
+from app.run import slurmstop
 from app.run.health import VERDICT_HELP, VERDICTS
 
 bp = Blueprint("ranks", __name__)
@@ -144,8 +145,17 @@ def api_attempts():
     state = fresh_state(now)
     beats, _ = state.heartbeats()
     body = attempts_answer(state.run_dir, beats, state.job_ended(), state.log_attempts())
+    stop = rankwatch().stop
+    # Under Slurm: whether a preemption's graceful stop fits in KillWait (app/run/slurmstop.py).
+    slurm_stop = (
+        slurmstop.verdict(
+            str(state.run_dir), body["attempts"], beats.values(), lambda: stop.estimate().get("seconds")
+        )
+        if state.run_dir and stop is not None
+        else None
+    )
     # The run's goodput, restarts and steps lost (app/run/goodput.py), shown above the timeline.
-    return jsonify(body | {"goodput": state.goodput(body["attempts"], now)})
+    return jsonify(body | {"goodput": state.goodput(body["attempts"], now), "slurm_stop": slurm_stop})
 
 
 def opaque(name: str) -> str:

@@ -17,7 +17,6 @@ import re
 import subprocess
 import time
 
-from trainer_bridge.rundir import attempts
 from trainer_bridge.rundir import slurm as rundir_slurm
 
 SQUEUE_TIMEOUT_S = 5.0
@@ -125,51 +124,17 @@ def kill_wait_s() -> int | None:
     return int(m.group(1)) if m else None
 
 
-def fits(needs_s: float | None, kill_wait: int | None) -> tuple[bool | None, str]:
-    """Whether the graceful stop fits in ``KillWait``, and the sentence that says so."""
-    if kill_wait is None:
-        return None, "Slurm's KillWait is unknown here (scontrol show config did not answer)"
-    if needs_s is None:
-        return None, f"Slurm gives a stop {kill_wait} s (KillWait); this job's stop time is not known yet"
-    if needs_s > kill_wait:
-        return False, (
-            f"this job needs about {needs_s:.0f} s to stop; Slurm gives it {kill_wait} (KillWait): a preemption "
-            "would kill it before every rank saved"
-        )
-    return True, f"this job needs about {needs_s:.0f} s to stop; Slurm gives it {kill_wait} (KillWait)"
+_kill_wait: list[int | None] = []  # asked once per supervisor: scontrol is a round trip to slurmctld
 
 
-def measured_stop_s(run_dir: str) -> float | None:
-    """The last stop's time on this run, measured.
-
-    After a preemption: from Slurm's signal to the last process of the attempt gone, as ``rankwatch
-    launch`` recorded them (``cause.signalled_at``, ``ended_at``): what KillWait must cover. Else from
-    the first rank seeing the flag to the last rank's exit stamp (the heartbeats' ``stop.at``), which
-    leaves out the processes' own teardown after it.
-    """
-    try:
-        rows = attempts.fold(attempts.read_lines(run_dir)[0])
-    except OSError:
-        rows = []
-    for row in reversed(rows):
-        cause, sup = row.get("cause") or {}, row.get("supervisor") or {}
-        if cause.get("kind") == "preempted":
-            at, ended = cause.get("signalled_at"), sup.get("ended_at")
-            if rundir_slurm.finite(at) and rundir_slurm.finite(ended) and ended >= at:
-                return float(ended - at)
-            break
-    seen, exited = [], []
-    for _, hb in attempts.read_heartbeats(run_dir):
-        at = (hb.get("stop") or {}).get("at") if isinstance(hb.get("stop"), dict) else None
-        if not isinstance(at, dict):
-            continue
-        if rundir_slurm.finite(at.get("seen")):
-            seen.append(float(at["seen"]))
-        if rundir_slurm.finite(at.get("exited")):
-            exited.append(float(at["exited"]))
-    if not exited:
+def scheduler_record() -> dict | None:
+    """The attempt's scheduler record (``rundir_slurm.scheduler``) with Slurm's ``KillWait``, for the page's check."""
+    record = rundir_slurm.scheduler()
+    if record is None:
         return None
-    note = rundir_slurm.read_note(run_dir)
-    if note is not None and note["at"] <= max(exited):
-        return max(exited) - note["at"]
-    return max(exited) - min(seen) if seen else None
+    if not _kill_wait:
+        _kill_wait.append(kill_wait_s())
+    kw = _kill_wait[0]
+    if kw is not None and 0 <= kw <= 86400:
+        record["kill_wait_s"] = kw
+    return record

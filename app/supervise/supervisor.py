@@ -24,7 +24,6 @@ from app.supervise.attempt import Attempt, Outcome
 from app.supervise.command import Msrun
 from app.supervise.hang import HangWatch, hang_cause, hang_words
 from trainer_bridge.rundir import attempts, gaspfiles, runfiles, schema
-from trainer_bridge.rundir import slurm as rundir_slurm
 
 # Where MindIO TTP or MindCluster own recovery (they relaunch processes themselves).
 EXTERNAL_RECOVERY_ENV = ("MS_ENABLE_TFT", "MINDX_TASK_ID")
@@ -312,7 +311,7 @@ class Supervisor:
             ended_at=outcome.ended_at,
             last_step=last_step,
             progressed=progressed,
-            scheduler=rundir_slurm.scheduler(),
+            scheduler=slurm.scheduler_record(),
         )
         if not outcome.clean:
             self.say("WARNING: a process of the attempt survived SIGKILL (uninterruptible sleep?)")

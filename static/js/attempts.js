@@ -119,6 +119,9 @@ export class Attempts {
       const when = new Date(r.at * 1000).toLocaleString();
       notes.push(`A second launch into this run directory was refused at ${when} (pid ${r.pid} on ${r.host}): ${r.reason}`);
     }
+    // Under Slurm, a preemption's stop that would not fit in KillWait: said before it happens.
+    const fit = body.slurm_stop;
+    if (fit && fit.fits === false) notes.push(`⚠ Slurm job ${fit.job_id}: ${fit.text}`);
     this.say(notes.join("; "));
     const key = JSON.stringify(body);
     if (key === this.last) return;

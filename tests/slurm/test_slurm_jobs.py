@@ -63,6 +63,7 @@ def test_a_signal_from_slurm_saves_requeues_and_the_next_run_resumes_as_attempt_
     assert cause["signal"] == "SIGTERM" and cause["signalled_at"] >= signalled - 1
     assert sched["kind"] == "slurm" and sched["job_id"] == job and sched["restart_count"] == 0
     assert sched["partition"] == slurm.partition and sched["nodelist"] == slurm.node
+    assert sched["kill_wait_s"] == slurm.kill_wait_s  # from scontrol: what the page's check compares with
     # The stop's estimate (the dialog's, with the save time measured at this stop) against KillWait.
     check = slurm.run([sys.executable, "-m", "app.cli", "slurm", "check", "--run-dir", str(run)], check=False)
     told = re.search(r"this job needs about (\d+) s to stop; Slurm gives it 30 \(KillWait\)", check.stdout)
@@ -110,7 +111,7 @@ def test_a_signal_from_slurm_saves_requeues_and_the_next_run_resumes_as_attempt_
 
 
 def slurm_measured(run) -> float:
-    from app.supervise.slurm import measured_stop_s
+    from app.run.slurmstop import measured_stop_s
 
     return measured_stop_s(str(run))
 

@@ -1,4 +1,5 @@
-"""The attempts timeline (Chromium) says an attempt was preempted by Slurm, and under which job and restart."""
+"""The attempts timeline (Chromium) says an attempt was preempted by Slurm, under which job and restart,
+and that the stop would not fit in the KillWait launch recorded."""
 
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def test_the_timeline_shows_a_preemption_and_the_requeued_attempt(run_dir, live_
             "cause": {"kind": "finished"},
             "action": "end",
             "exit_code": 0,
-            "scheduler": {**SLURM, "restart_count": 1},
+            "scheduler": {**SLURM, "restart_count": 1, "kill_wait_s": 5},
         },
     ]
     path = runfiles.attempts_path(run_dir)
@@ -83,4 +84,9 @@ def test_the_timeline_shows_a_preemption_and_the_requeued_attempt(run_dir, live_
     expect(first.locator(".attempt-scheduler")).to_have_text(" · Slurm job 42, partition gpu on node[01-02]")
     second = page.locator("#attempts-list li[data-attempt='2'][data-scheduler='slurm']")
     expect(second.locator(".attempt-scheduler")).to_contain_text("Slurm job 42 (requeued, restart 1)")
+    # The preemption's stop took 11 s (signal to the last process gone); launch recorded KillWait 5.
+    expect(page.locator("#attempts-note")).to_contain_text(
+        "⚠ Slurm job 42: this job needs about 11 s to stop; Slurm gives it 5 (KillWait): a preemption would "
+        "kill it before every rank saved"
+    )
     assert console_errors == []

@@ -8,6 +8,7 @@ import subprocess
 
 import pytest
 
+from app.run import slurmstop
 from app.supervise import policy, slurm
 from app.supervise.slurmscript import after_launch, render
 from trainer_bridge.rundir import attempts, runfiles, schema
@@ -45,6 +46,7 @@ def test_the_scheduler_record_comes_from_slurms_variables():
         "partition": "gpu",
         "nodelist": "node[01-02]",
         "job_name": "lenet",
+        "kill_wait_s": None,  # rankwatch launch adds it (app/supervise/slurm.py scheduler_record)
     }
     assert rundir_slurm.scheduler({}) is None
     assert rundir_slurm.scheduler({"SLURM_JOB_ID": "x" * 100}) is None  # past the schema's bound
@@ -167,27 +169,27 @@ def test_rankwatch_status_names_the_slurm_job_and_its_preemption(tmp_path):
 
 
 def test_the_stop_fits_in_killwait_or_the_sentence_says_it_does_not():
-    assert slurm.fits(40.4, 30) == (
+    assert slurmstop.fits(40.4, 30) == (
         False,
         "this job needs about 40 s to stop; Slurm gives it 30 (KillWait): a preemption would kill it before "
         "every rank saved",
     )
-    assert slurm.fits(12.0, 30)[0] is True
-    assert slurm.fits(None, 30)[0] is None and slurm.fits(5.0, None)[0] is None
+    assert slurmstop.fits(12.0, 30)[0] is True
+    assert slurmstop.fits(None, 30)[0] is None and slurmstop.fits(5.0, None)[0] is None
     assert slurm._KILL_WAIT.search("JobRequeue = 1\nKillWait                = 30 sec\n").group(1) == "30"
 
 
 def test_the_stop_time_is_measured_from_slurms_signal_else_from_the_flag_seen(tmp_path):
     from tests.helpers.heartbeats import heartbeat, write_heartbeat
 
-    assert slurm.measured_stop_s(str(tmp_path)) is None
+    assert slurmstop.measured_stop_s(str(tmp_path)) is None
     for rank, (seen, exited) in enumerate([(101.0, 104.0), (100.5, 109.5)]):
         hb = heartbeat(rank, 2, state="exited")
         hb["stop"] = {"source": "flag", "stage": "exited", "at": {"seen": seen, "exited": exited}}
         write_heartbeat(tmp_path, hb, history=False)
-    assert slurm.measured_stop_s(str(tmp_path)) == 9.0  # first seen 100.5, last exit 109.5
+    assert slurmstop.measured_stop_s(str(tmp_path)) == 9.0  # first seen 100.5, last exit 109.5
     rundir_slurm.write_note(tmp_path, "SIGTERM", 98.0, None, "7")
-    assert slurm.measured_stop_s(str(tmp_path)) == 11.5  # from the signal
+    assert slurmstop.measured_stop_s(str(tmp_path)) == 11.5  # from the signal
     supervised(tmp_path, "preempted", 0)  # launch's record wins: signal to the last process gone
     attempts.append_record(
         tmp_path,
@@ -204,4 +206,4 @@ def test_the_stop_time_is_measured_from_slurms_signal_else_from_the_flag_seen(tm
             exit_code=0,
         ),
     )
-    assert slurm.measured_stop_s(str(tmp_path)) == 15.0
+    assert slurmstop.measured_stop_s(str(tmp_path)) == 15.0

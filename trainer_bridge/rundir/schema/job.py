@@ -196,6 +196,11 @@ class Scheduler(_Model):
     partition: SlurmName | None = Field(None, description="`SLURM_JOB_PARTITION`")
     nodelist: Annotated[str, Field(max_length=4096)] | None = Field(None, description="`SLURM_JOB_NODELIST`")
     job_name: SlurmName | None = Field(None, description="`SLURM_JOB_NAME`")
+    kill_wait_s: Annotated[int, Field(ge=0, le=86400)] | None = Field(
+        None,
+        description="Slurm's `KillWait` (`scontrol show config`) when the attempt started: the seconds between "
+        "its SIGTERM and its SIGKILL, which a graceful stop must fit in",
+    )
 
 
 class AttemptCause(_Model):
