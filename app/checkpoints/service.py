@@ -224,13 +224,23 @@ class CheckpointService:
                     "retention run finishes it"
                 )
             s["verify"] = self.verifier.status(s["id"])
-        newest = index.newest_complete
+        # The newest complete set with no evidence against its weights: a NaN breakpoint save is
+        # often the newest file on disk, and the ★ must not send anyone there.
+        newest = next(
+            (
+                s
+                for s in sorted(index.sets, key=lambda s: -(s.global_step or 0))
+                if s.complete and s.global_step is not None and s.id not in unhealthy
+            ),
+            None,
+        )
         body.update(
             now=now,
             bridge_resume=default.id if default else None,
             # The ★ of the page and the CLI: what an unchanged relaunch resumes from, else the
             # newest complete set (a periodic set beside the stop's own got it: issue 33).
             star=default.id if default else (newest.id if newest else None),
+            newest_healthy=newest.id if newest else None,
             total_bytes=sum(s.bytes for s in index.sets),
             world_size_source="job" if world else "layout",
         )

@@ -128,11 +128,11 @@ def checkpoints(ctx: click.Context, run_dir: Path | None, set_id: str | None, as
     run.state.scan(time.time())  # for the world size and the hosts the resume command needs
     heartbeats, world = run.state.heartbeats()
     body = run.checkpoints.body(world)
-    # The page's headline: the ★ set when it is of the newest complete step, else the newest complete.
-    newest = next((s for s in body["sets"] if s["id"] == body["newest_complete"]), None)
+    # The page's headline: the ★ set when it is of the newest healthy complete step, else that set.
+    newest = next((s for s in body["sets"] if s["id"] == body["newest_healthy"]), None)
     star = next((s for s in body["sets"] if s["id"] == body["star"]), None)
     same_step = newest is not None and star is not None and star["global_step"] == newest["global_step"]
-    chosen = set_id or (body["star"] if same_step else body["newest_complete"])
+    chosen = set_id or (body["star"] if same_step else body["newest_healthy"])
     try:
         answer = run.checkpoints.resume(chosen, world, heartbeats) if chosen else None
     except RankwatchError as e:
@@ -155,12 +155,12 @@ def checkpoints(ctx: click.Context, run_dir: Path | None, set_id: str | None, as
             f"{untrusted(run_dir)}, {complete} complete, "
             f"{fmt_bytes(body['total_bytes'])} (world size {body['world_size'] or 'unknown'}); "
             "★ = what an unchanged relaunch resumes from"
-            + ("" if body["star"] == body["bridge_resume"] else " (none: the newest complete set)")
+            + ("" if body["star"] == body["bridge_resume"] else " (none: the newest healthy complete set)")
         )
         if body["sets"]:
             out.print(sets_table(body))
     if answer is None:
-        out.print("No complete set: no step every rank can resume from.")
+        out.print("No healthy complete set: no step every rank can resume from.")
         return
     out.print(
         f"\n[bold]Resume from {untrusted(answer['set'])}[/] (global step {untrusted(answer['global_step'])}):"

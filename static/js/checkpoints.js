@@ -69,7 +69,9 @@ function renderAnswer() {
   const answer = $(CKPT.answer);
   const headline = $(CKPT.headline);
   const button = $(CKPT.headlineResume);
-  const newest = index.newest_complete ? byId(index.newest_complete) : null;
+  // The newest complete set with no evidence against its weights (app/checkpoints/service.py): a NaN
+  // breakpoint save is often the newest on disk, and the headline must not send anyone there.
+  const newest = index.newest_healthy ? byId(index.newest_healthy) : null;
   // What the next launch really does, as "How to resume" says it (app/checkpoints/resume.py).
   const bridge = newest && index.bridge_resume ? byId(index.bridge_resume) : null;
   // Two sets of one step (the periodic save beside the stop's own): the relaunch resumes at that
@@ -100,6 +102,11 @@ function renderAnswer() {
           + "(there are none), and a script without it starts over unless it loads a checkpoint itself.");
       if (newest.global_step != null) headline.append(...pin(newest.global_step));
     }
+  } else if (index.newest_complete) {
+    const bad = byId(index.newest_complete);
+    answer.dataset.status = "waiting";
+    headline.textContent = "No healthy complete set: every complete set has evidence against its weights. "
+      + `The newest, global step ${bad.global_step ?? "?"}: ${bad.unhealthy}.`;
   } else if (index.sets.length) {
     const last = index.sets[0];
     answer.dataset.status = "waiting";

@@ -216,6 +216,11 @@ export class SetTable {
         `Global step ${set.global_step} was saved twice (${set.origin} and ${twin.origin}); `
         + "either resumes training at the same step"));
     }
+    // Weights with evidence against them (a NaN breakpoint save, a NaN loss, MindFormers' health
+    // file): never a resume or rollback target, and the page says why before anyone tries.
+    if (set.unhealthy) {
+      td.append(" ", this.badge("ckpt-unhealthy", "⚠ unhealthy: never resumed from", set.unhealthy));
+    }
     const corrupt = set.files.filter((f) => f.status !== "ok");
     if (corrupt.length) {
       td.append(" ", this.badge("ckpt-corrupt", `${corrupt.length} corrupt`,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import time
 from pathlib import Path
 
@@ -17,6 +18,19 @@ from app.checkpoints.service import CheckpointService
 from app.checkpoints.verify import Verifier
 from tests.helpers import ckptcraft
 from trainer_bridge.rundir import runfiles
+
+# A weight with one NaN, as a step whose loss went NaN leaves it.
+NAN_WEIGHT = struct.pack("<4f", 1.0, float("nan"), 2.0, 3.0)
+
+
+def nan_set(run_dir: Path, step: int, ranks=(0, 1), name: str = "net-1_{s}.ckpt") -> None:
+    """A complete set at ``step`` whose weights are not finite; ``name`` "net-1_{s}_breakpoint.ckpt" is
+    MindSpore's exception_save (the newest file on disk after a NaN raised in ``Model.train``)."""
+    for r in ranks:
+        body = ckptcraft.ckpt(
+            ckptcraft.entry("w", ckptcraft.tensor([4], "Float32", NAN_WEIGHT)), global_step=step
+        )
+        ckptcraft.write(run_dir / f"ckpt/rank_{r}" / name.format(s=step), body)
 
 
 class Small(nn.Cell):

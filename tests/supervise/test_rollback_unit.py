@@ -6,22 +6,12 @@ The real 2-rank job is in test_rollback_msrun.py.
 from __future__ import annotations
 
 import json
-import struct
 import time
 
 from app.supervise import policy, rollback
 from app.supervise.supervisor import describe
-from tests.helpers import ckptcraft
-from tests.helpers.checkpoints import periodic, sid
+from tests.helpers.checkpoints import nan_set, periodic, sid
 from trainer_bridge.rundir import rollbacks, runfiles
-
-NAN = struct.pack("<4f", 1.0, float("nan"), 2.0, 3.0)
-
-
-def nan_set(run_dir, step: int, ranks=(0, 1), name="net-1_{s}.ckpt") -> None:
-    for r in ranks:
-        body = ckptcraft.ckpt(ckptcraft.entry("w", ckptcraft.tensor([4], "Float32", NAN)), global_step=step)
-        ckptcraft.write(run_dir / f"ckpt/rank_{r}" / name.format(s=step), body)
 
 
 def request(
