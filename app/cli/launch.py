@@ -8,6 +8,7 @@ the same flag write, the same audit row).
 from __future__ import annotations
 
 import getpass
+import os
 from pathlib import Path
 
 import click
@@ -161,4 +162,29 @@ def launch(
         hang_mode=hang_mode,
         rollback=Settings(max_rollbacks, rollback_margin, rollback_cooldown_steps),
     )
+    if os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_RESTART_COUNT", "0") not in ("", "0"):
+        served_preemption(run_dir)
     raise SystemExit(Supervisor(opts, request_stop).run())
+
+
+def served_preemption(run_dir: Path) -> None:
+    """Re-arm the stop of an earlier run's preemption that Slurm requeued by itself (``slurm.stale_preemption``)."""
+    from app.cli.common import open_cli_run
+    from app.cli.stop import shell_origin
+    from app.errors import RankwatchError
+    from app.stop.status import active_request
+    from app.supervise import slurm
+
+    run = open_cli_run(run_dir)
+    flag, _ = run.stop.read_flag()
+    why = slurm.stale_preemption(str(run_dir), active_request(flag))
+    if why is None:
+        return
+    try:
+        run.stop.rearm(getpass.getuser(), shell_origin(), f"served: {why}"[:480], force=True)
+    except (RankwatchError, OSError) as e:
+        click.echo(
+            f"rankwatch launch: the served stop was not re-armed ({e}); the job may stop at once", err=True
+        )
+        return
+    click.echo(f"rankwatch launch: re-armed the flag: {why}", err=True)

@@ -141,7 +141,10 @@ def ended(run_dir: Path, launch_exit: int) -> None:
         except (RankwatchError, OSError) as e:
             click.echo(f"rankwatch slurm: the flag was not re-armed: {e}", err=True)
         failed = requeue(os.environ["SLURM_JOB_ID"])
-        if failed:
+        if failed and "pending execution" in failed:
+            # scontrol requeue or PreemptMode=REQUEUE: Slurm requeued the job itself.
+            click.echo("rankwatch slurm: Slurm has requeued the job already")
+        elif failed:
             click.echo(f"rankwatch slurm: scontrol requeue failed: {failed}", err=True)
     raise SystemExit(code)
 

@@ -58,7 +58,35 @@ def note_signal(run_dir: str, signal: str, env=None, at: float | None = None) ->
     now = time.time()
     # A time from the caller's clock, not later than now (a future note would outlive its attempt).
     at = now if at is None or at > now else at
-    return rundir_slurm.write_note(run_dir, name, at, time_left_s(job_id), job_id)
+    count = env.get("SLURM_RESTART_COUNT", "0")
+    return rundir_slurm.write_note(
+        run_dir, name, at, time_left_s(job_id), job_id, int(count) if count.isdigit() else 0
+    )
+
+
+def stale_preemption(run_dir: str, request: dict | None, env=None) -> str | None:
+    """Why the pending stop is an earlier run's preemption that Slurm already requeued, or None.
+
+    ``scontrol requeue`` and ``PreemptMode=REQUEUE`` requeue the job themselves: no
+    ``rankwatch slurm ended`` re-arms the flag first, so the requeued run would read
+    the stop its predecessor was asked and stop at once. A stop asked at or after
+    the signal note of an earlier run of this same job (a lower ``SLURM_RESTART_COUNT``)
+    is that one. A stop asked later than the note by a person is not touched.
+    """
+    env = os.environ if env is None else env
+    job_id, count = env.get("SLURM_JOB_ID"), env.get("SLURM_RESTART_COUNT", "0")
+    if not job_id or request is None or not count.isdigit():
+        return None
+    note = rundir_slurm.read_note(run_dir)
+    if note is None or note["job_id"] != job_id or note["restart_count"] >= int(count):
+        return None
+    asked = request.get("requested_at")
+    if not rundir_slurm.finite(asked) or not note["at"] - 5 <= asked <= note["at"] + 60:
+        return None
+    return (
+        f"the stop {request.get('request_id')} followed Slurm's {note['signal']} to run "
+        f"{note['restart_count']} of job {job_id}, which Slurm requeued: this is run {count}"
+    )
 
 
 def preempted(cause: dict, run_dir: str, spawned_at: float) -> dict:

@@ -456,6 +456,15 @@ class Supervisor:
         if outcome.kind == "hang":
             return hang_cause(outcome, self.host, trained, self.opts.hang_restart_s)
         p = outcome.first
+        if p is not None and p.status is not None and procs.signal_name(p.status) == "SIGTERM":
+            # scontrol requeue and PreemptMode=REQUEUE signal every process of the job step, msrun's
+            # scheduler too: after Slurm's signal that is the preemption (the ranks saved on their
+            # SIGTERM), not a crash, and Slurm requeues the job itself.
+            pre = slurm.preempted(
+                {"kind": "stop", "before_first_step": not trained}, self.run_dir, outcome.spawned_at
+            )
+            if pre["kind"] == "preempted":
+                return pre
         failed = next((hb for hb in beats if p is not None and hb.get("pid") == p.pid), None)
         error = (failed or {}).get("error") or outcome.error
         return {

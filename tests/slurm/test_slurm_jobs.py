@@ -82,17 +82,11 @@ def test_a_signal_from_slurm_saves_requeues_and_the_next_run_resumes_as_attempt_
     )
     assert "preempted by SIGTERM: requeueing job" in log(), log()
 
-    def release_if_held() -> bool:
-        # Slurm holds a requeued batch job back (its begin time, about two minutes on): not this
-        # test's matter. Its Reason may turn BeginTime only after the requeue shows, so each poll looks.
-        f = slurm.job(job)
-        if f.get("JobState") == "PENDING" and f.get("Reason") == "BeginTime":
-            slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False)
-        return False
-
     second = wait_for_job(
         "attempt 2 training",
-        lambda: [r for r in rows(run) if r["attempt"] == 2 and r.get("launch")] or release_if_held(),
+        lambda: (
+            [r for r in rows(run) if r["attempt"] == 2 and r.get("launch")] or release_if_held(slurm, job)
+        ),
         every_s=0.5,
     )[0]
     assert second["resumed_from"]["global_step"] == saved, second
@@ -116,6 +110,15 @@ def slurm_measured(run) -> float:
     return measured_stop_s(str(run))
 
 
+def release_if_held(slurm: Slurm, job: str) -> bool:
+    """Start a requeued job Slurm holds back for its begin time (about two minutes on): not these tests'
+    matter. Its Reason may turn BeginTime only after the requeue shows, so each poll looks; False."""
+    f = slurm.job(job)
+    if f.get("JobState") == "PENDING" and f.get("Reason") == "BeginTime":
+        slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False)
+    return False
+
+
 def slurm_failed(slurm: Slurm, job: str, log) -> bool:
     state = slurm.job(job).get("JobState")
     if state in ("FAILED", "COMPLETED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
@@ -136,3 +139,42 @@ def test_a_script_failing_at_import_is_not_requeued(slurm: Slurm, tmp_path):
     assert fields["Restarts"] == "0", fields
     assert f"rankwatch launch exited {policy.STARTUP}: the run cannot progress; not requeued" in text
     assert [r["cause"]["kind"] for r in rows(run)] == ["crash", "crash"]
+
+
+def test_scontrol_requeue_signals_every_process_and_the_requeued_run_trains_on(slurm: Slurm, tmp_path):
+    """``scontrol requeue`` (as ``PreemptMode=REQUEUE``): Slurm signals every process of the step and
+    requeues the job itself. The ranks save on their SIGTERM; the attempt is ``preempted``, not a
+    crash; and the requeued run does not read the stop its predecessor was asked and stop at once
+    (before, attempt 1 read as a crash of msrun's scheduler and attempt 2 ended 'stop' right after
+    its resume)."""
+    run = tmp_path / "run"
+    out = tmp_path / "job.out"
+    job = slurm.sbatch(demo_script(tmp_path, run, TRAIN), "-o", str(out), env=job_environment())
+    log = lambda: out.read_text(errors="replace") if out.exists() else ""  # noqa: E731
+    wait_for_job("both ranks at global step 3", lambda: min(steps(run)) >= 3 or slurm_failed(slurm, job, log))
+    slurm.run(["scontrol", "requeue", job])
+    first = wait_for_job("attempt 1 ended", lambda: [r for r in rows(run) if r.get("supervisor")])[0]
+    assert first["cause"]["kind"] == "preempted" and first["cause"]["signal"] == "SIGTERM", (first, log())
+
+    second = wait_for_job(
+        "attempt 2 training",
+        lambda: (
+            [r for r in rows(run) if r["attempt"] == 2 and r.get("launch")] or release_if_held(slurm, job)
+        ),
+        every_s=0.5,
+    )[0]
+    assert second["resumed_from"] is not None, (second, log())
+    saved = second["resumed_from"]["global_step"]
+    # The requeued run trains on past its resume: the stale stop was re-armed, and said so.
+    wait_for_job(
+        "attempt 2 past its first step",
+        lambda: (
+            min(steps(run)) > saved or [r for r in rows(run) if r["attempt"] == 2 and r.get("supervisor")]
+        ),
+    )
+    # Re-armed by whichever came first: the batch script's last line, if Slurm let it run, or the
+    # requeued run's rankwatch launch (slurm.stale_preemption, unit-tested in test_slurm_unit.py).
+    assert min(steps(run)) > saved, (rows(run), log())
+    write_flag(run, request_id="req-page")
+    fields = slurm.wait_job(job, lambda f: f.get("JobState") in ("COMPLETED", "FAILED"), "the job ended")
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", (fields, log())

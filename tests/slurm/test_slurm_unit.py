@@ -55,8 +55,14 @@ def test_the_scheduler_record_comes_from_slurms_variables():
 
 def test_the_signal_note_is_untrusted_input(tmp_path):
     assert rundir_slurm.read_note(tmp_path) is None
-    rundir_slurm.write_note(tmp_path, "SIGTERM", 100.0, 25.0, "7")
-    assert rundir_slurm.read_note(tmp_path) == {"signal": "SIGTERM", "at": 100.0, "time_left_s": 25.0}
+    rundir_slurm.write_note(tmp_path, "SIGTERM", 100.0, 25.0, "7", restart_count=2)
+    assert rundir_slurm.read_note(tmp_path) == {
+        "signal": "SIGTERM",
+        "at": 100.0,
+        "time_left_s": 25.0,
+        "job_id": "7",
+        "restart_count": 2,
+    }
     assert rundir_slurm.read_note(tmp_path, since=101.0) is None  # older than the attempt
     path = rundir_slurm.note_path(tmp_path)
     for bad in (
@@ -73,6 +79,26 @@ def test_the_signal_note_is_untrusted_input(tmp_path):
     os.symlink(tmp_path / "elsewhere.json", path)
     (tmp_path / "elsewhere.json").write_text(json.dumps({"signal": "SIGTERM", "at": 1}))
     assert rundir_slurm.read_note(tmp_path) is None
+
+
+def test_a_stop_from_an_earlier_runs_preemption_is_served_once_slurm_requeued_it(tmp_path):
+    # scontrol requeue and PreemptMode=REQUEUE requeue the job themselves: the stop the signal asked
+    # must not stop the requeued run at once (found with a real scontrol requeue).
+    rundir_slurm.write_note(tmp_path, "SIGTERM", 100.0, None, "7", restart_count=0)
+    asked = {"request_id": "r1", "requested_at": 101.0}
+    env = {"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "1"}
+    why = slurm.stale_preemption(str(tmp_path), asked, env)
+    assert (
+        why == "the stop r1 followed Slurm's SIGTERM to run 0 of job 7, which Slurm requeued: this is run 1"
+    )
+    assert slurm.stale_preemption(str(tmp_path), None, env) is None  # the flag does not say stop
+    assert (
+        slurm.stale_preemption(str(tmp_path), asked, {**env, "SLURM_RESTART_COUNT": "0"}) is None
+    )  # same run
+    assert slurm.stale_preemption(str(tmp_path), asked, {**env, "SLURM_JOB_ID": "8"}) is None  # another job
+    # A stop a person asked long after the signal is theirs: left as it is.
+    assert slurm.stale_preemption(str(tmp_path), {"request_id": "r2", "requested_at": 500.0}, env) is None
+    assert slurm.stale_preemption(str(tmp_path), {"request_id": "r3", "requested_at": "x"}, env) is None
 
 
 def test_a_stop_after_slurms_signal_is_preempted(tmp_path):

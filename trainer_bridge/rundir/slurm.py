@@ -54,9 +54,17 @@ def note_path(run_dir) -> Path:
     return runfiles.state_dir(run_dir) / NOTE
 
 
-def write_note(run_dir, signal: str, at: float, time_left_s: float | None, job_id: str | None) -> dict:
-    """Say that Slurm signalled the job; returns the note. Raises OSError."""
-    note = {"signal": signal[:16], "at": at, "time_left_s": time_left_s, "job_id": job_id}
+def write_note(
+    run_dir, signal: str, at: float, time_left_s: float | None, job_id: str | None, restart_count: int = 0
+) -> dict:
+    """Say that Slurm signalled the job (in its run ``restart_count``); returns the note. Raises OSError."""
+    note = {
+        "signal": signal[:16],
+        "at": at,
+        "time_left_s": time_left_s,
+        "job_id": job_id,
+        "restart_count": restart_count,
+    }
     runfiles.state_dir(run_dir).mkdir(parents=True, exist_ok=True)
     runfiles.atomic_write_json(note_path(run_dir), note, root=run_dir)
     return note
@@ -80,7 +88,14 @@ def read_note(run_dir, since: float | None = None) -> dict | None:
         return None
     if since is not None and at < since:
         return None
-    return {"signal": sig, "at": float(at), "time_left_s": None if left is None else float(left)}
+    job, count = note.get("job_id"), note.get("restart_count", 0)
+    return {
+        "signal": sig,
+        "at": float(at),
+        "time_left_s": None if left is None else float(left),
+        "job_id": job if isinstance(job, str) and 0 < len(job) <= 64 else None,
+        "restart_count": count if isinstance(count, int) and not isinstance(count, bool) and count >= 0 else 0,
+    }
 
 
 def finite(x) -> bool:
