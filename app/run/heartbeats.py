@@ -23,7 +23,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from app.run.health import StepWindow
 from app.run.rows import _loss
-from trainer_bridge.rundir import runfiles, safeio, schema
+from trainer_bridge.rundir import copies, runfiles, safeio, schema
 from trainer_bridge.rundir.liveness import Stopped, Unreaped, probe_process  # noqa: F401  (shared with the bridge)
 from trainer_bridge.rundir.redisbus import RedisUnavailable, Subscriber
 
@@ -184,6 +184,8 @@ class RunReader:
         self.slots: dict[int, RankSlot] = {}
         self.job: dict | None = None
         self._job_key: tuple | None = None
+        # Why this run directory is a copy of the one its job wrote (trainer_bridge.rundir.copies), else None.
+        self.copied: str | None = None
         # rank -> the world size its heartbeat declares, to answer world_size() without a pass.
         self._declared: dict[int, int] = {}
 
@@ -343,7 +345,7 @@ class RunReader:
         try:
             st = path.stat()
         except OSError:
-            self.job, self._job_key, self.job_error = None, None, None
+            self.job, self._job_key, self.job_error, self.copied = None, None, None, None
             return
         key = (st.st_ino, st.st_mtime_ns, st.st_size)
         if key != self._job_key:
@@ -354,6 +356,8 @@ class RunReader:
             except (OSError, schema.SchemaError) as e:
                 self.job = None
                 self.job_error = _public(e)
+        # Each read, not only when job.json changes: a copy made with hard links (cp -al) shares its inode.
+        self.copied = copies.copied(self.run_dir, self.job)
 
     def world_size(self) -> int:
         """The job's world size: job.json's, else the largest any heartbeat declares or implies."""
