@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from trainer_bridge.rundir import runfiles, safeio, schema, supervised
+from trainer_bridge.rundir import copies, runfiles, safeio, schema, supervised
 from trainer_bridge.rundir.listing import first_of
 from trainer_bridge.rundir.liveness import Stopped, probe_process
 
@@ -127,6 +127,20 @@ def live_ranks(
                 continue
         live.append(LiveRank(rank, hb.get("pid"), hb.get("host"), max(0.0, age), hb.get("launch")))
     return live
+
+
+def live_others(
+    run_dir: str | os.PathLike, *, host: str, now: float, own_pid: int | None = None
+) -> tuple[list[tuple[int, dict]], list[LiveRank]]:
+    """(the run's heartbeats, the ranks of another launch alive in it): what a launch checks at start.
+
+    In a copy of a run directory (``copies``) none is alive: its heartbeats name the
+    original run's processes, which may train on, but never in this directory.
+    """
+    beats = read_heartbeats(run_dir)
+    if copies.copied_dir(run_dir):
+        return beats, []
+    return beats, live_ranks(beats, own_launch=None, host=host, now=now, own_pid=own_pid)
 
 
 def refusal(run_dir: str | os.PathLike, live: list[LiveRank], named: int = 8) -> str:

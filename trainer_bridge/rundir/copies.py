@@ -22,7 +22,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from trainer_bridge.rundir import runfiles
+from trainer_bridge.rundir import runfiles, schema
 
 # A rank of a copied run directory ended, as far as the copy can tell: the state its
 # heartbeat had when the copy was made is the last it will have.
@@ -53,3 +53,12 @@ def copied(run_dir: str | os.PathLike, job: Mapping[str, Any] | None) -> str | N
         f"this run directory is a copy: its job.json was written in another directory (inode {recorded}, "
         f"this one is {here}), so the processes its heartbeats name are not this run's"
     )
+
+
+def copied_dir(run_dir: str | os.PathLike) -> str | None:
+    """``copied``, with ``job.json`` read here (a missing or invalid one: None, it cannot be told)."""
+    try:
+        job = schema.load(schema.Job, runfiles.job_path(run_dir)).to_dict()
+    except (OSError, schema.SchemaError):
+        return None
+    return copied(run_dir, job)
