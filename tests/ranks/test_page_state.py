@@ -61,7 +61,7 @@ def test_a_healthy_job_says_so_in_one_line_and_names_no_slowest_rank(
     )
     # Jitter between two healthy ranks is no finding.
     expect(page.locator('[data-summary="slowest"]')).to_have_text(
-        re.compile(r"^none: all within 1\.5x of the peer median"), timeout=WAIT_MS
+        re.compile(r"^none: every rank within 1\.5x of the other ranks' median step"), timeout=WAIT_MS
     )
     # The idle stop panel does not stand between the state and the table.
     panel = page.locator("#stop-panel").bounding_box()
