@@ -357,11 +357,17 @@ def test_a_job_launched_without_the_supervisor_is_not_trampled(tmp_path):
     run = tmp_path / "run"
     with DemoJob(run, epochs=UNTIL_STOPPED, step_delay=0.05) as plain:
         plain.wait_for_step(3)
+        logs = [run / "msrun_logs" / name for name in ("worker_0.log", "worker_1.log", "launcher.log")]
+        before = [path.read_bytes() for path in logs]
         job = LaunchJob(run, TRAIN, FAST).start()
         assert job.wait() == policy.REFUSED, job.output()
         assert "refusing to start: another launch of a job is training" in job.output()
         assert "attempt 1:" not in job.output() and job.marked() == []
         assert all(h["state"] == "training" for h in plain.heartbeats())
+        # msrun truncated the running job's logs before the bridge refused (issue 33, section 2):
+        # refused before msrun starts, they have only grown.
+        for path, old in zip(logs, before, strict=True):
+            assert old and path.read_bytes().startswith(old), path
 
 
 def losses(job: LaunchJob, rank: int) -> dict[int, str]:
