@@ -14,7 +14,7 @@ import threading
 import time
 import urllib.request
 
-from tests.helpers.app import TOKEN, wait_for
+from tests.helpers.app import AUTH, TOKEN, make_app, wait_for
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from trainer_bridge.rundir import copies, runfiles
 
@@ -103,3 +103,28 @@ def test_a_copy_reads_copied_while_the_original_trains(tmp_path, start_server):
     finally:
         stop.set()
         trainer.join()
+
+
+def test_a_live_job_whose_state_directory_was_restored_under_it_is_no_copy(tmp_path):
+    """RUN/rankwatch swapped for a copy of itself while the job runs: its inode is new, but the job
+    writes on in it, and a heartbeat that advances says so; job.json's word alone would call it copied."""
+    run = tmp_path / "run"
+    runfiles.state_dir(run).mkdir(parents=True)
+    write_job(run, WORLD, dir_ino=copies.dir_ino(run))
+    write_run(run, 1, time.time())
+    aside = tmp_path / "aside"
+    runfiles.state_dir(run).rename(aside)
+    subprocess.run(["cp", "-a", str(aside), str(runfiles.state_dir(run))], check=True)
+    app = make_app(run)
+    client = app.test_client()
+    try:
+        assert client.get("/api/summary", headers=AUTH).get_json()["run"].get("copied")
+        write_run(run, 2, time.time())  # the job's next beats, into the directory at its path
+
+        def live():
+            run_status = client.get("/api/summary", headers=AUTH).get_json()["run"]
+            return run_status if run_status["status"] == "running" else None
+
+        assert not wait_for(live, "the run to read live again", 30).get("copied")
+    finally:
+        app.extensions["rankwatch"].watcher.stop()
