@@ -142,8 +142,10 @@ def answer(
             last["inferred"] = f"no end line: judged from its ranks' heartbeats ({job_over})"
     for row in rows:
         resumed = row["resumed_from"]
+        # The step in words; the set's id (…#g495) is a newcomer's puzzle: the page puts it in the
+        # item's tooltip, from resumed_from (issue 33, section 6).
         row["resumed_text"] = (
-            attempts.resumed_text(resumed["global_step"], resumed["set"]) if resumed else "a fresh start"
+            attempts.resumed_text(resumed["global_step"], None) if resumed else "a fresh start"
         )
     return {"attempts": rows, "skipped_lines": skipped, "error": error, "refused": refused}
 

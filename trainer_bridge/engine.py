@@ -341,9 +341,8 @@ class Engine:
         if self.rank == 0:
             halves = (secrets.randbelow(1 << 24), secrets.randbelow(1 << 24))
             try:
-                beats = attempts.read_heartbeats(self.run_dir)
-                live = attempts.live_ranks(
-                    beats, own_launch=None, host=socket.gethostname(), now=time.time(), own_pid=os.getpid()
+                beats, live = attempts.live_others(
+                    self.run_dir, host=socket.gethostname(), now=time.time(), own_pid=os.getpid()
                 )
             except Exception as e:  # noqa: BLE001 - a bad run directory must not stop training here
                 log.warning("rankwatch: could not check for another launch (training continues): %s", e)

@@ -36,7 +36,7 @@ from pathlib import Path
 from trainer_bridge.beatsink import BeatSink
 from trainer_bridge.counters import Counters, Snapshot
 from trainer_bridge.device import DeviceProbe
-from trainer_bridge.rundir import launch, runfiles, safeio, schema
+from trainer_bridge.rundir import copies, launch, runfiles, safeio, schema
 from trainer_bridge.rundir.attempts import AttemptLog
 from trainer_bridge.saving import ResumePoint, Served
 from trainer_bridge.stacks import StackWatcher
@@ -642,6 +642,7 @@ class Reporter:
                 front_end=self.front_end,
                 checkpoint_dir=runfiles.CHECKPOINT_DIR,
                 sync_interval_s=self.sync_interval_s,
+                dir_ino=copies.dir_ino(self.run_dir),
             )
             runfiles.atomic_write_bytes(runfiles.job_path(self.run_dir), job.to_json(), root=self.run_dir)
         except OSError as e:

@@ -46,8 +46,11 @@ from app.stop.service import StopService
 
 WHO = "policy"
 MODES = ("off", "dry_run", "on")
+# What the device rule says on a job whose ranks report no device (the CPU demo): a rule about
+# npu-smi there only puzzled a newcomer (issue 33, section 6).
+NO_DEVICE = "no rank here reports an NPU (a CPU job), so this rule cannot fire"
 RULES = {
-    "device_unhealthy": "a rank's device reports a health other than OK (npu-smi) for N s",
+    "device_unhealthy": "a rank's Ascend NPU reports a health other than OK (npu-smi) for N s",
     "straggler": "a rank is a straggler for N s",
     "stalled": "a rank is stalled for N s",
     "node_lost": "a host's ranks are node_lost (all silent together while other hosts report) for N s",
@@ -139,6 +142,8 @@ class Policy:
         self.clock = clock
         # rule kind -> {rank: when its condition began}
         self._since: dict[str, dict[int, float]] = {r.kind: {} for r in rules}
+        # Ranks whose row names a device: the device rule applies to them only.
+        self._with_device: set[int] = set()
         self._job: object = None
         # rule name -> {"at", "rank", "evidence", "mode", "outcome", "request_id"} for this job run
         self.fired: dict[str, dict] = {}
@@ -155,6 +160,13 @@ class Policy:
     def observe(self, rank: int, row: Mapping | None, now: float) -> None:
         """Rank ``rank``'s row changed (None: it left the job); start or end its conditions."""
         with self._lock:
+            had = bool(self._with_device)
+            if row is not None and row.get("device"):
+                self._with_device.add(rank)
+            else:
+                self._with_device.discard(rank)
+            if had != bool(self._with_device):
+                self.version += 1
             for rule in self.rules:
                 since = self._since[rule.kind]
                 if row is not None and rule.holds(row):
@@ -331,7 +343,12 @@ class Policy:
                         "rule": rule.name,
                         "kind": rule.kind,
                         "for_s": rule.for_s,
-                        "help": RULES[rule.kind],
+                        "help": RULES[rule.kind]
+                        + (
+                            f"; {NO_DEVICE}"
+                            if rule.kind == "device_unhealthy" and not self._with_device
+                            else ""
+                        ),
                         "state": "fired" if fired else ("armed" if self.armed else "off"),
                         "holding": holding,
                         "fired": fired,

@@ -54,8 +54,8 @@ METRICS: list[Metric] = [
         "score",
         "Speed vs peers",
         "",
-        "Relative performance: peer median / own, of the work per step in a synchronous "
-        "job, else of the step time (1 = as fast as peers).",
+        "Relative performance: the other ranks' median / its own, of the work per step in a "
+        "synchronous job, else of the step time (1 = as fast as the others).",
     ),
     Metric("samples_per_s", "Throughput", "samples/s", "Samples per second on this rank."),
     Metric(

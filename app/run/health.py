@@ -72,7 +72,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from app.run.peers import median, peer_median, ratio_text, straggling
+from app.run.peers import OTHERS_MEDIAN, median, peer_median, ratio_text, straggling
 from trainer_bridge.rundir.listing import first_of
 
 VERDICTS = (
@@ -411,14 +411,14 @@ def judge(ev: RankEvidence, now: float, th: Thresholds) -> Verdict:
             out_ms, fastest_ms = ev.work
             return Verdict(
                 "straggler",
-                f"own work {_ms(ev.own_ms)} vs peer median {_ms(ev.peer_ms)} "
+                f"own work {_ms(ev.own_ms)} vs {OTHERS_MEDIAN} {_ms(ev.peer_ms)} "
                 f"({ratio_text(ev.own_ms, ev.peer_ms)}): {_ms(out_ms)} between steps "
                 f"+ {_ms(fastest_ms)} fastest in-step time",
                 rel,
             )
         return Verdict(
             "straggler",
-            f"median step {_ms(ev.own_ms)} is {ratio_text(ev.own_ms, ev.peer_ms)} the peer median {_ms(ev.peer_ms)}",
+            f"median step {_ms(ev.own_ms)} is {ratio_text(ev.own_ms, ev.peer_ms)} {OTHERS_MEDIAN} {_ms(ev.peer_ms)}",
             rel,
         )
     if state == "stopping":
@@ -432,7 +432,7 @@ def judge(ev: RankEvidence, now: float, th: Thresholds) -> Verdict:
     what = "work per step" if ev.work is not None else ""
     return Verdict(
         "healthy",
-        f"training within {th.straggler_ratio:g}x of the peer median{' ' + what if what else ''}",
+        f"training within {th.straggler_ratio:g}x of {OTHERS_MEDIAN}{' ' + what if what else ''}",
         rel,
     )
 

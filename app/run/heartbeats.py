@@ -23,7 +23,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from app.run.health import StepWindow
 from app.run.rows import _loss
-from trainer_bridge.rundir import runfiles, safeio, schema
+from trainer_bridge.rundir import copies, runfiles, safeio, schema
 from trainer_bridge.rundir.liveness import Stopped, Unreaped, probe_process  # noqa: F401  (shared with the bridge)
 from trainer_bridge.rundir.redisbus import RedisUnavailable, Subscriber
 
@@ -184,6 +184,12 @@ class RunReader:
         self.slots: dict[int, RankSlot] = {}
         self.job: dict | None = None
         self._job_key: tuple | None = None
+        # Why this run directory is a copy of the one its job wrote (trainer_bridge.rundir.copies), else None.
+        self.copied: str | None = None
+        # A rank's process wrote a newer heartbeat (its seq went up) while this reader watched: something
+        # live writes here, so the directory is no copy whatever job.json's inode says (RUN/rankwatch
+        # restored or swapped under a running job).
+        self._advanced = False
         # rank -> the world size its heartbeat declares, to answer world_size() without a pass.
         self._declared: dict[int, int] = {}
 
@@ -326,6 +332,8 @@ class RunReader:
                 f"went {'forward' if beat.time > old['time'] else 'back'} (another process or a forged "
                 "file writes this rank's heartbeat, or its clock stepped back)"
             )
+        if same_process and beat.seq > old["seq"]:
+            self._advanced = True
         hb = beat.to_dict()
         if slot.second_writer:
             hb["warnings"] = [*hb["warnings"][: schema.MAX_WARNINGS - 1], slot.second_writer]
@@ -343,7 +351,7 @@ class RunReader:
         try:
             st = path.stat()
         except OSError:
-            self.job, self._job_key, self.job_error = None, None, None
+            self.job, self._job_key, self.job_error, self.copied = None, None, None, None
             return
         key = (st.st_ino, st.st_mtime_ns, st.st_size)
         if key != self._job_key:
@@ -354,6 +362,8 @@ class RunReader:
             except (OSError, schema.SchemaError) as e:
                 self.job = None
                 self.job_error = _public(e)
+        # Each read, not only when job.json changes: a copy made with hard links (cp -al) shares its inode.
+        self.copied = None if self._advanced else copies.copied(self.run_dir, self.job)
 
     def world_size(self) -> int:
         """The job's world size: job.json's, else the largest any heartbeat declares or implies."""

@@ -17,6 +17,10 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Sequence
 
+# The peer median in words, wherever a newcomer reads it (the tile, a row's reason, the CLI):
+# "peer median" was jargon on the first screen (issue 33, section 6).
+OTHERS_MEDIAN = "the other ranks' median"
+
 
 def median(sorted_values: Sequence[float]) -> float | None:
     n = len(sorted_values)
@@ -104,9 +108,11 @@ def slowest_text(s: dict) -> str:
     """The tile's sentence (the page and ``rankwatch status`` print it as it is)."""
     median_ms, ms = s["median_ms"], s["step_time_ms"]
     if not s["straggler"]:
-        return f"none: all within {s['threshold_ratio']:g}x of the peer median {_ms(median_ms)}"
-    own = " own work" if s["basis"] == "work" else ""
+        return f"none: every rank within {s['threshold_ratio']:g}x of {OTHERS_MEDIAN} step, {_ms(median_ms)}"
+    # Work: the time a rank spends on its own, the wait for the others left out (app.run.health).
+    own = " of its own work (the wait for the others left out)" if s["basis"] == "work" else ""
     ratio = f" ({ratio_text(ms, median_ms)})" if median_ms > 0 else ""
     return (
-        f"rank {s['rank']}: {_ms(ms)}{own}, +{_ms(s['gap_ms'])} over the peer median {_ms(median_ms)}{ratio}"
+        f"rank {s['rank']}: {_ms(ms)} a step{own}, +{_ms(s['gap_ms'])} over {OTHERS_MEDIAN} "
+        f"{_ms(median_ms)}{ratio}"
     )

@@ -48,9 +48,11 @@ from app.run.jobend import JobFacts, StopInputs
 from app.run.judging import RankReport, VerdictBoard
 from app.run.rows import make_row, with_age
 from app.run.status import StatusFacts, run_status
-from trainer_bridge.rundir import safeio
+from trainer_bridge.rundir import copies, safeio
 
 _SEVERITY = {v: i for i, v in enumerate(WORST_FIRST)}
+# A copied run's rank, in its row's reason (trainer_bridge.rundir.copies).
+COPIED_WORDS = "copied run directory: the process named is not this run's"
 
 
 class RunState:
@@ -203,6 +205,10 @@ class RunState:
             world = self._world_size()
             shown = set(self._slots) | set(self._log_slots())
         self._world = world
+        copied = self._reader.copied
+        # A copy is judged as it was when copied (its newest heartbeat), not as silent since: its
+        # ranks' processes are not its own, so their silence says nothing (trainer_bridge.rundir.copies).
+        judged_at = min(now, self._newest_beat(now)) if copied else now
         self._feed_run_history(changed)
         if self.spikes_on:
             self._feed_spikes(changed, now)
@@ -227,16 +233,19 @@ class RunState:
                     RankReport.of(
                         slot.hb,
                         slot.window,
-                        local=local and slot.hb.get("pid") is not None,
+                        local=local and not copied and slot.hb.get("pid") is not None,
                         from_log=from_log,
                         log_pace_ms=self._logs.pace_ms(r) if from_log else None,
                     ),
                 )
             board.file_problem(r, slot.error if slot else None, slot.skew_s if slot else None)
         self._from_log &= view
-        self._probe_late(now)
+        if copied:
+            self._probes.clear()  # and none made: the pids are the original run's
+        else:
+            self._probe_late(now)
         self._note_ended(now, view)
-        for r in board.update(now) | (changed & view):
+        for r in board.update(judged_at) | (changed & view):
             slot = self._slot(r)
             self._rows[r] = make_row(
                 r,
@@ -245,7 +254,10 @@ class RunState:
                 source="log" if r in self._from_log else "bridge",
                 skew_s=slot.skew_s if slot else None,
             )
-            if r in self._from_log and r in self._ended and self._rows[r]["state"] not in TERMINAL_STATES:
+            if copied and self._rows[r]["state"] not in TERMINAL_STATES:
+                row = self._rows[r]
+                row["reason"] = f"{COPIED_WORDS}; as last written: {row['reason']}"
+            elif r in self._from_log and r in self._ended and self._rows[r]["state"] not in TERMINAL_STATES:
                 # A log only says "training" until its last line: its process has ended without a word.
                 self._rows[r]["state"] = "failed"
             self._dirty.add(r)
@@ -325,14 +337,30 @@ class RunState:
             job_over=None if self._board.all_terminal() else self._job_over(),
             end_proven=bool(shown) and shown <= self._proof.proven,
             still_running=sorted(self._proof.running),
+            copied=self._reader.copied,
         )
+
+    def _newest_beat(self, now: float) -> float:
+        times = [s.hb["time"] for s in (*self._slots.values(), *self._log_slots().values()) if s.hb]
+        return max(times, default=now)
 
     def _note_ended(self, now: float, view: set[int]) -> None:
         """Which ranks have ended (a final state, or the process gone) and whether msrun has.
 
         msrun is looked at only once every rank has ended: until then the job
-        runs, whatever its launcher does.
+        runs, whatever its launcher does. In a copied run directory every rank has
+        ended as far as it can tell, and nothing is probed.
         """
+        if self._reader.copied:
+            ended = {}
+            for r in view:
+                hb = self._board.latest.get(r)
+                state = hb.get("state") if hb else None
+                why = state if state in TERMINAL_STATES else copies.COPIED
+                ended[r] = (self._ended[r][0] if r in self._ended else now, why)
+            self._ended = ended
+            self._launcher_gone, self._launcher_alive = None, False
+            return
         ended = {}
         # msrun kills every worker before it says the job exited: that ends the log ranks too
         # (words not taken while msrun's own process runs: a rank can write its log directory).
@@ -366,7 +394,7 @@ class RunState:
             return None
         counts: dict[str, int] = {}
         for _, why in self._ended.values():
-            key = why if why in TERMINAL_STATES else "gone"
+            key = why if why in (*TERMINAL_STATES, copies.COPIED) else "gone"
             counts[key] = counts.get(key, 0) + 1
         told = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
         return told + (f"; {self._launcher_gone}" if self._launcher_gone else "")
@@ -378,8 +406,9 @@ class RunState:
             launcher_gone=self._launcher_gone,
             launcher_alive=self._launcher_alive,
             triggered={r: logs.triggered_at(r) for r in self._from_log} if logs is not None else {},
-            proven=self._proof.proven,
-            running=self._proof.running,
+            # A copy's processes are not its own: nothing of it runs, whatever runs under those pids.
+            proven=frozenset(self._ended) if self._reader.copied else self._proof.proven,
+            running=frozenset() if self._reader.copied else self._proof.running,
         )
 
     def stop_inputs(self) -> StopInputs:
@@ -396,7 +425,8 @@ class RunState:
         """job.json's rank 0 runs on this host (elsewhere it cannot be told: no)."""
         pid = job.get("pid")
         return (
-            job.get("host") == self._hostname
+            not self._reader.copied
+            and job.get("host") == self._hostname
             and pid is not None
             and not self._probe(pid, job.get("started_at"))
         )

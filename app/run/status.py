@@ -33,6 +33,8 @@ class StatusFacts:
     the job is over though not every rank said so (else None). ``end_proven``:
     a probe here backs every rank's end (``app.run.endproof``);
     ``still_running``: ranks said to have ended whose process a probe finds running.
+    ``copied``: why the run directory is a copy of the one its job wrote
+    (``trainer_bridge.rundir.copies``), else None.
     """
 
     run_dir: Path | None
@@ -53,6 +55,7 @@ class StatusFacts:
     job_over: str | None
     end_proven: bool = False
     still_running: list[int] = ()
+    copied: str | None = None
 
 
 def run_status(f: StatusFacts) -> dict:
@@ -137,6 +140,17 @@ def run_status(f: StatusFacts) -> dict:
             if f.from_log == reported
             else f"{note} ({f.from_log} of them from their worker logs only: no heartbeats from them yet)"
         )
+    if f.copied and reported:
+        # Archived, not failed: nothing of this directory runs, and the pids it names are another's.
+        return {
+            **status(
+                "ended",
+                f"{f.copied[:1].upper()}{f.copied[1:]}. It is shown as it was when copied, and none of those processes is "
+                "probed; a launch into this directory makes it a live run again.",
+            ),
+            "proven": True,
+            "copied": True,
+        }
     if f.conflict:
         return status("conflict", f.conflict)
     missing = f.missing

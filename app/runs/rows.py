@@ -27,7 +27,8 @@ from app.ranks import charts
 from app.runs.diskuse import DiskUsage
 from trainer_bridge.rundir import rollbacks
 
-STATES = ("training", "stopping", "stopped", "finished", "failed", "stalled", "idle")
+# copied: a copy of a run directory (trainer_bridge.rundir.copies), archived: it never needs attention.
+STATES = ("training", "stopping", "stopped", "finished", "failed", "stalled", "idle", "copied")
 # Verdicts that put a run first: a rank in trouble.
 TROUBLE = ("straggler", "stalled", "dead", "node_lost", "failed", "corrupt")
 SORTS = (
@@ -54,8 +55,12 @@ READ_BUDGET_S = 1.0
 UNREAD_MESSAGE = "not read yet: the dashboard reads a root's idle runs in the background"
 
 
-def run_state(status: str, counts: Mapping[str, int], stop_state: str | None, live: bool) -> str:
+def run_state(
+    status: str, counts: Mapping[str, int], stop_state: str | None, live: bool, copied: bool = False
+) -> str:
     """The run's state in one word, from ``RunState``'s run status, its verdict counts and the stop's state."""
+    if copied:
+        return "copied"
     if stop_state in ("requested", "stopping"):
         return "stopping"
     if counts.get("failed") or counts.get("dead") or counts.get("node_lost") or counts.get("corrupt"):
@@ -124,7 +129,8 @@ def row_from(
         if cset is not None:
             newest = {"id": cset.id, "global_step": cset.global_step, "mtime": cset.mtime}
     live = bool(entry.live) if entry is not None else head["run"]["status"] == "running"
-    name = run_state(head["run"]["status"], counts, stop_state, live)
+    copied = bool(head["run"].get("copied"))
+    name = run_state(head["run"]["status"], counts, stop_state, live, copied)
     spark = charts.loss_spark(state, SPARK_POINTS)
     spikes = spike_facts(state)
     disk = disk if disk is not None else DiskUsage()
@@ -148,11 +154,14 @@ def row_from(
         "health_counts": counts,
         # A run rankwatch launch gave up on needs a person, though every rank has ended; so does
         # an open loss spike (app/incidents/spikes.py) or a ladder that gave up (refused, exhausted).
-        "needs_attention": name in ("failed", "stalled")
-        or any(counts.get(v) for v in TROUBLE)
-        or bool(spikes["spike_open"])
-        or spikes["spike_stuck"]
-        or good["gave_up"] is not None,
+        "needs_attention": not copied
+        and (
+            name in ("failed", "stalled")
+            or any(counts.get(v) for v in TROUBLE)
+            or bool(spikes["spike_open"])
+            or spikes["spike_stuck"]
+            or good["gave_up"] is not None
+        ),
         "gave_up": good["gave_up"],
         "spike_open": spikes["spike_open"],
         "rollbacks": spikes["rollbacks"],

@@ -100,9 +100,7 @@ class Supervisor:
             # A supervisor of this run was killed and its keeper too: end what they left.
             self.say(f"ending {len(left)} process(es) left by an earlier supervisor of this run directory")
             procs.end_all(lambda: procs.marked(self.mark), self.opts.grace_s)
-        live = attempts.live_ranks(
-            attempts.read_heartbeats(self.run_dir), own_launch=None, host=self.host, now=time.time()
-        )
+        _, live = attempts.live_others(self.run_dir, host=self.host, now=time.time())
         if live:
             self.say(attempts.refusal(self.run_dir, live))
             return policy.REFUSED

@@ -182,6 +182,8 @@ export class Attempts {
     const head = document.createElement("span");
     head.textContent = `Attempt ${a.attempt} · started ${formatClock(a.started_at, true)} · `
       + `${plural(a.world_size, "rank")} on ${hosts || "?"} · ${a.resumed_text} · ${steps(a)}`;
+    // The set's id only where it is asked for: a newcomer reads the step.
+    if (a.resumed_from && a.resumed_from.set) head.title = `Resumed from the checkpoint set ${a.resumed_from.set}`;
     li.append(head);
     if (Array.isArray(a.replayed)) {
       const replay = document.createElement("span");

@@ -4,8 +4,17 @@
 
 import { $, $all } from "./dom.js";
 import { el } from "./checkpoints_dom.js";
-import { formatBytes, plural } from "./format.js";
+import { formatBytes, formatCount, plural } from "./format.js";
 import { operatorFetch, token } from "./token.js";
+
+// A set by its step, in words; its id (…rankwatch-9_15.ckpt#g495) in the tooltip, for whoever needs it.
+// A leftover temporary file has no step: its path is what names it.
+function goingItem(e) {
+  const what = e.kind === "set" && e.global_step !== null ? `global step ${formatCount(e.global_step)}` : e.id;
+  const li = el("li", "", `${what}: ${e.why}`);
+  li.title = e.id;
+  return li;
+}
 
 export const RETENTION = Object.freeze({
   section: "#ckpt-retention",
@@ -134,7 +143,7 @@ export class RetentionView {
     $(RETENTION.summary).textContent = `Delete ${plural(going.length, "set")} or leftovers, `
       + `freeing ${formatBytes(plan.frees_bytes)}. The audit trail records it.`;
     $(RETENTION.modeNote).textContent = MODE[plan.policy.mode] || "";
-    $(RETENTION.sets).replaceChildren(...going.map((e) => el("li", "", `${e.id}: ${e.why}`)));
+    $(RETENTION.sets).replaceChildren(...going.map(goingItem));
     $(RETENTION.error).hidden = true;
     $(RETENTION.confirm).disabled = false;
     $(RETENTION.dialog).showModal();

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 
 import numpy as np
 import pytest
 
+from tests.helpers.app import AUTH, make_app
 from tests.helpers.jobs import UNTIL_STOPPED, DemoJob, dump, write_flag
 from tests.helpers.spikes import replay
-from trainer_bridge.rundir import runfiles
+from trainer_bridge.rundir import copies, runfiles
 from trainer_bridge.rundir.ckptmeta import read_meta
 
 pytestmark = pytest.mark.msrun
@@ -37,14 +39,34 @@ def _steps(job: DemoJob, rank: int) -> list[tuple[int, str, int]]:
     ]
 
 
+def _assert_read_as_copy(copy, original) -> None:
+    """The copy reads ended and copied, no rank dead though the processes its heartbeats name are gone."""
+    assert json.loads(runfiles.job_path(original).read_text())["dir_ino"] == copies.dir_ino(original)
+    for path, copied in ((copy, True), (original, False)):
+        app = make_app(path)
+        try:
+            run = app.test_client().get("/api/summary", headers=AUTH).get_json()["run"]
+            ranks = app.test_client().get("/api/ranks", headers=AUTH).get_json()["ranks"]
+        finally:
+            app.extensions["rankwatch"].watcher.stop()
+        assert run["status"] == "ended" and bool(run.get("copied")) is copied, run
+        assert len(ranks) == 2 and not {r["health"] for r in ranks} & {"dead", "stalled", "failed"}, ranks
+
+
 def test_loop_flag_stops_every_rank_at_one_step_saves_optimizer_state_and_resumes(tmp_path, start_job):
     import mindspore as ms
 
     run = tmp_path / "run"
     job = start_job(run, epochs=UNTIL_STOPPED, samples=SAMPLES, step_delay=0.05, extra=LOOP)
     job.wait_for_step(4)
+    # A copy of the run directory made while it trains (issue 33): its heartbeats name this job's
+    # live ranks. cp may miss a temporary file renamed under it (its status 1), as an operator's would.
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-a", str(run), str(copy)], capture_output=True)
+    assert runfiles.job_path(copy).is_file() and runfiles.heartbeat_path(copy, 1).is_file()
     write_flag(run, request_id="req-loop-1", reason="test")
     assert job.wait() == 0, job.logs()
+    _assert_read_as_copy(copy, run)
 
     stop_step, stops = job.stopped_together()
     assert all(s["request_id"] == "req-loop-1" for s in stops), dump(stops)

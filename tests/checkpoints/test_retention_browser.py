@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from playwright.sync_api import expect
 
@@ -54,6 +56,10 @@ def test_the_plan_shows_as_a_column_and_apply_deletes_it(live_server, page, run_
         "Retention is off: nothing is deleted by itself. Apply deletes what the plan marks, once, now"
     )
     expect(dialog.locator("#retention-sets li")).to_have_count(1)
+    # The set by its step, in words; its id only in the tooltip (issue 33, section 6).
+    going = dialog.locator("#retention-sets li")
+    expect(going).to_have_text(re.compile(r"^global step 10: "))
+    expect(going).to_have_attribute("title", sid(10))
     dialog.locator("#retention-cancel").click()
     expect(dialog).to_be_hidden()
     assert (run_dir / "ckpt/rank_0/net-1_10.ckpt").exists()

@@ -186,6 +186,36 @@ def test_the_demo_stops_before_training_when_its_port_is_in_use(tmp_path, taken_
     assert not (run / "msrun_logs" / "launcher.log").exists() and not (run / "rankwatch").exists()
 
 
+def test_the_demo_refuses_a_run_directory_a_job_trains_in_before_anything_starts(tmp_path):
+    """Issue 33, section 2: a second make demo (PORT=5001) into a busy run directory started msrun, which
+    truncated the running job's logs. Now nothing starts, and the terminal says why and what to do."""
+    run = tmp_path / "run"
+    write_job(run, 2)
+    for rank in range(2):  # a job training here now: its ranks' pid is this test's, which runs
+        write_heartbeat(run, heartbeat(rank, 2))
+    (run / "msrun_logs").mkdir()
+    (run / "msrun_logs" / "worker_0.log").write_text("the running job's log\n")
+    # Without the dashboard: were the check gone, the demo would end on rankwatch launch's refusal
+    # (in launcher.log, not the terminal) instead of serving until killed. The check comes first either way.
+    proc = subprocess.run(
+        [sys.executable, "-m", "app.cli", "demo", "--run-dir", str(run), "--no-dashboard"]
+        + ["--epochs", "1", "--samples", "64"],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert f"another launch of a job is training in {run}: rank 0 (pid {os.getpid()} on " in out, out
+    assert "rankwatch stop" in out and "make demo RUN=" in out and "Nothing was started." in out, out
+    assert "training LeNet5" not in out and "open http" not in out, out
+    assert (run / "msrun_logs" / "worker_0.log").read_text() == "the running job's log\n"
+    assert sorted(p.name for p in (run / "msrun_logs").iterdir()) == ["worker_0.log"]
+    assert not (run / "mnist").exists()
+
+
 @pytest.mark.msrun
 @pytest.mark.parametrize("ending", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "kill"])
 def test_the_demo_on_port_0_prints_the_real_url_and_keeps_the_link_out_of_its_log(tmp_path, procs, ending):

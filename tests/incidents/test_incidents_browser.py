@@ -89,6 +89,11 @@ def test_stack_dialog_grouped_view_and_policy(live_server, page, run_dir, consol
         rules = page.locator("#policy-rules li")
         expect(rules).to_have_count(2)
         expect(rules.first).to_contain_text("stalled:60")
+        # These ranks report no device (CPU): the NPU rule says it cannot fire here (issue 33, section 6).
+        expect(rules.nth(1)).to_contain_text("Ascend NPU")
+        expect(rules.nth(1)).to_contain_text(
+            "no rank here reports an NPU (a CPU job), so this rule cannot fire"
+        )
         expect(page.locator("#alerts-note")).to_contain_text("No webhook configured")
     finally:
         stop.set()

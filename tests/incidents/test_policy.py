@@ -210,3 +210,17 @@ def test_off_evaluates_nothing(run_dir):
     h.feed(1000.0, sick)
     assert h.flag() is None and h.audit_rows("policy") == []
     assert h.policy.status(0.0)["rules"][0]["state"] == "off"
+
+
+def test_the_device_rule_says_it_cannot_fire_on_a_job_without_a_device(run_dir):
+    """The CPU demo's stop-policy panel showed an npu-smi rule with no word that it cannot apply (issue 33)."""
+    h = Harness(run_dir, rules="device_unhealthy:60,stalled:30")
+    cpu = rows(r0={"device": None, "device_health": None}, r1={"device": None, "device_health": None})
+    h.feed(100.0, cpu)
+    device, stalled = h.policy.status(100.0)["rules"]
+    assert device["help"].endswith("; no rank here reports an NPU (a CPU job), so this rule cannot fire")
+    assert "Ascend NPU" in device["help"] and "cannot fire" not in stalled["help"]
+    before = h.policy.version
+    h.feed(101.0, rows())  # the ranks report their NPUs
+    assert h.policy.version > before
+    assert "cannot fire" not in h.policy.status(101.0)["rules"][0]["help"]

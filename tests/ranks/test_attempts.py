@@ -309,6 +309,18 @@ def test_api_attempts_judges_the_newest_from_its_heartbeats(client, run_dir):
     assert rank["resumed_from"] == "resumed from global step 10 (set bridge:10)"
 
 
+def test_an_attempt_says_its_resume_in_words_and_keeps_the_set_id_apart(client, run_dir):
+    """The attempts list said "(set checkpoints/rank_{rank}/rankwatch-9_15.ckpt#g495)" to a newcomer."""
+    set_id = "checkpoints/rank_{rank}/rankwatch-9_15.ckpt#g495"
+    write_lines(run_dir, [start(1, "one"), end(1, "one", end="graceful_stop", last_step=495)])
+    with runfiles.attempts_path(run_dir).open("ab") as f:
+        resumed = {"set": set_id, "global_step": 495}
+        f.write(json.dumps(start(2, "two", first_step=496, resumed_from=resumed)).encode() + b"\n")
+    second = client.get("/api/attempts").get_json()["attempts"][1]
+    assert second["resumed_text"] == "resumed from global step 495"
+    assert second["resumed_from"]["set"] == set_id  # the page's tooltip, the API's detail
+
+
 def _launch_of(client, rank: int, launch: str) -> None:
     deadline = time.monotonic() + 30
     while client.get(f"/api/ranks/{rank}").get_json()["rank"]["launch"] != launch:

@@ -50,7 +50,7 @@ def test_slow_rank_is_a_straggler_with_its_score_and_reason():
     verdicts = judge_sequences(job(8, {5: 100.0}), last_time() + 0.5, TH)
     assert verdicts[5].health == "straggler"
     assert verdicts[5].score == 0.5
-    assert "100 ms is 2x the peer median 50 ms" in verdicts[5].reason
+    assert "100 ms is 2x the other ranks' median 50 ms" in verdicts[5].reason
     assert all(verdicts[r].health == "healthy" for r in range(8) if r != 5)
 
 
@@ -110,7 +110,7 @@ def test_sync_job_finds_the_rank_slow_outside_the_step_by_its_own_work():
     assert slow.health == "straggler"
     # work: 204 + 141 = 345 ms against 1.3 + 141 = 142.3 ms
     assert slow.score == round(142.3 / 345.0, 2)
-    assert "own work 345 ms vs peer median 142 ms (2.4x)" in slow.reason
+    assert "own work 345 ms vs the other ranks' median 142 ms (2.4x)" in slow.reason
     assert "204 ms between steps + 141 ms fastest in-step time" in slow.reason
 
 
@@ -147,7 +147,7 @@ def test_sync_job_in_step_and_between_step_jitter_is_healthy():
     verdicts = judge_sequences(world, last_time(6) + 0.5, TH)
     assert {v.health for v in verdicts.values()} == {"healthy"}
     assert all(v.score == 1.0 or v.score > 0.9 for v in verdicts.values())
-    assert verdicts[0].reason == "training within 1.5x of the peer median work per step"
+    assert verdicts[0].reason == "training within 1.5x of the other ranks' median work per step"
 
 
 def test_equal_walls_without_the_split_cannot_tell_the_slow_rank():
@@ -156,7 +156,7 @@ def test_equal_walls_without_the_split_cannot_tell_the_slow_rank():
     world = {r: beats(r, 2, 8, 340.0) for r in range(2)}
     verdicts = judge_sequences(world, last_time(8) + 0.5, TH)
     assert {v.health for v in verdicts.values()} == {"healthy"}
-    assert verdicts[0].reason == "training within 1.5x of the peer median"
+    assert verdicts[0].reason == "training within 1.5x of the other ranks' median"
 
 
 def test_work_needs_the_split_from_every_stepping_rank():

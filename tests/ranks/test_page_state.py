@@ -59,9 +59,18 @@ def test_a_healthy_job_says_so_in_one_line_and_names_no_slowest_rank(
     expect(pill).to_have_text(
         re.compile(r"^✓ All 2 ranks healthy · step [\d,]+ · loss [\d.]+ · [\d,]+ samples/s$"), timeout=WAIT_MS
     )
+    # The columns a newcomer reads first, in words (issue 33, section 6: "Score", "1 / 54 (54)").
+    speed = page.locator('#rank-table thead th[data-col="score"] button')
+    expect(speed).to_have_text("Speed vs peers")
+    expect(speed).to_have_attribute(
+        "title", re.compile(r"^Relative performance: the other ranks' median / its own")
+    )
+    expect(page.locator('#rank-table thead th[data-col="global_step"] button')).to_have_text(
+        "Epoch / step (global)"
+    )
     # Jitter between two healthy ranks is no finding.
     expect(page.locator('[data-summary="slowest"]')).to_have_text(
-        re.compile(r"^none: all within 1\.5x of the peer median"), timeout=WAIT_MS
+        re.compile(r"^none: every rank within 1\.5x of the other ranks' median step"), timeout=WAIT_MS
     )
     # The idle stop panel does not stand between the state and the table.
     panel = page.locator("#stop-panel").bounding_box()

@@ -20,7 +20,7 @@ from app.cli import main as cli_main
 from app.cli.common import open_cli_run
 from app.run import goodput
 from app.supervise import policy
-from tests.helpers.app import FAST_SETTINGS, make_app, wait_for
+from tests.helpers.app import AUTH, FAST_SETTINGS, make_app, wait_for
 from tests.helpers.faults import measure
 from tests.helpers.jobs import UNTIL_STOPPED, DemoJob, write_flag
 from tests.helpers.launch import LaunchJob, wait_gone
@@ -350,6 +350,13 @@ def test_the_demo_under_launch_stops_gracefully_on_ctrl_c(tmp_path, sig):
     said = job.output_path.read_text()
     assert "stopping gracefully" in said
     assert f"stopped gracefully at global step {row['last_step']}: every rank saved" in said, said
+    # Ended by its operator: "stopped" on the runs table, never "failed, 2 dead" (issue 33, section 3).
+    app = make_app(tmp_path / "demo")
+    try:
+        (run,) = app.test_client().get("/api/runs", headers=AUTH).get_json()["runs"]
+    finally:
+        app.extensions["rankwatch"].watcher.stop()
+    assert run["state"] == "stopped" and not run["needs_attention"], run
 
 
 def test_a_job_launched_without_the_supervisor_is_not_trampled(tmp_path):
@@ -357,11 +364,17 @@ def test_a_job_launched_without_the_supervisor_is_not_trampled(tmp_path):
     run = tmp_path / "run"
     with DemoJob(run, epochs=UNTIL_STOPPED, step_delay=0.05) as plain:
         plain.wait_for_step(3)
+        logs = [run / "msrun_logs" / name for name in ("worker_0.log", "worker_1.log", "launcher.log")]
+        before = [path.read_bytes() for path in logs]
         job = LaunchJob(run, TRAIN, FAST).start()
         assert job.wait() == policy.REFUSED, job.output()
         assert "refusing to start: another launch of a job is training" in job.output()
         assert "attempt 1:" not in job.output() and job.marked() == []
         assert all(h["state"] == "training" for h in plain.heartbeats())
+        # msrun truncated the running job's logs before the bridge refused (issue 33, section 2):
+        # refused before msrun starts, they have only grown.
+        for path, old in zip(logs, before, strict=True):
+            assert old and path.read_bytes().startswith(old), path
 
 
 def losses(job: LaunchJob, rank: int) -> dict[int, str]:

@@ -135,4 +135,11 @@ def test_a_rollback_is_named_with_its_evidence_and_the_next_attempt_its_skipped_
     expect(second).to_have_text(
         " · skipped the batches of global steps 21–35, untrained (a loss-spike rollback)"
     )
+    # Its resume in words; the set's id only in the tooltip (issue 33, section 6).
+    head = page.locator("#attempts-list li[data-attempt='2'] > span").first
+    expect(head).to_contain_text(" · resumed from global step 20 · ")
+    expect(head).not_to_contain_text("#g20")
+    expect(head).to_have_attribute(
+        "title", "Resumed from the checkpoint set ckpt/rank_{rank}/lenet-{E}_{S}.ckpt#g20"
+    )
     assert console_errors == []

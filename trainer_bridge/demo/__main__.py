@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -267,9 +268,30 @@ def _exit_on_signal(signum, _frame):
     raise _Signalled(128 + signum)
 
 
+def busy(run_dir: Path) -> str | None:
+    """Why the demo must not start in ``run_dir``: a job trains there (the bridge's own check), else None.
+
+    Checked before anything starts: a second msrun into a busy run directory truncated the
+    running job's logs before its bridge refused (issue 33, section 2).
+    """
+    from trainer_bridge.rundir import attempts
+
+    live = attempts.live_others(run_dir, host=socket.gethostname(), now=time.time())[1]
+    if not live:
+        return None
+    return (
+        f"rankwatch demo: {attempts.refusal(run_dir, live)} With make: make demo RUN=another/dir. "
+        "Nothing was started."
+    )
+
+
 def run(args: SimpleNamespace, extra: list[str]) -> int:
     """Launch the job (and the dashboard first); returns the job's exit status."""
     run_dir = args.run_dir.resolve()
+    said = busy(run_dir)
+    if said:
+        print(said, file=sys.stderr, flush=True)
+        return 1
     (run_dir / "msrun_logs").mkdir(parents=True, exist_ok=True)
     env = job_env()
     dashboard = job = None

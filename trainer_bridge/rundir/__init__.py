@@ -7,7 +7,7 @@ channel beside the files (``redisbus``), checkpoint sets and their
 metadata (``ckptindex``, ``ckptmeta``, ``ckpthealth``), msrun's launch line
 (``launch``), each launch of the job (``attempts``, with the supervisor's lines folded
 by ``supervised``), whether a rank's
-process lives (``liveness``) and py-spy (``pyspy``).
+process lives (``liveness``), whether a run directory is a copy (``copies``) and py-spy (``pyspy``).
 
 It imports the standard library, pydantic and psutil, never MindSpore, so the
 dashboard can import it on a machine without an accelerator; ``make lint``

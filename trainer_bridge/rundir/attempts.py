@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from trainer_bridge.rundir import runfiles, safeio, schema, supervised
+from trainer_bridge.rundir import copies, runfiles, safeio, schema, supervised
 from trainer_bridge.rundir.listing import first_of
 from trainer_bridge.rundir.liveness import Stopped, probe_process
 
@@ -127,6 +127,41 @@ def live_ranks(
                 continue
         live.append(LiveRank(rank, hb.get("pid"), hb.get("host"), max(0.0, age), hb.get("launch")))
     return live
+
+
+# How long a launch into a copied run directory watches its heartbeats for one that advances: the
+# bridge writes about once a second, at most about 2 s apart (agreements stretched by load).
+COPY_WATCH_S = 3.0
+
+
+def live_others(
+    run_dir: str | os.PathLike,
+    *,
+    host: str,
+    now: float,
+    own_pid: int | None = None,
+    watch_s: float = COPY_WATCH_S,
+) -> tuple[list[tuple[int, dict]], list[LiveRank]]:
+    """(the run's heartbeats, the ranks of another launch alive in it): what a launch checks at start.
+
+    In a copy of a run directory (``copies``) the heartbeats name the original
+    run's processes, which may train on, but elsewhere: a rank counts only if
+    its heartbeat advances here within ``watch_s`` (a job writing on in a
+    ``rankwatch/`` restored under it). Only a copy whose pids run pays that wait.
+    """
+    beats = read_heartbeats(run_dir)
+    live = live_ranks(beats, own_launch=None, host=host, now=now, own_pid=own_pid)
+    if not live or not copies.copied_dir(run_dir):
+        return beats, live
+    time.sleep(watch_s)
+    before = {r: (hb.get("started_at"), hb["seq"]) for r, hb in beats}
+    after = {r: (hb.get("started_at"), hb["seq"]) for r, hb in read_heartbeats(run_dir)}
+    writing = {
+        r
+        for r, (started, seq) in before.items()
+        if r in after and after[r][0] == started and after[r][1] > seq
+    }
+    return beats, [lr for lr in live if lr.rank in writing]
 
 
 def refusal(run_dir: str | os.PathLike, live: list[LiveRank], named: int = 8) -> str:

@@ -55,6 +55,11 @@ class Job(_Model):
     sync_interval_s: Annotated[float, Field(gt=0, le=1e6)] | None = Field(
         None, description="the bridge's target seconds between agreements"
     )
+    dir_ino: Annotated[int, Field(ge=0, lt=2**64)] | None = Field(
+        None,
+        description="the inode of `RUN/rankwatch` rank 0 wrote this file in: a directory whose inode differs is "
+        "a copy (`cp -a`, a restored backup), whose heartbeats name processes that are not its own",
+    )
 
 
 # The most sets one retention file may pin, and the longest set id it may name.
