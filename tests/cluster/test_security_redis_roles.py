@@ -8,6 +8,10 @@ the one shared key:
 * sign a "completed" ``stop_status`` to every page;
 * sign ``close_room`` (a page froze);
 * sign rank 1's heartbeat (rank 0 made rank 1 ``failed`` for good).
+
+And an agent, holding only its host's key, tries to sign another host's
+digest, answer and flag (the review: "any agent can sign digests, answers
+and the hub's flag for any host").
 """
 
 from __future__ import annotations
@@ -21,10 +25,15 @@ import pytest
 import redis as redis_py
 from click.testing import CliRunner
 
+from app.agent import ask
+from app.agent import digest as dg
+from app.agent.runner import Agent
 from app.cli.rediskeys import redis_keys
 from app.cluster import QueueCodec
 from app.config import from_env
 from app.run.state import RunState
+from tests.helpers.agents import RUN, SimNode
+from tests.helpers.app import make_app
 from tests.helpers.heartbeats import heartbeat, write_job
 from tests.helpers.queuepage import emit, get_json, publish, until
 from trainer_bridge.beatsink import BeatSink
@@ -159,16 +168,23 @@ def test_a_dashboard_refuses_a_handed_key_and_a_key_file_is_read_safely(tmp_path
         redisbus.own_key(b"rk1:rank:job:0:not-hex", "rank:job:0")
 
 
-def test_the_documented_acl_lets_a_rank_publish_its_heartbeats_and_nothing_else(redis_server):
-    """The trainers' ``ACL SETUSER`` line of docs/production.md, as written there, on a real Redis 6+."""
+def acl_user(redis_server, role: str) -> str:
+    """Create the ``rankwatch-{role}`` user of docs/production.md's ``ACL SETUSER`` line, as written
+    there; the URL that logs in as it."""
     from pathlib import Path
 
     docs = (Path(__file__).parents[2] / "docs" / "production.md").read_text()
-    line = next(x for x in docs.splitlines() if x.startswith("ACL SETUSER rankwatch-rank "))
+    line = next(x for x in docs.splitlines() if x.startswith(f"ACL SETUSER rankwatch-{role} "))
+    password = f"{role.upper()}-PASSWORD"
+    redis_py.Redis.from_url(redis_server.url).execute_command(*line.replace(password, "pass").split())
+    return redis_server.url.replace("redis://", f"redis://rankwatch-{role}:pass@")
+
+
+def test_the_documented_acls_let_a_rank_and_an_agent_do_their_part_and_nothing_else(redis_server, tmp_path):
+    """The trainers' and the agents' ``ACL SETUSER`` lines of docs/production.md on a real Redis 6+."""
     admin = redis_py.Redis.from_url(redis_server.url)
     job = "J"
-    admin.execute_command(*line.replace("RANK-PASSWORD", "rank-pass").split())
-    url = redis_server.url.replace("redis://", "redis://rankwatch-rank:rank-pass@")
+    url = acl_user(redis_server, "rank")
     rank = redisbus.Publisher(url, job, 2, key=MASTER.encode())
     assert rank.publish(0, b"{}"), rank.error
     assert admin.xlen(redisbus.keys(job)[0]) == 1
@@ -180,3 +196,97 @@ def test_the_documented_acl_lets_a_rank_publish_its_heartbeats_and_nothing_else(
     with pytest.raises(redis_py.exceptions.NoPermissionError):
         client.set(redisbus.keys(job)[2], "a leader for ever")
     rank.close(), other.close()
+
+    url = acl_user(redis_server, "agent")
+    node = SimNode(tmp_path, "node-a", range(0, 2), 2)
+    node.beat()
+    agent = Agent(node.dir, url, "R", from_env(), key=MASTER.encode(), host="node-a")
+    agent.tick(time.time())
+    assert agent.outbox.error is None and admin.xlen(dg.keys("R")[0]) == 1, agent.outbox.error
+    client = redis_py.Redis.from_url(url)
+    with pytest.raises(redis_py.exceptions.NoPermissionError):
+        client.publish(f"rankwatch:{job}:socketio", "forged")
+    with pytest.raises(redis_py.exceptions.NoPermissionError):
+        client.set(redisbus.keys(job)[2], "a leader for ever")
+    with pytest.raises(redis_py.exceptions.NoPermissionError):
+        client.hset(redisbus.keys(job)[1], "0", "a heartbeat")
+    agent.outbox.close()
+
+
+def test_an_agents_key_signs_for_its_own_host_only(tmp_path, redis_server):
+    out = tmp_path / "keys"
+    result = CliRunner().invoke(
+        redis_keys,
+        ["--out", str(out), "--agent", "node-a", "--agent", "node-b"],
+        env={"RANKWATCH_REDIS_KEY": MASTER},
+    )
+    assert result.exit_code == 0, result.output
+    handed = {h: redisbus.read_key_file(str(out / f"agent_{h}.key")) for h in ("node-a", "node-b")}
+    hub_dir = tmp_path / "hub" / RUN
+    hub_dir.mkdir(parents=True)
+    app = make_app(hub_dir, REDIS_URL=redis_server.url, REDIS_KEY=MASTER, AGENTS=True, AGENT_LOST_S=3600.0)
+    hub = app.extensions["rankwatch"].state.hub
+
+    def scan():
+        app.extensions["rankwatch"].state.scan(time.time())
+
+    nodes = {h: SimNode(tmp_path, h, range(i * 2, i * 2 + 2), 4) for i, h in enumerate(("node-a", "node-b"))}
+    agents = {
+        h: Agent(n.dir, redis_server.url, RUN, from_env(), key=handed[h], host=h) for h, n in nodes.items()
+    }
+    with pytest.raises(ValueError, match="signs only for its own"):
+        Agent(nodes["node-b"].dir, redis_server.url, RUN, from_env(), key=handed["node-a"], host="node-b")
+    scan()  # the hub joins the digest stream
+    for h, node in nodes.items():
+        node.beat()
+        agents[h].tick(time.time())
+    scan()
+    assert set(hub.hosts) == {"node-a", "node-b"} and hub.refused == 0, hub.refused_last
+    own_a = redisbus.parse_handed(handed["node-a"])[1]
+    client = redis_py.Redis.from_url(redis_server.url)
+
+    # node-a's agent signs a digest for node-b: rank 2 dead.
+    nodes["node-b"].beat()
+    digest = agents["node-b"].build(time.time())
+    digest["seq"] += 1000
+    for entry in digest["rows"]:
+        entry["row"] |= {"health": "dead", "reason": "forged by node-a"}
+    body = json.dumps(digest, separators=(",", ":")).encode()
+    with pytest.raises(ValueError, match="signs only for its own"):
+        dg.encode(digest, handed["node-a"])
+    for key in (own_a, handed["node-a"]):
+        sig = redisbus.signature(key, "digest", RUN, "node-b", body)
+        client.xadd(dg.keys(RUN)[0], {"h": b"node-b", "d": body, "s": sig})
+    scan()
+    assert hub.refused == 2 and hub.refused_last == "a digest for host 'node-b', badly signed", (
+        hub.refused_last
+    )
+    assert all(hub.rows[r]["health"] != "dead" for r in (2, 3)), hub.rows
+
+    # ... and the flag node-b's agent applies: refused, said, never written.
+    now = time.time()
+    forged = dg.flag_value(b'{"GracefulExit": 1}', now, own_a, RUN, request_id=None, at=now)
+    client.set(dg.flag_key(RUN, "node-b"), forged)
+    agents["node-b"].tick(now)
+    assert agents["node-b"].flag_error == "an unsigned or badly signed flag value", agents[
+        "node-b"
+    ].flag_error
+    assert not (nodes["node-b"].dir / "rankwatch" / "flag.json").exists()
+
+    # ... and an answer to a request the hub sent node-b.
+    rid = "b" * 32
+    answer = {"id": rid, "host": "node-b", "kind": "rank", "error": "forged"} | dict.fromkeys(ask.KINDS)
+    with pytest.raises(ValueError, match="badly signed"):
+        ask.check(dg.seal(answer, "answer", f"node-b/{rid}", own_a, RUN), hub, "node-b", rid, ("rank", 2))
+    assert (
+        ask.check(
+            dg.seal(answer, "answer", f"node-b/{rid}", agents["node-b"].key, RUN),
+            hub,
+            "node-b",
+            rid,
+            ("rank", 2),
+        )
+        == "the agent on host node-b answered: forged"
+    )
+    for agent in agents.values():
+        agent.outbox.close()
