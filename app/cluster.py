@@ -29,7 +29,10 @@ the standard library's JSON, and only objects. With ``REDIS_KEY`` it also
 signs every message (HMAC-SHA256 with a timestamp) and drops the unsigned,
 the badly signed and those older than ``QUEUE_MAX_AGE_S`` (counted, logged
 once, in ``/api/health``): nobody without the key can forge a page's
-events or close its rooms through Redis.
+events or close its rooms through Redis. The key that signs them is the
+dashboards' own, derived from the master key (``redisbus.own_key``): the
+keys handed to ranks and agents cannot sign a ``stop_status`` or a
+``close_room`` (issue 32, P7).
 """
 
 from __future__ import annotations
@@ -85,7 +88,9 @@ class QueueCodec:
 
     def __init__(self, job: str, key: bytes | None, clock=time.time):
         self.job = job
-        self.key = key
+        # The dashboards' own key, derived from the master: a rank's or an agent's handed key
+        # cannot sign what only a dashboard may say (issue 32, P7).
+        self.key = redisbus.own_key(key, redisbus.DASHBOARD)
         self.clock = clock
         self.refused = 0
         self.refused_last: str | None = None
@@ -298,7 +303,7 @@ class Leader(redisbus.Guarded):
     def __init__(self, url: str, job: str, ttl_s: float, key: bytes | None = None, clock=time.time, **kw):
         super().__init__(url, job, **kw)
         self.ttl_s = ttl_s
-        self.key = key
+        self.key = redisbus.own_key(key, redisbus.DASHBOARD)
         self.wall = clock
         self.token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.value: str | None = None  # what this process last wrote, while it leads

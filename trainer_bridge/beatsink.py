@@ -56,9 +56,16 @@ class BeatSink:
             )
             log.warning("rankwatch: %s", self._setup_error)
             return
-        self.publisher = redisbus.Publisher(
-            url, redisbus.job_key(run_dir), world_size, key=redisbus.env_key(), clock=clock
-        )
+        try:
+            publisher = redisbus.Publisher(
+                url, redisbus.job_key(run_dir), world_size, key=redisbus.env_key(rank), clock=clock
+            )
+            publisher.rank_key(rank)  # a key for another rank (or none readable) is said now, not per beat
+        except (OSError, ValueError) as e:
+            self._setup_error = f"cannot take this rank's redis key ({e}): heartbeats go to files"
+            log.warning("rankwatch: %s", self._setup_error)
+            return
+        self.publisher = publisher
 
     @property
     def warnings(self) -> list[str]:

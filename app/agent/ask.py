@@ -267,7 +267,7 @@ def post(
             if kind == "ckpt":
                 req["base"] = (bases or {}).get(host)
             key = ask_key(hub.run, host)
-            pipe.lpush(key, dg.seal(req, "ask", host, hub.key, hub.run))
+            pipe.lpush(key, dg.seal(req, "ask", host, hub.agent_key(host), hub.run))
             pipe.ltrim(key, 0, QUEUE_MAX - 1)
             pipe.expire(key, ASK_TTL_S)
         pipe.execute()
@@ -345,7 +345,7 @@ def ask(hub, requests: dict[str, tuple[str, int | None]], timeout_s: float) -> d
 
 def check(value: bytes, hub, host: str, request_id: str, request: tuple[str, int | None]) -> dict | str:
     """The answer's data (a dict), or the agent's own error (a str); ValueError if refused."""
-    body = dg.unseal(value, "answer", f"{host}/{request_id}", hub.key, hub.run, MAX_ANSWER_BYTES)
+    body = dg.unseal(value, "answer", f"{host}/{request_id}", hub.agent_key(host), hub.run, MAX_ANSWER_BYTES)
     try:
         answer = _ANSWER.validate_json(body)
     except ValidationError as e:

@@ -186,9 +186,15 @@ class Refused(ValueError):
 
 
 def keys(run: str) -> tuple[str, str, str]:
-    """(digest stream, flag, resync request) keys of ``run``."""
+    """(digest stream, flag prefix, resync request) keys of ``run``; each host's flag is ``flag_key``."""
     prefix = f"rankwatch:run:{run}"
     return f"{prefix}:digests", f"{prefix}:flag", f"{prefix}:resync"
+
+
+def flag_key(run: str, host: str) -> str:
+    """Where the hub puts the flag for ``host``'s agent: one per host, each signed with that host's
+    key (issue 32, P7), so that no agent can sign the flag another host applies."""
+    return f"{keys(run)[1]}:{host}"
 
 
 def peers_key(run: str) -> str:
@@ -210,23 +216,25 @@ def check_run(name: str) -> str:
 
 
 def encode(digest: dict, key: bytes | None) -> dict[str, bytes]:
-    """A digest as a stream entry's fields, signed with ``key`` when there is one."""
+    """A digest as a stream entry's fields, signed when there is a key: with its host's own key,
+    derived from ``key`` if it is the master, or ``key`` if handed to that host (``redisbus.own_key``)."""
     body = json.dumps(digest, separators=(",", ":"), allow_nan=False).encode()
     fields = {"h": digest["host"].encode(), "d": body}
-    if key is not None:
-        fields["s"] = redisbus.signature(key, "digest", digest["run"], digest["host"], body)
+    own = redisbus.own_key(key, redisbus.agent_label(digest["host"]))
+    if own is not None:
+        fields["s"] = redisbus.signature(own, "digest", digest["run"], digest["host"], body)
     return fields
 
 
-def parse(fields: dict, run: str, key: bytes | None) -> Digest:
-    """The digest of a stream entry, checked; Refused says why not."""
+def parse(fields: dict, run: str, keys: redisbus.Verifier) -> Digest:
+    """The digest of a stream entry, checked with its host's own key (``keys``); Refused says why not."""
     host, body = fields.get(b"h"), fields.get(b"d")
     if not isinstance(host, bytes) or not isinstance(body, bytes):
         raise Refused("an entry without a host or a digest")
     if len(body) > MAX_DIGEST_BYTES or len(host) > 253:
         raise Refused(f"a digest of {len(body)} bytes (at most {MAX_DIGEST_BYTES})")
     name = host.decode(errors="replace")
-    if not redisbus.signed(key, "digest", run, name, body, fields.get(b"s")):
+    if not redisbus.signed(keys.key(redisbus.agent_label(name)), "digest", run, name, body, fields.get(b"s")):
         raise Refused(
             f"a digest for host {name[:100]!r}, {'badly signed' if fields.get(b's') else 'unsigned'}"
         )

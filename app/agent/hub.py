@@ -92,7 +92,8 @@ class Hub(redisbus.Guarded):
     ):
         super().__init__(url, run, **kw)
         self.run = dg.check_run(run)
-        self.key = key
+        self.key = key  # the master: each agent's key is derived from it (agent_key)
+        self.keys = redisbus.Verifier(key)
         self.lost_after_s = lost_after_s
         self.consumer = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.own_group = not group
@@ -302,7 +303,7 @@ class Hub(redisbus.Guarded):
     def _apply(self, fields: dict, now: float, forwarded: bool = False) -> set[int]:
         """Take one digest: read from the group (``forwarded`` False) or forwarded by a peer process."""
         try:
-            digest = dg.parse(fields, self.run, self.key)
+            digest = dg.parse(fields, self.run, self.keys)
         except dg.Refused as e:
             return self.refuse(str(e))
         host = digest["host"]
@@ -517,12 +518,23 @@ class Hub(redisbus.Guarded):
         the time it was published, so an agent can refuse a replay (``digest.open_flag``).
         """
         at = time.time() if now is None else now
-        value = dg.flag_value(raw, version, self.key, self.run, request_id=request_id, at=at)
+        values = {
+            dg.flag_key(self.run, host): dg.flag_value(
+                raw, version, self.agent_key(host), self.run, request_id=request_id, at=at
+            )
+            for host in self.hosts
+        }
+        if not values:
+            return  # no agent heard yet: nobody to publish to
         try:
-            self._call(lambda client: client.set(self.flag_key, value))
+            self._call(lambda client: client.mset(values))
         except redisbus.RedisUnavailable:
             return
         self._flag_sent = (raw, version)
+
+    def agent_key(self, host: str) -> bytes | None:
+        """The key of ``host``'s agent (derived from the master): it signs only for that host."""
+        return self.keys.key(redisbus.agent_label(host))
 
     def close(self) -> None:
         """Leave the group (remove this process's own); quietly, since Redis may be gone at exit."""

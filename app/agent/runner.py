@@ -59,7 +59,8 @@ class Outbox(redisbus.Guarded):
         super().__init__(url, run, **kw)
         self.run = run
         self.key = key
-        self.stream, self.flag_key, self.resync_key = dg.keys(run)
+        self.stream, _, self.resync_key = dg.keys(run)
+        self.flag_key = dg.flag_key(run, host)
         self.ask_key = ask.ask_key(run, host)
         self.pending: deque[dict] = deque(maxlen=buffer)
         self.dropped = 0
@@ -144,6 +145,9 @@ class Agent:
         self.run_dir = Path(run_dir)
         self.run = dg.check_run(run)
         self.host = host or socket.gethostname()
+        # This host's own key (a master key given derives it): it signs for this host only, and
+        # a handed key of another host is a ValueError here (issue 32, P7).
+        own = redisbus.own_key(key, redisbus.agent_label(self.host))
         self.state = RunState(self.run_dir, config, hostname=self.host)
         self.outbox = Outbox(url, run, key, buffer, self.host)
         self.ckpt_cache = MetaCache()
@@ -155,7 +159,7 @@ class Agent:
         self._listings = ask.ListingHistory()  # the last few, so a hub gets what changed since its own
         self._listed_at = -math.inf
         self.asks_refused = 0
-        self.key = key
+        self.key = own  # opens the hub's requests and flag, signs the answers
         self.interval_s = interval_s
         self.resync_s = resync_s
         self.token = f"{self.host}:{os.getpid()}:{uuid.uuid4().hex[:8]}"[:100]

@@ -7,7 +7,6 @@ starts a MindSpore process that costs memory, so it needs the token too.
 
 from __future__ import annotations
 
-import os
 import time
 
 from flask import Blueprint, current_app, jsonify, render_template, request, send_file, url_for
@@ -16,7 +15,7 @@ from app import push
 from app.checkpoints.params import ApplyPlan, DeleteSet, FilePath, PinSet, SetId, VerifySet
 from app.checkpoints.service import local_only
 from app.edge import params
-from app.edge.auth import has_token, redact_paths, require_operator
+from app.edge.auth import for_viewer, has_token, require_operator
 from app.errors import NotFound
 from app.extensions import rankwatch, socketio
 from app.push import CHECKPOINTS_EVENT, VERIFY_EVENT
@@ -73,15 +72,7 @@ COMMAND_NEEDS_TOKEN = (
 
 def _for_viewer(body: dict) -> dict:
     """``body`` as a viewer without the token sees it: no absolute path of the run directory (P11)."""
-    if has_token():
-        return body
-    run_dir = rankwatch().checkpoints.run_dir
-    # A run under --runs is held by its descriptor (app/runs/pinned.py): its name is the one found.
-    logical = getattr(run_dir, "logical", run_dir)
-    name = os.path.basename(os.path.normpath(logical)) if run_dir else ""
-    out = redact_paths(body, os.path.realpath(run_dir) if run_dir else None, name)
-    out = redact_paths(out, logical, name)
-    return redact_paths(out, run_dir, name)
+    return for_viewer(body, rankwatch().checkpoints.run_dir, rankwatch().room)
 
 
 @bp.get("/api/checkpoints/file")

@@ -34,6 +34,7 @@ COMMANDS = {
     "checkpoints": "app.cli.checkpoints:checkpoints",
     "login": "app.cli.login:login",
     "agent": "app.cli.agent:agent",
+    "redis-keys": "app.cli.rediskeys:redis_keys",
     "launch": "app.cli.launch:launch",
     "slurm": "app.cli.slurm:slurm",
 }

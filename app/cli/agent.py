@@ -83,17 +83,20 @@ def agent(
         raise click.BadParameter(str(e), param_hint="--redis") from None
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
     key = config["REDIS_KEY"].encode() if config["REDIS_KEY"] else None
-    worker = Agent(
-        run_dir,
-        url,
-        name,
-        config,
-        key=key,
-        host=host or None,
-        interval_s=interval_s,
-        resync_s=resync_s,
-        buffer=buffer,
-    )
+    try:
+        worker = Agent(
+            run_dir,
+            url,
+            name,
+            config,
+            key=key,
+            host=host or None,
+            interval_s=interval_s,
+            resync_s=resync_s,
+            buffer=buffer,
+        )
+    except ValueError as e:  # a handed key of another host (issue 32, P7)
+        raise click.UsageError(str(e)) from None
     stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.set())

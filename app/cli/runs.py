@@ -61,7 +61,8 @@ def print_table(body: dict) -> None:
             verdicts.append(f" {n}  ")
         newest = r["newest_complete_set"]
         table.add_row(
-            untrusted(r["id"]),
+            # Two ids that look alike (NFC, NFD) are printed escaped, so they read differently.
+            untrusted(r["id"] + (f" ⚠ {r['lookalike']['escaped']}" if r.get("lookalike") else "")),
             ("⚠ " if r["needs_attention"] else "") + r["state"],
             str(r["world_size"]),
             "–" if r["global_step"] is None else f"{r['global_step']:,}",

@@ -27,8 +27,9 @@ SETTINGS: list[Setting] = [
     Setting(
         "REDIS_KEY",
         "",
-        "With `REDIS_URL`: a shared secret, set to the same value on the trainers and every dashboard "
-        "(`RANKWATCH_REDIS_KEY` on both). The bridge then signs each heartbeat it publishes "
+        "With `REDIS_URL`: the master key, on every dashboard. Each rank and agent gets a key derived "
+        "from it for itself only (`rankwatch redis-keys`; the master given to them still works but "
+        "separates nothing). The bridge then signs each heartbeat it publishes "
         "(HMAC-SHA256) and the dashboards sign their message-queue messages; unsigned or badly "
         "signed ones are dropped, counted and shown as a warning. Empty: Redis is trusted as it is "
         "(see the Security section on running Redis). A secret: no command-line flag (`ps` shows "

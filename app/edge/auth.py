@@ -19,6 +19,7 @@ from __future__ import annotations
 import hmac
 import logging
 import math
+import os
 import secrets
 from collections import Counter
 from collections.abc import Callable
@@ -165,6 +166,20 @@ def has_token() -> bool:
     """
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     return scheme.lower() == "bearer" and bool(token.strip()) and check_token(token.strip())
+
+
+def for_viewer(body, run_dir, run_id: str | None = None):
+    """``body`` as a viewer without the token sees it: the run directory's absolute path (its real
+    path, the path it was found at, the path given) replaced in every string by the run's id under
+    ``--runs`` (``run_id``), else by the directory's name (issue 32, P11)."""
+    if has_token() or not run_dir:
+        return body
+    # A run under --runs is held by its descriptor (app/runs/pinned.py): its name is the one found.
+    logical = getattr(run_dir, "logical", run_dir)
+    name = run_id or os.path.basename(os.path.normpath(logical))
+    out = redact_paths(body, os.path.realpath(run_dir), name)
+    out = redact_paths(out, str(logical), name)
+    return redact_paths(out, str(run_dir), name)
 
 
 def redact_paths(value, run_dir: str | None, name: str):

@@ -3,7 +3,8 @@
 ``AlertDesk`` turns events into webhook payloads and hands them to
 ``app.incidents.webhooks.WebhookSender``. Every payload has ``event``, ``text`` (one
 line a person can read, so Slack- or Feishu-style incoming webhooks show it
-as it is), ``job`` (the run directory) and ``at`` (Unix seconds); verdict
+as it is), ``job`` (the run's id: its path under ``--runs``, else its
+directory's name; never its absolute path, issue 32 P11) and ``at`` (Unix seconds); verdict
 events add ``rank``, ``health``, ``reason`` and ``previous``.
 
 Verdict changes are the noisy kind, so they go through three filters:

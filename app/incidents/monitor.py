@@ -11,6 +11,7 @@ changed, for the page.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -75,7 +76,9 @@ class Incidents:
         )
         alerts = AlertDesk(
             sender,
-            str(config["RUN_DIR"] or ""),
+            # The run's id (its path under --runs, else its directory's name), not its absolute
+            # path: a webhook's channel is often read by more people than the dashboard (P11).
+            audit.run or os.path.basename(os.path.normpath(str(config["RUN_DIR"] or "run"))),
             group_s=config["ALERT_GROUP_S"],
             summary_over=config["ALERT_SUMMARY_OVER"],
             rate_per_min=config["ALERT_RATE_PER_MIN"],

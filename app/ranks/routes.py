@@ -18,7 +18,7 @@ from flask import Blueprint, Response, current_app, jsonify, render_template, se
 
 from app.attempts import answer as attempts_answer
 from app.edge import params, plotly_csp
-from app.edge.auth import has_token
+from app.edge.auth import for_viewer, has_token
 from app.errors import NotFound, RankNotFound
 from app.extensions import rankwatch
 from app.large import large_answer
@@ -112,6 +112,8 @@ def api_ranks():
         raise NotFound(
             f"page {q.page} is past the last page, {w['pages']} ({w['total']} rows, {q.per_page} a page)"
         )
+    # Without the token, the run status names the run, not where it lives (issue 32, P11).
+    body = for_viewer(body, rankwatch().state.run_dir, rankwatch().room)
     return jsonify(body | {k: w[k] for k in ("page", "per_page", "total", "pages")})
 
 
@@ -166,7 +168,7 @@ def opaque(name: str) -> str:
 @bp.get("/api/summary")
 def api_summary():
     now = time.time()
-    return jsonify(fresh_state(now).summary(now))
+    return jsonify(for_viewer(fresh_state(now).summary(now), rankwatch().state.run_dir, rankwatch().room))
 
 
 @bp.get("/api/health")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import unicodedata
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Literal
 
@@ -99,6 +100,32 @@ def spike_facts(state) -> dict:
         "rollbacks": sum(ln.kind == "relaunched" for ln in lines),
         "spike_stuck": last in ("refused", "exhausted"),
     }
+
+
+def looks(run_id: str) -> str:
+    """What a run id looks like to a reader: NFKC-normalised (P11). ``café`` in NFC and in NFD
+    (``e`` and a combining accent) are two directories, and two runs, that look the same."""
+    return unicodedata.normalize("NFKC", run_id)
+
+
+def fold(text: str) -> str:
+    """``looks``, case-folded: what ``?q=`` compares, so that either form finds both."""
+    return looks(text).casefold()
+
+
+def with_lookalikes(rows: list[dict], entries) -> list[dict]:
+    """Each row with ``lookalike``: None, or the other run ids that look the same (``looks``) and
+    this id with every non-ASCII character escaped (``caf\\xe9`` against ``cafe\\u0301``), so that the
+    table tells them apart (copies: idle rows are cached)."""
+    by_look: dict[str, list[str]] = {}
+    for run_id in entries:
+        by_look.setdefault(looks(run_id), []).append(run_id)
+    out = []
+    for row in rows:
+        others = sorted(i for i in by_look.get(looks(row["id"]), ()) if i != row["id"])
+        escaped = row["id"].encode("ascii", "backslashreplace").decode()
+        out.append({**row, "lookalike": {"others": others, "escaped": escaped} if others else None})
+    return out
 
 
 def row_from(
@@ -305,8 +332,8 @@ class Rows:
                 del self._cache[gone]
             for closed in [i for i in self._disk if self.registry.peek(i) is None]:
                 del self._disk[closed]
-        wanted = [i for i in entries if not q or q.casefold() in i.casefold()]
-        rows = [self.row(i, entries[i], now, deadline) for i in wanted]
+        wanted = [i for i in entries if not q or fold(q) in fold(i)]
+        rows = with_lookalikes([self.row(i, entries[i], now, deadline) for i in wanted], entries)
         if self.slurm is not None:
             rows = self._with_slurm(rows, entries, q)
         unread = sum(1 for r in rows if r["status_message"] is UNREAD_MESSAGE)

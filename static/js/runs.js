@@ -121,8 +121,18 @@ function row(r, now) {
   const a = document.createElement("a");
   a.href = r.url;
   a.textContent = r.id;
+  let id = a;
+  if (r.lookalike) {
+    // Two directories whose names differ only in Unicode form (NFC, NFD): show the escaped id.
+    id = document.createElement("span");
+    const warn = document.createElement("span");
+    warn.className = "run-lookalike";
+    warn.textContent = ` ⚠ ${r.lookalike.escaped}`;
+    warn.title = `Looks like ${r.lookalike.others.map((o) => JSON.stringify(o)).join(", ")}: another directory with the same letters in another Unicode form`;
+    id.append(a, warn);
+  }
   tr.append(
-    cell("id", a),
+    cell("id", id),
     cell("state", (r.needs_attention ? `⚠ ${r.state}` : (r.status_message || "").startsWith("not read yet") ? "idle (not read yet)" : r.state)
       + (r.spike_open?.length ? ` · loss ${r.spike_open.join(", ")}` : "")
       + (r.rollbacks ? ` · ${r.rollbacks} rollback${r.rollbacks === 1 ? "" : "s"}` : "")),

@@ -122,7 +122,10 @@ class SimAgent:
     """What ``ask.serve`` needs of an agent, for one simulated host: its name and its listing."""
 
     def __init__(self, name: str, listing: tuple[dict, str], key: bytes, held=lambda version: None):
-        self.host, self.run, self.key = name, RUN, key
+        from trainer_bridge.rundir import redisbus
+
+        # Its own key, derived from the master as the hub derives it to check (issue 32, P7).
+        self.host, self.run, self.key = name, RUN, redisbus.own_key(key, redisbus.agent_label(name))
         self.asks_refused = 0
         self._listing, self._version = listing
         self._held = held  # version -> that listing, if the host still holds it

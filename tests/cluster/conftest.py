@@ -6,6 +6,7 @@ import pytest
 
 from tests.helpers.agents import KEY, AgentProcess, SimNode
 from tests.helpers.app import FAST_SETTINGS
+from tests.helpers.queuepage import queue_dashboard, stop_all
 
 
 @pytest.fixture
@@ -19,3 +20,11 @@ def agents(tmp_path, redis_server, start_agent):
         )
 
     return start
+
+
+@pytest.fixture
+def dashboard(redis_server, run_dir, tmp_path):
+    """``start(key)``: a real dashboard process on ``redis_server``, with one polling page."""
+    started: list = []
+    yield lambda key: queue_dashboard(redis_server, run_dir, tmp_path, started, key)
+    stop_all(started)

@@ -22,7 +22,7 @@ from app.agent import ask
 from app.agent import digest as dg
 from app.agent.runner import Agent, run_forever
 from app.config import from_env
-from tests.helpers.agents import KEY, RUN, SimNode, hub_app, write_set
+from tests.helpers.agents import KEY, RUN, SimNode, agent_key, hub_app, write_set
 from tests.helpers.app import FAST_SETTINGS, operator, wait_for
 from tests.helpers.checkpoints import bridge_id
 from trainer_bridge.rundir import runfiles
@@ -152,7 +152,7 @@ def test_an_agent_that_does_not_answer_gives_the_digest_row_within_the_bound(tmp
 def hostile_answers(url: str, stop: threading.Event, written: list) -> None:
     """Play a stranger on Redis: pop node-b's requests and answer each with garbage, one at a time."""
     client = redis_py.Redis.from_url(url)
-    key = KEY.encode()
+    key = agent_key("node-b")  # node-b's own key, leaked
     while not stop.is_set():
         got = client.brpop(ask.ask_key(RUN, "node-b"), timeout=0.2)
         if got is None:
@@ -295,8 +295,8 @@ def test_garbage_requests_never_cost_an_agent_its_digests(tmp_path, redis_server
         b"x" * (ask.MAX_REQUEST_BYTES + 1),  # too big
         b"not json",
         dg.seal(req, "ask", "node-a", None, RUN),  # unsigned
-        dg.seal(req, "ask", "node-b", KEY.encode(), RUN),  # signed for another host
-        dg.seal(req | {"kind": "shell"}, "ask", "node-a", KEY.encode(), RUN),  # no such request
+        dg.seal(req, "ask", "node-b", agent_key("node-b"), RUN),  # signed for another host
+        dg.seal(req | {"kind": "shell"}, "ask", "node-a", agent_key("node-a"), RUN),  # no such request
     )
     agent.tick(time.time())
     assert agent.asks_refused == 5 and agent.outbox.error is None
@@ -308,11 +308,11 @@ def test_garbage_requests_never_cost_an_agent_its_digests(tmp_path, redis_server
     assert agent.outbox.error is None and client.xlen(stream) == 2
     # And a real request is answered, signed, with the rank's row.
     client.delete(asks)
-    client.lpush(asks, dg.seal(req, "ask", "node-a", KEY.encode(), RUN))
+    client.lpush(asks, dg.seal(req, "ask", "node-a", agent_key("node-a"), RUN))
     node.beat()
     agent.tick(time.time())
     value = client.get(ask.answer_key(RUN, req["id"]))
-    hub = types.SimpleNamespace(key=KEY.encode(), run=RUN)
+    hub = types.SimpleNamespace(agent_key=agent_key, run=RUN)
     data = ask.check(value, hub, "node-a", req["id"], ("rank", 0))
     assert data["row"]["rank"] == 0 and data["row"]["host"] == "node-a" and data["history"]
     agent.outbox.close()

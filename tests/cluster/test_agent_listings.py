@@ -30,7 +30,7 @@ from tests.bench.hostsim import (
 )
 from tests.helpers.app import make_app
 from tests.helpers.checkpoints import bridge_id
-from trainer_bridge.rundir import ckptindex, runfiles
+from trainer_bridge.rundir import ckptindex, redisbus, runfiles
 
 HOSTS = 3000
 
@@ -262,7 +262,7 @@ class LyingAgent:
     """What ``ask.serve`` needs of an agent, answering a listing request with ``answer(base)``."""
 
     def __init__(self, name: str, answer):
-        self.host, self.run, self.key = name, RUN, KEY.encode()
+        self.host, self.run, self.key = name, RUN, redisbus.derive(KEY.encode(), redisbus.agent_label(name))
         self.asks_refused = 0
         self.checkpoint_files = answer
 
@@ -304,7 +304,9 @@ def test_a_listing_change_the_hub_did_not_ask_for_or_past_the_bound_is_refused(t
         rw.watcher.tick()
         raws = client.lrange(ask.ask_key(RUN, "sim-00001"), 0, -1)
         for raw in reversed(raws):
-            requests.append(json.loads(dg.unseal(raw, "ask", "sim-00001", KEY.encode(), RUN, 4096)))
+            requests.append(
+                json.loads(dg.unseal(raw, "ask", "sim-00001", LyingAgent("sim-00001", None).key, RUN, 4096))
+            )
         if raws and responder is not None:
             client.delete(ask.ask_key(RUN, "sim-00001"))
             for key, value in ask.serve(LyingAgent("sim-00001", responder), raws, time.time()):

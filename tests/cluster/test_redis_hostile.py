@@ -11,18 +11,17 @@ import json
 import pickle
 import shutil
 import subprocess
-import threading
 import time
-import urllib.request
 
 import pytest
 
-from app.cluster import Leader, QueueCodec, channel
+from app.cluster import Leader, QueueCodec
 from app.config import from_env
 from app.run.state import RunState
 from tests.helpers.app import TOKEN
 from tests.helpers.heartbeats import heartbeat, write_job
-from tests.helpers.liveserver import free_port, start_dashboard
+from tests.helpers.liveserver import free_port
+from tests.helpers.queuepage import PollingPage, emit, get_json, publish, until
 from trainer_bridge.beatsink import BeatSink
 from trainer_bridge.rundir import redisbus
 
@@ -41,124 +40,11 @@ class MakesAFile:
         return (open, (self.path, "w"))
 
 
-def until(fn, what: str, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = fn()
-        except OSError as e:
-            last = e
-        else:
-            if last:
-                return last
-        time.sleep(0.1)
-    raise AssertionError(f"{what} within {timeout} s; last: {last!r}")
-
-
-def get_json(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=30) as r:
-        return json.load(r)
-
-
-class PollingPage:
-    """A Socket.IO page over Engine.IO long-polling (protocol 4), in a few lines of urllib.
-
-    Connecting is what makes python-socketio start the message queue's
-    listener; ``events`` collects every event the page receives.
-    """
-
-    def __init__(self, base: str):
-        self.base = base.rstrip("/") + "/socket.io/?EIO=4&transport=polling"
-        with urllib.request.urlopen(self.base, timeout=30) as r:
-            opened = r.read().decode()
-        assert opened.startswith("0"), opened
-        self.url = self.base + "&sid=" + json.loads(opened[1:])["sid"]
-        self._post("40")
-        self.events: list[tuple[str, list]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-        self._thread.start()
-
-    def _post(self, packet: str) -> None:
-        req = urllib.request.Request(self.url, data=packet.encode(), method="POST")
-        with urllib.request.urlopen(req, timeout=30) as r:
-            r.read()
-
-    def _poll(self) -> None:
-        while not self._stop.is_set():
-            try:
-                with urllib.request.urlopen(self.url, timeout=60) as r:
-                    payload = r.read().decode()
-            except OSError:
-                return
-            for packet in payload.split("\x1e"):
-                if packet == "2":
-                    self._post("3")  # pong, or the server drops the page
-                elif packet.startswith("42"):
-                    name, *args = json.loads(packet[2:])
-                    self.events.append((name, args))
-
-    def names(self) -> list[str]:
-        return [name for name, _ in self.events]
-
-    def close(self) -> None:
-        self._stop.set()
-        try:
-            self._post("41")
-        except OSError:
-            pass
-
-
-@pytest.fixture
-def dashboard(redis_server, run_dir, tmp_path):
-    """``start(key)``: a real dashboard process on ``redis_server``, with one polling page."""
-    started = []
-
-    def start(key: str | None):
-        env = {"RANKWATCH_REDIS_URL": redis_server.url, "RANKWATCH_TOKEN": TOKEN}
-        if key:
-            env["RANKWATCH_REDIS_KEY"] = key
-        server = start_dashboard(run_dir, tmp_path / "dashboard.log", env=env)
-        started.append(server)
-        page = PollingPage(server.url)
-        started.append(page)
-        until(lambda: get_json(server.url + "/api/health")["redis"]["relay"], "the relay listens")
-        return server, page
-
-    yield start
-    for thing in reversed(started):
-        if isinstance(thing, PollingPage):
-            thing.close()
-        else:
-            thing.stop()
-
-
-def _publish(url: str, job: str, payload: bytes | str) -> None:
-    import redis
-
-    assert redis.Redis.from_url(url).publish(channel(job), payload) == 1  # the dashboard heard it
-
-
-def _emit(event: str) -> dict:
-    return {
-        "method": "emit",
-        "event": event,
-        "data": [{"forged": True}],
-        "binary": False,
-        "namespace": "/",
-        "room": None,
-        "skip_sid": None,
-        "callback": None,
-        "host_id": "attacker",
-    }
-
-
 def test_a_pickle_published_on_the_queue_runs_nothing(dashboard, redis_server, run_dir, tmp_path):
     """Without a key, the queue still decodes JSON only: the pickle is refused and counted."""
     server, _page = dashboard(None)
     marker = tmp_path / "pwned"
-    _publish(redis_server.url, redisbus.job_key(run_dir), pickle.dumps(MakesAFile(marker)))
+    publish(redis_server.url, redisbus.job_key(run_dir), pickle.dumps(MakesAFile(marker)))
     health = until(
         lambda: (h := get_json(server.url + "/api/health"))["redis"]["refused"]["queue"] and h,
         "the dashboard refuses the pickle",
@@ -174,18 +60,18 @@ def test_with_a_key_forged_events_and_close_room_reach_no_page(dashboard, redis_
     server, page = dashboard(KEY)
     job = redisbus.job_key(run_dir)
     marker = tmp_path / "pwned"
-    forged_sig = QueueCodec(job, b"not-the-key").dumps(_emit("badly_signed"))
-    stale = QueueCodec(job, KEY.encode(), clock=lambda: time.time() - 3600).dumps(_emit("replayed"))
+    forged_sig = QueueCodec(job, b"not-the-key").dumps(emit("badly_signed"))
+    stale = QueueCodec(job, KEY.encode(), clock=lambda: time.time() - 3600).dumps(emit("replayed"))
     for payload in (
         pickle.dumps(MakesAFile(marker)),
-        json.dumps(_emit("forged")),
+        json.dumps(emit("forged")),
         json.dumps({"method": "close_room", "room": None, "namespace": "/", "host_id": "attacker"}),
         forged_sig,
         stale,
     ):
-        _publish(redis_server.url, job, payload)
+        publish(redis_server.url, job, payload)
     # Another dashboard with the key: its event reaches the page, after all of the above.
-    _publish(redis_server.url, job, QueueCodec(job, KEY.encode()).dumps(_emit("signed_probe")))
+    publish(redis_server.url, job, QueueCodec(job, KEY.encode()).dumps(emit("signed_probe")))
     until(lambda: "signed_probe" in page.names(), "the signed event reaches the page")
     assert not {"forged", "badly_signed", "replayed"} & set(page.names()), page.names()
     refused = get_json(server.url + "/api/health")["redis"]["refused"]

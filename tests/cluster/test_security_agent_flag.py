@@ -42,6 +42,12 @@ def setup(tmp_path, redis_server, key: str):
     node = SimNode(tmp_path, "node-a", range(0, 2), 2)
     node.beat()
     agent = Agent(node.dir, redis_server.url, RUN, from_env(), key=key.encode() or None, host="node-a")
+    # The hub publishes the flag to the hosts it has heard (one value per host, signed with that
+    # host's key, P7): it joins the digest stream, then hears node-a.
+    scan(app)
+    agent.tick(time.time())
+    scan(app)
+    assert "node-a" in app.extensions["rankwatch"].state.hub.hosts
     return app, node, agent, redis_py.Redis.from_url(redis_server.url)
 
 
@@ -51,7 +57,7 @@ def node_flag(node):
 
 def test_an_unsigned_flag_of_version_1e300_disarms_no_keyless_agent(tmp_path, redis_server):
     app, node, agent, r = setup(tmp_path, redis_server, key="")
-    _, flag_key, _ = dg.keys(RUN)
+    flag_key = dg.flag_key(RUN, "node-a")
     forged = {"flag": '{"GracefulExit": 0}', "version": 1e300, "request_id": None, "at": time.time()}
     r.set(flag_key, dg.seal(forged, "flag", "hub", None, RUN))
     agent.tick(time.time())
@@ -68,7 +74,7 @@ def test_an_unsigned_flag_of_version_1e300_disarms_no_keyless_agent(tmp_path, re
 
 def test_an_older_signed_value_written_over_the_stop_delays_it_one_tick_and_is_said(tmp_path, redis_server):
     app, node, agent, r = setup(tmp_path, redis_server, key=KEY)
-    _, flag_key, _ = dg.keys(RUN)
+    flag_key = dg.flag_key(RUN, "node-a")
     first = stop(app, "first")
     scan(app)
     agent.tick(time.time())
@@ -103,7 +109,7 @@ def test_an_older_signed_value_written_over_the_stop_delays_it_one_tick_and_is_s
 
 def test_a_replayed_signed_stop_is_not_written_by_a_restarted_agent(tmp_path, redis_server):
     app, node, agent, r = setup(tmp_path, redis_server, key=KEY)
-    _, flag_key, _ = dg.keys(RUN)
+    flag_key = dg.flag_key(RUN, "node-a")
     stop(app, "yesterday's")
     scan(app)
     replay = r.get(flag_key)

@@ -52,6 +52,13 @@ def test_no_absolute_path_nor_command_line_for_a_viewer_without_the_token(client
     ).get_json()
     assert "hunter2" in op["command"]
 
+    # The run status (GET /api/ranks, /api/summary) names the run, not where it lives (P11).
+    for url in ("/api/ranks", "/api/summary"):
+        text = client.get(url).get_data(as_text=True)
+        assert where not in text, (url, text[:2000])
+    assert client.get("/api/ranks").get_json()["run"]["run_dir"] == run_dir.name
+    assert client.get("/api/ranks", headers=operator()).get_json()["run"]["run_dir"] == where
+
 
 def test_the_redis_key_and_the_token_are_no_command_line_flags_and_can_come_from_a_file(tmp_path):
     help_text = subprocess.run(

@@ -16,11 +16,16 @@ from pathlib import Path
 from tests.helpers.app import make_app, operator
 from tests.helpers.heartbeats import heartbeat, write_heartbeat
 from tests.helpers.liveserver import REPO
-from trainer_bridge.rundir import runfiles
+from trainer_bridge.rundir import redisbus, runfiles
 
 # The Redis key of the agent tests' digests, and the base name every node's run directory shares.
 KEY = "agent-test-key"
 RUN = "job"
+
+
+def agent_key(host: str) -> bytes:
+    """The key ``host``'s agent signs with: derived from ``KEY`` (the master) for that host (issue 32, P7)."""
+    return redisbus.derive(KEY.encode(), redisbus.agent_label(host))
 
 
 class SimNode:

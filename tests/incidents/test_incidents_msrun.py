@@ -162,7 +162,7 @@ def test_webhooks_announce_a_stopped_rank_and_its_recovery_through_a_receiver_ou
     stalled = next(p for p in got if p.get("rank") == 1)
     assert stalled["event"] == "verdict" and "stopped" in stalled["reason"]
     assert {"event", "text", "job", "at", "rank", "health", "reason"} <= set(stalled)
-    assert stalled["job"] == str(run_dir)
+    assert stalled["job"] == run_dir.name  # the run's id, never its absolute path (issue 32, P11)
 
     os.kill(pid, signal.SIGCONT)
     receiver.wait_for(

@@ -12,7 +12,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
-from tests.helpers.app import TOKEN
+from tests.helpers.app import TOKEN, operator
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 
 ODD = [
@@ -75,10 +75,12 @@ def test_odd_run_names_over_real_http(tmp_path, start_server):
         status, page = get(server.url + row["url"])
         assert status == 200 and f'data-run="{html.escape(row["id"])}"' in page.decode()
         api = server.url + "/api" + row["url"]
-        status, summary = get(api + "summary")
+        status, summary = get(api + "summary", TOKEN)
         assert status == 200, summary
         summary = json.loads(summary)
         assert summary["run"]["run_dir"] == str(root / row["id"])
+        # Without the token, the run's id stands for where it lives (issue 32, P11).
+        assert json.loads(get(api + "summary")[1])["run"]["run_dir"] == row["id"]
         assert summary["summary"]["global_step"] == 100 + i
     status, body = get(server.url + "/api/runs?q=" + urllib.parse.quote("日本"))
     assert [r["id"] for r in json.loads(body)["runs"]] == ["ünï/日本"]
@@ -189,7 +191,13 @@ def test_runs_table_attention_first_filters_and_pages(tmp_path):
     run("z-crashed", ["training", "failed"])
     # Heartbeats written once: thresholds no loaded machine reaches, so the verdicts are the states'.
     app = create_app(
-        {"RUNS_ROOT": str(tmp_path), "TESTING": True, "STALL_MIN_S": 600.0, "DEAD_AFTER_S": 900.0}
+        {
+            "RUNS_ROOT": str(tmp_path),
+            "TESTING": True,
+            "TOKEN": TOKEN,
+            "STALL_MIN_S": 600.0,
+            "DEAD_AFTER_S": 900.0,
+        }
     )
     client = app.test_client()
     try:
@@ -234,9 +242,9 @@ def test_runs_table_attention_first_filters_and_pages(tmp_path):
         assert all(registry.peek(i).watcher.running for i in registry.open_ids())
         # ... and a dropped run is rebuilt on its next request, answering as before.
         dropped = next(i for i in states if i not in registry.open_ids())
-        assert client.get(f"/api/runs/{dropped}/summary").get_json()["run"]["run_dir"] == str(
-            tmp_path / dropped
-        )
+        assert client.get(f"/api/runs/{dropped}/summary", headers=operator()).get_json()["run"][
+            "run_dir"
+        ] == str(tmp_path / dropped)
         assert len(registry.open_ids()) == 2 and dropped in registry.open_ids()
         # The landing page: a server-paged table, its filter and search labelled.
         page = client.get("/").get_data(as_text=True)

@@ -185,3 +185,31 @@ def test_a_swap_after_the_pin_check_still_writes_and_deletes_only_in_the_pinned_
     assert runfiles.read_flag(old).request_id == request_id
     assert (runfiles.state_dir(old) / "audit.sqlite3").is_file()
     assert sorted(p.name for p in (old / "ckpt/rank_0").iterdir()) == ["net-1_20.ckpt", "net-1_30.ckpt"]
+
+
+def test_run_names_that_look_alike_in_nfc_and_nfd_are_told_apart(tmp_path, root_app):
+    """P11: ``café`` written in NFC and in NFD are two directories; the table says so and shows both
+    escaped, each run's stop lands in its own directory, and ``?q=`` in either form finds both."""
+    import unicodedata
+
+    nfc, nfd = unicodedata.normalize("NFC", "café"), unicodedata.normalize("NFD", "café")
+    assert nfc != nfd
+    real_run(tmp_path, nfc)
+    real_run(tmp_path, nfd)
+    real_run(tmp_path, "other")
+    client = root_app().test_client()
+    body = client.get("/api/runs?per_page=10").get_json()
+    rows = {r["id"]: r for r in body["runs"]}
+    assert set(rows) == {nfc, nfd, "other"}, rows.keys()
+    assert rows[nfc]["lookalike"] == {"others": [nfd], "escaped": "caf\\xe9"}
+    assert rows[nfd]["lookalike"] == {"others": [nfc], "escaped": "cafe\\u0301"}
+    assert rows["other"]["lookalike"] is None
+    for q in (nfc, nfd, "CAFÉ"):
+        found = client.get("/api/runs", query_string={"q": q}).get_json()["runs"]
+        assert {r["id"] for r in found} == {nfc, nfd}, q
+    from app.runs import ids
+
+    r = client.post(f"/api/runs/{ids.encode(nfd)}/exit", json={"reason": "P11: nfd"}, headers=operator())
+    assert r.status_code == 202, r.get_json()
+    assert runfiles.read_flag(tmp_path / nfd).exit
+    assert runfiles.read_flag(tmp_path / nfc) is None

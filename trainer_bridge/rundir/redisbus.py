@@ -27,6 +27,22 @@ stream entry's ``s`` field, the hash's ``{rank}:s`` field) and the
 dashboard drops the unsigned and the badly signed ones, counts them and
 says so once in its log and on the page (``Subscriber.refused``).
 
+**Keys per role** (issue 32, P7). The dashboard alone holds the master
+key. Every other process holds a key derived from it for its own role and
+identity (``derive``), written as a *handed key*
+``rk1:<label>:<64 hex>`` (``hand_out``): ``rank:<job>:<rank>`` for a
+rank, ``agent:<host>`` for an agent; the dashboards' own queue and lock use
+``dashboard``. A handed key signs only for its label (``own_key``): rank 0's
+key cannot sign rank 1's heartbeat, an agent's cannot sign another host's
+digests, and neither can sign what only a dashboard may say (the message
+queue: ``stop_status``, ``close_room``; the hub's flag). The verifier derives
+the sender's key from the master (``Verifier``). A master key given to a
+trainer still works (it derives its rank's key) but separates nothing: that
+was the only setup before P7. The bridge takes its key from
+``RANKWATCH_REDIS_KEY`` or from the file ``RANKWATCH_REDIS_KEY_FILE`` names,
+where ``{rank}`` stands for its rank (one 0600 file per rank,
+``rankwatch redis-keys``).
+
 ``job`` is ``RANKWATCH_REDIS_JOB`` when set (nodes that mount the run
 directory at different paths must set the same one), else a digest of the
 run directory's real path. Nothing here imports mindspore.
@@ -48,6 +64,14 @@ import time
 REDIS_URL_ENV = "RANKWATCH_REDIS_URL"
 REDIS_JOB_ENV = "RANKWATCH_REDIS_JOB"
 REDIS_KEY_ENV = "RANKWATCH_REDIS_KEY"
+REDIS_KEY_FILE_ENV = "RANKWATCH_REDIS_KEY_FILE"
+# A handed key: the version tag, the label (role and identity) and the derived key in hex.
+HANDED = "rk1"
+DASHBOARD = "dashboard"
+# A key file is a line; anything longer is not one (bounded read of an untrusted path).
+MAX_KEY_BYTES = 4096
+# Keys a verifier keeps derived (one per rank or host seen); past it, it derives each time.
+MAX_CACHED_KEYS = 100_000
 # Heartbeats kept in the stream per rank: a dashboard may fall this many
 # heartbeats behind (seconds, at 1 Hz) before it resynchronises from the hash.
 STREAM_PER_RANK = 8
@@ -74,10 +98,103 @@ def job_key(run_dir: str | os.PathLike) -> str:
     return hashlib.sha1(os.path.realpath(run_dir).encode()).hexdigest()[:16]
 
 
-def env_key() -> bytes | None:
-    """``RANKWATCH_REDIS_KEY`` as bytes, or None when unset or blank."""
+def env_key(rank: int | None = None) -> bytes | None:
+    """``RANKWATCH_REDIS_KEY``, else the file ``RANKWATCH_REDIS_KEY_FILE`` names (``{rank}`` replaced
+    by ``rank``), as bytes; None when neither is set. OSError or ValueError for a file that cannot be read."""
     raw = os.environ.get(REDIS_KEY_ENV, "").strip()
-    return raw.encode() if raw else None
+    if raw:
+        return raw.encode()
+    path = os.environ.get(REDIS_KEY_FILE_ENV, "").strip()
+    if not path:
+        return None
+    if "{rank}" in path:
+        if rank is None:
+            raise ValueError(f"{REDIS_KEY_FILE_ENV} names a file per rank ({{rank}}), but no rank is known")
+        path = path.replace("{rank}", str(rank))
+    return read_key_file(path)
+
+
+def read_key_file(path: str) -> bytes:
+    """The key in ``path``: one line, at most ``MAX_KEY_BYTES``; never follows a symlink, never blocks."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        import stat
+
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path} is not a regular file")
+        data = os.read(fd, MAX_KEY_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_KEY_BYTES or not data.strip():
+        raise ValueError(f"{path} holds no key (empty, or longer than {MAX_KEY_BYTES} bytes)")
+    return data.strip()
+
+
+def rank_label(job: str, rank: int) -> str:
+    return f"rank:{job}:{rank}"
+
+
+def agent_label(host: str) -> str:
+    return f"agent:{host}"
+
+
+def derive(master: bytes, label: str) -> bytes:
+    """The key of ``label`` (a role and an identity), derived from the master key (hex, as bytes)."""
+    return hmac.digest(master, b"rankwatch/role-key\0" + label.encode(), "sha256").hex().encode()
+
+
+def hand_out(master: bytes, label: str) -> str:
+    """What a process of ``label`` is given: ``rk1:<label>:<key>``, naming what it may sign for."""
+    return f"{HANDED}:{label}:{derive(master, label).decode()}"
+
+
+def parse_handed(raw: bytes) -> tuple[str, bytes] | None:
+    """(label, key) of a handed key; None for a master key. ValueError for a malformed handed key."""
+    if not raw.startswith(HANDED.encode() + b":"):
+        return None
+    label, sep, key = raw[len(HANDED) + 1 :].rpartition(b":")
+    if not sep or not label or len(key) != 64 or not all(c in b"0123456789abcdef" for c in key):
+        raise ValueError(f"a malformed {REDIS_KEY_ENV} (it starts with {HANDED}: but is no handed key)")
+    return label.decode(errors="replace"), key
+
+
+def own_key(raw: bytes | None, label: str) -> bytes | None:
+    """The key that signs for ``label``: derived from a master key, or the handed key of that label.
+
+    ValueError for a handed key of another label: a process may sign only for itself.
+    """
+    if raw is None:
+        return None
+    handed = parse_handed(raw)
+    if handed is None:
+        return derive(raw, label)
+    if handed[0] != label:
+        raise ValueError(
+            f"the {REDIS_KEY_ENV} given is {handed[0]!r}'s, not {label!r}'s: it signs only for its own"
+        )
+    return handed[1]
+
+
+class Verifier:
+    """The verifying side (a dashboard, with the master key): each sender's key, derived once."""
+
+    def __init__(self, master: bytes | None):
+        if master is not None and parse_handed(master) is not None:
+            raise ValueError(
+                f"{REDIS_KEY_ENV} of a dashboard must be the master key, not a handed {HANDED}: key"
+            )
+        self.master = master
+        self._cache: dict[str, bytes] = {}
+
+    def key(self, label: str) -> bytes | None:
+        if self.master is None:
+            return None
+        key = self._cache.get(label)
+        if key is None:
+            key = derive(self.master, label)
+            if len(self._cache) < MAX_CACHED_KEYS:
+                self._cache[label] = key
+        return key
 
 
 def signature(key: bytes, purpose: str, job: str, name: str, data: bytes) -> bytes:
@@ -167,15 +284,23 @@ class Publisher(Guarded):
     def __init__(self, url: str, job: str, world_size: int, key: bytes | None = None, **kw):
         super().__init__(url, job, **kw)
         self.maxlen = max(STREAM_MIN, STREAM_PER_RANK * world_size)
-        self.key = key
+        self.key = key  # the master or a handed key; each rank signs with its own (own_key)
+        self._own: dict[int, bytes | None] = {}
+
+    def rank_key(self, rank: int) -> bytes | None:
+        """The key that signs ``rank``'s heartbeats; ValueError if ``key`` is another rank's."""
+        if rank not in self._own:
+            self._own[rank] = own_key(self.key, rank_label(self.job, rank))
+        return self._own[rank]
 
     def publish(self, rank: int, heartbeat_json: bytes) -> bool:
         """Add the heartbeat to the stream and the hash in one round trip; False if Redis is down."""
 
         entry: dict = {"r": rank, "hb": heartbeat_json}
         latest: dict = {str(rank): heartbeat_json}
-        if self.key is not None:
-            sig = signature(self.key, "hb", self.job, str(rank), heartbeat_json)
+        key = self.rank_key(rank)
+        if key is not None:
+            sig = signature(key, "hb", self.job, str(rank), heartbeat_json)
             entry["s"] = latest[f"{rank}:s"] = sig
 
         def send(client):
@@ -201,20 +326,22 @@ class Subscriber(Guarded):
     heartbeat of every rank instead: a resynchronisation. Raises
     RedisUnavailable when Redis cannot be reached.
 
-    With ``key``, heartbeats without a valid signature are left out:
-    ``refused`` counts them and ``refused_last`` says which was the last.
+    With ``key`` (the master), heartbeats without a valid signature by
+    their own rank's key are left out: ``refused`` counts them and
+    ``refused_last`` says which was the last.
     """
 
     def __init__(self, url: str, job: str, batch: int = 20_000, key: bytes | None = None, **kw):
         super().__init__(url, job, **kw)
         self.batch = batch
         self.key = key
+        self.keys = Verifier(key)
         self.refused = 0
         self.refused_last: str | None = None
         self._last_id: bytes | None = None
 
     def _checked(self, rank: int, data: bytes, sig, where: str) -> bool:
-        if signed(self.key, "hb", self.job, str(rank), data, sig):
+        if signed(self.keys.key(rank_label(self.job, rank)), "hb", self.job, str(rank), data, sig):
             return True
         self.refused += 1
         self.refused_last = f"rank {rank}'s heartbeat in the {where}, {'badly signed' if sig else 'unsigned'}"
@@ -293,7 +420,8 @@ def _rank(raw) -> int | None:
         rank = int(raw)
     except (TypeError, ValueError):
         return None
-    return rank if rank >= 0 else None
+    # A rank is a 31-bit number: anything else is not one (and would grow the verifier's key cache).
+    return rank if 0 <= rank < 1 << 31 else None
 
 
 def _safe_url(url: str) -> str:
