@@ -94,7 +94,9 @@ def read_note(run_dir, since: float | None = None) -> dict | None:
         "at": float(at),
         "time_left_s": None if left is None else float(left),
         "job_id": job if isinstance(job, str) and 0 < len(job) <= 64 else None,
-        "restart_count": count if isinstance(count, int) and not isinstance(count, bool) and count >= 0 else 0,
+        "restart_count": count
+        if isinstance(count, int) and not isinstance(count, bool) and count >= 0
+        else 0,
     }
 
 
