@@ -269,6 +269,29 @@ def test_interrupted_deletion_leaves_the_set_partial_with_the_reason(job):
     assert not (job / cset.files[1].path).exists() and not Path(rt.journal_path(str(job))).exists()
 
 
+def test_a_kill_after_the_last_unlink_leaves_a_journal_the_next_run_clears_with_nothing_to_delete(job):
+    """Killed after deleting the last file of its plan, before dropping it from the journal: the
+    next run has nothing to delete, audits the set as finished and removes the journal."""
+    for step in (10, 20, 30):
+        periodic(job, step)
+    gone = {
+        "id": "ckpt/rank_{rank}/net-{E}_{S}.ckpt#g5",
+        "kind": "set",
+        "bytes": 96,
+        "why": "older",
+        "who": "cli",
+    }
+    runfiles.atomic_write_json(rt.journal_path(str(job)), {"sets": [gone]})
+    r = retention(job)
+    assert r.plan(2, {}).deletions == []  # the three newest are kept: nothing to do
+    r.apply(None, 2, {}, who="cli")
+    assert not Path(rt.journal_path(str(job))).exists()
+    rows = [x for x in AuditLog(job / "rankwatch/audit.sqlite3").rows() if x["action"] == "delete"]
+    assert [x["outcome"] for x in rows] == [
+        "deleted (an interrupted retention run finished it before it stopped)"
+    ]
+
+
 def test_disk_warning_when_free_space_is_below_the_next_save(job, monkeypatch):
     periodic(job, 10)
     index = ckptindex.scan(job, 2)
