@@ -131,7 +131,7 @@ def is_host_name(host: str) -> bool:
 
 
 def relaunch_command(
-    job: Mapping, world: int, heartbeats: Mapping[int, dict | None]
+    job: Mapping, world: int, heartbeats: Mapping[int, dict | None], run_dir: str | None = None
 ) -> tuple[str | None, list[str]]:
     """The ``msrun`` command that starts the job again, from ``job.json``'s ``argv``.
 
@@ -200,5 +200,11 @@ def relaunch_command(
             + ", ".join(f"{k}={v}" for k, v in env.items())
             + ": the command sets them again"
         )
+    # The command starts the job alone: say that the dashboard is not part of it (issue 33, section 5).
+    notes.append(
+        "it starts the job only: a dashboard already following this run directory (this one) shows "
+        "it as the next attempt; to have a failure relaunched by itself, put "
+        f"`rankwatch launch --run-dir {q(run_dir) if run_dir else 'RUN'} --` before it"
+    )
     more_text = f"{shlex.join(more)} " if more else ""
     return f"{env_prefix(env)}{program} {opts} {more_text}--join=True {shlex.join(argv)}", notes

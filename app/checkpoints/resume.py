@@ -231,7 +231,7 @@ def advice(run_dir: str, index: Index, cset: CheckpointSet, heartbeats: Mapping[
     default = bridge_default(index)
     job = runfiles.read_json_or_none(runfiles.job_path(run_dir))
     job = job if isinstance(job, dict) else {}
-    command, command_notes = relaunch_command(job, cset.world_size, heartbeats)
+    command, command_notes = relaunch_command(job, cset.world_size, heartbeats, run_dir)
     loop = job.get("front_end") == "loop" and cset.origin == ORIGIN_BRIDGE
     position = _position(cset)
     is_default = default is not None and default.id == cset.id

@@ -363,6 +363,8 @@ def test_resume_of_a_loop_set_gives_loop_code_and_msruns_whole_command(client, r
     )
     assert any("--master_port is left out" in n for n in info["command_notes"])
     assert any("MS_ENABLE_GRACEFUL_EXIT=1" in n for n in info["command_notes"])
+    # The command is the job's alone; the dashboard and rankwatch launch are said beside it (issue 33).
+    assert any(f"`rankwatch launch --run-dir {run_dir} --` before it" in n for n in info["command_notes"])
     code = info["code"]
     assert "model.train" not in code and "ms.load_param_into_net(network, params)" in code
     # Run it as a loop would, as rank 1: the weights load and the rows after the set follow.
