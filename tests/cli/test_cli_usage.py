@@ -167,19 +167,35 @@ def test_a_port_held_by_our_own_dashboard_names_its_run_and_a_safe_way_beside_it
     assert "its own run directory" in said and "--port 0" in said, said
 
 
-def test_the_demo_stops_before_training_when_its_port_is_in_use(tmp_path, taken_port):
-    """No dashboard, no job: nothing trains, and nothing says the dashboard stays up."""
-    run = tmp_path / "run"
+def tiny_demo(run, *args: str) -> tuple[subprocess.CompletedProcess, str]:
+    """``rankwatch demo`` of one small epoch into ``run``, to its end; (the process, its output)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "app.cli", "demo", "--run-dir", str(run), "--port", str(taken_port)]
-        + ["--epochs", "1", "--samples", "64"],
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "demo",
+            "--run-dir",
+            str(run),
+            *args,
+            "--epochs",
+            "1",
+            "--samples",
+            "64",
+        ],
         cwd=REPO,
         env=ENV,
         capture_output=True,
         text=True,
         timeout=600,
     )
-    out = proc.stdout + proc.stderr
+    return proc, proc.stdout + proc.stderr
+
+
+def test_the_demo_stops_before_training_when_its_port_is_in_use(tmp_path, taken_port):
+    """No dashboard, no job: nothing trains, and nothing says the dashboard stays up."""
+    run = tmp_path / "run"
+    proc, out = tiny_demo(run, "--port", str(taken_port))
     assert proc.returncode != 0, out
     assert f"port {taken_port} is in use (another Rankwatch?)" in out and "nothing was trained" in out, out
     assert "stays up" not in out and "training LeNet5" not in out, out
@@ -197,16 +213,7 @@ def test_the_demo_refuses_a_run_directory_a_job_trains_in_before_anything_starts
     (run / "msrun_logs" / "worker_0.log").write_text("the running job's log\n")
     # Without the dashboard: were the check gone, the demo would end on rankwatch launch's refusal
     # (in launcher.log, not the terminal) instead of serving until killed. The check comes first either way.
-    proc = subprocess.run(
-        [sys.executable, "-m", "app.cli", "demo", "--run-dir", str(run), "--no-dashboard"]
-        + ["--epochs", "1", "--samples", "64"],
-        cwd=REPO,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    out = proc.stdout + proc.stderr
+    proc, out = tiny_demo(run, "--no-dashboard")
     assert proc.returncode != 0, out
     assert f"another launch of a job is training in {run}: rank 0 (pid {os.getpid()} on " in out, out
     assert "rankwatch stop" in out and "make demo RUN=" in out and "Nothing was started." in out, out

@@ -19,6 +19,7 @@ from playwright.sync_api import expect
 
 from tests.helpers.app import AUTH, TOKEN
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
+from tests.helpers.queuepage import until
 from trainer_bridge.rundir import redisbus, runfiles
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
@@ -62,22 +63,6 @@ def get_json(url: str) -> dict:
         return json.load(resp)
 
 
-def poll(fn, what: str, timeout: float = 60.0):
-    """``fn()`` until it returns something true; fails after ``timeout`` saying ``what``."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = fn()
-        except OSError as e:  # not written yet, or not answering yet: ask again
-            last = e
-        else:
-            if last:
-                return last
-        time.sleep(0.1)
-    raise AssertionError(f"{what} within {timeout} s; last: {last!r}")
-
-
 def roles(servers) -> list[str]:
     return [get_json(s.url + "/api/health")["role"] for s in servers]
 
@@ -106,7 +91,7 @@ def step_shown(page) -> int:
 def sees_live_updates(page, ranks: Ranks) -> None:
     """The page's table keeps up with heartbeats written after now (it is not a stale snapshot)."""
     target = (ranks.seq + 5) * STEPS_PER_BEAT
-    poll(lambda: step_shown(page) >= target, f"the page shows global step {target}")
+    until(lambda: step_shown(page) >= target, f"the page shows global step {target}")
 
 
 @pytest.fixture
@@ -141,7 +126,7 @@ def open_page(new_context, url: str):
 
 
 def test_two_dashboards_share_live_state_a_stop_and_one_leader(run_dir, new_context, ranks, servers):
-    leader, follower = poll(lambda: one_leader(servers), "exactly one leader")
+    leader, follower = until(lambda: one_leader(servers), "exactly one leader")
     on_leader, errors_l = open_page(new_context, leader.url)
     on_follower, errors_f = open_page(new_context, follower.url)
     # The follower pushes nothing itself while Redis answers: its page moves
@@ -159,7 +144,7 @@ def test_two_dashboards_share_live_state_a_stop_and_one_leader(run_dir, new_cont
     on_follower.click("#stop-open")
     on_follower.fill("#stop-reason", "cluster test: stop from the other dashboard")
     on_follower.click("#stop-confirm")
-    poll(
+    until(
         lambda: json.loads(runfiles.flag_path(run_dir).read_text())["GracefulExit"] == 1,
         "the follower writes the flag",
     )
@@ -174,7 +159,7 @@ def test_two_dashboards_share_live_state_a_stop_and_one_leader(run_dir, new_cont
     # The leader dies without a word: the follower takes the lock over once it expires.
     killed_at = time.monotonic()
     leader.kill()
-    poll(lambda: roles([follower]) == ["leader"], "the follower takes over", timeout=TTL_S + 60)
+    until(lambda: roles([follower]) == ["leader"], "the follower takes over", timeout=TTL_S + 60)
     print(f"takeover after {time.monotonic() - killed_at:.2f} s (lock TTL {TTL_S} s)")
     sees_live_updates(on_follower, ranks)
     expect(on_follower.locator("#stop-panel")).to_have_attribute("data-state", "requested")
@@ -184,14 +169,14 @@ def test_two_dashboards_share_live_state_a_stop_and_one_leader(run_dir, new_cont
 def test_redis_killed_mid_run_the_dashboards_serve_from_files_and_recover(
     redis_server, run_dir, new_context, ranks, servers
 ):
-    leader, follower = poll(lambda: one_leader(servers), "exactly one leader")
+    leader, follower = until(lambda: one_leader(servers), "exactly one leader")
     on_follower, errors = open_page(new_context, follower.url)
     sees_live_updates(on_follower, ranks)
 
     redis_server.stop()
     # Both keep answering from the files, and say why.
     for s in servers:
-        poll(
+        until(
             lambda s=s: "Redis is unreachable" in get_json(s.url + "/api/summary")["run"]["message"],
             f"{s.url} reports Redis unreachable",
         )
@@ -218,15 +203,15 @@ def test_redis_killed_mid_run_the_dashboards_serve_from_files_and_recover(
 
     redis_server.start()  # the same port, empty: the old lock is gone
     for s in servers:
-        poll(
+        until(
             lambda s=s: get_json(s.url + "/api/health")["redis"]["reachable"],
             f"{s.url} reaches Redis again",
         )
-        poll(
+        until(
             lambda s=s: get_json(s.url + "/api/summary")["run"]["transport"] == "redis",
             f"{s.url} reads heartbeats from Redis again",
         )
-    poll(lambda: one_leader(servers), "exactly one leader again")
+    until(lambda: one_leader(servers), "exactly one leader again")
     expect(on_follower.locator("#run-message")).not_to_contain_text("Redis", timeout=UI_TIMEOUT_MS)
     sees_live_updates(on_follower, ranks)
     for s in servers:

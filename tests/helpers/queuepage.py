@@ -18,6 +18,9 @@ from tests.helpers.liveserver import start_dashboard
 
 
 def until(fn, what: str, timeout: float = 60.0):
+    """``fn()`` until it returns something true; fails after ``timeout`` saying ``what``.
+
+    An OSError (a file not written yet, a server not answering yet) means: ask again."""
     deadline = time.monotonic() + timeout
     last = None
     while time.monotonic() < deadline:

@@ -82,13 +82,7 @@ def test_a_signal_from_slurm_saves_requeues_and_the_next_run_resumes_as_attempt_
     )
     assert "preempted by SIGTERM: requeueing job" in log(), log()
 
-    second = wait_for_job(
-        "attempt 2 training",
-        lambda: (
-            [r for r in rows(run) if r["attempt"] == 2 and r.get("launch")] or release_if_held(slurm, job)
-        ),
-        every_s=0.5,
-    )[0]
+    second = attempt_2(slurm, job, run)
     assert second["resumed_from"]["global_step"] == saved, second
     assert second["first_step"] == saved + 1
     wait_for_job("attempt 2 past its first step", lambda: min(steps(run)) > saved)
@@ -108,6 +102,17 @@ def slurm_measured(run) -> float:
     from app.run.slurmstop import measured_stop_s
 
     return measured_stop_s(str(run))
+
+
+def attempt_2(slurm: Slurm, job: str, run) -> dict:
+    """The requeued run's attempt, once it has launched."""
+    return wait_for_job(
+        "attempt 2 training",
+        lambda: (
+            [r for r in rows(run) if r["attempt"] == 2 and r.get("launch")] or release_if_held(slurm, job)
+        ),
+        every_s=0.5,
+    )[0]
 
 
 def release_if_held(slurm: Slurm, job: str) -> bool:
@@ -156,13 +161,7 @@ def test_scontrol_requeue_signals_every_process_and_the_requeued_run_trains_on(s
     first = wait_for_job("attempt 1 ended", lambda: [r for r in rows(run) if r.get("supervisor")])[0]
     assert first["cause"]["kind"] == "preempted" and first["cause"]["signal"] == "SIGTERM", (first, log())
 
-    second = wait_for_job(
-        "attempt 2 training",
-        lambda: (
-            [r for r in rows(run) if r["attempt"] == 2 and r.get("launch")] or release_if_held(slurm, job)
-        ),
-        every_s=0.5,
-    )[0]
+    second = attempt_2(slurm, job, run)
     assert second["resumed_from"] is not None, (second, log())
     saved = second["resumed_from"]["global_step"]
     # The requeued run trains on past its resume: the stale stop was re-armed, and said so.
