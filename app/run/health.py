@@ -411,7 +411,7 @@ def judge(ev: RankEvidence, now: float, th: Thresholds) -> Verdict:
             out_ms, fastest_ms = ev.work
             return Verdict(
                 "straggler",
-                f"own work {_ms(ev.own_ms)} vs {OTHERS_MEDIAN} {_ms(ev.peer_ms)} "
+                f"a step of its own work {_ms(ev.own_ms)} vs {OTHERS_MEDIAN} {_ms(ev.peer_ms)} "
                 f"({ratio_text(ev.own_ms, ev.peer_ms)}): {_ms(out_ms)} between steps "
                 f"+ {_ms(fastest_ms)} fastest in-step time",
                 rel,
