@@ -233,7 +233,7 @@ def test_the_policy_stops_the_job_when_a_device_turns_unhealthy(
     stop_step, stops = job.stopped_together()
     rid = fired["request_id"]
     assert {s["request_id"] for s in stops} == {rid}, dump(receiver.events())
-    assert fired["text"].startswith(f"Rankwatch {run_dir}: policy requested a graceful stop ({rid}): ")
+    assert fired["text"].startswith(f"Rankwatch {run_dir.name}: policy requested a graceful stop ({rid}): ")
     assert "rank 1 on " in fired["evidence"] and "reports health Critical" in fired["evidence"]
 
     completed = receiver.wait_for(
