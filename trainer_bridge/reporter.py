@@ -36,7 +36,7 @@ from pathlib import Path
 from trainer_bridge.beatsink import BeatSink
 from trainer_bridge.counters import Counters, Snapshot
 from trainer_bridge.device import DeviceProbe
-from trainer_bridge.rundir import launch, runfiles, safeio, schema
+from trainer_bridge.rundir import launch, runfiles, safedirs, schema
 from trainer_bridge.rundir.attempts import AttemptLog
 from trainer_bridge.saving import ResumePoint, Served
 from trainer_bridge.stacks import StackWatcher
@@ -300,7 +300,7 @@ class Reporter:
     # ------------------------------------------------------ thread side
     def start(self) -> None:
         try:
-            safeio.makedirs(self.run_dir, runfiles.STATE_DIR)
+            safedirs.makedirs(self.run_dir, runfiles.STATE_DIR)
         except OSError as e:
             self._report_io_error(e)
         if self.rank == 0:

@@ -46,7 +46,7 @@ from app.errors import (
     SetNotFound,
 )
 from app.push import Changed
-from trainer_bridge.rundir import ckptgroup, ckpthealth, ckptindex, safeio
+from trainer_bridge.rundir import ckptgroup, ckpthealth, ckptindex, safedirs, safeio
 from trainer_bridge.rundir.ckptindex import (
     ORIGIN_TTP,
     CheckpointFile,
@@ -289,7 +289,7 @@ class CheckpointService:
             )
         local_only([known[rel]], "downloaded")
         try:
-            fd, st = safeio.open_file(safeio.anchor(self.run_dir), rel)
+            fd, st = safeio.open_file(safedirs.anchor(self.run_dir), rel)
         except OSError as e:
             refusal = Forbidden if e.errno in (errno.EPERM, errno.EACCES) else NotFound
             raise refusal(f"cannot open {rel!r}: {safeio.why(e)}") from None
@@ -374,7 +374,7 @@ class CheckpointService:
         directory swapped for a symlink since the scan cannot make it remove
         a file outside the run directory.
         """
-        root = safeio.anchor(self.run_dir)
+        root = safedirs.anchor(self.run_dir)
         deleted, failed, dirs = [], [], set()
         for f in cset.files:
             if f.host is not None:
@@ -410,7 +410,7 @@ class CheckpointService:
                 break
             rel = "/".join(parts[:depth])
             try:
-                safeio.rmdir(root, rel)
+                safedirs.rmdir(root, rel)
             except OSError:
                 break  # not empty (or gone, or swapped): leave it and everything above
             removed.append(rel)

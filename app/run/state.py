@@ -48,7 +48,7 @@ from app.run.jobend import JobFacts, StopInputs
 from app.run.judging import RankReport, VerdictBoard
 from app.run.rows import make_row, with_age
 from app.run.status import StatusFacts, run_status
-from trainer_bridge.rundir import safeio
+from trainer_bridge.rundir import safedirs
 
 _SEVERITY = {v: i for i, v in enumerate(WORST_FIRST)}
 
@@ -69,7 +69,7 @@ class RunState:
         # A run under --runs is its descriptor (app/runs/pinned.py): held open while this reads by it.
         self._pinned = run_dir
         # What the status line names (under --runs, the run's path as found, not its descriptor's).
-        self.shown_dir = Path(safeio.shown(run_dir)) if run_dir else None
+        self.shown_dir = Path(safedirs.shown(run_dir)) if run_dir else None
         self.thresholds = Thresholds.from_config(config)
         self.points = int(config["HISTORY_POINTS"])
         self.bucket_s = float(config["CHART_BUCKET_S"])

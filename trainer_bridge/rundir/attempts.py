@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from trainer_bridge.rundir import runfiles, safeio, schema, supervised
+from trainer_bridge.rundir import runfiles, safedirs, safeio, schema, supervised
 from trainer_bridge.rundir.listing import first_of
 from trainer_bridge.rundir.liveness import Stopped, probe_process
 
@@ -67,7 +67,7 @@ END_OF_STATE = {"exited": "graceful_stop", "finished": "finished", "failed": "fa
 def read_heartbeats(run_dir: str | os.PathLike) -> list[tuple[int, dict]]:
     """Every valid heartbeat file of the run, as (rank, heartbeat); bad or foreign files skipped."""
     try:
-        entries, _ = safeio.scan_regular(runfiles.state_dir(run_dir), 4 * schema.MAX_RANKS + 64)
+        entries, _ = safedirs.scan_regular(runfiles.state_dir(run_dir), 4 * schema.MAX_RANKS + 64)
     except OSError:
         return []
     out = []
@@ -321,7 +321,7 @@ def append_record(run_dir, record) -> None:
             os.replace(path, f"{path}.1")
     except FileNotFoundError:
         pass
-    safeio.makedirs(run_dir, runfiles.STATE_DIR)
+    safedirs.makedirs(run_dir, runfiles.STATE_DIR)
     safeio.append(run_dir, safeio.relative(run_dir, path), line)
 
 

@@ -45,7 +45,7 @@ from collections import defaultdict
 from collections.abc import Container
 from dataclasses import dataclass
 
-from trainer_bridge.rundir import runfiles, safeio
+from trainer_bridge.rundir import runfiles, safedirs
 from trainer_bridge.rundir.ckptmeta import (
     FORMATS,
     TTP_STEP_DIR_RE,
@@ -219,7 +219,7 @@ def walk(
     An agent lists its node's files with it; ``build_index`` groups them.
     """
     cache = cache if cache is not None else MetaCache()
-    root = safeio.anchor(run_dir)
+    root = safedirs.anchor(run_dir)
     errors: list[str] = []
     if not os.path.isdir(root):
         errors.append(f"run directory {os.fspath(run_dir)!r} does not exist or is not a directory")
