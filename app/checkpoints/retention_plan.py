@@ -18,13 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from trainer_bridge.rundir import runfiles, safedirs, safeio, schema
-from trainer_bridge.rundir.ckptindex import (
-    ORIGIN_BRIDGE,
-    CheckpointSet,
-    Index,
-    build_index,
-    resume_set,
-)
+from trainer_bridge.rundir.ckptindex import CheckpointSet, Index, build_index, resume_set
+from trainer_bridge.rundir.ckptpaths import ORIGIN_BRIDGE
 from trainer_bridge.rundir.listing import first_of
 
 MODES = ("off", "dry_run", "on")

@@ -47,13 +47,9 @@ from app.errors import (
 )
 from app.push import Changed
 from trainer_bridge.rundir import ckptgroup, ckpthealth, ckptindex, safedirs, safeio
-from trainer_bridge.rundir.ckptindex import (
-    ORIGIN_TTP,
-    CheckpointFile,
-    CheckpointSet,
-    Index,
-)
+from trainer_bridge.rundir.ckptindex import CheckpointFile, CheckpointSet, Index
 from trainer_bridge.rundir.ckptmeta import MetaCache
+from trainer_bridge.rundir.ckptpaths import ORIGIN_TTP
 
 BRIDGE_DEFAULT_NOTE = (
     "The bridge resumes from this set when the job is relaunched unchanged "

@@ -2,11 +2,12 @@
 
 Everything one process writes into ``RUN/`` and another reads is drawn here,
 once: the paths and the stop flag (``runfiles``), the typed files
-(``schema``, ``stackfiles``), opening them and their directories safely (``safeio``, ``safedirs``), the Redis
-channel beside the files (``redisbus``), checkpoint sets and their
-metadata (``ckptindex``, ``ckptmeta``, ``ckpthealth``), msrun's launch line
-(``launch``), each launch of the job (``attempts``, with the supervisor's lines folded
-by ``supervised``), whether a rank's
+(``schema``, ``stackfiles``), opening them and their directories safely
+(``safeio``, ``safedirs``), the Redis channel beside the files
+(``redisbus``), checkpoint files, sets and their metadata (``ckptpaths``,
+``ckptindex``, ``ckptmeta``, ``ckpthealth``), msrun's launch line
+(``launch``), each launch of the job (``attempts``, with the supervisor's
+lines folded by ``supervised``), whether a rank's
 process lives (``liveness``) and py-spy (``pyspy``).
 
 It imports the standard library, pydantic and psutil, never MindSpore, so the
