@@ -42,7 +42,7 @@ from trainer_bridge.counters import Counters
 from trainer_bridge.gasp import Gasp
 from trainer_bridge.launcher_tty import tell_launcher
 from trainer_bridge.reporter import Reporter
-from trainer_bridge.rundir import attempts, ckpthealth, rollbacks, runfiles
+from trainer_bridge.rundir import attempts, ckpthealth, launchguard, rollbacks, runfiles
 from trainer_bridge.rundir.ckptindex import scan
 from trainer_bridge.saving import NOTHING_SERVED, ResumePoint
 
@@ -336,13 +336,13 @@ class Engine:
         if self.launch is not None:
             return []  # a second run on the same bridge: the same launch
         beats: list[tuple[int, dict]] = []
-        live: list[attempts.LiveRank] = []
+        live: list[launchguard.LiveRank] = []
         halves = (0, 0)
         if self.rank == 0:
             halves = (secrets.randbelow(1 << 24), secrets.randbelow(1 << 24))
             try:
-                beats = attempts.read_heartbeats(self.run_dir)
-                live = attempts.live_ranks(
+                beats = launchguard.read_heartbeats(self.run_dir)
+                live = launchguard.live_ranks(
                     beats, own_launch=None, host=socket.gethostname(), now=time.time(), own_pid=os.getpid()
                 )
             except Exception as e:  # noqa: BLE001 - a bad run directory must not stop training here
@@ -356,7 +356,7 @@ class Engine:
             halves = (int(a), int(b))
         if refused > 0.5:
             message = (
-                attempts.refusal(self.run_dir, live)
+                launchguard.refusal(self.run_dir, live)
                 if live
                 else f"rankwatch: refusing to start: rank 0 found another launch's ranks alive in "
                 f"{self.run_dir} (rank 0's log names them)"
@@ -364,7 +364,7 @@ class Engine:
             log.error("%s", message)
             if self.rank == 0:
                 # The page and msrun's terminal: the worker log alone is read by nobody.
-                here = attempts.refusal("this run directory", live) if live else message
+                here = launchguard.refusal("this run directory", live) if live else message
                 attempts.note_refusal(self.run_dir, here, self.world, socket.gethostname(), os.getpid())
                 tell_launcher(message)
             raise LaunchRefused(message)

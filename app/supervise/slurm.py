@@ -17,7 +17,7 @@ import re
 import subprocess
 import time
 
-from trainer_bridge.rundir import attempts
+from trainer_bridge.rundir import attempts, launchguard
 from trainer_bridge.rundir import slurm as rundir_slurm
 
 SQUEUE_TIMEOUT_S = 5.0
@@ -159,7 +159,7 @@ def measured_stop_s(run_dir: str) -> float | None:
                 return float(ended - at)
             break
     seen, exited = [], []
-    for _, hb in attempts.read_heartbeats(run_dir):
+    for _, hb in launchguard.read_heartbeats(run_dir):
         at = (hb.get("stop") or {}).get("at") if isinstance(hb.get("stop"), dict) else None
         if not isinstance(at, dict):
             continue

@@ -23,7 +23,7 @@ from app.supervise import lock, policy, procs, rollback, slurm
 from app.supervise.attempt import Attempt, Outcome
 from app.supervise.command import Msrun
 from app.supervise.hang import HangWatch, hang_cause, hang_words
-from trainer_bridge.rundir import attempts, gaspfiles, runfiles, schema
+from trainer_bridge.rundir import attempts, gaspfiles, launchguard, runfiles, schema
 from trainer_bridge.rundir import slurm as rundir_slurm
 
 # Where MindIO TTP or MindCluster own recovery (they relaunch processes themselves).
@@ -101,11 +101,11 @@ class Supervisor:
             # A supervisor of this run was killed and its keeper too: end what they left.
             self.say(f"ending {len(left)} process(es) left by an earlier supervisor of this run directory")
             procs.end_all(lambda: procs.marked(self.mark), self.opts.grace_s)
-        live = attempts.live_ranks(
-            attempts.read_heartbeats(self.run_dir), own_launch=None, host=self.host, now=time.time()
+        live = launchguard.live_ranks(
+            launchguard.read_heartbeats(self.run_dir), own_launch=None, host=self.host, now=time.time()
         )
         if live:
-            self.say(attempts.refusal(self.run_dir, live))
+            self.say(launchguard.refusal(self.run_dir, live))
             return policy.REFUSED
         procs.become_subreaper()
         self.signals.install()
@@ -197,7 +197,7 @@ class Supervisor:
         survivors = {p.rank: p for p in workers if p.status is None and not p.vanished and p.rank is not None}
         dead = sorted({p.rank for p in workers if p.rank is not None and p.rank not in survivors})
         pids = {p.pid for p in workers}
-        beats = attempts.read_heartbeats(self.run_dir)
+        beats = launchguard.read_heartbeats(self.run_dir)
         launch = next((hb["launch"] for _, hb in beats if hb.get("pid") in pids and hb.get("launch")), None)
         if not survivors or launch is None:
             return None
@@ -279,7 +279,7 @@ class Supervisor:
         pids = {w.pid for w in outcome.workers}
         return [
             hb
-            for _, hb in attempts.read_heartbeats(self.run_dir)
+            for _, hb in launchguard.read_heartbeats(self.run_dir)
             if hb.get("pid") in pids and hb.get("host") == self.host
         ]
 

@@ -7,8 +7,8 @@ once: the paths and the stop flag (``runfiles``), the typed files
 (``redisbus``), checkpoint files, sets and their metadata (``ckptpaths``,
 ``ckptindex``, ``ckptmeta``, ``ckpthealth``), msrun's launch line
 (``launch``), each launch of the job (``attempts``, with the supervisor's
-lines folded by ``supervised``), whether a rank's
-process lives (``liveness``) and py-spy (``pyspy``).
+lines folded by ``supervised``; ``launchguard`` refuses a second one at
+once), whether a rank's process lives (``liveness``) and py-spy (``pyspy``).
 
 It imports the standard library, pydantic and psutil, never MindSpore, so the
 dashboard can import it on a machine without an accelerator; ``make lint``
