@@ -58,8 +58,8 @@ from dataclasses import dataclass, field
 
 from app.agent import digest as dg
 from app.run import peers
-from app.run.health import STEPPING_STATES
 from app.run.judging import ALIVE
+from app.run.verdicts import STEPPING_STATES
 from trainer_bridge.rundir import redisbus
 
 log = logging.getLogger(__name__)

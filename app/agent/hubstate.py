@@ -22,9 +22,9 @@ from app.agent import digest as dg
 from app.agent.hub import Hub
 from app.agent.listings import Listings, Remote
 from app.cluster import redis_key
-from app.run.health import VERDICTS
 from app.run.rows import with_age
 from app.run.state import RunState
+from app.run.verdicts import VERDICTS
 from trainer_bridge.rundir import redisbus, runfiles
 from trainer_bridge.rundir.listing import first_of
 

@@ -21,8 +21,8 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from app.run.health import StepWindow
 from app.run.rows import _loss
+from app.run.stepcost import StepWindow
 from trainer_bridge.rundir import runfiles, safeio, schema
 from trainer_bridge.rundir.liveness import Stopped, Unreaped, probe_process  # noqa: F401  (shared with the bridge)
 from trainer_bridge.rundir.redisbus import RedisUnavailable, Subscriber

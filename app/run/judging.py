@@ -26,19 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from app.run import peers
-from app.run.health import (
-    BLOCKER_WORDS,
-    STEPPING_STATES,
-    TERMINAL_STATES,
-    VERDICTS,
-    RankEvidence,
-    StepWindow,
-    Thresholds,
-    Verdict,
-    blocker_note,
-    judge,
-    with_note,
-)
+from app.run.health import BLOCKER_WORDS, RankEvidence, Thresholds, Verdict, blocker_note, judge, with_note
+from app.run.stepcost import StepWindow
+from app.run.verdicts import STEPPING_STATES, TERMINAL_STATES, VERDICTS
 
 ALIVE = ("healthy", "straggler", "stalled")
 _NAN = math.nan

@@ -33,7 +33,7 @@ from app.attempts import LaunchWatch, launches
 from app.push import DELTA_EVENT, SNAPSHOT_EVENT, Changed, changed_fields
 from app.run import goodput, logmode, spikes
 from app.run.endproof import EndProof
-from app.run.health import TERMINAL_STATES, WORST_FIRST, Thresholds
+from app.run.health import Thresholds
 from app.run.heartbeats import (  # noqa: F401  (re-exported: tests and tools import them from here)
     ProcessProbe,
     RankSlot,
@@ -48,6 +48,7 @@ from app.run.jobend import JobFacts, StopInputs
 from app.run.judging import RankReport, VerdictBoard
 from app.run.rows import make_row, with_age
 from app.run.status import StatusFacts, run_status
+from app.run.verdicts import TERMINAL_STATES, WORST_FIRST
 from trainer_bridge.rundir import safedirs
 
 _SEVERITY = {v: i for i, v in enumerate(WORST_FIRST)}

@@ -15,7 +15,8 @@ import random
 import pytest
 
 from app.run import judging
-from app.run.health import StepWindow, judge_all
+from app.run.health import judge_all
+from app.run.stepcost import StepWindow
 from tests.helpers.heartbeats import heartbeat
 from tests.helpers.ranks import TH, Rank
 
