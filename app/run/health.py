@@ -42,7 +42,7 @@ its step lines), and dead only when its process is known to be gone (a probe
 on this host, or msrun's own words, which ``app.run.state`` hands in as
 ``process_gone``); it is never ``node_lost``, for the same reason.
 
-``app.run.judging`` adds two after these rules: **node_lost**, for every rank of
+``app.run.judging`` adds two after these rules (``app.run.boardrules``): **node_lost**, for every rank of
 a host that went silent as one while other hosts still report (a machine or
 network failure, named within ``stall_min_s`` instead of ``dead_after_s``),
 and **corrupt**, for a rank whose heartbeat file does not validate against

@@ -45,9 +45,10 @@ from app.run.heartbeats import (  # noqa: F401  (re-exported: tests and tools im
 )
 from app.run.history import RunHistory
 from app.run.jobend import JobFacts, StopInputs
-from app.run.judging import RankReport, VerdictBoard
+from app.run.judging import VerdictBoard
 from app.run.rows import make_row, with_age
 from app.run.status import StatusFacts, run_status
+from app.run.stepcost import RankReport
 from app.run.verdicts import TERMINAL_STATES, WORST_FIRST
 from trainer_bridge.rundir import safedirs
 

@@ -3,7 +3,9 @@
 ``StepWindow`` keeps a rank's newest step times (and the time inside and
 between steps); ``compare_costs`` says whether ranks are compared on their
 own work or on their wall step time (``app.run.health``'s docstring says
-why work); ``score`` is the relative performance score. Pure: no I/O, no clock.
+why work); ``score`` is the relative performance score; ``RankReport`` is
+what a source hands the board of one rank: its heartbeat and its window's
+figures. Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from app.run.peers import median
@@ -122,3 +125,27 @@ def compare_costs(
         costs = {r: (split[r][1] + fastest if split.get(r) is not None else None) for r in latest}
         return "work", costs, fastest
     return "step", {r: own_ms.get(r) for r in latest}, None
+
+
+@dataclass(frozen=True, slots=True)
+class RankReport:
+    """What a source says of one rank at a scan: its newest valid heartbeat and its step window.
+
+    ``hb`` None: none yet. ``wall_ms``, ``split_ms`` and ``steps`` are the
+    window's median, split and size (``StepWindow``). ``local``: the
+    rank runs on the dashboard's host and names its pid. ``from_log``: the
+    heartbeat was read from its worker log, whose step lines come every
+    ``log_pace_ms`` (see ``health.RankEvidence``).
+    """
+
+    hb: Mapping | None
+    wall_ms: float | None = None
+    split_ms: tuple[float, float] | None = None
+    steps: int = 0
+    local: bool = False
+    from_log: bool = False
+    log_pace_ms: float | None = None
+
+    @classmethod
+    def of(cls, hb: Mapping | None, window: StepWindow, **kw) -> RankReport:
+        return cls(hb, window.median_ms, window.split_ms, window.steps, **kw)
