@@ -83,9 +83,9 @@ class HubState(RunState):
             old = self._rows.pop(rank, None)
             if old is not None:
                 self._counts[old["health"]] -= 1
-                self._sent.pop(rank, None)
-                self._dirty.discard(rank)
-                self._needs_snapshot = True  # a removal is no delta
+                self._pushed.sent.pop(rank, None)
+                self._pushed.dirty.discard(rank)
+                self._pushed.needs_snapshot = True  # a removal is no delta
         self.hub.removed.clear()
         for rank in changed:
             if rank not in self.hub.rows:
@@ -96,7 +96,7 @@ class HubState(RunState):
                 self._counts[old["health"]] -= 1
             self._counts[row["health"]] += 1
             self._rows[rank] = row
-            self._dirty.add(rank)
+            self._pushed.dirty.add(rank)
         self._world = self.hub.world_size()
         self._summary = {
             "world_size": self._world,
