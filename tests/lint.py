@@ -49,7 +49,6 @@ LONG_FOR_NOW = {
     "trainer_bridge/engine.py": 544,
     "app/agent/hub.py": 538,
     "trainer_bridge/reporter.py": 675,
-    "app/supervise/supervisor.py": 520,
 }
 
 

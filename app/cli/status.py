@@ -203,7 +203,7 @@ def restarts_text(source: Source) -> str | None:
     """
     from app import attempts
     from app.run import goodput
-    from app.supervise.supervisor import describe
+    from app.supervise.cause import describe
 
     state = source.files()
     now = time.time()

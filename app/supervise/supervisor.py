@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 
 from app.supervise import lock, policy, procs, rollback, slurm
 from app.supervise.attempt import Attempt, Outcome
+from app.supervise.cause import crash_cause, describe
 from app.supervise.command import Msrun
-from app.supervise.hang import HangWatch, hang_cause, hang_words
+from app.supervise.hang import HangWatch, hang_cause
 from trainer_bridge.rundir import attempts, gaspfiles, launchguard, runfiles, schema
 from trainer_bridge.rundir import slurm as rundir_slurm
 
@@ -456,20 +457,7 @@ class Supervisor:
             )
         if outcome.kind == "hang":
             return hang_cause(outcome, self.host, trained, self.opts.hang_restart_s)
-        p = outcome.first
-        failed = next((hb for hb in beats if p is not None and hb.get("pid") == p.pid), None)
-        error = (failed or {}).get("error") or outcome.error
-        return {
-            "kind": "crash",
-            "rank": p.rank if p else None,
-            "host": self.host,
-            "pid": p.pid if p else None,
-            "role": p.role if p and p.role != "other" else None,
-            "exit_code": procs_exit(p),
-            "signal": procs.signal_name(p.status) if p and p.status is not None else None,
-            "error": error[: schema.MAX_ERROR] if error else None,
-            "before_first_step": not trained,
-        }
+        return crash_cause(outcome, beats, self.host, trained)
 
     def _write(self, base: dict, **more) -> None:
         try:
@@ -497,24 +485,3 @@ class Supervisor:
             )
         except (OSError, schema.SchemaError) as e:
             self.say(f"WARNING: attempts.jsonl end line not written ({e})")
-
-
-def procs_exit(p: procs.Proc | None) -> int | None:
-    if p is None or p.status is None or os.WIFSIGNALED(p.status):
-        return None
-    return os.WEXITSTATUS(p.status)
-
-
-def describe(cause: dict) -> str:
-    """A crash or hang cause in one line: who, how, and the error line (a rollback: ``rollback.describe``)."""
-    if cause.get("kind") == "rollback":
-        return rollback.describe(cause)
-    if cause.get("kind") == "hang":
-        return hang_words(cause)
-    who = {"worker": f"rank {cause.get('rank')}", "scheduler": "the scheduler", "msrun": "msrun"}.get(
-        cause.get("role") or "", "a process"
-    )
-    how = f"killed by {cause['signal']}" if cause.get("signal") else f"exit status {cause.get('exit_code')}"
-    pid = f" (pid {cause['pid']} on {cause.get('host')})" if cause.get("pid") else ""
-    error = f": {cause['error']}" if cause.get("error") else ""
-    return f"{who}{pid} {how}{error}"

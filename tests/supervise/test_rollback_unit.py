@@ -10,7 +10,7 @@ import struct
 import time
 
 from app.supervise import policy, rollback
-from app.supervise.supervisor import describe
+from app.supervise.cause import describe
 from tests.helpers import ckptcraft
 from tests.helpers.checkpoints import periodic, sid
 from trainer_bridge.rundir import rollbacks, runfiles
