@@ -46,7 +46,6 @@ MAX_LINES = 500
 LENGTH_ROOTS = ("app", "trainer_bridge")
 # Still to be split (issue 30): each may not grow past its length when the rule came.
 LONG_FOR_NOW = {
-    "app/agent/hub.py": 538,
     "trainer_bridge/reporter.py": 675,
 }
 
