@@ -17,10 +17,7 @@ ROOT is the repository (by default the working directory).
   copied settings dict: ``make_app(run_dir, **overrides)`` is the way.
 - No module of ``app/`` or ``trainer_bridge/`` past ``MAX_LINES`` lines: a
   longer one does more than one thing, and is split along a seam a
-  newcomer would recognise (tests/ are not held to it). ``LONG_FOR_NOW``
-  names the few still to be split, each held at its length when the rule
-  came (issue 30), and an entry fails once its module is short enough to
-  leave the list.
+  newcomer would recognise (tests/ are not held to it).
 - The import rule is import-linter's (the last contract in pyproject.toml): no
   module of tests/ imports a test module. Its wildcards stand for whole names,
   so it lists the test folders; this fails on a test module the list misses.
@@ -44,10 +41,6 @@ TOKEN_SETTINGS = {"TOKEN", "RANKWATCH_TOKEN"}
 IMPORT_CONTRACT = "No module of tests/ imports a test module"
 MAX_LINES = 500
 LENGTH_ROOTS = ("app", "trainer_bridge")
-# Still to be split (issue 30): each may not grow past its length when the rule came.
-LONG_FOR_NOW = {
-    "trainer_bridge/reporter.py": 675,
-}
 
 
 def _literal(node: ast.AST) -> bool:
@@ -212,7 +205,7 @@ def import_cycles(root: Path) -> list[list[str]]:
 
 
 def length_breaches(root: Path) -> list[tuple[str, int, str]]:
-    """The modules of ``LENGTH_ROOTS`` longer than ``MAX_LINES`` (or their ``LONG_FOR_NOW`` length)."""
+    """The modules of ``LENGTH_ROOTS`` longer than ``MAX_LINES``."""
     found = []
     for package in LENGTH_ROOTS:
         for p in sorted((root / package).rglob("*.py")):
@@ -220,17 +213,9 @@ def length_breaches(root: Path) -> list[tuple[str, int, str]]:
                 continue
             path = p.relative_to(root).as_posix()
             lines = len(p.read_bytes().splitlines())
-            limit = max(MAX_LINES, LONG_FOR_NOW.get(path, MAX_LINES))
-            if lines > limit:
-                found.append(
-                    (
-                        path,
-                        limit + 1,
-                        f"{lines} lines, past {limit}: split it along a seam a newcomer would name",
-                    )
-                )
-            elif path in LONG_FOR_NOW and lines <= MAX_LINES:
-                found.append((path, 1, f"{lines} lines: take it out of LONG_FOR_NOW in tests/lint.py"))
+            if lines > MAX_LINES:
+                message = f"{lines} lines, past {MAX_LINES}: split it along a seam a newcomer would name"
+                found.append((path, MAX_LINES + 1, message))
     return found
 
 

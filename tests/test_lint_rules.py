@@ -18,8 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.lint import LONG_FOR_NOW
-
 REPO = Path(__file__).resolve().parents[1]
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 
@@ -222,11 +220,3 @@ def test_a_module_of_500_lines_and_a_long_test_module_pass(tree):
     plant(tree, "tests/ranks/test_planted.py", "\n".join(f"X{i} = {i}" for i in range(600)))
     result = lint_tests(tree)
     assert result.returncode == 0 and result.stdout == "", result.stdout + result.stderr
-
-
-@pytest.mark.skipif(not LONG_FOR_NOW, reason="every long module is split")
-def test_a_module_still_to_split_may_not_grow(tree):
-    path, length = next(iter(LONG_FOR_NOW.items()))
-    plant(tree, path, "X = 1")
-    out = broken(lint_tests(tree))
-    assert f"{path}:{length + 1}: {length + 2} lines, past {length}" in out

@@ -49,7 +49,7 @@ def run(seconds: float) -> None:
         )
         reporter.state = "training"
         reporter.start()
-        print(TID + str(reporter._thread.native_id), flush=True)
+        print(TID + str(reporter.handover.thread.native_id), flush=True)
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             counters.global_step += 1

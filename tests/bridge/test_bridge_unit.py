@@ -112,7 +112,7 @@ def test_history_rotates_at_its_segment_size_and_survives_removal(tmp_path, monk
     model.train(2, data, callbacks=[bridge, RemoveOnce(), Slow()], dataset_sink_mode=False)
     # The end waits at most 5 s for the reporter's thread (it never holds up training's end): on a
     # loaded host its last tick may still rotate the history, so read once the thread is gone.
-    thread = bridge._engine.reporter._thread
+    thread = bridge._engine.reporter.handover.thread
     if thread is not None:
         thread.join()
     rotated = path.with_name(path.name + ".1")
@@ -391,7 +391,7 @@ def _reporter_thread() -> bool:
 
 
 def test_loop_steps_with_no_reporter_thread_and_a_pause_brings_it_back(tmp_path):
-    """While agreements come, the training thread does the reporter's work (reporter.py)."""
+    """While agreements come, the training thread does the reporter's work (handover.py)."""
     ms.set_seed(0)
     data = ds.GeneratorDataset(_Indexed(), ["x", "y"], shuffle=False).batch(4)
     net = nn.Dense(4, 2)
