@@ -185,7 +185,7 @@ class VerdictBoard:
         self._log_pace[rank] = _f(report.log_pace_ms) if report.from_log else _NAN
 
     def set_probe(self, rank: int, gone: str | None, stopped: str | None, alive: bool) -> None:
-        """What a process probe said about ``rank`` (see ``RunState._probe_late``)."""
+        """What a process probe said about ``rank`` (see ``app.run.ending.RankEnds.probe_late``)."""
         if self._probes.get(rank, (None, None, False)) != (gone, stopped, alive):
             self._changed.add(rank)
         if gone or stopped or alive:
@@ -235,7 +235,7 @@ class VerdictBoard:
         stepping = present & self._has_hb & self._stepping
         has_split = ~np.isnan(self._split_in) & ~np.isnan(self._split_out)
 
-        # The cost each rank is compared by (health.compare_costs).
+        # The cost each rank is compared by (stepcost.compare_costs).
         if stepping.any() and has_split[stepping].all():
             basis = "work"
             fastest = float(self._split_in[stepping].min())

@@ -74,7 +74,7 @@ def test_heartbeat_after_a_finished_run(tmp_path):
     assert (hb["epoch"], hb["step"]) == (2, STEPS_PER_EPOCH)
     assert isinstance(hb["loss"], float) and hb["batch_size"] == 4
     assert hb["rss_bytes"] > 0 and hb["world_size"] == 1
-    # As psutil reads them (the reporter reads /proc itself, see Reporter._process_stats).
+    # As psutil reads them (the reporter reads /proc itself, see trainer_bridge/procstats.py).
     import psutil
 
     assert 0.5 < hb["rss_bytes"] / psutil.Process().memory_info().rss < 2
