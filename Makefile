@@ -46,7 +46,8 @@ test-slow: venv
 	$(PY) -m pytest -ra -m "not ($(FAST))"
 
 # lint-imports holds the layering of app/, the trainer's contract and the tests'
-# import rule (pyproject.toml); tests.lint the tests' one token and app fixture.
+# import rule (pyproject.toml); tests.lint the tests' one token and app fixture,
+# no import cycle, and no module of app/ or trainer_bridge/ past 500 lines.
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

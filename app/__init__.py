@@ -88,8 +88,12 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     from app.incidents import routes as incidents_routes
     from app.prometheus import routes as metrics_routes
     from app.ranks import routes as ranks_routes
+    from app.runs import routes as runs_routes
     from app.stop import routes as stop_routes
 
+    # Under --runs, "/" is the runs table: its rule first, the one "/" matches (app/runs/routes.py).
+    if app.config["RUNS_ROOT"]:
+        app.register_blueprint(runs_routes.bp)
     # In nav order: the ranks page first.
     for routes in (
         ranks_routes,
@@ -101,7 +105,6 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     ):
         app.register_blueprint(routes.bp)
     # Every route above, once more per run (/runs/<id>/, /api/runs/<id>/...), and the runs table.
-    from app.runs import routes as runs_routes
     from app.runs import scoping
     from app.runs.registry import Registry, single_id
     from app.runs.rows import Rows

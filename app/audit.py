@@ -52,7 +52,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from app.errors import Unavailable
-from trainer_bridge.rundir import runfiles, safeio
+from trainer_bridge.rundir import runfiles, safedirs, safeio
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS audit (
@@ -144,7 +144,7 @@ def connect_pinned(path: Path, root: str | os.PathLike | None, timeout: float) -
     database itself could be a symlink to somewhere else, where the
     dashboard (perhaps root) would then create or write a database. So the
     directory is walked from ``root`` without following a symlink
-    (``safeio.open_dir``) and SQLite is given a path through that
+    (``safedirs.open_dir``) and SQLite is given a path through that
     descriptor, which it keeps for the connection's life (the ``-wal`` and
     ``-shm`` files are opened by name later); the database and those files
     must be absent or regular files (``safeio.NotRegular`` otherwise).
@@ -155,7 +155,7 @@ def connect_pinned(path: Path, root: str | os.PathLike | None, timeout: float) -
         root, rel = path.parent, ""
     else:
         rel = safeio.relative(root, path.parent) if path.parent != Path(root) else ""
-    dir_fd = safeio.open_dir(root, rel, create=True)
+    dir_fd = safedirs.open_dir(root, rel, create=True)
     try:
         pinned = f"/proc/self/fd/{dir_fd}"
         names = (path.name, *(path.name + s for s in ("-wal", "-shm", "-journal")))

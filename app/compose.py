@@ -31,7 +31,7 @@ from app.run.logmode.kept import KeptAttempts
 from app.run.state import RunState
 from app.runs import ids
 from app.stop.service import StopService
-from trainer_bridge.rundir import safeio
+from trainer_bridge.rundir import safedirs
 
 
 def _thread(fn, *args) -> threading.Thread:
@@ -61,7 +61,7 @@ def build(
     pushes never mix runs). ``cluster``: several dashboards behind one Redis.
     """
     # What alerts name; a run under --runs is held by its descriptor (app/runs/pinned.py).
-    config = {**config, "RUN_DIR": safeio.shown(run_dir) if run_dir else ""}
+    config = {**config, "RUN_DIR": safedirs.shown(run_dir) if run_dir else ""}
     start_task = socketio.start_background_task if live else _thread
     emit = functools.partial(push.emit, socketio, run=room) if live else (lambda event, payload: None)
     # The default trail lives in the run directory: walked from it, following no symlink.

@@ -9,9 +9,10 @@ an older version) joins every room and gets everything, as before.
 
 **Only what changed.** ``Changed`` remembers the last value pushed of one
 kind and says whether a new one differs; ``changed_fields`` is the same for
-the fields of one row. The rank table's deltas (``app.run.state``), the stop
-lifecycle (``app.watcher``), the checkpoint index (``app.checkpoints``) and
-the incident panel (``app.incidents``) all decide through these.
+the fields of one row. The rank table's deltas (``RankPushes``, for
+``app.run.state``), the stop lifecycle (``app.watcher``), the checkpoint
+index (``app.checkpoints``) and the incident panel (``app.incidents``) all
+decide through these.
 
 Every emit goes through ``emit`` here, so that which page hears what is
 written once. With several dashboards behind one Redis (``app/cluster.py``)
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 RANKS_PAGE = "ranks"
@@ -105,3 +106,60 @@ class Changed:
 def changed_fields(old: Mapping, new: Mapping) -> dict:
     """The fields of ``new`` that ``old`` lacks or holds with another value."""
     return {k: v for k, v in new.items() if k not in old or old[k] != v}
+
+
+class RankPushes:
+    """What clients were last sent of the rank rows, the summary and the run status (``RunState``'s pushes).
+
+    ``take`` makes the next push: each changed row with only the fields
+    that differ from what was last pushed (plus ``rank``), the summary and
+    run status only when they changed. A removal (rank files deleted, run
+    directory replaced) cannot be a delta: ``needs_snapshot`` makes the next
+    push a whole snapshot.
+    """
+
+    def __init__(self) -> None:
+        self.sent: dict[int, dict] = {}
+        self.dirty: set[int] = set()  # ranks whose row changed since the last push
+        self._summary = Changed()
+        self._run = Changed()
+        # Ranks can only be added by a delta; anything else (a run directory
+        # deleted, a heartbeat removed) needs every client to take a snapshot.
+        self.needs_snapshot = True
+
+    def take(
+        self,
+        now: float,
+        world: int,
+        rows: Mapping[int, dict],
+        summary: dict,
+        run: dict,
+        snapshot: Callable[[], dict],
+    ) -> tuple[str, dict] | None:
+        """(DELTA_EVENT, changed fields), (SNAPSHOT_EVENT, ``snapshot()``), or None: nothing changed."""
+        if self.needs_snapshot:
+            self.needs_snapshot = False
+            self.dirty.clear()
+            self.sent = dict(rows)
+            self._summary.take(summary)
+            self._run.take(run)
+            return SNAPSHOT_EVENT, snapshot()
+        changes = []
+        for r in sorted(self.dirty):
+            row, old = rows[r], self.sent.get(r, {})
+            diff = changed_fields(old, row)
+            if diff:
+                diff["rank"] = r
+                changes.append(diff)
+            self.sent[r] = row
+        self.dirty.clear()
+        delta: dict[str, Any] = {}
+        if changes:
+            delta["rows"] = changes
+        if self._summary.take(summary):
+            delta["summary"] = summary
+        if self._run.take(run):
+            delta["run"] = run
+        if not delta:
+            return None
+        return DELTA_EVENT, {"now": now, "world_size": world, **delta}

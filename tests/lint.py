@@ -15,6 +15,9 @@ ROOT is the repository (by default the working directory).
 - One ``app`` fixture. A test module's own ``app`` fixture may not repeat
   ``tests/conftest.py``'s, nor build the dashboard with ``create_app`` and a
   copied settings dict: ``make_app(run_dir, **overrides)`` is the way.
+- No module of ``app/`` or ``trainer_bridge/`` past ``MAX_LINES`` lines: a
+  longer one does more than one thing, and is split along a seam a
+  newcomer would recognise (tests/ are not held to it).
 - The import rule is import-linter's (the last contract in pyproject.toml): no
   module of tests/ imports a test module. Its wildcards stand for whole names,
   so it lists the test folders; this fails on a test module the list misses.
@@ -36,6 +39,8 @@ DELIBERATE = ("WRONG_", "WEAK_", "BAD_", "FORGED_", "STALE_")
 # The setting names under which a dashboard takes its operator token.
 TOKEN_SETTINGS = {"TOKEN", "RANKWATCH_TOKEN"}
 IMPORT_CONTRACT = "No module of tests/ imports a test module"
+MAX_LINES = 500
+LENGTH_ROOTS = ("app", "trainer_bridge")
 
 
 def _literal(node: ast.AST) -> bool:
@@ -199,6 +204,21 @@ def import_cycles(root: Path) -> list[list[str]]:
     return rings
 
 
+def length_breaches(root: Path) -> list[tuple[str, int, str]]:
+    """The modules of ``LENGTH_ROOTS`` longer than ``MAX_LINES``."""
+    found = []
+    for package in LENGTH_ROOTS:
+        for p in sorted((root / package).rglob("*.py")):
+            if "__pycache__" in p.parts:
+                continue
+            path = p.relative_to(root).as_posix()
+            lines = len(p.read_bytes().splitlines())
+            if lines > MAX_LINES:
+                message = f"{lines} lines, past {MAX_LINES}: split it along a seam a newcomer would name"
+                found.append((path, MAX_LINES + 1, message))
+    return found
+
+
 def check(root: Path) -> list[str]:
     root = root.resolve()
     files = sorted(p for p in (root / "tests").rglob("*.py") if "__pycache__" not in p.parts)
@@ -216,6 +236,7 @@ def check(root: Path) -> list[str]:
         if path.rsplit("/", 1)[-1].startswith("test_")
     ]
     breaches += contract_breaches(root, test_modules)
+    breaches += length_breaches(root)
     for ring in import_cycles(root):
         breaches.append((ring[0].replace(".", "/") + ".py", 1, f"an import cycle: {' <-> '.join(ring)}"))
     return [f"{path}:{line}: {msg}" for path, line, msg in sorted(breaches)]

@@ -10,7 +10,7 @@ import pytest
 from app.config import SETTINGS
 from app.ranks.events import EVENTS
 from app.ranks.metrics import METRICS
-from app.run.health import VERDICTS
+from app.run.verdicts import VERDICTS
 from tests.helpers.heartbeats import heartbeat
 from trainer_bridge.rundir import schema
 

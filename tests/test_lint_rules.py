@@ -203,3 +203,20 @@ def test_an_app_fixture_calling_create_app_fails(tree):
     plant(tree, "tests/checkpoints/test_ckptindex.py", fixture)
     out = broken(lint_tests(tree))
     assert "tests/checkpoints/test_ckptindex.py:" in out and "not create_app" in out
+
+
+# --- the length rule: no module of app/ or trainer_bridge/ past 500 lines ---------------
+
+
+@pytest.mark.parametrize("path", ["app/run/_planted.py", "trainer_bridge/rundir/_planted.py"])
+def test_a_module_past_500_lines_fails(tree, path):
+    plant(tree, path, "\n".join(f"X{i} = {i}" for i in range(500)))  # and a blank first line
+    out = broken(lint_tests(tree))
+    assert f"{path}:501: 501 lines, past 500: split it" in out
+
+
+def test_a_module_of_500_lines_and_a_long_test_module_pass(tree):
+    plant(tree, "app/run/_planted.py", "\n".join(f"X{i} = {i}" for i in range(499)))
+    plant(tree, "tests/ranks/test_planted.py", "\n".join(f"X{i} = {i}" for i in range(600)))
+    result = lint_tests(tree)
+    assert result.returncode == 0 and result.stdout == "", result.stdout + result.stderr

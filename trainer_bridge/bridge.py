@@ -18,8 +18,9 @@ from pathlib import Path
 from mindspore.train import Callback
 
 from trainer_bridge import loop as _loop
-from trainer_bridge.engine import Engine, LaunchRefused, Settings
+from trainer_bridge.engine import Engine, LaunchRefused
 from trainer_bridge.saving import ResumePoint, Served, find_resume_point, served_requests
+from trainer_bridge.settings import Settings
 
 __all__ = [
     "GracefulExitBridge",

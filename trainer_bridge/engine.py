@@ -29,22 +29,21 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import mindspore as ms
-import numpy as np
-from mindspore import Tensor, nn, ops
 
 from trainer_bridge import saving
 from trainer_bridge.agreement import Agreement
+from trainer_bridge.collective import sum_all_reduce, world
 from trainer_bridge.counters import Counters
 from trainer_bridge.gasp import Gasp
 from trainer_bridge.launcher_tty import tell_launcher
 from trainer_bridge.reporter import Reporter
-from trainer_bridge.rundir import attempts, ckpthealth, rollbacks, runfiles
+from trainer_bridge.rundir import attempts, ckpthealth, launchguard, rollbacks
 from trainer_bridge.rundir.ckptindex import scan
 from trainer_bridge.saving import NOTHING_SERVED, ResumePoint
+from trainer_bridge.settings import Settings
 
 log = logging.getLogger("trainer_bridge")
 # How long a rank that joins a stop it did not see waits for the flag to reach its own run directory.
@@ -53,80 +52,6 @@ PEER_FLAG_WAIT_S = 3.0
 
 class LaunchRefused(RuntimeError):
     """Another launch's ranks are alive in this run directory: this one does not start."""
-
-
-@dataclass(frozen=True)
-class Settings:
-    """``GracefulExitBridge``'s arguments, validated (see its docstring)."""
-
-    sync_interval_s: float = 0.5
-    heartbeat_interval_s: float = 1.0
-    poll_interval_s: float = 1.0
-    max_sync_every: int = 1000
-    max_overhead: float = 0.003
-    resume: bool = True
-    resume_step: int | None = None
-    save_checkpoint: bool = True
-    handle_sigterm: bool = True
-
-    def __post_init__(self):
-        for name in ("sync_interval_s", "heartbeat_interval_s", "poll_interval_s"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and value > 0):
-                raise ValueError(f"GracefulExitBridge: {name} must be a positive number, got {value!r}")
-        if not (isinstance(self.max_overhead, (int, float)) and 0 < self.max_overhead < 1):
-            raise ValueError(
-                f"GracefulExitBridge: max_overhead must be a fraction in (0, 1), got {self.max_overhead!r}"
-            )
-        if not (isinstance(self.max_sync_every, int) and self.max_sync_every >= 1):
-            raise ValueError(
-                f"GracefulExitBridge: max_sync_every must be an int >= 1, got {self.max_sync_every!r}"
-            )
-        step = self.resume_step
-        if step is None:
-            env_step = os.environ.get(runfiles.RESUME_STEP_ENV)
-            if env_step:
-                if not env_step.isdigit():
-                    raise ValueError(
-                        f"GracefulExitBridge: {runfiles.RESUME_STEP_ENV} must be a global step number, "
-                        f"got {env_step!r}"
-                    )
-                object.__setattr__(self, "resume_step", int(env_step))
-        elif not (isinstance(step, int) and step >= 1):
-            raise ValueError(f"GracefulExitBridge: resume_step must be an int >= 1, got {step!r}")
-
-
-def world() -> tuple[int, int]:
-    """(rank, world size); (0, 1) when the communication layer is not initialised."""
-    try:
-        from mindspore.communication import get_group_size, get_rank
-
-        return get_rank(), get_group_size()
-    except (RuntimeError, ValueError):
-        return 0, 1
-
-
-class _SumAllReduce(nn.Cell):
-    """float32 SUM AllReduce over the world group: the vote carrier."""
-
-    def __init__(self):
-        super().__init__()
-        self.all_reduce = ops.AllReduce()
-
-    def construct(self, x):
-        return self.all_reduce(x)
-
-
-def _sum_all_reduce():
-    """``vote_sum(a, b, c)``: the three floats summed over every rank."""
-    cell = _SumAllReduce()
-    op = ms.jit(cell.construct) if ms.get_context("mode") == ms.PYNATIVE_MODE else cell
-
-    def vote_sum(a: float, b: float, c: float) -> tuple[float, float, float]:
-        out = op(Tensor(np.array([a, b, c], np.float32))).asnumpy()
-        return float(out[0]), float(out[1]), float(out[2])
-
-    return vote_sum
 
 
 class Engine:
@@ -182,11 +107,11 @@ class Engine:
         return self.resume_point
 
     def _vote_carrier(self, world: int):
-        """The one compiled SUM AllReduce (``_sum_all_reduce``) every collective here uses; None alone."""
+        """The one compiled SUM AllReduce (``sum_all_reduce``) every collective here uses; None alone."""
         if world <= 1:
             return None
         if self._carrier is None:
-            self._carrier = _sum_all_reduce()
+            self._carrier = sum_all_reduce()
         return self._carrier
 
     def resume_position(self, per_epoch: int, epochs: int | None) -> tuple[int, int, bool]:
@@ -336,12 +261,12 @@ class Engine:
         if self.launch is not None:
             return []  # a second run on the same bridge: the same launch
         beats: list[tuple[int, dict]] = []
-        live: list[attempts.LiveRank] = []
+        live: list[launchguard.LiveRank] = []
         halves = (0, 0)
         if self.rank == 0:
             halves = (secrets.randbelow(1 << 24), secrets.randbelow(1 << 24))
             try:
-                beats, live = attempts.live_others(
+                beats, live = launchguard.live_others(
                     self.run_dir, host=socket.gethostname(), now=time.time(), own_pid=os.getpid()
                 )
             except Exception as e:  # noqa: BLE001 - a bad run directory must not stop training here
@@ -355,7 +280,7 @@ class Engine:
             halves = (int(a), int(b))
         if refused > 0.5:
             message = (
-                attempts.refusal(self.run_dir, live)
+                launchguard.refusal(self.run_dir, live)
                 if live
                 else f"rankwatch: refusing to start: rank 0 found another launch's ranks alive in "
                 f"{self.run_dir} (rank 0's log names them)"
@@ -363,7 +288,7 @@ class Engine:
             log.error("%s", message)
             if self.rank == 0:
                 # The page and msrun's terminal: the worker log alone is read by nobody.
-                here = attempts.refusal("this run directory", live) if live else message
+                here = launchguard.refusal("this run directory", live) if live else message
                 attempts.note_refusal(self.run_dir, here, self.world, socket.gethostname(), os.getpid())
                 tell_launcher(message)
             raise LaunchRefused(message)

@@ -5,18 +5,8 @@ and calls the stop-stage methods here; the reporter turns them into files:
 the heartbeat and its history (``trainer_bridge/rundir/schema/``), the flag
 poll, the device sample, and the stack captures of ``StackWatcher``.
 
-Who runs it. A live Python thread costs MindSpore's functional steps about
-2% at small steps even when it never wakes (``docs/benchmarks.md``), so
-while steps flow no reporter thread exists: the training thread calls
-``on_agreement()`` at each agreement step, where every rank is at the same
-global step and waits for the others anyway, and it runs the reporter's
-work there once a heartbeat is due. The thread runs only when those
-agreements do not come: from the start to the first agreements (graph
-compilation), and whenever they stop (a hang, an evaluation, a long
-save). A one-shot timer (``wakeup.Wakeup``), re-armed at every agreement,
-starts it again; the thread hands the work back once agreements arrive
-within a heartbeat interval of each other. Without such a timer (not Linux
-with glibc) the thread runs all the time.
+Who runs it: the training thread at its agreements while steps flow, the
+reporter's own thread when they do not (``trainer_bridge/handover.py``).
 
 Nothing the reporter does can stop training: a reporter error is logged
 once per kind and the reporter carries on.
@@ -36,21 +26,16 @@ from pathlib import Path
 from trainer_bridge.beatsink import BeatSink
 from trainer_bridge.counters import Counters, Snapshot
 from trainer_bridge.device import DeviceProbe
-from trainer_bridge.rundir import copies, launch, runfiles, safeio, schema
+from trainer_bridge.flagpoll import FlagPoller
+from trainer_bridge.handover import HandOver
+from trainer_bridge.jobfile import clip, job_record
+from trainer_bridge.procstats import ProcessStats
+from trainer_bridge.rundir import copies, runfiles, safedirs, schema
 from trainer_bridge.rundir.attempts import AttemptLog
 from trainer_bridge.saving import ResumePoint, Served
 from trainer_bridge.stacks import StackWatcher
-from trainer_bridge.wakeup import Wakeup
 
 log = logging.getLogger("trainer_bridge")
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-# A tick on the training thread slower than this (a heartbeat takes about
-# 0.3 ms) hands the reporter's work to its thread for SLOW_TICK_BACKOFF_S,
-# doubled at each such tick up to an hour: a file system in trouble then
-# holds only the thread, and a passing stall (another process's writeback
-# throttling this one's writes, a loaded host) costs a minute of thread.
-SLOW_TICK_S = 0.05
-SLOW_TICK_BACKOFF_S = 60.0
 
 
 def _scalar(value) -> float | None:
@@ -61,11 +46,6 @@ def _scalar(value) -> float | None:
         return float(value.asnumpy().reshape(-1)[0])
     except (AttributeError, IndexError, TypeError, ValueError, RuntimeError, OverflowError):
         return None
-
-
-def _clip(text: str | None, limit: int) -> str | None:
-    """Keep a message within the schema's bound (a MindSpore error can run to pages)."""
-    return text if text is None or len(text) <= limit else text[: limit - 3] + "..."
 
 
 class Reporter:
@@ -145,8 +125,6 @@ class Reporter:
             "step_out_ms": None,
             "samples_per_s": None,
         }
-        self._flag_sig = None
-        self._bad_flag_logged: set = set()
         self._logged: set[str] = set()
         self._seq = 0
         self._history_size: int | None = None
@@ -155,19 +133,12 @@ class Reporter:
         self._closed = threading.Event()
         self._lock = threading.Lock()  # one writer at a time: the thread, or close()
         self._flag_lock = threading.Lock()
+        self._flags = FlagPoller(run_dir, served, self._log_once)
         self._tick_lock = threading.Lock()  # one tick at a time: the thread's or the training thread's
-        self._thread_lock = threading.Lock()  # starting and handing over the thread
-        self._thread: threading.Thread | None = None
-        self.thread_starts = 0
-        self._wakeup: Wakeup | None = None
+        self.handover = HandOver(self)  # its thread, or the agreements (trainer_bridge/handover.py)
         self._next_poll = self._next_beat = 0.0  # time.monotonic()
-        self._agreed_at: float | None = None  # the last agreement (monotonic) and the gap before it
-        self._agree_gap: float | None = None
-        self._slow_ticks = 0
-        self._no_handover_until = 0.0  # monotonic: after a slow tick (SLOW_TICK_S)
         self._device = DeviceProbe()
-        self._cpu_last: tuple[float, float] | None = None
-        self._statm: int | None = None  # /proc/self/statm, held open (_rss)
+        self._procstats = ProcessStats()  # CPU and RSS, for the heartbeat
         self._host = socket.gethostname()
         # stacks (trainer_bridge/stacks.py): built here, on the training thread, which it marks.
         self.stacks = StackWatcher(self.run_dir, self.rank, self._host)
@@ -245,49 +216,11 @@ class Reporter:
         raises: it runs inside someone else's training loop.
         """
         try:
-            self._on_agreement(time.monotonic())
+            self.handover.on_agreement(time.monotonic())
         except Exception as e:  # noqa: BLE001 - a reporter bug must not reach the training loop
             self._log_once(
                 f"agree:{type(e).__name__}", "rankwatch: reporter error (training continues): %s", e
             )
-
-    def _on_agreement(self, now: float) -> None:
-        if self._agreed_at is not None:
-            self._agree_gap = now - self._agreed_at
-        self._agreed_at = now
-        wakeup = self._wakeup
-        if wakeup is None or self._closed.is_set():
-            return
-        # Past this, heartbeats are late: the thread takes over.
-        wakeup.arm(self._handover_s())
-        if self._thread is not None:
-            if self._may_hand_over(now):
-                self._wake.set()  # the thread hands over now, not at its next wake-up
-            return
-        if not self._tick_lock.acquire(blocking=False):
-            return
-        try:
-            # Due before the next agreement is due too: agreements a poll
-            # interval apart or more then poll at every one, and a request
-            # written before an agreement is voted there.
-            self._tick(now, slack=min(self._agree_gap or 0.0, self.poll_interval_s))
-        finally:
-            self._tick_lock.release()
-        took = time.monotonic() - now
-        if took > SLOW_TICK_S:
-            # Its next stall would hold every rank at this agreement.
-            backoff = min(SLOW_TICK_BACKOFF_S * 2**self._slow_ticks, 3600.0)
-            self._slow_ticks += 1
-            self._no_handover_until = time.monotonic() + backoff
-            log.warning(
-                "rankwatch: a heartbeat on the training thread took %.2f s: its thread does the work for %.0f s",
-                took,
-                backoff,
-            )
-            self._wake_thread()
-
-    def _handover_s(self) -> float:
-        return 2.0 * max(self.heartbeat_interval_s, self.poll_interval_s)
 
     def write_now(self) -> None:
         """Write a heartbeat synchronously: stop stages must not wait for the next tick."""
@@ -300,66 +233,23 @@ class Reporter:
     # ------------------------------------------------------ thread side
     def start(self) -> None:
         try:
-            safeio.makedirs(self.run_dir, runfiles.STATE_DIR)
+            safedirs.makedirs(self.run_dir, runfiles.STATE_DIR)
         except OSError as e:
             self._report_io_error(e)
         if self.rank == 0:
             self._write_job()
         self._write_heartbeat()
-        self._wakeup = Wakeup.create(self._wake_thread)
-        self._wake_thread()
+        self.handover.start()
         Reporter.latest = self
         atexit.register(self.close)
         self._chain_excepthook()
-
-    def _wake_thread(self) -> None:
-        """Start the thread unless it runs (from ``start()``, or the watchdog timer's own thread)."""
-        with self._thread_lock:
-            if self._thread is not None or self._closed.is_set():
-                return
-            # daemon given: Thread() would otherwise ask current_thread(), which on the
-            # timer's native thread leaves a _DummyThread behind for every expiry.
-            self._thread = threading.Thread(target=self._run, name="rankwatch-reporter", daemon=True)
-            self._thread.start()
-            self.thread_starts += 1
-
-    def _may_hand_over(self, now: float) -> bool:
-        """Whether the agreements keep heartbeats on time: two of them within a heartbeat, the last recent."""
-        if self._wakeup is None or self.state != "training" or now < self._no_handover_until:
-            return False
-        if self.attempts is not None and self.attempts.roll_call_pending:
-            return False  # rank 0 reads hundreds of heartbeats a tick: not on the training thread
-        gap, last = self._agree_gap, self._agreed_at
-        return (
-            gap is not None
-            and last is not None
-            and gap <= self.heartbeat_interval_s
-            and now - last <= gap + self.poll_interval_s
-        )
-
-    def _hand_over(self) -> bool:
-        """The thread: give the work to the agreements if they keep heartbeats on time."""
-        if not self._may_hand_over(time.monotonic()):
-            return False
-        with self._thread_lock:
-            if self._closed.is_set():
-                return False
-            self._thread = None
-        # Armed again here too: if the agreements stopped right after the check above.
-        self._wakeup.arm(self._handover_s())
-        return True
 
     def close(self) -> None:
         if self._closed.is_set():
             return
         self._closed.set()
         self._wake.set()
-        if self._wakeup is not None:
-            self._wakeup.close()
-        with self._thread_lock:
-            thread = self._thread
-        if thread is not None and thread.is_alive() and threading.current_thread() is not thread:
-            thread.join(timeout=5)
+        self.handover.stop()
         self._write_heartbeat()
         self._end_attempt()
         # Under the writers' lock: a thread the join above gave up on must
@@ -367,9 +257,7 @@ class Reporter:
         # A later heartbeat (the excepthook's) walks to the directory again.
         with self._lock:
             self.sink.close()
-            statm, self._statm = self._statm, -1
-            if statm is not None and statm >= 0:
-                os.close(statm)
+            self._procstats.close()
 
     def _end_attempt(self) -> None:
         """Rank 0: this launch's end line in attempts.jsonl, as the rank's state now says."""
@@ -390,7 +278,7 @@ class Reporter:
         while not self._closed.is_set():
             with self._tick_lock:
                 self._tick(time.monotonic())
-            if self._hand_over():
+            if self.handover.hand_over():
                 return
             self._wake.wait(self.poll_interval_s)
             self._wake.clear()
@@ -436,34 +324,10 @@ class Reporter:
             self._poll_flag_locked(force)
 
     def _poll_flag_locked(self, force: bool) -> None:
-        path = runfiles.flag_path(self.run_dir)
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            self._flag_sig = None
-            self._withdraw("the flag file was removed")
-            return
-        except OSError as e:
-            self._log_once(f"flagstat:{e.errno}", "rankwatch: cannot stat %s: %s", path, e)
-            return
-        sig = (st.st_mtime_ns, st.st_size, st.st_ino)
-        if sig == self._flag_sig and not force:
-            return
-        self._flag_sig = sig
-        try:
-            flag = runfiles.parse_flag(runfiles.read_capped(path))
-        except (OSError, runfiles.FlagError, runfiles.FileTooLarge) as e:
-            # Garbage or a torn write: log it once per distinct file, keep training.
-            if sig not in self._bad_flag_logged:
-                self._bad_flag_logged.add(sig)
-                log.warning("rankwatch: ignoring unreadable stop flag %s: %s", path, e)
-            return
-        # A request the ranks already saved for is stale (llnl/scr#13): it
-        # must not stop the relaunch.
-        if not flag.exit or self.served.covers(flag, st.st_mtime):
-            self._withdraw("the flag no longer says stop (cancelled)")
-            return
-        if self.request is None:
+        flag, withdrawn = self._flags.read(force)
+        if withdrawn:
+            self._withdraw(withdrawn)
+        elif flag is not None and self.request is None:
             self.request = flag
             self.saw_request(flag, "flag", self.counters.global_step)
 
@@ -487,7 +351,7 @@ class Reporter:
             self._last_step_ms = times_ms[-1]
         per_epoch = snap.per_epoch or 0
         gstep = snap.global_step
-        cpu, cpu_s, rss = self._process_stats()
+        cpu, cpu_s, rss = self._procstats.sample()
         totals = (snap.in_total, snap.out_total, snap.steps_total)
         steps = totals[2] - self._totals[2]
         if steps:
@@ -536,15 +400,15 @@ class Reporter:
                 "agree_ms": round(snap.agree_ms, 3),
                 "first_agree_ms": snap.first_agree_ms,
                 "reporter_cpu_ms": round(self.reporter_cpu_ms, 3),
-                "reporter_thread": self._thread is not None,
-                "reporter_thread_starts": self.thread_starts,
+                "reporter_thread": self.handover.thread is not None,
+                "reporter_thread_starts": self.handover.starts,
             },
             stop=self.stop,
             resumed_from=self.resumed_from,
             launch=self.launch,
-            error=_clip(self.error, schema.MAX_ERROR),
+            error=clip(self.error, schema.MAX_ERROR),
             warnings=[
-                _clip(w, schema.MAX_WARNING)
+                clip(w, schema.MAX_WARNING)
                 for w in (self.warnings + self.sink.warnings)[-schema.MAX_WARNINGS :]
             ],
         )
@@ -555,40 +419,6 @@ class Reporter:
         if not snap.global_step:
             return None
         return time.time() - (time.perf_counter() - snap.last_step_end)
-
-    def _process_stats(self):
-        """(CPU percent since the last call, CPU seconds so far, RSS bytes); None where unreadable.
-
-        ``os.times()`` and one ``pread`` of a held ``/proc/self/statm``: psutil
-        read two /proc files in about a dozen syscalls a heartbeat (the
-        reporter's load: ``python -m tests.bench.reporter``). psutil remains
-        for a system without /proc.
-        """
-        t = os.times()
-        # Cumulative, so a scraper can take a rate over any window (the percent
-        # covers only the last heartbeat's); the kernel counts in clock ticks.
-        cpu_s = t.user + t.system
-        now = time.monotonic()
-        last, self._cpu_last = self._cpu_last, (cpu_s, now)
-        percent = None
-        if last is not None and now > last[1]:
-            percent = round(max(0.0, cpu_s - last[0]) / (now - last[1]) * 100.0, 1)
-        return percent, round(cpu_s, 3), self._rss()
-
-    def _rss(self) -> int | None:
-        if self._statm is None:
-            try:
-                self._statm = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
-            except OSError:
-                self._statm = -1
-        try:
-            if self._statm < 0:
-                import psutil
-
-                return psutil.Process().memory_info().rss
-            return int(os.pread(self._statm, 128, 0).split()[1]) * _PAGE
-        except Exception:  # noqa: BLE001 - a missing figure, never a reporter error
-            return None
 
     def _write_heartbeat(self, history: bool = False) -> None:
         with self._lock:
@@ -630,18 +460,12 @@ class Reporter:
 
     def _write_job(self) -> None:
         try:
-            job = schema.build(
-                schema.Job,
-                world_size=self.world,
-                started_at=self.started_at,
-                host=self._host,
-                pid=os.getpid(),
-                argv=[_clip(a, schema.MAX_PATH) for a in sys.argv[:256]],
-                launcher_argv=launch.launcher_argv(),
-                env=launch.job_env(),
-                front_end=self.front_end,
-                checkpoint_dir=runfiles.CHECKPOINT_DIR,
-                sync_interval_s=self.sync_interval_s,
+            job = job_record(
+                self.world,
+                self.started_at,
+                self._host,
+                self.front_end,
+                self.sync_interval_s,
                 dir_ino=copies.dir_ino(self.run_dir),
             )
             runfiles.atomic_write_bytes(runfiles.job_path(self.run_dir), job.to_json(), root=self.run_dir)

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer_bridge.rundir import runfiles
-from trainer_bridge.rundir.ckptindex import ORIGIN_BRIDGE, Index, resume_set
+from trainer_bridge.rundir.ckptindex import Index, resume_set
+from trainer_bridge.rundir.ckptpaths import ORIGIN_BRIDGE
 
 __all__ = [
     "ResumePoint",

@@ -6,7 +6,8 @@ node. It reads its own host's run directory with the dashboard's
 once a second adds one **host digest** to the run's Redis Stream
 (``app/agent/digest.py`` defines it, builds it and checks it). The
 dashboard started with ``AGENTS`` (or ``RUN``) reads the digests through a
-consumer group (``app/agent/hub.py``) and shows every node's ranks
+consumer group (``app/agent/hub.py``; a silent agent is judged by
+``app/agent/lost.py``) and shows every node's ranks
 (``app/agent/hubstate.py``); a stop it writes into its own run directory is
 mirrored to Redis and written by each agent into its host's run directory
 with the bridge's own flag writer. The hub asks an agent for what a digest

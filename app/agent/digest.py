@@ -41,7 +41,7 @@ from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 # pydantic needs typing_extensions' TypedDict before Python 3.12.
 from typing_extensions import TypedDict
 
-from app.run.health import VERDICTS
+from app.run.verdicts import VERDICTS
 from trainer_bridge.rundir import redisbus
 from trainer_bridge.rundir.schema import Count, Host, Millis, Pid, Rank, StopRecord, UnixTime, WorldSize
 

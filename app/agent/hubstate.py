@@ -22,9 +22,9 @@ from app.agent import digest as dg
 from app.agent.hub import Hub
 from app.agent.listings import Listings, Remote
 from app.cluster import redis_key
-from app.run.health import VERDICTS
 from app.run.rows import with_age
 from app.run.state import RunState
+from app.run.verdicts import VERDICTS
 from trainer_bridge.rundir import redisbus, runfiles
 from trainer_bridge.rundir.listing import first_of
 
@@ -83,9 +83,9 @@ class HubState(RunState):
             old = self._rows.pop(rank, None)
             if old is not None:
                 self._counts[old["health"]] -= 1
-                self._sent.pop(rank, None)
-                self._dirty.discard(rank)
-                self._needs_snapshot = True  # a removal is no delta
+                self._pushed.sent.pop(rank, None)
+                self._pushed.dirty.discard(rank)
+                self._pushed.needs_snapshot = True  # a removal is no delta
         self.hub.removed.clear()
         for rank in changed:
             if rank not in self.hub.rows:
@@ -96,7 +96,7 @@ class HubState(RunState):
                 self._counts[old["health"]] -= 1
             self._counts[row["health"]] += 1
             self._rows[rank] = row
-            self._dirty.add(rank)
+            self._pushed.dirty.add(rank)
         self._world = self.hub.world_size()
         self._summary = {
             "world_size": self._world,

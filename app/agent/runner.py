@@ -40,9 +40,9 @@ from typing import Any
 
 from app.agent import ask
 from app.agent import digest as dg
-from app.run.health import TERMINAL_STATES
 from app.run.judging import ALIVE
 from app.run.state import RunState
+from app.run.verdicts import TERMINAL_STATES
 from trainer_bridge.rundir import redisbus, runfiles
 from trainer_bridge.rundir.ckptmeta import MetaCache
 

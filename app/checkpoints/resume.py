@@ -19,14 +19,8 @@ from importlib import resources
 from app.checkpoints import relaunch
 from app.checkpoints.relaunch import relaunch_command
 from trainer_bridge.rundir import ckpthealth, ckptindex, runfiles
-from trainer_bridge.rundir.ckptindex import (
-    ORIGIN_BRIDGE,
-    ORIGIN_NATIVE,
-    ORIGIN_TTP,
-    CheckpointFile,
-    CheckpointSet,
-    Index,
-)
+from trainer_bridge.rundir.ckptindex import CheckpointFile, CheckpointSet, Index
+from trainer_bridge.rundir.ckptpaths import ORIGIN_BRIDGE, ORIGIN_NATIVE, ORIGIN_TTP
 from trainer_bridge.rundir.listing import first_of
 
 TTP_NOTE = (

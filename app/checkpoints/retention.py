@@ -41,7 +41,7 @@ from app.checkpoints.retention_plan import (
     read_override,
 )
 from app.errors import CheckpointRefused, NoRunDir
-from trainer_bridge.rundir import ckpthealth, rollbacks, runfiles, safeio, schema
+from trainer_bridge.rundir import ckpthealth, rollbacks, runfiles, safedirs, safeio, schema
 
 __all__ = [
     "MODES",
@@ -277,7 +277,7 @@ class Retention:
                 obj = schema.build(schema.RetentionFile, **(fields | {"pinned": pins}))
             except schema.SchemaError as e:
                 raise CheckpointRefused(f"cannot pin: {e}") from None
-            safeio.makedirs(run_dir, runfiles.STATE_DIR)
+            safedirs.makedirs(run_dir, runfiles.STATE_DIR)
             runfiles.atomic_write_bytes(override_path(run_dir), obj.to_json(), root=run_dir)
             self.service.audit.record(
                 "pin",
@@ -298,12 +298,12 @@ class Retention:
                 errs,
                 (f"deleted: {len(deleted)} file(s)" if not errs else f"partial: {len(errs)} failed"),
             )
-        root = safeio.anchor(run_dir)
+        root = safedirs.anchor(run_dir)
         try:
             if _is_file(run_dir, e.id):
                 safeio.unlink(root, e.id)
             else:
-                safeio.rmtree(root, e.id)
+                safedirs.rmtree(root, e.id)
         except FileNotFoundError:
             return True, [], "deleted (already gone)"
         except (OSError, safeio.UnsafePath) as err:
@@ -363,7 +363,7 @@ class Retention:
 
 def _is_file(run_dir: str, rel: str) -> bool:
     try:
-        with safeio.parent_fd(safeio.anchor(run_dir), rel) as (fd, name):
+        with safeio.parent_fd(safedirs.anchor(run_dir), rel) as (fd, name):
             return not stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
     except OSError:
         return False

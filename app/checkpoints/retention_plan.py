@@ -17,14 +17,9 @@ import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from trainer_bridge.rundir import runfiles, safeio, schema
-from trainer_bridge.rundir.ckptindex import (
-    ORIGIN_BRIDGE,
-    CheckpointSet,
-    Index,
-    build_index,
-    resume_set,
-)
+from trainer_bridge.rundir import runfiles, safedirs, safeio, schema
+from trainer_bridge.rundir.ckptindex import CheckpointSet, Index, build_index, resume_set
+from trainer_bridge.rundir.ckptpaths import ORIGIN_BRIDGE
 from trainer_bridge.rundir.listing import first_of
 
 MODES = ("off", "dry_run", "on")
@@ -344,7 +339,7 @@ def find_temps(run_dir: str, errors: list[str], index: Index) -> tuple[Temp, ...
     in the run directory is not a checkpoint's. Each is dated by the newest mtime inside it, so
     a directory still being written into is never old (issue 32, P9).
     """
-    root = safeio.anchor(run_dir)
+    root = safedirs.anchor(run_dir)
     found: list[Temp] = []
     for rel in sorted(leftover_dirs(index)):
         if len(found) >= MAX_TEMP:
@@ -352,7 +347,7 @@ def find_temps(run_dir: str, errors: list[str], index: Index) -> tuple[Temp, ...
         if rel.split("/")[0] == runfiles.STATE_DIR:
             continue
         try:
-            with safeio.pinned_dir(root, rel) as here, os.scandir(here) as it:
+            with safedirs.pinned_dir(root, rel) as here, os.scandir(here) as it:
                 for e in itertools.islice(it, MAX_TEMP):
                     if TEMP_RE.match(e.name):
                         path = f"{rel}/{e.name}" if rel else e.name

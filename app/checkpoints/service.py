@@ -46,14 +46,10 @@ from app.errors import (
     SetNotFound,
 )
 from app.push import Changed
-from trainer_bridge.rundir import ckptgroup, ckpthealth, ckptindex, safeio
-from trainer_bridge.rundir.ckptindex import (
-    ORIGIN_TTP,
-    CheckpointFile,
-    CheckpointSet,
-    Index,
-)
+from trainer_bridge.rundir import ckptgroup, ckpthealth, ckptindex, safedirs, safeio
+from trainer_bridge.rundir.ckptindex import CheckpointFile, CheckpointSet, Index
 from trainer_bridge.rundir.ckptmeta import MetaCache
+from trainer_bridge.rundir.ckptpaths import ORIGIN_TTP
 
 BRIDGE_DEFAULT_NOTE = (
     "The bridge resumes from this set when the job is relaunched unchanged "
@@ -299,7 +295,7 @@ class CheckpointService:
             )
         local_only([known[rel]], "downloaded")
         try:
-            fd, st = safeio.open_file(safeio.anchor(self.run_dir), rel)
+            fd, st = safeio.open_file(safedirs.anchor(self.run_dir), rel)
         except OSError as e:
             refusal = Forbidden if e.errno in (errno.EPERM, errno.EACCES) else NotFound
             raise refusal(f"cannot open {rel!r}: {safeio.why(e)}") from None
@@ -384,7 +380,7 @@ class CheckpointService:
         directory swapped for a symlink since the scan cannot make it remove
         a file outside the run directory.
         """
-        root = safeio.anchor(self.run_dir)
+        root = safedirs.anchor(self.run_dir)
         deleted, failed, dirs = [], [], set()
         for f in cset.files:
             if f.host is not None:
@@ -420,7 +416,7 @@ class CheckpointService:
                 break
             rel = "/".join(parts[:depth])
             try:
-                safeio.rmdir(root, rel)
+                safedirs.rmdir(root, rel)
             except OSError:
                 break  # not empty (or gone, or swapped): leave it and everything above
             removed.append(rel)

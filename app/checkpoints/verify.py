@@ -52,7 +52,7 @@ from pathlib import Path
 
 from app.errors import SetBusy
 from app.push import VERIFY_EVENT
-from trainer_bridge.rundir import safeio
+from trainer_bridge.rundir import safedirs, safeio
 from trainer_bridge.rundir.ckptindex import CheckpointFile
 from trainer_bridge.rundir.ckptmeta import read_meta
 
@@ -185,7 +185,7 @@ class Verifier:
             }
             event = {k: job[k] for k in EVENT_FIELDS}
         self._emit(VERIFY_EVENT, event)
-        self._start_task(self._run, job, list(files), safeio.anchor(root))
+        self._start_task(self._run, job, list(files), safedirs.anchor(root))
         return event
 
     def _run(self, job: dict, files: list[CheckpointFile], root: str) -> None:
@@ -227,7 +227,7 @@ class Verifier:
                 worker = _Worker(self.python)
             # The worker only checks that the path exists (it loads the descriptor): a pinned run's
             # /proc/self/fd/N means nothing in another process, the file's current name does.
-            shown = os.path.realpath(f.abspath) if f.abspath.startswith(safeio.PINNED_PREFIX) else f.abspath
+            shown = os.path.realpath(f.abspath) if f.abspath.startswith(safedirs.PINNED_PREFIX) else f.abspath
             result = worker.load(shown, fd, meta.format or "ckpt")
             if result is None:
                 why = worker.died()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from app.run.health import VERDICT_GLYPH
+from app.run.verdicts import VERDICT_GLYPH
 
 if TYPE_CHECKING:
     from rich.console import Console

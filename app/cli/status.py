@@ -30,7 +30,7 @@ from app.cli.common import (
 )
 from app.cli.runs import existing_root, print_table, runs_table
 from app.run import peers
-from app.run.health import VERDICTS
+from app.run.verdicts import VERDICTS
 
 if TYPE_CHECKING:
     from rich.console import Group
@@ -202,7 +202,7 @@ def restarts_text(source: Source) -> str | None:
     from the dashboard's whole-run series, ``app.run.goodput``).
     """
     from app import attempts
-    from app.supervise.supervisor import describe
+    from app.supervise.cause import describe
 
     state = source.files()
     now = time.time()

@@ -28,9 +28,9 @@ from app.errors import CannotWrite, CaptureRefused, NoRunDir, NotFound, RankNotF
 from app.incidents.alerts import ranks_text
 from app.incidents.captures import MAX_TRIED, Budget, CaptureReader
 from app.incidents.proof import prove_rank
-from app.run.health import TERMINAL_STATES
 from app.run.heartbeats import Stopped, probe_process
 from app.run.state import RunState
+from app.run.verdicts import TERMINAL_STATES
 from trainer_bridge.rundir import pyspy, runfiles, safeio, schema, stackfiles
 
 ENDED = ("exited", "finished", "failed")

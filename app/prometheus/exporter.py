@@ -50,7 +50,7 @@ from prometheus_client.exposition import choose_encoder
 
 from app import attempts
 from app.ranks.metrics import METRICS_BY_NAME
-from app.run.health import ENDED_VERDICTS, VERDICTS
+from app.run.verdicts import ENDED_VERDICTS, VERDICTS
 from app.stop.status import STAGES
 
 PREFIX = "rankwatch_"

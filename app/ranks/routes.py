@@ -32,7 +32,7 @@ from app.ranks.window import (  # noqa: F401  (the page bounds are re-exported: 
     page_of,
 )
 from app.run import slurmstop
-from app.run.health import VERDICT_HELP, VERDICTS
+from app.run.verdicts import VERDICT_HELP, VERDICTS
 
 bp = Blueprint("ranks", __name__)
 

@@ -36,7 +36,7 @@ from pydantic import Field
 
 from app.edge import params
 from app.push import DELTA_EVENT, SNAPSHOT_EVENT, Changed, changed_fields
-from app.run.health import VERDICTS
+from app.run.verdicts import VERDICTS
 
 # /api/ranks pages: 500 rows are about 280 kB of JSON; a client may ask for up to 1,000.
 PER_PAGE_DEFAULT = 500

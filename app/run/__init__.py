@@ -2,10 +2,12 @@
 
 Its sources are what the ranks say: their heartbeat files or Redis
 (``heartbeats.py``), msrun's worker logs (``logmode/``), and, on a hub, the
-agents' digests (``app.agent.hubstate``). ``health.py`` holds the rules and
+agents' digests (``app.agent.hubstate``). ``health.py`` holds the rules (over
+``stepcost.py``'s step windows, naming ``verdicts.py``'s verdicts) and
 ``judging.py`` applies them to every rank at once; ``rows.py`` is the record
 each rank is shown as; ``history.py`` keeps the whole-run charts;
-``jobend.py`` says whether the job can still obey a stop; ``state.py``'s
+``ending.py`` finds which ranks have ended, and ``jobend.py`` says
+whether the job can still obey a stop; ``state.py``'s
 ``RunState`` holds it all under one lock. Importing this package imports no
 Flask: the pages that show it (``app.ranks``, ``app.stop``, ...) sit above.
 """

@@ -42,7 +42,7 @@ its step lines), and dead only when its process is known to be gone (a probe
 on this host, or msrun's own words, which ``app.run.state`` hands in as
 ``process_gone``); it is never ``node_lost``, for the same reason.
 
-``app.run.judging`` adds two after these rules: **node_lost**, for every rank of
+``app.run.judging`` adds two after these rules (``app.run.boardrules``): **node_lost**, for every rank of
 a host that went silent as one while other hosts still report (a machine or
 network failure, named within ``stall_min_s`` instead of ``dead_after_s``),
 and **corrupt**, for a rank whose heartbeat file does not validate against
@@ -67,76 +67,14 @@ rank should not make everyone look slow): ``min(1, peer median / own)``, so
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from app.run.peers import OTHERS_MEDIAN, median, peer_median, ratio_text, straggling
+from app.run.stepcost import StepWindow, compare_costs, number, score
+from app.run.verdicts import STEPPING_STATES
 from trainer_bridge.rundir.listing import first_of
-
-VERDICTS = (
-    "starting",
-    "healthy",
-    "straggler",
-    "stalled",
-    "dead",
-    "node_lost",
-    # Only a hub shows it (app/agent/hub.py): the agent of the rank's host went silent.
-    "agent_lost",
-    "exited",
-    "finished",
-    "failed",
-    "pending",
-    "corrupt",
-)
-
-# Trouble first: the order of "sort by verdict" (the page's table.js keeps the same list).
-WORST_FIRST = (
-    "node_lost", "agent_lost", "dead", "failed", "stalled", "corrupt", "straggler",
-    "pending", "starting", "healthy", "exited", "finished",
-)  # fmt: skip
-
-# One line per verdict, for the page's legend and the README.
-VERDICT_HELP = {
-    "starting": "has reported but not finished its first step yet (compiling the graph)",
-    "healthy": "training (or saving) at the pace of its peers",
-    "straggler": "steps markedly slower than the median of its peers",
-    "stalled": "alive but has not finished a step for too long",
-    "dead": "the process is gone or its heartbeats stopped",
-    "exited": "stopped gracefully on request",
-    "finished": "completed its training",
-    "failed": "the process ended with an error",
-    "pending": "has not written a heartbeat yet",
-    "corrupt": "its heartbeat file is invalid (too large, not JSON, or a field out of bounds)",
-    "node_lost": "every rank of its host went silent together while other hosts report: a machine or network failure",
-    "agent_lost": "the agent of its host sent no digest for AGENT_LOST_S: its state is unknown (it may be training)",
-}
-
-# A shape per verdict, so that colour is never the only cue (the page's
-# static/js/format.js GLYPH holds the same; tests/cli/test_cli.py checks they agree).
-VERDICT_GLYPH = {
-    "starting": "○",
-    "healthy": "✓",
-    "straggler": "▲",
-    "stalled": "‖",
-    "dead": "✕",
-    "exited": "■",
-    "finished": "★",
-    "failed": "!",
-    "pending": "…",
-    "node_lost": "⨯",
-    "agent_lost": "⊘",
-    "corrupt": "?",
-}
-
-# States that end a rank's life; their verdict is the state itself.
-TERMINAL_STATES = ("exited", "finished", "failed")
-# Verdicts of a rank whose process has ended, or is taken for gone: its last
-# rates (throughput, step time, CPU) describe the past, not the job.
-ENDED_VERDICTS = ("dead", "node_lost", *TERMINAL_STATES)
-# States in which a rank steps and so is compared with its peers.
-STEPPING_STATES = ("training", "stopping")
 
 
 @dataclass(frozen=True)
@@ -201,115 +139,8 @@ class RankEvidence:
     was_straggler: bool = False
 
 
-def number(value: Any) -> float | None:
-    """``value`` as a finite float, or None: heartbeats come from other processes."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    value = float(value)
-    return value if math.isfinite(value) else None
-
-
-class StepWindow:
-    """A rank's most recent step times and their median.
-
-    Heartbeats carry each step's time since the previous heartbeat
-    (``step_times_ms``); the window keeps the newest ``size`` of them. A
-    heartbeat seen twice (same ``seq``) is counted once.
-
-    It also keeps the per-heartbeat means of the time inside and between
-    steps (``step_in_ms``, ``step_out_ms``) of the heartbeats that cover the
-    newest ``size`` steps; ``split_ms`` is their medians, or None when the
-    newest heartbeat with steps lacks either figure.
-    """
-
-    __slots__ = ("_times", "_seq", "median_ms", "_size", "_split", "split_ms")
-
-    @property
-    def steps(self) -> int:
-        """How many step times the window holds (at most its size)."""
-        return len(self._times)
-
-    def __init__(self, size: int):
-        self._times: deque[float] = deque(maxlen=size)
-        self._seq: Any = None
-        self.median_ms: float | None = None
-        self._size = size
-        # (steps, in ms, out ms) per heartbeat that saw steps, oldest first.
-        self._split: deque[tuple[int, float, float]] = deque()
-        self.split_ms: tuple[float, float] | None = None
-
-    def add(self, hb: Mapping[str, Any], trusted: bool = False) -> None:
-        """Take in one heartbeat. ``trusted``: validated by ``trainer_bridge.rundir.schema``
-        (finite, non-negative step times), so they need no check, which matters
-        at thousands of heartbeats a second."""
-        seq = hb.get("seq")
-        if seq is not None and seq == self._seq:
-            return
-        self._seq = seq
-        times = hb.get("step_times_ms")
-        if trusted and times:
-            fresh = times
-        elif isinstance(times, list) and times:
-            fresh = [t for t in map(number, times) if t is not None and t >= 0]
-        else:
-            last = number(hb.get("step_time_ms"))
-            fresh = [last] if last is not None and last >= 0 else []
-        if fresh:
-            self._times.extend(fresh)
-            self.median_ms = median(sorted(self._times))
-            steps = len(times) if isinstance(times, list) and times else len(fresh)
-            self._add_split(steps, number(hb.get("step_in_ms")), number(hb.get("step_out_ms")))
-
-    def _add_split(self, steps: int, in_ms: float | None, out_ms: float | None) -> None:
-        if in_ms is None or out_ms is None or in_ms < 0 or out_ms < 0:
-            # One heartbeat without the figures (an older bridge, a simulator):
-            # the rank falls back to wall step times until it reports them again.
-            self._split.clear()
-            self.split_ms = None
-            return
-        self._split.append((steps, in_ms, out_ms))
-        covered = sum(n for n, _, _ in self._split)
-        while len(self._split) > 1 and covered - self._split[0][0] >= self._size:
-            covered -= self._split.popleft()[0]
-        self.split_ms = (
-            median(sorted(i for _, i, _ in self._split)),
-            median(sorted(o for _, _, o in self._split)),
-        )
-
-
-def score(own_ms: float | None, peer_ms: float | None) -> float | None:
-    """Relative performance score in [0, 1]: peer median / own, capped at 1."""
-    if own_ms is None or peer_ms is None:
-        return None
-    if own_ms <= 0:
-        return 1.0
-    return round(min(1.0, peer_ms / own_ms), 2)
-
-
 def _ms(value: float) -> str:
     return f"{value:.3g} ms" if value < 100 else f"{value:.0f} ms"
-
-
-def compare_costs(
-    latest: Mapping[int, Mapping[str, Any] | None],
-    own_ms: Mapping[int, float | None],
-    split: Mapping[int, tuple[float, float] | None] | None = None,
-) -> tuple[str, dict[int, float | None], float | None]:
-    """What straggler detection compares: ``(basis, cost per rank, fastest in-step ms)``.
-
-    ``basis`` is ``"work"`` when every stepping rank has ``split`` figures
-    (``(step_in_ms, step_out_ms)`` medians, from ``StepWindow.split_ms``);
-    then a rank's cost is ``step_out_ms + min over stepping ranks of
-    step_in_ms`` (the module docstring says why). Otherwise it is ``"step"``
-    and the cost is the median wall step time ``own_ms``.
-    """
-    split = split or {}
-    stepping = [r for r, hb in latest.items() if hb and hb.get("state") in STEPPING_STATES]
-    if stepping and all(split.get(r) is not None for r in stepping):
-        fastest = min(split[r][0] for r in stepping)
-        costs = {r: (split[r][1] + fastest if split.get(r) is not None else None) for r in latest}
-        return "work", costs, fastest
-    return "step", {r: own_ms.get(r) for r in latest}, None
 
 
 def where(hb: Mapping[str, Any]) -> str:

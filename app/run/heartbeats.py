@@ -21,8 +21,8 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from app.run.health import StepWindow
 from app.run.rows import _loss
+from app.run.stepcost import StepWindow
 from trainer_bridge.rundir import copies, runfiles, safeio, schema
 from trainer_bridge.rundir.liveness import Stopped, Unreaped, probe_process  # noqa: F401  (shared with the bridge)
 from trainer_bridge.rundir.redisbus import RedisUnavailable, Subscriber
@@ -192,6 +192,10 @@ class RunReader:
         self._advanced = False
         # rank -> the world size its heartbeat declares, to answer world_size() without a pass.
         self._declared: dict[int, int] = {}
+
+    def newest_beat(self, default: float) -> float:
+        """The newest heartbeat's time (a copied run is judged as of it), else ``default``."""
+        return max((s.hb["time"] for s in self.slots.values() if s.hb), default=default)
 
     def read(self, now: float) -> set[int]:
         """Bring the slots up to date; returns the ranks whose heartbeat file changed or went away.

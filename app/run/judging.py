@@ -21,24 +21,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import numpy as np
 
 from app.run import peers
-from app.run.health import (
-    BLOCKER_WORDS,
-    STEPPING_STATES,
-    TERMINAL_STATES,
-    VERDICTS,
-    RankEvidence,
-    StepWindow,
-    Thresholds,
-    Verdict,
-    blocker_note,
-    judge,
-    with_note,
-)
+from app.run.boardrules import lost_nodes, with_file_problem
+from app.run.health import BLOCKER_WORDS, RankEvidence, Thresholds, Verdict, blocker_note, judge, with_note
+from app.run.stepcost import RankReport
+from app.run.verdicts import STEPPING_STATES, TERMINAL_STATES, VERDICTS
 
 ALIVE = ("healthy", "straggler", "stalled")
 _NAN = math.nan
@@ -67,46 +57,6 @@ def _differ(new: np.ndarray, old: np.ndarray, tolerance: float) -> np.ndarray:
     with np.errstate(invalid="ignore"):
         far = np.abs(new - old) > tolerance
     return (nan_new != nan_old) | (~nan_new & ~nan_old & far)
-
-
-def _with_file_problem(verdict: Verdict, error: str | None, skew_s: float | None, *, has_hb: bool) -> Verdict:
-    """A rank whose heartbeat file is invalid is ``corrupt``; a clock ahead is said in the reason."""
-    if error is not None:
-        shown = "showing its last valid heartbeat" if has_hb else "it has written no valid one yet"
-        return Verdict("corrupt", f"invalid heartbeat ({error}); {shown}", cause="corrupt")
-    if skew_s is not None:
-        return Verdict(
-            verdict.health,
-            f"{verdict.reason}; its clock is {skew_s:g} s ahead of the dashboard's "
-            "(times clamped to when the heartbeat was read; synchronise clocks with NTP)",
-            verdict.score,
-            verdict.cause,
-        )
-    return verdict
-
-
-@dataclass(frozen=True, slots=True)
-class RankReport:
-    """What a source says of one rank at a scan: its newest valid heartbeat and its step window.
-
-    ``hb`` None: none yet. ``wall_ms``, ``split_ms`` and ``steps`` are the
-    window's median, split and size (``health.StepWindow``). ``local``: the
-    rank runs on the dashboard's host and names its pid. ``from_log``: the
-    heartbeat was read from its worker log, whose step lines come every
-    ``log_pace_ms`` (see ``health.RankEvidence``).
-    """
-
-    hb: Mapping | None
-    wall_ms: float | None = None
-    split_ms: tuple[float, float] | None = None
-    steps: int = 0
-    local: bool = False
-    from_log: bool = False
-    log_pace_ms: float | None = None
-
-    @classmethod
-    def of(cls, hb: Mapping | None, window: StepWindow, **kw) -> RankReport:
-        return cls(hb, window.median_ms, window.split_ms, window.steps, **kw)
 
 
 class VerdictBoard:
@@ -235,7 +185,7 @@ class VerdictBoard:
         self._log_pace[rank] = _f(report.log_pace_ms) if report.from_log else _NAN
 
     def set_probe(self, rank: int, gone: str | None, stopped: str | None, alive: bool) -> None:
-        """What a process probe said about ``rank`` (see ``RunState._probe_late``)."""
+        """What a process probe said about ``rank`` (see ``app.run.ending.RankEnds.probe_late``)."""
         if self._probes.get(rank, (None, None, False)) != (gone, stopped, alive):
             self._changed.add(rank)
         if gone or stopped or alive:
@@ -285,7 +235,7 @@ class VerdictBoard:
         stepping = present & self._has_hb & self._stepping
         has_split = ~np.isnan(self._split_in) & ~np.isnan(self._split_out)
 
-        # The cost each rank is compared by (health.compare_costs).
+        # The cost each rank is compared by (stepcost.compare_costs).
         if stepping.any() and has_split[stepping].all():
             basis = "work"
             fastest = float(self._split_in[stepping].min())
@@ -402,50 +352,19 @@ class VerdictBoard:
         return self._apply_blockers(changed_base, candidates & set(self.latest))
 
     def _lost_nodes(self, now: float, age: np.ndarray) -> set[int]:
-        """Hosts whose every rank went silent together while other hosts still report.
-
-        That is a machine or network failure, not N rank failures, and it is
-        known after ``stall_min_s`` of silence instead of ``dead_after_s``.
-        A host counts as lost when all its ranks that have not ended (exited,
-        finished, failed) sent no heartbeat for ``stall_min_s``, their last
-        heartbeats were written within ``stall_min_s`` of each other, and some
-        rank on another host wrote one within ``stall_min_s``. The
-        dashboard's own host is never lost: its processes are probed directly.
-        Returns the ranks whose node-lost verdict appeared, changed or ended.
-        """
-        th = self.th
-        hosts = len(self._host_names)
-        lost: dict[int, str] = {}
-        if hosts >= 2:
-            with np.errstate(invalid="ignore"):
-                # A quiet worker log is not a silent host (health.judge): only heartbeats count.
-                live = self._present & self._has_hb & ~self._terminal & (self._host >= 0) & ~self._from_log
-                silent = live & (age > th.stall_min_s)
-                fresh = live & (age <= th.stall_min_s)
-            ids = self._host[live]
-            total = np.bincount(ids, minlength=hosts)
-            quiet = np.bincount(self._host[silent], minlength=hosts)
-            heard = np.bincount(self._host[fresh], minlength=hosts)
-            local = np.bincount(self._host[live & self._local], minlength=hosts)
-            newest = np.full(hosts, -np.inf)
-            oldest = np.full(hosts, np.inf)
-            np.maximum.at(newest, self._host[silent], self._time[silent])
-            np.minimum.at(oldest, self._host[silent], self._time[silent])
-            others = heard.sum() - heard
-            candidates = (total > 0) & (quiet == total) & (local == 0) & (others > 0)
-            candidates &= newest - oldest <= th.stall_min_s
-            reporting = int(np.count_nonzero(heard))
-            for h in np.flatnonzero(candidates).tolist():
-                ranks = np.flatnonzero(silent & (self._host == h)).tolist()
-                n = len(ranks)
-                reason = (
-                    f"node {self._host_names[h]} lost: all {n} of its rank{'s' if n != 1 else ''} "
-                    f"stopped sending heartbeats together, while {reporting} other "
-                    f"{'hosts still report' if reporting != 1 else 'host still reports'}: "
-                    "a machine or network failure" + (f", not {n} separate rank failures" if n > 1 else "")
-                )
-                for r in ranks:
-                    lost[r] = reason
+        """Judge the hosts (``boardrules.lost_nodes``); the ranks whose node-lost verdict changed."""
+        lost = lost_nodes(
+            self.th,
+            self._host_names,
+            age,
+            present=self._present,
+            has_hb=self._has_hb,
+            terminal=self._terminal,
+            host=self._host,
+            from_log=self._from_log,
+            local=self._local,
+            time=self._time,
+        )
         moved = {r for r in lost.keys() | self._lost.keys() if lost.get(r) != self._lost.get(r)}
         self._lost = lost
         return moved & set(self.latest)
@@ -479,7 +398,7 @@ class VerdictBoard:
             if r in self._lost:
                 final = Verdict("node_lost", self._lost[r], cause="node")
             if r in self._problems:
-                final = _with_file_problem(final, *self._problems[r], has_hb=self.latest.get(r) is not None)
+                final = with_file_problem(final, *self._problems[r], has_hb=self.latest.get(r) is not None)
             old = self.verdicts.get(r)
             if old != final:
                 if old is not None:

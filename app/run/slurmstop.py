@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from trainer_bridge.rundir import attempts
+from trainer_bridge.rundir import attempts, launchguard
 from trainer_bridge.rundir import slurm as rundir_slurm
 
 
@@ -57,7 +57,7 @@ def measured_stop_s(
                 return float(ended - at)
             break
     if beats is None:
-        beats = (hb for _, hb in attempts.read_heartbeats(run_dir))
+        beats = (hb for _, hb in launchguard.read_heartbeats(run_dir))
     seen, exited = [], []
     for hb in beats:
         if not isinstance(hb, Mapping):

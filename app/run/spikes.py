@@ -462,6 +462,15 @@ class Detector:
         """The rules whose episode is still open (an unresolved spike or NaN)."""
         return sorted(self._open)
 
+    def view(self) -> dict:
+        """The detections kept (the loss chart's marks), the open rules and the refused input."""
+        return {
+            "detections": self.marks(),
+            "open": self.open_rules(),
+            "refused": self.refused,
+            "last_refusal": self.last_refusal,
+        }
+
     def marks(self, since_step: int | None = None) -> list[dict]:
         """The kept detections as the loss chart's marks, oldest first."""
         return [d.to_dict() for d in self.detections if since_step is None or d.step >= since_step]

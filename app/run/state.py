@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from app.attempts import LaunchWatch, launches
-from app.push import DELTA_EVENT, SNAPSHOT_EVENT, Changed, changed_fields
+from app.push import RankPushes
 from app.run import goodput, logmode, spikes
-from app.run.endproof import EndProof
-from app.run.health import TERMINAL_STATES, WORST_FIRST, Thresholds
+from app.run.ending import RankEnds
+from app.run.health import Thresholds
 from app.run.heartbeats import (  # noqa: F401  (re-exported: tests and tools import them from here)
     ProcessProbe,
     RankSlot,
@@ -45,14 +45,14 @@ from app.run.heartbeats import (  # noqa: F401  (re-exported: tests and tools im
 )
 from app.run.history import RunHistory
 from app.run.jobend import JobFacts, StopInputs
-from app.run.judging import RankReport, VerdictBoard
+from app.run.judging import VerdictBoard
 from app.run.rows import make_row, with_age
 from app.run.status import StatusFacts, run_status
-from trainer_bridge.rundir import copies, safeio
+from app.run.stepcost import RankReport
+from app.run.verdicts import TERMINAL_STATES, WORST_FIRST
+from trainer_bridge.rundir import copies, safedirs
 
 _SEVERITY = {v: i for i, v in enumerate(WORST_FIRST)}
-# A copied run's rank, in its row's reason (trainer_bridge.rundir.copies).
-COPIED_WORDS = "copied run directory: the process named is not this run's"
 
 
 class RunState:
@@ -71,7 +71,7 @@ class RunState:
         # A run under --runs is its descriptor (app/runs/pinned.py): held open while this reads by it.
         self._pinned = run_dir
         # What the status line names (under --runs, the run's path as found, not its descriptor's).
-        self.shown_dir = Path(safeio.shown(run_dir)) if run_dir else None
+        self.shown_dir = Path(safedirs.shown(run_dir)) if run_dir else None
         self.thresholds = Thresholds.from_config(config)
         self.points = int(config["HISTORY_POINTS"])
         self.bucket_s = float(config["CHART_BUCKET_S"])
@@ -98,7 +98,7 @@ class RunState:
         self._clear()
         # Nobody has seen anything yet, and each client gets a snapshot when it
         # connects: the first tick's changes can go out as a plain delta.
-        self._needs_snapshot = False
+        self._pushed.needs_snapshot = False
 
     def _clear(self) -> None:
         self._reader.clear()
@@ -106,28 +106,15 @@ class RunState:
         self._world = 0
         self._from_log: set[int] = set()  # ranks shown from their worker log
         self._beats_expected = False  # ...while the bridge may still report (LogView.heartbeats_expected)
-        # rank -> ((pid, started_at), probed at, why gone or None)
-        self._probes: dict[int, tuple] = {}
-        # rank -> (first seen ended, why): a final state, or its process gone (app.run.jobend)
-        self._ended: dict[int, tuple[float, str]] = {}
-        self._launcher_gone: str | None = None
-        self._launcher_alive = False
-        # What a probe on this host says of the processes the ranks that say they ended
-        # (app.run.endproof): the stop calls a job over on such evidence, not on files alone.
-        self._proof = EndProof(self._hostname, self._probe_gone, self.check_after_s)
+        # Which ranks have ended and whether msrun has, from their files and this host's probes.
+        self._ends = RankEnds(self._hostname, self._probe, self.check_after_s)
         self._rows: dict[int, dict] = {}
-        self._sent: dict[int, dict] = {}
-        self._dirty: set[int] = set()
         self._summary: dict = {}
-        self._summary_pushed = Changed()
         self._run: dict = {}
-        self._run_pushed = Changed()
+        self._pushed = RankPushes()  # what clients were last sent (take_delta)
         self._launches = LaunchWatch()  # two launches writing at once (app/attempts.py)
         self._run_history = RunHistory(self.run_points)  # the whole-run charts (app/run/history.py)
         self._spikes = spikes.Detector(self._spike_params)
-        # Ranks can only be added by a delta; anything else (a run directory
-        # deleted, a heartbeat removed) needs every client to take a snapshot.
-        self._needs_snapshot = True
 
     @property
     def _slots(self) -> dict[int, RankSlot]:
@@ -208,7 +195,7 @@ class RunState:
         copied = self._reader.copied
         # A copy is judged as it was when copied (its newest heartbeat), not as silent since: its
         # ranks' processes are not its own, so their silence says nothing (trainer_bridge.rundir.copies).
-        judged_at = min(now, self._newest_beat(now)) if copied else now
+        judged_at = min(now, self._reader.newest_beat(now)) if copied else now
         self._feed_run_history(changed)
         if self.spikes_on:
             self._feed_spikes(changed, now)
@@ -223,7 +210,7 @@ class RunState:
             else:
                 self._from_log.discard(r)
             self._launches.observe(r, slot.hb if slot is not None and not from_log else None, now)
-            self._proof.observe(r, slot.hb if slot is not None else None)
+            self._ends.proof.observe(r, slot.hb if slot is not None else None)
             if slot is None:
                 board.observe(r, RankReport(None))
             else:
@@ -240,11 +227,9 @@ class RunState:
                 )
             board.file_problem(r, slot.error if slot else None, slot.skew_s if slot else None)
         self._from_log &= view
-        if copied:
-            self._probes.clear()  # and none made: the pids are the original run's
-        else:
-            self._probe_late(now)
-        self._note_ended(now, view)
+        self._ends.copied = copied
+        self._ends.probe_late(board, self._logs, self._from_log, now)
+        self._ends.note(board, self._logs, self._from_log, view, now)
         for r in board.update(judged_at) | (changed & view):
             slot = self._slot(r)
             self._rows[r] = make_row(
@@ -256,13 +241,17 @@ class RunState:
             )
             if copied and self._rows[r]["state"] not in TERMINAL_STATES:
                 row = self._rows[r]
-                row["reason"] = f"{COPIED_WORDS}; as last written: {row['reason']}"
-            elif r in self._from_log and r in self._ended and self._rows[r]["state"] not in TERMINAL_STATES:
+                row["reason"] = f"{copies.COPIED_WORDS}; as last written: {row['reason']}"
+            elif (
+                r in self._from_log
+                and r in self._ends.ended
+                and self._rows[r]["state"] not in TERMINAL_STATES
+            ):
                 # A log only says "training" until its last line: its process has ended without a word.
                 self._rows[r]["state"] = "failed"
-            self._dirty.add(r)
+            self._pushed.dirty.add(r)
         self._beats_expected = bool(self._from_log) and self._logs.heartbeats_expected(
-            self._reader.job, now, self.bridge_grace_s, self._rank0_alive
+            self._reader.job, now, self.bridge_grace_s, self._ends.rank0_alive
         )
         self._summary = self._make_summary()
         self._run = run_status(self._status_facts())
@@ -302,13 +291,7 @@ class RunState:
     def spike_view(self) -> dict:
         """The detections kept (the loss chart's marks), the open rules and the refused input."""
         with self._lock:
-            det = self._spikes
-            return {
-                "detections": det.marks(),
-                "open": det.open_rules(),
-                "refused": det.refused,
-                "last_refusal": det.last_refusal,
-            }
+            return self._spikes.view()
 
     def add_mindformers_norms(self, norms: dict[int, float], now: float) -> None:
         with self._lock:
@@ -331,58 +314,14 @@ class RunState:
             log_problems=logs.problems() if logs is not None else [],
             from_log=len(self._from_log & {r for r, hb in latest.items() if hb is not None}),
             beats_expected=self._beats_expected,
-            conflict=self._launches.conflict(latest, self._ended, self.scanned_at),
+            conflict=self._launches.conflict(latest, self._ends.ended, self.scanned_at),
             missing=self._board.missing(),
             ended_states=[hb["state"] for hb in latest.values()] if self._board.all_terminal() else None,
             job_over=None if self._board.all_terminal() else self._job_over(),
-            end_proven=bool(shown) and shown <= self._proof.proven,
-            still_running=sorted(self._proof.running),
+            end_proven=bool(shown) and shown <= self._ends.proof.proven,
+            still_running=sorted(self._ends.proof.running),
             copied=self._reader.copied,
         )
-
-    def _newest_beat(self, now: float) -> float:
-        times = [s.hb["time"] for s in (*self._slots.values(), *self._log_slots().values()) if s.hb]
-        return max(times, default=now)
-
-    def _note_ended(self, now: float, view: set[int]) -> None:
-        """Which ranks have ended (a final state, or the process gone) and whether msrun has.
-
-        msrun is looked at only once every rank has ended: until then the job
-        runs, whatever its launcher does. In a copied run directory every rank has
-        ended as far as it can tell, and nothing is probed.
-        """
-        if self._reader.copied:
-            ended = {}
-            for r in view:
-                hb = self._board.latest.get(r)
-                state = hb.get("state") if hb else None
-                why = state if state in TERMINAL_STATES else copies.COPIED
-                ended[r] = (self._ended[r][0] if r in self._ended else now, why)
-            self._ended = ended
-            self._launcher_gone, self._launcher_alive = None, False
-            return
-        ended = {}
-        # msrun kills every worker before it says the job exited: that ends the log ranks too
-        # (words not taken while msrun's own process runs: a rank can write its log directory).
-        exited = self._logs.dir.job_exited(self._probe_gone) if self._logs is not None else None
-        for r in view:
-            hb = self._board.latest.get(r)
-            state = hb.get("state") if hb else None
-            why = state if state in TERMINAL_STATES else self._board.gone(r)
-            if not why and exited and r in self._from_log:
-                why = exited
-            if why:
-                ended[r] = (self._ended[r][0] if r in self._ended else now, why)
-        self._ended = ended
-        self._proof.check(set(ended), now)
-        self._launcher_gone, self._launcher_alive = None, False
-        if self._logs is not None and view and view <= set(ended):
-            self._launcher_gone = self._logs.launcher_gone(self._probe_gone)
-            self._launcher_alive = self._launcher_gone is None and self._logs.dir.launcher is not None
-
-    def _probe_gone(self, pid: int, started: float | None) -> str | None:
-        why = self._probe(pid, started)
-        return None if isinstance(why, Stopped) else why
 
     def job_ended(self) -> str | None:
         """Why the job is over (every rank ended, msrun not running), or None while it may run."""
@@ -390,26 +329,7 @@ class RunState:
             return self._job_over()
 
     def _job_over(self) -> str | None:
-        if not self._facts().job_ended(self._world):
-            return None
-        counts: dict[str, int] = {}
-        for _, why in self._ended.values():
-            key = why if why in (*TERMINAL_STATES, copies.COPIED) else "gone"
-            counts[key] = counts.get(key, 0) + 1
-        told = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
-        return told + (f"; {self._launcher_gone}" if self._launcher_gone else "")
-
-    def _facts(self) -> JobFacts:
-        logs = self._logs
-        return JobFacts(
-            ended=dict(self._ended),
-            launcher_gone=self._launcher_gone,
-            launcher_alive=self._launcher_alive,
-            triggered={r: logs.triggered_at(r) for r in self._from_log} if logs is not None else {},
-            # A copy's processes are not its own: nothing of it runs, whatever runs under those pids.
-            proven=frozenset(self._ended) if self._reader.copied else self._proof.proven,
-            running=frozenset() if self._reader.copied else self._proof.running,
-        )
+        return self._ends.job_over(self._world, self._logs, self._from_log)
 
     def stop_inputs(self) -> StopInputs:
         """Everything the stop service reads of the run (``app.stop.service.StopService``'s ``view``)."""
@@ -419,56 +339,7 @@ class RunState:
     def job_facts(self) -> JobFacts:
         """What the stop service needs beyond the heartbeats (see ``app.run.jobend``)."""
         with self._lock:
-            return self._facts()
-
-    def _rank0_alive(self, job: dict) -> bool:
-        """job.json's rank 0 runs on this host (elsewhere it cannot be told: no)."""
-        pid = job.get("pid")
-        return (
-            not self._reader.copied
-            and job.get("host") == self._hostname
-            and pid is not None
-            and not self._probe(pid, job.get("started_at"))
-        )
-
-    def _probe_late(self, now: float) -> None:
-        """Probe the processes of this host's ranks whose heartbeat is late, and tell the board.
-
-        Each late rank is probed at most once per ``PROCESS_CHECK_AFTER_S``,
-        and a process found gone stays gone, so a hung 1024-rank job costs
-        few probes; the board finds the late ranks with one vector pass.
-        """
-        board = self._board
-        late = set(board.late(now, self.check_after_s, local_only=True))
-        # Ranks shown from their logs: msrun's own words about their end count too (app.run.logmode).
-        log_late = {r for r in board.late(now, self.check_after_s) if r in self._from_log}
-        for r in set(self._probes) - late - log_late:
-            del self._probes[r]
-            board.set_probe(r, None, None, False)
-        for r in late:
-            hb = board.latest[r]
-            pid, started = hb["pid"], hb.get("started_at")
-            who, checked_at, why = self._probes.get(r, (None, None, None))
-            if who != (pid, started) or (
-                (why is None or isinstance(why, (Stopped, Unreaped)))
-                and now - checked_at >= self.check_after_s
-            ):
-                why = self._probe(pid, started)
-                self._probes[r] = ((pid, started), now, why)
-            said = self._logs.gone(r) if r in log_late else None
-            if isinstance(why, Stopped):
-                board.set_probe(r, None, f"{why} (host {self._hostname})", False)
-            elif why:
-                board.set_probe(
-                    r, f"{why} (host {self._hostname})" + (f"; {said}" if said else ""), None, False
-                )
-            else:
-                board.set_probe(r, None, None, True)  # it runs: what an old log line says is over
-        for r in log_late - late:
-            # Not probed from here (no pid, another host): msrun's words alone, once its log is late.
-            said = self._logs.gone(r)
-            self._probes[r] = ((None, None), now, said)
-            board.set_probe(r, said, None, False)
+            return self._ends.facts(self._logs, self._from_log)
 
     # -- derived views --------------------------------------------------------------
 
@@ -618,40 +489,11 @@ class RunState:
     def resend(self) -> None:
         """Make the next ``take_delta`` a whole snapshot (a dashboard that just became leader)."""
         with self._lock:
-            self._needs_snapshot = True
+            self._pushed.needs_snapshot = True
 
     def take_delta(self, now: float) -> tuple[str, dict] | None:
-        """What to push since the last call: (DELTA_EVENT, changed fields), a snapshot, or None.
-
-        Each changed row carries only the fields that differ from what was last
-        pushed (plus ``rank``); the summary and run status come only when they
-        changed. A removal (rank files deleted, run directory replaced) cannot
-        be a delta, so it yields a snapshot.
-        """
+        """What to push since the last call (``app.push.RankPushes.take``): a delta, a snapshot, or None."""
         with self._lock:
-            if self._needs_snapshot:
-                self._needs_snapshot = False
-                self._dirty.clear()
-                self._sent = dict(self._rows)
-                self._summary_pushed.take(self._summary)
-                self._run_pushed.take(self._run)
-                return SNAPSHOT_EVENT, self._snapshot(now)
-            changes = []
-            for r in sorted(self._dirty):
-                row, old = self._rows[r], self._sent.get(r, {})
-                diff = changed_fields(old, row)
-                if diff:
-                    diff["rank"] = r
-                    changes.append(diff)
-                self._sent[r] = row
-            self._dirty.clear()
-            delta: dict[str, Any] = {}
-            if changes:
-                delta["rows"] = changes
-            if self._summary_pushed.take(self._summary):
-                delta["summary"] = self._summary
-            if self._run_pushed.take(self._run):
-                delta["run"] = self._run
-            if not delta:
-                return None
-            return DELTA_EVENT, {"now": now, "world_size": self._world, **delta}
+            return self._pushed.take(
+                now, self._world, self._rows, self._summary, self._run, lambda: self._snapshot(now)
+            )

@@ -10,7 +10,7 @@ A run's own subdirectories are not searched for more runs.
 components (``app/runs/ids.py`` puts it in a URL).
 
 **Incremental.** Each directory is opened (relative to its parent's
-descriptor, ``O_NOFOLLOW``: ``trainer_bridge.rundir.safeio.open_subdir``) and
+descriptor, ``O_NOFOLLOW``: ``trainer_bridge.rundir.safedirs.open_subdir``) and
 ``fstat``-ed; its listing is read again only when its (device, inode,
 mtime) changed, so an unchanged tree costs one open and one ``fstat`` per
 directory, never a ``scandir``. New runs appear on the next scan and deleted
@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from app.run.heartbeats import HEARTBEAT_NAME
 from app.run.logmode import DEFAULT_DIR
 from app.run.logmode.reader import WORKER_NAME
-from trainer_bridge.rundir import safeio
+from trainer_bridge.rundir import safedirs, safeio
 from trainer_bridge.rundir.runfiles import FLAG_NAME, STATE_DIR
 
 DEFAULT_DEPTH = 3
@@ -128,7 +128,7 @@ def _open_parts(fd: int, parts: list[str]) -> int:
     """A descriptor of the directory ``parts`` below ``fd``, each step ``O_NOFOLLOW``."""
     cur = fd
     for p in parts:
-        nxt = safeio.open_subdir(cur, p)
+        nxt = safedirs.open_subdir(cur, p)
         if cur != fd:
             os.close(cur)
         cur = nxt
@@ -297,7 +297,7 @@ class Discovery:
             if self._unchanged_leaf(fd, name, child):
                 continue
             try:
-                cfd = safeio.open_subdir(fd, name)
+                cfd = safedirs.open_subdir(fd, name)
             except OSError as e:
                 self._skip(child, _reason(e))
                 continue

@@ -1,6 +1,6 @@
 """Bytes under a run directory (the landing page's "Disk used"), measured incrementally.
 
-A run's tree is walked with descriptors (``safeio.open_subdir``, ``O_NOFOLLOW``):
+A run's tree is walked with descriptors (``safedirs.open_subdir``, ``O_NOFOLLOW``):
 symlinks are neither followed nor counted, entries that cannot be read or
 vanish mid-walk are skipped, and a directory met twice (a bind mount) is
 counted once. The figure is the sum of the regular files' sizes (``st_size``).
@@ -24,7 +24,7 @@ import os
 import stat
 from dataclasses import dataclass
 
-from trainer_bridge.rundir import safeio
+from trainer_bridge.rundir import safedirs
 
 MAX_ENTRIES = 200_000
 # A live run's files grow in place: every directory is read again this often.
@@ -75,7 +75,7 @@ class DiskUsage:
 
     def _measure(self, run_dir: str, now: float) -> int | None:
         try:
-            fd = safeio.open_root_nofollow(run_dir)
+            fd = safedirs.open_root_nofollow(run_dir)
         except OSError:
             self._dirs = {}
             return None
@@ -125,7 +125,7 @@ class _Walk:
             if self.budget <= 0:
                 break
             try:
-                sub = safeio.open_subdir(fd, name)
+                sub = safedirs.open_subdir(fd, name)
             except OSError:
                 continue  # gone, unreadable, or replaced by a symlink since it was listed
             try:

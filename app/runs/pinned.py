@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 
-from trainer_bridge.rundir import safeio
+from trainer_bridge.rundir import safedirs, safeio
 
 
 class Replaced(OSError):
@@ -73,7 +73,7 @@ def pin(root: str, rel: str, ident: tuple) -> PinnedPath:
     try:
         fd = root_fd
         for part in safeio.parts(rel):
-            nxt = safeio.open_subdir(fd, part)
+            nxt = safedirs.open_subdir(fd, part)
             if fd != root_fd:
                 os.close(fd)
             fd = nxt

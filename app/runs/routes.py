@@ -1,14 +1,33 @@
 """``GET /api/runs`` and, under ``--runs ROOT``, the landing page ``/``: the runs table.
 
-Registered after ``app/runs/scoping.py`` has twinned the per-run routes, so
-these two are served once, not per run.
+``bp`` holds ``/``: under ``--runs`` it is registered before the Ranks page,
+so that ``/`` is the runs table (Werkzeug matches the first of two equal
+rules), while a run's own page is ``/runs/<id>/``; with ``--run-dir`` it is
+not registered and ``/`` is the Ranks page. ``register`` adds ``/api/runs``
+after ``app/runs/scoping.py`` has twinned the per-run routes, so it is
+served once, not per run.
 """
 
 from __future__ import annotations
 
-from flask import Flask, g, jsonify, render_template, request, url_for
+from flask import Blueprint, Flask, current_app, jsonify, render_template, request, url_for
 
 from app.runs.rows import PER_PAGE_DEFAULT, STATES, Rows, parse_args
+
+bp = Blueprint("runs", __name__)
+
+
+@bp.get("/")
+def index():
+    return render_template(
+        "runs.html",
+        runs_config={
+            "api": url_for("runs.api_runs"),
+            "per_page": PER_PAGE_DEFAULT,
+            "states": list(STATES),
+        },
+        root=current_app.config["RUNS_ROOT"],
+    )
 
 
 def register(app: Flask, rows: Rows) -> None:
@@ -23,18 +42,3 @@ def register(app: Flask, rows: Rows) -> None:
         return jsonify(body)
 
     app.add_url_rule("/api/runs", "runs.api_runs", api_runs, methods=["GET"])
-
-    @app.before_request
-    def landing():
-        # Under --runs, "/" (main.index without a run) is the runs table.
-        if registry.is_root and request.endpoint == "ranks.index" and g.get("run_id") is None:
-            return render_template(
-                "runs.html",
-                runs_config={
-                    "api": url_for("runs.api_runs"),
-                    "per_page": PER_PAGE_DEFAULT,
-                    "states": list(STATES),
-                },
-                root=app.config["RUNS_ROOT"],
-            )
-        return None

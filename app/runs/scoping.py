@@ -35,11 +35,12 @@ APP_WIDE = {
     "edge.api_session",
     "edge.api_login",
     "edge.api_login_code",
+    "runs.index",  # under --runs, "/": the runs table (app/runs/routes.py)
 }
 
 
-# Under --runs, served without a run too: "/" is the runs table, /metrics every open run's series.
-ROOT_WIDE = {"ranks.index", "metrics.prometheus_metrics"}
+# Under --runs, served without a run too: /metrics, every open run's series.
+ROOT_WIDE = {"metrics.prometheus_metrics"}
 
 
 def twin_path(path: str) -> str:

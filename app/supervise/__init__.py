@@ -12,7 +12,8 @@
 * ``lock``: one supervisor per run directory;
 * ``keeper``: a small process that ends the attempt if the supervisor dies;
 * ``supervisor``: the loop, the dying gasp it asks of the survivors
-  (``trainer_bridge/gasp.py``), and the supervised lines of ``attempts.jsonl``.
+  (``trainer_bridge/gasp.py``), and the supervised lines of ``attempts.jsonl``;
+* ``cause``: why an attempt ended, as the record those lines keep and in words.
 
 It never imports MindSpore: it runs beside the job, like the dashboard.
 """

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from app.supervise import finite
 from trainer_bridge.rundir import ckpthealth, ckptindex, supervised
-from trainer_bridge.rundir.ckptindex import ORIGIN_BRIDGE
+from trainer_bridge.rundir.ckptpaths import ORIGIN_BRIDGE
 
 # The exit statuses of rankwatch launch (docs/cli.md, "launch").
 OK = 0

@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 
 from app.supervise import lock, policy, procs, rollback, slurm
 from app.supervise.attempt import Attempt, Outcome
+from app.supervise.cause import crash_cause, describe
 from app.supervise.command import Msrun
-from app.supervise.hang import HangWatch, hang_cause, hang_words
-from trainer_bridge.rundir import attempts, gaspfiles, runfiles, schema
+from app.supervise.hang import HangWatch, hang_cause
+from trainer_bridge.rundir import attempts, gaspfiles, launchguard, runfiles, schema
 
 # Where MindIO TTP or MindCluster own recovery (they relaunch processes themselves).
 EXTERNAL_RECOVERY_ENV = ("MS_ENABLE_TFT", "MINDX_TASK_ID")
@@ -100,9 +101,9 @@ class Supervisor:
             # A supervisor of this run was killed and its keeper too: end what they left.
             self.say(f"ending {len(left)} process(es) left by an earlier supervisor of this run directory")
             procs.end_all(lambda: procs.marked(self.mark), self.opts.grace_s)
-        _, live = attempts.live_others(self.run_dir, host=self.host, now=time.time())
+        _, live = launchguard.live_others(self.run_dir, host=self.host, now=time.time())
         if live:
-            self.say(attempts.refusal(self.run_dir, live))
+            self.say(launchguard.refusal(self.run_dir, live))
             return policy.REFUSED
         procs.become_subreaper()
         self.signals.install()
@@ -194,7 +195,7 @@ class Supervisor:
         survivors = {p.rank: p for p in workers if p.status is None and not p.vanished and p.rank is not None}
         dead = sorted({p.rank for p in workers if p.rank is not None and p.rank not in survivors})
         pids = {p.pid for p in workers}
-        beats = attempts.read_heartbeats(self.run_dir)
+        beats = launchguard.read_heartbeats(self.run_dir)
         launch = next((hb["launch"] for _, hb in beats if hb.get("pid") in pids and hb.get("launch")), None)
         if not survivors or launch is None:
             return None
@@ -276,7 +277,7 @@ class Supervisor:
         pids = {w.pid for w in outcome.workers}
         return [
             hb
-            for _, hb in attempts.read_heartbeats(self.run_dir)
+            for _, hb in launchguard.read_heartbeats(self.run_dir)
             if hb.get("pid") in pids and hb.get("host") == self.host
         ]
 
@@ -463,19 +464,7 @@ class Supervisor:
             )
             if pre["kind"] == "preempted":
                 return pre
-        failed = next((hb for hb in beats if p is not None and hb.get("pid") == p.pid), None)
-        error = (failed or {}).get("error") or outcome.error
-        return {
-            "kind": "crash",
-            "rank": p.rank if p else None,
-            "host": self.host,
-            "pid": p.pid if p else None,
-            "role": p.role if p and p.role != "other" else None,
-            "exit_code": procs_exit(p),
-            "signal": procs.signal_name(p.status) if p and p.status is not None else None,
-            "error": error[: schema.MAX_ERROR] if error else None,
-            "before_first_step": not trained,
-        }
+        return crash_cause(outcome, beats, self.host, trained)
 
     def _write(self, base: dict, **more) -> None:
         try:
@@ -503,24 +492,3 @@ class Supervisor:
             )
         except (OSError, schema.SchemaError) as e:
             self.say(f"WARNING: attempts.jsonl end line not written ({e})")
-
-
-def procs_exit(p: procs.Proc | None) -> int | None:
-    if p is None or p.status is None or os.WIFSIGNALED(p.status):
-        return None
-    return os.WEXITSTATUS(p.status)
-
-
-def describe(cause: dict) -> str:
-    """A crash or hang cause in one line: who, how, and the error line (a rollback: ``rollback.describe``)."""
-    if cause.get("kind") == "rollback":
-        return rollback.describe(cause)
-    if cause.get("kind") == "hang":
-        return hang_words(cause)
-    who = {"worker": f"rank {cause.get('rank')}", "scheduler": "the scheduler", "msrun": "msrun"}.get(
-        cause.get("role") or "", "a process"
-    )
-    how = f"killed by {cause['signal']}" if cause.get("signal") else f"exit status {cause.get('exit_code')}"
-    pid = f" (pid {cause['pid']} on {cause.get('host')})" if cause.get("pid") else ""
-    error = f": {cause['error']}" if cause.get("error") else ""
-    return f"{who}{pid} {how}{error}"

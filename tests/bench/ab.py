@@ -20,7 +20,7 @@ measured alike:
   step; each side then leaves out its first ``warmup`` steps, which hold
   what a fresh bridge does once per process in real use: its first
   agreement compiles its AllReduce, and its reporter hands its work from
-  its thread to the agreements within about two of them (``reporter.py``;
+  its thread to the agreements within about two of them (``handover.py``;
   each side records whether that thread still ran when the timing began).
 * **Step periods, end to end.** A side's time is the sum of its step
   periods (one step end to the next: the step, the data, the bridge's
@@ -213,7 +213,7 @@ class Side:
             self._cpu = time.process_time()
             if self.bridge is not None:
                 self._spent = bridge_cost(self.bridge)
-                self._thread = self.bridge._engine.reporter._thread is not None
+                self._thread = self.bridge._engine.reporter.handover.thread is not None
 
     def done(self) -> dict:
         cpu = time.process_time() - self._cpu
@@ -257,6 +257,8 @@ def variant(name: str):
     from unittest import mock
 
     from trainer_bridge.bridge import GracefulExitBridge
+    from trainer_bridge.handover import HandOver
+    from trainer_bridge.procstats import ProcessStats
     from trainer_bridge.reporter import Reporter
 
     def no_loss(self, outputs):
@@ -280,14 +282,14 @@ def variant(name: str):
             pass
 
     patches = {
-        "thread-always": [("_may_hand_over", Reporter, lambda self, now: False)],
+        "thread-always": [("may_hand_over", HandOver, lambda self, now: False)],
         "idle-thread": [("_run", Reporter, idle_run)],
         "parked-thread": [("_run", Reporter, lambda self: self._closed.wait())],
         "nice-reporter": [("_run", Reporter, nice_run)],
         "reporter-core": [("_run", Reporter, own_core_run)],
         "no-reporter": [("_run", Reporter, lambda self: None)],
         "no-poll": [("_poll_flag", Reporter, lambda self, force=False: None)],
-        "no-psutil": [("_process_stats", Reporter, lambda self: (None, None, None))],
+        "no-psutil": [("sample", ProcessStats, lambda self: (None, None, None))],
         "no-loss": [("take_loss", Reporter, no_loss)],
         "hooks-only": [("_run", Reporter, lambda self: None), ("take_loss", Reporter, no_loss)],
         "no-step-begin": [("on_train_step_begin", GracefulExitBridge, lambda self, rc: None)],

@@ -28,9 +28,9 @@ CPU = "REPORTER-CPU-MS-PER-S "
 
 def run(seconds: float) -> None:
     from trainer_bridge.counters import Counters
-    from trainer_bridge.engine import Settings
     from trainer_bridge.reporter import Reporter
     from trainer_bridge.saving import NOTHING_SERVED
+    from trainer_bridge.settings import Settings
 
     s = Settings()
     with tempfile.TemporaryDirectory(prefix="rankwatch-bench-reporter-") as tmp:
@@ -49,7 +49,7 @@ def run(seconds: float) -> None:
         )
         reporter.state = "training"
         reporter.start()
-        print(TID + str(reporter._thread.native_id), flush=True)
+        print(TID + str(reporter.handover.thread.native_id), flush=True)
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             counters.global_step += 1

@@ -14,8 +14,7 @@ import mindspore.dataset as ds  # noqa: E402
 from mindspore import nn  # noqa: E402
 from mindspore.train import Callback, Model  # noqa: E402
 
-from trainer_bridge import GracefulExitBridge  # noqa: E402
-from trainer_bridge import reporter as reporter_module  # noqa: E402
+from trainer_bridge import GracefulExitBridge, handover  # noqa: E402
 from trainer_bridge.rundir import runfiles  # noqa: E402
 from trainer_bridge.rundir.ckptmeta import read_meta  # noqa: E402
 
@@ -75,7 +74,7 @@ def test_heartbeat_after_a_finished_run(tmp_path):
     assert (hb["epoch"], hb["step"]) == (2, STEPS_PER_EPOCH)
     assert isinstance(hb["loss"], float) and hb["batch_size"] == 4
     assert hb["rss_bytes"] > 0 and hb["world_size"] == 1
-    # As psutil reads them (the reporter reads /proc itself, see Reporter._process_stats).
+    # As psutil reads them (the reporter reads /proc itself, see trainer_bridge/procstats.py).
     import psutil
 
     assert 0.5 < hb["rss_bytes"] / psutil.Process().memory_info().rss < 2
@@ -113,7 +112,7 @@ def test_history_rotates_at_its_segment_size_and_survives_removal(tmp_path, monk
     model.train(2, data, callbacks=[bridge, RemoveOnce(), Slow()], dataset_sink_mode=False)
     # The end waits at most 5 s for the reporter's thread (it never holds up training's end): on a
     # loaded host its last tick may still rotate the history, so read once the thread is gone.
-    thread = bridge._engine.reporter._thread
+    thread = bridge._engine.reporter.handover.thread
     if thread is not None:
         thread.join()
     rotated = path.with_name(path.name + ".1")
@@ -392,9 +391,9 @@ def _reporter_thread() -> bool:
 
 
 def test_loop_steps_with_no_reporter_thread_and_a_pause_brings_it_back(tmp_path, monkeypatch):
-    """While agreements come, the training thread does the reporter's work (reporter.py)."""
+    """While agreements come, the training thread does the reporter's work (handover.py)."""
     # Only a deliberate stall may bar the hand-over (test_reporter_handover.py), not a loaded disk.
-    monkeypatch.setattr(reporter_module, "SLOW_TICK_S", 5.0)
+    monkeypatch.setattr(handover, "SLOW_TICK_S", 5.0)
     ms.set_seed(0)
     data = ds.GeneratorDataset(_Indexed(), ["x", "y"], shuffle=False).batch(4)
     net = nn.Dense(4, 2)

@@ -11,7 +11,7 @@ import threading
 import time
 
 from tests.helpers.heartbeats import HOST, heartbeat, write_heartbeat, write_job
-from trainer_bridge.rundir import attempts, copies, runfiles
+from trainer_bridge.rundir import copies, launchguard, runfiles
 
 
 def live_run(run) -> None:
@@ -33,9 +33,9 @@ def test_a_copy_is_told_and_its_launch_check_finds_nobody_alive(tmp_path):
     assert os.stat(runfiles.job_path(run)).st_ino == os.stat(runfiles.job_path(tmp_path / "hardlinks")).st_ino
     assert copies.copied_dir(tmp_path / "hardlinks")
 
-    beats, live = attempts.live_others(run, host=HOST, now=time.time())
+    beats, live = launchguard.live_others(run, host=HOST, now=time.time())
     assert [r.rank for r in live] == [0, 1] and len(beats) == 2
-    beats, live = attempts.live_others(tmp_path / "copy", host=HOST, now=time.time(), watch_s=1.0)
+    beats, live = launchguard.live_others(tmp_path / "copy", host=HOST, now=time.time(), watch_s=1.0)
     assert live == [] and len(beats) == 2  # the heartbeats are still read (the next start line seals them)
 
     # A moved run is still its own; a job.json without dir_ino (an older bridge) says nothing.
@@ -43,7 +43,10 @@ def test_a_copy_is_told_and_its_launch_check_finds_nobody_alive(tmp_path):
     assert copies.copied_dir(tmp_path / "moved") is None
     write_job(tmp_path / "copy", 2)
     assert copies.copied_dir(tmp_path / "copy") is None
-    assert [r.rank for r in attempts.live_others(tmp_path / "copy", host=HOST, now=time.time())[1]] == [0, 1]
+    assert [r.rank for r in launchguard.live_others(tmp_path / "copy", host=HOST, now=time.time())[1]] == [
+        0,
+        1,
+    ]
 
 
 def test_a_job_writing_on_in_a_restored_state_directory_still_refuses_a_second_launch(tmp_path):
@@ -65,7 +68,7 @@ def test_a_job_writing_on_in_a_restored_state_directory_still_refuses_a_second_l
     writer = threading.Thread(target=beat, daemon=True)
     writer.start()
     try:
-        _, live = attempts.live_others(run, host=HOST, now=time.time())
+        _, live = launchguard.live_others(run, host=HOST, now=time.time())
     finally:
         stop.set()
         writer.join()

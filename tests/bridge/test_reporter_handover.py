@@ -17,7 +17,7 @@ import time
 import pytest
 
 from tests.helpers.reporters import reporter as new_reporter
-from trainer_bridge import reporter as reporter_module
+from trainer_bridge import handover
 from trainer_bridge.reporter import Reporter
 from trainer_bridge.rundir import runfiles
 from trainer_bridge.wakeup import Wakeup
@@ -52,7 +52,7 @@ def reporter(tmp_path, monkeypatch):
     # A loaded host can make any heartbeat write slower than SLOW_TICK_S, which bars the
     # hand-over for a minute (the rule under test below, with a tick slowed on purpose).
     # Here that would test the host's disk, not an event: only a deliberate stall counts.
-    monkeypatch.setattr(reporter_module, "SLOW_TICK_S", 5.0)
+    monkeypatch.setattr(handover, "SLOW_TICK_S", 5.0)
     r = new_reporter(tmp_path, heartbeat_interval_s=0.25, poll_interval_s=0.05)
     yield r
     r.close()
@@ -94,7 +94,7 @@ def test_the_timer_calls_back_on_a_native_thread_once_and_never_after_close():
 def test_agreements_take_the_work_over_and_a_pause_brings_the_thread_back(reporter, tmp_path):
     reporter.start()
     reporter.state = "training"
-    assert reporter._thread is not None and thread_alive()  # until agreements come (compilation)
+    assert reporter.handover.thread is not None and thread_alive()  # until agreements come (compilation)
 
     # Agreements a heartbeat apart or closer: the thread hands the work over and ends.
     until(lambda: not thread_alive(), "the thread handing over", between=lambda: agree(reporter))
@@ -124,7 +124,7 @@ def test_agreements_take_the_work_over_and_a_pause_brings_the_thread_back(report
     # Agreements again: handed over again.
     until(lambda: not thread_alive(), "the second hand-over", between=lambda: agree(reporter))
     reporter.close()
-    assert not thread_alive() and reporter._wakeup._closed
+    assert not thread_alive() and reporter.handover.wakeup._closed
 
 
 def test_agreements_further_apart_than_a_heartbeat_leave_the_work_to_the_thread(reporter, tmp_path):
@@ -140,13 +140,13 @@ def test_agreements_further_apart_than_a_heartbeat_leave_the_work_to_the_thread(
     for _ in range(4):
         slow_agree()
         assert thread_alive()
-    assert reporter.thread_starts == 1
+    assert reporter.handover.starts == 1
 
 
 def test_a_slow_tick_on_the_training_thread_gives_the_work_to_the_thread_for_a_while(
     reporter, tmp_path, monkeypatch, caplog
 ):
-    monkeypatch.setattr(reporter_module, "SLOW_TICK_S", 0.5)  # the stall below is twice that
+    monkeypatch.setattr(handover, "SLOW_TICK_S", 0.5)  # the stall below is twice that
     reporter.start()
     reporter.state = "training"
     until(lambda: not thread_alive(), "the thread handing over", between=lambda: agree(reporter))
@@ -154,7 +154,7 @@ def test_a_slow_tick_on_the_training_thread_gives_the_work_to_the_thread_for_a_w
 
     def slow_tick(self, now, slack=0.0):
         if threading.current_thread() is threading.main_thread():
-            time.sleep(2 * reporter_module.SLOW_TICK_S)  # a file system in trouble
+            time.sleep(2 * handover.SLOW_TICK_S)  # a file system in trouble
         tick(self, now, slack)
 
     monkeypatch.setattr(Reporter, "_tick", slow_tick)
@@ -163,9 +163,9 @@ def test_a_slow_tick_on_the_training_thread_gives_the_work_to_the_thread_for_a_w
     assert thread_alive() and "its thread does the work for 60 s" in caplog.text
     for _ in range(5):
         agree(reporter)  # no hand-over for a minute: agreements cost a clock read
-    assert thread_alive() and reporter._thread is not None
+    assert thread_alive() and reporter.handover.thread is not None
     # The minute over: handed back to the agreements (the next slow tick would bar it 120 s).
     monkeypatch.setattr(Reporter, "_tick", tick)
-    reporter._no_handover_until = 0.0
+    reporter.handover.no_handover_until = 0.0
     until(lambda: not thread_alive(), "the hand-over after the backoff", between=lambda: agree(reporter))
-    assert reporter._slow_ticks == 1
+    assert reporter.handover.slow_ticks == 1

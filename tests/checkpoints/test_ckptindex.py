@@ -21,15 +21,15 @@ from mindspore.train import Callback, CheckpointConfig, Model, ModelCheckpoint, 
 
 from tests.helpers.checkpoints import Small, _Samples, save_small
 from trainer_bridge.rundir import ckptindex, ckptmeta, runfiles
-from trainer_bridge.rundir.ckptindex import (
+from trainer_bridge.rundir.ckptindex import scan
+from trainer_bridge.rundir.ckptmeta import MetaCache
+from trainer_bridge.rundir.ckptpaths import (
     ORIGIN_BRIDGE,
     ORIGIN_NATIVE,
     ORIGIN_PERIODIC,
     ORIGIN_TTP,
     classify,
-    scan,
 )
-from trainer_bridge.rundir.ckptmeta import MetaCache
 
 STEPS_PER_EPOCH = 8
 FLAG_AFTER_STEP = 5  # OnRequestExit sees the flag at the next step's start and saves at its end

@@ -18,7 +18,7 @@ from app import create_app
 from tests.helpers.app import FAST_SETTINGS
 from tests.helpers.jobs import JOB_TIMEOUT_S, DemoJob, write_flag
 from trainer_bridge.rundir import ckptindex
-from trainer_bridge.rundir.ckptindex import ORIGIN_BRIDGE, ORIGIN_PERIODIC
+from trainer_bridge.rundir.ckptpaths import ORIGIN_BRIDGE, ORIGIN_PERIODIC
 
 pytestmark = pytest.mark.msrun
 

@@ -22,7 +22,7 @@ from tests.helpers.app import FAST_SETTINGS
 from tests.helpers.ckptcraft import HOSTILE_CKPT, HOSTILE_SAFETENSORS, ckpt, entry, tensor
 from tests.helpers.heartbeats import write_job
 from trainer_bridge.bridge import find_resume_point, served_requests
-from trainer_bridge.rundir import ckptindex, ckptmeta
+from trainer_bridge.rundir import ckptindex, ckptmeta, ckptpaths
 
 HOSTILE = [(name, ".ckpt", data) for name, data in HOSTILE_CKPT.items()] + [
     (name, ".safetensors", data) for name, data in HOSTILE_SAFETENSORS.items()
@@ -130,7 +130,7 @@ def test_the_index_and_the_bridge_resume_scan_never_raise(tmp_path):
             assert len(bad) == len(HOSTILE) and not any(f.ok for f in bad)
     # The absurd rank number is not believed: no set claims 10^11 ranks.
     index = ckptindex.scan(run)
-    assert all(s.world_size <= ckptindex.MAX_RANK + 1 for s in index.sets)
+    assert all(s.world_size <= ckptpaths.MAX_RANK + 1 for s in index.sets)
 
 
 def test_every_checkpoint_route_answers_with_hostile_files(tmp_path):

@@ -22,7 +22,7 @@ from click.testing import CliRunner
 
 from app.audit import AuditLog
 from app.cli import main
-from app.run.health import VERDICT_GLYPH
+from app.run.verdicts import VERDICT_GLYPH
 from tests.helpers.checkpoints import bridge_id, save_bridge_set
 from tests.helpers.heartbeats import gone_pid, heartbeat, write_heartbeat, write_job
 from tests.helpers.signals import ctrl_c_default

@@ -13,7 +13,7 @@ from app import create_app
 from app.cluster import Cluster, Leader
 from app.config import from_env
 from app.extensions import socketio
-from app.run.state import DELTA_EVENT, SNAPSHOT_EVENT
+from app.push import DELTA_EVENT, SNAPSHOT_EVENT
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from trainer_bridge.rundir import redisbus
 

@@ -36,7 +36,7 @@ from tests.helpers.netns import (
     steps_logged,
 )
 from tests.helpers.redisserver import RedisServer
-from trainer_bridge.rundir import ckptindex, runfiles
+from trainer_bridge.rundir import ckptindex, ckptpaths, runfiles
 from trainer_bridge.rundir.attempts import resumed_text
 
 pytestmark = [pytest.mark.msrun, pytest.mark.netns]
@@ -168,7 +168,7 @@ def test_two_nodes_with_local_run_dirs_through_one_agent_each(nodes, tmp_path):
         (stop_step,) = stop_steps
         stop_sets = [ckptindex.scan(d, world_size=WORLD).sets[0] for d in run_dirs]
         for n, cset in enumerate(stop_sets):
-            assert (cset.origin, cset.global_step) == (ckptindex.ORIGIN_BRIDGE, stop_step), cset
+            assert (cset.origin, cset.global_step) == (ckptpaths.ORIGIN_BRIDGE, stop_step), cset
             assert cset.ranks_present == tuple(r for r in range(WORLD) if node_of(r) == n), cset
             assert cset.ranks_missing == tuple(r for r in range(WORLD) if node_of(r) != n), cset
         assert stop_sets[0].id == stop_sets[1].id

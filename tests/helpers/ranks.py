@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import random
 
-from app.run.health import StepWindow, Thresholds
+from app.run.health import Thresholds
+from app.run.stepcost import StepWindow
 from tests.helpers.heartbeats import heartbeat
 
 TH = Thresholds(straggler_min_steps=4, straggler_window=8, stall_min_s=5.0, dead_after_s=12.0)

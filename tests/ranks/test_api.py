@@ -12,7 +12,7 @@ from app.__main__ import parse_args
 from app.config import SETTINGS, from_env
 from app.ranks.metrics import METRICS
 from app.ranks.routes import PER_PAGE_DEFAULT, PER_PAGE_MAX
-from app.run.health import VERDICTS
+from app.run.verdicts import VERDICTS
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 
 DESIGN_FIELDS = {

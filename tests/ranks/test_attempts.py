@@ -20,7 +20,7 @@ from app.audit import AuditLog
 from app.run.jobend import JobFacts, StopInputs
 from app.stop.service import StopService
 from tests.helpers.heartbeats import HOST, heartbeat, write_heartbeat
-from trainer_bridge.rundir import attempts, runfiles, schema
+from trainer_bridge.rundir import attempts, launchguard, runfiles, schema
 from trainer_bridge.saving import ResumePoint
 
 
@@ -236,15 +236,15 @@ def test_live_ranks_of_another_launch():
         (1, heartbeat(1, 6, launch="other", pid=dead.pid)),  # its process is gone
         (2, heartbeat(2, 6, launch="other", state="exited")),  # said it ended
         (3, heartbeat(3, 6, launch="other", host="elsewhere", now=now - 5)),  # another host, fresh
-        (4, heartbeat(4, 6, launch="other", host="elsewhere", now=now - attempts.LIVE_AGE_S - 5)),
+        (4, heartbeat(4, 6, launch="other", host="elsewhere", now=now - launchguard.LIVE_AGE_S - 5)),
         (5, heartbeat(5, 6, launch="mine")),  # this launch's own
     ]
-    live = attempts.live_ranks(beats, own_launch="mine", host=HOST, now=now)
+    live = launchguard.live_ranks(beats, own_launch="mine", host=HOST, now=now)
     assert [r.rank for r in live] == [0, 3]
     # This very process's earlier run (an interrupted notebook cell) is not another launch.
-    mine = attempts.live_ranks(beats, own_launch="mine", host=HOST, now=now, own_pid=os.getpid())
+    mine = launchguard.live_ranks(beats, own_launch="mine", host=HOST, now=now, own_pid=os.getpid())
     assert [r.rank for r in mine] == [3]
-    message = attempts.refusal("/runs/x", live)
+    message = launchguard.refusal("/runs/x", live)
     assert f"rank 0 (pid {os.getpid()} on {HOST}" in message and "rank 3 (pid" in message
     assert "on elsewhere, heartbeat 5." in message and "/runs/x" in message
 
@@ -256,7 +256,7 @@ def test_read_heartbeats_skips_bad_files(tmp_path):
     (sdir / "rank_2.json").write_text(json.dumps(heartbeat(5, 6)))  # names another rank
     os.mkfifo(sdir / "rank_3.json")
     (sdir / "rank_4.json").symlink_to(sdir / "rank_0.json")
-    beats = attempts.read_heartbeats(tmp_path)
+    beats = launchguard.read_heartbeats(tmp_path)
     assert [r for r, _ in beats] == [0]
     assert schema.Heartbeat.model_fields["launch"].default is None
 

@@ -9,17 +9,9 @@ import time
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.run.health import (
-    VERDICTS,
-    RankEvidence,
-    StepWindow,
-    Thresholds,
-    judge,
-    judge_all,
-    judge_sequences,
-    peer_median,
-    score,
-)
+from app.run.health import RankEvidence, Thresholds, judge, judge_all, judge_sequences, peer_median
+from app.run.stepcost import StepWindow, score
+from app.run.verdicts import VERDICTS
 from tests.helpers.heartbeats import heartbeat
 
 TH = Thresholds()

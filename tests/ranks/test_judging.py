@@ -14,8 +14,9 @@ import random
 
 import pytest
 
-from app.run import judging
-from app.run.health import StepWindow, judge_all
+from app.run import judging, stepcost
+from app.run.health import judge_all
+from app.run.stepcost import StepWindow
 from tests.helpers.heartbeats import heartbeat
 from tests.helpers.ranks import TH, Rank
 
@@ -62,7 +63,7 @@ def test_board_equals_judge_all_on_random_histories(seed):
             if rnd.random() < 0.5 and (r in ranks or rnd.random() < 0.7):
                 ranks.setdefault(r, Rank(r, world, rnd, now)).beat(now)
                 rk = ranks[r]
-                board.observe(r, judging.RankReport.of(rk.hb, rk.window))
+                board.observe(r, stepcost.RankReport.of(rk.hb, rk.window))
         for r in list(probes):
             if rnd.random() < 0.3:
                 del probes[r]
@@ -104,7 +105,7 @@ def test_a_quiet_tick_judges_only_what_moved(monkeypatch):
         hb = heartbeat(r, world, seq=1, now=now, step_ms=20.0, steps=8, step_in_ms=14.0, step_out_ms=6.0)
         windows[r] = StepWindow(TH.straggler_window)
         windows[r].add(hb)
-        board.observe(r, judging.RankReport.of(hb, windows[r]))
+        board.observe(r, stepcost.RankReport.of(hb, windows[r]))
     board.update(now)
     calls = []
     real = judging.judge
@@ -113,7 +114,7 @@ def test_a_quiet_tick_judges_only_what_moved(monkeypatch):
     for r in range(10):
         hb = heartbeat(r, world, seq=2, now=now, step_ms=20.0, steps=8, step_in_ms=14.0, step_out_ms=6.0)
         windows[r].add(hb)
-        board.observe(r, judging.RankReport.of(hb, windows[r]))
+        board.observe(r, stepcost.RankReport.of(hb, windows[r]))
     board.update(now)
     assert sorted(calls) == list(range(10))
 
@@ -128,7 +129,7 @@ def _board_with_hosts(
         hb["last_step_at"] = hb["time"]
         window = StepWindow(TH.straggler_window)
         window.add(hb)
-        board.observe(r, judging.RankReport.of(hb, window, local=r in local))
+        board.observe(r, stepcost.RankReport.of(hb, window, local=r in local))
     board.update(now)
     return board
 
@@ -177,7 +178,7 @@ def test_a_straggler_near_the_ratio_does_not_flap():
         now += 1.0
         hbs = {r: heartbeat(r, 3, seq=seq, now=now, step_ms=ms) for r, ms in enumerate((100.0, 100.0, slow))}
         for r, hb in hbs.items():
-            board.observe(r, judging.RankReport(hb, hb["step_time_ms"], None, TH.straggler_window))
+            board.observe(r, stepcost.RankReport(hb, hb["step_time_ms"], None, TH.straggler_window))
         before = {r for r, v in board.verdicts.items() if v.health == "straggler"}
         board.update(now)
         own = {r: hb["step_time_ms"] for r, hb in hbs.items()}

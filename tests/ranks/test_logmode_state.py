@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from app.config import from_env
-from app.run import judging
+from app.run import judging, stepcost
 from app.run.health import judge_all
 from app.run.logmode import resolve_dir
 from app.run.logmode.patterns import LAUNCHER, SCHEDULER, WORKER
@@ -303,7 +303,7 @@ def test_the_verdict_board_equals_judge_all_for_log_ranks(seed):
                 rk = ranks[r]
                 board.observe(
                     r,
-                    judging.RankReport.of(rk.hb, rk.window, from_log=r in from_log, log_pace_ms=pace.get(r)),
+                    stepcost.RankReport.of(rk.hb, rk.window, from_log=r in from_log, log_pace_ms=pace.get(r)),
                 )
         if ranks and rnd.random() < 0.3:
             r = rnd.choice(sorted(ranks))

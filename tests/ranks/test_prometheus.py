@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app import create_app, large
 from app.prometheus.exporter import DEVICE_GAUGES, PREFIX, RANK_GAUGES
-from app.run.health import VERDICTS
+from app.run.verdicts import VERDICTS
 from app.stop.status import STAGES
 from tests.helpers.app import FAST_SETTINGS, TOKEN, operator
 from tests.helpers.checkpoints import save_bridge_set

@@ -16,7 +16,7 @@ import pytest
 
 from tests.helpers.faults import measure
 from tests.helpers.jobs import UNTIL_STOPPED, dump, write_flag
-from trainer_bridge.rundir import ckptindex
+from trainer_bridge.rundir import ckptindex, ckptpaths
 
 pytestmark = pytest.mark.msrun
 
@@ -62,7 +62,7 @@ def test_flag_written_during_a_periodic_checkpoint_save(tmp_path, start_job):
     for s in index.sets:
         by_origin.setdefault(s.origin, []).append(s)
         assert s.complete and all(f.ok for f in s.files), dump(s.to_dict())
-    bridge_sets = by_origin.get(ckptindex.ORIGIN_BRIDGE, [])
+    bridge_sets = by_origin.get(ckptpaths.ORIGIN_BRIDGE, [])
     assert [s.global_step for s in bridge_sets] == [stop_step], dump(index.to_dict())
     periodic_sets = [s for s in index.sets if s.layout.startswith("ckpt_of_rank/")]
     assert any(s.global_step == target for s in periodic_sets), dump([s.to_dict() for s in periodic_sets])

@@ -405,7 +405,7 @@ def test_bridge_heartbeats_go_on_and_the_flag_is_still_seen(reporter_factory, ru
         make_hostile(path, kind, outside)
     seq = beat_seq(run_dir)
     poll(lambda: beat_seq(run_dir) > seq + 3, f"heartbeats going on with a {kind} at {rel}")
-    assert reporter._thread.is_alive()
+    assert reporter.handover.thread.is_alive()
     runfiles.write_flag(run_dir, True, request_id="req-hostile")  # replaces whatever is at the flag's name
     poll(lambda: reporter.request is not None, f"the flag seen with a {kind} at {rel}")
     assert reporter.request.request_id == "req-hostile"

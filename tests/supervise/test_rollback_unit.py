@@ -9,7 +9,7 @@ import json
 import time
 
 from app.supervise import policy, rollback
-from app.supervise.supervisor import describe
+from app.supervise.cause import describe
 from tests.helpers.checkpoints import nan_set, periodic, sid
 from trainer_bridge.rundir import rollbacks, runfiles
 

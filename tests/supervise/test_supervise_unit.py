@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from app.cli import main
 from app.supervise import command, finite, lock, policy
-from app.supervise.supervisor import describe
+from app.supervise.cause import describe
 from tests.helpers import ckptcraft
 from trainer_bridge.rundir import attempts, ckptindex, runfiles, schema
 

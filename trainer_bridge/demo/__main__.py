@@ -274,13 +274,13 @@ def busy(run_dir: Path) -> str | None:
     Checked before anything starts: a second msrun into a busy run directory truncated the
     running job's logs before its bridge refused (issue 33, section 2).
     """
-    from trainer_bridge.rundir import attempts
+    from trainer_bridge.rundir import launchguard
 
-    live = attempts.live_others(run_dir, host=socket.gethostname(), now=time.time())[1]
+    live = launchguard.live_others(run_dir, host=socket.gethostname(), now=time.time())[1]
     if not live:
         return None
     return (
-        f"rankwatch demo: {attempts.refusal(run_dir, live)} With make: make demo RUN=another/dir. "
+        f"rankwatch demo: {launchguard.refusal(run_dir, live)} With make: make demo RUN=another/dir. "
         "Nothing was started."
     )
 

@@ -22,7 +22,7 @@ import json
 import os
 from collections.abc import Mapping
 
-from trainer_bridge.rundir import runfiles, safeio
+from trainer_bridge.rundir import runfiles, safedirs
 from trainer_bridge.rundir.ckptindex import Index
 
 HEALTH_FILE = "health_ckpts.json"
@@ -34,7 +34,7 @@ EXCEPTION_SUFFIX = "_breakpoint.ckpt"
 
 def health_records(run_dir: str, index: Index) -> dict[str, int]:
     """``{file name: is_health}`` from every ``health_ckpts.json`` near the sets (bad files skipped)."""
-    root = safeio.anchor(run_dir)
+    root = safedirs.anchor(run_dir)
     dirs = {""}
     for s in index.sets:
         for f in s.files[:1]:

@@ -27,6 +27,8 @@ from trainer_bridge.rundir import runfiles, schema
 # A rank of a copied run directory ended, as far as the copy can tell: the state its
 # heartbeat had when the copy was made is the last it will have.
 COPIED = "copied"
+# A copied run's rank, in its row's reason.
+COPIED_WORDS = "copied run directory: the process named is not this run's"
 
 
 def dir_ino(run_dir: str | os.PathLike) -> int | None:

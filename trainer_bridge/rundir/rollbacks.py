@@ -28,7 +28,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from trainer_bridge.rundir import runfiles, safeio
+from trainer_bridge.rundir import runfiles, safedirs, safeio
 from trainer_bridge.rundir.schema.base import MAX_RANKS, Count, UnixTime, _Model
 from trainer_bridge.rundir.schema.validation import parse
 
@@ -124,7 +124,7 @@ def lines_rel() -> str:
 
 def write_request(run_dir: str | os.PathLike, req: Request) -> None:
     """Write the pending request atomically; raises OSError."""
-    safeio.makedirs(run_dir, runfiles.STATE_DIR)
+    safedirs.makedirs(run_dir, runfiles.STATE_DIR)
     safeio.write_atomic(run_dir, request_rel(), req.to_json())
 
 
@@ -152,7 +152,7 @@ def clear_request(run_dir: str | os.PathLike) -> None:
 
 def append(run_dir: str | os.PathLike, line: Line) -> None:
     """Append one line to ``rollbacks.jsonl``; raises OSError."""
-    safeio.makedirs(run_dir, runfiles.STATE_DIR)
+    safedirs.makedirs(run_dir, runfiles.STATE_DIR)
     safeio.append(run_dir, lines_rel(), line.to_json() + b"\n")
 
 

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError
 
-from trainer_bridge.rundir import runfiles, safeio, schema
+from trainer_bridge.rundir import runfiles, safedirs, safeio, schema
 
 TRIGGERS = ("request", "stall")
 SOURCES = ("bridge", "py-spy")
@@ -195,8 +195,8 @@ def write_capture(run_dir: str | os.PathLike, capture: Capture) -> Path:
     path = folder / capture_name(capture)
     safeio.write_atomic(run_dir, f"{rel}/{path.name}", capture.to_json(), fsync=False)
     by_trigger: dict[str, list[str]] = collections.defaultdict(list)
-    with safeio.pinned_dir(run_dir, rel) as pinned:
-        entries, _ = safeio.scan_regular(pinned, MAX_LISTED)
+    with safedirs.pinned_dir(run_dir, rel) as pinned:
+        entries, _ = safedirs.scan_regular(pinned, MAX_LISTED)
     for entry in entries:
         m = CAPTURE_NAME.fullmatch(entry.name)
         if m:
@@ -218,7 +218,7 @@ def capture_files(run_dir: str | os.PathLike, rank: int) -> list[Path]:
     """
     folder = runfiles.stack_captures_dir(run_dir, rank)
     try:
-        entries, _ = safeio.scan_regular(folder, MAX_LISTED)
+        entries, _ = safedirs.scan_regular(folder, MAX_LISTED)
     except OSError:
         return []
     names = [e.name for e in entries if CAPTURE_NAME.fullmatch(e.name)]
