@@ -40,6 +40,8 @@ class KillWaitAlerts:
         if rows is self._seen and now - self._checked_at < CHECK_S:
             return
         self._seen, self._checked_at = rows, now
+        if slurmstop.kill_wait_of(rows) is None:
+            return  # not under Slurm (or KillWait unknown): no need to gather every rank's heartbeat
         beats, _ = self.state.heartbeats()
         said = slurmstop.verdict(str(run_dir), rows, beats.values(), self.estimate)
         if said is None or said["fits"] is not False:
