@@ -40,7 +40,7 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
 
     from app.config import coerce_all, from_env
     from app.edge.auth import Limits, ensure_token, token_weakness
-    from app.edge.login import LoginCodes
+    from app.edge.login import LOGIN_COMMAND, LoginCodes
     from app.extensions import socketio
 
     static, templates = asset_dirs()
@@ -78,7 +78,7 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     app.extensions["rankwatch_limits"].on_flood = lambda text: incidents.alerts.once(
         f"auth-flood:{int(time.time() // 60)}", "auth_flood", text
     )
-    app.context_processor(lambda: {"nav_links": rw.nav})
+    app.context_processor(lambda: {"nav_links": rw.nav, "login_command": LOGIN_COMMAND})
 
     # Blueprints before init_app: importing one registers its Socket.IO
     # handlers, which Flask-SocketIO carries over to every later init_app only

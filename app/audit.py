@@ -46,10 +46,12 @@ import io
 import json
 import os
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from urllib.parse import quote
 
 from app.errors import Unavailable
 from trainer_bridge.rundir import runfiles, safedirs, safeio
@@ -146,9 +148,19 @@ def connect_pinned(path: Path, root: str | os.PathLike | None, timeout: float) -
     directory is walked from ``root`` without following a symlink
     (``safedirs.open_dir``) and SQLite is given a path through that
     descriptor, which it keeps for the connection's life (the ``-wal`` and
-    ``-shm`` files are opened by name later); the database and those files
+    ``-shm`` files are opened by name later, and SQLite refuses a symlink
+    there: it opens them ``O_NOFOLLOW``); the database and those files
     must be absent or regular files (``safeio.NotRegular`` otherwise).
     ``root`` None trusts the database's own directory as configured.
+
+    SQLite itself resolves the symlinks of the database's path to text
+    before it opens it (``/proc/self/fd/N`` becomes the directory's path),
+    so a symlink put at the database's name after the check would still be
+    followed. Hence the file is created here, through the descriptor and
+    ``O_NOFOLLOW``; SQLite opens it without creating (``mode=rw``: a
+    symlink to a file that does not exist fails); and the path SQLite
+    opened must be the pinned directory's own, or the connection is closed
+    before any statement, so nothing outside is ever written.
     """
     if root is None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -160,14 +172,49 @@ def connect_pinned(path: Path, root: str | os.PathLike | None, timeout: float) -
         pinned = f"/proc/self/fd/{dir_fd}"
         names = (path.name, *(path.name + s for s in ("-wal", "-shm", "-journal")))
         safeio.check_absent_or_regular(pinned, names)
+        _create(dir_fd, path.name)
         conn = sqlite3.connect(
-            f"{pinned}/{path.name}", timeout=timeout, isolation_level=None, factory=_Pinned
+            f"file:{quote(f'{pinned}/{path.name}')}?mode=rw",
+            timeout=timeout,
+            isolation_level=None,
+            factory=_Pinned,
+            uri=True,
         )
+        try:
+            _check_opened(conn, dir_fd, path.name)
+        except BaseException:
+            conn.close()
+            raise
     except BaseException:
         os.close(dir_fd)
         raise
     conn.dir_fd = dir_fd
     return conn
+
+
+def _create(dir_fd: int, name: str) -> None:
+    """Create the database file ``name`` in ``dir_fd`` if absent, without following a symlink at it.
+
+    One this process may only read (another user's run) is checked all the same, and SQLite opens it read-only.
+    """
+    flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(name, flags | os.O_RDWR | os.O_CREAT, 0o644, dir_fd=dir_fd)
+    except PermissionError:
+        fd = os.open(name, flags | os.O_RDONLY, dir_fd=dir_fd)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise safeio.NotRegular(f"{name} is not a regular file (a FIFO, device or directory)")
+    finally:
+        os.close(fd)
+
+
+def _check_opened(conn: sqlite3.Connection, dir_fd: int, name: str) -> None:
+    """NotRegular unless the file SQLite opened is ``name`` in the pinned directory (no symlink taken)."""
+    opened = next((row[2] for row in conn.execute("PRAGMA database_list") if row[1] == "main"), None)
+    expected = os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), name)
+    if opened != expected:
+        raise safeio.NotRegular(f"{name} was swapped for a symlink while SQLite opened it")
 
 
 # Seconds a write waits for another writer (two dashboards, the CLI); a read

@@ -25,6 +25,7 @@ from app.audit import AuditLog, audit_path
 from app.checkpoints.service import CheckpointService
 from app.checkpoints.verify import Verifier
 from app.cluster import redis_subscriber
+from app.edge.auth import redact_run_dir
 from app.extensions import Rankwatch, socketio
 from app.run.logmode import resolve_dir
 from app.run.logmode.kept import KeptAttempts
@@ -63,7 +64,13 @@ def build(
     # What alerts name; a run under --runs is held by its descriptor (app/runs/pinned.py).
     config = {**config, "RUN_DIR": safedirs.shown(run_dir) if run_dir else ""}
     start_task = socketio.start_background_task if live else _thread
-    emit = functools.partial(push.emit, socketio, run=room) if live else (lambda event, payload: None)
+    # What the viewers without the token are pushed (app/push.py): as the HTTP answers show them.
+    redact = functools.partial(redact_run_dir, run_dir=run_dir, run_id=room)
+    emit = (
+        functools.partial(push.emit, socketio, run=room, redact=redact)
+        if live
+        else (lambda event, payload: None)
+    )
     # The default trail lives in the run directory: walked from it, following no symlink.
     # A shared one (AUDIT_DB) holds every run's rows: each run reads back its own.
     audit = AuditLog(
@@ -94,7 +101,7 @@ def build(
         auto_rearm=config["AUTO_REARM"],
         holding_after_s=config["STOP_HOLDING_AFTER_S"],
     )
-    rw = Rankwatch(state=state, audit=audit, stop=stop, checkpoints=checkpoints, room=room)
+    rw = Rankwatch(state=state, audit=audit, stop=stop, checkpoints=checkpoints, room=room, redact=redact)
     if not live:
         return rw
     # A dashboard's engines only: a CLI command does not pay for importing them.
@@ -128,5 +135,6 @@ def build(
         cluster=cluster,
         room=room,
         window_ranks=config["PAGE_WINDOW_RANKS"],
+        redact=redact,
     )
     return rw

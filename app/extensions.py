@@ -7,8 +7,9 @@ events import these from here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from flask import current_app, g
 from flask_socketio import SocketIO
@@ -46,6 +47,8 @@ class Rankwatch:
     nav: list[tuple[str, str]] = field(default_factory=list)
     # The run its pushes are for (app/push.py's rooms): None for the one run of --run-dir.
     room: str | None = None
+    # What a viewer without the token is pushed of a body (app.edge.auth.redact_run_dir, app/push.py).
+    redact: Callable[[Any], Any] | None = None
 
 
 def run_known(run_id: str) -> bool:

@@ -7,11 +7,21 @@ deltas of a 4,096-rank job twice a second, and a connect sends only the
 snapshots its page draws. A client that names no page (a script, a page of
 an older version) joins every room and gets everything, as before.
 
+**Audiences.** A client that connects with the operator token (``auth:
+{token}``) joins its pages' operator rooms, one without it the viewer
+rooms; a wrong token is refused at the connect (``app/ranks/events.py``).
+Every push to a room goes to both: to the viewers as
+``app.edge.auth.redact_run_dir`` makes it, the one redaction of the HTTP
+answers (no absolute path of the run directory, issue 32 P11), handed in
+by the caller as ``redact``. A payload that names no such path is sent
+once to both rooms.
+
 **Only what changed.** ``Changed`` remembers the last value pushed of one
 kind and says whether a new one differs; ``changed_fields`` is the same for
 the fields of one row. The rank table's deltas (``RankPushes``, for
 ``app.run.state``), the stop lifecycle (``app.watcher``), the checkpoint
-index (``app.checkpoints``) and the incident panel (``app.incidents``) all
+index (``app.checkpoints.indexbody``'s ``IndexPushes``: whole, then the
+changed sets) and the incident panel (``app.incidents``) all
 decide through these.
 
 Every emit goes through ``emit`` here, so that which page hears what is
@@ -36,7 +46,10 @@ DELTA_EVENT = "ranks_delta"
 STOP_EVENT = "stop_status"
 INCIDENTS_EVENT = "incidents"
 CHECKPOINTS_EVENT = "checkpoints"
+CHECKPOINTS_DELTA_EVENT = "checkpoints_delta"
 VERIFY_EVENT = "checkpoint_verify"
+# What a checkpoint page sends when it missed a push: the whole index comes back as the ack.
+CHECKPOINTS_INDEX_REQUEST = "checkpoints_index"
 
 # Which page shows each event (the README's Socket.IO table says the same).
 PAGE_OF = {
@@ -45,21 +58,25 @@ PAGE_OF = {
     STOP_EVENT: RANKS_PAGE,
     INCIDENTS_EVENT: RANKS_PAGE,
     CHECKPOINTS_EVENT: CHECKPOINTS_PAGE,
+    CHECKPOINTS_DELTA_EVENT: CHECKPOINTS_PAGE,
     VERIFY_EVENT: CHECKPOINTS_PAGE,
 }
 
 
-def room(page: str, run: str | None = None) -> str:
-    """A page's room; of one run's page when ``run`` (under ``--runs``), so pushes never mix runs.
+def room(page: str, run: str | None = None, operator: bool = False) -> str:
+    """A page's room; of one run's page when ``run`` (under ``--runs``), so pushes never mix runs;
+    its operators' (clients with the token) when ``operator``.
 
     JSON, because a run id may hold any character: two runs never share a room.
     """
+    if operator:
+        return json.dumps([run, page, "operator"])
     return page if run is None else json.dumps([run, page])
 
 
-def rooms(page: object, run: str | None = None) -> tuple[str, ...]:
+def rooms(page: object, run: str | None = None, operator: bool = False) -> tuple[str, ...]:
     """The rooms a client joins: its page's, or every page's when it names none we know."""
-    return tuple(room(p, run) for p in ((page,) if page in PAGES else PAGES))
+    return tuple(room(p, run, operator) for p in ((page,) if page in PAGES else PAGES))
 
 
 def wants(page: object, event: str) -> bool:
@@ -68,11 +85,34 @@ def wants(page: object, event: str) -> bool:
 
 
 def emit(
-    socketio, event: str, payload: Any, *, to: str | None = None, local: bool = False, run: str | None = None
+    socketio,
+    event: str,
+    payload: Any,
+    *,
+    redact: Callable[[Any], Any] | None,
+    to: str | None = None,
+    local: bool = False,
+    run: str | None = None,
 ) -> None:
-    """Push ``event`` to its page's room (of ``run``), or to one client (``to``, a sid); ``local``: this process only."""
+    """Push ``event`` to its page's rooms (of ``run``), or to one client (``to``, a sid); ``local``: this process only.
+
+    ``redact``: what the viewers' room gets instead (``app.edge.auth.redact_run_dir`` for the run);
+    None only for a payload that can name no path. For ``to``, the one client's: the caller's to
+    pass the view that client may see.
+    """
     kwargs = {"ignore_queue": True} if local else {}
-    socketio.emit(event, payload, to=to or room(PAGE_OF[event], run), **kwargs)
+    if to is not None:
+        shown = redact(payload) if redact is not None else payload
+        socketio.emit(event, shown, to=to, **kwargs)
+        return
+    page = PAGE_OF[event]
+    operators, viewers = room(page, run, operator=True), room(page, run)
+    shown = redact(payload) if redact is not None else payload
+    if shown is payload:
+        socketio.emit(event, payload, to=[operators, viewers], **kwargs)
+    else:
+        socketio.emit(event, payload, to=operators, **kwargs)
+        socketio.emit(event, shown, to=viewers, **kwargs)
 
 
 _NOTHING = object()

@@ -12,7 +12,9 @@ ranks disappeared; and a ``stop_status`` when the stop lifecycle changed.
 The tick also lets the stop service record a completed stop and re-arm the
 flag, so that happens even with no browser open.
 Then it asks the checkpoint service (which re-scans at most every
-``CHECKPOINT_SCAN_S``) and sends ``checkpoints`` when the index changed.
+``CHECKPOINT_SCAN_S``) and, when the index changed, sends the sets that
+changed (``checkpoints_delta``; the whole index, ``checkpoints``, first and
+when the pages may have missed a push).
 Last, the incident step turns this tick's verdict changes and the stop's
 lifecycle into alerts and runs the stop policy (``app.incidents.monitor``).
 
@@ -43,7 +45,7 @@ from flask_socketio import SocketIO
 
 from app import push
 from app.large import LARGE_ANSWER_RANKS
-from app.push import CHECKPOINTS_EVENT, STOP_EVENT
+from app.push import STOP_EVENT
 from app.ranks.window import Windows
 from app.run.state import RunState
 from app.stop.service import StopService
@@ -71,6 +73,7 @@ class Watcher:
         cluster: Cluster | None = None,
         room: str | None = None,
         window_ranks: int = LARGE_ANSWER_RANKS,
+        redact: Callable[[dict], dict] | None = None,
     ):
         self.socketio = socketio
         # The ranks page's windows (app/ranks/window.py): above window_ranks each client gets its own.
@@ -78,6 +81,10 @@ class Watcher:
         self.windowed = False
         # The run whose pages hear this loop (app/push.py's rooms); None for --run-dir's.
         self.room = room
+        # What the viewers without the token get of each push (app.edge.auth.redact_run_dir, app/push.py),
+        # and the windowed clients that hold the token (app/ranks/events.py), whose pushes are not redacted.
+        self.redact = redact
+        self.operators: set[str] = set()
         self.cluster = cluster
         # Whether the last tick led (always, without a cluster), and whether Redis answered.
         self.leading = cluster is None
@@ -109,7 +116,7 @@ class Watcher:
     def _emit(self, event: str, payload: dict, local: bool = False) -> None:
         # Without Redis only this process's pages can hear it; publishing would fail (and log) every tick.
         local = local or (self.cluster is not None and not self.cluster.reachable)
-        push.emit(self.socketio, event, payload, local=local, run=self.room)
+        push.emit(self.socketio, event, payload, local=local, run=self.room, redact=self.redact)
 
     def tick(self) -> tuple[str, dict] | None:
         """Scan once and push the result; returns what was pushed."""
@@ -123,6 +130,8 @@ class Watcher:
                 # pages missed our pushes: everyone takes the whole view again.
                 self.state.resend()
                 self._stop_pushed.forget()
+                if self.checkpoints is not None:
+                    self.checkpoints.resend()
             self.leading, self._reachable = leads, reachable
             if not leads:
                 return self._follow()
@@ -177,7 +186,8 @@ class Watcher:
         if not windowed:
             return False
         for sid, event, payload in self.windows.pushes(self.state, now):
-            push.emit(self.socketio, event, payload, to=sid, local=True)
+            redact = None if sid in self.operators else self.redact
+            push.emit(self.socketio, event, payload, to=sid, local=True, redact=redact)
         return True
 
     def _tick_stop(self, now: float) -> dict:
@@ -199,9 +209,9 @@ class Watcher:
                 retention.tick(world, heartbeats, alerts.once if alerts is not None else None)
             except Exception:
                 log.exception("checkpoint retention failed; the next new set tries again")
-        body = self.checkpoints.poll(world)
-        if body is not None:
-            self._emit(CHECKPOINTS_EVENT, body)
+        pushed = self.checkpoints.poll(world)
+        if pushed is not None:
+            self._emit(*pushed)
 
     def stop_status(self, now: float) -> dict | None:
         """The stop lifecycle as pushed (for a client that just connected)."""

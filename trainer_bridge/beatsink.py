@@ -1,4 +1,4 @@
-"""Where one rank's heartbeats go: its heartbeat file, and Redis when ``RANKWATCH_REDIS_URL`` is set.
+"""Where one rank's heartbeats go: its heartbeat file (and its history), and Redis when ``RANKWATCH_REDIS_URL`` is set.
 
 Without Redis every heartbeat replaces ``rankwatch/rank_{r}.json``, as
 always. With it (``trainer_bridge/rundir/redisbus.py``) every heartbeat is
@@ -21,7 +21,7 @@ import logging
 import os
 import time
 
-from trainer_bridge.rundir import redisbus, runfiles, safeio
+from trainer_bridge.rundir import redisbus, runfiles, safeio, schema
 
 # Seconds between heartbeat files while Redis carries the heartbeats.
 FILE_EVERY_S = 10.0
@@ -43,6 +43,7 @@ class BeatSink:
         self._file_due = 0.0
         self._last_state: str | None = None
         self._setup_error: str | None = None
+        self._history_size: int | None = None
         self.publisher: redisbus.Publisher | None = None
         url = os.environ.get(redisbus.REDIS_URL_ENV, "").strip() if url is None else url
         if not url:
@@ -94,6 +95,25 @@ class BeatSink:
             self.dir.write_atomic(self.path.name, data)
             self._file_due = now + FILE_EVERY_S
         self._last_state = state
+
+    def append_history(self, beat: schema.Heartbeat) -> None:
+        """Append ``beat``'s line to the rank's heartbeat history; raises OSError only."""
+        name = runfiles.history_path(self.run_dir, self.rank).name
+        line = schema.HistoryLine.of(beat).to_json() + b"\n"
+        # Rotated by the size the last append returned, not a stat per
+        # heartbeat (one metadata operation fewer a second on a shared file
+        # system). The first append of a launch learns the size.
+        size, self._history_size = self._history_size, None  # a failed append learns it again
+        if size is None:
+            size = self.dir.append(name, b"")
+        if size + len(line) > runfiles.HISTORY_SEGMENT_BYTES:
+            try:
+                self.dir.replace(name, f"{name}.1")
+            except FileNotFoundError:
+                pass
+        # Never blocks and follows nothing: a FIFO or a symlink put at the
+        # history's name is refused (NotRegular, an OSError reported once).
+        self._history_size = self.dir.append(name, line)
 
     def close(self) -> None:
         self.dir.close()

@@ -15,6 +15,11 @@ glibc) the thread runs all the time.
 
 A tick on the training thread slower than ``SLOW_TICK_S`` hands the work to
 the thread for a while: a file system in trouble then holds only the thread.
+
+The reporter hands this a ``Work`` at construction, and that is all either
+sees of the other: the hand-over owns the thread, its loop and the tick lock;
+the reporter owns what a tick does and when it is steady enough to leave to
+the agreements.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from trainer_bridge.wakeup import Wakeup
 
@@ -35,12 +42,27 @@ SLOW_TICK_S = 0.05
 SLOW_TICK_BACKOFF_S = 60.0
 
 
-class HandOver:
-    """The reporter's thread and the agreements that stand in for it, for one ``Reporter``."""
+@dataclass(frozen=True)
+class Work:
+    """What the reporter gives its hand-over (``Reporter.__init__``)."""
 
-    def __init__(self, reporter):
-        self.reporter = reporter  # the trainer_bridge.reporter.Reporter whose work this runs
+    tick: Callable[
+        [float, float], None
+    ]  # the reporter's work, once: (monotonic now, slack in s); never raises
+    steady: Callable[[], bool]  # training, and nothing to do that must stay off the training thread
+    closed: threading.Event  # set by the reporter's close(): no more ticks, the thread ends
+    wake: threading.Event  # set to wake the thread before its poll interval (a stop stage, a hand-over)
+    heartbeat_interval_s: float
+    poll_interval_s: float
+
+
+class HandOver:
+    """The reporter's thread and the agreements that stand in for it, for one ``Work``."""
+
+    def __init__(self, work: Work):
+        self.work = work
         self._lock = threading.Lock()  # starting and handing over the thread
+        self._tick_lock = threading.Lock()  # one tick at a time: the thread's or the training thread's
         self.thread: threading.Thread | None = None
         self.starts = 0
         self.wakeup: Wakeup | None = None
@@ -56,28 +78,28 @@ class HandOver:
 
     def on_agreement(self, now: float) -> None:
         """The training thread, at an agreement step: do the reporter's work if it is due."""
-        r = self.reporter
+        w = self.work
         if self.agreed_at is not None:
             self.agree_gap = now - self.agreed_at
         self.agreed_at = now
         wakeup = self.wakeup
-        if wakeup is None or r._closed.is_set():
+        if wakeup is None or w.closed.is_set():
             return
         # Past this, heartbeats are late: the thread takes over.
         wakeup.arm(self.handover_s())
         if self.thread is not None:
             if self.may_hand_over(now):
-                r._wake.set()  # the thread hands over now, not at its next wake-up
+                w.wake.set()  # the thread hands over now, not at its next wake-up
             return
-        if not r._tick_lock.acquire(blocking=False):
+        if not self._tick_lock.acquire(blocking=False):
             return
         try:
             # Due before the next agreement is due too: agreements a poll
             # interval apart or more then poll at every one, and a request
             # written before an agreement is voted there.
-            r._tick(now, slack=min(self.agree_gap or 0.0, r.poll_interval_s))
+            w.tick(now, min(self.agree_gap or 0.0, w.poll_interval_s))
         finally:
-            r._tick_lock.release()
+            self._tick_lock.release()
         took = time.monotonic() - now
         if took > SLOW_TICK_S:
             # Its next stall would hold every rank at this agreement.
@@ -92,41 +114,49 @@ class HandOver:
             self.wake_thread()
 
     def handover_s(self) -> float:
-        r = self.reporter
-        return 2.0 * max(r.heartbeat_interval_s, r.poll_interval_s)
+        return 2.0 * max(self.work.heartbeat_interval_s, self.work.poll_interval_s)
 
     def wake_thread(self) -> None:
         """Start the thread unless it runs (from ``start()``, or the watchdog timer's own thread)."""
         with self._lock:
-            if self.thread is not None or self.reporter._closed.is_set():
+            if self.thread is not None or self.work.closed.is_set():
                 return
             # daemon given: Thread() would otherwise ask current_thread(), which on the
             # timer's native thread leaves a _DummyThread behind for every expiry.
-            self.thread = threading.Thread(target=self.reporter._run, name="rankwatch-reporter", daemon=True)
+            self.thread = threading.Thread(target=self.run, name="rankwatch-reporter", daemon=True)
             self.thread.start()
             self.starts += 1
 
     def may_hand_over(self, now: float) -> bool:
         """Whether the agreements keep heartbeats on time: two of them within a heartbeat, the last recent."""
-        r = self.reporter
-        if self.wakeup is None or r.state != "training" or now < self.no_handover_until:
+        w = self.work
+        if self.wakeup is None or now < self.no_handover_until or not w.steady():
             return False
-        if r.attempts is not None and r.attempts.roll_call_pending:
-            return False  # rank 0 reads hundreds of heartbeats a tick: not on the training thread
         gap, last = self.agree_gap, self.agreed_at
         return (
             gap is not None
             and last is not None
-            and gap <= r.heartbeat_interval_s
-            and now - last <= gap + r.poll_interval_s
+            and gap <= w.heartbeat_interval_s
+            and now - last <= gap + w.poll_interval_s
         )
+
+    def run(self) -> None:
+        """The thread's body: a tick per poll interval (or wake-up) until closed or handed over."""
+        w = self.work
+        while not w.closed.is_set():
+            with self._tick_lock:
+                w.tick(time.monotonic(), 0.0)
+            if self.hand_over():
+                return
+            w.wake.wait(w.poll_interval_s)
+            w.wake.clear()
 
     def hand_over(self) -> bool:
         """The thread: give the work to the agreements if they keep heartbeats on time."""
         if not self.may_hand_over(time.monotonic()):
             return False
         with self._lock:
-            if self.reporter._closed.is_set():
+            if self.work.closed.is_set():
                 return False
             self.thread = None
         # Armed again here too: if the agreements stopped right after the check above.

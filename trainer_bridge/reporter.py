@@ -27,7 +27,7 @@ from trainer_bridge.beatsink import BeatSink
 from trainer_bridge.counters import Counters, Snapshot
 from trainer_bridge.device import DeviceProbe
 from trainer_bridge.flagpoll import FlagPoller
-from trainer_bridge.handover import HandOver
+from trainer_bridge.handover import HandOver, Work
 from trainer_bridge.jobfile import clip, job_record
 from trainer_bridge.procstats import ProcessStats
 from trainer_bridge.rundir import copies, runfiles, safedirs, schema
@@ -127,15 +127,16 @@ class Reporter:
         }
         self._logged: set[str] = set()
         self._seq = 0
-        self._history_size: int | None = None
         self.started_at = time.time()
         self._wake = threading.Event()
         self._closed = threading.Event()
         self._lock = threading.Lock()  # one writer at a time: the thread, or close()
         self._flag_lock = threading.Lock()
         self._flags = FlagPoller(run_dir, served, self._log_once)
-        self._tick_lock = threading.Lock()  # one tick at a time: the thread's or the training thread's
-        self.handover = HandOver(self)  # its thread, or the agreements (trainer_bridge/handover.py)
+        # Its thread, or the agreements (trainer_bridge/handover.py): given this, and nothing else of ours.
+        self.handover = HandOver(
+            Work(self._tick, self._steady, self._closed, self._wake, heartbeat_interval_s, poll_interval_s)
+        )
         self._next_poll = self._next_beat = 0.0  # time.monotonic()
         self._device = DeviceProbe()
         self._procstats = ProcessStats()  # CPU and RSS, for the heartbeat
@@ -274,14 +275,12 @@ class Reporter:
         except Exception as e:  # noqa: BLE001 - the end of training must not fail on our file
             self._log_once("attempt-end", "rankwatch: attempts.jsonl end line not written: %s", e)
 
-    def _run(self) -> None:
-        while not self._closed.is_set():
-            with self._tick_lock:
-                self._tick(time.monotonic())
-            if self.handover.hand_over():
-                return
-            self._wake.wait(self.poll_interval_s)
-            self._wake.clear()
+    def _steady(self) -> bool:
+        """Whether the agreements may run the work: training, and no hosts roll call (rank 0 reads
+        hundreds of heartbeats a tick: not on the training thread)."""
+        return self.state == "training" and not (
+            self.attempts is not None and self.attempts.roll_call_pending
+        )
 
     def _tick(self, now: float, slack: float = 0.0) -> None:
         """The reporter's work, on whichever thread runs it: what is due, or due within ``slack`` s."""
@@ -430,27 +429,9 @@ class Reporter:
             try:
                 self.sink.write(beat.to_json(), beat.state)
                 if history:
-                    self._append_history(beat)
+                    self.sink.append_history(beat)
             except OSError as e:
                 self._report_io_error(e)
-
-    def _append_history(self, beat: schema.Heartbeat) -> None:
-        name = runfiles.history_path(self.run_dir, self.rank).name
-        line = schema.HistoryLine.of(beat).to_json() + b"\n"
-        # Rotated by the size the last append returned, not a stat per
-        # heartbeat (one metadata operation fewer a second on a shared file
-        # system). The first append of a launch learns the size.
-        size, self._history_size = self._history_size, None  # a failed append learns it again
-        if size is None:
-            size = self.sink.dir.append(name, b"")
-        if size + len(line) > runfiles.HISTORY_SEGMENT_BYTES:
-            try:
-                self.sink.dir.replace(name, f"{name}.1")
-            except FileNotFoundError:
-                pass
-        # Never blocks and follows nothing: a FIFO or a symlink put at the
-        # history's name is refused (NotRegular, an OSError reported once).
-        self._history_size = self.sink.dir.append(name, line)
 
     def _report_io_error(self, e: OSError) -> None:
         message = f"cannot write to {runfiles.state_dir(self.run_dir)}: {e.strerror or e}"

@@ -6,9 +6,10 @@ node, by default the run directory's base name):
 ``{p}:digests``  a stream, one entry per digest (``h`` host, ``d`` the
                  digest's JSON, ``s`` its signature with a key), trimmed
                  (``MAXLEN ~``) to about ``STREAM_MAXLEN`` entries;
-``{p}:flag``     the stop flag as the hub's run directory holds it, for the
-                 agents to write into theirs (``flag_value``);
-``{p}:resync``   when a hub last asked every agent for all its rows;
+``{p}:flag:{host}``  the stop flag as the hub's run directory holds it, for
+                 that host's agent to write into its own (``flag_value``);
+``{p}:resync:{host}``  when a hub last asked that host's agent for all its rows
+                 (``resync_value``: signed with the host's key, as its flag);
 ``{p}:peers``    digests that carried a change, forwarded by the hub process
                  that read them to the other processes of its ``HUB_GROUP``
                  (``app/agent/hub.py``).
@@ -186,7 +187,7 @@ class Refused(ValueError):
 
 
 def keys(run: str) -> tuple[str, str, str]:
-    """(digest stream, flag prefix, resync request) keys of ``run``; each host's flag is ``flag_key``."""
+    """(digest stream, flag prefix, resync prefix) keys of ``run``; each host's are ``flag_key`` and ``resync_key``."""
     prefix = f"rankwatch:run:{run}"
     return f"{prefix}:digests", f"{prefix}:flag", f"{prefix}:resync"
 
@@ -195,6 +196,27 @@ def flag_key(run: str, host: str) -> str:
     """Where the hub puts the flag for ``host``'s agent: one per host, each signed with that host's
     key (issue 32, P7), so that no agent can sign the flag another host applies."""
     return f"{keys(run)[1]}:{host}"
+
+
+def resync_key(run: str, host: str) -> str:
+    """Where the hub asks ``host``'s agent for all its rows; signed for that host only, as its flag."""
+    return f"{keys(run)[2]}:{host}"
+
+
+def resync_value(key: bytes | None, run: str, at: float) -> bytes:
+    """A ``resync_key`` value: the hub's request of ``at`` (its clock), signed with the host's key."""
+    return seal({"at": at}, "resync", "hub", key, run)
+
+
+def open_resync(value: bytes, key: bytes | None, run: str) -> float:
+    """When the hub made the request ``value``; ValueError if unsigned, badly signed or malformed.
+
+    Whoever can write to Redis could otherwise make every agent send all its rows every tick.
+    """
+    inner: Any = json.loads(unseal(value, "resync", "hub", key, run, 1024))
+    if not (isinstance(inner, dict) and _number(inner.get("at"))):
+        raise ValueError("a malformed resync value")
+    return float(inner["at"])
 
 
 def peers_key(run: str) -> str:

@@ -74,7 +74,8 @@ class Hub(redisbus.Guarded):
         self.own_group = not group
         self.group = group or f"hub:{self.consumer}"
         self.batch = batch
-        self.stream, self.flag_key, self.resync_key = dg.keys(run)
+        self.stream, self.flag_key, _ = dg.keys(run)
+        self._resync_for: set[str] = set()  # the hosts whose agents to ask for all their rows
         self.peers = dg.peers_key(self.run)
         self._peers_from: bytes | None = None  # the last peers' entry read; None: not joined yet
         self._forward: list[dict] = []  # digests with a change, for the other processes of the group
@@ -133,6 +134,8 @@ class Hub(redisbus.Guarded):
             self._flag_sent = None
         for fields, forwarded in entries:
             changed |= self._apply(fields, now, forwarded)
+        if self._resync_for:
+            self._ask_resync()
         if self._forward:
             try:
                 self._call(self._send_forward)
@@ -182,8 +185,9 @@ class Hub(redisbus.Guarded):
             except redis.ResponseError as e:
                 if "BUSYGROUP" not in str(e):
                     raise
-            # A hub that starts (or lost Redis's state) asks every agent for all its rows.
-            client.set(self.resync_key, f"{time.time():.6f}")
+            # A hub that starts (or lost Redis's state) asks every agent for all its rows: each known
+            # now, and each first heard later that started before (``_apply``).
+            self._resync_for.update(self.hosts)
             self._grouped = True
             self._peers_from = None
         out: list[tuple[dict, bool]] = []
@@ -270,6 +274,8 @@ class Hub(redisbus.Guarded):
         if newer:
             if view is None:
                 view = self.hosts[host] = HostView(digest, now)
+                if digest["seq"] > 1:  # its agent ran before: this hub missed rows its first digest had
+                    self._resync_for.add(host)
                 self.listings_changed.add(host)
                 self._world = None
             else:
@@ -354,36 +360,28 @@ class Hub(redisbus.Guarded):
         return out
 
     def figures(self, counts: dict, threshold_ratio: float) -> dict:
-        """The summary strip's job-wide figures, from the hosts' digests (O(hosts), not O(ranks))."""
+        """The summary strip's job-wide figures: from the hosts' digests, the slowest rank from the rows."""
         live = [v.digest for v in self.hosts.values() if not v.lost]
-        slowest = max(
-            ((d["slowest"]["step_time_ms"], d["slowest"]["rank"]) for d in live if d["slowest"] is not None),
-            default=None,
-        )
-        worst = None
-        if slowest is not None:
-            ms, rank = slowest
-            # Its peer median, as its row and a dashboard's tile define it (app/run/peers.py),
-            # over the live hosts' stepping ranks, by the cost their digests compare.
-            costs = sorted(
-                cost
-                for r, row in self.rows.items()
-                if not self.hosts[self.owner[r]].lost
-                and row["health"] in ALIVE
+        # The board's rule (app/run/peers.py), over the live hosts' rows alive and stepping, by
+        # their step time: the rank is picked from the same figures as its peer median. (It was
+        # the digests' slowest, which a row newer or older than its digest could contradict.)
+        ranks, costs = [], []
+        for r, row in self.rows.items():
+            if (
+                row["health"] in ALIVE
                 and row["state"] in STEPPING_STATES
                 and (cost := row["step_time_mean_ms"] or row["step_time_ms"]) is not None
-            )
-            row = self.rows.get(rank)
-            # A row older than its digest may hold another cost: then every row is a peer.
-            peer = peers.peer_median(costs, ms)
-            worst = peers.slowest(
-                ms,
-                peer if peer is not None else peers.median(costs),
-                rank,
-                "step",
-                straggler=row is not None and row["health"] == "straggler",
-                threshold_ratio=threshold_ratio,
-            )
+                and not self.hosts[self.owner[r]].lost
+            ):
+                ranks.append(r)
+                costs.append(cost)
+        worst = peers.slowest_rank(
+            ranks,
+            costs,
+            "step",
+            straggler=lambda r: self.rows[r]["health"] == "straggler",
+            threshold_ratio=threshold_ratio,
+        )
         rates = [d["samples_per_s"] for d in live if d["samples_per_s"] is not None]
         lasts = [d["last_step_at"] for d in live if d["last_step_at"] is not None]
         steps = [d["global_step"][2] for d in live if d["global_step"] is not None]
@@ -445,6 +443,19 @@ class Hub(redisbus.Guarded):
         except redisbus.RedisUnavailable:
             return
         self._flag_sent = (raw, version)
+
+    def _ask_resync(self) -> None:
+        """Ask the agents of ``_resync_for`` for all their rows, each request signed for its host only."""
+        at = time.time()
+        values = {
+            dg.resync_key(self.run, h): dg.resync_value(self.agent_key(h), self.run, at)
+            for h in self._resync_for
+        }
+        try:
+            self._call(lambda client: client.mset(values))
+        except redisbus.RedisUnavailable:
+            return  # asked again at the next poll
+        self._resync_for.clear()
 
     def agent_key(self, host: str) -> bytes | None:
         """The key of ``host``'s agent (derived from the master): it signs only for that host."""

@@ -40,6 +40,7 @@ from typing import Any
 
 from app.agent import ask
 from app.agent import digest as dg
+from app.run import peers
 from app.run.judging import ALIVE
 from app.run.state import RunState
 from app.run.verdicts import TERMINAL_STATES
@@ -59,8 +60,9 @@ class Outbox(redisbus.Guarded):
         super().__init__(url, run, **kw)
         self.run = run
         self.key = key
-        self.stream, _, self.resync_key = dg.keys(run)
+        self.stream = dg.keys(run)[0]
         self.flag_key = dg.flag_key(run, host)
+        self.resync_key = dg.resync_key(run, host)
         self.ask_key = ask.ask_key(run, host)
         self.pending: deque[dict] = deque(maxlen=buffer)
         self.dropped = 0
@@ -169,7 +171,9 @@ class Agent:
         self._pending: dict[int, None] = {}  # changed ranks not sent yet, in order
         self._cursor = 0
         self.flag_version: float | None = None
-        self._resync_seen: bytes | None = None
+        self._resync_seen: bytes | None = None  # the value read last
+        self._resync_at = self.boot  # the newest request taken: one older than this agent is moot
+        self.resyncs_refused = 0
         self.flag_error: str | None = None
         self._flag_seen: tuple[float, float] | None = None  # (version, publication time) taken last
         self.flags_refused = 0
@@ -188,9 +192,8 @@ class Agent:
             if answers:
                 self.outbox.answer(answers)
             if resync is not None and resync != self._resync_seen:
-                if self._resync_seen is not None:  # the first value read is an old request: nothing new
-                    self._pending.update(dict.fromkeys(sorted(self._sent)))
                 self._resync_seen = resync
+                self.take_resync(resync)
             if flag is not None:
                 self.apply_flag(flag, now)
         return digest
@@ -301,6 +304,31 @@ class Agent:
             self._listing, self.listing_version = listing, dg.listing_version(listing)
             self._listings.keep(self.listing_version, listing)
 
+    def take_resync(self, value: bytes) -> None:
+        """Send every row again soon if ``value`` is a request of the hub newer than the last taken.
+
+        Refused, and logged, when unsigned, badly signed (another host's key included) or
+        malformed, or older than the last taken (a replay): nothing is sent for it.
+        """
+        try:
+            at = dg.open_resync(value, self.key, self.run)
+            if at < self._resync_at and at < self.boot:
+                return  # a request from before this agent started: it sent everything at its start
+            if at < self._resync_at:
+                raise ValueError(
+                    f"a resync request older than the last taken ({at:.3f} < {self._resync_at:.3f})"
+                )
+        except ValueError as e:
+            self.resyncs_refused += 1
+            if self.resyncs_refused == 1:
+                log.warning(
+                    "rankwatch agent: refused a resync request: %s; is something else writing to redis?", e
+                )
+            return
+        if at > self._resync_at:
+            self._resync_at = at
+            self._pending.update(dict.fromkeys(sorted(self._sent)))
+
     def apply_flag(self, value: bytes, now: float | None = None) -> None:
         """Write the hub's flag into this host's run directory when it is newer than the one applied.
 
@@ -376,12 +404,12 @@ def figures(rows: list[dict]) -> dict:
     ]
     last = [t for row in rows if (t := row["last_step_at"]) is not None]
     rates = [r for row in alive if (r := row["samples_per_s"]) is not None]
-    worst = max(times) if times else None
+    worst = peers.pick([r for _, r in times], [t for t, _ in times])
     return {
         "counts": dict(counts),
         "global_step": [steps[0], int(statistics.median_low(steps)), steps[-1]] if steps else None,
-        "step_time_ms": [round(_median([t for t, _ in times]), 2), worst[0]] if times else None,
-        "slowest": {"rank": worst[1], "step_time_ms": worst[0]} if worst else None,
+        "step_time_ms": [round(_median([t for t, _ in times]), 2), worst[1]] if times else None,
+        "slowest": {"rank": worst[0], "step_time_ms": worst[1]} if worst else None,
         "stalest": min(live)[1] if live else None,
         "last_step_at": max(last) if last else None,
         "samples_per_s": round(sum(rates), 1) if rates else None,

@@ -41,9 +41,14 @@ TTP_NOTE = (
 )
 
 
-def bridge_default(index: Index) -> CheckpointSet | None:
-    """The set the bridge loads on an unchanged relaunch (``ckptindex.resume_set``, the bridge's own choice)."""
-    return ckptindex.resume_set(index, unhealthy=ckpthealth.unhealthy(index.run_dir, index))
+def bridge_default(index: Index, unhealthy: Mapping[str, str] | None = None) -> CheckpointSet | None:
+    """The set the bridge loads on an unchanged relaunch (``ckptindex.resume_set``, the bridge's own choice).
+
+    ``unhealthy``: ``ckpthealth.unhealthy`` of this index, when the caller has it already.
+    """
+    if unhealthy is None:
+        unhealthy = ckpthealth.unhealthy(index.run_dir, index)
+    return ckptindex.resume_set(index, unhealthy=unhealthy)
 
 
 def ranks_text(ranks, word: bool = False) -> str:

@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
+from app.checkpoints import finite, target
 from app.checkpoints.retention_plan import (
     MODES,
     Activity,
@@ -132,6 +133,7 @@ class Retention:
         # Under --runs, the registry's pin check (issue 32, P2): asked again before every journal
         # write and every delete, so a directory swapped during a plan deletes nothing through it.
         self.guard: Callable[[], bool] | None = None
+        self._finite_memo: dict = {}  # the rollback target's tensor verdicts, by file (finite.Reader)
 
     def _pin_lost(self) -> bool:
         return self.guard is not None and not self.guard()
@@ -148,12 +150,21 @@ class Retention:
         policy, activity, now = self.policy(), Activity.of(heartbeats), self.clock()
         pending, _ = rollbacks.read_request(self.service.run_dir)
         before = pending.first_step if pending is not None else None
+        aim = self._rollback_target(index, pending)
         proven = None
         if any(f.host is not None for s in index.sets for f in s.files):
             # Agents listed some of these files: only what this disk alone proves may go (P3).
             local = local_index(index)
             unhealthy = ckpthealth.unhealthy(self.service.run_dir, local)
-            mine = plan(local, policy, activity, now=now, unhealthy=unhealthy, rollback_before=before)
+            mine = plan(
+                local,
+                policy,
+                activity,
+                now=now,
+                unhealthy=unhealthy,
+                rollback_before=before,
+                rollback_target=aim,
+            )
             proven = frozenset(e.id for e in mine.deletions)
         return plan(
             index,
@@ -164,7 +175,23 @@ class Retention:
             temps=temps,
             proven=proven,
             rollback_before=before,
+            rollback_target=aim,
         )
+
+    def _rollback_target(self, index, pending: rollbacks.Request | None) -> str | None:
+        """The set a pending rollback goes back to, as the page names it: kept whatever its age.
+
+        The newest candidates alone are not enough: when NaN weights or the
+        detector's record pass all of them over, the target is older still.
+        """
+        if pending is None:
+            return None
+        lines, _ = rollbacks.read_lines(self.service.run_dir)
+        reader = finite.Reader(target.DASHBOARD_SCAN_BYTES, self._finite_memo)
+        choice = target.rollback_target(
+            index, self.service.run_dir, pending.first_step, target.MARGIN_STEPS, lines, tensors=reader
+        )
+        return choice.set_id
 
     def body(self, world: int, heartbeats: Mapping[int, dict | None]) -> dict:
         """The body of ``GET /api/checkpoints/retention``."""

@@ -200,6 +200,7 @@ def plan(
     temps: tuple[Temp, ...] = (),
     proven: frozenset[str] | None = None,
     rollback_before: int | None = None,
+    rollback_target: str | None = None,
 ) -> Plan:
     """Decide every set's fate. Pure: the same inputs give the same plan and hash.
 
@@ -211,7 +212,9 @@ def plan(
     listing says (issue 32, P3). ``rollback_before``: a loss-spike rollback
     is pending from that global step (``rankwatch/rollback.json``): the
     newest ``ROLLBACK_CANDIDATES`` complete healthy sets older than it are
-    kept, since ``rankwatch launch`` is about to pick its target among them.
+    kept, since ``rankwatch launch`` is about to pick its target among them,
+    and so is ``rollback_target``, the set it would pick as the dashboard
+    names it (``target.rollback_target``), wherever it lies.
     """
     unhealthy = unhealthy or {}
     pinned = set(policy.pinned)
@@ -252,6 +255,8 @@ def plan(
             keep = "kept: pinned"
         elif resume is not None and s.id == resume.id:
             keep = "kept: the bridge resumes from it"
+        elif s.id == rollback_target:
+            keep = f"kept: the target of the loss-spike rollback pending from global step {rollback_before}"
         elif s.id in candidates:
             keep = f"kept: a loss-spike rollback from global step {rollback_before} is pending (a possible target)"
         elif healthy is not None and s.id == healthy.id:

@@ -18,7 +18,7 @@ from app.edge import params
 from app.edge.auth import for_viewer, has_token, require_operator
 from app.errors import NotFound
 from app.extensions import rankwatch, socketio
-from app.push import CHECKPOINTS_EVENT, VERIFY_EVENT
+from app.push import CHECKPOINTS_DELTA_EVENT, CHECKPOINTS_EVENT, CHECKPOINTS_INDEX_REQUEST, VERIFY_EVENT
 from trainer_bridge.rundir import runfiles
 
 bp = Blueprint("checkpoints", __name__)
@@ -39,7 +39,12 @@ def _world() -> int:
 @bp.get("/checkpoints")
 def page():
     config = {
-        "events": {"checkpoints": CHECKPOINTS_EVENT, "verify": VERIFY_EVENT},
+        "events": {
+            "checkpoints": CHECKPOINTS_EVENT,
+            "delta": CHECKPOINTS_DELTA_EVENT,
+            "whole": CHECKPOINTS_INDEX_REQUEST,
+            "verify": VERIFY_EVENT,
+        },
         "urls": {
             name: url_for(f"checkpoints.{endpoint}")
             for name, endpoint in (
@@ -126,7 +131,7 @@ def _push_now(service, world) -> None:
     """Every page shows a change an operator made now, rather than at the watcher's next scan."""
     pushed = service.poll(world)
     if pushed is not None:
-        push.emit(socketio, CHECKPOINTS_EVENT, pushed, run=rankwatch().room)
+        push.emit(socketio, *pushed, run=rankwatch().room, redact=rankwatch().redact)
 
 
 @bp.post("/api/checkpoints/verify")

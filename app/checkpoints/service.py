@@ -3,9 +3,11 @@
 ``CheckpointService`` owns one ``MetaCache`` for the dashboard's life, so a
 re-scan opens only new or changed files and costs a ``stat`` for the rest.
 It re-scans at most every ``CHECKPOINT_SCAN_S`` seconds, whoever asks (the
-watcher's tick, an API read, a connecting client), and remembers the
-fingerprint of the index it last pushed so that the watcher sends the
-``checkpoints`` event only when a file appeared, changed or went away.
+watcher's tick, an API read, a connecting client), and regroups only the
+sets whose files appeared, changed or went away (``ckptgroup``), whether
+the files are this directory's or the agents'. It remembers what the pages
+were last sent (``app/checkpoints/indexbody.py``), so that the watcher pushes
+only when a set changed, and then only that set.
 
 World size: a set is complete when every rank of the *job* has a readable
 file in it, so the job's world size (``job.json``, else the heartbeats) is
@@ -31,8 +33,9 @@ from typing import BinaryIO
 
 from app.audit import AuditLog
 from app.checkpoints import resume
-from app.checkpoints.resume import TTP_NOTE, bridge_default, ranks_text
-from app.checkpoints.retention import Retention, interrupted
+from app.checkpoints.indexbody import IndexPushes, IndexView
+from app.checkpoints.resume import bridge_default
+from app.checkpoints.retention import Retention
 from app.checkpoints.verify import Verifier
 from app.errors import (
     NO_RUN_DIR,
@@ -45,30 +48,12 @@ from app.errors import (
     SetBusy,
     SetNotFound,
 )
-from app.push import Changed
-from trainer_bridge.rundir import ckptgroup, ckpthealth, ckptindex, safedirs, safeio
+from trainer_bridge.rundir import ckptgroup, ckptindex, safedirs, safeio
 from trainer_bridge.rundir.ckptindex import CheckpointFile, CheckpointSet, Index
 from trainer_bridge.rundir.ckptmeta import MetaCache
-from trainer_bridge.rundir.ckptpaths import ORIGIN_TTP
 
-BRIDGE_DEFAULT_NOTE = (
-    "The bridge resumes from this set when the job is relaunched unchanged "
-    "(the newest complete graceful-stop set)."
-)
-
-
-def _fingerprint(index: Index) -> tuple:
-    """What the page shows that can change: every file's identity, size and status."""
-
-    def files(fs):
-        return tuple((f.path, f.host, f.meta.bytes, f.meta.mtime, f.meta.status, f.meta.reason) for f in fs)
-
-    return (
-        index.world_size,
-        index.errors,
-        files(index.other_files),
-        tuple((s.id, files(s.files)) for s in index.sets),
-    )
+# What ``remote`` gives without agents: nothing, and the same object every time (nothing changed).
+_NO_AGENTS: tuple = ({}, [], ())
 
 
 class CheckpointService:
@@ -100,7 +85,10 @@ class CheckpointService:
         self.delete_lock = threading.Lock()
         self._index: Index | None = None
         self._scanned: tuple[float, int] | None = None  # (monotonic time, world) of the scan
-        self._pushed = Changed()  # the fingerprint of the index last pushed
+        self.pushes = IndexPushes()  # what the pages were last sent of the index
+        self._poll_lock = threading.Lock()
+        # ckpthealth.unhealthy's answers by set while the set is unchanged (``poll``'s, under its lock).
+        self._health: dict = {}
         # With agents and no shared filesystem: (wait) -> (the other nodes' files, errors, and the
         # paths changed since the last call: ``Listings.files``'s ``Remote``; without them, all may
         # have) (HubState.checkpoint_files; ``wait``: a request may wait for a node's first listing).
@@ -138,20 +126,18 @@ class CheckpointService:
             self._lock.release()
 
     def _scan(self, world: int, wait: bool = True) -> Index:
-        if self.remote is not None:
-            return self._merged(world, wait)
-        if self.run_dir is None:
+        if self.remote is None and self.run_dir is None:
             return Index("", time.time(), None, (), (), (NO_RUN_DIR,))
-        return ckptindex.scan(self.run_dir, world or None, self.cache)
+        return self._merged(world, wait)
 
     def _merged(self, world: int, wait: bool) -> Index:
-        """This directory's files and every agent's, grouped together (a set spans the nodes).
+        """This directory's files and every agent's (if any), grouped together (a set spans the nodes).
 
         A file this dashboard holds itself is served from here, so it wins over an agent's listing of it.
         """
         scanned_at = time.time()
         files, errors = ckptindex.walk(self.run_dir, self.cache) if self.run_dir else ([], [])
-        remote = self.remote(wait)
+        remote = self.remote(wait) if self.remote is not None else _NO_AGENTS
         # The agents' listings come back as the very same object while none changed: with this
         # directory's files and the world unchanged too, the last grouping stands. Otherwise
         # (``Listings.files``) they name the paths that changed, and only their sets are grouped
@@ -171,7 +157,7 @@ class CheckpointService:
             changed |= {p for p in here.keys() | before.keys() if here.get(p) != before.get(p)}
         self._remote_seen, self._local_seen, self._local_files = remote, seen, here
         return self._grouping.index(
-            self.run_dir or "",
+            os.fspath(self.run_dir) if self.run_dir else "",
             ChainMap(here, theirs),
             changed,
             world or None,
@@ -181,82 +167,39 @@ class CheckpointService:
 
     def body(self, world: int) -> dict:
         """The body of ``GET /api/checkpoints`` (and of the ``checkpoints`` event)."""
-        return self._body(self.index(world), world)
+        return self._view(self.index(world), world).body()
 
-    def poll(self, world: int) -> dict | None:
-        """The body if the index changed since the last poll that returned one, else None.
+    def whole(self, world: int, pushing: bool) -> dict:
+        """The body a page starts from (it connects, or missed a push), with the version of the
+        last push it includes; ``pushing`` False (a dashboard that does not lead, whose versions
+        are not the ones the pages get): no version, and the page takes the next delta as it comes."""
+        version = self.pushes.version
+        return self.body(world) | {"version": version if pushing else None}
+
+    def poll(self, world: int) -> tuple[str, dict] | None:
+        """What to push if the index changed since the last poll: (event, payload), else None.
 
         The watcher calls this every tick and pushes what it returns; a route
-        that changed the files (delete) calls it to push at once.
+        that changed the files (delete) calls it to push at once. The first
+        push is the whole index; later ones, only the sets that changed
+        (``app/checkpoints/indexbody.py``).
         """
         index = self.index(world, wait=False)
-        # The same index as last time (nothing was re-grouped): no need to fingerprint its files again.
-        if index is self._polled:
-            return None
-        self._polled = index
-        if not self._pushed.take(_fingerprint(index)):
-            return None
-        return self._body(index, world)
+        with self._poll_lock:
+            # The same index as last time (nothing was re-grouped): nothing can have changed.
+            if index is self._polled:
+                return None
+            self._polled = index
+            return self.pushes.take(self._view(index, world, self._health))
 
-    def _body(self, index: Index, world: int) -> dict:
-        now = time.time()
-        body = index.to_dict()
-        default = bridge_default(index)
+    def resend(self) -> None:
+        """The next poll pushes the whole index (the pages may have missed the last push)."""
+        with self._poll_lock:
+            self._polled = None
+            self.pushes.forget()
 
-        unhealthy = ckpthealth.unhealthy(self.run_dir, index)
-        deleting = interrupted(self.run_dir)
-        series = _launch_series([s["layout"] for s in body["sets"]])
-        for s in body["sets"]:
-            s["series"] = series.get(s["layout"])
-            # The cached index may be a scan old; ages are as of this answer.
-            s["age_s"] = round(max(0.0, now - s["mtime"]), 3)
-            s["notes"] = self._notes(s, default)
-            s["unhealthy"] = unhealthy.get(s["id"])
-            if s["unhealthy"]:
-                s["notes"].append(f"unhealthy: {s['unhealthy']}; the bridge does not resume from it")
-            if s["id"] in deleting:
-                s["notes"].append(
-                    "being deleted by retention (interrupted): partial on purpose; the next "
-                    "retention run finishes it"
-                )
-            s["verify"] = self.verifier.status(s["id"])
-        # The newest complete set with no evidence against its weights: a NaN breakpoint save is
-        # often the newest file on disk, and the ★ must not send anyone there.
-        newest = next(
-            (
-                s
-                for s in sorted(index.sets, key=lambda s: -(s.global_step or 0))
-                if s.complete and s.global_step is not None and s.id not in unhealthy
-            ),
-            None,
-        )
-        body.update(
-            now=now,
-            bridge_resume=default.id if default else None,
-            # The ★ of the page and the CLI: what an unchanged relaunch resumes from, else the
-            # newest complete set (a periodic set beside the stop's own got it: issue 33).
-            star=default.id if default else (newest.id if newest else None),
-            newest_healthy=newest.id if newest else None,
-            total_bytes=sum(s.bytes for s in index.sets),
-            world_size_source="job" if world else "layout",
-        )
-        return body
-
-    @staticmethod
-    def _notes(s: dict, default: CheckpointSet | None) -> list[str]:
-        notes = []
-        if default is not None and s["id"] == default.id:
-            notes.append(BRIDGE_DEFAULT_NOTE)
-        if s["origin"] == ORIGIN_TTP:
-            notes.append(TTP_NOTE)
-        if s["ranks_corrupt"]:
-            notes.append(f"unreadable file on {ranks_text(s['ranks_corrupt'], True)}: see each file's reason")
-        if s["ranks_missing"]:
-            notes.append(
-                f"no readable file for {ranks_text(s['ranks_missing'], True)}: "
-                "those ranks cannot resume from this set"
-            )
-        return notes
+    def _view(self, index: Index, world: int, health: dict | None = None) -> IndexView:
+        return IndexView(index, world, self.run_dir, self.verifier, health)
 
     def find(self, set_id: str, world: int, force: bool = False) -> tuple[Index, CheckpointSet]:
         if self.run_dir is None:
@@ -428,35 +371,6 @@ class CheckpointService:
         """How to resume from a set: the relaunch command and the code that loads it (``resume.advice``)."""
         index, cset = self.find(set_id, world)
         return resume.advice(self.run_dir, index, cset, heartbeats)
-
-
-# ModelCheckpoint's file name: PREFIX-EPOCH_STEP.ckpt; on a name collision (a relaunch into
-# the same directory) MindSpore saves as PREFIX_1, PREFIX_2, ... (ckptindex's layout: -{E}_{S}).
-_SERIES_RE = re.compile(r"^(?P<base>.+?)(?:_(?P<n>\d+))?-\{E\}_\{S\}(?P<ext>\.\w+)$")
-
-
-def _launch_series(layouts: list[str]) -> dict[str, dict]:
-    """Layouts that are one series saved by successive launches, labelled by launch.
-
-    ``lenet``, ``lenet_1``, ``lenet_2`` in one directory are not three models but
-    three launches: ``{layout: {"base": "lenet", "launch": 1..3, "launches": 3}}``
-    for each, so the page can say so instead of listing look-alike duplicates.
-    """
-    groups: dict[tuple, dict[int, str]] = {}
-    for layout in set(layouts):
-        head, _, name = layout.rpartition("/")
-        m = _SERIES_RE.match(name)
-        if m:
-            n = int(m["n"]) if m["n"] else 0
-            groups.setdefault((head, m["base"], m["ext"]), {})[n] = layout
-    out = {}
-    for (_, base, _), members in groups.items():
-        if 0 not in members or len(members) < 2:
-            continue  # "resnet_50" alone is a name, not a relaunch
-        order = sorted(members)
-        for i, n in enumerate(order):
-            out[members[n]] = {"base": base, "launch": i + 1, "launches": len(order)}
-    return out
 
 
 def local_only(files, action: str) -> None:

@@ -26,7 +26,7 @@ PORT_IN_USE = "port {port} is in use (another Rankwatch?): use --port N or --por
 # job into the same run directory (issue 33).
 PORT_HELD_BY_DASHBOARD = (
     "port {port} is in use by your Rankwatch dashboard of {what} (pid {pid}, {url}): "
-    "`rankwatch login --url {url}` prints a login link for it. To run another job beside it, "
+    "`{login} --url {url}` prints a login link for it. To run another job beside it, "
     "give that job its own run directory and a free port (--run-dir OTHER --port 0; "
     "make demo RUN=runs/other PORT=0)"
 )
@@ -34,7 +34,7 @@ PORT_HELD_BY_DASHBOARD = (
 
 def port_in_use(port: int) -> str:
     """What to say about a port in use: the dashboard of ours that holds it, else the plain advice."""
-    from app.edge.login import running_dashboards
+    from app.edge.login import LOGIN_COMMAND, running_dashboards
 
     for info in running_dashboards():
         url = info.get("url")
@@ -48,7 +48,9 @@ def port_in_use(port: int) -> str:
             if isinstance(run, str)
             else "?"
         )
-        return PORT_HELD_BY_DASHBOARD.format(port=port, what=what, pid=info.get("pid", "?"), url=url)
+        return PORT_HELD_BY_DASHBOARD.format(
+            port=port, what=what, pid=info.get("pid", "?"), url=url, login=LOGIN_COMMAND
+        )
     return PORT_IN_USE.format(port=port)
 
 

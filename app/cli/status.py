@@ -29,7 +29,6 @@ from app.cli.common import (
     verdict_text,
 )
 from app.cli.runs import existing_root, print_table, runs_table
-from app.run import peers
 from app.run.verdicts import VERDICTS
 
 if TYPE_CHECKING:
@@ -118,6 +117,8 @@ def summary_text(snapshot: dict) -> Text:
             text.append(f" {n}  ")
     slowest = s.get("slowest")
     if slowest:
+        from app.run import peers  # numpy: not for --help (tests/cli/test_cli_usage.py)
+
         # The page's words (app/run/peers.py), from the dashboard's answer when it has them.
         said = slowest.get("text")
         text.append(

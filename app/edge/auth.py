@@ -17,6 +17,7 @@ cannot send without a CORS preflight that this app never grants.
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 import math
 import os
@@ -28,6 +29,7 @@ from urllib.parse import urlsplit
 
 from flask import current_app, request
 
+from app.edge.login import LOGIN_COMMAND
 from app.edge.ratelimit import Backoff, Bucket
 from app.errors import Forbidden, Throttled, WrongToken
 
@@ -151,7 +153,7 @@ def require_operator(count: bool = True) -> None:
     if scheme.lower() != "bearer" or not token.strip():
         raise WrongToken(
             "operator token required: send 'Authorization: Bearer <token>' "
-            "(RANKWATCH_TOKEN, or open the login link the dashboard printed; rankwatch login prints a new one)",
+            f"(RANKWATCH_TOKEN, or open the login link the dashboard printed; {LOGIN_COMMAND} prints a new one)",
         )
     if not check_token(token.strip()):
         raise WrongToken("wrong operator token")
@@ -169,31 +171,57 @@ def has_token() -> bool:
 
 
 def for_viewer(body, run_dir, run_id: str | None = None):
+    """``body`` as this request's client sees it: ``redact_run_dir``'s, unless it carries the token."""
+    if has_token() or not run_dir:
+        return body
+    return redact_run_dir(body, run_dir, run_id)
+
+
+def redact_run_dir(body, run_dir, run_id: str | None = None):
     """``body`` as a viewer without the token sees it: the run directory's absolute path (its real
     path, the path it was found at, the path given) replaced in every string by the run's id under
-    ``--runs`` (``run_id``), else by the directory's name (issue 32, P11)."""
-    if has_token() or not run_dir:
+    ``--runs`` (``run_id``), else by the directory's name (issue 32, P11).
+
+    The one redaction of the HTTP answers (``for_viewer``) and of the pushes to the viewers' rooms
+    (``app/push.py``); ``body`` itself (the same object) when it names no such path.
+    """
+    if not run_dir:
         return body
     # A run under --runs is held by its descriptor (app/runs/pinned.py): its name is the one found.
     logical = getattr(run_dir, "logical", run_dir)
     name = run_id or os.path.basename(os.path.normpath(logical))
-    out = redact_paths(body, os.path.realpath(run_dir), name)
-    out = redact_paths(out, str(logical), name)
-    return redact_paths(out, str(run_dir), name)
+    paths = dict.fromkeys(p for p in (os.path.realpath(run_dir), str(logical), str(run_dir)) if p)
+    return _redact(body, tuple(paths), name)
 
 
 def redact_paths(value, run_dir: str | None, name: str):
     """``value`` with the run directory's absolute path replaced by ``name`` in every string.
 
     For viewers without the token (issue 32, P11): where the run lives on disk (a user's home,
-    a project's name) is the operator's to know.
+    a project's name) is the operator's to know. What holds no such path comes back as the same
+    object, so a push that names none is sent once to every room (``app/push.py``).
     """
-    if not run_dir:
-        return value
+    return _redact(value, (run_dir,), name) if run_dir else value
+
+
+def _redact(value, paths: tuple[str, ...], name: str):
     if isinstance(value, str):
-        return value.replace(run_dir, name)
+        for path in paths:
+            if path in value:
+                value = value.replace(path, name)
+        return value
     if isinstance(value, dict):
-        return {k: redact_paths(v, run_dir, name) for k, v in value.items()}
-    if isinstance(value, list):
-        return [redact_paths(v, run_dir, name) for v in value]
-    return value
+        out = {k: _redact(v, paths, name) for k, v in value.items()}
+        return value if all(out[k] is v for k, v in value.items()) else out
+    if not isinstance(value, list | tuple):
+        return value
+    try:
+        # A snapshot's 4,096 rows name no path (its run status does): the C encoder tells a list
+        # that holds none far faster than a walk of every string (the path as JSON writes it).
+        text = json.dumps(value)
+        if not any(json.dumps(path)[1:-1] in text for path in paths):
+            return value
+    except (TypeError, ValueError):
+        pass  # not JSON: walk it all
+    items = [_redact(v, paths, name) for v in value]
+    return value if all(a is b for a, b in zip(items, value, strict=True)) else items

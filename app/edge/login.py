@@ -50,6 +50,21 @@ MAX_CODES = 16
 SERVER_FILE_PREFIX = "dashboard-"
 
 
+def _login_command() -> str:
+    """How to run ``rankwatch login`` here: by name when it is on PATH, else by the path beside this
+    Python (``make demo`` users have ``.venv/bin/rankwatch``, not on PATH)."""
+    import shutil
+
+    beside = Path(sys.executable).parent / "rankwatch"
+    if shutil.which("rankwatch") or not beside.is_file():
+        return "rankwatch login"
+    return f"{beside} login"
+
+
+# What the messages that point at ``rankwatch login`` say.
+LOGIN_COMMAND = _login_command()
+
+
 class LoginCodes:
     """Outstanding single-use codes, each valid for ``ttl_s`` seconds."""
 
@@ -100,7 +115,7 @@ def announce(app, url: str, terminal: bool) -> str:
         why = "this output may be a log" if mode == "auto" else "LOGIN_LINK is never"
         return (
             f"Rankwatch: open {url}\n"
-            f"    to operate (stop, delete), `rankwatch login` prints a single-use login link "
+            f"    to operate (stop, delete), `{LOGIN_COMMAND}` prints a single-use login link "
             f"(none is printed here: {why})"
         )
     code, _ = app.extensions["rankwatch_login"].mint()
@@ -112,7 +127,7 @@ def announce(app, url: str, terminal: bool) -> str:
     return (
         f"Rankwatch: open {login_url(url, code)}\n"
         f"    a single-use link that makes that browser an operator (stop, delete), valid "
-        f"{for_how_long(app.extensions['rankwatch_login'].ttl_s)}; {how}; `rankwatch login` prints a new one"
+        f"{for_how_long(app.extensions['rankwatch_login'].ttl_s)}; {how}; `{LOGIN_COMMAND}` prints a new one"
     )
 
 

@@ -10,7 +10,7 @@ from flask import Blueprint, current_app, jsonify, request
 
 from app.edge import params
 from app.edge.auth import check_token, require_operator, settle
-from app.edge.login import login_url
+from app.edge.login import LOGIN_COMMAND, login_url
 from app.errors import WrongToken
 
 bp = Blueprint("edge", __name__)
@@ -35,7 +35,7 @@ def api_login():
     if not ok:
         raise WrongToken(
             "this login link is used up or expired: open a new one "
-            "(rankwatch login prints it), or enter the token",
+            f"({LOGIN_COMMAND} prints it), or enter the token",
         )
     response = jsonify({"token": current_app.config["TOKEN"]})
     # The token must not stay in a browser's or a proxy's cache (issue 32, P11).

@@ -93,7 +93,7 @@ class Incidents:
         )
         # The loss-spike policy (issue 34); index: the checkpoint index, for the rollback target.
         spikes = SpikeWatch(state, config, stop, audit, alerts, index=index)
-        return cls(state, alerts, policy, spikes=spikes, stop_estimate=lambda: stop.estimate().get("seconds"))
+        return cls(state, alerts, policy, spikes=spikes, stop_estimate=stop.estimated_s)
 
     # ------------------------------------------------------------------ the tick
     def tick(self, now: float, pushed: tuple[str, dict] | None, stop_status: Mapping | None) -> tuple | None:

@@ -9,8 +9,8 @@ takes its detections once per watcher tick, on the leader only, and:
 - ``observe`` (the default), for a detection ``enforce`` would act on (a
   job-wide NaN or infinite loss, a divergence): an ``observed`` line in
   ``rankwatch/rollbacks.jsonl`` saying what ``enforce`` would do (the
-  rollback target: the newest complete, healthy set older than the spike's
-  first step, from the checkpoint index). Nothing is stopped.
+  rollback target: ``target_before``, the supervisor's own choice). Nothing
+  is stopped.
 - ``enforce``: the rollback request (``rankwatch/rollback.json``), a
   ``requested`` line, then a graceful stop through the stop service with
   who = ``policy`` and the rule as the reason. A rollback asked while a stop
@@ -33,13 +33,14 @@ from collections.abc import Callable
 from typing import Any
 
 from app.audit import POLICY, AuditError, AuditLog
+from app.checkpoints import finite, target
 from app.errors import RankwatchError
 from app.incidents.alerts import AlertDesk
 from app.run import mfnorms, spikes
 from app.run.state import RunState
 from app.stop.service import StopService
-from trainer_bridge.rundir import ckpthealth, rollbacks, spikepolicy
-from trainer_bridge.rundir.ckptindex import Index
+from trainer_bridge.rundir import rollbacks, spikepolicy
+from trainer_bridge.rundir.ckptindex import CheckpointSet, Index
 
 log = logging.getLogger(__name__)
 
@@ -47,36 +48,40 @@ WHO = "policy"
 EVENT = "loss_spike"
 # How often the run's spikes.json and MindFormers' norm file are looked at again.
 REREAD_S = 5.0
-# The target is older than the first abnormal step by at least this many steps:
-# the set saved at the step itself may already hold the bad update.
-MARGIN_STEPS = 1
+MARGIN_STEPS = target.MARGIN_STEPS
 KEPT = 50
 
 
-def target_before(index: Index | None, run_dir: str | None, first_step: int) -> tuple[Any, str]:
-    """(the newest complete, healthy set older than ``first_step - MARGIN_STEPS``, or None; why in words)."""
-    if index is None:
+def target_before(
+    index: Index | None, run_dir: str | None, first_step: int, memo: dict | None = None
+) -> tuple[CheckpointSet | None, str]:
+    """(the set ``rankwatch launch`` would roll back to for a spike from ``first_step``, or None; why in words).
+
+    The supervisor's own choice (``target.rollback_target``, default margin,
+    the same ``rollbacks.jsonl`` evidence), reading tensors within
+    ``target.DASHBOARD_SCAN_BYTES`` (verdicts kept in ``memo``): a set past it is
+    named "unverified", since the supervisor may still find it non-finite.
+    """
+    if index is None or not run_dir:
         return None, "no checkpoint index yet"
-    bad = ckpthealth.unhealthy(run_dir, index)
-    limit = first_step - MARGIN_STEPS
-    passed = []
-    for s in sorted(
-        (s for s in index.sets if s.complete and s.global_step is not None),
-        key=lambda s: s.global_step,
-        reverse=True,
-    ):
-        if s.global_step >= limit:
-            continue
-        if s.id in bad:
-            passed.append(f"{s.id} ({bad[s.id]})")
-            continue
-        note = f"newest complete healthy set before step {first_step}"
-        if passed:
-            note += f"; passed over {len(passed)} unhealthy: {'; '.join(passed[:3])}"
-        return s, note
-    return None, f"no complete healthy set before step {first_step}" + (
-        f" (passed over {len(passed)} unhealthy)" if passed else ""
+    lines, _ = rollbacks.read_lines(run_dir)
+    choice = target.rollback_target(
+        index,
+        run_dir,
+        first_step,
+        MARGIN_STEPS,
+        lines,
+        tensors=finite.Reader(target.DASHBOARD_SCAN_BYTES, memo),
     )
+    if choice.set is None:
+        why = f"no complete healthy set before step {first_step - MARGIN_STEPS}"
+        return None, why + (f" ({choice.note})" if choice.note else "")
+    note = f"newest complete healthy set before step {first_step - MARGIN_STEPS}"
+    if choice.unverified:
+        note += f", unverified: {choice.unverified}"
+    if choice.passed_over:
+        note += f"; passed over: {'; '.join(choice.passed_over[:3])}"
+    return choice.set, note
 
 
 class SpikeWatch:
@@ -103,6 +108,7 @@ class SpikeWatch:
         self.policy = spikepolicy.policy_for(self.run_dir, config)  # raises ValueError for a bad setting
         self._read_at = -1e18
         self._norms_sig: tuple | None = None
+        self._finite_memo: dict = {}  # each checkpoint file's tensor verdict, by path, size and mtime
         self.norms_error: str | None = None
         self.recent: deque[dict] = deque(maxlen=KEPT)
         self.version = 0
@@ -201,7 +207,7 @@ class SpikeWatch:
                 index = self.index()
             except Exception:  # the index is advice here: a scan failure must not lose the alert
                 log.exception("checkpoint index for the rollback target")
-        target, why = target_before(index, self.run_dir, det.first_step)
+        target, why = target_before(index, self.run_dir, det.first_step, self._finite_memo)
         evidence = rollbacks.Evidence(
             rule=det.rule,
             rank=det.rank,

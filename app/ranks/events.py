@@ -5,6 +5,13 @@ A client names its page when it connects (``auth: {page: "ranks"}`` or
 snapshots its page draws; after that the watcher pushes to each room only
 its page's events, and only what changed (``app/push.py``). ``EVENTS`` is
 the list the README documents (the docs test checks it).
+
+A client that holds the operator token sends it too (``auth: {token}``)
+and joins its page's operator rooms; one without it gets every push with
+the run directory's absolute path redacted (``app/push.py``). A wrong or
+throttled token is refused at the connect, with the API's error and its
+status as the refusal's message and data, rather than taken as a viewer:
+the page must learn that its token is stale.
 """
 
 from __future__ import annotations
@@ -14,14 +21,17 @@ import threading
 import time
 
 from flask import current_app, g, request
-from flask_socketio import join_room
+from flask_socketio import ConnectionRefusedError, join_room
 
 from app import push
 from app.edge import params
-from app.errors import BadRequest
+from app.edge.auth import check_token
+from app.errors import BadRequest, RankwatchError, WrongToken
 from app.extensions import rankwatch, run_known, socketio
 from app.push import (
+    CHECKPOINTS_DELTA_EVENT,
     CHECKPOINTS_EVENT,
+    CHECKPOINTS_INDEX_REQUEST,
     DELTA_EVENT,
     INCIDENTS_EVENT,
     SNAPSHOT_EVENT,
@@ -41,12 +51,18 @@ EVENTS = {
     "to a client when it connects, and to the room when it changed",
     INCIDENTS_EVENT: "ranks page: the stop policy's status and the newest alert "
     "deliveries, when either changed",
-    CHECKPOINTS_EVENT: "checkpoints page: the checkpoint index, as GET /api/checkpoints; to a "
-    "client when it connects, and to the room when a checkpoint file changed",
+    CHECKPOINTS_EVENT: "checkpoints page: the checkpoint index, as GET /api/checkpoints, with the "
+    "version of the last push it includes; to a client when it connects, and to the room at the "
+    "first push",
+    CHECKPOINTS_DELTA_EVENT: "checkpoints page, when a checkpoint file changed: the sets added or "
+    "changed, the ids of those gone, the summary fields that changed; its version and the one it "
+    "applies to (base)",
     VERIFY_EVENT: "checkpoints page: a deep verify's progress, after it starts and after each file",
 }
-# The one event a page sends: its window, when the ranks page runs windowed (app/ranks/window.py).
+# The events a page sends: its window, when the ranks page runs windowed (app/ranks/window.py);
+# and, from the checkpoint browser, a request for the whole index when it missed a delta.
 VIEW_EVENT = "ranks_view"
+INDEX_REQUEST = CHECKPOINTS_INDEX_REQUEST
 
 
 def _first_connect(sid: str) -> bool:
@@ -83,21 +99,26 @@ def on_connect(auth=None):
         if not isinstance(run, str) or not run_known(run):
             return False
         g.run_id = run
+    operator = _operator(auth)
     rw = rankwatch()
-    for room in push.rooms(page, rw.room):
+    for room in push.rooms(page, rw.room, operator):
         join_room(room)
     rw.watcher.ensure_started()
     now = time.time()
     rw.state.refresh(now, rw.watcher.tick_s)
 
+    redact = None if operator else rw.redact
+
     def send(event, payload):
         # To this client, which is on this process: not through the message queue,
         # which would carry a whole snapshot to every other dashboard for nothing.
-        push.emit(socketio, event, payload, to=request.sid, local=True)
+        push.emit(socketio, event, payload, to=request.sid, local=True, redact=redact)
 
+    _runs_of_sids()[request.sid] = run
+    if operator:  # its windows' pushes and its answers are not redacted (app/watcher.py)
+        rw.watcher.operators.add(request.sid)
     if push.wants(page, SNAPSHOT_EVENT):
         windows = rw.watcher.windows
-        _runs_of_sids()[request.sid] = run
         windows.join(request.sid)
         if windows.active(rw.state.world_size()):
             send(SNAPSHOT_EVENT, windows.snapshot(rw.state, now, request.sid))
@@ -105,16 +126,48 @@ def on_connect(auth=None):
             send(SNAPSHOT_EVENT, rw.state.snapshot(now))
         send(STOP_EVENT, rw.watcher.stop_status(now))
     if push.wants(page, CHECKPOINTS_EVENT):
-        send(CHECKPOINTS_EVENT, rw.checkpoints.body(rw.state.heartbeats()[1]))
+        send(CHECKPOINTS_EVENT, _whole_index(rw))
+
+
+def _whole_index(rw) -> dict:
+    # Its version is the pages' only while this process pushes to them (app/watcher.py).
+    return rw.checkpoints.whole(rw.state.heartbeats()[1], rw.watcher.leading)
+
+
+@socketio.on(INDEX_REQUEST)
+def on_checkpoints_index(*_):
+    """A checkpoint page that missed a delta (its version is not the delta's base): the whole
+    index as the ack, with the version of the last push it includes (``app/checkpoints/indexbody.py``)."""
+    rw = _client_run(request.sid)
+    if rw is None:
+        return _refused(BadRequest("checkpoints_index is for a client of this dashboard's pages"))
+    body = _whole_index(rw)
+    return body if request.sid in rw.watcher.operators else rw.redact(body)
+
+
+def _operator(auth) -> bool:
+    """Whether the connecting client holds the operator token; a wrong one is refused (401, or 429).
+
+    A ``token`` that is no string is no token (garbage in ``auth`` is ignored, as any other field).
+    """
+    held = auth.get("token") if isinstance(auth, dict) else None
+    if not isinstance(held, str):
+        return False
+    try:
+        if check_token(held):
+            return True
+        raise WrongToken("wrong operator token: connect without one to watch, or open a new login link")
+    except RankwatchError as e:
+        raise ConnectionRefusedError(e.message, {"status": e.status}) from None
 
 
 def _runs_of_sids() -> dict[str, str | None]:
-    """The run each ranks-page client named (None: ``--run-dir``'s), for its later events."""
+    """The run each client named (None: ``--run-dir``'s), for its later events."""
     return current_app.extensions.setdefault("rankwatch_sid_runs", {})
 
 
 def _client_run(sid: str):
-    """The engines of the run ``sid`` connected to, or None if it is no ranks-page client here."""
+    """The engines of the run ``sid`` connected to, or None if it is no client here."""
     runs = _runs_of_sids()
     if sid not in runs:
         return None
@@ -159,3 +212,4 @@ def on_disconnect(*_):
     _runs_of_sids().pop(request.sid, None)
     if rw is not None:
         rw.watcher.windows.leave(request.sid)
+        rw.watcher.operators.discard(request.sid)

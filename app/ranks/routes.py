@@ -150,9 +150,7 @@ def api_attempts():
     stop = rankwatch().stop
     # Under Slurm: whether a preemption's graceful stop fits in KillWait (app/run/slurmstop.py).
     slurm_stop = (
-        slurmstop.verdict(
-            str(state.run_dir), body["attempts"], beats.values(), lambda: stop.estimate().get("seconds")
-        )
+        slurmstop.verdict(str(state.run_dir), body["attempts"], beats.values(), stop.estimated_s)
         if state.run_dir and stop is not None
         else None
     )

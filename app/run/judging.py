@@ -427,22 +427,15 @@ class VerdictBoard:
             cost = np.where(~np.isnan(self._split_out), self._split_out + self.fastest, _NAN)
         else:
             cost = self._wall
-        mask = alive_stepping & ~np.isnan(cost)
-        slowest = None
-        if mask.any():
-            idx = np.flatnonzero(mask)
-            vals = cost[idx]
-            top = vals.max()
-            rank = int(idx[vals == top].max())  # ties: the highest rank, as max() of (cost, rank) pairs
-            peer = _opt(self._peer[rank]) if len(self._peer) == n else None
-            slowest = peers.slowest(
-                float(top),
-                peer if peer is not None else peers.peer_median(np.sort(vals).tolist(), float(top)),
-                rank,
-                self.basis,
-                straggler=self.verdicts.get(rank, _NO_VERDICT).health == "straggler",
-                threshold_ratio=self.th.straggler_ratio,
-            )
+        idx = np.flatnonzero(alive_stepping & ~np.isnan(cost))
+        slowest = peers.slowest_rank(
+            idx,
+            cost[idx],
+            self.basis,
+            straggler=lambda r: self.verdicts.get(r, _NO_VERDICT).health == "straggler",
+            threshold_ratio=self.th.straggler_ratio,
+            peer=(lambda r: _opt(self._peer[r])) if len(self._peer) == n else None,
+        )
         rates = self._samples[alive_stepping]
         has = present & self._has_hb
         last_steps = self._last_step_at[has]

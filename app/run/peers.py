@@ -7,15 +7,20 @@ rank", ``rankwatch status`` and the agents' hub all take their figures from
 here. The tile once used the median of every rank, the straggler included, and
 said 1.21x against 954 ms while the row said 1.5x against 755 ms.
 
-``slowest()`` words its sentence here too, so that the page and the CLI say
-the same thing; a rank is named only when its verdict is ``straggler``, and
-the gap below that is jitter.
+``slowest_rank()`` is the tile's rule, which the board
+(``app.run.judging``) and the agents' hub (``app.agent.hub``) both call:
+among the ranks alive and stepping with a cost, the largest (ties: the
+highest rank), against its peer median. ``slowest()`` words its sentence,
+so that the page and the CLI say the same thing; a rank is named only when
+its verdict is ``straggler``, and the gap below that is jitter.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+import numpy as np
 
 # The peer median in words, wherever a newcomer reads it (the tile, a row's reason, the CLI):
 # "peer median" was jargon on the first screen (issue 33, section 6).
@@ -97,6 +102,43 @@ def slowest(
     }
     figure["text"] = slowest_text(figure)
     return figure
+
+
+def pick(ranks: Sequence[int] | np.ndarray, costs: Sequence[float] | np.ndarray) -> tuple[int, float] | None:
+    """(rank, cost) of the largest of ``costs`` (ties: the highest rank); None when there is none.
+
+    The agent names its host's slowest rank by this too (its digest's ``slowest``).
+    """
+    costs = np.asarray(costs, dtype=float)
+    if not costs.size:
+        return None
+    top = costs.max()
+    return int(np.asarray(ranks)[costs == top].max()), float(top)
+
+
+def slowest_rank(
+    ranks: Sequence[int] | np.ndarray,
+    costs: Sequence[float] | np.ndarray,
+    basis: str,
+    *,
+    straggler: Callable[[int], bool],
+    threshold_ratio: float,
+    peer: Callable[[int], float | None] | None = None,
+) -> dict | None:
+    """The summary's ``slowest`` among ``ranks`` (alive, stepping, with a cost) and their ``costs``.
+
+    ``peer(rank)``: its peer median where the caller already has it (the
+    board's, per rank); else, and when that is None, it is taken from ``costs``.
+    ``straggler(rank)``: whether its row's verdict is ``straggler``.
+    """
+    found = pick(ranks, costs)
+    if found is None:
+        return None
+    rank, top = found
+    mid = peer(rank) if peer is not None else None
+    if mid is None:
+        mid = peer_median(np.sort(np.asarray(costs, dtype=float)).tolist(), top)
+    return slowest(top, mid, rank, basis, straggler=straggler(rank), threshold_ratio=threshold_ratio)
 
 
 def _ms(value: float) -> str:

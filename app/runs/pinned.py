@@ -14,9 +14,10 @@ resolves that name through the open descriptor to that directory itself,
 never through ROOT's names, so a rename or a symlink put at the run's name
 afterwards redirects nothing: every read, write and delete below it (each
 walked on from there by ``trainer_bridge.rundir.safeio`` without following
-a symlink) lands in the directory that was pinned, or fails. SQLite opens
-the audit database (and its ``-wal``/``-shm``) by a name below that path,
-and so in that directory too. The registry still checks, before each
+a symlink) lands in the directory that was pinned, or fails. SQLite alone
+turns that path back into the directory's path as text before it opens the
+audit database (``app.audit.connect_pinned`` checks the path it opened;
+``docs/security.md`` says what remains). The registry still checks, before each
 request and each watcher tick, that ROOT's name leads to the pinned
 directory: one that changed identity is a new run, and the old one's
 engines are dropped.

@@ -25,6 +25,7 @@ from app import attempts, slurmqueue
 from app.edge import params
 from app.errors import RunNotFound
 from app.ranks import charts
+from app.run import slurmstop
 from app.runs.diskuse import DiskUsage
 from trainer_bridge.rundir import rollbacks
 
@@ -164,6 +165,13 @@ def row_from(
     disk_bytes = disk.measure(state.run_dir, now)
     tried = attempts.answer(state.run_dir, heartbeats, state.job_ended(), state.log_attempts())["attempts"]
     good = state.goodput(tried, now)
+    # Under Slurm: a preemption now would kill the job before every rank saved (app/run/slurmstop.py).
+    slurm_stop = (
+        slurmstop.verdict(str(state.run_dir), tried, heartbeats.values(), stop.estimated_s if stop else None)
+        if state.run_dir is not None and slurmstop.kill_wait_of(tried) is not None
+        else None
+    )
+    stop_too_slow = slurm_stop is not None and slurm_stop["fits"] is False and not state.job_ended()
     return {
         "id": run_id,
         "state": name,
@@ -188,7 +196,10 @@ def row_from(
             or bool(spikes["spike_open"])
             or spikes["spike_stuck"]
             or good["gave_up"] is not None
+            or stop_too_slow
         ),
+        # Said while the job runs: once it has ended there is nothing a preemption could kill.
+        "slurm_stop": slurm_stop["text"] if stop_too_slow else None,
         "gave_up": good["gave_up"],
         "spike_open": spikes["spike_open"],
         "rollbacks": spikes["rollbacks"],
@@ -228,6 +239,7 @@ def unread_row(run_id: str, entry) -> dict:
         "health_counts": {},
         "needs_attention": False,
         "gave_up": None,
+        "slurm_stop": None,
         "newest_complete_set": None,
         "stop_state": None,
         "last_stop": None,

@@ -56,6 +56,7 @@ import logging
 import selectors
 import socket
 import sys
+import threading
 import time
 from collections import Counter
 from concurrent import futures
@@ -438,4 +439,36 @@ OPEN_PREFIX = "Rankwatch: open "
 
 def serve(config: dict[str, Any]) -> None:
     """Serve the dashboard until interrupted (Ctrl-C or SIGTERM)."""
+    quiet_closed_websockets()
     Server(config).run()
+
+
+def quiet_closed_websockets() -> None:
+    """One log line, not a traceback, when a WebSocket's writer thread finds its socket closed.
+
+    Engine.IO's writer thread ends with an unguarded ``ws.close()`` (``engineio/socket.py``,
+    ``writer``). When the server closed the connection first (a client gone, or one the
+    connection limits dropped), that close raises ``OSError`` in the library's thread, and
+    Python printed a traceback for a client that was simply gone (seen under 500 hostile
+    connections). Any other exception in any thread keeps the default report.
+    """
+    previous = threading.excepthook
+
+    def hook(args) -> None:
+        if issubclass(args.exc_type, OSError) and _in_engineio_writer(args.exc_traceback):
+            log.info(
+                "a WebSocket's writer found its connection closed (the client is gone): %s", args.exc_value
+            )
+            return
+        previous(args)
+
+    threading.excepthook = hook
+
+
+def _in_engineio_writer(tb) -> bool:
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == "writer" and code.co_filename.replace("\\", "/").endswith("engineio/socket.py"):
+            return True
+        tb = tb.tb_next
+    return False

@@ -88,6 +88,10 @@ class StopService:
         """What the dialog shows before confirming (``StopView.estimate``)."""
         return self.follow.estimate(inputs)
 
+    def estimated_s(self) -> float | None:
+        """The estimate's seconds to stop, None before any rank reported (what Slurm's KillWait must cover)."""
+        return self.estimate().get("seconds")
+
     def claims_min_s(self, ranks) -> float:
         return self.follow.claims_min_s(ranks)
 

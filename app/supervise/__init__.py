@@ -7,7 +7,7 @@
   the ``MS_ROLE`` msrun gives them), reaping, and SIGTERM then SIGKILL;
 * ``attempt``: one attempt, from msrun's start until none of its processes is left;
 * ``policy``: the budget, the no-progress and startup rules, the backoff,
-  and the set the next attempt resumes from (``finite``: its weights are read
+  and the set the next attempt resumes from (``app.checkpoints.finite``: its weights are read
   for NaN and infinities first);
 * ``lock``: one supervisor per run directory;
 * ``keeper``: a small process that ends the attempt if the supervisor dies;

@@ -19,12 +19,10 @@ them rather than starting afresh:
 
 from __future__ import annotations
 
-from collections.abc import Container, Mapping
 from dataclasses import dataclass
 
-from app.supervise import finite
+from app.checkpoints import finite, target
 from trainer_bridge.rundir import ckpthealth, ckptindex, supervised
-from trainer_bridge.rundir.ckptpaths import ORIGIN_BRIDGE
 
 # The exit statuses of rankwatch launch (docs/cli.md, "launch").
 OK = 0
@@ -103,75 +101,28 @@ def backoff(base_s: float, streak: int) -> float:
     return min(MAX_BACKOFF_S, base_s * 2 ** max(0, streak - 1))
 
 
-@dataclass
-class ResumeChoice:
-    set_id: str | None
-    global_step: int | None
-    passed_over: list[str]
-
-    @property
-    def note(self) -> str | None:
-        if not self.passed_over:
-            return None
-        return "passed over: " + "; ".join(self.passed_over)
-
-
 # The most checkpoint bytes one choice reads to check that weights are finite (finite.py).
 SCAN_BUDGET_BYTES = 8 << 30
+ResumeChoice = target.Choice
 
 
-def choose_resume(
-    run_dir: str,
-    world_size: int,
-    max_named: int = 5,
-    *,
-    before_step: int | None = None,
-    more_unhealthy: Mapping[str, str] | None = None,
-    exclude: Container[str] = (),
-) -> ResumeChoice:
+def tensors() -> finite.Reader:
+    """The supervisor's tensor check, fresh for each choice: up to ``SCAN_BUDGET_BYTES`` read."""
+    return finite.Reader(SCAN_BUDGET_BYTES)
+
+
+def choose_resume(run_dir: str, world_size: int, max_named: int = 5) -> ResumeChoice:
     """The newest set that is complete across ``world_size`` ranks and healthy, of any origin.
 
-    Newer sets that are incomplete, corrupt or unhealthy (``ckpthealth``: a
-    MindSpore ``*_breakpoint.ckpt``, a save after a NaN loss, MindFormers'
-    health file), and sets with a weight that is NaN or infinite (read from
-    the files, up to ``SCAN_BUDGET_BYTES`` in all: past it a set is taken
-    unread) are passed over and named. A set without a global step cannot be
-    pinned (``RANKWATCH_RESUME_STEP``) and is passed over too.
-
-    A rollback (``rollback.py``) asks for a set older than ``before_step``
-    only, with its own evidence of bad sets (``more_unhealthy``), and without
-    the sets in ``exclude`` (a target deleted meanwhile).
+    ``target.newest_healthy``: newer sets that are incomplete, corrupt or
+    unhealthy (``ckpthealth``: a MindSpore ``*_breakpoint.ckpt``, a save after
+    a NaN loss, MindFormers' health file), and sets with a weight that is NaN
+    or infinite (read from the files, up to ``SCAN_BUDGET_BYTES`` in all: past
+    it a set is taken unread) are passed over and named. A set without a
+    global step cannot be pinned (``RANKWATCH_RESUME_STEP``) and is passed
+    over too. A rollback's target is ``target.rollback_target``.
     """
     index = ckptindex.scan(run_dir, world_size=world_size)
-    unhealthy = {**ckpthealth.unhealthy(run_dir, index), **(more_unhealthy or {})}
-    passed: list[str] = []
-    budget = SCAN_BUDGET_BYTES
-    # Newest first; at one global step the bridge's own set first, as the bridge itself picks it.
-    ordered = sorted(
-        index.sets, key=lambda s: (s.global_step is None, -(s.global_step or 0), s.origin != ORIGIN_BRIDGE)
+    return target.newest_healthy(
+        index, ckpthealth.unhealthy(run_dir, index), tensors=tensors(), max_named=max_named
     )
-    if before_step is not None:
-        ordered = [s for s in ordered if s.global_step is not None and s.global_step < before_step]
-    for s in ordered:
-        if s.id in exclude:
-            continue
-        why = None
-        if s.ranks_corrupt:
-            why = f"corrupt on rank(s) {', '.join(map(str, s.ranks_corrupt[:8]))}"
-        elif not s.complete:
-            why = f"incomplete: rank(s) {', '.join(map(str, s.ranks_missing[:8]))} missing"
-        elif s.id in unhealthy:
-            why = f"unhealthy: {unhealthy[s.id]}"
-        elif s.global_step is None:
-            why = "its files name no global step"
-        elif budget >= s.bytes:
-            budget -= s.bytes
-            why = next(
-                (f"not finite: {f.path}: {bad}" for f in s.files if (bad := finite.nonfinite(f.abspath))),
-                None,
-            )
-        if why is None:
-            return ResumeChoice(s.id, s.global_step, passed)
-        if len(passed) < max_named:
-            passed.append(f"set {s.id}: {why}")
-    return ResumeChoice(None, None, passed)

@@ -17,8 +17,8 @@ end the run (``decide``):
    to read it). Each rung skips further, so it never loops; past the budget
    it stops.
 3. **The target**: the newest set that is complete, healthy and older than
-   ``first_step - margin`` (``policy.choose_resume``: a ``*_breakpoint.ckpt``,
-   MindFormers' ``health_ckpts.json``, the bridge's NaN-loss flag and
+   ``first_step - margin`` (``app/checkpoints/target.py``, the page's choice
+   too: a ``*_breakpoint.ckpt``, MindFormers' ``health_ckpts.json``, the bridge's NaN-loss flag and
    non-finite tensors all pass a set over), and whose step the detector's
    record does not show abnormal (a span ``first_step`` .. evidence step of
    an earlier ``rollbacks.jsonl`` line). None: a ``refused`` line, and the
@@ -44,15 +44,16 @@ the run too: the operator's stop wins.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
 from app.audit import POLICY  # the flag's ``requested_by`` of a stop the policy asked
+from app.checkpoints import target
 from app.supervise import policy
 from trainer_bridge.rundir import ckptindex, rollbacks, runfiles
 
 MAX_ROLLBACKS = 3
-MARGIN_STEPS = 1
+MARGIN_STEPS = target.MARGIN_STEPS
 COOLDOWN_STEPS = 100
 # The LR scale per rung past the first, and the skip's growth per rung.
 LR_SCALE_PER_RUNG = 0.5
@@ -99,26 +100,15 @@ def describe(cause: dict) -> str:
     return text
 
 
-def abnormal_spans(lines: list[rollbacks.Line]) -> list[tuple[int, int]]:
-    """The global steps the detector's record shows abnormal: each line's first step to its evidence's."""
-    spans = set()
-    for line in lines:
-        if line.kind in ("observed", "requested"):
-            spans.add((line.first_step, max(line.first_step, line.evidence.step)))
-    return sorted(spans)
-
-
-def recorded_abnormal(run_dir: str, world: int, spans: list[tuple[int, int]]) -> dict[str, str]:
-    """``{set id: why}`` for the sets at a step the detector's record shows abnormal."""
-    if not spans:
-        return {}
-    out = {}
-    for s in ckptindex.scan(run_dir, world_size=world).sets:
-        g = s.global_step
-        hit = next(((a, b) for a, b in spans if g is not None and a <= g <= b), None)
-        if hit is not None:
-            out[s.id] = f"its step {g} is in a spike the detector recorded (global steps {hit[0]}-{hit[1]})"
-    return out
+def choose(
+    run_dir: str, world: int, req: rollbacks.Request, settings: Settings, exclude: Container[str] = ()
+) -> target.Choice:
+    """The target, as the page names it (``target.rollback_target``), with the supervisor's tensor check."""
+    lines, _ = rollbacks.read_lines(run_dir)
+    index = ckptindex.scan(run_dir, world_size=world)
+    return target.rollback_target(
+        index, run_dir, req.first_step, settings.margin, lines, tensors=policy.tensors(), exclude=exclude
+    )
 
 
 def rung_for(req: rollbacks.Request, lines: list[rollbacks.Line], cooldown: int) -> tuple[int, int]:
@@ -195,8 +185,7 @@ def decide(
         _clear(run_dir, say)
         return Decision(policy.ROLLBACK_EXHAUSTED, cause, said)
     before = req.first_step - settings.margin
-    bad = recorded_abnormal(run_dir, world, abnormal_spans(lines))
-    choice = policy.choose_resume(run_dir, world, before_step=before, more_unhealthy=bad)
+    choice = choose(run_dir, world, req, settings)
     if choice.global_step is None:
         passed = f" ({choice.note})" if choice.note else ""
         said = (
@@ -272,14 +261,7 @@ def confirm(
         return None
     gone = [target]
     while True:
-        lines, _ = rollbacks.read_lines(run_dir)
-        choice = policy.choose_resume(
-            run_dir,
-            world,
-            before_step=req.first_step - settings.margin,
-            more_unhealthy=recorded_abnormal(run_dir, world, abnormal_spans(lines)),
-            exclude=gone,
-        )
+        choice = choose(run_dir, world, req, settings, exclude=gone)
         if choice.global_step is None:
             said = f"the rollback target set {target} was deleted during the rollback, and no other is left"
             decision.code = policy.ROLLBACK_REFUSED

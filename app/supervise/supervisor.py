@@ -330,7 +330,9 @@ class Supervisor:
         ending = self._ending(history, cause, record_only, outcome.spawned_at)
         if ending is not None:
             code, why = ending
-            self._write(base, action="record_only" if record_only else "end", exit_code=code, note=why)
+            # What the dying gasp saved (or why not) stays on the row: a person may relaunch from it.
+            note = "; ".join(n for n in (why, outcome.gasp) if n)[: schema.MAX_ERROR]
+            self._write(base, action="record_only" if record_only else "end", exit_code=code, note=note)
             self.say(why)
             return code, None
         choice = policy.choose_resume(self.run_dir, self.opts.command.worker_num)

@@ -1,7 +1,7 @@
 // The checkpoint browser's entry point: the answer line ("resume from here"),
 // the set table, the dialogs, and the Socket.IO stream that keeps them live.
 
-import { socketAuth } from "./base.js";
+import { LOGIN, openSocket } from "./base.js";
 import { $ } from "./dom.js";
 import { CKPT, el } from "./checkpoints_dom.js";
 import { SetTable, epochLabel, rankList } from "./checkpoints_table.js";
@@ -14,7 +14,7 @@ window.addEventListener("rankwatch-login-failed", (e) => flash(`The login link d
 // A relaunched dashboard refused this tab's token (token.recheck on reconnect): say so now,
 // not when a delete is refused.
 window.addEventListener("rankwatch-token", () => {
-  if (!token.get() && token.stale()) flash("read-only: open a new login link (`rankwatch login`)", "error");
+  if (!token.get() && token.stale()) flash(`read-only: open a new login link (\`${LOGIN}\`)`, "error");
 });
 token.follow();
 const config = JSON.parse($(CKPT.config).textContent);
@@ -43,7 +43,7 @@ async function resume(set) {
 async function verify(set) {
   if (!token.get()) {
     flash("A deep verify needs the operator token: open the login link the dashboard printed "
-      + "(rankwatch login prints a new one), or enter the token in the delete dialog or on the ranks page.",
+      + `(${LOGIN} prints a new one), or enter the token in the delete dialog or on the ranks page.`,
     "error");
     return;
   }
@@ -128,8 +128,7 @@ function renderAnswer() {
   errors.hidden = index.errors.length === 0;
 }
 
-// io comes from the vendored socket.io client loaded before this module.
-const socket = io({ transports: ["websocket", "polling"], tryAllTransports: true, auth: socketAuth("checkpoints") });
+const socket = openSocket("checkpoints");
 const connection = $(CKPT.connection);
 socket.on("connect", () => {
   token.recheck();
@@ -137,6 +136,7 @@ socket.on("connect", () => {
   connection.textContent = "live";
 });
 socket.on("disconnect", () => {
+  queued = null;  // an ask in flight is lost with the connection: the reconnect brings the whole index
   connection.dataset.state = "down";
   connection.textContent = "reconnecting…";
 });
@@ -152,13 +152,74 @@ table.onDraw = (msg) => {
     retention.refresh(() => table.pending !== null).catch(() => {});
   });
 };
-socket.on(config.events.checkpoints, (msg) => {
+// The index as last pushed (drawn, or held back while the pointer is on the list): the whole
+// index on connect, then each delta applied to it (app/checkpoints/indexbody.py's apply_delta).
+let latest = null;
+// While the whole index is asked for: the deltas that arrive meanwhile, applied after it.
+let queued = null;
+
+function show(msg) {
+  latest = msg;
   clockOffset = msg.now - Date.now() / 1000;
   table.render(msg);
-});
+}
+
+// The delta applied to `whole`; `whole` itself for a delta it includes already; null when this
+// page missed a push (it holds another version than the one the delta applies to).
+function applyDelta(whole, delta) {
+  const version = whole.version;
+  if (version != null && delta.version <= version) return whole;
+  if (version != null && delta.base !== version) return null;
+  const sets = new Map(whole.sets.map((s) => [s.id, s]));
+  for (const id of delta.removed ?? []) sets.delete(id);
+  for (const { files_changed: changed, files_removed: removed, ...s } of delta.sets ?? []) {
+    const old = sets.get(s.id) ?? {};
+    const next = { ...old, ...s };
+    if (changed) {
+      // A changed set's files: merged by path, in the server's order (lowest rank first, then path).
+      const files = new Map((old.files ?? []).map((f) => [f.path, f]));
+      for (const path of removed) files.delete(path);
+      for (const f of changed) files.set(f.path, f);
+      next.files = [...files.values()].sort((a, b) => a.rank - b.rank || (a.path < b.path ? -1 : a.path > b.path ? 1 : 0));
+    }
+    sets.set(s.id, next);
+  }
+  const { order, ...fields } = delta.summary ?? {};
+  const ids = order ?? whole.sets.map((s) => s.id);
+  return {
+    ...whole, ...fields, now: delta.now, scanned_at: delta.scanned_at, version: delta.version,
+    sets: ids.filter((id) => sets.has(id)).map((id) => sets.get(id)),
+  };
+}
+
+// A missed push: ask for the whole index (it comes back as the ack), once at a time.
+function askWhole() {
+  queued = [];
+  socket.emit(config.events.whole, {}, (body) => {
+    const later = queued;
+    queued = null;
+    if (!body || body.error) return;
+    show(body);
+    for (const delta of later) onDelta(delta);
+  });
+}
+
+function onDelta(delta) {
+  if (queued) {
+    queued.push(delta);
+    return;
+  }
+  if (!latest) return;  // the whole index comes on connect
+  const next = applyDelta(latest, delta);
+  if (next === null) askWhole();
+  else if (next !== latest) show(next);
+}
+
+socket.on(config.events.checkpoints, (msg) => show(msg));
+socket.on(config.events.delta, onDelta);
 socket.on(config.events.verify, (msg) => table.applyVerify(msg));
 
 setInterval(() => table.renderAges(), 1000);
 
 // For looking around from the browser console.
-window.rankwatchCheckpoints = { socket, table, get index() { return index; } };
+window.rankwatchCheckpoints = { socket, table, get index() { return index; }, get latest() { return latest; } };

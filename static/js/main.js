@@ -1,7 +1,7 @@
 // The live console's entry point: wires the Socket.IO stream to the store,
 // the summary, the table and the charts.
 
-import { socketAuth } from "./base.js";
+import { openSocket } from "./base.js";
 import { SEL, $ } from "./dom.js";
 import { RankStore } from "./store.js";
 import { RankTable } from "./table.js";
@@ -23,9 +23,7 @@ function redraw() {
   table.invalidate();
 }
 
-// io comes from the vendored socket.io client loaded before this module.
-// WebSocket first (lowest latency); long-polling if a proxy refuses it.
-const socket = io({ transports: ["websocket", "polling"], tryAllTransports: true, auth: socketAuth("ranks") });
+const socket = openSocket("ranks");
 socket.on("connect", () => summary.setConnection("live", "live"));
 socket.on("disconnect", () => summary.setConnection("down", "reconnecting…"));
 // The attempts list polls every few seconds; a change of the run's status (a launch

@@ -21,9 +21,10 @@ const view = { page: 1, sort: "attention", state: "", q: "" };
 let pages = 1;
 let timer = null;
 
-function cell(col, content) {
+function cell(col, content, title) {
   const td = document.createElement("td");
   td.dataset.col = col;
+  if (title) td.title = title;
   if (content instanceof Node) td.append(content);
   else td.textContent = content;
   return td;
@@ -135,7 +136,8 @@ function row(r, now) {
     cell("id", id),
     cell("state", (r.needs_attention ? `⚠ ${r.state}` : (r.status_message || "").startsWith("not read yet") ? "idle (not read yet)" : r.state)
       + (r.spike_open?.length ? ` · loss ${r.spike_open.join(", ")}` : "")
-      + (r.rollbacks ? ` · ${r.rollbacks} rollback${r.rollbacks === 1 ? "" : "s"}` : "")),
+      + (r.rollbacks ? ` · ${r.rollbacks} rollback${r.rollbacks === 1 ? "" : "s"}` : "")
+      + (r.slurm_stop ? " · ⚠ stop longer than Slurm's KillWait" : ""), r.slurm_stop),
     cell("world", r.hosts > 1 ? `${r.world_size} on ${r.hosts} hosts` : String(r.world_size ?? "–")),
     cell("step", r.global_step == null ? "–" : r.global_step.toLocaleString()),
     cell("loss", loss(r)),

@@ -2,7 +2,7 @@
 // audit trail. The server pushes `stop_status` (README, "Socket.IO events");
 // actions go through operatorFetch with the token.
 
-import { api } from "./base.js";
+import { LOGIN, api } from "./base.js";
 import { SEL, $ } from "./dom.js";
 import { formatBytes, formatClock, formatFixed, formatNumber, formatSeconds, isNumber } from "./format.js";
 import { token, checkToken, operatorFetch } from "./token.js";
@@ -30,7 +30,7 @@ const HEADLINE = {
 
 // What a tab whose token the server refused shows (a relaunched dashboard has a
 // new token; docs/security.md says why it does not keep the old one).
-const STALE_TEXT = "read-only: open a new login link (`rankwatch login`)";
+const STALE_TEXT = `read-only: open a new login link (\`${LOGIN}\`)`;
 
 // The stop an earlier launch of this run obeyed: one line under "No stop requested".
 function lastStop(last) {

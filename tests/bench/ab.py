@@ -256,6 +256,7 @@ def variant(name: str):
     import contextlib
     from unittest import mock
 
+    from trainer_bridge.beatsink import BeatSink
     from trainer_bridge.bridge import GracefulExitBridge
     from trainer_bridge.handover import HandOver
     from trainer_bridge.procstats import ProcessStats
@@ -264,7 +265,7 @@ def variant(name: str):
     def no_loss(self, outputs):
         self.loss_due = float("inf")
 
-    run = Reporter._run
+    run = HandOver.run
 
     def nice_run(self):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
@@ -278,22 +279,22 @@ def variant(name: str):
         run(self)
 
     def idle_run(self):
-        while not self._closed.wait(1.0):
+        while not self.work.closed.wait(1.0):
             pass
 
     patches = {
         "thread-always": [("may_hand_over", HandOver, lambda self, now: False)],
-        "idle-thread": [("_run", Reporter, idle_run)],
-        "parked-thread": [("_run", Reporter, lambda self: self._closed.wait())],
-        "nice-reporter": [("_run", Reporter, nice_run)],
-        "reporter-core": [("_run", Reporter, own_core_run)],
-        "no-reporter": [("_run", Reporter, lambda self: None)],
+        "idle-thread": [("run", HandOver, idle_run)],
+        "parked-thread": [("run", HandOver, lambda self: self.work.closed.wait())],
+        "nice-reporter": [("run", HandOver, nice_run)],
+        "reporter-core": [("run", HandOver, own_core_run)],
+        "no-reporter": [("run", HandOver, lambda self: None)],
         "no-poll": [("_poll_flag", Reporter, lambda self, force=False: None)],
         "no-psutil": [("sample", ProcessStats, lambda self: (None, None, None))],
         "no-loss": [("take_loss", Reporter, no_loss)],
-        "hooks-only": [("_run", Reporter, lambda self: None), ("take_loss", Reporter, no_loss)],
+        "hooks-only": [("run", HandOver, lambda self: None), ("take_loss", Reporter, no_loss)],
         "no-step-begin": [("on_train_step_begin", GracefulExitBridge, lambda self, rc: None)],
-        "no-history": [("_append_history", Reporter, lambda self, beat: None)],
+        "no-history": [("append_history", BeatSink, lambda self, beat: None)],
     }.get(name, [])
     stack = contextlib.ExitStack()
     for attr, owner, value in patches:

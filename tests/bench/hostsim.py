@@ -88,21 +88,9 @@ class SimListings:
 
     def _listing(self, host: int, sets: int) -> tuple[dict, str]:
         from app.agent import digest as dg
-        from trainer_bridge.rundir import runfiles
 
         files = [
-            {
-                "path": f"{runfiles.CHECKPOINT_DIR}/rank_{r}/{runfiles.CHECKPOINT_PREFIX}-1_{g}.ckpt",
-                "format": "ckpt",
-                "bytes": 1 << 20,
-                "mtime": 1.7e9 + g,
-                "status": "ok",
-                "reason": None,
-                "epoch": 1,
-                "step": g,
-                "global_step": g,
-                "step_source": "contents",
-            }
+            listing_entry(r, g)
             for g in range(STEPS_PER_SET, (sets + 1) * STEPS_PER_SET, STEPS_PER_SET)
             for r in range(host * RANKS_PER_HOST, (host + 1) * RANKS_PER_HOST)
         ]
@@ -548,3 +536,21 @@ def end_simulators(stop, procs, server, wait_s: float = 10) -> None:
         if p.is_alive():
             p.kill()
     server.stop()
+
+
+def listing_entry(rank: int, g: int, status: str = "ok") -> dict:
+    """An agent's listing entry (``ask.file_listing``'s) of rank ``rank``'s 1 MiB bridge file at step ``g``."""
+    from trainer_bridge.rundir import runfiles
+
+    return {
+        "path": f"{runfiles.CHECKPOINT_DIR}/rank_{rank}/{runfiles.CHECKPOINT_PREFIX}-1_{g}.ckpt",
+        "format": "ckpt",
+        "bytes": 1 << 20,
+        "mtime": 1.7e9 + g,
+        "status": status,
+        "reason": None if status == "ok" else "truncated",
+        "epoch": 1,
+        "step": g,
+        "global_step": g,
+        "step_source": "contents",
+    }

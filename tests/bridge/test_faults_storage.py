@@ -20,18 +20,15 @@ for as long as the page takes to show it.
 
 from __future__ import annotations
 
-import errno
-import os
 import re
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
 from playwright.sync_api import expect
 
 from tests.helpers.faults import UI_TIMEOUT_MS, cell, measure
 from tests.helpers.jobs import dump
+from tests.helpers.storage import fill, mount, small_tmpfs
 from trainer_bridge.rundir import runfiles
 
 pytestmark = [pytest.mark.msrun, pytest.mark.browser]
@@ -42,38 +39,12 @@ EPOCHS = 1000
 SAMPLES = 2000
 
 
-def mount(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["mount", *args], capture_output=True, text=True)
-
-
 @pytest.fixture
 def small_state_dir(tmp_path):
     """``RUN/rankwatch`` as its own 2 MB tmpfs; unmounted after the test."""
     run = tmp_path / "run"
-    state = runfiles.state_dir(run)
-    state.mkdir(parents=True)
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a tmpfs")
-    done = mount("-t", "tmpfs", "-o", f"size={SIZE}", "tmpfs", str(state))
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    yield run
-    mount("-o", "remount,rw", str(state))
-    if subprocess.run(["umount", str(state)], capture_output=True).returncode != 0:
-        subprocess.run(["umount", "-l", str(state)], capture_output=True)
-
-
-def fill(directory: Path) -> Path:
-    """Write zeros into ``directory`` until the file system is full."""
-    filler = directory / "filler.bin"
-    chunk = b"\0" * 65536
-    with open(filler, "wb", buffering=0) as f:
-        try:
-            while True:
-                f.write(chunk)
-        except OSError as e:
-            assert e.errno == errno.ENOSPC, e
-    return filler
+    with small_tmpfs(runfiles.state_dir(run), SIZE):
+        yield run
 
 
 def test_full_then_read_only_heartbeat_directory(small_state_dir, tmp_path, page, start_job, start_dash):

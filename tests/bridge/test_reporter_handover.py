@@ -11,6 +11,7 @@ The same with real MindSpore training is in ``test_bridge_unit.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -150,14 +151,15 @@ def test_a_slow_tick_on_the_training_thread_gives_the_work_to_the_thread_for_a_w
     reporter.start()
     reporter.state = "training"
     until(lambda: not thread_alive(), "the thread handing over", between=lambda: agree(reporter))
-    tick = Reporter._tick
+    work = reporter.handover.work  # all the hand-over sees of the reporter
+    tick = work.tick
 
-    def slow_tick(self, now, slack=0.0):
+    def slow_tick(now, slack):
         if threading.current_thread() is threading.main_thread():
             time.sleep(2 * handover.SLOW_TICK_S)  # a file system in trouble
-        tick(self, now, slack)
+        tick(now, slack)
 
-    monkeypatch.setattr(Reporter, "_tick", slow_tick)
+    monkeypatch.setattr(reporter.handover, "work", dataclasses.replace(work, tick=slow_tick))
     reporter._next_beat = 0.0  # due at the next agreement
     agree(reporter)
     assert thread_alive() and "its thread does the work for 60 s" in caplog.text
@@ -165,7 +167,7 @@ def test_a_slow_tick_on_the_training_thread_gives_the_work_to_the_thread_for_a_w
         agree(reporter)  # no hand-over for a minute: agreements cost a clock read
     assert thread_alive() and reporter.handover.thread is not None
     # The minute over: handed back to the agreements (the next slow tick would bar it 120 s).
-    monkeypatch.setattr(Reporter, "_tick", tick)
+    monkeypatch.setattr(reporter.handover, "work", work)
     reporter.handover.no_handover_until = 0.0
     until(lambda: not thread_alive(), "the hand-over after the backoff", between=lambda: agree(reporter))
     assert reporter.handover.slow_ticks == 1

@@ -24,7 +24,8 @@ import pytest
 from mindspore import nn
 from mindspore.train import CheckpointConfig, Model, ModelCheckpoint
 
-from tests.helpers.app import AUTH, TOKEN, make_app, operator, wait_for_event
+from app.checkpoints.indexbody import apply_delta
+from tests.helpers.app import AUTH, TOKEN, make_app, operator, wait_for_event, wait_for_index
 from tests.helpers.checkpoints import (
     BRIDGE,
     DAMAGED,
@@ -212,23 +213,61 @@ def test_the_page_is_listed_in_the_nav(client):
     assert 'href="/checkpoints"' in client.get("/").get_data(as_text=True)
 
 
-def test_a_connecting_client_gets_the_index_and_new_files_arrive_live(sio, run_dir):
-    first = wait_for_event(sio, "checkpoints")
-    assert first["newest_complete"] == bridge_id(20)
+def test_a_connecting_client_gets_the_index_and_new_files_arrive_live(sio, client, run_dir):
+    first = wait_for_index(sio)
+    assert first["newest_complete"] == bridge_id(20) and first["version"] is not None
     save_bridge_set(run_dir, 40)
-    pushed = wait_for_event(sio, "checkpoints", lambda b: b["newest_complete"] == bridge_id(40))
+    pushed = wait_for_index(sio, lambda b: b["newest_complete"] == bridge_id(40))
     assert {s["id"] for s in pushed["sets"]} >= {bridge_id(40), bridge_id(20)}
+    # The deltas applied make the index the API gives (but the times of the answer): to a viewer
+    # (no token on this socket), as a viewer's GET answers (app.edge.auth.redact_run_dir).
+    api = client.get("/api/checkpoints").get_json()
+    assert pushed["version"] >= 2 and pushed.pop("version") is not None
+    for body in (api, pushed):
+        for k in ("now", "scanned_at"):
+            body.pop(k)
+        for s in body["sets"]:
+            s.pop("age_s")
+    assert pushed == api
 
 
-def test_poll_returns_the_index_only_when_it_changed(app, run_dir):
+def test_poll_pushes_the_whole_index_then_only_the_sets_that_changed(app, run_dir):
     service = app.extensions["rankwatch"].checkpoints
-    assert service.poll(0)["newest_complete"] == bridge_id(20)
+    event, whole = service.poll(0)
+    assert (event, whole["version"], whole["newest_complete"]) == ("checkpoints", 1, bridge_id(20))
     assert service.poll(0) is None
     service.index(0, force=True)
     assert service.poll(0) is None  # a re-scan of unchanged files is not a change
     save_bridge_set(run_dir, 40)
     service.index(0, force=True)
-    assert service.poll(0)["newest_complete"] == bridge_id(40)
+    event, delta = service.poll(0)
+    assert (event, delta["version"], delta["base"]) == ("checkpoints_delta", 2, 1)
+    # The new set whole; the one before only for what the dashboard says of it (no longer the
+    # set the bridge resumes from), without its files.
+    new, old = delta["sets"]
+    assert new["id"] == bridge_id(40) and len(new["files"]) == 2 and "removed" not in delta
+    assert old == {"id": bridge_id(20), "notes": []}
+    assert delta["summary"]["newest_complete"] == bridge_id(40)
+    assert delta["summary"]["order"][0] == bridge_id(40)
+    assert apply_delta(whole, delta)["newest_complete"] == bridge_id(40)
+    # A page that holds another version missed a push: it must ask for the whole index.
+    assert apply_delta(whole | {"version": 0}, delta) is None
+    # One more rank's file in a set: that file alone, with the set's own fields.
+    whole = apply_delta(whole, delta)
+    save_bridge_set(run_dir, 60, ranks=(0,))
+    service.index(0, force=True)
+    whole = apply_delta(whole, service.poll(0)[1])
+    save_bridge_set(run_dir, 60, ranks=(1,))
+    service.index(0, force=True)
+    event, delta = service.poll(0)
+    [entry] = [s for s in delta["sets"] if s["id"] == bridge_id(60)]
+    assert "files" not in entry and [f["rank"] for f in entry["files_changed"]] == [1]
+    assert entry["files_removed"] == [] and entry["ranks_present"] == [0, 1]
+    whole = apply_delta(whole, delta)
+    assert [s["files"] for s in whole["sets"]] == [s["files"] for s in service.body(0)["sets"]]
+    service.resend()
+    event, again = service.poll(0)
+    assert (event, again["version"]) == ("checkpoints", 5)
 
 
 # -- download -----------------------------------------------------------------------------
@@ -458,7 +497,7 @@ def test_delete_needs_the_token_and_deletes_nothing_without_it(client, run_dir):
 
 
 def test_delete_removes_the_files_and_empty_rank_dirs_and_audits(client, sio, run_dir):
-    wait_for_event(sio, "checkpoints")
+    wait_for_index(sio)
     r = delete(client, f"{SAFETENSORS}#g15", who="alice")
     assert r.status_code == 200, r.get_json()
     result = r.get_json()
@@ -466,9 +505,7 @@ def test_delete_removes_the_files_and_empty_rank_dirs_and_audits(client, sio, ru
     assert result["failed"] == [] and result["removed_dirs"] == ["st/rank_0", "st/rank_1"]
     assert not (run_dir / "st" / "rank_0").exists() and (run_dir / "st").is_dir()
     assert f"{SAFETENSORS}#g15" not in sets_by_id(client)
-    pushed = wait_for_event(
-        sio, "checkpoints", lambda b: f"{SAFETENSORS}#g15" not in {s["id"] for s in b["sets"]}
-    )
+    pushed = wait_for_index(sio, lambda b: f"{SAFETENSORS}#g15" not in {s["id"] for s in b["sets"]})
     assert pushed["newest_complete"] == bridge_id(20)
 
     row = client.get("/api/audit").get_json()["rows"][0]

@@ -25,7 +25,7 @@ def set_row(page, set_id: str):
 
 @pytest.mark.parametrize("live_env", [LIVE], indirect=True)
 def test_new_sets_appear_live_and_the_newest_complete_stands_out(live_server, page, run_dir, console_errors):
-    save_bridge_set(run_dir, 10)
+    ten = save_bridge_set(run_dir, 10)
     write_damaged(run_dir, "damaged", "net-1_2.ckpt", global_step=2)
     page.goto(live_server.url + "/checkpoints")
     expect(page.locator("#ckpt-connection")).to_have_text("live", timeout=WAIT_MS)
@@ -44,7 +44,7 @@ def test_new_sets_appear_live_and_the_newest_complete_stands_out(live_server, pa
 
     # A stop saves a newer set while the page is open: it appears without a reload.
     page.evaluate("window.notReloaded = true")
-    save_bridge_set(run_dir, 20, ranks=(0,))
+    twenty = save_bridge_set(run_dir, 20, ranks=(0,))
     # A set's files are open: the new set waits, and says so, so that nothing moves under the pointer.
     held = page.locator("#ckpt-held")
     expect(held).to_contain_text("1 new set arrived", timeout=WAIT_MS)
@@ -54,7 +54,7 @@ def test_new_sets_appear_live_and_the_newest_complete_stands_out(live_server, pa
     expect(held).to_be_hidden()
     expect(set_row(page, bridge_id(20)).locator('td[data-col="ranks"]')).to_contain_text("missing 1")
     expect(set_row(page, bridge_id(10))).to_have_attribute("data-newest", "true")
-    save_bridge_set(run_dir, 20, ranks=(1,))
+    twenty += save_bridge_set(run_dir, 20, ranks=(1,))
     expect(set_row(page, bridge_id(20))).to_have_attribute("data-newest", "true", timeout=WAIT_MS)
     expect(set_row(page, bridge_id(20)).locator(".ckpt-newest")).to_have_text(
         "★ an unchanged relaunch resumes here"
@@ -64,6 +64,46 @@ def test_new_sets_appear_live_and_the_newest_complete_stands_out(live_server, pa
     assert page.evaluate("window.notReloaded") is True
     # The open detail row survived the redraw.
     expect(files).to_have_count(5)
+    damaged.locator("button", has_text="Files").click()
+    # Rank 1's file came as a delta of that file alone: merged into the set's files.
+    set_row(page, bridge_id(20)).locator("button", has_text="Files").click()
+    expect(page.locator(f'tr[data-detail-for="{bridge_id(20)}"] tr[data-path]')).to_have_count(2)
+    set_row(page, bridge_id(20)).locator("button", has_text="Files").click()
+    page.mouse.move(0, 0)  # off the list, which would hold new sets back
+
+    # After the first, only what changed is pushed (checkpoints_delta): a set deleted on disk goes,
+    # a new one comes; the page applies each delta to the index it holds.
+    page.evaluate("""() => {
+      const s = window.rankwatchCheckpoints.socket;
+      window.seen = { whole: 0, delta: 0 };
+      s.on("checkpoints", () => window.seen.whole++);
+      s.on("checkpoints_delta", () => window.seen.delta++);
+    }""")
+    for f in ten:
+        f.unlink()
+    expect(set_row(page, bridge_id(10))).to_have_count(0, timeout=WAIT_MS)
+    save_bridge_set(run_dir, 30)
+    expect(set_row(page, bridge_id(30))).to_have_attribute("data-newest", "true", timeout=WAIT_MS)
+    seen = page.evaluate("window.seen")
+    assert seen["whole"] == 0 and seen["delta"] >= 2, seen
+
+    # A page that missed a delta (it holds another version than the one the next applies to)
+    # asks for the whole index and shows it: nothing is pushed to the room for it.
+    page.evaluate("window.rankwatchCheckpoints.latest.version -= 1")
+    save_bridge_set(run_dir, 40)
+    expect(set_row(page, bridge_id(40))).to_have_attribute("data-newest", "true", timeout=WAIT_MS)
+    assert page.evaluate("window.seen.whole") == 0
+
+    # A reconnect gets the whole index, with what changed while the page was away.
+    page.evaluate("window.rankwatchCheckpoints.socket.disconnect()")
+    expect(page.locator("#ckpt-connection")).not_to_have_text("live", timeout=WAIT_MS)
+    save_bridge_set(run_dir, 50)
+    for f in twenty:
+        f.unlink()
+    page.evaluate("window.rankwatchCheckpoints.socket.connect()")
+    expect(set_row(page, bridge_id(50))).to_have_attribute("data-newest", "true", timeout=WAIT_MS)
+    expect(set_row(page, bridge_id(20))).to_have_count(0)
+    assert page.evaluate("window.seen.whole") == 1
     assert console_errors == []
 
 

@@ -20,7 +20,7 @@ from app.audit import AuditLog
 from app.checkpoints import retention as rt
 from tests.helpers import ckptcraft
 from tests.helpers.app import AUTH, make_app
-from tests.helpers.checkpoints import CONFIG, OLD, periodic, retention, sid
+from tests.helpers.checkpoints import CONFIG, OLD, nan_set, periodic, retention, sid
 from tests.helpers.heartbeats import heartbeat, write_job
 from trainer_bridge.rundir import ckptindex, runfiles
 
@@ -471,8 +471,34 @@ def test_a_pending_rollback_keeps_its_possible_targets_until_it_is_cleared(job):
     r = retention(job)
     p = r.plan(2, {})
     assert actions(p) == {60: "keep", 50: "delete", 40: "keep", 30: "keep", 20: "keep", 10: "delete"}
-    assert whys(p)[40] == "kept: a loss-spike rollback from global step 45 is pending (a possible target)"
+    assert whys(p)[40] == "kept: the target of the loss-spike rollback pending from global step 45"
+    assert whys(p)[30] == "kept: a loss-spike rollback from global step 45 is pending (a possible target)"
     r.apply(p.hash, 2, {}, who="test")
     assert sorted(s.global_step for s in ckptindex.scan(job, world_size=2).sets) == [20, 30, 40, 60]
     rollbacks.clear_request(job)
     assert actions(r.plan(2, {})) == {60: "keep", 40: "delete", 30: "delete", 20: "delete"}
+
+
+def test_a_pending_rollbacks_target_is_kept_when_every_newer_candidate_is_passed_over(job):
+    """The newest candidates hold NaN weights: the target, older than all of them, is kept too (issue 34)."""
+    from app.supervise import rollback
+    from trainer_bridge.rundir import rollbacks
+
+    for step in (10, 50, 60):
+        periodic(job, step)
+    for step in (20, 30, 40):  # periodic saves after the weights went NaN: no name or flag says so
+        nan_set(job, step)
+        for r in (0, 1):
+            os.utime(job / f"ckpt/rank_{r}/net-1_{step}.ckpt", (OLD, OLD))
+    runfiles.atomic_write_json(job / "rankwatch/retention.json", {"keep": 1})
+    ev = rollbacks.Evidence(rule="nonfinite", rank=0, step=47, value="nan")
+    req = rollbacks.Request(
+        rule="nonfinite", evidence=ev, first_step=45, skip_batches=20, asked_at=time.time()
+    )
+    rollbacks.write_request(job, req)
+    p = retention(job).plan(2, {})
+    assert whys(p)[10] == "kept: the target of the loss-spike rollback pending from global step 45"
+    assert actions(p)[10] == "keep"
+    # What rankwatch launch then picks.
+    d = rollback.decide(str(job), 2, req, rollback.Settings(), lambda said: None)
+    assert d.resume["global_step"] == 10

@@ -138,8 +138,8 @@ def test_the_default_demo_trains_learns_checkpoints_and_resumes(tmp_path, start_
     with urllib.request.urlopen(url.split("#")[0] + "api/spikes", timeout=30) as r:
         spikes = json.loads(r.read())
     assert spikes["policy"]["mode"] == "observe" and spikes["marks"] == [], spikes
-    job.kill()  # the demo keeps its dashboard up until Ctrl-C
 
+    # The demo keeps its dashboard up until Ctrl-C; the same command again trains under it.
     second = start_job(demo_job(run, free_port()))
     resumed = second.wait_until(
         lambda hbs: (
@@ -149,6 +149,8 @@ def test_the_default_demo_trains_learns_checkpoints_and_resumes(tmp_path, start_
         timeout=DEADLINE_S,
     )
     assert [h["resumed_from"]["global_step"] for h in resumed] == [stop_step, stop_step], dump(resumed)
+    said = second.output_path.read_text(errors="replace")
+    assert f"dashboard is up already: open {url.split('#')[0]}#login=" in said, said
     assert all(h["state"] == "training" for h in resumed), dump(resumed)
     # And over both runs, replayed from the history files with the defaults.
     found, judged = replay(run, 2)

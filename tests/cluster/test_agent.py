@@ -22,7 +22,7 @@ from app.agent import digest as dg
 from app.agent.runner import Agent
 from app.config import from_env
 from tests.helpers.agents import KEY, RUN, AgentProcess, SimNode, hub_app, ranks_healthy, view
-from tests.helpers.app import wait_for
+from tests.helpers.app import make_app, wait_for
 from tests.helpers.heartbeats import heartbeat, write_heartbeat
 from trainer_bridge.rundir import runfiles
 
@@ -205,6 +205,41 @@ def test_a_node_gone_with_its_agent_while_the_others_stall_is_node_lost(tmp_path
     # The node comes back (a relaunch): its agent's first digest ends the judgement.
     agents(b)
     wait_for(lambda: ranks_healthy(hub, [a, b], 4), "node-b back", timeout=120)
+
+
+def test_the_hubs_slowest_rank_is_the_boards(tmp_path, hub, agents):
+    """The tile through agents and the tile of a dashboard reading the same files: one rule (app/run/peers.py)."""
+    a = SimNode(tmp_path, "node-a", range(0, 4), 8)
+    b = SimNode(tmp_path, "node-b", range(4, 8), 8)
+    agents(a)
+    agents(b)
+    step_ms = {r: 50.0 + r for r in range(8)} | {5: 200.0}  # rank 5 a straggler; no two alike
+
+    def beat():
+        for node in (a, b):
+            node.seq += 1
+            for r in node.ranks:
+                # 20 steps a beat, whatever the step time: every rank warms up alike.
+                hb = heartbeat(r, 8, seq=node.seq, host=node.host, step_ms=step_ms[r], steps=20)
+                write_heartbeat(node.dir, hb)
+        v = view(hub)
+        s = v["summary"]["slowest"]
+        return v if s and s["straggler"] and len(v["ranks"]) == 8 else None
+
+    v = wait_for(beat, "rank 5 the slowest at the hub", timeout=120)
+    at_hub = v["summary"]["slowest"]
+    assert at_hub["rank"] == 5 and at_hub["step_time_ms"] == 200.0
+    # The same heartbeats read by a dashboard of its own, without agents.
+    here = tmp_path / "files" / RUN
+    for node in (a, b):
+        for r in node.ranks:
+            src = runfiles.heartbeat_path(node.dir, r)
+            dst = runfiles.heartbeat_path(here, r)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.write_bytes(src.read_bytes())
+    board = view(make_app(here))["summary"]["slowest"]
+    assert board == at_hub, (board, at_hub)
+    assert at_hub["median_ms"] == 53.0  # the others' median: of 50..54, 56 and 57
 
 
 def test_redis_killed_and_restarted_the_agent_buffers_and_everything_recovers(

@@ -5,7 +5,8 @@ retention in ``dry_run``), ticked by its own watcher; a few thousand
 simulated hosts (``tests/bench/hostsim.py``: the agents benchmark's)
 put their digests, with their listing versions, in the run's stream and
 answer the hub's requests with ``ask.serve``, as agents do. The test counts
-the requests the hosts find in Redis after each tick: not a timing.
+the requests the hosts find in Redis after each tick, and the sets and files
+the hub pushes to the checkpoint pages: not a timing.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ import redis as redis_py
 
 from app.agent import ask
 from app.agent import digest as dg
+from app.checkpoints.indexbody import apply_delta
+from app.extensions import socketio
+from app.push import CHECKPOINTS_DELTA_EVENT, CHECKPOINTS_EVENT
 from tests.bench.hostsim import (
     KEY,
     RANKS_PER_HOST,
@@ -27,15 +31,18 @@ from tests.bench.hostsim import (
     STEPS_PER_SET,
     SimHosts,
     answer_requests,
+    listing_entry,
 )
 from tests.helpers.app import make_app
 from tests.helpers.checkpoints import bridge_id
-from trainer_bridge.rundir import ckptindex, redisbus, runfiles
+from trainer_bridge.rundir import ckptindex, redisbus
 
 HOSTS = 3000
 
 
-def test_listing_requests_per_tick_do_not_grow_with_the_hosts_while_nothing_changes(tmp_path, redis_server):
+def test_listing_requests_per_tick_do_not_grow_with_the_hosts_while_nothing_changes(
+    tmp_path, redis_server, monkeypatch
+):
     hub_dir = tmp_path / "hub" / RUN
     hub_dir.mkdir(parents=True)
     # The simulated hosts sign with the benchmark's KEY: the hub checks with the same one.
@@ -55,6 +62,21 @@ def test_listing_requests_per_tick_do_not_grow_with_the_hosts_while_nothing_chan
     sim = SimHosts(0, HOSTS, listings=None)
     sim.listings.save_every = 0  # no new set unless the test makes one
     seq = 0
+    # What the hub pushes to the checkpoint pages: recorded on its way to Socket.IO, and sent on.
+    # The operators' room's pushes (the viewers' room gets the same, redacted: app/push.py).
+    pushed: list[tuple[str, dict]] = []
+    emit = socketio.emit
+
+    def recorded(event, payload, **kwargs):
+        to = kwargs.get("to")
+        rooms = to if isinstance(to, list) else [to]
+        if event in (CHECKPOINTS_EVENT, CHECKPOINTS_DELTA_EVENT) and any(
+            str(r).endswith('"operator"]') for r in rooms
+        ):
+            pushed.append((event, payload))
+        return emit(event, payload, **kwargs)
+
+    monkeypatch.setattr(socketio, "emit", recorded)
 
     def tick() -> dict[str, int]:
         """Every host sends a digest, the hub ticks, the hosts answer: host -> requests it had."""
@@ -81,11 +103,20 @@ def test_listing_requests_per_tick_do_not_grow_with_the_hosts_while_nothing_chan
         index = rw.checkpoints.index(HOSTS * RANKS_PER_HOST, wait=False)
         assert [s.id for s in index.sets] == [bridge_id(g * STEPS_PER_SET) for g in range(SETS_BEFORE, 0, -1)]
         assert all(s.complete for s in index.sets), [(s.id, s.ranks_missing[:5]) for s in index.sets]
+        # The pages got the whole index once (the first push), then deltas as the listings came in.
+        assert [e for e, _ in pushed].count(CHECKPOINTS_EVENT) == 1, [e for e, _ in pushed]
+        page = pushed[0][1]
+        for _, payload in pushed[1:]:
+            page = apply_delta(page, payload)
+        assert [s["id"] for s in page["sets"]] == [s.id for s in index.sets]
+        assert sum(len(s["files"]) for s in page["sets"]) == HOSTS * RANKS_PER_HOST * SETS_BEFORE
+        pushed.clear()
         # Nothing changes: no request at all, and the index is the same object (nothing re-grouped,
         # so retention has nothing to recompute), tick after tick.
         for _ in range(5):
             assert tick() == {}
             assert rw.checkpoints.index(HOSTS * RANKS_PER_HOST, wait=False) is index
+        assert pushed == []  # nor anything pushed to the pages
         # One host saves a set: its version changes, exactly that host is asked, and its answer
         # carries that set's files alone (the changes since the version the hub holds).
         entries = rw.state.hub.listing_entries
@@ -100,6 +131,33 @@ def test_listing_requests_per_tick_do_not_grow_with_the_hosts_while_nothing_chan
         assert newest.id == bridge_id((SETS_BEFORE + 1) * STEPS_PER_SET) and not newest.complete
         assert newest.ranks_present == tuple(range(7 * RANKS_PER_HOST, 8 * RANKS_PER_HOST))
         assert {f.host for f in newest.files} == {"sim-00007"}
+        # The pages are sent that set's files alone, in one delta: not the index's 72,000 files
+        # (every set, whole), as each push was before.
+        assert [e for e, _ in pushed] == [CHECKPOINTS_DELTA_EVENT], pushed
+        delta = pushed[0][1]
+        whole = [s for s in delta["sets"] if "files" in s]
+        assert [s["id"] for s in whole] == [newest.id] and "removed" not in delta
+        assert sum(len(s.get("files", ())) for s in delta["sets"]) == RANKS_PER_HOST
+        page = apply_delta(page, delta)
+        assert [s["id"] for s in page["sets"]] == [s.id for s in index.sets]
+        assert {f["path"] for f in page["sets"][0]["files"]} == {f.path for f in newest.files}
+        # Another host saves the same set: the delta carries that host's files, not the set's all.
+        pushed.clear()
+        sim.listings.changed.add(8)
+        while not pushed:  # a guard: the answer comes in at the next tick or the one after
+            assert len(pushed) == 0 and seq < 100
+            tick()
+        [(event, delta)] = pushed
+        [entry] = [s for s in delta["sets"] if s["id"] == newest.id]
+        assert "files" not in entry and entry["files_removed"] == []
+        assert {f["rank"] for f in entry["files_changed"]} == set(
+            range(8 * RANKS_PER_HOST, 9 * RANKS_PER_HOST)
+        )
+        assert sum(len(s.get("files", ())) + len(s.get("files_changed", ())) for s in delta["sets"]) == 8
+        page = apply_delta(page, delta)
+        index = rw.checkpoints.index(HOSTS * RANKS_PER_HOST, wait=False)
+        assert [f["path"] for f in page["sets"][0]["files"]] == [f.path for f in index.sets[0].files]
+        assert page["sets"][0]["ranks_present"] == list(range(7 * RANKS_PER_HOST, 9 * RANKS_PER_HOST))
     finally:
         rw.state.hub.close()
 
@@ -118,24 +176,9 @@ class RandomListings:
                 self.add_set(h, g * STEPS_PER_SET)
             self.publish(h)
 
-    def entry(self, rank: int, g: int, status: str = "ok") -> dict:
-        path = f"{runfiles.CHECKPOINT_DIR}/rank_{rank}/{runfiles.CHECKPOINT_PREFIX}-1_{g}.ckpt"
-        return {
-            "path": path,
-            "format": "ckpt",
-            "bytes": 1 << 20,
-            "mtime": 1.7e9 + g,
-            "status": status,
-            "reason": None if status == "ok" else "truncated",
-            "epoch": 1,
-            "step": g,
-            "global_step": g,
-            "step_source": "contents",
-        }
-
     def add_set(self, h: int, g: int) -> None:
         for r in range(h * RANKS_PER_HOST, (h + 1) * RANKS_PER_HOST):
-            e = self.entry(r, g)
+            e = listing_entry(r, g)
             self.files[h][e["path"]] = e
 
     def change(self, h: int) -> None:
@@ -151,9 +194,9 @@ class RandomListings:
                 del files[path]
         elif what == "corrupt":
             path = rng.choice(sorted(files))
-            files[path] = self.entry(int(path.split("/")[1][5:]), files[path]["global_step"], "corrupt")
+            files[path] = listing_entry(int(path.split("/")[1][5:]), files[path]["global_step"], "corrupt")
         elif what == "copy":
-            e = self.entry(rng.randrange(len(self.files) * RANKS_PER_HOST), rng.choice(steps))
+            e = listing_entry(rng.randrange(len(self.files) * RANKS_PER_HOST), rng.choice(steps))
             files[e["path"]] = e
         else:
             self.history[h] = ask.ListingHistory()

@@ -33,7 +33,7 @@ from app.cluster import QueueCodec
 from app.config import from_env
 from app.run.state import RunState
 from tests.helpers.agents import RUN, SimNode
-from tests.helpers.app import make_app
+from tests.helpers.app import AUTH, make_app
 from tests.helpers.heartbeats import heartbeat, write_job
 from tests.helpers.queuepage import emit, get_json, publish, until
 from trainer_bridge.beatsink import BeatSink
@@ -180,8 +180,9 @@ def acl_user(redis_server, role: str) -> str:
     return redis_server.url.replace("redis://", f"redis://rankwatch-{role}:pass@")
 
 
-def test_the_documented_acls_let_a_rank_and_an_agent_do_their_part_and_nothing_else(redis_server, tmp_path):
-    """The trainers' and the agents' ``ACL SETUSER`` lines of docs/production.md on a real Redis 6+."""
+def test_the_documented_acls_let_each_role_do_its_part_and_nothing_else(redis_server, tmp_path):
+    """The trainers', the agents' and the dashboards' ``ACL SETUSER`` lines of docs/production.md on a
+    real Redis 6+."""
     admin = redis_py.Redis.from_url(redis_server.url)
     job = "J"
     url = acl_user(redis_server, "rank")
@@ -211,6 +212,30 @@ def test_the_documented_acls_let_a_rank_and_an_agent_do_their_part_and_nothing_e
     with pytest.raises(redis_py.exceptions.NoPermissionError):
         client.hset(redisbus.keys(job)[1], "0", "a heartbeat")
     agent.outbox.close()
+
+    # The dashboards' line: a dashboard on it reads the rank's heartbeat, takes the leader lock and
+    # relays through the queue's channel; it reaches nothing outside Rankwatch's keys, and no
+    # dangerous command.
+    url = acl_user(redis_server, "dash")
+    reader = redisbus.Subscriber(url, job, key=MASTER.encode())
+    assert [r for r, _ in reader.poll()] == [0] and reader.error is None, reader.error
+    reader.close()
+    run_dir = tmp_path / "dash-run"
+    run_dir.mkdir()
+    write_job(run_dir, 2)
+    app = make_app(run_dir, REDIS_URL=url, REDIS_KEY=MASTER, REDIS_JOB=job)
+    try:
+        watcher = app.extensions["rankwatch"].watcher
+        watcher.tick()
+        assert watcher.leading and watcher.cluster.reachable, watcher.cluster
+        health = app.test_client().get("/api/health", headers=AUTH).get_json()
+        assert health["leader"] == health["id"], health
+    finally:
+        watcher.stop()
+    client = redis_py.Redis.from_url(url)
+    for denied in (lambda: client.get("another:key"), client.flushall, lambda: client.config_get("dir")):
+        with pytest.raises(redis_py.exceptions.NoPermissionError):
+            denied()
 
 
 def test_an_agents_key_signs_for_its_own_host_only(tmp_path, redis_server):
@@ -290,3 +315,54 @@ def test_an_agents_key_signs_for_its_own_host_only(tmp_path, redis_server):
     )
     for agent in agents.values():
         agent.outbox.close()
+
+
+def test_the_hubs_resync_request_is_signed_for_each_host(tmp_path, redis_server):
+    """The request that makes an agent send all its rows again was one unsigned value for every agent:
+    whoever could write to Redis could make each send everything every tick. It is now one per host,
+    signed with that host's key; an unsigned, forged, other host's or replayed one is refused."""
+    agent_key = redisbus.own_key(MASTER.encode(), redisbus.agent_label("node-a"))
+    node = SimNode(tmp_path, "node-a", range(4), 4)
+    # A rolling resync of one row a digest (every 1,000 s): a digest with all 4 is a resync taken.
+    handed = redisbus.hand_out(MASTER.encode(), redisbus.agent_label("node-a")).encode()
+    agent = Agent(node.dir, redis_server.url, RUN, from_env(), key=handed, host="node-a", resync_s=1000.0)
+
+    def rows() -> int:
+        node.beat()
+        return len(agent.tick(time.time())["rows"])
+
+    assert rows() == 4  # a new agent sends everything
+    assert rows() == 1
+    client = redis_py.Redis.from_url(redis_server.url)
+    key = dg.resync_key(RUN, "node-a")
+    node_b = redisbus.own_key(MASTER.encode(), redisbus.agent_label("node-b"))
+    forged = [
+        f"{time.time() + 1:.6f}".encode(),  # today's value before: a bare time
+        dg.resync_value(None, RUN, time.time() + 2),  # unsigned
+        dg.resync_value(node_b, RUN, time.time() + 3),  # another host's key
+        dg.resync_value(MASTER.encode(), RUN, time.time() + 4),  # no derived key at all
+    ]
+    for n, value in enumerate(forged, 1):
+        client.set(key, value)
+        assert rows() == 1 and rows() == 1, value
+        assert agent.resyncs_refused == n
+
+    hub_dir = tmp_path / "hub" / RUN
+    hub_dir.mkdir(parents=True)
+    app = make_app(hub_dir, REDIS_URL=redis_server.url, REDIS_KEY=MASTER, AGENTS=True, AGENT_LOST_S=3600.0)
+    state = app.extensions["rankwatch"].state
+    state.scan(time.time())  # the hub joins the digest stream
+    assert rows() == 1
+    state.scan(time.time())  # it hears node-a for the first time: it asks node-a for everything
+    assert set(state.hub.hosts) == {"node-a"}
+    asked = client.get(key)
+    assert dg.open_resync(asked, agent_key, RUN) > agent.boot
+    assert rows() == 1  # the request is read after this digest is built...
+    assert rows() == 4  # ...and the next carries every row
+    assert rows() == 1 and agent.resyncs_refused == len(forged)
+    # The hub's request replayed after a newer one was taken: refused.
+    client.set(key, dg.resync_value(agent_key, RUN, time.time()))
+    assert rows() == 1 and rows() == 4
+    client.set(key, asked)
+    assert rows() == 1 and rows() == 1 and agent.resyncs_refused == len(forged) + 1
+    agent.outbox.close()

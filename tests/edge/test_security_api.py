@@ -481,6 +481,21 @@ def test_login_codes_work_once_and_expire():
     assert not codes.redeem("") and not codes.redeem("x" * 30)
 
 
+def test_the_messages_name_rankwatch_login_as_it_can_be_run_here(monkeypatch, tmp_path):
+    """By name on PATH; by its path beside the dashboard's Python otherwise (a `make demo` venv)."""
+    import sys
+    from pathlib import Path
+
+    from app.edge import login
+
+    beside = Path(sys.executable).parent / "rankwatch"
+    assert beside.is_file()  # the venv's console script (pyproject.toml's [project.scripts])
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert login._login_command() == f"{beside} login"
+    monkeypatch.setenv("PATH", str(beside.parent))
+    assert login._login_command() == "rankwatch login"
+
+
 def test_the_login_routes(app, client):
     r = client.post("/api/login-code", json={}, headers=AUTH)
     assert r.status_code == 201, r.get_json()

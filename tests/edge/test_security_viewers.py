@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers.app import TOKEN, operator
 from tests.helpers.checkpoints import bridge_id, save_bridge_set
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
@@ -101,3 +103,74 @@ def test_health_names_no_host_nor_pid_to_a_viewer_without_the_token(tmp_path, ru
         assert (
             shown["leader"] == shown["id"] if full["leader"] == full["id"] else shown["leader"] != shown["id"]
         )
+
+
+@pytest.mark.parametrize("live_env", [{"TOKEN": TOKEN, "CHECKPOINT_SCAN_S": 0.3}], indirect=True)
+def test_pushes_name_the_run_directory_only_to_sockets_that_carry_the_token(live_server, run_dir):
+    """P11: every Socket.IO push (the run status, the checkpoint index, the stop lifecycle...) named
+    the absolute run directory to every page; a viewer's socket now gets it as the HTTP answers do.
+    A real dashboard and real Socket.IO clients (Engine.IO long-polling, ``tests/helpers/queuepage.py``)."""
+    import json
+
+    from tests.helpers.app import wait_for
+    from tests.helpers.queuepage import PollingPage
+
+    where = str(run_dir)
+    write_job(run_dir, 2)
+    write_heartbeat(run_dir, heartbeat(0, 2, seq=1))
+    # Naming no page: every room's events, every page's snapshots.
+    pages = {"viewer": PollingPage(live_server.url), "op": PollingPage(live_server.url, {"token": TOKEN})}
+    wrong = PollingPage(live_server.url, {"page": "ranks", "token": "not-" + TOKEN})
+    try:
+
+        def got(who, name, predicate=bool):
+            def check():
+                return [args[0] for n, args in pages[who].events if n == name and predicate(args[0])]
+
+            return wait_for(check, f"{who}: {name}")[-1]
+
+        refused = wait_for(lambda: dict(wrong.events).get("connect_error"), "the wrong token refused")[0]
+        assert refused["data"] == {"status": 401} and "wrong operator token" in refused["message"]
+        assert got("viewer", "ranks_snapshot")["run"]["run_dir"] == run_dir.name
+        assert got("op", "ranks_snapshot")["run"]["run_dir"] == where
+        # The rooms' pushes: a run status that changes (a second rank), a checkpoint index that does.
+        write_heartbeat(run_dir, heartbeat(1, 2, seq=1, global_step=7))
+        save_bridge_set(run_dir, 16)
+        for who, shown in (("op", where), ("viewer", run_dir.name)):
+            # The whole index at the connect, then the new set as a delta (app/checkpoints/indexbody.py).
+            assert got(who, "checkpoints")["run_dir"] == shown
+            assert got(who, "checkpoints_delta", lambda d: d.get("sets"))
+            assert got(who, "ranks_delta", lambda d: "run" in d)["run"]["run_dir"] == shown
+        names = set(pages["viewer"].names())
+        assert {"ranks_snapshot", "ranks_delta", "stop_status", "checkpoints", "checkpoints_delta"} <= names
+        assert where not in json.dumps(pages["viewer"].events)
+        assert where in json.dumps(pages["op"].events)
+        assert not [n for n, _ in wrong.events if n != "connect_error"]
+    finally:
+        for page in (*pages.values(), wrong):
+            page.close()
+
+
+def test_a_windowed_pages_own_pushes_follow_its_token(run_dir):
+    """Above PAGE_WINDOW_RANKS each ranks-page client is pushed its own window (app/ranks/window.py):
+    redacted for a viewer too."""
+    from app.extensions import socketio
+    from tests.helpers.app import make_app, wait_for_event
+
+    write_job(run_dir, 6)
+    for r in range(6):
+        write_heartbeat(run_dir, heartbeat(r, 6, seq=1))
+    app = make_app(run_dir, PAGE_WINDOW_RANKS=4)
+    try:
+        for auth, shown in (({}, run_dir.name), ({"token": TOKEN}, str(run_dir))):
+            sio = socketio.test_client(
+                app, flask_test_client=app.test_client(), auth={"page": "ranks", **auth}
+            )
+            assert wait_for_event(sio, "ranks_snapshot")["run"]["run_dir"] == shown
+            # The window's rows come at the next tick, from the watcher, to this client alone.
+            assert sio.emit("ranks_view", {"page": 2, "per_page": 3}, callback=True) == {"ok": True}
+            snap = wait_for_event(sio, "ranks_snapshot", lambda p: p["window"]["page"] == 2)
+            assert snap["run"]["run_dir"] == shown, snap["run"]
+            sio.disconnect()
+    finally:
+        app.extensions["rankwatch"].watcher.stop()

@@ -6,7 +6,9 @@ import time
 from pathlib import Path
 
 from app import create_app
+from app.checkpoints.indexbody import apply_delta
 from app.extensions import socketio
+from app.push import CHECKPOINTS_DELTA_EVENT, CHECKPOINTS_EVENT, CHECKPOINTS_INDEX_REQUEST
 
 # The operator token of every test dashboard: long and random-looking, so no weak-token warning.
 TOKEN = "Kx9-rankwatch-test-token-7Qz2mW4vT8pL"
@@ -71,3 +73,33 @@ def wait_for(predicate, what: str, timeout: float = 30.0):
             return value
         time.sleep(0.02)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def wait_for_index(sio, predicate=lambda index: True, timeout: float = 15.0) -> dict:
+    """The checkpoint index as the page holds it, once it passes ``predicate``.
+
+    As ``static/js/checkpoints.js`` does: the whole ``checkpoints`` body, each
+    ``checkpoints_delta`` applied to it (``apply_delta``), and the whole index
+    asked for again (``checkpoints_index``) when a delta was missed. What is
+    held is kept on ``sio`` for the next call; other events are dropped.
+    """
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        for event in sio.get_received():
+            name, payload = event["name"], event["args"][0]
+            seen.append(name)
+            held = getattr(sio, "rankwatch_index", None)
+            if name == CHECKPOINTS_EVENT:
+                held = payload
+            elif name == CHECKPOINTS_DELTA_EVENT and held is not None:
+                held = apply_delta(held, payload)
+                if held is None:
+                    seen.append(CHECKPOINTS_INDEX_REQUEST)
+                    held = sio.emit(CHECKPOINTS_INDEX_REQUEST, callback=True)
+            sio.rankwatch_index = held
+        held = getattr(sio, "rankwatch_index", None)
+        if held is not None and predicate(held):
+            return held
+        socketio.sleep(0.02)
+    raise AssertionError(f"no matching checkpoint index within {timeout} s; got {seen}")

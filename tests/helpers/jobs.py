@@ -202,13 +202,10 @@ class DemoJob:
         return step // self.steps_per_epoch + 2
 
     def steps_logged(self, rank: int) -> list[int]:
-        """Global steps rank ``rank`` printed (``--step-log``), in order."""
-        text = self.worker_log(rank)
-        return [int(m) for m in re.findall(r"^step (\d+) epoch", text, re.M)]
+        return steps_logged(self.run_dir, rank)
 
     def worker_log(self, rank: int) -> str:
-        path = self.run_dir / "msrun_logs" / f"worker_{rank}.log"
-        return path.read_text(errors="replace") if path.exists() else ""
+        return worker_log(self.run_dir, rank)
 
     def logs(self, tail: int = 40) -> str:
         parts = []
@@ -222,6 +219,16 @@ class DemoJob:
                 ]
                 parts.append(f"--- {path.name}\n" + "\n".join(lines[-tail:]))
         return "\n".join(parts)
+
+
+def worker_log(run_dir: Path, rank: int) -> str:
+    path = run_dir / "msrun_logs" / f"worker_{rank}.log"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def steps_logged(run_dir: Path, rank: int) -> list[int]:
+    """Global steps rank ``rank`` printed (the demo's ``--step-log``), in order."""
+    return [int(m) for m in re.findall(r"^step (\d+) epoch", worker_log(run_dir, rank), re.M)]
 
 
 def write_flag(run_dir: Path, request_id: str = "req-test", **extra) -> dict:

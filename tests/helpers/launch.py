@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 
 from app.supervise import procs
-from tests.helpers.jobs import JOB_TIMEOUT_S, JobFailed
+from tests.helpers.jobs import JOB_TIMEOUT_S, JobFailed, steps_logged
 from trainer_bridge.demo.__main__ import TRAIN_SCRIPT, free_port, job_env, msrun_command
 from trainer_bridge.demo.mnist import write_mnist
 from trainer_bridge.rundir import attempts, runfiles
@@ -149,11 +149,7 @@ class LaunchJob:
         raise JobFailed(f"timed out waiting for {what}\n{self.output()}")
 
     def steps_logged(self, rank: int) -> list[int]:
-        import re
-
-        path = self.run_dir / "msrun_logs" / f"worker_{rank}.log"
-        text = path.read_text(errors="replace") if path.exists() else ""
-        return [int(m) for m in re.findall(r"^step (\d+) epoch", text, re.M)]
+        return steps_logged(self.run_dir, rank)
 
 
 def wait_gone(pids: list[int], timeout: float = 120.0) -> list[int]:
@@ -172,3 +168,29 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def runs_row(root: Path, run_dir: Path) -> dict:
+    """``rankwatch runs ROOT --json``'s row of ``run_dir``."""
+    import json
+
+    from click.testing import CliRunner
+
+    from app.cli import main as cli_main
+
+    body = json.loads(CliRunner().invoke(cli_main, ["runs", str(root), "--json"]).output)
+    (row,) = [r for r in body["runs"] if r["id"].endswith(run_dir.name)]
+    return row
+
+
+def enforcing_dashboard(tmp_path: Path, skip: int):
+    """``tmp_path/run`` and a real dashboard on it in ``SPIKE_MODE=enforce`` (a rollback skips ``skip``
+    batches), with the tests' thresholds; the caller stops it."""
+    from tests.helpers.app import FAST_SETTINGS, TOKEN
+    from tests.helpers.liveserver import start_dashboard
+
+    run = tmp_path / "run"
+    run.mkdir()
+    settings = {**FAST_SETTINGS, "TOKEN": TOKEN, "SPIKE_MODE": "enforce", "SKIP_BATCHES": skip}
+    env = {f"RANKWATCH_{k}": str(v) for k, v in settings.items()}
+    return run, start_dashboard(run, tmp_path / "dashboard.log", env=env)

@@ -47,13 +47,14 @@ class PollingPage:
     listener; ``events`` collects every event the page receives.
     """
 
-    def __init__(self, base: str):
+    def __init__(self, base: str, auth: dict | None = None):
         self.base = base.rstrip("/") + "/socket.io/?EIO=4&transport=polling"
         with urllib.request.urlopen(self.base, timeout=30) as r:
             opened = r.read().decode()
         assert opened.startswith("0"), opened
         self.url = self.base + "&sid=" + json.loads(opened[1:])["sid"]
-        self._post("40")
+        # ``auth``: the connect's payload (``{"page", "token"}``); a refusal arrives as a "connect_error" event.
+        self._post("40" + (json.dumps(auth) if auth else ""))
         self.events: list[tuple[str, list]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
@@ -77,6 +78,8 @@ class PollingPage:
                 elif packet.startswith("42"):
                     name, *args = json.loads(packet[2:])
                     self.events.append((name, args))
+                elif packet.startswith("44"):
+                    self.events.append(("connect_error", [json.loads(packet[2:])]))
 
     def names(self) -> list[str]:
         return [name for name, _ in self.events]

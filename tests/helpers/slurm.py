@@ -29,6 +29,8 @@ from tests.helpers.liveserver import free_port
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "squeue", "sinfo", "scontrol", "scancel", "srun")
 START_TIMEOUT_S = 60.0  # a failure guard; the start waits on sinfo's answer
+# Credentials' lifetime, and so a requeued job's wait before it runs again (AuthInfo's cred_expire).
+CRED_EXPIRE_S = 20
 
 
 def unavailable() -> str | None:
@@ -112,7 +114,10 @@ class Slurm:
                     "SlurmdUser=root",
                     "AuthType=auth/munge",
                     "CredType=cred/munge",
-                    f"AuthInfo=socket={self.munge_socket}",
+                    # cred_expire is also how long a requeued job waits before it runs again (120 s by
+                    # default): slurmd refuses to start it while it still holds the job's revoked
+                    # credential ("Job credential revoked"), so the tests shorten the wait, never skip it.
+                    f"AuthInfo=socket={self.munge_socket},cred_expire={CRED_EXPIRE_S}",
                     f"StateSaveLocation={d}/state",
                     f"SlurmdSpoolDir={d}/spool",
                     f"SlurmctldPidFile={d}/run/slurmctld.pid",

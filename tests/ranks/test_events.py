@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 from app.extensions import socketio
 from app.run.state import RunState
 from app.watcher import Watcher
-from tests.helpers.app import wait_for_event
+from tests.helpers.app import TOKEN, wait_for_event, wait_for_index
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 
 
@@ -40,8 +41,8 @@ def test_each_page_gets_only_its_own_events(app, client, run_dir):
     ranks = socketio.test_client(app, flask_test_client=client, auth={"page": "ranks"})
     ckpts = socketio.test_client(app, flask_test_client=client, auth={"page": "checkpoints"})
     anyone = socketio.test_client(app, flask_test_client=client)  # names no page: everything
-    wait_for_event(ckpts, "checkpoints")
-    wait_for_event(anyone, "checkpoints")
+    wait_for_index(ckpts)
+    wait_for_index(anyone)
     names = {e["name"] for e in ranks.get_received()}
     assert {"ranks_snapshot", "stop_status"} <= names and "checkpoints" not in names
 
@@ -51,8 +52,8 @@ def test_each_page_gets_only_its_own_events(app, client, run_dir):
     ckpt_file = run_dir / "checkpoints" / "rank_0" / "rankwatch-1_7.ckpt"
     ckpt_file.parent.mkdir(parents=True)
     ckpt_file.write_bytes(b"not a checkpoint")
-    wait_for_event(ckpts, "checkpoints", lambda body: body["sets"])
-    wait_for_event(anyone, "checkpoints", lambda body: body["sets"])
+    wait_for_index(ckpts, lambda body: body["sets"])
+    wait_for_index(anyone, lambda body: body["sets"])
     assert not [e["name"] for e in ckpts.get_received() if e["name"].startswith("ranks_")]
     assert not [e["name"] for e in ranks.get_received() if e["name"] == "checkpoints"]
     for c in (ranks, ckpts, anyone):
@@ -150,3 +151,22 @@ def test_each_tick_emits_at_most_one_event(run_dir, app):
     event, payload = fake.emits[-1]
     assert event == "ranks_delta" and len(fake.emits) == 2
     assert [row["rank"] for row in payload["rows"]] == [0, 10, 20, 30, 40]
+
+
+def test_a_checkpoint_page_that_missed_a_push_gets_the_whole_index_as_the_ack(app, client, run_dir):
+    ckpt_file = run_dir / "checkpoints" / "rank_0" / "rankwatch-1_7.ckpt"
+    ckpt_file.parent.mkdir(parents=True)
+    ckpt_file.write_bytes(b"not a checkpoint")
+    ckpts = socketio.test_client(app, flask_test_client=client, auth={"page": "checkpoints"})
+    held = wait_for_index(ckpts, lambda body: body["sets"])
+    ack = ckpts.emit("checkpoints_index", callback=True)
+    assert [s["id"] for s in ack["sets"]] == [s["id"] for s in held["sets"]]
+    assert isinstance(ack["version"], int) and ack["version"] >= held["version"]
+    # A viewer's ack names no absolute path, as its pushes do not (issue 32, P11); an operator's does.
+    assert str(run_dir) not in json.dumps(ack)
+    ckpts.disconnect()
+    auth = {"page": "checkpoints", "token": TOKEN}
+    operator = socketio.test_client(app, flask_test_client=client, auth=auth)
+    wait_for_index(operator, lambda body: body["sets"])
+    assert str(run_dir) in json.dumps(operator.emit("checkpoints_index", callback=True))
+    operator.disconnect()

@@ -107,7 +107,8 @@ def test_dashboard_started_before_the_job_and_on_bad_run_directories(
     status = page.locator("#run-status")
     page.goto(dash.url)
     expect(status).to_have_attribute("data-status", "missing", timeout=UI_TIMEOUT_MS)
-    expect(run_message(page)).to_contain_text(f"The run directory {run} does not exist (yet)")
+    # This page holds no token: it is told the run by its name, not where it lives (issue 32, P11).
+    expect(run_message(page)).to_contain_text(f"The run directory {run.name} does not exist (yet)")
 
     run.mkdir()
     expect(status).to_have_attribute("data-status", "waiting", timeout=UI_TIMEOUT_MS)
@@ -116,7 +117,7 @@ def test_dashboard_started_before_the_job_and_on_bad_run_directories(
     state_dir = runfiles.state_dir(run)
     state_dir.write_text("not a directory")  # another tool took the name
     expect(status).to_have_attribute("data-status", "unreadable", timeout=UI_TIMEOUT_MS)
-    expect(run_message(page)).to_contain_text(f"Cannot read {state_dir}: Not a directory")
+    expect(run_message(page)).to_contain_text(f"Cannot read {run.name}/rankwatch: Not a directory")
     state_dir.unlink()
 
     state_dir.mkdir()

@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from app.run import judging, stepcost
+from app.run import judging, peers, stepcost
 from app.run.health import judge_all
 from app.run.stepcost import StepWindow
 from tests.helpers.heartbeats import heartbeat
@@ -195,3 +195,24 @@ def test_a_straggler_near_the_ratio_does_not_flap():
         "healthy",  # 1.3x: below 1.35x, back among its peers
         "healthy",  # 1.45x: not past the rule again
     ]
+
+
+def test_the_slowest_rank_rule_ties_to_the_highest_rank_and_takes_the_boards_peer_median():
+    """``peers.slowest_rank``: the board and the agents' hub both call it (the hub in tests/cluster/test_agent.py)."""
+    assert peers.pick([3, 7, 5], [10.0, 10.0, 9.0]) == (7, 10.0)
+    assert peers.pick([], []) is None
+    found = peers.slowest_rank(
+        [0, 1, 2], [50.0, 200.0, 60.0], "step", straggler=lambda r: r == 1, threshold_ratio=1.5
+    )
+    assert (found["rank"], found["median_ms"], found["ratio"], found["straggler"]) == (1, 55.0, 3.64, True)
+    given = peers.slowest_rank(
+        [0, 1, 2],
+        [50.0, 200.0, 60.0],
+        "work",
+        straggler=lambda r: False,
+        threshold_ratio=1.5,
+        peer=lambda r: 40.0,
+    )
+    assert (given["median_ms"], given["basis"], given["text"].startswith("none:")) == (40.0, "work", True)
+    alone = peers.slowest_rank([4], [80.0], "step", straggler=lambda r: False, threshold_ratio=1.5)
+    assert (alone["median_ms"], alone["gap_ms"]) == (80.0, 0.0)  # one rank: compared with itself

@@ -38,17 +38,41 @@ def steps(run_dir) -> list[int]:
     return [hb.get("global_step") or 0 for hb in beats]
 
 
-def test_a_signal_from_slurm_saves_requeues_and_the_next_run_resumes_as_attempt_2(slurm: Slurm, tmp_path):
+# The template's --signal=B:TERM@N: Slurm's warning N seconds before the time limit (the opt-in).
+WARN_S = 150
+
+
+def time_limit_now(slurm: Slurm, job: str) -> int:
+    """Cut the job's time limit so that Slurm's warning is due now, with a minute left to stop in.
+
+    A real time limit, reached while the job trains: Slurm looks at limits about every 30 s, so a
+    limit fixed at submission would warn at a moment the test cannot choose. The new limit, T
+    minutes from the job's start, puts T - WARN_S behind the elapsed time E and T beyond E + 90 s:
+    the warning goes out at Slurm's next look (within 30 s), the kill no sooner than E + 90 s.
+    """
+    elapsed = run_time_s(slurm.job(job)["RunTime"])
+    minutes = (elapsed + WARN_S) // 60
+    slurm.run(["scontrol", "update", f"JobId={job}", f"TimeLimit={minutes}"])
+    return minutes
+
+
+def run_time_s(text: str) -> int:
+    """``scontrol``'s ``RunTime`` ([D-]HH:MM:SS) in seconds."""
+    days, _, hms = text.rpartition("-")
+    h, m, s = (int(x) for x in hms.split(":"))
+    return (int(days) if days else 0) * 86400 + h * 3600 + m * 60 + s
+
+
+def test_a_time_limit_saves_requeues_and_the_next_run_resumes_as_attempt_2(slurm: Slurm, tmp_path):
     run = tmp_path / "run"
-    script = demo_script(tmp_path, run, TRAIN)
+    script = demo_script(tmp_path, run, TRAIN, signal_s=WARN_S)
     out = tmp_path / "job.out"
-    job = slurm.sbatch(script, "-o", str(out), env=job_environment())
+    job = slurm.sbatch(script, "-o", str(out), "--time=10", env=job_environment())
     log = lambda: out.read_text(errors="replace") if out.exists() else ""  # noqa: E731
 
     wait_for_job("both ranks at global step 3", lambda: min(steps(run)) >= 3 or slurm_failed(slurm, job, log))
     signalled = time.time()
-    # What --signal=B:TERM@N and a preemption do to the batch shell.
-    slurm.run(["scancel", "--signal=TERM", "--batch", job])
+    limit = time_limit_now(slurm, job)
 
     # The first run of the job ends: every rank saved at one step, the attempt is preempted, Slurm requeues.
     first = wait_for_job(
@@ -58,7 +82,9 @@ def test_a_signal_from_slurm_saves_requeues_and_the_next_run_resumes_as_attempt_
             or slurm_failed(slurm, job, log)
         ),
     )[0]
-    assert first["attempt"] == 1 and first["end"] == "graceful_stop", first
+    # The requeued run gets its ten minutes back, so that Slurm does not warn it at once too.
+    slurm.run(["scontrol", "update", f"JobId={job}", "TimeLimit=10"])
+    assert first["attempt"] == 1 and first["end"] == "graceful_stop", (first, limit)
     cause, sched = first["cause"], first["supervisor"]["scheduler"]
     assert cause["signal"] == "SIGTERM" and cause["signalled_at"] >= signalled - 1
     assert sched["kind"] == "slurm" and sched["job_id"] == job and sched["restart_count"] == 0
@@ -71,8 +97,9 @@ def test_a_signal_from_slurm_saves_requeues_and_the_next_run_resumes_as_attempt_
     saved = first["last_step"]
     stopped = first["supervisor"]["ended_at"]
     print(
-        f"\nMEASURED signal to every rank saved and exited: {stopped - signalled:.1f} s (KillWait {slurm.kill_wait_s} s);"
-        f" from the batch shell's trap to the last process gone (rankwatch slurm check's figure): {slurm_measured(run):.1f} s"
+        f"\nMEASURED time-limit warning (the batch shell's trap) to every rank saved and exited: "
+        f"{stopped - cause['signalled_at']:.1f} s (KillWait {slurm.kill_wait_s} s); rankwatch slurm check's "
+        f"figure: {slurm_measured(run):.1f} s; the time limit cut to {limit} min, the warning {WARN_S} s before it"
     )
 
     slurm.wait_job(
@@ -82,7 +109,7 @@ def test_a_signal_from_slurm_saves_requeues_and_the_next_run_resumes_as_attempt_
     )
     assert "preempted by SIGTERM: requeueing job" in log(), log()
 
-    second = attempt_2(slurm, job, run)
+    second = attempt_2(slurm, job, run, log)
     assert second["resumed_from"]["global_step"] == saved, second
     assert second["first_step"] == saved + 1
     wait_for_job("attempt 2 past its first step", lambda: min(steps(run)) > saved)
@@ -104,24 +131,17 @@ def slurm_measured(run) -> float:
     return measured_stop_s(str(run))
 
 
-def attempt_2(slurm: Slurm, job: str, run) -> dict:
-    """The requeued run's attempt, once it has launched."""
+def attempt_2(slurm: Slurm, job: str, run, log) -> dict:
+    """The requeued run's attempt, once it has launched: Slurm starts the requeued job by itself once
+    its credential has expired (``CRED_EXPIRE_S``, tests/helpers/slurm.py); starting it sooner
+    (``scontrol update StartTime=now``) raced slurmd, which then refused it ("Job credential revoked")."""
     return wait_for_job(
         "attempt 2 training",
         lambda: (
-            [r for r in rows(run) if r["attempt"] == 2 and r.get("launch")] or release_if_held(slurm, job)
+            [r for r in rows(run) if r["attempt"] == 2 and r.get("launch")] or slurm_failed(slurm, job, log)
         ),
         every_s=0.5,
     )[0]
-
-
-def release_if_held(slurm: Slurm, job: str) -> bool:
-    """Start a requeued job Slurm holds back for its begin time (about two minutes on): not these tests'
-    matter. Its Reason may turn BeginTime only after the requeue shows, so each poll looks; False."""
-    f = slurm.job(job)
-    if f.get("JobState") == "PENDING" and f.get("Reason") == "BeginTime":
-        slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False)
-    return False
 
 
 def slurm_failed(slurm: Slurm, job: str, log) -> bool:
@@ -161,7 +181,7 @@ def test_scontrol_requeue_signals_every_process_and_the_requeued_run_trains_on(s
     first = wait_for_job("attempt 1 ended", lambda: [r for r in rows(run) if r.get("supervisor")])[0]
     assert first["cause"]["kind"] == "preempted" and first["cause"]["signal"] == "SIGTERM", (first, log())
 
-    second = attempt_2(slurm, job, run)
+    second = attempt_2(slurm, job, run, log)
     assert second["resumed_from"] is not None, (second, log())
     saved = second["resumed_from"]["global_step"]
     # The requeued run trains on past its resume: the stale stop was re-armed, and said so.

@@ -41,22 +41,24 @@ def supervised(attempt: int, kill_wait: int | None, **more) -> dict:
     }
 
 
+def start_line(n: int) -> dict:
+    return {
+        "kind": "start",
+        "attempt": n,
+        "launch": f"L{n}",
+        "started_at": T + 100 * n + 5,
+        "world_size": 2,
+        "hosts": ["a"],
+        "first_step": 1,
+    }
+
+
 def write_attempts(run_dir, records) -> list[dict]:
     """attempts.jsonl with each supervised record after its attempt's start line; the rows as folded."""
     lines = []
     for rec in records:
         n = rec["attempt"]
-        lines.append(
-            {
-                "kind": "start",
-                "attempt": n,
-                "launch": f"L{n}",
-                "started_at": T + 100 * n + 5,
-                "world_size": 2,
-                "hosts": ["a"],
-                "first_step": 1,
-            }
-        )
+        lines.append(start_line(n))
         lines.append(rec)
     path = runfiles.attempts_path(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -141,3 +143,35 @@ def test_the_api_and_one_alert_say_it_before_a_preemption(run_dir, receiver):
     # A KillWait that fits: the API says so, and no alert.
     write_attempts(run_dir, [supervised(1, 5), supervised(2, 5), supervised(3, 6), supervised(4, 60)])
     assert app.test_client().get("/api/attempts", headers=AUTH).get_json()["slurm_stop"]["fits"] is True
+
+
+def test_a_running_job_whose_stop_would_not_fit_needs_attention_on_the_runs_page(tmp_path):
+    """Attempt 1 was preempted and took 12 s to stop, KillWait is 5; attempt 2 trains: the runs table
+    says so while it trains. The same history with the job ended needs nothing."""
+    from app import create_app
+
+    root = tmp_path / "root"
+    preempted = supervised(
+        1, 5, cause={"kind": "preempted", "signal": "SIGTERM", "signalled_at": T + 100}, ended_at=T + 112
+    )
+    for name, state in (("training", "training"), ("ended", "finished")):
+        run = root / name
+        write_job(run, 2)
+        write_attempts(run, [preempted])
+        with runfiles.attempts_path(run).open("a") as f:  # attempt 2 started, not ended
+            f.write(json.dumps(start_line(2)) + "\n")
+        for rank in range(2):
+            write_heartbeat(run, heartbeat(rank, 2, state=state), history=False)
+    app = create_app({"RUNS_ROOT": str(root), "TESTING": True, "STALL_MIN_S": 600.0, "DEAD_AFTER_S": 900.0})
+    try:
+        body = app.test_client().get("/api/runs", headers=AUTH).get_json()
+        rows = {r["id"]: r for r in body["runs"]}
+        training, ended = rows["training"], rows["ended"]
+        assert training["needs_attention"] is True and training["slurm_stop"].startswith(
+            "this job needs about 12 s to stop; Slurm gives it 5 (KillWait)"
+        ), training
+        assert training["attempts"] == 2
+        assert ended["needs_attention"] is False and ended["slurm_stop"] is None, ended
+        assert body["needs_attention"] == 1
+    finally:
+        app.extensions["rankwatch_runs"].stop()

@@ -17,6 +17,7 @@ Every wait polls for an event; the timeouts are upper bounds only.
 from __future__ import annotations
 
 import json
+import socket
 import sqlite3
 import urllib.error
 import urllib.request
@@ -56,6 +57,11 @@ def training_rows(server, ranks: int, at_least: int):
         for r in rows
     )
     return rows if ok else None
+
+
+def writers_found(server, ranks: int) -> bool:
+    rows = api(server, "/api/ranks")["ranks"]
+    return len(rows) == ranks and all(r["host"] == socket.gethostname() and r["pid"] for r in rows)
 
 
 def audit(run) -> list[tuple]:
@@ -142,6 +148,10 @@ def test_two_processes_that_ignore_the_flag_end_and_the_stop_is_reported_not_obe
     server = start_server(run, tmp_path / "dashboard.log", env={"RANKWATCH_TOKEN": TOKEN})
     with job:
         wait_for("both ranks training from their logs", lambda: training_rows(server, 2, 2), job)
+        # The stop is re-armed only on process evidence (issue 32, P1): the dashboard must have found
+        # each log's writer on this host before the job ends. A 30-step job on a loaded machine can end
+        # before its writer scan; the "claims" path that then follows is tested in tests/stop/.
+        wait_for("each log's writing process found on this host", lambda: writers_found(server, 2), job)
         assert api(server, "/api/exit", {"reason": "logstop: ignored"})["created"] is True
         pending = api(server, "/api/exit")
         assert pending["state"] == "requested" and "may ignore the flag" in pending["logs"]["note"]

@@ -18,6 +18,8 @@ import sqlite3
 import time
 import tracemalloc
 
+import pytest
+
 from app.audit import AuditLog
 from tests.helpers.app import AUTH
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
@@ -185,3 +187,45 @@ def test_an_event_recorded_once_is_recorded_once_however_many_processes_see_it(t
     log = AuditLog(path)
     assert log.record("complete", who="system", outcome="completed", request_id="r2", once=True) > 0
     assert log.record("complete", who="system", outcome="completed", request_id="r2", once=True) == 0
+
+
+@pytest.mark.parametrize("target", ["victim.sqlite3", "new.sqlite3"])
+def test_an_audit_db_swapped_for_a_symlink_after_the_check_writes_nothing_outside(
+    tmp_path, monkeypatch, target
+):
+    """Issue 32 (a residual of P2): between the check of ``audit.sqlite3`` and SQLite's own open, a
+    rank swaps the name for a symlink to a database elsewhere (or to a name where none is yet).
+    SQLite resolves a symlink to text before it opens, so it wrote there. The symlink is planted at
+    that very moment here (as SQLite is called); the row is now refused, and nothing elsewhere is
+    written or created."""
+    import os
+
+    from app.audit import AuditError, audit_path
+
+    run = tmp_path / "run"
+    runfiles.state_dir(run).mkdir(parents=True)
+    out = tmp_path / "out"
+    out.mkdir()
+    victim = out / "victim.sqlite3"
+    conn = sqlite3.connect(victim)
+    conn.execute("CREATE TABLE canary (x)")
+    conn.commit()
+    conn.close()
+    before = victim.read_bytes()
+    trail = AuditLog(audit_path(run, {"AUDIT_DB": ""}), root=run, run="r")
+    trail.record("request", who="op", outcome="before")
+    name = runfiles.state_dir(run) / "audit.sqlite3"
+    real_connect = sqlite3.connect
+
+    def planted(*args, **kw):
+        os.rename(name, name.with_name("aside"))
+        os.symlink(out / target, name)
+        return real_connect(*args, **kw)
+
+    monkeypatch.setattr(sqlite3, "connect", planted)
+    with pytest.raises(AuditError, match="symlink|unable to open"):
+        trail.record("request", who="op", outcome="through the symlink")
+    monkeypatch.undo()
+    assert victim.read_bytes() == before and sorted(os.listdir(out)) == ["victim.sqlite3"]
+    os.replace(name.with_name("aside"), name)
+    assert [r["outcome"] for r in trail.rows()] == ["before"]

@@ -23,8 +23,9 @@ from app.supervise import policy
 from tests.helpers.app import AUTH, FAST_SETTINGS, make_app, wait_for
 from tests.helpers.faults import measure
 from tests.helpers.jobs import UNTIL_STOPPED, DemoJob, write_flag
-from tests.helpers.launch import LaunchJob, wait_gone
-from trainer_bridge.rundir import runfiles
+from tests.helpers.launch import LaunchJob, runs_row, wait_gone
+from tests.helpers.storage import fill, small_tmpfs
+from trainer_bridge.rundir import gaspfiles, runfiles
 
 pytestmark = pytest.mark.msrun
 
@@ -128,7 +129,9 @@ def test_a_hung_rank_ends_its_attempt_as_a_hang_and_the_job_goes_on(tmp_path):
         stopped.send_signal(signal.SIGSTOP)
         # Then, in attempt 2, both ranks die at once: no survivor can save, the next attempt resumes
         # from the newest periodic set.
-        job.wait_until(lambda: len(job.rows()) >= 2 and step(job, 0) >= 55, "attempt 2 past global step 55")
+        # Step 45 of 62: attempt 2 has saved sets past its resume point, and the kill lands well before
+        # the end (a kill after the last step and the final save would leave attempt 3 nothing to train).
+        job.wait_until(lambda: len(job.rows()) >= 2 and step(job, 0) >= 45, "attempt 2 past global step 45")
         both = job.workers()
         for p in both.values():
             p.send_signal(signal.SIGKILL)
@@ -152,7 +155,8 @@ def test_a_hung_rank_ends_its_attempt_as_a_hang_and_the_job_goes_on(tmp_path):
     assert f"attempt 1 failed: rank 1 (pid {stopped.pid} on" in job.output() and " hung: " in job.output()
     # No dying gasp for a hang: attempt 2 resumed from the newest periodic set.
     assert b["resumed_from"]["global_step"] % 10 == 0
-    assert job.steps_logged(0)[-1] == EPOCHS * job.steps_per_epoch
+    logged = job.steps_logged(0)
+    assert logged and logged[-1] == EPOCHS * job.steps_per_epoch, (again, logged[-3:], job.output())
     assert job.marked() == []
     measure(
         "launch: SIGSTOP to the hang's detection",
@@ -182,13 +186,6 @@ def test_a_script_that_fails_at_import_ends_the_run_by_the_startup_rule(tmp_path
     assert job.marked() == []
 
 
-def runs_row(root, run_dir) -> dict:
-    """``rankwatch runs ROOT --json``'s row of ``run_dir``."""
-    body = json.loads(CliRunner().invoke(cli_main, ["runs", str(root), "--json"]).output)
-    (row,) = [r for r in body["runs"] if r["id"].endswith(run_dir.name)]
-    return row
-
-
 def alerts_of(run_dir, receiver, n: int) -> list[dict]:
     """The alerts a dashboard on ``run_dir`` sends to ``receiver`` (``n`` of them), each once: a second
     dashboard on the same run sends none again."""
@@ -213,9 +210,20 @@ def test_the_budget_and_the_no_progress_rule_have_their_own_exit_codes(tmp_path,
     # Without the dying gasp (which would save step 25, past the crash), so each attempt resumes from
     # the last periodic set and crashes again at 25.
     nogasp = [*FAST, "--gasp-s", "0"]
-    with LaunchJob(tmp_path / "budget", crash, [*nogasp, "--max-restarts", "0"]) as job:
-        assert job.wait() == policy.BUDGET, job.output()
+    # The disk is full when the dying gasp comes: RUN/ttp_checkpoints is a filled tmpfs of its own.
+    # The survivor's save fails, no partial set is left, and the relaunch below resumes from a
+    # periodic set (a gasp set would be at step 24 or 25).
+    ttp = tmp_path / "budget" / gaspfiles.TTP_DIR
+    with small_tmpfs(ttp, "256k"):
+        filler = fill(ttp)
+        with LaunchJob(tmp_path / "budget", crash, [*FAST, "--max-restarts", "0"]) as job:
+            assert job.wait() == policy.BUDGET, job.output()
+        assert list(ttp.iterdir()) == [filler]
     (row,) = job.rows()
+    gasp = row["supervisor"].get("note") or ""
+    assert "dying gasp: " in gasp and "saved its replica" not in gasp, gasp
+    # The survivor answers in the window unless the machine is too loaded for it: then nothing is said.
+    assert "No space left on device" in gasp or "no survivor answered" in gasp, gasp
     assert row["cause"]["error"] == "RuntimeError: injected crash at global step 25 (--crash-rank)"
     assert row["cause"]["rank"] == 1 and row["cause"]["exit_code"] not in (None, 0)
     assert "restart budget is used up (0 of 0" in job.output()

@@ -17,10 +17,8 @@ import math
 import pytest
 
 from app.supervise import rollback
-from tests.helpers.app import FAST_SETTINGS, TOKEN
 from tests.helpers.faults import measure
-from tests.helpers.launch import LaunchJob
-from tests.helpers.liveserver import start_dashboard
+from tests.helpers.launch import LaunchJob, enforcing_dashboard
 from trainer_bridge.rundir import rollbacks, runfiles
 
 pytestmark = pytest.mark.msrun
@@ -46,11 +44,7 @@ def nonfinite_loss(job: LaunchJob, rank: int) -> int | None:
 
 
 def test_a_nan_from_step_k_is_rolled_back_to_the_last_healthy_set_and_the_bad_batches_skipped(tmp_path):
-    run = tmp_path / "run"
-    run.mkdir()
-    settings = {**FAST_SETTINGS, "TOKEN": TOKEN, "SPIKE_MODE": "enforce", "SKIP_BATCHES": SKIP}
-    env = {f"RANKWATCH_{k}": str(v) for k, v in settings.items()}
-    server = start_dashboard(run, tmp_path / "dashboard.log", env=env)
+    run, server = enforcing_dashboard(tmp_path, SKIP)
     try:
         with LaunchJob(run, TRAIN, FAST, env={"RANKWATCH_DEMO_POISON_STEP": f"{K}:5"}) as job:
             seen = job.wait_until(

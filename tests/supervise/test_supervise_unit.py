@@ -14,8 +14,9 @@ import sys
 import pytest
 from click.testing import CliRunner
 
+from app.checkpoints import finite
 from app.cli import main
-from app.supervise import command, finite, lock, policy
+from app.supervise import command, lock, policy
 from app.supervise.cause import describe
 from tests.helpers import ckptcraft
 from trainer_bridge.rundir import attempts, ckptindex, runfiles, schema

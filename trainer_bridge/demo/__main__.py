@@ -22,6 +22,7 @@ import contextlib
 import importlib.util
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -179,6 +180,25 @@ def epochs_for(args: SimpleNamespace) -> int:
     return max(1, math.ceil(args.minutes * 60 / (steps_per_epoch * args.step_delay)))
 
 
+def running_dashboard(run_dir: Path) -> str | None:
+    """A login link to this user's dashboard that serves ``run_dir`` already (``rankwatch login``), or None.
+
+    The first demo keeps its dashboard up after the job ends, and says "run the same command
+    again to resume": the second then trains under that dashboard rather than fail on its port.
+    """
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "app.cli", "login", "--run-dir", str(run_dir)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    link = re.search(r"https?://\S+", out.stdout)
+    return link[0] if out.returncode == 0 and link else None
+
+
 def start_dashboard(args: SimpleNamespace, run_dir: Path, env: dict) -> subprocess.Popen | None:
     """``python -m app`` on the run directory, its output in RUN/dashboard.log; None if it did not start.
 
@@ -300,9 +320,15 @@ def run(args: SimpleNamespace, extra: list[str]) -> int:
         previous = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         if args.dashboard:
-            dashboard = start_dashboard(args, run_dir, env)
-            if dashboard is None:
-                return 1
+            link = running_dashboard(run_dir)
+            if link:
+                print(
+                    f"rankwatch demo: this run directory's dashboard is up already: open {link}", flush=True
+                )
+            else:
+                dashboard = start_dashboard(args, run_dir, env)
+                if dashboard is None:
+                    return 1
         job = launch(args, extra, run_dir, env)
         code = job.wait()
         print(

@@ -23,7 +23,7 @@ import os
 from collections.abc import Mapping
 
 from trainer_bridge.rundir import runfiles, safedirs
-from trainer_bridge.rundir.ckptindex import Index
+from trainer_bridge.rundir.ckptindex import CheckpointSet, Index
 
 HEALTH_FILE = "health_ckpts.json"
 # A health record is ~60 bytes a save: this is tens of thousands of saves.
@@ -59,23 +59,48 @@ def health_records(run_dir: str, index: Index) -> dict[str, int]:
     return records
 
 
-def unhealthy(run_dir: str | None, index: Index, records: Mapping[str, int] | None = None) -> dict[str, str]:
-    """``{set id: why}`` for every set with evidence that its weights are bad."""
+def unhealthy(
+    run_dir: str | None,
+    index: Index,
+    records: Mapping[str, int] | None = None,
+    memo: dict[str, tuple[CheckpointSet, str | None]] | None = None,
+) -> dict[str, str]:
+    """``{set id: why}`` for every set with evidence that its weights are bad.
+
+    ``memo`` (the caller's, kept between calls): each set's answer by set id, taken again for a set
+    that is the very same object (``ckptgroup`` keeps the sets no path of changed), so a hub does not
+    look at every file of every set each time its index changes. Not used while health records
+    exist: they may name any file.
+    """
     if not run_dir:
         return {}
     records = health_records(run_dir, index) if records is None else records
+    memo = memo if memo is not None and not records else None
     out: dict[str, str] = {}
     for s in index.sets:
-        for f in s.files:
-            if records:
-                h = records.get(f.path.rsplit("/", 1)[-1])
-                if h is not None and h != 0:
-                    out[s.id] = f"MindFormers' {HEALTH_FILE} marks {f.path} unhealthy (is_health={h})"
-                    break
-            if f.path.endswith(EXCEPTION_SUFFIX):
-                out[s.id] = "saved by MindSpore's exception_save after a step raised (*_breakpoint.ckpt)"
-                break
-            if f.meta.extras and f.meta.extras.get(LOSS_FLAG) == 0 and f.ok:
-                out[s.id] = f"rank {f.rank}'s loss was NaN or infinite when it saved"
-                break
+        held = memo.get(s.id) if memo is not None else None
+        if held is not None and held[0] is s:
+            why = held[1]
+        else:
+            why = _why(s, records)
+            if memo is not None:
+                memo[s.id] = (s, why)
+        if why:
+            out[s.id] = why
+    if memo is not None and len(memo) > len(index.sets):
+        for gone in memo.keys() - {s.id for s in index.sets}:
+            del memo[gone]
     return out
+
+
+def _why(s: CheckpointSet, records: Mapping[str, int]) -> str | None:
+    for f in s.files:
+        if records:
+            h = records.get(f.path.rsplit("/", 1)[-1])
+            if h is not None and h != 0:
+                return f"MindFormers' {HEALTH_FILE} marks {f.path} unhealthy (is_health={h})"
+        if f.path.endswith(EXCEPTION_SUFFIX):
+            return "saved by MindSpore's exception_save after a step raised (*_breakpoint.ckpt)"
+        if f.meta.extras and f.meta.extras.get(LOSS_FLAG) == 0 and f.ok:
+            return f"rank {f.rank}'s loss was NaN or infinite when it saved"
+    return None

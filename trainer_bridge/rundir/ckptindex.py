@@ -105,9 +105,10 @@ class CheckpointSet:
         ok = [f for f in self.files if f.rank == rank and f.ok]
         return max(ok, key=lambda f: f.meta.mtime) if ok else None
 
-    def to_dict(self, now: float | None = None) -> dict:
+    def to_dict(self, now: float | None = None, files: bool = True) -> dict:
+        """As the API lists it; ``files`` False: without its files (a push sends the changed ones)."""
         now = time.time() if now is None else now
-        return {
+        out = {
             "id": self.id,
             "origin": self.origin,
             "layout": self.layout,
@@ -122,8 +123,10 @@ class CheckpointSet:
             "bytes": self.bytes,
             "mtime": self.mtime,
             "age_s": round(max(0.0, now - self.mtime), 3),
-            "files": [f.to_dict() for f in self.files],
         }
+        if files:
+            out["files"] = [f.to_dict() for f in self.files]
+        return out
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,10 @@ class Index:
 
     def to_dict(self) -> dict:
         """The body of ``GET /api/checkpoints``."""
+        return self.head_dict() | {"sets": [s.to_dict(self.scanned_at) for s in self.sets]}
+
+    def head_dict(self) -> dict:
+        """``to_dict`` but its sets (a push sends the sets that changed)."""
         newest = self.newest_complete
         return {
             "run_dir": self.run_dir,
@@ -154,7 +161,6 @@ class Index:
             "world_size": self.world_size,
             "file_count": self.file_count,
             "newest_complete": newest.id if newest else None,
-            "sets": [s.to_dict(self.scanned_at) for s in self.sets],
             "other_files": [f.to_dict() | {"origin": f.origin} for f in self.other_files],
             "errors": list(self.errors),
         }

@@ -30,6 +30,15 @@ from trainer_bridge.rundir.ckptmeta.wire import (
 _CRC_TRAILER = 17
 
 
+def entries_end(f: BinaryIO, size: int) -> int:
+    """Where a ``.ckpt``'s entries end: before MindSpore's ``crc_num`` trailer (17 bytes), if it has one."""
+    if size >= _CRC_TRAILER:
+        f.seek(size - _CRC_TRAILER)
+        if f.read(7) == b"crc_num":
+            return size - _CRC_TRAILER
+    return size
+
+
 @dataclass
 class _Tensor:
     dims: list[int]
@@ -77,11 +86,7 @@ def _parse_ckpt(f: BinaryIO, size: int, out: _Parsed) -> None:
         return
     if head[:1] != b"\n":  # every entry is field 1, length-delimited
         raise _Corrupt(f"not a checkpoint: {_describe_start(head)}")
-    end = size
-    if size >= _CRC_TRAILER:
-        f.seek(size - _CRC_TRAILER)
-        if f.read(7) == b"crc_num":
-            end = size - _CRC_TRAILER
+    end = entries_end(f, size)
     s = _Stream(f, end)
     merger = _Merger(out)
     index = 0

@@ -17,11 +17,11 @@ import os
 import numpy as np
 
 from trainer_bridge.rundir import safeio
+from trainer_bridge.rundir.ckptmeta.ckpt import entries_end
 from trainer_bridge.rundir.ckptmeta.wire import _ENCRYPTED_MAGIC, MAX_NAME_BYTES, _Corrupt, _fields, _Stream
 
 FLOATS = {"Float16": np.float16, "Float32": np.float32, "Float64": np.float64, "BFloat16": None}
 CHUNK = 16 << 20
-_CRC_TRAILER = 17
 
 
 def _finite(raw: bytes, dtype: str) -> bool:
@@ -51,11 +51,7 @@ def _scan(f, size: int) -> str | None:
     head = f.read(4)
     if head in _ENCRYPTED_MAGIC:
         return None
-    end = size
-    if size >= _CRC_TRAILER:
-        f.seek(size - _CRC_TRAILER)
-        if f.read(7) == b"crc_num":
-            end = size - _CRC_TRAILER
+    end = entries_end(f, size)
     s = _Stream(f, end)
     while s.pos < end:
         if s.varint("the checkpoint") != 0x0A:
@@ -92,3 +88,49 @@ def _tensor(s: _Stream, end: int, tag: str) -> str | None:
         elif wire == 2:
             s.skip(value, tag)
     return None
+
+
+class Reader:
+    """The tensor check a target choice is given (``target.newest_healthy``): reads sets within a byte budget.
+
+    ``budget`` bytes in all, over the sets it is asked about; a set past what
+    is left, or on another node (an agent's listing: its files are not here),
+    is not read and the choice takes it *unverified*, saying so. ``memo``
+    (a dict the caller keeps) remembers each file's verdict by path, size
+    and mtime, so a dashboard asked again about the same sets reads them once:
+    a file rewritten in place has another size or mtime and is read again.
+    """
+
+    MEMO_MAX = 4096
+
+    def __init__(self, budget: int, memo: dict | None = None):
+        self.left = budget
+        self.budget = budget
+        self.memo = memo
+
+    def __call__(self, s) -> tuple[str | None, str | None]:
+        """(why a tensor of set ``s`` is not finite, why its tensors were not read); (None, None): finite."""
+        away = next((f for f in s.files if f.host is not None), None)
+        if away is not None:
+            return None, f"its files are on node {away.host}: their tensors are read there, at the resume"
+        todo = []
+        for f in s.files:
+            key = (f.abspath, f.meta.bytes, f.meta.mtime)
+            if self.memo is not None and key in self.memo:
+                if self.memo[key] is not None:
+                    return f"{f.path}: {self.memo[key]}", None
+            else:
+                todo.append((f, key))
+        need = sum(f.meta.bytes or 0 for f, _ in todo)
+        if need > self.left:
+            return None, f"its {need} bytes of tensors are past the {self.budget >> 20} MiB this choice reads"
+        self.left -= need
+        for f, key in todo:
+            bad = nonfinite(f.abspath)
+            if self.memo is not None:
+                if len(self.memo) >= self.MEMO_MAX:
+                    self.memo.clear()
+                self.memo[key] = bad
+            if bad:
+                return f"{f.path}: {bad}", None
+        return None, None
