@@ -6,7 +6,9 @@ re-armed automatically only on evidence: every process that has reported for
 the rank (its host, pid and start time, as its heartbeats carried them) is
 gone by a probe on this host. A rank any of whose processes ran on another
 host, or reported no pid, cannot be proven here; one whose process a probe
-finds running has not ended, whatever its file says.
+finds running has not ended, whatever its file says. A log-mode beat read
+before msrun's scheduler named the rank's host is taken as this host's when
+a later beat names the same pid here.
 
 ``EndProof`` keeps the identities each rank's heartbeats carried (a few,
 newest last) and probes those of the ranks said to have ended: a gone
@@ -53,7 +55,13 @@ class EndProof:
             if any(pid is not None for _, pid, _ in ids):
                 # A beat without a pid (a log read before its writer was found) names no process.
                 ids = [i for i in ids if i[1] is not None]
+            local = {pid for host, pid, _ in ids if host == self.hostname}
             for host, pid, started in ids:
+                if host is None and pid in local:
+                    # A log read before msrun's scheduler named the rank's host: the same pid, seen
+                    # on this host since. Probed without a start time, so any process under that
+                    # pid counts as running: a forged start time cannot make it look gone.
+                    host, started = self.hostname, None
                 if host != self.hostname or pid is None:
                     verdict = None
                     continue
