@@ -203,7 +203,7 @@ class Attempt:
             popen.returncode = self.procs[popen.pid].code if self.procs[popen.pid].status is not None else -1
         out.workers = [p for p in self.procs.values() if p.role == "worker"]
         if out.kind == "crash" and out.error is None and out.first is not None:
-            out.error = self.error_line(out.first)
+            out.error = self.crash_error(out.first)
         return out
 
     def _wait_quiet(self, limit_s: float) -> None:
@@ -233,6 +233,17 @@ class Attempt:
             if found:
                 return found
         return None
+
+    def crash_error(self, p: procs.Proc) -> str | None:
+        """The error line of the first process to fail: its own log's, or the workers' when it has none.
+
+        msrun (or a process never told apart) has no log of its own: the workers'
+        logs say why, and the startup rule compares failures by that line
+        (``policy.signature``), whichever process was seen to fail first.
+        """
+        if self.log_path(p) is None:
+            return self.logs_error()
+        return self.error_line(p)
 
     def error_line(self, p: procs.Proc) -> str | None:
         """The last exception line of the failed process's log (bounded read; None if none)."""

@@ -17,7 +17,9 @@ from click.testing import CliRunner
 from app.checkpoints import finite
 from app.cli import main
 from app.supervise import command, lock, policy
+from app.supervise.attempt import Attempt
 from app.supervise.cause import describe
+from app.supervise.procs import Proc
 from tests.helpers import ckptcraft
 from trainer_bridge.rundir import attempts, ckptindex, runfiles, schema
 
@@ -294,3 +296,20 @@ def test_at_one_step_the_bridge_set_is_named_as_the_bridge_will_load_it(run_dir)
         )
     choice = policy.choose_resume(str(run_dir), 2)
     assert choice.global_step == 31 and choice.set_id.startswith("checkpoints/rank_{rank}/")
+
+
+@pytest.mark.parametrize("role", ["msrun", "other"])
+def test_a_process_without_a_log_of_its_own_fails_with_the_workers_error_line(tmp_path, role):
+    # A script that fails at import: whether msrun, an unnamed child or a worker is seen to fail
+    # first, the attempt's error is the workers' line, so the startup rule sees the same failure.
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    error = "ModuleNotFoundError: No module named 'rankwatch_no_such_module'"
+    for r in (0, 1):
+        (logs / f"worker_{r}.log").write_text(f"Traceback (most recent call last):\n  ...\n{error}\n")
+    cmd = command.parse(["msrun", "--worker_num=2", "--local_worker_num=2", f"--log_dir={logs}", "s.py"])
+    attempt = Attempt(cmd, {}, "mark", None, grace_s=1.0, poll_s=0.1, signals=None)
+    assert attempt.crash_error(Proc(1, role, None, 0.0)) == error
+    assert attempt.crash_error(Proc(2, "worker", 1, 0.0)) == error
+    (logs / "worker_1.log").write_text("killed\n")
+    assert attempt.crash_error(Proc(2, "worker", 1, 0.0)) is None  # a worker's own log, or nothing
