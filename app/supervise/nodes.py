@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from app.supervise import policy, procs
+from app.supervise.cause import describe
 from app.supervise.command import Msrun, NotMsrun
 from trainer_bridge.rundir import launchguard, runfiles, safedirs, schema
 
@@ -184,9 +185,10 @@ class Nodes:
             procs.reap()
         return None
 
-    def follow(self, attempt: int, signals, say) -> dict:
+    def follow(self, attempt: int, cause: dict, signals, say) -> dict:
         """Node 0's plan after ``attempt`` (relaunch or end), or an end with status 1 if none came."""
-        say(f"attempt {attempt} ended on node {self.node}; waiting for node 0's plan")
+        how = describe(cause) if cause["kind"] in policy.FAILURES else cause["kind"]
+        say(f"attempt {attempt} ended on node {self.node} ({how}); waiting for node 0's plan")
         plan = self.wait_plan(attempt, signals)
         if plan is None:
             why = "a second Ctrl-C" if signals.count >= 2 else f"{PLAN_WAIT_S:g} s"

@@ -172,14 +172,11 @@ class Supervisor:
             if several:
                 several.tell(number, outcome, ended.cause, ended.last_step, self.host, self.say)
                 if not several.leader:
-                    plan = several.follow(number, self.signals, self.say)
+                    plan = several.follow(number, ended.cause, self.signals, self.say)
                     if plan.get("action") != "relaunch":
                         return plan["exit_code"]
-                    env, number, port = (
-                        several.environment(plan, self.mark),
-                        plan["next_attempt"],
-                        plan["master_port"],
-                    )
+                    env = several.environment(plan, self.mark)
+                    number, port = plan["next_attempt"], plan["master_port"]
                     first_step = rollback.data_step(env) + 1
                     continue
                 ends = several.wait_ends(number, self.signals.wake, self.say)
