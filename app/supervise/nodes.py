@@ -129,18 +129,22 @@ class Nodes:
 
     # ------------------------------------------------------------------ node 0
 
-    def wait_ends(self, attempt: int, wake, say) -> dict[int, dict]:
-        """Every node's end of ``attempt``, or what came within ``END_WAIT_S`` (the missing ones named)."""
+    def wait_ends(self, attempt: int, signals, say) -> dict[int, dict]:
+        """Every node's end of ``attempt``, or what came within ``END_WAIT_S`` (the missing ones named).
+
+        After a second Ctrl-C it does not wait: the plan (an end) goes out at
+        once, and the other nodes end their attempts on this node's end file.
+        """
         deadline = time.monotonic() + END_WAIT_S
         while True:
             got = self.ends(attempt)
-            if len(got) >= self.count or time.monotonic() >= deadline:
+            if len(got) >= self.count or time.monotonic() >= deadline or signals.count >= 2:
                 break
-            wake.wait(0.2)
-            wake.clear()
+            signals.wake.wait(0.2)
+            signals.wake.clear()
             procs.reap()
         missing = sorted(set(range(self.count)) - set(got))
-        if missing:
+        if missing and signals.count < 2:
             say(
                 f"node(s) {', '.join(map(str, missing))} did not report the end of attempt {attempt} within "
                 f"{END_WAIT_S:g} s (a lost node, or its supervisor is gone)"
@@ -189,6 +193,8 @@ class Nodes:
         """Node 0's plan after ``attempt`` (relaunch or end), or an end with status 1 if none came."""
         how = describe(cause) if cause["kind"] in policy.FAILURES else cause["kind"]
         say(f"attempt {attempt} ended on node {self.node} ({how}); waiting for node 0's plan")
+        if cause["kind"] == "interrupted":  # a second Ctrl-C here: node 0 ends the others on this node's end
+            return {"action": "end", "exit_code": policy.INTERRUPTED}
         plan = self.wait_plan(attempt, signals)
         if plan is None:
             why = "a second Ctrl-C" if signals.count >= 2 else f"{PLAN_WAIT_S:g} s"

@@ -179,7 +179,7 @@ class Supervisor:
                     number, port = plan["next_attempt"], plan["master_port"]
                     first_step = rollback.data_step(env) + 1
                     continue
-                ends = several.wait_ends(number, self.signals.wake, self.say)
+                ends = several.wait_ends(number, self.signals, self.say)
             code, relaunch_env = self._judge(outcome, ended, history, first_step, record_only, ends)
             if relaunch_env is not None and several:
                 relaunch_env.update(nodes.ended_env(ended.launch))

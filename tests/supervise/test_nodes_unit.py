@@ -134,3 +134,28 @@ def test_the_launch_guard_passes_over_the_ranks_of_a_launch_every_node_ended():
     assert [r.rank for r in launchguard.live_ranks([(1, beat)], own_launch=None, host="here", now=now)] == [1]
     assert launchguard.live_ranks([(1, beat)], own_launch=None, host="here", now=now, ended="old") == []
     assert len(launchguard.live_ranks([(1, beat)], own_launch=None, host="here", now=now, ended="new")) == 1
+
+
+def test_node_0_waits_for_every_node_boundedly_and_names_the_silent_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(nodes, "END_WAIT_S", 0.5)
+    leader = nodes.Nodes(str(tmp_path), 0, 3)
+    leader.ended(1, end("crash", 1.0))
+    nodes.Nodes(str(tmp_path), 2, 3).ended(1, end("peer", 2.0))
+    said: list[str] = []
+    assert sorted(leader.wait_ends(1, Signals(), said.append)) == [0, 2]
+    assert said == [
+        "node(s) 1 did not report the end of attempt 1 within 0.5 s (a lost node, or its supervisor is gone)"
+    ]
+
+
+def test_a_second_ctrl_c_on_any_node_ends_it_at_once(tmp_path):
+    follower = nodes.Nodes(str(tmp_path), 1, 2)
+    # Its own attempt ended by a second Ctrl-C: no plan awaited (node 0 ends on its end file).
+    plan = follower.follow(1, {"kind": "interrupted"}, Signals(), [].append)
+    assert plan == {"action": "end", "exit_code": policy.INTERRUPTED}
+
+    class Twice(Signals):
+        count = 2
+
+    said: list[str] = []
+    assert nodes.Nodes(str(tmp_path), 0, 2).wait_ends(1, Twice(), said.append) == {} and said == []
