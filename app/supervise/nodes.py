@@ -112,7 +112,8 @@ class Nodes:
         """This node's end of ``attempt`` for the others (``outcome``: ``attempt.Outcome``)."""
         times = {k: getattr(outcome, k) for k in ("spawned_at", "fault_at", "detected_at", "ended_at")}
         try:
-            self.ended(attempt, {"cause": cause, "host": host, "last_step": last_step, **times})
+            gasp = (outcome.gasp or "")[: schema.MAX_ERROR] or None  # what this node's dying gasp gave
+            self.ended(attempt, {"cause": cause, "host": host, "last_step": last_step, "gasp": gasp, **times})
         except OSError as e:
             say(f"WARNING: this node's end of attempt {attempt} not written for the other nodes ({e})")
 
@@ -223,6 +224,7 @@ def _valid(rec: dict) -> bool:
         and all(isinstance(rec.get(k), (int, float, type(None))) for k in times)
         and isinstance(rec.get("last_step"), (int, type(None)))
         and isinstance(rec.get("node"), int)
+        and isinstance(rec.get("gasp"), (str, type(None)))
     )
 
 
@@ -249,6 +251,17 @@ def first_cause(ends: dict[int, dict]) -> dict | None:
     if not failed:
         return None
     return min(failed, key=lambda r: (r.get("fault_at") or r.get("detected_at") or float("inf"), r["node"]))
+
+
+def gasp_words(own: str | None, ends: dict[int, dict]) -> str | None:
+    """What the dying gasps of every node gave, in words (the node that failed asked it)."""
+    said = [own] if own else []
+    said += [
+        f"node {k}: {rec['gasp']}"
+        for k, rec in sorted(ends.items())
+        if rec.get("gasp") and rec["gasp"] != own
+    ]
+    return "; ".join(said)[: schema.MAX_ERROR] or None
 
 
 def summary(ends: dict[int, dict]) -> list[dict]:

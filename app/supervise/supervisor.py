@@ -180,6 +180,7 @@ class Supervisor:
                     first_step = rollback.data_step(env) + 1
                     continue
                 ends = several.wait_ends(number, self.signals, self.say)
+                outcome.gasp = nodes.gasp_words(outcome.gasp, {k: e for k, e in ends.items() if k != 0})
             code, relaunch_env = self._judge(outcome, ended, history, first_step, record_only, ends)
             if relaunch_env is not None and several:
                 relaunch_env.update(nodes.ended_env(ended.launch))
@@ -223,7 +224,8 @@ class Supervisor:
     # ------------------------------------------------------------------ dying gasp
 
     def _gasp(self, attempt: Attempt, failed: procs.Proc) -> str | None:
-        return gaspask.ask(self.run_dir, attempt, self.opts.gasp_s, self.signals.wake, self.say)
+        world = self.opts.command.worker_num if self.nodes else None  # several nodes: ask theirs too
+        return gaspask.ask(self.run_dir, attempt, self.opts.gasp_s, self.signals.wake, self.say, world)
 
     def _forget_gasp(self) -> None:
         gaspask.forget(self.run_dir, self.opts.command.worker_num)

@@ -2,9 +2,10 @@
 
 Node 0 (the leader: msrun's scheduler and rank 0) and node 1 (rank 1) each
 run ``rankwatch launch`` around their own msrun (``tests/helpers/netns.py``).
-A ``kill -9`` of rank 1 on node 1 ends attempt 1 on both nodes; node 0
+A ``kill -9`` of rank 1 on node 1 ends attempt 1 on both nodes (after
+rank 0, on node 0, saved its replica: the dying gasp across nodes); node 0
 decides the relaunch and both start attempt 2 together, on one new master
-port, from the same set, and train to the end (``app/supervise/nodes.py``).
+port, from that set, and train to the end (``app/supervise/nodes.py``).
 One rank per node keeps the job small: the whole relaunch path runs, and
 the suite pays for two ranks, not four.
 """
@@ -128,10 +129,12 @@ def test_a_rank_killed_on_node_1_ends_the_attempt_on_both_nodes_and_both_relaunc
     assert cause["host"] == nodes.nodes[1].hostname
     assert [(n["node"], n["cause"]) for n in a["supervisor"]["nodes"]] == [(0, "peer"), (1, "crash")]
     assert a["restarted_by"] == "launch"
-    # Attempt 2 resumed on both ranks from the newest periodic set at or before the kill.
+    # Node 1 had no survivor: it asked the other node's ranks, and rank 0 (on node 0) saved its replica
+    # at its last finished step before node 0 ended; attempt 2 resumed on both ranks from that set.
     resumed = b["resumed_from"]["global_step"]
-    assert a["supervisor"]["resume"]["global_step"] == resumed and resumed % 10 == 0
-    assert 10 <= resumed <= killed_at
+    assert a["supervisor"]["resume"]["global_step"] == resumed and resumed >= killed_at - 1
+    assert b["resumed_from"]["set"].startswith("ttp_checkpoints/ttp_saved_checkpoints-step_{G}/"), b
+    assert f"node 1: dying gasp: rank 0 saved its replica at global step {resumed}" in a["supervisor"]["note"]
     for rank in (0, 1):
         logged = steps_logged(run_dir, rank)
         assert logged[0] == resumed + 1 and logged[-1] == STEPS, (rank, logged[:3], logged[-3:])

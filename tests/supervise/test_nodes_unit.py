@@ -77,6 +77,10 @@ def test_a_failure_on_one_node_is_seen_by_the_others_and_the_first_failure_is_th
     assert sorted(ends) == [0, 1, 2]
     assert nodes.first_cause(ends)["node"] == 2  # the hang came first
     assert [(s["node"], s["cause"]) for s in nodes.summary(ends)] == [(0, "peer"), (1, "crash"), (2, "hang")]
+    n1.ended(4, end("crash", 10.0, gasp="dying gasp: rank 0 saved its replica at global step 9"))
+    assert (
+        nodes.gasp_words(None, n0.ends(4)) == "node 1: dying gasp: rank 0 saved its replica at global step 9"
+    )
     # Junk in the directory is ignored, never trusted.
     folder = runfiles.state_dir(tmp_path) / "nodes"
     (folder / "end_5_1.json").write_text(json.dumps({"cause": {"kind": "crash"}, "node": 1, "fault_at": "x"}))
