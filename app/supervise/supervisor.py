@@ -48,9 +48,8 @@ class Options:
 
 @dataclass
 class Ended:
-    """What this node knows of an attempt that ended: its ranks' heartbeats, and why it ended here."""
+    """What this node knows of an attempt that ended, from its ranks' heartbeats, and why it ended here."""
 
-    beats: list[dict]
     last_step: int | None
     launch: str | None
     trained: bool
@@ -255,7 +254,7 @@ class Supervisor:
         last_step = max(steps) if steps else None
         launch = next((hb["launch"] for hb in beats if hb.get("launch")), None)
         trained = last_step is not None and last_step >= first_step
-        return Ended(beats, last_step, launch, trained, self._cause(outcome, beats, trained))
+        return Ended(last_step, launch, trained, self._cause(outcome, beats, trained))
 
     def _judge(
         self,
