@@ -267,7 +267,11 @@ class Engine:
             halves = (secrets.randbelow(1 << 24), secrets.randbelow(1 << 24))
             try:
                 beats, live = launchguard.live_others(
-                    self.run_dir, host=socket.gethostname(), now=time.time(), own_pid=os.getpid()
+                    self.run_dir,
+                    host=socket.gethostname(),
+                    now=time.time(),
+                    own_pid=os.getpid(),
+                    ended=os.environ.get(launchguard.ENDED_ENV) or None,
                 )
             except Exception as e:  # noqa: BLE001 - a bad run directory must not stop training here
                 log.warning("rankwatch: could not check for another launch (training continues): %s", e)

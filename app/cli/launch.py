@@ -126,11 +126,13 @@ def launch(
     up; 93 no progress; 130 ended at once by a second Ctrl-C.
     """
     from app.supervise.command import NotMsrun, parse
+    from app.supervise.nodes import Nodes
     from app.supervise.rollback import Settings
     from app.supervise.supervisor import Options, Supervisor
 
     try:
         cmd = parse(list(command))
+        Nodes.of(cmd, str(run_dir))  # several nodes: this one's --node_rank must be usable
     except NotMsrun as e:
         raise click.BadParameter(str(e), param_hint="COMMAND") from None
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -9,8 +9,11 @@
 * ``policy``: the budget, the no-progress and startup rules, the backoff,
   and the set the next attempt resumes from (``app.checkpoints.finite``: its weights are read
   for NaN and infinities first);
-* ``lock``: one supervisor per run directory;
+* ``lock``: one supervisor per run directory (and node);
 * ``keeper``: a small process that ends the attempt if the supervisor dies;
+* ``nodes``: several nodes, one supervisor each: the attempt ends on every
+  node and node 0's plan relaunches them together;
+* ``gaspask``: the supervisor's side of the dying gasp;
 * ``supervisor``: the loop, the dying gasp it asks of the survivors
   (``trainer_bridge/gasp.py``), and the supervised lines of ``attempts.jsonl``;
 * ``cause``: why an attempt ended, as the record those lines keep and in words.

@@ -37,7 +37,7 @@ NO_WORKER_SETTLE_S = 2.0
 class Outcome:
     """How an attempt ended, before the supervisor judged progress."""
 
-    kind: str  # crash, done, interrupted
+    kind: str  # crash, done, interrupted, hang, peer
     spawned_at: float
     first: procs.Proc | None = None  # the first failed process
     fault_at: float | None = None
@@ -48,6 +48,7 @@ class Outcome:
     error: str | None = None
     gasp: str | None = None  # what the dying gasp gave, in words
     hang: object | None = None  # the hang rule's finding (app.supervise.hang.Hang), kind "hang"
+    peer: dict | None = None  # another node's end that ended this one (app.supervise.nodes), kind "peer"
 
 
 class Attempt:
@@ -61,10 +62,12 @@ class Attempt:
         poll_s: float,
         signals,
         record_only: bool = False,
+        master_port: int | None = None,
     ):
         self.cmd = cmd
         self.signals = signals  # supervisor.Signals: Ctrl-C/SIGTERM count, and the wake-up event
         self.record_only = record_only
+        self.master_port = master_port  # several nodes: node 0's choice for every node (nodes.py)
         self.env = env
         self.mark = mark
         self.keeper_pid = keeper_pid
@@ -109,8 +112,8 @@ class Attempt:
                     c.role, c.rank = "other", None  # a worker's forked helper: same command, same environment
                 self.procs[p.pid] = c
 
-    def run(self, on_first_interrupt, say, on_crash=None, on_poll=None) -> Outcome:
-        port = free_port() if self.cmd.single_node else None
+    def run(self, on_first_interrupt, say, on_crash=None, on_poll=None, on_peer=None) -> Outcome:
+        port = self.master_port or (free_port() if self.cmd.single_node else None)
         argv = self.cmd.argv(port) if not self.record_only else self.cmd.original
         say(" ".join(argv))
         spawned_at = time.time()
@@ -169,6 +172,12 @@ class Attempt:
                     out.kind, out.hang = "hang", hang
                     out.first = next((p for p in self.procs.values() if p.pid == hang.pid), None)
                     out.fault_at, out.detected_at = hang.since, time.time()
+                    break
+                peer = on_peer() if on_peer is not None else None
+                if peer is not None:
+                    # Another node's attempt failed (app/supervise/nodes.py): this node's ends with it.
+                    out.kind, out.peer = "peer", peer
+                    out.fault_at, out.detected_at = peer.get("fault_at") or time.time(), time.time()
                     break
                 workers = [p for p in self.procs.values() if p.role == "worker"]
                 msrun_done = self.procs[popen.pid].status is not None

@@ -10,8 +10,9 @@
 * ``--master_port`` is a fresh free port for every attempt on one node: the
   previous attempt's scheduler may have left the port in TIME_WAIT, or
   another job may have taken it. With several nodes (``--local_worker_num``
-  below ``--worker_num``) every node must name the same port, so the user's
-  is kept.
+  below ``--worker_num``) every node must name the same port: the first
+  attempt keeps the user's, and each relaunch takes the one node 0 chose
+  (``nodes.py``).
 """
 
 from __future__ import annotations

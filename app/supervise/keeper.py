@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 
 
@@ -35,6 +36,34 @@ def main(argv: list[str]) -> int:
 
     end_all(lambda: marked(mark), grace_s)
     return 0
+
+
+def start_keeper(mark: str, grace_s: float) -> tuple[subprocess.Popen, int]:
+    """The supervisor's keeper, and the write end of its pipe (kept open while the supervisor lives)."""
+    from app.supervise.procs import MARK_ENV
+
+    read, write = os.pipe()
+    try:
+        keeper = subprocess.Popen(
+            [sys.executable, "-m", "app.supervise.keeper", mark, str(grace_s)],
+            stdin=read,
+            start_new_session=True,
+            env={k: v for k, v in os.environ.items() if k != MARK_ENV},
+        )
+    finally:
+        os.close(read)
+    return keeper, write
+
+
+def stop_keeper(keeper: subprocess.Popen | None, pipe: int | None) -> None:
+    if pipe is not None:
+        os.close(pipe)  # its end of file: it sweeps (nothing is left) and exits
+    if keeper is not None:
+        try:
+            os.waitpid(keeper.pid, 0)
+        except ChildProcessError:
+            pass
+        keeper.returncode = 0
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""One supervisor per run directory: an ``flock`` on ``RUN/rankwatch/launch.lock``, never waited for.
+"""One supervisor per run directory (and node): an ``flock`` on ``RUN/rankwatch/launch.lock``, never waited for.
 
 ``LOCK_NB`` only: whoever can write the run directory can hold the lock
 for ever, and a second ``rankwatch launch`` must say so at once, not hang.
@@ -27,21 +27,28 @@ class Held(RuntimeError):
     """Another supervisor holds the run directory (or the lock file cannot be used)."""
 
 
-def acquire(run_dir: str) -> int:
+def lock_name(node: int | None) -> str:
+    """One supervisor per run directory and node: node 0 (or the only node) takes ``launch.lock``."""
+    return LOCK_NAME if not node else f"{runfiles.STATE_DIR}/launch_node{node}.lock"
+
+
+def acquire(run_dir: str, node: int | None = None) -> int:
     """The locked descriptor (kept open for the supervisor's life); Held if another holds it."""
+    name = lock_name(node)
     try:
-        fd = safeio.open_lock(run_dir, LOCK_NAME)
+        fd = safeio.open_lock(run_dir, name)
     except (OSError, safeio.UnsafePath) as e:
         why = safeio.why(e) if isinstance(e, OSError) else str(e)
-        raise Held(f"cannot use the supervisor lock {LOCK_NAME} in {run_dir}: {why}") from None
+        raise Held(f"cannot use the supervisor lock {name} in {run_dir}: {why}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         holder = _holder(fd)
         os.close(fd)
+        where = f" as node {node}" if node else ""
         raise Held(
-            f"another rankwatch launch supervises {run_dir}{holder}: one supervisor per run "
-            "directory (stop that one first, or give this job its own run directory)"
+            f"another rankwatch launch supervises {run_dir}{where}{holder}: one supervisor per run "
+            "directory and node (stop that one first, or give this job its own run directory)"
         ) from None
     text = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode()
     try:
@@ -55,7 +62,7 @@ def acquire(run_dir: str) -> int:
 def _holder(fd: int) -> str:
     try:
         st = os.fstat(fd)
-        info = json.loads(safeio.read_fd(fd, st.st_size, MAX_HOLDER_BYTES, LOCK_NAME))
+        info = json.loads(safeio.read_fd(fd, st.st_size, MAX_HOLDER_BYTES, "launch lock"))
         pid, host = int(info["pid"]), str(info["host"])[:253]
     except (OSError, ValueError, KeyError, TypeError, safeio.FileTooLarge):
         return ""

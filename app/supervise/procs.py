@@ -28,9 +28,15 @@ MARK_ENV = "RANKWATCH_LAUNCH_RUN"
 ATTEMPT_ENV = "RANKWATCH_LAUNCH_ATTEMPT"
 
 
-def run_mark(run_dir: str) -> str:
-    """The marker of a run directory's processes: the same for every supervisor of it."""
-    return hashlib.sha256(os.path.realpath(run_dir).encode()).hexdigest()[:24]
+def run_mark(run_dir: str, node: int | None = None) -> str:
+    """The marker of a run directory's processes: the same for every supervisor of it (and of its node).
+
+    With several nodes each node's supervisor marks its own: where two nodes
+    share one process table (containers, the tests' network namespaces), one
+    must never end the other's processes.
+    """
+    key = os.path.realpath(run_dir) + ("" if node is None else f"\0node{node}")
+    return hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
 def become_subreaper() -> None:

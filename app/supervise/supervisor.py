@@ -19,12 +19,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from app.supervise import lock, policy, procs, rollback, slurm
+from app.supervise import gaspask, lock, nodes, policy, procs, rollback, slurm
 from app.supervise.attempt import Attempt, Outcome
 from app.supervise.cause import crash_cause, describe
-from app.supervise.command import Msrun
+from app.supervise.command import Msrun, free_port
 from app.supervise.hang import HangWatch, hang_cause
-from trainer_bridge.rundir import attempts, gaspfiles, launchguard, runfiles, schema
+from app.supervise.keeper import start_keeper, stop_keeper
+from trainer_bridge.rundir import attempts, launchguard, runfiles, schema
 
 # Where MindIO TTP or MindCluster own recovery (they relaunch processes themselves).
 EXTERNAL_RECOVERY_ENV = ("MS_ENABLE_TFT", "MINDX_TASK_ID")
@@ -43,6 +44,16 @@ class Options:
     hang_restart_s: float = 0.0  # 0: the hang rule is off
     hang_mode: str = "dry-run"
     rollback: rollback.Settings = field(default_factory=rollback.Settings)
+
+
+@dataclass
+class Ended:
+    """What this node knows of an attempt that ended, from its ranks' heartbeats, and why it ended here."""
+
+    last_step: int | None
+    launch: str | None
+    trained: bool
+    cause: dict
 
 
 class Signals:
@@ -71,7 +82,8 @@ class Supervisor:
         self.request_stop = request_stop  # writes the graceful-stop flag; returns what to print
         self.say = say or (lambda text: print(f"rankwatch launch: {text}", file=sys.stderr, flush=True))
         self.host = socket.gethostname()
-        self.mark = procs.run_mark(self.run_dir)
+        self.nodes = nodes.Nodes.of(opts.command, self.run_dir)  # None on one node
+        self.mark = procs.run_mark(self.run_dir, self.nodes.node if self.nodes else None)
         self.signals = Signals()
         self.keeper: subprocess.Popen | None = None
         self.hang = (
@@ -85,7 +97,7 @@ class Supervisor:
 
     def run(self) -> int:
         try:
-            fd = lock.acquire(self.run_dir)
+            fd = lock.acquire(self.run_dir, self.nodes.node if self.nodes else None)
         except lock.Held as e:
             self.say(f"refusing to start: {e}")
             return policy.REFUSED
@@ -126,10 +138,10 @@ class Supervisor:
             if choice.note:
                 self.say(choice.note)
         first_step = self._pinned_step(env)
+        several = self.nodes if not record_only else None
+        number, port = max((r["attempt"] for r in self._records()), default=0) + 1, None
         while True:
-            records = self._records()
-            history = policy.History.of(records)
-            number = max((r["attempt"] for r in records), default=0) + 1
+            history = policy.History.of(self._records())
             env[procs.ATTEMPT_ENV] = str(number)
             attempt = Attempt(
                 self.opts.command,
@@ -140,6 +152,7 @@ class Supervisor:
                 self.opts.poll_s,
                 self.signals,
                 record_only,
+                port,
             )
             try:
                 outcome = attempt.run(
@@ -147,12 +160,36 @@ class Supervisor:
                     lambda argv, n=number: self.say(f"attempt {n}: {argv}"),
                     self._gasp if self.opts.gasp_s > 0 else None,
                     self._hang_poll() if self.hang is not None and not record_only else None,
+                    several.peer_failed(number) if several else None,
                 )
             except OSError as e:  # msrun itself could not be started (not on PATH, not executable)
                 self.say(f"cannot start {self.opts.command.head[0]}: {e}")
                 return policy.FAILED
             self._forget_gasp()
-            code, relaunch_env = self._judge(outcome, history, first_step, record_only)
+            ended = self._ended(outcome, first_step)
+            ends = None
+            if several:
+                several.tell(number, outcome, ended.cause, ended.last_step, self.host, self.say)
+                if not several.leader:
+                    plan = several.follow(number, ended.cause, self.signals, self.say)
+                    if plan.get("action") != "relaunch":
+                        return plan["exit_code"]
+                    env = several.environment(plan, self.mark)
+                    number, port = plan["next_attempt"], plan["master_port"]
+                    first_step = rollback.data_step(env) + 1
+                    continue
+                ends = several.wait_ends(number, self.signals, self.say)
+                outcome.gasp = nodes.gasp_words(outcome.gasp, {k: e for k, e in ends.items() if k != 0})
+            code, relaunch_env = self._judge(outcome, ended, history, first_step, record_only, ends)
+            if relaunch_env is not None and several:
+                relaunch_env.update(nodes.ended_env(ended.launch))
+            previous, number = number, max([number, *(r["attempt"] for r in self._records())]) + 1
+            if several:
+                port = free_port() if relaunch_env is not None else None  # the same on every node
+                try:
+                    several.plan(previous, code, relaunch_env, number, port)
+                except OSError as e:
+                    self.say(f"WARNING: the plan for the other nodes not written ({e}): they will time out")
             if relaunch_env is None:
                 return code
             env = relaunch_env
@@ -186,90 +223,20 @@ class Supervisor:
     # ------------------------------------------------------------------ dying gasp
 
     def _gasp(self, attempt: Attempt, failed: procs.Proc) -> str | None:
-        """Ask the survivors to save their replica (``trainer_bridge/gasp.py``); wait at most ``gasp_s``.
-
-        Returns what came of it, in words, or None when there was no one to ask
-        (no survivor, or a job without the bridge).
-        """
-        workers = [p for p in attempt.procs.values() if p.role == "worker"]
-        survivors = {p.rank: p for p in workers if p.status is None and not p.vanished and p.rank is not None}
-        dead = sorted({p.rank for p in workers if p.rank is not None and p.rank not in survivors})
-        pids = {p.pid for p in workers}
-        beats = launchguard.read_heartbeats(self.run_dir)
-        launch = next((hb["launch"] for _, hb in beats if hb.get("pid") in pids and hb.get("launch")), None)
-        if not survivors or launch is None:
-            return None
-        try:
-            runfiles.atomic_write_json(
-                gaspfiles.request_path(self.run_dir),
-                {"launch": launch, "dead": dead, "at": time.time()},
-                root=self.run_dir,
-            )
-        except OSError as e:
-            return f"dying gasp not asked: {e}"
-        self.say(f"asked rank(s) {', '.join(map(str, sorted(survivors)))} to save their replica (dying gasp)")
-        deadline = time.monotonic() + self.opts.gasp_s
-        answers: dict[int, dict] = {}
-        while time.monotonic() < deadline:
-            for rank in survivors:
-                got = runfiles.read_json_or_none(gaspfiles.answer_path(self.run_dir, rank))
-                if isinstance(got, dict) and got.get("launch") == launch:
-                    answers[rank] = got
-            if any(a.get("status") == "saved" for a in answers.values()) or len(answers) == len(survivors):
-                break
-            self.signals.wake.wait(0.05)
-            self.signals.wake.clear()
-        saved = next((a for a in answers.values() if a.get("status") == "saved"), None)
-        if saved is not None:
-            told = (
-                f"dying gasp: rank {saved.get('rank')} saved its replica at global step "
-                f"{saved.get('global_step')} in {float(saved.get('seconds') or 0) * 1e3:.0f} ms"
-            )
-        elif answers:
-            told = "dying gasp: nothing saved: " + "; ".join(
-                f"rank {r}: {str(a.get('why'))[:200]}" for r, a in sorted(answers.items())
-            )
-        else:
-            told = f"dying gasp: no survivor answered within {self.opts.gasp_s:g} s"
-        self.say(told)
-        return told
+        world = self.opts.command.worker_num if self.nodes else None  # several nodes: ask theirs too
+        return gaspask.ask(self.run_dir, attempt, self.opts.gasp_s, self.signals.wake, self.say, world)
 
     def _forget_gasp(self) -> None:
-        """The request and the answers are for one attempt only."""
-        paths = [gaspfiles.request_path(self.run_dir)]
-        paths += [gaspfiles.answer_path(self.run_dir, r) for r in range(self.opts.command.worker_num)]
-        for path in paths:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+        gaspask.forget(self.run_dir, self.opts.command.worker_num)
 
     # ------------------------------------------------------------------ keeper
 
     def _start_keeper(self) -> None:
-        read, write = os.pipe()
-        try:
-            self.keeper = subprocess.Popen(
-                [sys.executable, "-m", "app.supervise.keeper", self.mark, str(self.opts.grace_s)],
-                stdin=read,
-                start_new_session=True,
-                env={k: v for k, v in os.environ.items() if k != procs.MARK_ENV},
-            )
-        finally:
-            os.close(read)
-        self._keeper_pipe = write
+        self.keeper, self._keeper_pipe = start_keeper(self.mark, self.opts.grace_s)
 
     def _stop_keeper(self) -> None:
-        if self._keeper_pipe is not None:
-            os.close(self._keeper_pipe)  # its end of file: it sweeps (nothing is left) and exits
-            self._keeper_pipe = None
-        if self.keeper is not None:
-            try:
-                os.waitpid(self.keeper.pid, 0)
-            except ChildProcessError:
-                pass
-            self.keeper.returncode = 0
-            self.keeper = None
+        stop_keeper(self.keeper, self._keeper_pipe)
+        self.keeper = self._keeper_pipe = None
 
     # ------------------------------------------------------------------ judging
 
@@ -281,20 +248,49 @@ class Supervisor:
             if hb.get("pid") in pids and hb.get("host") == self.host
         ]
 
-    def _judge(
-        self, outcome: Outcome, history: policy.History, first_step: int, record_only: bool
-    ) -> tuple[int, dict | None]:
-        """Write the attempt's supervised line; return (exit status, the next attempt's env or None)."""
+    def _ended(self, outcome: Outcome, first_step: int) -> Ended:
         beats = self._attempt_beats(outcome)
         steps = [hb["global_step"] for hb in beats if hb.get("global_step") is not None]
         last_step = max(steps) if steps else None
         launch = next((hb["launch"] for hb in beats if hb.get("launch")), None)
+        trained = last_step is not None and last_step >= first_step
+        return Ended(last_step, launch, trained, self._cause(outcome, beats, trained))
+
+    def _judge(
+        self,
+        outcome: Outcome,
+        ended: Ended,
+        history: policy.History,
+        first_step: int,
+        record_only: bool,
+        ends: dict[int, dict] | None = None,
+    ) -> tuple[int, dict | None]:
+        """Write the attempt's supervised line; return (exit status, the next attempt's env or None).
+
+        ``ends``: every node's end of the attempt (several nodes, on node 0):
+        the first failure among them is the attempt's cause, and its times.
+        """
+        last_step, launch, trained, cause = ended.last_step, ended.launch, ended.trained, ended.cause
         rows = attempts.fold(self._records())
         row = next((r for r in rows if launch is not None and r["launch"] == launch), None)
         number = row["attempt"] if row else max((r["attempt"] for r in rows), default=0) + 1
-        trained = last_step is not None and last_step >= first_step
+        times = {k: getattr(outcome, k) for k in ("fault_at", "detected_at", "ended_at")}
+        first = nodes.first_cause(ends) if ends else None
+        if first is not None:
+            cause = first["cause"]
+            times.update({k: first.get(k) for k in ("fault_at", "detected_at")})
+            times["ended_at"] = max((e.get("ended_at") or 0 for e in ends.values()), default=None)
+            last_step = max(
+                (e["last_step"] for e in ends.values() if e.get("last_step") is not None), default=None
+            )
+            trained = last_step is not None and last_step >= first_step
+        if cause["kind"] == "peer":  # the node that failed never said how (its end file is unreadable)
+            cause = {
+                "kind": "crash",
+                "error": "another node ended the attempt",
+                "before_first_step": not trained,
+            }
         progressed = trained and policy.advanced(last_step, history.best_step)
-        cause = self._cause(outcome, beats, trained)
         base = dict(
             kind="supervised",
             attempt=number,
@@ -305,12 +301,11 @@ class Supervisor:
             spawned_at=outcome.spawned_at,
             first_step=first_step,
             cause=cause,
-            fault_at=outcome.fault_at,
-            detected_at=outcome.detected_at,
-            ended_at=outcome.ended_at,
+            **times,
             last_step=last_step,
             progressed=progressed,
             scheduler=slurm.scheduler_record(),
+            nodes=nodes.summary(ends) if ends else None,
         )
         if not outcome.clean:
             self.say("WARNING: a process of the attempt survived SIGKILL (uninterruptible sleep?)")
@@ -456,6 +451,8 @@ class Supervisor:
             )
         if outcome.kind == "hang":
             return hang_cause(outcome, self.host, trained, self.opts.hang_restart_s)
+        if outcome.kind == "peer":  # another node ended the attempt: its cause is the attempt's (nodes.py)
+            return {"kind": "peer", "node": outcome.peer.get("node"), "before_first_step": not trained}
         p = outcome.first
         if p is not None and p.status is not None and procs.signal_name(p.status) == "SIGTERM":
             # scontrol requeue and PreemptMode=REQUEUE signal every process of the job step, msrun's

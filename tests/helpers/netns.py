@@ -130,6 +130,25 @@ class TwoNodes:
         if self._uplink:  # gone with node 0's namespace, unless the setup failed before moving it there
             subprocess.run(["ip", "link", "del", self._uplink[0]], capture_output=True)
 
+    def msrun_argv(
+        self,
+        node: int,
+        run_dir: Path,
+        train_args: list[str],
+        *,
+        local_workers: int = 2,
+        master_port: int = 8118,
+    ) -> list[str]:
+        """Node ``node``'s msrun command line for the demo's worker (the master: node 0's address)."""
+        master = self.nodes[0]
+        return [
+            sys.executable, "-m", "mindspore.parallel.cluster.run",
+            f"--worker_num={local_workers * len(self.nodes)}", f"--local_worker_num={local_workers}",
+            f"--node_rank={node}", f"--master_addr={master.addr}", f"--master_port={master_port}",
+            "--join=True", f"--log_dir={run_dir / 'msrun_logs'}",
+            str(TRAIN_SCRIPT), *train_args,
+        ]  # fmt: skip
+
     def msrun(
         self,
         node: int,
@@ -141,15 +160,30 @@ class TwoNodes:
         log_path: Path,
     ) -> subprocess.Popen:
         """Start node ``node``'s msrun launcher (its own process group) with the demo's worker."""
-        me, master = self.nodes[node], self.nodes[0]
-        cmd = [
-            *me.prefix(),
-            sys.executable, "-m", "mindspore.parallel.cluster.run",
-            f"--worker_num={local_workers * len(self.nodes)}", f"--local_worker_num={local_workers}",
-            f"--node_rank={node}", f"--master_addr={master.addr}", f"--master_port={master_port}",
-            "--join=True", f"--log_dir={run_dir / 'msrun_logs'}",
-            str(TRAIN_SCRIPT), *train_args,
-        ]  # fmt: skip
+        argv = self.msrun_argv(
+            node, run_dir, train_args, local_workers=local_workers, master_port=master_port
+        )
+        return self._start([*self.nodes[node].prefix(), *argv], log_path)
+
+    def supervised(
+        self,
+        node: int,
+        run_dir: Path,
+        train_args: list[str],
+        launch_args: list[str],
+        *,
+        local_workers: int,
+        master_port: int,
+        log_path: Path,
+    ) -> subprocess.Popen:
+        """Node ``node``'s ``rankwatch launch`` around its msrun (one supervisor per node)."""
+        argv = self.msrun_argv(
+            node, run_dir, train_args, local_workers=local_workers, master_port=master_port
+        )
+        launch = [sys.executable, "-m", "app.cli", "launch", "--run-dir", str(run_dir), *launch_args, "--"]
+        return self._start([*self.nodes[node].prefix(), *launch, *argv], log_path)
+
+    def _start(self, cmd: list[str], log_path: Path) -> subprocess.Popen:
         out = open(log_path, "ab")
         proc = subprocess.Popen(
             cmd, env=job_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True

@@ -25,6 +25,10 @@ from trainer_bridge.rundir.liveness import Stopped, probe_process
 # the heartbeats. On this host its pid decides.
 LIVE_AGE_S = 30.0
 HEARTBEAT_NAME = re.compile(r"rank_(\d+)\.json")
+# Set by `rankwatch launch` on several nodes for the attempt after this launch id: its supervisors ended
+# every process of it on every node, so its ranks on other hosts (whose pids cannot be probed from
+# here) are not alive, however fresh their last heartbeats (app/supervise/nodes.py).
+ENDED_ENV = "RANKWATCH_ENDED_LAUNCH"
 
 
 def read_heartbeats(run_dir: str | os.PathLike) -> list[tuple[int, dict]]:
@@ -67,6 +71,7 @@ def live_ranks(
     now: float,
     probe: Callable[[int, float | None], str | None] = probe_process,
     own_pid: int | None = None,
+    ended: str | None = None,
 ) -> list[LiveRank]:
     """Ranks not of ``own_launch`` that are alive: not ended, a fresh heartbeat, and (on this host) a live pid.
 
@@ -75,7 +80,7 @@ def live_ranks(
     """
     live = []
     for rank, hb in beats:
-        if own_launch is not None and hb.get("launch") == own_launch:
+        if hb.get("launch") is not None and hb.get("launch") in (own_launch, ended):
             continue
         if own_pid is not None and hb.get("host") == host and hb.get("pid") == own_pid:
             continue
@@ -104,6 +109,7 @@ def live_others(
     now: float,
     own_pid: int | None = None,
     watch_s: float = COPY_WATCH_S,
+    ended: str | None = None,
 ) -> tuple[list[tuple[int, dict]], list[LiveRank]]:
     """(the run's heartbeats, the ranks of another launch alive in it): what a launch checks at start.
 
@@ -113,7 +119,7 @@ def live_others(
     ``rankwatch/`` restored under it). Only a copy whose pids run pays that wait.
     """
     beats = read_heartbeats(run_dir)
-    live = live_ranks(beats, own_launch=None, host=host, now=now, own_pid=own_pid)
+    live = live_ranks(beats, own_launch=None, host=host, now=now, own_pid=own_pid, ended=ended)
     if not live or not copies.copied_dir(run_dir):
         return beats, live
     time.sleep(watch_s)

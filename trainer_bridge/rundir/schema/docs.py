@@ -16,6 +16,7 @@ from trainer_bridge.rundir.schema.job import (
     AttemptCause,
     AttemptEnd,
     AttemptHosts,
+    AttemptNode,
     AttemptRefused,
     AttemptStart,
     AttemptSupervised,
@@ -77,6 +78,7 @@ README_TABLES = {
     "attempt_cause": AttemptCause,
     "attempt_refused": AttemptRefused,
     "attempt_scheduler": Scheduler,
+    "attempt_node": AttemptNode,
 }
 
 

@@ -115,6 +115,18 @@ class AttemptResume(_Model):
     global_step: Count = Field(description="the set's global step")
 
 
+class AttemptNode(_Model):
+    """One node's end of a supervised attempt, with several nodes (``app/supervise/nodes.py``)."""
+
+    node: Annotated[int, Field(ge=0, lt=MAX_RANKS)] = Field(description="msrun's `--node_rank`")
+    host: Host = Field(description="the node's supervisor's host")
+    cause: Annotated[str, Field(max_length=16)] = Field(
+        description="why it ended there: a cause's kind, or `peer` (another node's failure ended it)"
+    )
+    ended_at: UnixTime | None = Field(None, description="when its last process of the attempt was gone")
+    last_step: Count | None = Field(None, description="the last global step its ranks trained")
+
+
 class AttemptStart(_Model):
     """A start line of ``RUN/rankwatch/attempts.jsonl``, appended by rank 0 when a launch begins."""
 
@@ -312,6 +324,9 @@ class AttemptSupervised(_Model):
         None, description="what the supervisor said: a set passed over, why the run ended"
     )
     scheduler: Scheduler | None = Field(None, description="the batch scheduler it ran under (Slurm), if any")
+    nodes: Annotated[list[AttemptNode], Field(max_length=MAX_RANKS)] | None = Field(
+        None, description="with several nodes (node 0 writes the line): each node's end of the attempt"
+    )
 
 
 class AttemptRefused(_Model):

@@ -1,0 +1,165 @@
+"""``rankwatch launch`` on several nodes without MindSpore: the node's identity, the lock and the mark per
+node, the end files and node 0's plan (``app/supervise/nodes.py``), the launch guard's ended launch.
+
+The real two-node job is ``tests/cluster/test_launch_multinode.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import pytest
+
+from app.supervise import command, lock, nodes, policy, procs
+from trainer_bridge.rundir import launchguard, runfiles
+
+
+def msrun(*opts: str):
+    return command.parse(["msrun", *opts, "train.py"])
+
+
+def end(cause: str, fault_at: float | None, **more) -> dict:
+    return {
+        "cause": {"kind": cause},
+        "host": "h",
+        "fault_at": fault_at,
+        "ended_at": 5.0,
+        "last_step": 7,
+        **more,
+    }
+
+
+class Signals:
+    count = 0
+    wake = threading.Event()
+
+
+def test_the_node_comes_from_the_msrun_line_and_node_0_leads(tmp_path):
+    assert nodes.Nodes.of(msrun("--worker_num=2", "--local_worker_num=2"), str(tmp_path)) is None
+    two = nodes.Nodes.of(msrun("--worker_num=4", "--local_worker_num=2", "--node_rank=1"), str(tmp_path))
+    assert (two.node, two.count, two.leader) == (1, 2, False)
+    assert nodes.Nodes.of(msrun("--worker_num=3", "--local_worker_num=2", "--node_rank=0"), "r").leader
+    for bad in ([], ["--node_rank=-1"], ["--node_rank=2"], ["--node_rank=x"]):
+        with pytest.raises(command.NotMsrun, match="needs msrun's --node_rank, from 0 to 1"):
+            nodes.Nodes.of(msrun("--worker_num=4", "--local_worker_num=2", *bad), str(tmp_path))
+
+
+def test_one_supervisor_per_run_directory_and_node(tmp_path):
+    held = [lock.acquire(str(tmp_path), node) for node in (None, 1, 2)]  # node 0 takes the one-node lock
+    try:
+        for node in (None, 0, 1):
+            with pytest.raises(lock.Held, match="one supervisor per run directory and node"):
+                lock.acquire(str(tmp_path), node)
+    finally:
+        for fd in held:
+            os.close(fd)
+    # Two nodes in one process table never share a mark: one never ends the other's processes.
+    marks = {procs.run_mark(str(tmp_path), n) for n in (None, 0, 1)}
+    assert len(marks) == 3 and procs.run_mark(str(tmp_path)) == procs.run_mark(str(tmp_path) + "/.")
+
+
+def test_a_failure_on_one_node_is_seen_by_the_others_and_the_first_failure_is_the_cause(tmp_path):
+    n0, n1, n2 = (nodes.Nodes(str(tmp_path), k, 3) for k in range(3))
+    assert n0.peer_failed(4)() is None
+    n2.ended(4, end("finished", None))  # a finish ends no other node's attempt
+    assert n0.peer_failed(4)() is None
+    n1.ended(4, end("crash", 10.0))
+    n1.ended(3, end("crash", 1.0))  # another attempt's
+    got = n0.peer_failed(4)()
+    assert (got["node"], got["attempt"], got["cause"]["kind"]) == (1, 4, "crash")
+    assert n1.peer_failed(4)() is None  # its own end is not a peer's
+    n0.ended(4, end("peer", 10.5, node=1))
+    n2.ended(4, end("hang", 9.0))
+    ends = n0.ends(4)
+    assert sorted(ends) == [0, 1, 2]
+    assert nodes.first_cause(ends)["node"] == 2  # the hang came first
+    assert [(s["node"], s["cause"]) for s in nodes.summary(ends)] == [(0, "peer"), (1, "crash"), (2, "hang")]
+    n1.ended(4, end("crash", 10.0, gasp="dying gasp: rank 0 saved its replica at global step 9"))
+    assert (
+        nodes.gasp_words(None, n0.ends(4)) == "node 1: dying gasp: rank 0 saved its replica at global step 9"
+    )
+    # Junk in the directory is ignored, never trusted.
+    folder = runfiles.state_dir(tmp_path) / "nodes"
+    (folder / "end_5_1.json").write_text(json.dumps({"cause": {"kind": "crash"}, "node": 1, "fault_at": "x"}))
+    (folder / "end_5_2.json").write_text("{not json")
+    (folder / "end_5_9.json").write_text(json.dumps(end("crash", 1.0, node=9)))  # no such node
+    os.mkfifo(folder / "end_5_0.json")
+    assert n0.ends(5) == {} and n1.peer_failed(5)() is None
+
+
+def test_the_other_nodes_follow_node_0s_plan(tmp_path, monkeypatch):
+    leader, follower = nodes.Nodes(str(tmp_path), 0, 2), nodes.Nodes(str(tmp_path), 1, 2)
+    monkeypatch.setenv("RANKWATCH_TEST_GONE", "1")
+    monkeypatch.setenv("RANKWATCH_TEST_KEPT", "same")
+    env = {k: v for k, v in os.environ.items() if k != "RANKWATCH_TEST_GONE"}
+    env.update({runfiles.RESUME_STEP_ENV: "20", **nodes.ended_env("abc123abc123"), procs.MARK_ENV: "m0"})
+    leader.ended(1, end("crash", 1.0, node=0))
+    leader.plan(1, policy.OK, env, 2, 4321)
+    said: list[str] = []
+    plan = follower.follow(1, {"kind": "peer"}, Signals(), said.append)
+    assert (plan["action"], plan["next_attempt"], plan["master_port"]) == ("relaunch", 2, 4321)
+    assert said[-1] == "node 0's plan: attempt 2 on master port 4321"
+    mine = follower.environment(plan, "m1")
+    assert mine[runfiles.RESUME_STEP_ENV] == "20" and mine[launchguard.ENDED_ENV] == "abc123abc123"
+    assert "RANKWATCH_TEST_GONE" not in mine and mine["RANKWATCH_TEST_KEPT"] == "same"
+    assert mine[procs.MARK_ENV] == "m1"  # its own mark, not node 0's
+    assert "RANKWATCH_TEST_KEPT" not in plan["set"]  # only what changed travels
+    # The end of the run: the same exit status on every node; the previous attempt's files are gone.
+    leader.plan(2, policy.BUDGET, None, 3, None)
+    assert follower.follow(2, {"kind": "peer"}, Signals(), said.append)["exit_code"] == policy.BUDGET
+    assert leader.ends(1) == {} and not (runfiles.state_dir(tmp_path) / "nodes" / "plan_1.json").exists()
+
+
+def test_a_plan_that_never_comes_or_is_junk_ends_the_node_with_status_1(tmp_path, monkeypatch):
+    monkeypatch.setattr(nodes, "PLAN_WAIT_S", 0.5)
+    follower = nodes.Nodes(str(tmp_path), 1, 2)
+    runfiles.atomic_write_json(
+        runfiles.state_dir(tmp_path) / "nodes" / "plan_1.json",
+        {"attempt": 1, "action": "relaunch", "exit_code": 0, "next_attempt": 2, "master_port": 99999},
+        root=tmp_path,
+    )
+    said: list[str] = []
+    started = time.monotonic()
+    plan = follower.follow(
+        1, {"kind": "crash", "role": "worker", "rank": 3, "signal": "SIGKILL"}, Signals(), said.append
+    )
+    assert plan == {"action": "end", "exit_code": policy.FAILED}
+    assert said[0] == "attempt 1 ended on node 1 (rank 3 killed by SIGKILL); waiting for node 0's plan"
+    assert said[-1].startswith("node 0 wrote no plan after attempt 1 (waited until 0.5 s)")
+    assert time.monotonic() - started < 30  # a guard: bounded
+
+
+def test_the_launch_guard_passes_over_the_ranks_of_a_launch_every_node_ended():
+    now = time.time()
+    beat = {"rank": 1, "state": "training", "time": now - 1, "host": "elsewhere", "pid": 5, "launch": "old"}
+    assert [r.rank for r in launchguard.live_ranks([(1, beat)], own_launch=None, host="here", now=now)] == [1]
+    assert launchguard.live_ranks([(1, beat)], own_launch=None, host="here", now=now, ended="old") == []
+    assert len(launchguard.live_ranks([(1, beat)], own_launch=None, host="here", now=now, ended="new")) == 1
+
+
+def test_node_0_waits_for_every_node_boundedly_and_names_the_silent_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(nodes, "END_WAIT_S", 0.5)
+    leader = nodes.Nodes(str(tmp_path), 0, 3)
+    leader.ended(1, end("crash", 1.0))
+    nodes.Nodes(str(tmp_path), 2, 3).ended(1, end("peer", 2.0))
+    said: list[str] = []
+    assert sorted(leader.wait_ends(1, Signals(), said.append)) == [0, 2]
+    assert said == [
+        "node(s) 1 did not report the end of attempt 1 within 0.5 s (a lost node, or its supervisor is gone)"
+    ]
+
+
+def test_a_second_ctrl_c_on_any_node_ends_it_at_once(tmp_path):
+    follower = nodes.Nodes(str(tmp_path), 1, 2)
+    # Its own attempt ended by a second Ctrl-C: no plan awaited (node 0 ends on its end file).
+    plan = follower.follow(1, {"kind": "interrupted"}, Signals(), [].append)
+    assert plan == {"action": "end", "exit_code": policy.INTERRUPTED}
+
+    class Twice(Signals):
+        count = 2
+
+    said: list[str] = []
+    assert nodes.Nodes(str(tmp_path), 0, 2).wait_ends(1, Twice(), said.append) == {} and said == []
