@@ -156,12 +156,12 @@ class Nodes:
         """Write node 0's decision after ``attempt``: relaunch with ``env`` on ``port``, or end with ``code``."""
         body: dict = {"attempt": attempt, "at": time.time(), "exit_code": code, "action": "end"}
         if env is not None:
-            base = {k: v for k, v in os.environ.items() if k != procs.MARK_ENV}
+            base = {k: v for k, v in os.environ.items() if _carried(k)}
             body.update(
                 action="relaunch",
                 next_attempt=next_attempt,
                 master_port=port,
-                set={k: v for k, v in env.items() if k != procs.MARK_ENV and base.get(k) != v},
+                set={k: v for k, v in env.items() if _carried(k) and base.get(k) != v},
                 unset=sorted(k for k in base if k not in env),
             )
         self._write(f"plan_{attempt}.json", body)
@@ -209,11 +209,18 @@ class Nodes:
 
     def environment(self, plan: dict, mark: str) -> dict:
         """This node's environment for the plan's attempt: its own, changed as node 0's was."""
-        unset = {k for k in plan.get("unset") or [] if isinstance(k, str)}
+        unset = {k for k in plan.get("unset") or [] if isinstance(k, str) and _carried(k)}
         env = {k: v for k, v in os.environ.items() if k not in unset}
-        env.update({str(k): str(v) for k, v in (plan.get("set") or {}).items()})
+        env.update({k: v for k, v in (plan.get("set") or {}).items() if _carried(k) and isinstance(v, str)})
         env[procs.MARK_ENV] = mark
         return env
+
+
+def _carried(key) -> bool:
+    """A variable a plan may set or unset: Rankwatch's own (the resume step, the skip, the learning-rate
+    scale, the ended launch), never the node's mark. The plan is a file in the run directory: a
+    variable such as LD_PRELOAD from it would run whatever its writer chose on every node."""
+    return isinstance(key, str) and key.startswith("RANKWATCH_") and key != procs.MARK_ENV
 
 
 def _valid(rec: dict) -> bool:

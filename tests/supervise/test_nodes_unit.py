@@ -122,14 +122,31 @@ def test_a_plan_that_never_comes_or_is_junk_ends_the_node_with_status_1(tmp_path
         root=tmp_path,
     )
     said: list[str] = []
-    started = time.monotonic()
     plan = follower.follow(
         1, {"kind": "crash", "role": "worker", "rank": 3, "signal": "SIGKILL"}, Signals(), said.append
     )
     assert plan == {"action": "end", "exit_code": policy.FAILED}
     assert said[0] == "attempt 1 ended on node 1 (rank 3 killed by SIGKILL); waiting for node 0's plan"
     assert said[-1].startswith("node 0 wrote no plan after attempt 1 (waited until 0.5 s)")
-    assert time.monotonic() - started < 30  # a guard: bounded
+
+
+def test_a_plan_carries_only_rankwatchs_own_variables(tmp_path, monkeypatch):
+    # The plan is a file in the run directory: whoever writes it must not choose LD_PRELOAD for every
+    # node, nor unset PATH; the resume step still travels.
+    monkeypatch.setenv("PATH", "/usr/bin")
+    follower = nodes.Nodes(str(tmp_path), 1, 2)
+    plan = {
+        "action": "relaunch",
+        "set": {"LD_PRELOAD": "/tmp/evil.so", runfiles.RESUME_STEP_ENV: "20", procs.MARK_ENV: "node0"},
+        "unset": ["PATH", 7],
+    }
+    mine = follower.environment(plan, "m1")
+    assert "LD_PRELOAD" not in mine and mine["PATH"] == "/usr/bin"
+    assert mine[runfiles.RESUME_STEP_ENV] == "20" and mine[procs.MARK_ENV] == "m1"
+    leader = nodes.Nodes(str(tmp_path), 0, 2)
+    leader.plan(1, policy.OK, {**os.environ, "LD_PRELOAD": "x.so", runfiles.RESUME_STEP_ENV: "30"}, 2, 4321)
+    written = follower.wait_plan(1, Signals())
+    assert written["set"] == {runfiles.RESUME_STEP_ENV: "30"} and "PATH" not in written["unset"]
 
 
 def test_the_launch_guard_passes_over_the_ranks_of_a_launch_every_node_ended():
