@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from app import push
-from app.agent.hubstate import hub_state
+from app.agent.hubsource import hub_state
 from app.audit import AuditLog, audit_path
 from app.checkpoints.service import CheckpointService
 from app.checkpoints.verify import Verifier

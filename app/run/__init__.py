@@ -2,7 +2,7 @@
 
 Its sources are what the ranks say: their heartbeat files or Redis
 (``heartbeats.py``), msrun's worker logs (``logmode/``), and, on a hub, the
-agents' digests (``app.agent.hubstate``). ``health.py`` holds the rules (over
+agents' digests (``app.agent.hubsource``). ``health.py`` holds the rules (over
 ``stepcost.py``'s step windows, naming ``verdicts.py``'s verdicts) and
 ``judging.py`` applies them to every rank at once; ``rows.py`` is the record
 each rank is shown as; ``history.py`` keeps the whole-run charts;

@@ -311,7 +311,7 @@ def measure_drain(hosts: int, workdir: Path, url: str) -> dict:
     import redis
 
     from app.agent import digest as dg
-    from app.agent.hubstate import hub_state
+    from app.agent.hubsource import hub_state
     from app.config import from_env
 
     hub_dir = workdir / "drain" / RUN

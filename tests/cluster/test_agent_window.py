@@ -1,4 +1,4 @@
-"""The windowed ranks page of a hub (``app/ranks/window.py`` over ``app/agent/hubstate.py``).
+"""The windowed ranks page of a hub (``app/ranks/window.py`` over ``app/agent/hubsource.py``).
 
 Real agents and a real redis-server, as ``tests/cluster/test_agent.py``, and
 a hub that windows any job above 4 ranks. Its windows are read directly:
