@@ -34,18 +34,11 @@ from app.push import RankPushes
 from app.run import goodput, logmode, spikes
 from app.run.ending import RankEnds
 from app.run.health import Thresholds
-from app.run.heartbeats import (  # noqa: F401  (re-exported: tests and tools import them from here)
-    ProcessProbe,
-    RankSlot,
-    RunReader,
-    Stopped,
-    Unreaped,
-    probe_process,
-    read_history_tail,
-)
+from app.run.heartbeats import ProcessProbe, RankSlot, RunReader, probe_process
 from app.run.history import RunHistory
 from app.run.jobend import JobFacts, StopInputs
 from app.run.judging import VerdictBoard
+from app.run.logmode.kept import KeptLink
 from app.run.rows import make_row, with_age
 from app.run.status import StatusFacts, run_status
 from app.run.stepcost import RankReport
@@ -91,7 +84,7 @@ class RunState:
             if log_dir is not None
             else None
         )
-        self._kept = None  # where the log-mode attempts are kept (keep_log_attempts)
+        self._kept: KeptLink | None = None  # where the log-mode attempts are kept (keep_log_attempts)
         # The loss-spike detector's thresholds, and whether it runs (SPIKE_MODE; app/incidents/spikes.py sets them).
         self._spike_params = spikes.Params()
         self.spikes_on = True
@@ -138,45 +131,27 @@ class RunState:
 
     def scan(self, now: float) -> None:
         """Bring the view up to date with the run directory at time ``now``."""
-        self._restore_kept()
+        if self._kept is not None:
+            self._kept.restore()
         with self._lock:
             self._scan(now)
-        self._save_kept()
+        if self._kept is not None:
+            self._kept.save()
 
     def refresh(self, now: float, max_age: float) -> None:
         """Scan unless the view is younger than ``max_age`` (HTTP reads call this)."""
-        self._restore_kept()
+        if self._kept is not None:
+            self._kept.restore()
         with self._lock:
             if self.scanned_at is None or now - self.scanned_at >= max_age:
                 self._scan(now)
-        self._save_kept()
+        if self._kept is not None:
+            self._kept.save()
 
     def keep_log_attempts(self, store) -> None:
-        """Keep the attempts inferred from msrun's logs in ``store`` (``app.run.logmode.kept``).
-
-        Its database is read and written outside the lock: a slow or locked
-        file delays neither a tick's other work nor a stop.
-        """
+        """Keep the attempts inferred from msrun's logs in ``store`` (``app.run.logmode.kept.KeptLink``)."""
         if self._logs is not None:
-            self._kept = store
-
-    def _restore_kept(self) -> None:
-        """Before the logs are first read: the attempts an earlier dashboard kept."""
-        kept = self._kept
-        if kept is None or kept.loaded:
-            return
-        rows = kept.load()
-        with self._lock:
-            self._logs.dir.attempts.restore(rows)
-
-    def _save_kept(self) -> None:
-        kept = self._kept
-        if kept is None:
-            return
-        with self._lock:
-            rows = self._logs.dir.attempts.take_unsaved()
-        if rows:
-            kept.save(rows)
+            self._kept = KeptLink(store, self._logs.dir.attempts, self._lock)
 
     def _scan(self, now: float) -> None:
         self.scanned_at = now
