@@ -1,10 +1,11 @@
 """One run's engines, composed in one place: ``build``.
 
 Every engine of a run directory is made here, in dependency order, and
-nowhere else: the audit trail, the run model (``RunState``, or the agents'
-``HubState``), the checkpoint index with its retention, the stop service,
-and, for a dashboard (``live``), the incidents, the stack service and the
-watcher that ticks them all. ``create_app`` builds its run (``--run-dir``)
+nowhere else: the audit trail, the run model (``RunState``, its rows read
+from the run directory or from the agents' ``HubSource``), the checkpoint
+index with its retention, the stop service, and, for a dashboard
+(``live``), the incidents, the stack service and the watcher that ticks
+them all. ``create_app`` builds its run (``--run-dir``)
 with it, the registry one per run under ``--runs ROOT``, the runs table an
 idle run's row, and the ``rankwatch`` commands (``status``, ``stop``,
 ``checkpoints``) theirs with ``live=False``: a stop from the shell goes
@@ -20,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from app import push
-from app.agent.hubstate import hub_state
+from app.agent.hubsource import hub_source
 from app.audit import AuditLog, audit_path
 from app.checkpoints.service import CheckpointService
 from app.checkpoints.verify import Verifier
@@ -81,8 +82,11 @@ def build(
     )
     # With agents (app/agent/), every node's ranks come from their digests in Redis, and the
     # checkpoint browser lists every node's files through the agents.
-    hub = hub_state(run_dir, config)
-    state = hub or RunState(run_dir, config, redis=redis_subscriber(config, run_dir))
+    hub = hub_source(run_dir, config)
+    if hub is not None:
+        state = RunState(run_dir, config, source=hub)
+    else:
+        state = RunState(run_dir, config, redis=redis_subscriber(config, run_dir))
     # The attempts msrun's relaunches erase from the logs, kept beside the audit trail.
     state.keep_log_attempts(KeptAttempts(audit))
     checkpoints = CheckpointService(

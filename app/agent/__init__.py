@@ -8,7 +8,7 @@ once a second adds one **host digest** to the run's Redis Stream
 dashboard started with ``AGENTS`` (or ``RUN``) reads the digests through a
 consumer group (``app/agent/hub.py``; a silent agent is judged by
 ``app/agent/lost.py``) and shows every node's ranks
-(``app/agent/hubstate.py``); a stop it writes into its own run directory is
+(``app/agent/hubsource.py``); a stop it writes into its own run directory is
 mirrored to Redis and written by each agent into its host's run directory
 with the bridge's own flag writer. The hub asks an agent for what a digest
 does not carry (a rank's full row and history, the node's checkpoint files)

@@ -159,7 +159,7 @@ class Digest(TypedDict):
     # bounds: issue 32, P4), None once a good one comes: the page says so.
     flag_problem: NotRequired[Annotated[str, Field(max_length=300)] | None]
     # The version of the host's checkpoint listing (None: not listed yet); the hub asks for the
-    # listing only when it changes (``HubState.checkpoint_files``).
+    # listing only when it changes (``HubSource.checkpoint_files``).
     ckpt: NotRequired[ListingVersion | None]
     rows: Annotated[list[RankEntry], Field(max_length=MAX_ROWS)]
     # The ranks of ``rows`` sent because their verdict, state or stop stage changed (not the

@@ -91,7 +91,7 @@ class Hub(redisbus.Guarded):
         self.owner_changes = 0
         self.removed: set[int] = set()  # ranks gone from every host since the caller last took them
         # Hosts whose checkpoint-listing version (``ckpt``) or agent-lost state changed since
-        # ``HubState.checkpoint_files`` last took them: it asks only those agents for their listing.
+        # ``HubSource.checkpoint_files`` last took them: it asks only those agents for their listing.
         self.listings_changed: set[str] = set()
         # The hosts heard, the longest silent first (a digest moves its host to the end), and the
         # hosts lost: each poll finds the newly lost at the front, without a pass over every host.

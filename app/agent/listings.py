@@ -3,7 +3,7 @@
 Each digest names its host's listing version (``ckpt``, ``app/agent/digest.py``).
 The hub notes the hosts whose version, or agent-lost state, changed
 (``Hub.listings_changed``), and ``Listings.files`` (the checkpoint
-service's ``remote``, through ``HubState.checkpoint_files``) asks only
+service's ``remote``, through ``HubSource.checkpoint_files``) asks only
 those agents for their listing (``app/agent/ask.py``), at most one request
 per host outstanding. So at rest a tick posts no request and reads none,
 whatever the number of hosts; a new checkpoint set costs one request per

@@ -91,7 +91,7 @@ class CheckpointService:
         self._health: dict = {}
         # With agents and no shared filesystem: (wait) -> (the other nodes' files, errors, and the
         # paths changed since the last call: ``Listings.files``'s ``Remote``; without them, all may
-        # have) (HubState.checkpoint_files; ``wait``: a request may wait for a node's first listing).
+        # have) (HubSource.checkpoint_files; ``wait``: a request may wait for a node's first listing).
         self.remote = remote
         self._remote_seen: tuple | None = None  # what ``remote`` last gave, and this directory's files then
         self._local_seen: tuple | None = None

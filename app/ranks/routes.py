@@ -185,7 +185,7 @@ def api_health():
         for field in ("id", "leader"):
             if body.get(field):
                 body[field] = opaque(body[field])
-    hub = getattr(rankwatch().state, "hub", None)  # with agents (app/agent/hub.py)
+    hub = getattr(rankwatch().state.source, "hub", None)  # with agents (app/agent/hubsource.py)
     if hub is not None:
         body["hub"] = hub.status()
     rows = current_app.extensions.get("rankwatch_rows")  # under --runs (app/runs/registry.py)

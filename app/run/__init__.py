@@ -2,7 +2,8 @@
 
 Its sources are what the ranks say: their heartbeat files or Redis
 (``heartbeats.py``), msrun's worker logs (``logmode/``), and, on a hub, the
-agents' digests (``app.agent.hubstate``). ``health.py`` holds the rules (over
+agents' digests (``app.agent.hubsource``, a source as ``sources.py`` defines
+one, given to ``RunState``). ``health.py`` holds the rules (over
 ``stepcost.py``'s step windows, naming ``verdicts.py``'s verdicts) and
 ``judging.py`` applies them to every rank at once; ``rows.py`` is the record
 each rank is shown as; ``history.py`` keeps the whole-run charts;

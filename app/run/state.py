@@ -18,6 +18,9 @@ files, the charts from the ``rank_{r}.history.jsonl`` tails.
 Ranks without the bridge are read from msrun's worker logs (``app.run.logmode``),
 which yields the same validated heartbeats; a rank's own heartbeat file,
 when there is one, wins over its log.
+
+A source other than the run directory (the agents' hub) replaces that read
+when given as ``source``: ``app/run/sources.py`` says what it provides.
 """
 
 from __future__ import annotations
@@ -30,23 +33,16 @@ from pathlib import Path
 from typing import Any
 
 from app.attempts import LaunchWatch, launches
-from app.push import RankPushes
 from app.run import goodput, logmode, spikes
 from app.run.ending import RankEnds
 from app.run.health import Thresholds
-from app.run.heartbeats import (  # noqa: F401  (re-exported: tests and tools import them from here)
-    ProcessProbe,
-    RankSlot,
-    RunReader,
-    Stopped,
-    Unreaped,
-    probe_process,
-    read_history_tail,
-)
+from app.run.heartbeats import ProcessProbe, RankSlot, RunReader, probe_process
 from app.run.history import RunHistory
 from app.run.jobend import JobFacts, StopInputs
 from app.run.judging import VerdictBoard
+from app.run.logmode.kept import KeptLink
 from app.run.rows import make_row, with_age
+from app.run.sources import RowTable, ViewSource
 from app.run.status import StatusFacts, run_status
 from app.run.stepcost import RankReport
 from app.run.verdicts import TERMINAL_STATES, WORST_FIRST
@@ -66,6 +62,7 @@ class RunState:
         probe: ProcessProbe = probe_process,
         hostname: str | None = None,
         redis=None,
+        source: ViewSource | None = None,
     ):
         self.run_dir = Path(run_dir) if run_dir else None
         # A run under --runs is its descriptor (app/runs/pinned.py): held open while this reads by it.
@@ -91,14 +88,19 @@ class RunState:
             if log_dir is not None
             else None
         )
-        self._kept = None  # where the log-mode attempts are kept (keep_log_attempts)
+        self._kept: KeptLink | None = None  # where the log-mode attempts are kept (keep_log_attempts)
         # The loss-spike detector's thresholds, and whether it runs (SPIKE_MODE; app/incidents/spikes.py sets them).
         self._spike_params = spikes.Params()
         self.spikes_on = True
+        self._table = RowTable()  # the rows and what was pushed of them (take_delta)
         self._clear()
         # Nobody has seen anything yet, and each client gets a snapshot when it
         # connects: the first tick's changes can go out as a plain delta.
         self._pushed.needs_snapshot = False
+        # Where the rows come from instead of the run directory (app/run/sources.py), or None.
+        self.source = source
+        if source is not None:
+            source.attach(self._lock, self._table)
 
     def _clear(self) -> None:
         self._reader.clear()
@@ -108,10 +110,10 @@ class RunState:
         self._beats_expected = False  # ...while the bridge may still report (LogView.heartbeats_expected)
         # Which ranks have ended and whether msrun has, from their files and this host's probes.
         self._ends = RankEnds(self._hostname, self._probe, self.check_after_s)
-        self._rows: dict[int, dict] = {}
+        self._table.reset()
+        self._rows, self._pushed = self._table.rows, self._table.pushes  # its parts, named as they are used
         self._summary: dict = {}
         self._run: dict = {}
-        self._pushed = RankPushes()  # what clients were last sent (take_delta)
         self._launches = LaunchWatch()  # two launches writing at once (app/attempts.py)
         self._run_history = RunHistory(self.run_points)  # the whole-run charts (app/run/history.py)
         self._spikes = spikes.Detector(self._spike_params)
@@ -138,48 +140,33 @@ class RunState:
 
     def scan(self, now: float) -> None:
         """Bring the view up to date with the run directory at time ``now``."""
-        self._restore_kept()
+        if self._kept is not None:
+            self._kept.restore()
         with self._lock:
             self._scan(now)
-        self._save_kept()
+        if self._kept is not None:
+            self._kept.save()
 
     def refresh(self, now: float, max_age: float) -> None:
         """Scan unless the view is younger than ``max_age`` (HTTP reads call this)."""
-        self._restore_kept()
+        if self._kept is not None:
+            self._kept.restore()
         with self._lock:
             if self.scanned_at is None or now - self.scanned_at >= max_age:
                 self._scan(now)
-        self._save_kept()
+        if self._kept is not None:
+            self._kept.save()
 
     def keep_log_attempts(self, store) -> None:
-        """Keep the attempts inferred from msrun's logs in ``store`` (``app.run.logmode.kept``).
-
-        Its database is read and written outside the lock: a slow or locked
-        file delays neither a tick's other work nor a stop.
-        """
+        """Keep the attempts inferred from msrun's logs in ``store`` (``app.run.logmode.kept.KeptLink``)."""
         if self._logs is not None:
-            self._kept = store
-
-    def _restore_kept(self) -> None:
-        """Before the logs are first read: the attempts an earlier dashboard kept."""
-        kept = self._kept
-        if kept is None or kept.loaded:
-            return
-        rows = kept.load()
-        with self._lock:
-            self._logs.dir.attempts.restore(rows)
-
-    def _save_kept(self) -> None:
-        kept = self._kept
-        if kept is None:
-            return
-        with self._lock:
-            rows = self._logs.dir.attempts.take_unsaved()
-        if rows:
-            kept.save(rows)
+            self._kept = KeptLink(store, self._logs.dir.attempts, self._lock)
 
     def _scan(self, now: float) -> None:
         self.scanned_at = now
+        if self.source is not None:
+            self._world, self._summary, self._run = self.source.scan(now)
+            return
         changed = self._reader.read(now)
         if self._logs is not None:
             changed |= self._logs.read(now)
@@ -370,7 +357,10 @@ class RunState:
                 rows, last = self._rows, len(WORST_FIRST)
                 chosen.sort(key=lambda r: _SEVERITY.get(rows[r]["health"], last))  # stable: by rank within
             rows = [with_age(self._rows[r], now) for r in chosen[start : start + count]]
-            return {**self._head(now), "ranks": rows}, len(chosen)
+            body = {**self._head(now), "ranks": rows}
+            if self.source is not None:
+                body.update(self.source.page_extras(rows, now))
+            return body, len(chosen)
 
     def rows(self) -> list[dict]:
         """Every rank's row by rank, without the heartbeat age (``/metrics``); rows are replaced, never
@@ -400,12 +390,16 @@ class RunState:
         A rank shown from its worker log is None here: no bridge reports its stop stages.
         """
         with self._lock:
+            if self.source is not None:
+                return self.source.heartbeats(), self._world
             logs = self._from_log
             return {r: (None if r in logs else hb) for r, hb in self._board.latest.items()}, self._world
 
     def started_at(self, rank: int) -> float | None:
         """When rank ``rank``'s process started, by its newest heartbeat, from its bridge or its log."""
         with self._lock:
+            if self.source is not None:
+                return self.source.started_at(rank)
             hb = self._board.latest.get(rank)
             return hb.get("started_at") if hb else None
 
@@ -467,11 +461,15 @@ class RunState:
 
     def node(self, host: str, now: float) -> dict | None:
         """The rows of the ranks on ``host`` (``GET /api/hosts/<host>/ranks``), or None if none runs there."""
+        if self.source is not None:
+            return self.source.node(host, now)  # it may wait (an agent's answer): it takes the lock itself
         with self._lock:
             rows = [with_age(row, now) for r, row in sorted(self._rows.items()) if row["host"] == host]
         return {"now": now, "host": host, "ranks": rows} if rows else None
 
     def rank(self, rank: int, now: float) -> dict | None:
+        if self.source is not None:
+            return self.source.rank(rank, now)  # it may wait (an agent's answer): it takes the lock itself
         with self._lock:
             row = self._rows.get(rank)
             if row is None:

@@ -303,7 +303,7 @@ def measure_drain(hosts: int, workdir: Path, url: str) -> dict:
     """The hub's cost per digest at saturation, in this process: a full stream drained by scans.
 
     The simulator first fills the stream (``STREAM_MAXLEN`` digests) while
-    nobody reads; then ``HubState.scan`` and ``take_delta`` (what the
+    nobody reads; then ``RunState.scan`` (through ``HubSource.scan``) and ``take_delta`` (what the
     watcher does each tick) take them all in. Without the web server
     around it, and with every digest read in batches, this is the hub's
     ceiling: 1e6 / (us per digest) digests a second per core.
@@ -311,14 +311,15 @@ def measure_drain(hosts: int, workdir: Path, url: str) -> dict:
     import redis
 
     from app.agent import digest as dg
-    from app.agent.hubstate import hub_state
+    from app.agent.hubsource import hub_source
     from app.config import from_env
+    from app.run.state import RunState
 
     hub_dir = workdir / "drain" / RUN
     hub_dir.mkdir(parents=True)
     config = {**from_env(), "REDIS_URL": url, "AGENTS": True, "REDIS_KEY": KEY, "AGENT_LOST_S": 3600.0}
     redis.Redis.from_url(url).delete(dg.keys(RUN)[0])
-    state = hub_state(str(hub_dir), config)
+    state = RunState(str(hub_dir), config, source=hub_source(str(hub_dir), config))
     state.scan(time.time())  # joins the stream at its end
     stop = multiprocessing.Event()
     proc = multiprocessing.Process(target=live_digests, args=(0, hosts, url, stop, multiprocessing.Queue()))
@@ -330,14 +331,14 @@ def measure_drain(hosts: int, workdir: Path, url: str) -> dict:
     proc.join()
     cpu0 = time.process_time()
     while True:
-        before = state.hub.accepted
+        before = state.source.hub.accepted
         state.scan(time.time())
         state.take_delta(time.time())
-        if state.hub.accepted == before:
+        if state.source.hub.accepted == before:
             break
     cpu = time.process_time() - cpu0
-    digests = state.hub.accepted
-    state.hub.close()
+    digests = state.source.hub.accepted
+    state.source.hub.close()
     return {
         "digests": digests,
         "cpu_s": cpu,

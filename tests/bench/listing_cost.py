@@ -77,10 +77,10 @@ def measure(hosts: int, save_every: int, ticks: int) -> dict:
                 "rest_us": 1e6 * rest / (ticks * hosts),
                 "saving_us": 1e6 * saving / (ticks * hosts),
                 "sets": len(index.sets),
-                "entries": getattr(rw.state.hub, "listing_entries", None),
+                "entries": getattr(rw.state.source.hub, "listing_entries", None),
             }
         finally:
-            rw.state.hub.close()
+            rw.state.source.hub.close()
     finally:
         server.stop()
 

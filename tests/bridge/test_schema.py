@@ -174,7 +174,7 @@ def test_a_heartbeat_from_the_future_is_clamped_and_flagged(client, run_dir):
 
 
 def test_history_lines_are_validated(run_dir):
-    from app.run.state import read_history_tail
+    from app.run.heartbeats import read_history_tail
 
     healthy_job(run_dir, 1)
     with open(runfiles.history_path(run_dir, 0), "ab") as f:

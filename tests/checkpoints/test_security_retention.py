@@ -57,7 +57,7 @@ def hub_and_agent(tmp_path, redis_server):
     stopping.set()
     thread.join(30)
     agent.outbox.close()
-    app.extensions["rankwatch"].state.hub.close()
+    app.extensions["rankwatch"].state.source.hub.close()
 
 
 def test_an_agents_listing_of_newer_sets_never_deletes_a_local_set(hub_and_agent):

@@ -34,7 +34,7 @@ def hub(tmp_path, redis_server):
     app = hub_app(hub_dir, redis_server.url, AGENT_LOST_S=3.0)
     app.hub_dir = hub_dir
     yield app
-    app.extensions["rankwatch"].state.hub.close()
+    app.extensions["rankwatch"].state.source.hub.close()
 
 
 def test_two_nodes_without_a_shared_directory_show_every_rank_from_digests(tmp_path, hub, agents):
@@ -83,8 +83,8 @@ def test_hostile_digests_are_refused_counted_and_change_nothing(tmp_path, hub, a
     # Taken now: the hub has accepted it, so adding it again is a replay.
     replay = client.xrevrange(stream, count=1)[0][1]
     state = hub.extensions["rankwatch"].state
-    before = {r: dict(row) for r, row in state.hub.rows.items()}
-    seq = state.hub.hosts["node-a"].digest["seq"]
+    before = {r: dict(row) for r, row in state.source.hub.rows.items()}
+    seq = state.source.hub.hosts["node-a"].digest["seq"]
     key = KEY.encode()
 
     def good(**over) -> dict:
@@ -96,7 +96,7 @@ def test_hostile_digests_are_refused_counted_and_change_nothing(tmp_path, hub, a
         }  # fmt: skip
         return {**d, **over}
 
-    dead_row = {**state.hub.rows[0], "health": "dead", "reason": "forged"}
+    dead_row = {**state.source.hub.rows[0], "health": "dead", "reason": "forged"}
     hostile = [
         # too big
         {"h": b"node-a", "d": b"{" + b" " * (dg.MAX_DIGEST_BYTES + 10) + b"}"},
@@ -128,16 +128,17 @@ def test_hostile_digests_are_refused_counted_and_change_nothing(tmp_path, hub, a
     assert [h["host"] for h in v["hosts"]] == ["node-a"]
     # Nothing else changed: the rows are the agent's, no forged verdict, and its next digest is taken.
     assert (
-        all(r["health"] == "healthy" for r in v["ranks"]) and state.hub.hosts["node-a"].digest["seq"] >= seq
+        all(r["health"] == "healthy" for r in v["ranks"])
+        and state.source.hub.hosts["node-a"].digest["seq"] >= seq
     )
-    assert {r: row["pid"] for r, row in state.hub.rows.items()} == {
+    assert {r: row["pid"] for r, row in state.source.hub.rows.items()} == {
         r: row["pid"] for r, row in before.items()
     }
 
     def heard_again():
         a.beat()
         v = view(hub)
-        return v if state.hub.hosts["node-a"].digest["seq"] > seq + 1 else None
+        return v if state.source.hub.hosts["node-a"].digest["seq"] > seq + 1 else None
 
     later = wait_for(heard_again, "the agent heard again")
     assert later["run"]["refused"] == len(hostile)
@@ -251,7 +252,7 @@ def test_redis_killed_and_restarted_the_agent_buffers_and_everything_recovers(
     state = hub.extensions["rankwatch"].state
     redis_server.stop()
     down_at = time.time()
-    seq = state.hub.hosts["node-a"].digest["seq"]
+    seq = state.source.hub.hosts["node-a"].digest["seq"]
     v = wait_for(
         lambda: (a.beat(), v := view(hub))[0] is None and "unreachable" in v["run"]["message"] and v,
         "Redis down",
@@ -265,7 +266,7 @@ def test_redis_killed_and_restarted_the_agent_buffers_and_everything_recovers(
     def recovered():
         a.beat()
         v = view(hub)
-        back = state.hub.hosts["node-a"].digest["seq"] > seq + 1
+        back = state.source.hub.hosts["node-a"].digest["seq"] > seq + 1
         return v if back and "unreachable" not in v["run"]["message"] else None
 
     v = wait_for(recovered, "the hub hearing the agent again", timeout=120)
@@ -486,5 +487,5 @@ def test_an_agent_lost_is_alerted(tmp_path, redis_server, agents):
             assert "agent on host node-b" in json.dumps(got) or "agent lost" in json.dumps(got), got
         finally:
             app.extensions["rankwatch"].incidents.alerts.sender.close()
-            app.extensions["rankwatch"].state.hub.close()
+            app.extensions["rankwatch"].state.source.hub.close()
             watcher.stop()

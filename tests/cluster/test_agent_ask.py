@@ -43,7 +43,7 @@ def make_hub(tmp_path, redis_server):
 
     yield make
     for app in made:
-        app.extensions["rankwatch"].state.hub.close()
+        app.extensions["rankwatch"].state.source.hub.close()
 
 
 @pytest.fixture
@@ -81,8 +81,8 @@ def hosts_reporting(app, nodes, expect_ranks: int, tick=()):
         agent.tick(time.time())
     state = app.extensions["rankwatch"].state
     state.scan(time.time())
-    return len(state.hub.rows) == expect_ranks and all(
-        r["health"] == "healthy" for r in state.hub.rows.values()
+    return len(state.source.hub.rows) == expect_ranks and all(
+        r["health"] == "healthy" for r in state.source.hub.rows.values()
     )
 
 
@@ -201,7 +201,7 @@ def test_hostile_answers_are_refused_counted_and_change_nothing(tmp_path, make_h
     hub = make_hub(AGENT_ASK_TIMEOUT_S=8.0)
     a, b, agent_b = two_nodes(tmp_path, hub, agent_of, run_b=False)
     state = hub.extensions["rankwatch"].state
-    before = dict(state.hub.rows[2])
+    before = dict(state.source.hub.rows[2])
     stop, written = threading.Event(), []
     stranger = threading.Thread(target=hostile_answers, args=(redis_server.url, stop, written), daemon=True)
     stranger.start()
@@ -216,7 +216,7 @@ def test_hostile_answers_are_refused_counted_and_change_nothing(tmp_path, make_h
     _, health = get(hub, "/api/health")
     assert health["hub"]["refused"] == 6, health["hub"]
     assert "answer for host 'node-b'" in health["hub"]["refused_last"]
-    assert state.hub.rows[2] == before
+    assert state.source.hub.rows[2] == before
     # The real agent still gets through once it ticks.
     stopping = threading.Event()
     ticking = threading.Thread(target=run_forever, args=(agent_b, stopping), daemon=True)

@@ -98,8 +98,10 @@ def test_listing_requests_per_tick_do_not_grow_with_the_hosts_while_nothing_chan
         # every rank has its host after RANKS_PER_HOST digests. No host is asked again meanwhile.
         for _ in range(RANKS_PER_HOST):
             assert tick() == {}
-        assert len(rw.state.hub.owner) == HOSTS * RANKS_PER_HOST
-        assert rw.state.hub.accepted == (RANKS_PER_HOST + 1) * HOSTS and rw.state.hub.refused == 0
+        assert len(rw.state.source.hub.owner) == HOSTS * RANKS_PER_HOST
+        assert (
+            rw.state.source.hub.accepted == (RANKS_PER_HOST + 1) * HOSTS and rw.state.source.hub.refused == 0
+        )
         index = rw.checkpoints.index(HOSTS * RANKS_PER_HOST, wait=False)
         assert [s.id for s in index.sets] == [bridge_id(g * STEPS_PER_SET) for g in range(SETS_BEFORE, 0, -1)]
         assert all(s.complete for s in index.sets), [(s.id, s.ranks_missing[:5]) for s in index.sets]
@@ -119,12 +121,12 @@ def test_listing_requests_per_tick_do_not_grow_with_the_hosts_while_nothing_chan
         assert pushed == []  # nor anything pushed to the pages
         # One host saves a set: its version changes, exactly that host is asked, and its answer
         # carries that set's files alone (the changes since the version the hub holds).
-        entries = rw.state.hub.listing_entries
+        entries = rw.state.source.hub.listing_entries
         assert entries == HOSTS * SETS_BEFORE * RANKS_PER_HOST  # each host's whole listing, once
         sim.listings.changed.add(7)
         assert tick() == {"sim-00007": 1}
         tick()
-        assert rw.state.hub.listing_entries - entries == RANKS_PER_HOST
+        assert rw.state.source.hub.listing_entries - entries == RANKS_PER_HOST
         assert tick() == {}
         index = rw.checkpoints.index(HOSTS * RANKS_PER_HOST, wait=False)
         newest = index.sets[0]
@@ -159,7 +161,7 @@ def test_listing_requests_per_tick_do_not_grow_with_the_hosts_while_nothing_chan
         assert [f["path"] for f in page["sets"][0]["files"]] == [f.path for f in index.sets[0].files]
         assert page["sets"][0]["ranks_present"] == list(range(7 * RANKS_PER_HOST, 9 * RANKS_PER_HOST))
     finally:
-        rw.state.hub.close()
+        rw.state.source.hub.close()
 
 
 class RandomListings:
@@ -237,7 +239,7 @@ def test_listing_changes_cost_what_changed_and_the_index_stays_a_full_rebuilds(t
         RETENTION_MODE="dry_run",
     )
     rw = app.extensions["rankwatch"]
-    hub = rw.state.hub
+    hub = rw.state.source.hub
     client = redis_py.Redis.from_url(redis_server.url)
     stream = dg.keys(RUN)[0]
     rng = random.Random(seed)
@@ -325,7 +327,7 @@ def test_a_listing_change_the_hub_did_not_ask_for_or_past_the_bound_is_refused(t
         CHECKPOINT_SCAN_S=0.001,
     )
     rw = app.extensions["rankwatch"]
-    hub = rw.state.hub
+    hub = rw.state.source.hub
     client = redis_py.Redis.from_url(redis_server.url)
     stream = dg.keys(RUN)[0]
     sim = SimHosts(0, hosts, listings=None)
@@ -364,7 +366,7 @@ def test_a_listing_change_the_hub_did_not_ask_for_or_past_the_bound_is_refused(t
         responder, asked = answer, len(requests)
         for _ in range(50):  # a guard: the request goes at the tick that reads the new version
             tick()
-            if responder is None and not rw.state.listings._pending:
+            if responder is None and not rw.state.source.listings._pending:
                 break
         assert responder is None and len(requests) > asked, requests
         return asked

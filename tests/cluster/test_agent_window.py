@@ -1,4 +1,4 @@
-"""The windowed ranks page of a hub (``app/ranks/window.py`` over ``app/agent/hubstate.py``).
+"""The windowed ranks page of a hub (``app/ranks/window.py`` over ``app/agent/hubsource.py``).
 
 Real agents and a real redis-server, as ``tests/cluster/test_agent.py``, and
 a hub that windows any job above 4 ranks. Its windows are read directly:
@@ -23,7 +23,7 @@ def windowed_hub(tmp_path, redis_server):
     hub_dir.mkdir(parents=True)
     app = hub_app(hub_dir, redis_server.url, AGENT_LOST_S=30.0, PAGE_WINDOW_RANKS=4)
     yield app
-    app.extensions["rankwatch"].state.hub.close()
+    app.extensions["rankwatch"].state.source.hub.close()
 
 
 def test_a_hub_window_carries_the_host_rows_of_its_ranks_only(tmp_path, windowed_hub, agents):

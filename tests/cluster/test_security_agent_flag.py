@@ -47,7 +47,7 @@ def setup(tmp_path, redis_server, key: str):
     scan(app)
     agent.tick(time.time())
     scan(app)
-    assert "node-a" in app.extensions["rankwatch"].state.hub.hosts
+    assert "node-a" in app.extensions["rankwatch"].state.source.hub.hosts
     return app, node, agent, redis_py.Redis.from_url(redis_server.url)
 
 

@@ -250,7 +250,7 @@ def test_an_agents_key_signs_for_its_own_host_only(tmp_path, redis_server):
     hub_dir = tmp_path / "hub" / RUN
     hub_dir.mkdir(parents=True)
     app = make_app(hub_dir, REDIS_URL=redis_server.url, REDIS_KEY=MASTER, AGENTS=True, AGENT_LOST_S=3600.0)
-    hub = app.extensions["rankwatch"].state.hub
+    hub = app.extensions["rankwatch"].state.source.hub
 
     def scan():
         app.extensions["rankwatch"].state.scan(time.time())
@@ -354,7 +354,7 @@ def test_the_hubs_resync_request_is_signed_for_each_host(tmp_path, redis_server)
     state.scan(time.time())  # the hub joins the digest stream
     assert rows() == 1
     state.scan(time.time())  # it hears node-a for the first time: it asks node-a for everything
-    assert set(state.hub.hosts) == {"node-a"}
+    assert set(state.source.hub.hosts) == {"node-a"}
     asked = client.get(key)
     assert dg.open_resync(asked, agent_key, RUN) > agent.boot
     assert rows() == 1  # the request is read after this digest is built...

@@ -104,7 +104,7 @@ def test_kept_attempts_are_bounded_and_a_bad_row_is_skipped(run_dir):
     again = make_app(run_dir)
     try:
         rows = attempts(again, again.test_client())
-        kept = again.extensions["rankwatch"].state._kept
+        kept = again.extensions["rankwatch"].state._kept.store
     finally:
         again.extensions["rankwatch_runs"].stop()
     assert [(a["attempt"], a["last_step"]) for a in rows] == [(1, 7), (2, 2)]

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
+from app.run.heartbeats import read_history_tail
 from app.run.history import KEEP_WHOLE_S, MAX_OPEN, OPEN_S, THIN_EVERY_S, THIN_S, RunHistory
-from app.run.state import read_history_tail
 from tests.helpers.app import wait_for
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from trainer_bridge.rundir import runfiles

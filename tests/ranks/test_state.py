@@ -13,7 +13,8 @@ import pytest
 from app.config import from_env
 from app.ranks import charts
 from app.run import heartbeats as reader_module
-from app.run.state import RunState, probe_process, read_history_tail
+from app.run.heartbeats import probe_process, read_history_tail
+from app.run.state import RunState
 from tests.helpers.app import FAST_SETTINGS
 from tests.helpers.heartbeats import gone_pid, heartbeat, process_started, write_heartbeat, write_job
 from trainer_bridge.rundir import runfiles, schema

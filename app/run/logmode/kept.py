@@ -32,12 +32,13 @@ from __future__ import annotations
 
 import logging
 import sqlite3
+import threading
 from typing import Annotated, Literal
 
 from pydantic import Field
 
 from app.audit import READ_TIMEOUT_S, WRITE_TIMEOUT_S, AuditLog, connect_pinned, prepare_wal
-from app.run.logmode.attempts import MAX_KEPT
+from app.run.logmode.attempts import MAX_KEPT, LogAttempts
 from trainer_bridge.rundir import safeio, schema
 
 log = logging.getLogger(__name__)
@@ -159,3 +160,32 @@ class KeptAttempts:
 
 def _why(e: Exception) -> str:
     return safeio.why(e) if isinstance(e, OSError) else str(e)
+
+
+class KeptLink:
+    """A ``KeptAttempts`` joined to a log view's attempts (``RunState.keep_log_attempts``).
+
+    ``restore`` reads the kept rows back once, before the logs are first
+    read; ``save`` writes each scan's newly closed attempts. The database is
+    read and written outside the view's ``lock``: a slow or locked file
+    delays neither a tick's other work nor a stop.
+    """
+
+    def __init__(self, store: KeptAttempts, attempts: LogAttempts, lock: threading.Lock):
+        self.store = store
+        self.attempts = attempts
+        self.lock = lock
+
+    def restore(self) -> None:
+        """Before the logs are first read: the attempts an earlier dashboard kept."""
+        if self.store.loaded:
+            return
+        rows = self.store.load()
+        with self.lock:
+            self.attempts.restore(rows)
+
+    def save(self) -> None:
+        with self.lock:
+            rows = self.attempts.take_unsaved()
+        if rows:
+            self.store.save(rows)

@@ -1,11 +1,16 @@
-"""A dashboard's view of a run served by agents: ``RunState`` with its rows from the digests.
+"""A dashboard's view of a run served by agents: ``HubSource``, the source of ``RunState``'s rows.
 
-``hub_state`` builds it when ``REDIS_URL`` is set and ``AGENTS`` is on or
-``RUN`` names the run. Everything the page, the API, the pushes and the
-stop service read from ``RunState`` (rows, deltas, summary, run status,
-each rank's stop record) then comes from the hub (``app/agent/hub.py``);
-the dashboard's own run directory holds no heartbeats, only the flag the
-stop service writes, which the hub mirrors to the agents.
+``hub_source`` makes it when ``REDIS_URL`` is set and ``AGENTS`` is on or
+``RUN`` names the run, and ``app.compose.build`` gives it to ``RunState``
+(``source=``, ``app/run/sources.py``). Everything the page, the API, the
+pushes and the stop service read from ``RunState`` (rows, deltas, summary,
+run status, each rank's stop record) then comes from the hub
+(``app/agent/hub.py``); the dashboard's own run directory holds no
+heartbeats, only the flag the stop service writes, which the hub mirrors
+to the agents. What only a hub can do (ask an agent for a rank's history,
+a node's rows, its checkpoint files) is ``RunState.rank``/``node`` through
+the source, and ``HubSource.checkpoint_files`` (the checkpoint service's
+``remote``).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,10 +28,11 @@ from app.agent import digest as dg
 from app.agent.hub import Hub
 from app.agent.listings import Listings, Remote
 from app.cluster import redis_key
+from app.run.health import Thresholds
 from app.run.rows import with_age
-from app.run.state import RunState
+from app.run.sources import Head, RowTable
 from app.run.verdicts import VERDICTS
-from trainer_bridge.rundir import redisbus, runfiles
+from trainer_bridge.rundir import redisbus, runfiles, safedirs
 from trainer_bridge.rundir.listing import first_of
 
 
@@ -40,7 +47,8 @@ def run_name(config: Mapping[str, Any], run_dir: str | os.PathLike | None) -> st
     return None
 
 
-def hub_state(run_dir: str | None, config: Mapping[str, Any]) -> HubState | None:
+def hub_source(run_dir: str | None, config: Mapping[str, Any]) -> HubSource | None:
+    """The hub of ``run_dir``'s agents when this dashboard reads their digests (``run_name``), else None."""
     name = run_name(config, run_dir)
     if name is None:
         return None
@@ -54,56 +62,53 @@ def hub_state(run_dir: str | None, config: Mapping[str, Any]) -> HubState | None
     )
     # The hub's own consumer group goes when the process ends cleanly (a crashed one leaves a small group behind).
     atexit.register(hub.close)
-    return HubState(run_dir, config, hub)
+    return HubSource(run_dir, config, hub)
 
 
-class HubState(RunState):
-    """``RunState`` whose rows, summary and run status come from the agents' digests."""
+class HubSource:
+    """The rows, summary and run status of ``RunState`` from the agents' digests (a ``ViewSource``)."""
 
-    def __init__(self, run_dir, config, hub: Hub):
+    def __init__(self, run_dir: str | os.PathLike | None, config: Mapping[str, Any], hub: Hub):
         self.hub = hub
+        self.run_dir = Path(run_dir) if run_dir else None
+        self.shown_dir = Path(safedirs.shown(run_dir)) if run_dir else None  # what the status line names
+        self.straggler_ratio = Thresholds.from_config(config).straggler_ratio
         self.ask_timeout_s = float(config["AGENT_ASK_TIMEOUT_S"])
-        super().__init__(run_dir, config)
-        # The checkpoint browser's listings of the agents, by version (``checkpoint_files``).
-        self.listings = Listings(hub, self._lock, self.ask_timeout_s)
-
-    def _clear(self) -> None:
-        super()._clear()
-        self._counts = dict.fromkeys(VERDICTS, 0)
+        self._counts = dict.fromkeys(VERDICTS, 0)  # the rows by verdict
         self._redis_error: str | None = None
 
-    def _scan(self, now: float) -> None:
-        self.scanned_at = now
+    def attach(self, lock: threading.Lock, table: RowTable) -> None:
+        self._lock = lock
+        self._table = table
+        # The checkpoint browser's listings of the agents, by version (``checkpoint_files``).
+        self.listings = Listings(self.hub, lock, self.ask_timeout_s)
+
+    def scan(self, now: float) -> Head:
+        table = self._table
         try:
             changed = self.hub.poll(now)
             self._redis_error = None
         except redisbus.RedisUnavailable as e:
             changed, self._redis_error = set(), str(e)
         for rank in self.hub.removed:
-            old = self._rows.pop(rank, None)
+            old = table.drop(rank)
             if old is not None:
                 self._counts[old["health"]] -= 1
-                self._pushed.sent.pop(rank, None)
-                self._pushed.dirty.discard(rank)
-                self._pushed.needs_snapshot = True  # a removal is no delta
         self.hub.removed.clear()
         for rank in changed:
             if rank not in self.hub.rows:
                 continue  # changed, then gone, in one read
             row = self.hub.shown(rank, now)
-            old = self._rows.get(rank)
+            old = table.get(rank)
             if old is not None:
                 self._counts[old["health"]] -= 1
             self._counts[row["health"]] += 1
-            self._rows[rank] = row
-            self._pushed.dirty.add(rank)
-        self._world = self.hub.world_size()
-        self._summary = {
-            "world_size": self._world,
-            **self.hub.figures(dict(self._counts), self.thresholds.straggler_ratio),
-        }
-        self._run = self._hub_status()
+            table.put(rank, row)
+        world = self.hub.world_size()
+        summary = {"world_size": world, **self.hub.figures(dict(self._counts), self.straggler_ratio)}
+        run = self._hub_status()
         self._mirror_flag(now)
+        return Head(world, summary, run)
 
     def _mirror_flag(self, now: float) -> None:
         """Publish this dashboard's flag file (the stop service writes it), every scan."""
@@ -133,7 +138,7 @@ class HubState(RunState):
         else:
             kind = "running"
             message = (
-                f"{len(self._rows)} ranks on {len(hub.hosts)} hosts, through their agents (run {hub.run!r})."
+                f"{len(self._table)} ranks on {len(hub.hosts)} hosts, through their agents (run {hub.run!r})."
             )
         if lost:
             named = first_of(sorted(lost), 8)
@@ -161,23 +166,18 @@ class HubState(RunState):
             "flag_refused_by": sorted(refusing),
         }
 
-    def page(self, now, health, start, count, order="rank"):
-        """``RunState.page`` and the host rows of the page's ranks (an answer bounded by the page)."""
-        body, total = super().page(now, health, start, count, order)
-        with self._lock:
-            hosts = {self.hub.owner[r["rank"]] for r in body["ranks"] if r["rank"] in self.hub.owner}
-            body["hosts"] = self.hub.host_rows(now, hosts)
-        return body, total
+    def page_extras(self, rows: list[dict], now: float) -> dict:
+        """The host rows of a page's ranks (an answer bounded by the page)."""
+        owner = self.hub.owner
+        return {"hosts": self.hub.host_rows(now, {owner[r["rank"]] for r in rows if r["rank"] in owner})}
 
-    def heartbeats(self) -> tuple[dict[int, dict | None], int]:
+    def heartbeats(self) -> dict[int, dict | None]:
         """What each rank's agent said of its stop record, state and start (the stop service reads these)."""
-        with self._lock:
-            # Each digest replaces a rank's record, never changes it: sharing them is safe.
-            return dict(self.hub.beats), self._world
+        # Each digest replaces a rank's record, never changes it: sharing them is safe.
+        return dict(self.hub.beats)
 
     def started_at(self, rank: int) -> float | None:
-        with self._lock:
-            return (self.hub.beats.get(rank) or {}).get("started_at")
+        return (self.hub.beats.get(rank) or {}).get("started_at")
 
     # ------------------------------------------------------------------ asking the agents (app/agent/ask.py)
     def rank(self, rank: int, now: float) -> dict | None:
@@ -188,7 +188,7 @@ class HubState(RunState):
         ``AGENT_ASK_TIMEOUT_S``, never holding the view's lock meanwhile.
         """
         with self._lock:
-            row = self._rows.get(rank)
+            row = self._table.get(rank)
             host = self.hub.owner.get(rank)
             view = self.hub.hosts.get(host) if host is not None else None
             lost = view is not None and view.lost
@@ -221,7 +221,8 @@ class HubState(RunState):
             if view is None:
                 return None
             lost = view.lost
-            rows = [self._rows[r] for r in sorted(view.ranks) if r in self._rows]
+            table = self._table.rows
+            rows = [table[r] for r in sorted(view.ranks) if r in table]
         got: dict | str = (
             f"the agent on host {host} is lost: no digest for {self.hub.lost_after_s:g} s"
             if lost
