@@ -53,4 +53,4 @@ def test_the_pages_socket_carries_the_token(live_server, page, run_dir, console_
     expect(page.locator("#ckpt-connection")).to_have_text("live", timeout=WAIT_MS)
     expect(meta).to_contain_text(f" in {run_dir.name}; ", timeout=WAIT_MS)
     assert page.evaluate("sessionStorage.getItem('rankwatch.token')") is None
-    assert console_errors == [], console_errors
+    assert console_errors == [], (console_errors, live_server.log()[-4000:])

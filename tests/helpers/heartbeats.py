@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -148,3 +149,55 @@ def gone_pid() -> int:
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
     )
     return int(child.stdout)
+
+
+class Hosts:
+    """Writes a heartbeat for each rank of ``hosts`` about three times a second, except for silenced hosts.
+
+    Ranks that must stay alive on a loaded machine, whatever the test's own
+    pace: a heartbeat written once is dead after ``DEAD_AFTER_S``.
+    ``world``: the job's size, when other ranks are written by the test.
+    """
+
+    def __init__(
+        self,
+        run_dir,
+        hosts: dict[int, str],
+        step_ms: dict[int, float] | None = None,
+        world: int | None = None,
+    ):
+        self.run_dir = run_dir
+        self.hosts = hosts
+        self.step_ms = step_ms or {}
+        self.world = world or len(hosts)
+        self.silent: set[str] = set()
+        self.done = threading.Event()
+        write_job(run_dir, self.world)
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        seq = 0
+        world = self.world
+        while not self.done.is_set():
+            seq += 1
+            for rank, host in self.hosts.items():
+                if host in self.silent:
+                    continue
+                hb = heartbeat(
+                    rank,
+                    world,
+                    seq=seq,
+                    global_step=10 * seq,
+                    step_ms=self.step_ms.get(rank, 50.0),
+                    host=host,
+                )
+                write_heartbeat(self.run_dir, hb)
+            self.done.wait(0.3)
+
+    def __enter__(self) -> Hosts:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join(timeout=30)

@@ -13,24 +13,24 @@ import pytest
 from playwright.sync_api import expect
 
 from tests.helpers.browser import WAIT_MS, cell
-from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
+from tests.helpers.heartbeats import HOST, Hosts, heartbeat, write_heartbeat, write_job
 from tests.helpers.liveserver import free_port
 
 pytestmark = pytest.mark.browser
 
 
 def test_a_dead_rank_does_not_read_training(live_server, page, run_dir, console_errors):
-    write_job(run_dir, 2)
-    write_heartbeat(run_dir, heartbeat(0, 2, seq=1, global_step=10))
-    # Rank 1 said "training", then nothing for a minute (DEAD_AFTER_S is 4 s here).
-    write_heartbeat(run_dir, heartbeat(1, 2, seq=1, global_step=10, now=time.time() - 60))
-    page.goto(live_server.url + "/")
-    expect(cell(page, 1, "health")).to_contain_text("dead", timeout=WAIT_MS)
-    expect(cell(page, 1, "state")).to_have_text("last said training")
-    expect(cell(page, 1, "state")).to_have_attribute(
-        "title", "The rank no longer reports: this is the last state it reported"
-    )
-    expect(cell(page, 0, "state")).to_have_text("training")
+    # Rank 0 keeps reporting (a heartbeat written once would be dead too on a loaded machine);
+    # rank 1 said "training", then nothing for a minute (DEAD_AFTER_S is 4 s here).
+    with Hosts(run_dir, {0: HOST}, world=2):
+        write_heartbeat(run_dir, heartbeat(1, 2, seq=1, global_step=10, now=time.time() - 60))
+        page.goto(live_server.url + "/")
+        expect(cell(page, 1, "health")).to_contain_text("dead", timeout=WAIT_MS)
+        expect(cell(page, 1, "state")).to_have_text("last said training")
+        expect(cell(page, 1, "state")).to_have_attribute(
+            "title", "The rank no longer reports: this is the last state it reported"
+        )
+        expect(cell(page, 0, "state")).to_have_text("training", timeout=WAIT_MS)
     assert console_errors == []
 
 

@@ -7,58 +7,16 @@ so no rank is probed with psutil and a silent host can be judged lost).
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 from playwright.sync_api import expect
 
 from tests.helpers.browser import LAPTOP, NODE_ROWS, RANK_ROWS, WAIT_MS, horizontal_overflow, node_row
-from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
+from tests.helpers.heartbeats import Hosts, heartbeat, write_heartbeat, write_job
 
 pytestmark = pytest.mark.browser
 
 # A loaded machine may write a round late: silence must last longer than that to count.
 SETTINGS = {"STALL_MIN_S": 3.0, "DEAD_AFTER_S": 8.0}
-
-
-class Hosts:
-    """Writes a heartbeat for every rank about three times a second, except for silenced hosts."""
-
-    def __init__(self, run_dir, hosts: dict[int, str], step_ms: dict[int, float] | None = None):
-        self.run_dir = run_dir
-        self.hosts = hosts
-        self.step_ms = step_ms or {}
-        self.silent: set[str] = set()
-        self.done = threading.Event()
-        write_job(run_dir, len(hosts))
-        self.thread = threading.Thread(target=self.run, daemon=True)
-
-    def run(self) -> None:
-        seq = 0
-        world = len(self.hosts)
-        while not self.done.is_set():
-            seq += 1
-            for rank, host in self.hosts.items():
-                if host in self.silent:
-                    continue
-                hb = heartbeat(
-                    rank,
-                    world,
-                    seq=seq,
-                    global_step=10 * seq,
-                    step_ms=self.step_ms.get(rank, 50.0),
-                    host=host,
-                )
-                write_heartbeat(self.run_dir, hb)
-            self.done.wait(0.3)
-
-    def __enter__(self) -> Hosts:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.done.set()
-        self.thread.join(timeout=30)
 
 
 def expect_rows(page, want: list[str]) -> None:
