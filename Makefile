@@ -30,17 +30,14 @@ $(VENV)/.installed: pyproject.toml
 demo: venv
 	$(VENV)/bin/rankwatch demo --run-dir $(RUN) --ranks $(RANKS) --port $(PORT)
 
-# Three workers (pytest-xdist) on 2 cores: most tests wait on msrun jobs, Slurm's
-# credentials, servers and polls, so a third test fills the cores the others
-# leave idle. Two at once took about 0.6 of the time one at a time does
-# (docs/benchmarks.md); TEST_WORKERS=2 for the earlier setting.
+# Two workers (pytest-xdist): most tests wait on msrun jobs, so two at once on
+# 2 cores take about 0.6 of the time one at a time does (docs/benchmarks.md).
 # --dist worksteal: a worker that runs out takes half of the other's queue.
 # xdist's default (load) leaves each worker its queue, which at the end can
 # hold minutes of msrun jobs while the other worker idles.
 # Debug one test without it: .venv/bin/python -m pytest tests/x.py -k name
-TEST_WORKERS ?= 3
 test: venv
-	$(PY) -m pytest -ra --durations=40 -n $(TEST_WORKERS) --dist worksteal
+	$(PY) -m pytest -ra --durations=40 -n 2 --dist worksteal
 
 test-fast: venv
 	$(PY) -m pytest -ra -m "$(FAST)"
