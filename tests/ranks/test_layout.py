@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 
 import psutil
 import pytest
@@ -56,6 +57,10 @@ def test_the_rank_table_fits_a_laptop_without_scrolling_sideways(
             }
         if r == 6:
             extra = {"state": "failed", "error": LONG_ERROR}
+        if r == 7:
+            # Silent for a minute: dead, its State "last said training", the widest state there is
+            # (on a loaded machine the other ranks' single heartbeats may read so too).
+            extra = {"now": time.time() - 60}
         write_heartbeat(
             run_dir,
             heartbeat(r, world, global_step=123_456, device=NPU, host="node-a17.cluster.example", **extra),
