@@ -6,6 +6,7 @@ import pytest
 
 from tests.helpers.agents import KEY, AgentProcess, SimNode
 from tests.helpers.app import FAST_SETTINGS
+from tests.helpers.netns import TwoNodes, skip_reason
 from tests.helpers.queuepage import queue_dashboard, stop_all
 
 
@@ -28,3 +29,14 @@ def dashboard(redis_server, run_dir, tmp_path):
     started: list = []
     yield lambda key: queue_dashboard(redis_server, run_dir, tmp_path, started, key)
     stop_all(started)
+
+
+@pytest.fixture
+def nodes():
+    """Two network namespaces on this machine (``tests/helpers/netns.py``), removed after the test;
+    skips, with the reason, where they cannot be made."""
+    why = skip_reason()
+    if why:
+        pytest.skip(why)
+    with TwoNodes() as two:
+        yield two

@@ -23,7 +23,7 @@ import pytest
 from app.supervise import procs
 from tests.helpers.faults import measure
 from tests.helpers.launch import wait_gone
-from tests.helpers.netns import LAUNCH_TIMEOUT_S, TwoNodes, kill_tree, skip_reason, steps_logged
+from tests.helpers.netns import LAUNCH_TIMEOUT_S, kill_tree, steps_logged
 from trainer_bridge.demo.__main__ import free_port
 from trainer_bridge.demo.mnist import write_mnist
 from trainer_bridge.rundir import attempts, runfiles
@@ -33,15 +33,6 @@ pytestmark = [pytest.mark.msrun, pytest.mark.netns]
 # 2000 samples, 2 ranks, batch 32: 31 steps in the one epoch; sets every 10 steps.
 SAMPLES, STEPS = 2000, 31
 FAST = ["--backoff-s", "0.5", "--grace-s", "5"]
-
-
-@pytest.fixture
-def nodes():
-    why = skip_reason()
-    if why:
-        pytest.skip(why)
-    with TwoNodes() as nodes:
-        yield nodes
 
 
 def node_procs(run_dir, node: int) -> list[psutil.Process]:

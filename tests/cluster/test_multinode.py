@@ -34,15 +34,6 @@ pytestmark = [pytest.mark.msrun, pytest.mark.netns]
 DEAD_AFTER_S = 12.0
 
 
-@pytest.fixture
-def nodes():
-    why = skip_reason()
-    if why:
-        pytest.skip(why)
-    with TwoNodes() as nodes:
-        yield nodes
-
-
 def heartbeats(run_dir) -> list[dict | None]:
     return [runfiles.read_json_or_none(runfiles.heartbeat_path(run_dir, r)) for r in range(WORLD)]
 
