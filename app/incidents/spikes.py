@@ -57,26 +57,29 @@ def target_before(
 ) -> tuple[CheckpointSet | None, str]:
     """(the set ``rankwatch launch`` would roll back to for a spike from ``first_step``, or None; why in words).
 
-    The supervisor's own choice (``target.rollback_target``, default margin,
-    the same ``rollbacks.jsonl`` evidence), reading tensors within
+    The supervisor's own choice (``target.rollback_target``, with the margin
+    the run's supervisor published, the default without one, and the same
+    ``rollbacks.jsonl`` evidence), reading tensors within
     ``target.DASHBOARD_SCAN_BYTES`` (verdicts kept in ``memo``): a set past it is
     named "unverified", since the supervisor may still find it non-finite.
     """
     if index is None or not run_dir:
         return None, "no checkpoint index yet"
     lines, _ = rollbacks.read_lines(run_dir)
+    published, _ = rollbacks.read_settings(run_dir)
+    margin = published.margin if published else MARGIN_STEPS
     choice = target.rollback_target(
         index,
         run_dir,
         first_step,
-        MARGIN_STEPS,
+        margin,
         lines,
         tensors=finite.Reader(target.DASHBOARD_SCAN_BYTES, memo),
     )
     if choice.set is None:
-        why = f"no complete healthy set before step {first_step - MARGIN_STEPS}"
+        why = f"no complete healthy set before step {first_step - margin}"
         return None, why + (f" ({choice.note})" if choice.note else "")
-    note = f"newest complete healthy set before step {first_step - MARGIN_STEPS}"
+    note = f"newest complete healthy set before step {first_step - margin}"
     if choice.unverified:
         note += f", unverified: {choice.unverified}"
     if choice.passed_over:
@@ -265,6 +268,7 @@ class SpikeWatch:
         """``GET /api/spikes``: the policy in force, the marks, the recent actions, the rollbacks."""
         view = self.state.spike_view()
         lines, skipped = rollbacks.read_lines(self.run_dir) if self.run_dir else ([], 0)
+        published, published_error = rollbacks.read_settings(self.run_dir) if self.run_dir else (None, None)
         with self._lock:
             recent = list(self.recent)
         return {
@@ -277,4 +281,6 @@ class SpikeWatch:
             "recent": recent,
             "rollbacks": [ln.model_dump(mode="json") for ln in lines],
             "rollbacks_skipped": skipped,
+            "supervisor": published.model_dump(mode="json") if published else None,
+            "supervisor_error": published_error,
         }

@@ -43,6 +43,8 @@ the run too: the operator's stop wins.
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
@@ -67,6 +69,27 @@ class Settings:
     max_rollbacks: int = MAX_ROLLBACKS
     margin: int = MARGIN_STEPS
     cooldown_steps: int = COOLDOWN_STEPS
+
+
+def publish(run_dir: str, settings: Settings, say: Callable[[str], None]) -> None:
+    """Publish ``settings`` for the dashboard (``rollbacks.SupervisorSettings``); a failure is said, not raised."""
+    try:
+        rollbacks.publish_settings(
+            run_dir,
+            rollbacks.SupervisorSettings(
+                max_rollbacks=settings.max_rollbacks,
+                margin=settings.margin,
+                cooldown_steps=settings.cooldown_steps,
+                supervisor_pid=os.getpid(),
+                host=socket.gethostname(),
+                since=time.time(),
+            ),
+        )
+    except OSError as e:
+        say(
+            f"WARNING: cannot write rankwatch/{rollbacks.SETTINGS_NAME} ({e}): the dashboard assumes the "
+            f"default rollback margin of {MARGIN_STEPS}"
+        )
 
 
 @dataclass

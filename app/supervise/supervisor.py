@@ -117,6 +117,8 @@ class Supervisor:
         if live:
             self.say(launchguard.refusal(self.run_dir, live))
             return policy.REFUSED
+        if not self.nodes or self.nodes.leader:
+            rollback.publish(self.run_dir, self.opts.rollback, self.say)
         procs.become_subreaper()
         self.signals.install()
         self._start_keeper()

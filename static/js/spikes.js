@@ -47,7 +47,7 @@ export class Rollbacks {
       console.error("rankwatch: loss spikes unavailable:", err);
       return;
     }
-    const key = JSON.stringify([body.marks, body.rollbacks, body.policy]);
+    const key = JSON.stringify([body.marks, body.rollbacks, body.policy, body.supervisor_error]);
     if (key === this.last) return;
     this.last = key;
     if (this.onMarks) this.onMarks(Array.isArray(body.marks) ? body.marks : []);
@@ -81,7 +81,7 @@ export class Rollbacks {
     }
     this.list.replaceChildren(...items);
     const p = body.policy || {};
-    const problems = [p.error, body.norms_error].filter(Boolean).join("; ");
+    const problems = [p.error, body.norms_error, body.supervisor_error].filter(Boolean).join("; ");
     if (this.note) this.note.dataset.mode = p.mode || "";
     if (problems && this.note) this.note.textContent = problems;
   }

@@ -29,12 +29,14 @@ def request(first_step: int) -> rollbacks.Request:
     )
 
 
-def both(run_dir, first_step: int, memo: dict | None = None) -> tuple[str | None, str, str | None, str]:
+def both(
+    run_dir, first_step: int, memo: dict | None = None, settings: rollback.Settings | None = None
+) -> tuple[str | None, str, str | None, str]:
     """(the page's set, its words, the supervisor's set, its words) for a spike from ``first_step``."""
     index = ckptindex.scan(run_dir, world_size=2)
     page, why = spikes.target_before(index, str(run_dir), first_step, memo)
     said = []
-    d = rollback.decide(str(run_dir), 2, request(first_step), rollback.Settings(), said.append)
+    d = rollback.decide(str(run_dir), 2, request(first_step), settings or rollback.Settings(), said.append)
     return (page.id if page else None), why, (d.resume or {}).get("set"), d.said
 
 
@@ -67,6 +69,27 @@ def test_the_detectors_record_a_corrupt_file_and_one_step_held_twice(run_dir):
     page, why, sup, said = both(run_dir, 45)
     assert page == sup == sid(10)
     assert "in a spike the detector recorded (global steps 18-22)" in why
+
+
+def test_the_supervisors_published_margin_is_the_pages_and_a_bad_file_is_said(run_dir):
+    for step in (10, 20, 30):
+        periodic(run_dir, step)
+    wide = rollback.Settings(margin=10)
+    # No supervisor has published: the page assumes the default margin of 1.
+    page, why, sup, _ = both(run_dir, 38, settings=wide)
+    assert (page, sup) == (sid(30), sid(20))
+    # rankwatch launch --rollback-margin 10 publishes it when it starts: the page names its set.
+    said = []
+    rollback.publish(str(run_dir), wide, said.append)
+    assert said == []
+    page, why, sup, _ = both(run_dir, 38, settings=wide)
+    assert page == sup == sid(20) and "before step 28" in why
+    # A bad file is the default margin, and the reason reaches GET /api/spikes.
+    (run_dir / "rankwatch" / rollbacks.SETTINGS_NAME).write_text('{"margin": -4}')
+    published, error = rollbacks.read_settings(run_dir)
+    assert published is None and error.startswith(f"{rollbacks.SETTINGS_NAME}: ")
+    page, _, _, _ = both(run_dir, 38)
+    assert page == sid(30)
 
 
 def test_no_target_for_either_and_the_nan_breakpoint_is_refused(run_dir):

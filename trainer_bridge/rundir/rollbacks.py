@@ -13,7 +13,9 @@ Who writes what:
   than ``first_step`` minus a margin), relaunches pinned to it
   (``RANKWATCH_RESUME_STEP``) with ``RANKWATCH_SKIP_BATCHES``, clears the
   request, and appends a ``relaunched`` line (or ``exhausted`` / ``refused``
-  when the budget is spent or no target exists).
+  when the budget is spent or no target exists). When it starts it
+  publishes its rollback settings (``rankwatch/rollback_settings.json``),
+  so the dashboard names the set it would take with its own margin.
 
 Both files sit in the run's private state directory and are untrusted
 input like every other file there: read bounded, validated field by field,
@@ -24,16 +26,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 from pydantic import Field
 
 from trainer_bridge.rundir import runfiles, safedirs, safeio
-from trainer_bridge.rundir.schema.base import MAX_RANKS, Count, UnixTime, _Model
+from trainer_bridge.rundir.schema.base import MAX_RANKS, Count, Host, Pid, UnixTime, _Model
 from trainer_bridge.rundir.schema.validation import parse
+
+M = TypeVar("M", bound=_Model)
 
 REQUEST_NAME = "rollback.json"
 LINES_NAME = "rollbacks.jsonl"
+SETTINGS_NAME = "rollback_settings.json"
 # How many batches past the spike's first step the relaunched job skips (the bridge reads it).
 SKIP_BATCHES_ENV = "RANKWATCH_SKIP_BATCHES"
 # The step the abnormal value was seen at (the spike's first step or later), beside SKIP_BATCHES: the relaunched job's data resumes at global step
@@ -44,6 +49,7 @@ SKIP_FROM_ENV = "RANKWATCH_SKIP_FROM"
 LR_SCALE_ENV = "RANKWATCH_LR_SCALE"
 
 MAX_REQUEST_BYTES = 16 * 1024
+MAX_SETTINGS_BYTES = 4096
 MAX_LINE_BYTES = 16 * 1024
 MAX_TAIL_BYTES = 1 << 20
 
@@ -97,6 +103,23 @@ class Line(_Model):
     note: Annotated[str, Field(max_length=1000)] = Field("", description="why, in words")
 
 
+class SupervisorSettings(_Model):
+    """``rankwatch/rollback_settings.json``: the rollback settings of the run's ``rankwatch launch``.
+
+    Written when a supervisor starts (node 0's, with several nodes). The
+    dashboard reads the margin from it, so the set it names for a spike is
+    the one this supervisor would take; without the file it assumes the
+    defaults. A later supervisor's file replaces an earlier one's.
+    """
+
+    max_rollbacks: Annotated[int, Field(ge=0, le=10**6)] = Field(description="`--max-rollbacks`")
+    margin: Count = Field(description="`--rollback-margin`: a target is older than the first step minus this")
+    cooldown_steps: Count = Field(description="`--rollback-cooldown-steps`")
+    supervisor_pid: Pid = Field(description="the `rankwatch launch` process")
+    host: Host = Field(description="its host")
+    since: UnixTime = Field(description="when it started")
+
+
 def data_step(resumed: int, env: Mapping[str, str]) -> int:
     """The global step a job resumed at ``resumed`` goes on from, its data skipped (``SKIP_*_ENV``).
 
@@ -122,6 +145,21 @@ def lines_rel() -> str:
     return f"{runfiles.STATE_DIR}/{LINES_NAME}"
 
 
+def settings_rel() -> str:
+    return f"{runfiles.STATE_DIR}/{SETTINGS_NAME}"
+
+
+def publish_settings(run_dir: str | os.PathLike, settings: SupervisorSettings) -> None:
+    """Write the supervisor's settings atomically; raises OSError."""
+    safedirs.makedirs(run_dir, runfiles.STATE_DIR)
+    safeio.write_atomic(run_dir, settings_rel(), settings.to_json())
+
+
+def read_settings(run_dir: str | os.PathLike) -> tuple[SupervisorSettings | None, str | None]:
+    """(the published settings or None, why a file that is there was refused)."""
+    return _read_one(run_dir, SETTINGS_NAME, SupervisorSettings, MAX_SETTINGS_BYTES)
+
+
 def write_request(run_dir: str | os.PathLike, req: Request) -> None:
     """Write the pending request atomically; raises OSError."""
     safedirs.makedirs(run_dir, runfiles.STATE_DIR)
@@ -130,16 +168,22 @@ def write_request(run_dir: str | os.PathLike, req: Request) -> None:
 
 def read_request(run_dir: str | os.PathLike) -> tuple[Request | None, str | None]:
     """(the pending request or None, why a file that is there was refused)."""
+    return _read_one(run_dir, REQUEST_NAME, Request, MAX_REQUEST_BYTES)
+
+
+def _read_one(
+    run_dir: str | os.PathLike, name: str, model: type[M], limit: int
+) -> tuple[M | None, str | None]:
     try:
-        data = safeio.read_regular(os.path.join(run_dir, request_rel()), MAX_REQUEST_BYTES)
+        data = safeio.read_regular(os.path.join(run_dir, runfiles.STATE_DIR, name), limit)
     except FileNotFoundError:
         return None, None
     except (OSError, ValueError) as e:
-        return None, f"{REQUEST_NAME}: {e}"
+        return None, f"{name}: {e}"
     try:
-        return parse(Request, data), None
+        return parse(model, data), None
     except ValueError as e:
-        return None, f"{REQUEST_NAME}: {e}"
+        return None, f"{name}: {e}"
 
 
 def clear_request(run_dir: str | os.PathLike) -> None:

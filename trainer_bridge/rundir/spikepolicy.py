@@ -1,10 +1,11 @@
 """The loss-spike policy in force for one run: the settings, with ``rankwatch/spikes.json`` over them.
 
-The dashboard's detector (``app/run/spikes.py``) reads the mode and the
-thresholds; ``rankwatch launch`` reads ``skip_batches`` and
-``max_rollbacks`` (the ladder). Both resolve them here, so a run's file
-means the same to both. The file is untrusted input like every other in
-the run directory: a bad one is ignored whole, and the reason is shown.
+The dashboard's detector (``app/run/spikes.py``, ``app/incidents/spikes.py``)
+resolves them here; ``skip_batches`` reaches
+``rankwatch launch`` in the rollback request, whose own budget and margin
+are its options (``rollbacks.SupervisorSettings``). The file is untrusted
+input like every other in the run directory: a bad one is ignored whole,
+and the reason is shown.
 """
 
 from __future__ import annotations
