@@ -16,7 +16,6 @@ import math
 
 import pytest
 
-from app.supervise import rollback
 from tests.helpers.faults import measure
 from tests.helpers.launch import LaunchJob, enforcing_dashboard
 from trainer_bridge.rundir import rollbacks, runfiles
@@ -28,6 +27,7 @@ SKIP = 5
 # 2000 samples, 2 ranks, batch 32: 31 steps an epoch, 93 in all; a periodic set every 10 steps.
 TRAIN = ["--epochs", "3", "--step-delay", "0.05", "--ckpt-every", "10"]
 FAST = ["--backoff-s", "0.5", "--grace-s", "5"]
+MARGIN = 4
 
 
 def nonfinite_loss(job: LaunchJob, rank: int) -> int | None:
@@ -46,7 +46,9 @@ def nonfinite_loss(job: LaunchJob, rank: int) -> int | None:
 def test_a_nan_from_step_k_is_rolled_back_to_the_last_healthy_set_and_the_bad_batches_skipped(tmp_path):
     run, server = enforcing_dashboard(tmp_path, SKIP)
     try:
-        with LaunchJob(run, TRAIN, FAST, env={"RANKWATCH_DEMO_POISON_STEP": f"{K}:5"}) as job:
+        # A margin other than the default: the dashboard must name the set this supervisor takes.
+        launch = [*FAST, "--rollback-margin", str(MARGIN)]
+        with LaunchJob(run, TRAIN, launch, env={"RANKWATCH_DEMO_POISON_STEP": f"{K}:5"}) as job:
             seen = job.wait_until(
                 lambda: nonfinite_loss(job, 0) or nonfinite_loss(job, 1), "a non-finite loss in a heartbeat"
             )
@@ -72,8 +74,11 @@ def test_a_nan_from_step_k_is_rolled_back_to_the_last_healthy_set_and_the_bad_ba
     # minus the margin (the sets at 30 and later hold NaN weights). Which one depends on where the
     # heartbeats sampled the loss: a last finite sample at step 20 makes the first step 21, and the
     # set at 20 is then inside the margin, so the target is 10 (seen on an idle CI machine).
-    target = (first - rollback.MARGIN_STEPS - 1) // 10 * 10
+    target = (first - MARGIN - 1) // 10 * 10
     assert target in (10, 20), (first, target)
+    published, error = rollbacks.read_settings(run)
+    assert error is None and published.margin == MARGIN, published
+    assert (requested[0].target_step, requested[0].target_set) == (target, a["supervisor"]["resume"]["set"])
     cause = a["cause"]
     assert a["end"] == "graceful_stop" and a["restarted_by"] == "launch", job.output()
     assert a["stop_by"] == "policy" and a["request_id"]
