@@ -182,7 +182,7 @@ def test_scontrol_requeue_signals_every_process_and_the_requeued_run_trains_on(s
     assert first["cause"]["kind"] == "preempted" and first["cause"]["signal"] == "SIGTERM", (first, log())
 
     second = attempt_2(slurm, job, run, log)
-    assert second["resumed_from"] is not None, (second, log())
+    assert second["resumed_from"] is not None, f"{first}\n{second}\n{log()}"
     saved = second["resumed_from"]["global_step"]
     # The requeued run trains on past its resume: the stale stop was re-armed, and said so.
     wait_for_job(
