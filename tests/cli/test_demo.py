@@ -120,7 +120,9 @@ def test_the_default_demo_trains_learns_checkpoints_and_resumes(tmp_path, start_
         complete = [s for s in ckptindex.scan(run, 2).sets if s.complete]
         return (first, losses, complete) if learnt and complete else None
 
-    first, losses, complete = job.wait_until(progress, "a falling loss and a complete set", timeout=DEADLINE_S)
+    first, losses, complete = job.wait_until(
+        progress, "a falling loss and a complete set", timeout=DEADLINE_S
+    )
     assert job.proc.poll() is None, "the demo ended"
     assert planned_s(run) >= MIN_PLANNED_S
     assert all(h["state"] == "training" for h in job.heartbeats()), dump(job.heartbeats())
