@@ -30,16 +30,12 @@ from app.extensions import socketio
 from tests.helpers.agents import AgentProcess
 from tests.helpers.app import FAST_SETTINGS, make_app
 from tests.helpers.faults import Dashboard
-from tests.helpers.jobs import DemoJob
+from tests.helpers.jobs import NODE_TIMEOUT_S, DemoJob
 from tests.helpers.liveserver import launch_chromium, start_dashboard
 from tests.helpers.receiver import Receiver
 
-# MindSpore's scheduler calls a worker lost when no heartbeat came from it for
-# MS_NODE_TIMEOUT seconds (30 by default, MindSpore's dynamic-cluster docs):
-# after a rank is killed, msrun exits only then. 15 s cuts about 18 s from each
-# test that ends a job by a fault (measured: msrun exits 10 s after a kill -9
-# with 10, 33 s with the default). Every job a test starts inherits it.
-os.environ.setdefault("MS_NODE_TIMEOUT", "15")
+# Every job a test starts inherits it (why: tests/helpers/jobs.py, NODE_TIMEOUT_S).
+os.environ.setdefault("MS_NODE_TIMEOUT", NODE_TIMEOUT_S)
 
 
 @pytest.fixture

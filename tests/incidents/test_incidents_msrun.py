@@ -27,7 +27,7 @@ import pytest
 
 from app.incidents.stacks import collective, training_thread
 from tests.helpers.app import AUTH, FAST_SETTINGS, TOKEN, make_app, wait_for
-from tests.helpers.jobs import JOB_TIMEOUT_S, DemoJob, dump
+from tests.helpers.jobs import JOB_TIMEOUT_S, STOPPED_RANK_ENV, DemoJob, dump
 from tests.helpers.receiver import quiet_port
 from trainer_bridge.rundir import runfiles
 
@@ -120,7 +120,8 @@ def test_webhooks_announce_a_stopped_rank_and_its_recovery_through_a_receiver_ou
     run_dir, tmp_path, make_receiver, start_job, start_server
 ):
     receiver = make_receiver(quiet_port())  # down until 10 s after the first failed delivery
-    job = start_job(run_dir, epochs=12, step_delay=0.05)
+    # Rank 1 stays stopped through the receiver's outage: MindSpore must not end the job meanwhile.
+    job = start_job(run_dir, epochs=12, step_delay=0.05, env=STOPPED_RANK_ENV)
     server = start_server(
         run_dir, tmp_path / "dashboard.log", env=live_env(WEBHOOK_URL=receiver.url, ALERT_GROUP_S=1.0)
     )

@@ -27,7 +27,7 @@ from playwright.sync_api import expect
 from app.config import from_env
 from app.run.state import RunState
 from tests.helpers.faults import UI_TIMEOUT_MS, WAIT_S, cell, measure, poll_until
-from tests.helpers.jobs import UNTIL_STOPPED, DemoJob, dump
+from tests.helpers.jobs import STOPPED_RANK_ENV, UNTIL_STOPPED, DemoJob, dump
 from trainer_bridge.rundir import ckptindex
 
 pytestmark = [pytest.mark.msrun]
@@ -274,7 +274,7 @@ def test_kill_9_one_rank_without_msrun_to_end_the_survivor(tmp_path, page, start
 @pytest.mark.browser
 def test_sigstop_one_rank_then_sigcont(tmp_path, page, start_job, start_dash):
     run = tmp_path / "run"
-    job = start_job(run, epochs=20, step_delay=0.05)
+    job = start_job(run, epochs=20, step_delay=0.05, env=STOPPED_RANK_ENV)
     dash = start_dash(run, tmp_path / "dashboard.log")
     hbs = job.wait_for_step(3)
     pids = [h["pid"] for h in hbs]

@@ -22,7 +22,7 @@ from app.run import goodput
 from app.supervise import policy
 from tests.helpers.app import AUTH, FAST_SETTINGS, make_app, wait_for
 from tests.helpers.faults import measure
-from tests.helpers.jobs import UNTIL_STOPPED, DemoJob, write_flag
+from tests.helpers.jobs import STOPPED_RANK_ENV, UNTIL_STOPPED, DemoJob, write_flag
 from tests.helpers.launch import LaunchJob, runs_row, wait_gone
 from tests.helpers.storage import fill, small_tmpfs
 from trainer_bridge.rundir import gaspfiles, runfiles
@@ -123,6 +123,7 @@ def test_a_hung_rank_ends_its_attempt_as_a_hang_and_the_job_goes_on(tmp_path):
     hang = [*FAST, "--hang-restart-s", "10", "--hang-mode", "restart"]
     # The dashboard's verdict, with its test thresholds: a stopped process is stalled at its first probe.
     env = {f"RANKWATCH_{k}": str(FAST_SETTINGS[k]) for k in ("STALL_MIN_S", "PROCESS_CHECK_AFTER_S")}
+    env.update(STOPPED_RANK_ENV)  # the hang rule, not MindSpore's node timeout, must end the stopped rank
     with LaunchJob(tmp_path / "run", TRAIN, hang, env=env) as job:
         job.wait_until(lambda: step(job, 1) >= 25, "rank 1 past global step 25")
         stopped = job.workers()[1]
