@@ -138,6 +138,12 @@ class Worker(ThreadWorker):
         self.reserved = futures.ThreadPoolExecutor(self.reserved_threads, thread_name_prefix="reserved")
         super().init_process()
 
+    def run(self):
+        # gunicorn made its poller in init_process, and nothing is registered in it yet.
+        self.poller.close()
+        self.poller = Poller()
+        super().run()
+
     def handle_quit(self, sig, frame):
         self.reserved.shutdown(wait=False)
         super().handle_quit(sig, frame)
@@ -366,12 +372,48 @@ class Worker(ThreadWorker):
         if conn.websocket:
             conn.websocket = False
             self.websockets -= 1
+            # Closed here, never kept alive nor lingered in the poller: simple-websocket's reader
+            # thread closes this same socket object when it ends, which may be after its handler
+            # has returned, and a socket closed while in the poller leaves its descriptor's number
+            # registered there (the poller, below, survives that; the close handshake is done).
+            self.nr_conns -= 1
+            conn.close()
+            return
         super().finish_request(conn, fs)
 
     def handle_request(self, req, conn):
         # Bounds the answer's writes and a WebSocket's silence (the body is already in memory).
         conn.sock.settimeout(self.read_timeout_s)
         return super().handle_request(req, conn)
+
+
+class Poller(selectors.DefaultSelector):
+    """The worker's poller, which outlives a socket closed behind its back.
+
+    When a thread closes a socket that is still registered, the kernel frees its number and the
+    next ``accept`` may get it back; registering that new socket then raised ``KeyError: ... is
+    already registered`` in the main loop, which killed the worker and every open page's session
+    with it (seen once, a page reloaded while its WebSocket was being closed). A closed socket can
+    never be readable again, so its stale entry is dropped and the new socket takes the number.
+    """
+
+    def register(self, fileobj, events, data=None):
+        try:
+            return super().register(fileobj, events, data)
+        except KeyError:
+            stale = self.get_map().get(fileobj.fileno())
+            if stale is None or stale.fileobj is fileobj or _is_open(stale.fileobj):
+                raise
+            log.info("rankwatch: forgot a closed socket still in the poller (descriptor %d)", stale.fd)
+            self.unregister(stale.fileobj)  # found by identity; epoll dropped it at the close
+            return super().register(fileobj, events, data)
+
+
+def _is_open(fileobj) -> bool:
+    try:
+        return fileobj.fileno() >= 0
+    except (OSError, ValueError):
+        return False
 
 
 class Server(BaseApplication):

@@ -9,8 +9,10 @@ asserts how fast the server is.
 
 from __future__ import annotations
 
+import collections
 import json
 import select
+import selectors
 import socket
 import time
 import urllib.request
@@ -318,3 +320,51 @@ def test_a_websocket_writer_that_finds_its_socket_closed_is_one_log_line_not_a_t
             t.join()
     assert seen == [OSError]  # only the other thread's reached the previous hook
     assert "found its connection closed" in caplog.text
+
+
+def test_the_poller_takes_a_descriptor_back_from_a_socket_closed_behind_its_back():
+    """A socket another thread closed while registered left its number in the poller; the next
+    connection given that number made ``register`` raise in the main loop and killed the worker."""
+    from app.serve.server import Poller
+
+    poller = Poller()
+    gone, _ = socket.socketpair()
+    poller.register(gone, selectors.EVENT_READ, "gone")
+    number = gone.fileno()
+    gone.close()  # as simple-websocket's reader thread does
+    new, peer = socket.socketpair()
+    assert number in (new.fileno(), peer.fileno())  # the kernel hands the lowest free number back
+    mine = new if new.fileno() == number else peer
+    other = peer if mine is new else new
+    poller.register(mine, selectors.EVENT_READ, "new")
+    other.send(b"x")
+    assert [key.data for key, _ in poller.select(timeout=5)] == ["new"]
+    with pytest.raises(KeyError):  # a socket still open keeps its place
+        poller.register(mine, selectors.EVENT_READ, "twice")
+    poller.close()
+    new.close()
+    peer.close()
+
+
+@pytest.mark.parametrize("keepalive", [False, True], ids=["ended", "answered-as-http"])
+def test_a_finished_websocket_is_closed_and_never_put_in_the_poller(keepalive):
+    """simple-websocket's reader thread closes the socket itself, maybe after its handler returned:
+    the worker closes it at once rather than keep it alive or linger it in the poller."""
+    from concurrent import futures
+
+    from app.serve.server import Conn, Poller, Worker
+
+    worker = Worker.__new__(Worker)
+    worker.poller = Poller()
+    worker.websockets, worker.nr_conns, worker.lingering = 1, 1, {}
+    worker.per_addr = collections.Counter({"local": 1})
+    sock, peer = socket.socketpair()
+    conn = Conn.__new__(Conn)
+    conn.worker, conn.sock, conn.addr, conn.websocket, conn.counted = worker, sock, "local", True, True
+    done = futures.Future()
+    done.set_result(keepalive)
+    worker.finish_request(conn, done)
+    assert (worker.websockets, worker.nr_conns, sock.fileno()) == (0, 0, -1)
+    assert not worker.poller.get_map() and not worker.lingering and not worker.per_addr
+    worker.poller.close()
+    peer.close()
