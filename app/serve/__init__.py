@@ -1,5 +1,5 @@
-"""The process: the production server (``server.py``, gunicorn's threaded worker with timeouts) and
-the bytes of HTTP it reads itself (``httpwire.py``).
+"""The process: the production server (``server.py``), its gunicorn worker with timeouts and
+connection caps (``worker.py``), and the bytes of HTTP that worker reads itself (``httpwire.py``).
 
 It starts the process and is the one importer of ``create_app``: it sits above
 the app, where ``app.edge`` (what lies between a socket and a view) sits

@@ -1,4 +1,4 @@
-"""The bytes of HTTP/1.1 that the server's poller reads and writes itself (app/serve/server.py).
+"""The bytes of HTTP/1.1 that the server's poller reads and writes itself (app/serve/worker.py).
 
 Heads and bodies are read without a thread, so the worker must know a
 little of each request before gunicorn parses it: where it goes, whether it

@@ -325,7 +325,7 @@ def test_a_websocket_writer_that_finds_its_socket_closed_is_one_log_line_not_a_t
 def test_the_poller_takes_a_descriptor_back_from_a_socket_closed_behind_its_back():
     """A socket another thread closed while registered left its number in the poller; the next
     connection given that number made ``register`` raise in the main loop and killed the worker."""
-    from app.serve.server import Poller
+    from app.serve.worker import Poller
 
     poller = Poller()
     gone, _ = socket.socketpair()
@@ -352,7 +352,7 @@ def test_a_finished_websocket_is_closed_and_never_put_in_the_poller(keepalive):
     the worker closes it at once rather than keep it alive or linger it in the poller."""
     from concurrent import futures
 
-    from app.serve.server import Conn, Poller, Worker
+    from app.serve.worker import Conn, Poller, Worker
 
     worker = Worker.__new__(Worker)
     worker.poller = Poller()
