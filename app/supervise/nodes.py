@@ -20,6 +20,13 @@ file in ``RUN/rankwatch/nodes/``, each written atomically (``runfiles``):
   the other nodes wait for the plan (``PLAN_WAIT_S`` at most: past it they
   exit 1 and say node 0 wrote none) and follow it. Node 0 alone writes the
   attempt's supervised line in ``attempts.jsonl``, with every node's end in it.
+* ``leader.json``: node 0's supervisor's sign of life, a counter it raises
+  every ``LEASE_EVERY_S`` from a thread for as long as it runs. A node
+  waiting for a plan that sees the counter stand still for
+  ``LEADER_SILENT_S`` of its own clock (so the hosts' clocks need not
+  agree) stops waiting: node 0's node was lost or its supervisor killed,
+  and no plan will come. Without it such a node waited ``PLAN_WAIT_S``
+  (9 minutes) before it exited, and a scheduler's requeue waited with it.
 
 No protocol of its own beyond that: one writer per file, read until seen.
 """
@@ -28,9 +35,10 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from app.supervise import policy, procs
 from app.supervise.cause import describe
@@ -48,6 +56,10 @@ REACT_TO = (*policy.FAILURES, "interrupted")
 # (node 0's wait, its longest backoff, and the time to choose a set).
 END_WAIT_S = 120.0
 PLAN_WAIT_S = END_WAIT_S + policy.MAX_BACKOFF_S + 120.0
+LEASE_NAME = "leader.json"
+LEASE_EVERY_S = 5.0
+# Twelve of node 0's beats: more than a loaded shared file system delays a small write.
+LEADER_SILENT_S = 60.0
 
 
 @dataclass
@@ -55,6 +67,7 @@ class Nodes:
     run_dir: str
     node: int
     count: int
+    _lease_stop: threading.Event | None = field(default=None, repr=False, compare=False)
 
     @property
     def leader(self) -> bool:
@@ -176,19 +189,62 @@ class Nodes:
             except OSError:
                 pass
 
+    def start_lease(self) -> None:
+        """On node 0: raise the counter in ``leader.json`` every ``LEASE_EVERY_S`` until ``stop_lease``."""
+        if not self.leader or self._lease_stop is not None:
+            return
+        stop = self._lease_stop = threading.Event()
+        body = {"pid": os.getpid(), "host": os.uname().nodename, "beat": 0}
+
+        def beat() -> None:
+            while True:
+                body["beat"] += 1
+                try:
+                    self._write(LEASE_NAME, body)
+                except OSError:
+                    pass  # a full or read-only disk: the other nodes fall back to PLAN_WAIT_S
+                if stop.wait(LEASE_EVERY_S):
+                    return
+
+        threading.Thread(target=beat, name="rankwatch-lease", daemon=True).start()
+
+    def stop_lease(self) -> None:
+        if self._lease_stop is not None:
+            self._lease_stop.set()
+            self._lease_stop = None
+
     # ------------------------------------------------------------------ the other nodes
 
-    def wait_plan(self, attempt: int, signals) -> dict | None:
-        """Node 0's plan after ``attempt``; None past ``PLAN_WAIT_S`` or on a second Ctrl-C."""
-        deadline = time.monotonic() + PLAN_WAIT_S
-        while time.monotonic() < deadline and signals.count < 2:
+    def leader_beat(self) -> int | None:
+        """Node 0's counter, or None without a valid ``leader.json``."""
+        got = self._read(LEASE_NAME)
+        beat = got.get("beat") if got else None
+        return beat if isinstance(beat, int) and not isinstance(beat, bool) else None
+
+    def wait_plan(self, attempt: int, signals) -> dict | str:
+        """Node 0's plan after ``attempt``, or why none will come: past ``PLAN_WAIT_S``, node 0 silent
+        for ``LEADER_SILENT_S`` (``leader.json``), or a second Ctrl-C."""
+        now = time.monotonic()
+        deadline, beat, heard = now + PLAN_WAIT_S, self.leader_beat(), now
+        while signals.count < 2:
             got = self._read(f"plan_{attempt}.json")
             if got is not None and got.get("attempt") == attempt and _valid_plan(got):
                 return got
+            now = time.monotonic()
+            if now >= deadline:
+                return f"waited {PLAN_WAIT_S:g} s"
+            latest = self.leader_beat()
+            if latest != beat:
+                beat, heard = latest, now
+            elif beat is not None and now - heard >= LEADER_SILENT_S:
+                return (
+                    f"node 0's supervisor has been silent for {LEADER_SILENT_S:g} s (its node lost, or "
+                    "the supervisor killed)"
+                )
             signals.wake.wait(0.2)
             signals.wake.clear()
             procs.reap()
-        return None
+        return "a second Ctrl-C"
 
     def follow(self, attempt: int, cause: dict, signals, say) -> dict:
         """Node 0's plan after ``attempt`` (relaunch or end), or an end with status 1 if none came."""
@@ -197,9 +253,8 @@ class Nodes:
         if cause["kind"] == "interrupted":  # a second Ctrl-C here: node 0 ends the others on this node's end
             return {"action": "end", "exit_code": policy.INTERRUPTED}
         plan = self.wait_plan(attempt, signals)
-        if plan is None:
-            why = "a second Ctrl-C" if signals.count >= 2 else f"{PLAN_WAIT_S:g} s"
-            say(f"node 0 wrote no plan after attempt {attempt} (waited until {why}); ending this node")
+        if isinstance(plan, str):
+            say(f"node 0 wrote no plan after attempt {attempt} ({plan}); ending this node")
             return {"action": "end", "exit_code": policy.FAILED}
         if plan["action"] == "relaunch":
             say(f"node 0's plan: attempt {plan.get('next_attempt')} on master port {plan.get('master_port')}")

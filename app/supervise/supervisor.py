@@ -235,10 +235,14 @@ class Supervisor:
 
     def _start_keeper(self) -> None:
         self.keeper, self._keeper_pipe = start_keeper(self.mark, self.opts.grace_s)
+        if self.nodes:
+            self.nodes.start_lease()  # node 0's sign of life for the other nodes (a no-op on them)
 
     def _stop_keeper(self) -> None:
         stop_keeper(self.keeper, self._keeper_pipe)
         self.keeper = self._keeper_pipe = None
+        if self.nodes:
+            self.nodes.stop_lease()
 
     # ------------------------------------------------------------------ judging
 

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from app.supervise import command, lock, nodes, policy, procs
+from tests.helpers.app import wait_for
 from trainer_bridge.rundir import launchguard, runfiles
 
 
@@ -127,7 +128,37 @@ def test_a_plan_that_never_comes_or_is_junk_ends_the_node_with_status_1(tmp_path
     )
     assert plan == {"action": "end", "exit_code": policy.FAILED}
     assert said[0] == "attempt 1 ended on node 1 (rank 3 killed by SIGKILL); waiting for node 0's plan"
-    assert said[-1].startswith("node 0 wrote no plan after attempt 1 (waited until 0.5 s)")
+    assert said[-1] == "node 0 wrote no plan after attempt 1 (waited 0.5 s); ending this node"
+
+
+def test_a_node_stops_waiting_once_node_0s_supervisor_falls_silent(tmp_path, monkeypatch):
+    """Node 0's lease (``leader.json``) is a counter read on the follower's own clock: while it moves
+    the follower waits on; once it stands still for LEADER_SILENT_S, no plan will come."""
+    monkeypatch.setattr(nodes, "LEASE_EVERY_S", 0.05)
+    monkeypatch.setattr(nodes, "LEADER_SILENT_S", 1.0)
+    leader, follower = nodes.Nodes(str(tmp_path), 0, 2), nodes.Nodes(str(tmp_path), 1, 2)
+    nodes.Nodes(str(tmp_path), 1, 2).start_lease()  # only node 0 has one
+    assert follower.leader_beat() is None
+    leader.start_lease()
+    try:
+        first = wait_for(follower.leader_beat, "node 0's first beat")
+        waited = threading.Thread(target=lambda: result.append(follower.wait_plan(1, Signals())))
+        result: list = []
+        waited.start()
+        waited.join(3.0)  # three times LEADER_SILENT_S: a live leader keeps it waiting
+        assert waited.is_alive() and follower.leader_beat() > first
+        leader.plan(1, policy.OK, None, 2, None)
+        waited.join(10)
+        assert result == [leader._read("plan_1.json")] and result[0]["action"] == "end"
+    finally:
+        leader.stop_lease()
+    said: list[str] = []
+    plan = follower.follow(2, {"kind": "peer"}, Signals(), said.append)  # node 0 gone before attempt 2's plan
+    assert plan == {"action": "end", "exit_code": policy.FAILED}
+    assert said[-1] == (
+        "node 0 wrote no plan after attempt 2 (node 0's supervisor has been silent for 1 s (its node lost, "
+        "or the supervisor killed)); ending this node"
+    )
 
 
 def test_a_plan_carries_only_rankwatchs_own_variables(tmp_path, monkeypatch):
