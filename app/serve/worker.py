@@ -172,12 +172,9 @@ class Worker(ThreadWorker):
             self._advance(conn)
 
     def _on_data(self, conn, sock):
-        try:
-            data = sock.recv(RECV_BYTES)
-        except BlockingIOError:
+        data = _recv(sock)
+        if data is None:
             return
-        except OSError:
-            data = b""
         if not data:  # the client went away
             self._drop(conn)
             return
@@ -305,13 +302,7 @@ class Worker(ThreadWorker):
         self.lingering[sock] = time.monotonic() + LINGER_S
 
     def _on_linger(self, sock):
-        try:
-            data = sock.recv(RECV_BYTES)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:
+        if _recv(sock) == b"":
             self._unlinger(sock)
 
     def _unlinger(self, sock):
@@ -366,6 +357,16 @@ class Worker(ThreadWorker):
         # Bounds the answer's writes and a WebSocket's silence (the body is already in memory).
         conn.sock.settimeout(self.read_timeout_s)
         return super().handle_request(req, conn)
+
+
+def _recv(sock) -> bytes | None:
+    """What a readable socket holds: ``b""`` once its client is gone, None when nothing is there after all."""
+    try:
+        return sock.recv(RECV_BYTES)
+    except BlockingIOError:
+        return None
+    except OSError:
+        return b""
 
 
 class Poller(selectors.DefaultSelector):
