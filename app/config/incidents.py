@@ -94,15 +94,16 @@ SETTINGS: list[Setting] = [
     Setting(
         "SPIKE_FACTOR",
         3.0,
-        "A loss (or reported global norm) above this many times the rank's rolling median is abnormal. "
+        "A loss (or reported global norm) above this many times the rank's rolling median is abnormal, "
+        "if it also clears the window's noise ([Loss spikes and NaN](incidents.md#loss-spikes-and-nan)). "
         "Must be above 1.",
         group=G_INCIDENTS,
     ),
     Setting(
         "SPIKE_STEPS",
         3,
-        "A spike is abnormal losses over this many global steps in a row (and two samples at least: "
-        "one odd value is never a spike).",
+        "A spike is abnormal losses over this many global steps in a row (and three samples at least, "
+        "or this many if fewer: one odd value is never a spike).",
         group=G_INCIDENTS,
     ),
     Setting(

@@ -17,9 +17,10 @@ The rules, each naming its evidence (rank, step, value, level):
   the same step or later is evidence of that rank only: it is reported
   (``lone``), but never asks for a rollback. It is confirmed job-wide when
   a second rank reports a non-finite loss, or at once in a one-rank job.
-- ``spike``: the loss above ``factor`` x the rank's level for ``steps``
-  global steps in a row (and at least two samples, unless ``steps`` is 1):
-  one odd sample (a loss of 1e308 in a forged file) is never a spike.
+- ``spike``: the loss above ``factor`` x the rank's level, and above the
+  level by ``NOISE_K`` x its window's upper spread (below), for ``steps``
+  global steps in a row and ``min(steps, MIN_SAMPLES)`` samples: one odd
+  sample (a loss of 1e308 in a forged file) is never a spike.
 - ``grad_norm``: the same, on the global norm the script reports
   (``bridge.report(grad_norm=...)``), or a step MindFormers wrote to its
   ``abnormal_global_norm.json``. A lone infinite norm is a loss-scale
@@ -29,14 +30,8 @@ The rules, each naming its evidence (rank, step, value, level):
   level (with ``RECOVER_SLACK`` for noise) within ``recover_steps`` global
   steps of its first abnormal step.
 
-The level is a **rolling median** of the rank's last ``WINDOW`` normal
-samples, not an EMA: a median ignores the odd outlier entirely (an EMA is
-pulled up by it, and then misses the spike that follows), it needs no decay
-constant to tune against the heartbeat rate, and an abnormal sample is never
-added to it, so a slow spike cannot raise its own bar. A loss that falls
-fast early in training only puts the median above the loss, which is safe.
-The spike rule judges only a positive level (a loss that may go to or below
-zero has no ratio); ``WARMUP`` samples are needed before it judges at all.
+The level, the noise term and the run of abnormal samples of one rank's
+loss (or norm) are ``app/run/spikewindow.py``'s.
 
 ``nonfinite`` and ``divergence`` are what ``enforce`` acts on (``acts``);
 a spike that comes back, or a norm spike, is a warning: alerted, marked,
@@ -48,16 +43,15 @@ resume, a rollback) starts over.
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.run.spikewindow import Series
+
 MODES = ("off", "observe", "enforce")
-WINDOW = 32  # normal samples in a rank's rolling median
-WARMUP = 8  # samples before the spike rules judge a rank
 RECOVER_SLACK = 1.25  # "back under the pre-spike level" allows this much noise
 ACTS = ("nonfinite", "divergence")
 MAX_NORMS_STEPS = 1000  # MindFormers' abnormal steps taken in at most
@@ -129,63 +123,14 @@ def _number(value: Any) -> float | None:
         return None
 
 
-class _Series:
-    """One rank's figure (loss or norm): its rolling median and the run of abnormal samples."""
-
-    __slots__ = ("order", "sorted", "above_since", "above_n", "level_before", "last", "ok_step", "first")
-
-    def __init__(self) -> None:
-        self.order: deque[float] = deque()
-        self.sorted: list[float] = []
-        self.above_since: int | None = None  # the first abnormal sample's step
-        self.ok_step: int | None = None  # the last normal sample's step
-        self.first: int = 0  # the earliest step that may be abnormal (``Detection.first_step``)
-        self.above_n = 0
-        self.level_before: float | None = None
-        self.last: float | None = None
-
-    def level(self) -> float | None:
-        n = len(self.sorted)
-        if n < WARMUP:
-            return None
-        mid = n // 2
-        return self.sorted[mid] if n % 2 else (self.sorted[mid - 1] + self.sorted[mid]) / 2
-
-    def add(self, value: float) -> None:
-        self.order.append(value)
-        bisect.insort(self.sorted, value)
-        if len(self.order) > WINDOW:
-            old = self.order.popleft()
-            del self.sorted[bisect.bisect_left(self.sorted, old)]
-
-    def start(self, step: int, level: float | None) -> None:
-        self.above_since, self.level_before = step, level
-        self.first = step if self.ok_step is None else self.ok_step + 1
-
-    def judge(self, step: int, value: float, params: Params) -> tuple[bool, float | None]:
-        """(whether the spike rule trips now, the level judged against); keeps the window."""
-        level = self.level()
-        self.last = value
-        if level is None or level <= 0 or not value > params.factor * level:
-            self.above_since, self.above_n, self.ok_step = None, 0, step
-            self.add(value)
-            return False, level
-        if self.above_since is None:
-            self.start(step, level)
-        self.above_n += 1
-        span = step - self.above_since + 1
-        trips = span >= params.steps and (self.above_n >= 2 or params.steps <= 1)
-        return trips, level
-
-
 class _Rank:
     __slots__ = ("launch", "step", "loss", "norm")
 
     def __init__(self, launch: Any) -> None:
         self.launch = launch
         self.step = -1
-        self.loss = _Series()
-        self.norm = _Series()
+        self.loss = Series()
+        self.norm = Series()
 
 
 @dataclass
@@ -294,7 +239,7 @@ class Detector:
         self._pending.pop(rank, None)
         self._lone.discard(rank)
         series = st.loss
-        trips, level = series.judge(step, loss, self.params)
+        trips, level = series.judge(step, loss, self.params.factor, self.params.steps)
         ep = self._open.get("nonfinite")
         if ep is not None and rank in ep.ranks:
             ep.ranks.discard(rank)  # finite again
@@ -358,7 +303,7 @@ class Detector:
             series.above_n += 1
             trips = step - series.above_since + 1 >= self.params.steps and series.above_n >= 2
         else:
-            trips, level = series.judge(step, norm, self.params)
+            trips, level = series.judge(step, norm, self.params.factor, self.params.steps)
         if trips and "grad_norm" not in self._open:
             shown = norm if math.isfinite(norm) else nonfinite_name(norm)
             det = Detection(

@@ -1,4 +1,5 @@
-"""The loss-spike detector replayed over a finished run's history files (issue 34: no false alarm)."""
+"""The loss-spike detector replayed over a finished run's history files, or a recorded curve (issue 34:
+no false alarm)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,15 @@ def replay(run_dir: Path, ranks: int, params: Params | None = None) -> tuple[lis
         judged += line.get("loss") is not None
         det.observe(r, line, line["time"])
     return det.take(), judged
+
+
+def replay_curve(
+    ranks: list[list[float]], stride: int, offset: int, params: Params | None = None
+) -> list[Detection]:
+    """Every rank's loss at every ``stride``-th step from ``offset``, as heartbeats would sample a curve
+    recorded step by step (``tests/data/curves``), through a fresh detector: its detections."""
+    det = Detector(params, world=len(ranks))
+    for step in range(offset, len(ranks[0]), stride):
+        for rank, losses in enumerate(ranks):
+            det.observe(rank, {"global_step": step + 1, "loss": losses[step], "launch": "a"}, 0.0)
+    return det.take()

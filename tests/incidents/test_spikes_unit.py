@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from app.run import spikewindow
 from app.run.mfnorms import read_mindformers
 from app.run.spikes import Detector, Params
 
@@ -72,8 +73,9 @@ def test_a_one_rank_job_nan_acts_at_once():
 def test_a_spike_that_comes_back_warns_and_one_that_stays_diverges():
     det = Detector(Params(factor=3.0, steps=3, recover_steps=50), world=1)
     back = feed(det, [0], range(5, 600, 5), lambda r, s: 9.0 if 300 <= s < 320 else 1.0)
+    # Three abnormal samples (300, 305, 310) over at least three steps.
     assert [(d.rule, d.step, d.first_step, d.level, d.acts) for d in back] == [
-        ("spike", 305, 296, 1.0, False)
+        ("spike", 310, 296, 1.0, False)
     ]
     assert det.open_rules() == []
     det = Detector(Params(factor=3.0, steps=3, recover_steps=50), world=1)
@@ -110,12 +112,38 @@ def test_a_norm_spike_and_a_lone_overflow():
     (d,) = det.take()
     assert (d.rule, d.step, d.first_step, d.value, d.level, d.acts) == (
         "grad_norm",
-        1505,
+        1510,
         1406,
         50.0,
         2.0,
         False,
     )
+
+
+def test_batches_far_above_a_low_level_but_inside_the_windows_spread_are_noise(monkeypatch):
+    """The demo's curve in small (its steps 800 to 1,200): a median near 0.3 whose 90th percentile is near
+    twice it, and batches at 3.5x the median now and then, even three in a row. The factor alone calls
+    those a spike; the window's upper spread says they are its noise."""
+    spread = [0.15, 0.2, 0.25, 0.28, 0.3, 0.35, 0.4, 0.45, 0.55, 0.6]
+    tail = {400: 1.1, 405: 1.05, 600: 1.05, 605: 1.1, 610: 1.0}
+
+    def noise(r, s):
+        return tail.get(s, spread[(s * 7 // 5) % 10])
+
+    assert feed(Detector(world=1), [0], range(5, 1000, 5), noise) == []
+    with monkeypatch.context() as m:
+        m.setattr(
+            spikewindow, "NOISE_K", 0.0
+        )  # the factor alone: the three heavy batches in a row are a spike
+        assert [(d.rule, d.step) for d in feed(Detector(world=1), [0], range(5, 1000, 5), noise)] == [
+            ("spike", 610)
+        ]
+    # In the same noise a dead net (ln 10, seven times the level) is a spike, then a divergence.
+    dead = feed(
+        Detector(world=1), [0], range(5, 1000, 5), lambda r, s: math.log(10) if s >= 500 else noise(r, s)
+    )
+    assert [(d.rule, d.first_step) for d in dead] == [("spike", 496), ("divergence", 496)]
+    assert dead[0].step == 510
 
 
 def test_a_new_launch_starts_over():
