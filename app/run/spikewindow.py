@@ -38,6 +38,7 @@ alone would see it (0.7%), all between its steps 366 and 932.
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 
 WINDOW = 32  # normal samples in a rank's rolling median
@@ -86,7 +87,8 @@ class Series:
         low = int(at)
         high = min(low + 1, len(self.sorted) - 1)
         quantile = self.sorted[low] + (self.sorted[high] - self.sorted[low]) * (at - low)
-        return max(0.0, quantile - level)
+        # Forged extremes (1e308 beside -1e308) overflow to inf or nan: the factor alone judges then.
+        return quantile - level if math.isfinite(quantile) and quantile > level else 0.0
 
     def abnormal(self, value: float, level: float, factor: float) -> bool:
         return value > factor * level and value > level + NOISE_K * self.spread(level)

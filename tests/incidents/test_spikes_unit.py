@@ -146,6 +146,16 @@ def test_batches_far_above_a_low_level_but_inside_the_windows_spread_are_noise(m
     assert dead[0].step == 510
 
 
+def test_a_window_of_forged_extremes_leaves_the_factor_to_judge():
+    series = spikewindow.Series()
+    for value in [-1e308] * 28 + [1e308] * 4:  # the 90th percentile falls between them: it overflows
+        series.add(value)
+    assert series.spread(1.0) == 0.0
+    for value in [1.0] * 32:
+        series.add(value)
+    assert series.spread(1.0) == 0.0 and series.abnormal(3.5, 1.0, 3.0) and not series.abnormal(2.5, 1.0, 3.0)
+
+
 def test_a_new_launch_starts_over():
     det = Detector(world=1)
     feed(det, [0], range(5, 200, 5), lambda r, s: math.nan if s >= 100 else 1.0)
