@@ -108,9 +108,13 @@ def test_retention_on_while_a_real_job_saves(tmp_path, start_job):
 
     # The relaunch resumes from the stop set, which retention kept.
     again = start_job(run, epochs=40, step_delay=0.05, extra=extra)
+    # Past S+1: the bridge's heartbeat for a step can be written before that step's log line (both are
+    # step-end callbacks), so the line of S+1 is sure to be in the log only once S+2 has begun.
     hbs = again.wait_until(
         lambda hbs: (
-            hbs if all(h and h.get("resumed_from") and h["global_step"] > stop_step for h in hbs) else None
+            hbs
+            if all(h and h.get("resumed_from") and h["global_step"] >= stop_step + 2 for h in hbs)
+            else None
         ),
         "every rank resumed and stepping",
     )
