@@ -58,6 +58,7 @@ END_WAIT_S = 120.0
 PLAN_WAIT_S = END_WAIT_S + policy.MAX_BACKOFF_S + 120.0
 LEASE_NAME = "leader.json"
 LEASE_EVERY_S = 5.0
+LEASE_READ_S = 1.0
 # Twelve of node 0's beats: more than a loaded shared file system delays a small write.
 LEADER_SILENT_S = 60.0
 
@@ -225,7 +226,7 @@ class Nodes:
         """Node 0's plan after ``attempt``, or why none will come: past ``PLAN_WAIT_S``, node 0 silent
         for ``LEADER_SILENT_S`` (``leader.json``), or a second Ctrl-C."""
         now = time.monotonic()
-        deadline, beat, heard = now + PLAN_WAIT_S, self.leader_beat(), now
+        deadline, beat, heard, checked = now + PLAN_WAIT_S, self.leader_beat(), now, now
         while signals.count < 2:
             got = self._read(f"plan_{attempt}.json")
             if got is not None and got.get("attempt") == attempt and _valid_plan(got):
@@ -233,14 +234,15 @@ class Nodes:
             now = time.monotonic()
             if now >= deadline:
                 return f"waited {PLAN_WAIT_S:g} s"
-            latest = self.leader_beat()
-            if latest != beat:
-                beat, heard = latest, now
-            elif beat is not None and now - heard >= LEADER_SILENT_S:
-                return (
-                    f"node 0's supervisor has been silent for {LEADER_SILENT_S:g} s (its node lost, or "
-                    "the supervisor killed)"
-                )
+            if now - checked >= LEASE_READ_S:  # every node reads the shared file system: once a second
+                checked, latest = now, self.leader_beat()
+                if latest != beat:
+                    beat, heard = latest, now
+                elif beat is not None and now - heard >= LEADER_SILENT_S:
+                    return (
+                        f"node 0's supervisor has been silent for {LEADER_SILENT_S:g} s (its node lost, or "
+                        "the supervisor killed)"
+                    )
             signals.wake.wait(0.2)
             signals.wake.clear()
             procs.reap()

@@ -136,6 +136,7 @@ def test_a_node_stops_waiting_once_node_0s_supervisor_falls_silent(tmp_path, mon
     the follower waits on; once it stands still for LEADER_SILENT_S, no plan will come."""
     monkeypatch.setattr(nodes, "LEASE_EVERY_S", 0.05)
     monkeypatch.setattr(nodes, "LEADER_SILENT_S", 1.0)
+    monkeypatch.setattr(nodes, "LEASE_READ_S", 0.1)
     leader, follower = nodes.Nodes(str(tmp_path), 0, 2), nodes.Nodes(str(tmp_path), 1, 2)
     nodes.Nodes(str(tmp_path), 1, 2).start_lease()  # only node 0 has one
     assert follower.leader_beat() is None
