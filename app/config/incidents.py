@@ -95,7 +95,7 @@ SETTINGS: list[Setting] = [
         "SPIKE_FACTOR",
         3.0,
         "A loss (or reported global norm) above this many times the rank's rolling median is abnormal, "
-        "if it also clears the window's noise ([Loss spikes and NaN](incidents.md#loss-spikes-and-nan)). "
+        "if it also clears the window's noise (docs/incidents.md, Loss spikes and NaN). "
         "Must be above 1.",
         group=G_INCIDENTS,
     ),
