@@ -2,6 +2,8 @@
 
 * ``Dashboard``: a real ``python -m app`` process with the JSON API at hand
   and a ``wait`` that polls it (never a fixed sleep).
+* ``held_rename``: a real process held inside one ``rename`` (strace's fault
+  injection), so that a fault can land in the middle of a save.
 * ``measure``: the fault tests assert outcomes, never durations; durations
   are measured and reported here instead. Each measurement is printed (see
   it with ``pytest -rP`` or ``-s``) and, when ``RANKWATCH_FAULTS_REPORT`` names
@@ -10,9 +12,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import stat
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -153,3 +158,30 @@ def tree_snapshot(top) -> dict:
             st = os.lstat(path)
             tree[os.path.relpath(path, top)] = (stat.S_IFMT(st.st_mode), st.st_size, st.st_mtime_ns)
     return tree
+
+
+@contextlib.contextmanager
+def held_rename(pid: int, path: Path, hold_s: int = 600):
+    """Hold every thread of process ``pid`` at its ``rename`` of ``path`` for up to ``hold_s`` seconds.
+
+    MindSpore writes a checkpoint to ``NAME.tmp`` and renames it to ``NAME.ckpt``
+    (``serialization._exec_save``), so while ``path`` (the ``.tmp``) exists and
+    the rename is held, the process is inside that save, however fast the
+    machine: a fault sent then lands mid-save, deterministically. strace's
+    ``-P`` limits the delay to calls on that one path; the process runs on
+    (slower, as every syscall is traced) until it gets there. Needs ptrace
+    rights over ``pid`` (root, or the same user with Yama's scope 0).
+    """
+    strace = shutil.which("strace")
+    assert strace, "strace is not installed (.ci/run installs it)"
+    calls = "rename,renameat,renameat2"
+    cmd = [strace, "-f", "-o", os.devnull, "-P", str(path), "-e", f"trace={calls}"]
+    cmd += ["-e", f"inject={calls}:delay_enter={hold_s}s", "-p", str(pid)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()  # "strace: Process N attached ...", once every thread is held
+        assert "attached" in line, f"strace could not attach to {pid}: {line}{proc.stderr.read()}"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()

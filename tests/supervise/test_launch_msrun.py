@@ -21,7 +21,7 @@ from app.cli.common import open_cli_run
 from app.run import goodput
 from app.supervise import policy
 from tests.helpers.app import AUTH, FAST_SETTINGS, make_app, wait_for
-from tests.helpers.faults import measure
+from tests.helpers.faults import held_rename, measure
 from tests.helpers.jobs import STOPPED_RANK_ENV, UNTIL_STOPPED, DemoJob, write_flag
 from tests.helpers.launch import LaunchJob, runs_row, wait_gone
 from tests.helpers.storage import fill, small_tmpfs
@@ -113,6 +113,37 @@ def test_a_killed_rank_is_relaunched_from_the_newest_set_and_nothing_of_it_is_le
     measure("launch: relaunched to the bridge's start", down["relaunched_to_bridge_start_s"])
     measure("launch: kill -9 to detection (test clock)", sup["detected_at"] - t_kill)
     measure("launch: kill -9 to relaunch (test clock)", sup["relaunched_at"] - t_kill)
+
+
+def test_a_rank_killed_inside_a_periodic_save_leaves_a_set_that_is_never_resumed(tmp_path):
+    """kill -9 of rank 1 inside its ModelCheckpoint save of step 20: that set is incomplete (rank 0's file
+    written, rank 1's a .tmp), so attempt 2 resumes from step 10, says why, and trains to the end."""
+    run = tmp_path / "run"
+    one_epoch = ["--epochs", "1", *TRAIN[2:]]  # 31 steps: saves at 10, 20 and 30
+    held = run / "ckpt_of_rank" / "1" / "lenet-1_20.tmp"
+    # Without the dying gasp, which would save rank 0's replica at step 20 and hide the choice.
+    with LaunchJob(run, one_epoch, [*FAST, "--gasp-s", "0"]) as job:
+        job.wait_until(lambda: job.heartbeat(1), "rank 1's first heartbeat")
+        victim = job.workers()[1]
+        with held_rename(victim.pid, held):
+            # Written and not yet renamed: rank 1 is inside MindSpore's save of step 20, and stays there.
+            job.wait_until(held.exists, "rank 1 inside its save of step 20", poll=0.02)
+            victim.send_signal(signal.SIGKILL)
+        assert job.wait() == 0, job.output()
+    assert (
+        not held.with_suffix(".ckpt").exists() and (run / "ckpt_of_rank" / "0" / "lenet-1_20.ckpt").exists()
+    )
+    a, b = job.rows()
+    assert (a["cause"]["kind"], a["cause"]["rank"], a["cause"]["signal"]) == ("crash", 1, "SIGKILL")
+    assert a["last_step"] >= 20 and b["resumed_from"]["global_step"] == 10
+    assert b["resumed_from"]["set"].startswith("ckpt_of_rank/"), b["resumed_from"]
+    assert "#g20: incomplete: rank(s) 1 missing" in job.output(), job.output()
+    assert b["end"] == "finished" and job.steps_logged(0) == list(range(11, 32))
+    # `rankwatch checkpoints` (the browser's answer) says the same of the set: rank 0's file alone.
+    listed = CliRunner().invoke(cli_main, ["checkpoints", str(run), "--json"])
+    assert listed.exit_code == 0, listed.output
+    (g20,) = [s for s in json.loads(listed.output)["checkpoints"]["sets"] if s["global_step"] == 20]
+    assert not g20["complete"] and g20["ranks_missing"] == [1], g20
 
 
 def test_a_hung_rank_ends_its_attempt_as_a_hang_and_the_job_goes_on(tmp_path):
