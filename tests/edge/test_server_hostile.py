@@ -119,24 +119,37 @@ def test_the_stop_answers_while_500_hostile_connections_are_open(live_server):
                 b"Content-Length: 100\r\n\r\n{"
             )
             bodies.append(s)
-        # Long polls (their handshakes take one of the threads WebSockets leave): each GET
-        # then holds a thread until Engine.IO's ping, 25 s later.
-        for i in range(100):
+        # Long polls: 100 sessions opened (their handshakes take one of the threads WebSockets
+        # leave), then 100 GETs at once, each holding a thread until Engine.IO's ping 25 s later,
+        # and the rest waiting for one. (Opened one by one, each handshake waited for a thread
+        # that an earlier GET held: 85 s before the stop was even sent.)
+        sids = []
+        for _ in range(100):
             with urllib.request.urlopen(
                 live_server.url + "/socket.io/?EIO=4&transport=polling", timeout=60
             ) as r:
-                sid = json.loads(r.read().decode()[1:])["sid"]
+                sids.append(json.loads(r.read().decode()[1:])["sid"])
+        for i, sid in enumerate(sids):
             s = connect(live_server.url, HOSTILE_ADDRS[i % n])
             s.sendall(
                 f"GET /socket.io/?EIO=4&transport=polling&sid={sid} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
             )
             polls.append(s)
+        # A tokenless request sent before the stop: it needs one of the threads the polls hold.
+        probe = connect(live_server.url, HOSTILE_ADDRS[0])
+        probe.sendall(
+            f"GET /socket.io/?EIO=4&transport=polling HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
+        )
+        heads.append(probe)
 
         # The operator, from 127.0.0.1, with the token.
         started = time.monotonic()
         status, body = request(live_server.url, "/api/exit", "POST", {"reason": "hostile test"}, TOKEN)
         assert status == 202, body
         took = time.monotonic() - started
+        # The stop was answered while the request before it still waits: the polls held every thread
+        # a tokenless request may take, and the stop went past them on the reserved ones.
+        assert not select.select([probe], [], [], 0)[0], "the probe was answered: no thread was held"
         status, body = request(live_server.url, "/api/health")
         assert status == 200 and body["role"] == "only", body
 
