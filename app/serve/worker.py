@@ -34,10 +34,17 @@ measurement (README, "Production server"):
 
 Closing a connection never waits in the main loop: gunicorn's graceful close
 (half-close, then drain for up to 2 s) happens in the poller.
+
+**A graceful stop (SIGTERM)** lets the requests in flight finish, for up to
+gunicorn's ``graceful_timeout``. An open page's WebSocket never finishes, so
+it is shut down at once (the page says it lost the dashboard and reconnects
+when one is back), and so is a kept-alive connection that has not sent a
+byte of its next request: the process does not wait for either.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hmac
 import logging
@@ -112,7 +119,7 @@ class Worker(ThreadWorker):
         self.bodies: dict[Conn, float] = {}
         self.lingering: dict[socket.socket, float] = {}
         self.per_addr: Counter[str] = Counter()
-        self.websockets = 0
+        self.websockets: set[Conn] = set()  # handed to a thread, upgraded: held until the page goes
         self.refused: Counter[str] = Counter()  # why connections were refused, for the log
 
     def init_process(self):
@@ -124,6 +131,28 @@ class Worker(ThreadWorker):
         self.poller.close()
         self.poller = Poller()
         super().run()
+
+    def handle_exit(self, sig, frame):
+        super().handle_exit(sig, frame)
+        # In the signal handler: shutdown() is one system call, and the WebSocket's reader thread
+        # then reads its end, its handler returns, and the stop no longer waits for it.
+        for conn in list(self.websockets):
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
+        # The idle connections are in the poller: closed on the main loop's thread, which this wakes
+        # (SimpleQueue.put, under defer, may be called from a signal handler).
+        self.method_queue.defer(self._close_idle)
+
+    def _close_idle(self) -> None:
+        """At a graceful stop: close the connections that have not sent a byte of a next request.
+
+        gunicorn would keep them open for 2 s, for a request that may be on its way; we are
+        stopping, and a browser sends an idempotent request again on a fresh connection.
+        """
+        super().murder_keepalived(force=True)  # gunicorn's kept-alive ones alone: not our heads and bodies
+        for conn in list(self.heads):
+            if conn.head is not None and not conn.head:
+                self._drop(conn)
 
     def handle_quit(self, sig, frame):
         self.reserved.shutdown(wait=False)
@@ -206,7 +235,7 @@ class Worker(ThreadWorker):
                     "body too large",
                 )
                 return
-            if parsed.websocket and self.websockets >= self.max_websockets:
+            if parsed.websocket and len(self.websockets) >= self.max_websockets:
                 self._refuse(
                     conn,
                     answer(503, "Service Unavailable", "too many WebSockets open: use long-polling"),
@@ -237,7 +266,7 @@ class Worker(ThreadWorker):
         conn.head = conn.parsed = None
         if parsed.websocket:
             conn.websocket = True
-            self.websockets += 1
+            self.websockets.add(conn)
         pool = self.reserved if self._privileged(parsed) else self.tpool
         fs = pool.submit(self.handle, conn)
         fs.add_done_callback(lambda fut: self.method_queue.defer(self.finish_request, conn, fut))
@@ -343,7 +372,7 @@ class Worker(ThreadWorker):
     def finish_request(self, conn, fs):
         if conn.websocket:
             conn.websocket = False
-            self.websockets -= 1
+            self.websockets.discard(conn)
             # Closed here, never kept alive nor lingered in the poller: simple-websocket's reader
             # thread closes this same socket object when it ends, which may be after its handler
             # has returned, and a socket closed while in the poller leaves its descriptor's number

@@ -163,6 +163,38 @@ def test_the_stop_answers_while_500_hostile_connections_are_open(live_server):
             s.close()
 
 
+def test_a_graceful_stop_ends_open_websockets_at_once_and_lets_a_request_in_flight_finish(live_server):
+    """SIGTERM: an open page's WebSocket never ends by itself, so the server shuts it down at once rather
+    than hold the stop for gunicorn's graceful_timeout; a long poll in flight keeps its grace."""
+    host, port = address(live_server.url)
+    ws = connect(live_server.url, HOSTILE_ADDRS[0])
+    ws.sendall(ws_upgrade(host, port))
+    ws.settimeout(DEADLINE_S)
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += ws.recv(1)
+    assert head.startswith(b"HTTP/1.1 101"), head
+    # A request in flight: Engine.IO answers a long poll at its ping, 25 s on.
+    with urllib.request.urlopen(live_server.url + "/socket.io/?EIO=4&transport=polling", timeout=60) as r:
+        sid = json.loads(r.read().decode()[1:])["sid"]
+    poll = connect(live_server.url, HOSTILE_ADDRS[1])
+    poll.sendall(
+        f"GET /socket.io/?EIO=4&transport=polling&sid={sid} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
+    )
+    try:
+        live_server.proc.terminate()
+        while ws.recv(65536):  # Engine.IO's open packet, then the end
+            pass
+        # The WebSocket ended while the worker still waits for the long poll: it did not take the
+        # process's exit to close it.
+        assert not select.select([poll], [], [], 0)[0], "the long poll was answered or closed too"
+        assert live_server.proc.wait(timeout=DEADLINE_S) == 0
+        assert "Traceback" not in live_server.log(), live_server.log()
+    finally:
+        ws.close()
+        poll.close()
+
+
 @pytest.mark.parametrize(
     "live_env", [{"SERVER_THREADS": 4, "BODY_TIMEOUT_S": 3, "HEADER_TIMEOUT_S": 60}], indirect=True
 )
@@ -369,15 +401,16 @@ def test_a_finished_websocket_is_closed_and_never_put_in_the_poller(keepalive):
 
     worker = Worker.__new__(Worker)
     worker.poller = Poller()
-    worker.websockets, worker.nr_conns, worker.lingering = 1, 1, {}
+    worker.nr_conns, worker.lingering = 1, {}
     worker.per_addr = collections.Counter({"local": 1})
     sock, peer = socket.socketpair()
     conn = Conn.__new__(Conn)
     conn.worker, conn.sock, conn.addr, conn.websocket, conn.counted = worker, sock, "local", True, True
+    worker.websockets = {conn}
     done = futures.Future()
     done.set_result(keepalive)
     worker.finish_request(conn, done)
-    assert (worker.websockets, worker.nr_conns, sock.fileno()) == (0, 0, -1)
+    assert (worker.websockets, worker.nr_conns, sock.fileno()) == (set(), 0, -1)
     assert not worker.poller.get_map() and not worker.lingering and not worker.per_addr
     worker.poller.close()
     peer.close()
