@@ -5,7 +5,9 @@ run ``rankwatch launch`` around their own msrun (``tests/helpers/netns.py``).
 A ``kill -9`` of rank 1 on node 1 ends attempt 1 on both nodes (after
 rank 0, on node 0, saved its replica: the dying gasp across nodes); node 0
 decides the relaunch and both start attempt 2 together, on one new master
-port, from that set, and train to the end (``app/supervise/nodes.py``).
+port, from that set (``app/supervise/nodes.py``). Then ``rankwatch stop``
+from the shell stops attempt 2 gracefully: both ranks save at one step, and
+neither supervisor relaunches (a stop is never a failure).
 One rank per node keeps the job small: the whole relaunch path runs, and
 the suite pays for two ranks, not four.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import psutil
@@ -26,12 +29,13 @@ from tests.helpers.launch import wait_gone
 from tests.helpers.netns import LAUNCH_TIMEOUT_S, kill_tree, steps_logged
 from trainer_bridge.demo.__main__ import free_port
 from trainer_bridge.demo.mnist import write_mnist
-from trainer_bridge.rundir import attempts, runfiles
+from trainer_bridge.rundir import attempts, ckptindex, runfiles
 
 pytestmark = [pytest.mark.msrun, pytest.mark.netns]
 
-# 2000 samples, 2 ranks, batch 32: 31 steps in the one epoch; sets every 10 steps.
-SAMPLES, STEPS = 2000, 31
+# 2000 samples, 2 ranks, batch 32: 31 steps an epoch; sets every 10 steps. The job trains until the
+# stop ends it (a job that could finish first would race the stop).
+SAMPLES, UNTIL_STOPPED = 2000, 1000
 FAST = ["--backoff-s", "0.5", "--grace-s", "5"]
 
 
@@ -71,6 +75,13 @@ def wait_until(predicate, what: str, sups: list[subprocess.Popen], logs) -> None
     raise AssertionError(f"timed out waiting for {what}\n{output(logs)}")
 
 
+def trained_again(run_dir, rank: int) -> bool:
+    """Rank ``rank`` of attempt 2 (resumed from a set) trained three steps past its set."""
+    hb = runfiles.read_json_or_none(runfiles.heartbeat_path(run_dir, rank)) or {}
+    resumed = (hb.get("resumed_from") or {}).get("global_step")
+    return resumed is not None and (hb.get("global_step") or 0) >= resumed + 3
+
+
 def output(logs) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}" for p in logs if p.exists())
 
@@ -78,7 +89,7 @@ def output(logs) -> str:
 def test_a_rank_killed_on_node_1_ends_the_attempt_on_both_nodes_and_both_relaunch_together(nodes, tmp_path):
     run_dir = tmp_path / "run"
     data = write_mnist(run_dir / "mnist", samples=SAMPLES)
-    train = ["--run-dir", str(run_dir), "--data-dir", str(data), "--epochs", "1", "--step-log"]
+    train = ["--run-dir", str(run_dir), "--data-dir", str(data), "--epochs", str(UNTIL_STOPPED), "--step-log"]
     train += ["--step-delay", "0.05", "--ckpt-every", "10"]
     logs = [tmp_path / f"node{n}.launch.log" for n in range(2)]
     first_port = free_port()
@@ -95,6 +106,15 @@ def test_a_rank_killed_on_node_1_ends_the_attempt_on_both_nodes_and_both_relaunc
         wait_until(lambda: len(attempts.fold(attempts.read_lines(run_dir)[0])) >= 2, "attempt 2", sups, logs)
         # Both nodes ended attempt 1 before either started attempt 2: nothing of it is left.
         assert wait_gone(first, timeout=5) == [], "a process of attempt 1 outlived it"
+        wait_until(lambda: all(trained_again(run_dir, r) for r in (0, 1)), "attempt 2 training", sups, logs)
+        # A graceful stop from the shell, through the run directory both nodes share.
+        stop = subprocess.run(
+            [sys.executable, "-m", "app.cli", "stop", "--run-dir", str(run_dir), "--reason", "two nodes"],
+            capture_output=True,
+            text=True,
+            timeout=LAUNCH_TIMEOUT_S,
+        )
+        assert stop.returncode == 0, stop.stdout + stop.stderr
         codes = [p.wait(timeout=LAUNCH_TIMEOUT_S) for p in sups]
         assert codes == [0, 0], output(logs)
     finally:
@@ -126,10 +146,19 @@ def test_a_rank_killed_on_node_1_ends_the_attempt_on_both_nodes_and_both_relaunc
     assert a["supervisor"]["resume"]["global_step"] == resumed and resumed >= killed_at - 1
     assert b["resumed_from"]["set"].startswith("ttp_checkpoints/ttp_saved_checkpoints-step_{G}/"), b
     assert f"node 1: dying gasp: rank 0 saved its replica at global step {resumed}" in a["supervisor"]["note"]
+    # Attempt 2 stopped gracefully on both nodes at one step, each rank's checkpoint there, and was
+    # not relaunched: no attempt 3, and both supervisors exited 0.
+    beats = [runfiles.read_json_or_none(runfiles.heartbeat_path(run_dir, r)) for r in (0, 1)]
+    stopped_at = {hb["stop"]["stop_step"] for hb in beats}
+    assert len(stopped_at) == 1 and all(hb["state"] == "exited" for hb in beats), beats
+    (stop_step,) = stopped_at
+    assert resumed < stop_step and b["last_step"] == stop_step
     for rank in (0, 1):
         logged = steps_logged(run_dir, rank)
-        assert logged[0] == resumed + 1 and logged[-1] == STEPS, (rank, logged[:3], logged[-3:])
-    assert b["end"] == "finished" and b["supervisor"]["nodes"] and b["cause"]["kind"] == "finished"
+        assert logged[0] == resumed + 1 and logged[-1] == stop_step, (rank, logged[:3], logged[-3:])
+    assert ckptindex.scan(run_dir, 2).newest_complete.global_step == stop_step
+    assert b["end"] == "graceful_stop" and b["supervisor"]["nodes"] and b["cause"]["kind"] == "stop", b
+    assert b["restarted_by"] is None
     assert node_procs(run_dir, 0) == node_procs(run_dir, 1) == []
     sup = a["supervisor"]
     measure("launch on two nodes: kill -9 to node 1's detection", sup["detected_at"] - t_kill)
