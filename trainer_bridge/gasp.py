@@ -1,7 +1,8 @@
-"""The dying gasp: when ``rankwatch launch`` says a peer died, one survivor saves its data-parallel replica.
+"""The dying gasp: when ``rankwatch launch`` says a peer died or hung, one survivor saves its data-parallel replica.
 
 In a data-parallel job every rank holds the whole model and optimizer
-state. A survivor whose peer died is blocked in the gradient AllReduce
+state. A survivor whose peer died (or hangs: the request then names the hung
+rank among the dead, and it never answers) is blocked in the gradient AllReduce
 (up to ``MS_CPU_COMM_OP_TIMEOUT``, then MindSpore ends it), before its
 optimizer update, so its parameters are still those of its last finished
 step. The supervisor (``app/supervise``) writes ``RUN/rankwatch/gasp.json``

@@ -55,8 +55,8 @@ import click
     type=click.FloatRange(min=0),
     default=5.0,
     show_default=True,
-    help="After a rank dies, wait at most this long for a survivor to save its replica (the dying gasp) "
-    "before ending the attempt; 0: off.",
+    help="After a rank dies or hangs, wait at most this long for another rank to save its replica "
+    "(the dying gasp) before ending the attempt; 0: off.",
 )
 @click.option(
     "--hang-restart-s",

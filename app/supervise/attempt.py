@@ -112,7 +112,7 @@ class Attempt:
                     c.role, c.rank = "other", None  # a worker's forked helper: same command, same environment
                 self.procs[p.pid] = c
 
-    def run(self, on_first_interrupt, say, on_crash=None, on_poll=None, on_peer=None) -> Outcome:
+    def run(self, on_first_interrupt, say, on_fault=None, on_poll=None, on_peer=None) -> Outcome:
         port = self.master_port or (free_port() if self.cmd.single_node else None)
         argv = self.cmd.argv(port) if not self.record_only else self.cmd.original
         say(" ".join(argv))
@@ -163,8 +163,8 @@ class Attempt:
                 if failed:
                     out.kind, out.first = "crash", failed[0]
                     out.fault_at, out.detected_at = failed[0].gone_at, time.time()
-                    if on_crash is not None:
-                        out.gasp = on_crash(self, failed[0])  # the survivors' dying gasp, before the end
+                    if on_fault is not None:
+                        out.gasp = on_fault(self, failed[0])  # the survivors' dying gasp, before the end
                     break
                 hang = on_poll(self) if on_poll is not None else None
                 if hang is not None:
@@ -172,6 +172,10 @@ class Attempt:
                     out.kind, out.hang = "hang", hang
                     out.first = next((p for p in self.procs.values() if p.pid == hang.pid), None)
                     out.fault_at, out.detected_at = hang.since, time.time()
+                    if on_fault is not None and out.first is not None:
+                        # The others are blocked in a collective with the hung rank, at their last
+                        # finished step, as after a death: they save, the hung rank is not asked.
+                        out.gasp = on_fault(self, out.first)
                     break
                 peer = on_peer() if on_peer is not None else None
                 if peer is not None:

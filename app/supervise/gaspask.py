@@ -9,6 +9,7 @@ import os
 import time
 from collections.abc import Callable
 
+from app.supervise import procs
 from app.supervise.attempt import Attempt
 from trainer_bridge.rundir import gaspfiles, launchguard, runfiles
 
@@ -19,12 +20,18 @@ WATCHED = 8
 def ask(
     run_dir: str,
     attempt: Attempt,
+    failed: procs.Proc,
     gasp_s: float,
     wake,
     say: Callable[[str], None],
     world: int | None = None,
 ) -> str | None:
     """Ask the attempt's survivors to save their replica; wait at most ``gasp_s``.
+
+    ``failed``: the process whose fault ends the attempt. A dead one is no
+    survivor anyway; a hung one (the hang rule) is alive but is not asked:
+    it may be stuck anywhere, while the others are blocked in a collective
+    with it, at their last finished step.
 
     ``world``: with several nodes, the job's rank count: the ranks of the other
     nodes are asked too (the request file is in the shared run directory), and
@@ -33,7 +40,11 @@ def ask(
     job without the bridge).
     """
     workers = [p for p in attempt.procs.values() if p.role == "worker"]
-    survivors = {p.rank: p for p in workers if p.status is None and not p.vanished and p.rank is not None}
+    survivors = {
+        p.rank: p
+        for p in workers
+        if p.status is None and not p.vanished and p.rank is not None and p.pid != failed.pid
+    }
     dead = sorted({p.rank for p in workers if p.rank is not None and p.rank not in survivors})
     local = {p.rank for p in workers if p.rank is not None}
     asked = sorted({*survivors, *(r for r in range(world or 0) if r not in local)})

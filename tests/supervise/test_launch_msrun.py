@@ -148,8 +148,10 @@ def test_a_rank_killed_inside_a_periodic_save_leaves_a_set_that_is_never_resumed
 
 def test_a_hung_rank_ends_its_attempt_as_a_hang_and_the_job_goes_on(tmp_path):
     """The hang rule (--hang-restart-s, restart mode): rank 1 stopped with SIGSTOP is stalled; 10 s later
-    the attempt ends with cause hang (SIGKILL ends a stopped process) and attempt 2 goes on; both its
-    ranks killed at once, attempt 3 resumes from the newest periodic set and trains to the end."""
+    rank 0, blocked in the AllReduce with it, saves its replica (the dying gasp, the hung rank not
+    asked), the attempt ends with cause hang (SIGKILL ends a stopped process) and attempt 2 goes on
+    from rank 0's last finished step; both its ranks killed at once, attempt 3 resumes from the newest
+    periodic set and trains to the end."""
     # 10 s: well past a slow step on a loaded machine, well within the survivor's 30 s collective timeout.
     hang = [*FAST, "--hang-restart-s", "10", "--hang-mode", "restart"]
     # The dashboard's verdict, with its test thresholds: a stopped process is stalled at its first probe.
@@ -159,6 +161,9 @@ def test_a_hung_rank_ends_its_attempt_as_a_hang_and_the_job_goes_on(tmp_path):
         job.wait_until(lambda: step(job, 1) >= 25, "rank 1 past global step 25")
         stopped = job.workers()[1]
         stopped.send_signal(signal.SIGSTOP)
+        # Rank 1's heartbeat, read once it is stopped, is its last word: rank 0 cannot finish a step
+        # rank 1 has not given its gradients to, so rank 0's last finished step is at least this one.
+        hung_at = step(job, 1)
         # Then, in attempt 2, both ranks die at once: no survivor can save, the next attempt resumes
         # from the newest periodic set.
         # Step 45 of 62: attempt 2 has saved sets past its resume point, and the kill lands well before
@@ -179,14 +184,22 @@ def test_a_hung_rank_ends_its_attempt_as_a_hang_and_the_job_goes_on(tmp_path):
         again,
         killed_at,
     )
-    assert not list((tmp_path / "run").glob("ttp_checkpoints/ttp_saved_checkpoints-step_*"))
+    # The hang's dying gasp is the only one: both ranks killed at once leave no survivor to save.
+    saved = b["resumed_from"]["global_step"]
+    assert [p.name for p in (tmp_path / "run").glob("ttp_checkpoints/ttp_saved_checkpoints-step_*")] == [
+        f"ttp_saved_checkpoints-step_{saved}"
+    ]
     cause = a["cause"]
     assert (cause["kind"], cause["rank"], cause["pid"], cause["role"]) == ("hang", 1, stopped.pid, "worker")
     assert cause["error"].startswith("stalled for over 10 s: ") and "is stopped" in cause["error"], cause
     assert a["restarted_by"] == "launch" and f"rank 1 (pid {stopped.pid} on " in a["error"]
     assert f"attempt 1 failed: rank 1 (pid {stopped.pid} on" in job.output() and " hung: " in job.output()
-    # No dying gasp for a hang: attempt 2 resumed from the newest periodic set.
-    assert b["resumed_from"]["global_step"] % 10 == 0
+    # The dying gasp for a hang: rank 0 saved at its last finished step, and attempt 2 resumed from
+    # it, so no step of attempt 1 is lost (without it, the steps since the last periodic set are).
+    assert f"dying gasp: rank 0 saved its replica at global step {saved}" in a["supervisor"]["note"]
+    assert "asked rank(s) 0 to save their replica" in job.output(), job.output()
+    assert b["resumed_from"]["set"].startswith("ttp_checkpoints/"), b["resumed_from"]
+    assert saved >= hung_at and a["last_step"] == saved, (saved, hung_at, a["last_step"])
     logged = job.steps_logged(0)
     assert logged and logged[-1] == EPOCHS * job.steps_per_epoch, (again, logged[-3:], job.output())
     assert job.marked() == []
