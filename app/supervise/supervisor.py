@@ -226,9 +226,8 @@ class Supervisor:
 
     def _gasp(self, attempt: Attempt, failed: procs.Proc) -> str | None:
         world = self.opts.command.worker_num if self.nodes else None  # several nodes: ask theirs too
-        return gaspask.ask(
-            self.run_dir, attempt, failed, self.opts.gasp_s, self.signals.wake, self.say, world
-        )
+        ask = (self.run_dir, attempt, failed, self.opts.gasp_s, self.signals.wake, self.say, world)
+        return gaspask.ask(*ask)
 
     def _forget_gasp(self) -> None:
         gaspask.forget(self.run_dir, self.opts.command.worker_num)
