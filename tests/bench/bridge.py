@@ -38,7 +38,7 @@ from pathlib import Path
 
 from tests.bench import ab
 from tests.helpers.app import AUTH, TOKEN
-from tests.helpers.jobs import DemoJob
+from tests.helpers.jobs import DEMO_BATCH, DemoJob
 from tests.helpers.liveserver import start_dashboard
 
 
@@ -167,7 +167,7 @@ def _post_stop(url: str) -> None:
 def stop_latency(stops: int, samples: int, root: Path) -> dict:
     rows = []
     for i in range(stops):
-        job = DemoJob(root / f"stop-{i}", epochs=50, samples=samples).start()
+        job = DemoJob(root / f"stop-{i}", epochs=50, samples=samples, batch=DEMO_BATCH).start()
         server = start_dashboard(
             job.run_dir, root / f"stop-{i}-dashboard.log", env={"RANKWATCH_TOKEN": TOKEN}
         )

@@ -49,6 +49,7 @@ from app import attempts as app_attempts
 from app.compose import build
 from app.config import from_env
 from app.supervise import policy, procs
+from tests.helpers.jobs import DEMO_DATA
 from tests.helpers.launch import LaunchJob
 from trainer_bridge.demo.__main__ import free_port
 from trainer_bridge.rundir import attempts, runfiles
@@ -133,7 +134,7 @@ def run_way(name: str, base: Path, plan, train: list[str], quick: bool) -> dict:
     launch_args += ["--hang-restart-s", str(HANG_S), "--hang-mode", "restart"]
     if name == "launch":
         launch_args += ["--gasp-s", "0"]
-    job = LaunchJob(run_dir, train, launch_args)
+    job = LaunchJob(run_dir, train, launch_args, **DEMO_DATA)  # the demo's batch, as documented
     plain = Plain(job) if name == "plain" else None
     t0 = time.time()
     if plain:

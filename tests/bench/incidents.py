@@ -46,7 +46,7 @@ from tests.bench.scale import percentile
 from tests.helpers.app import AUTH, TOKEN
 from tests.helpers.heartbeats import heartbeat, write_heartbeat, write_job
 from tests.helpers.incidents import HANGER
-from tests.helpers.jobs import DemoJob
+from tests.helpers.jobs import DEMO_DATA, DemoJob
 from tests.helpers.receiver import Receiver
 from trainer_bridge.rundir import pyspy
 
@@ -218,7 +218,7 @@ def bench_capture(workdir: Path, requests: int = 10) -> dict:
     rng = random.Random(0)
     run_dir = workdir / "capture"
     out = {}
-    job = DemoJob(run_dir, epochs=200, step_delay=0.05).start()
+    job = DemoJob(run_dir, epochs=200, step_delay=0.05, **DEMO_DATA).start()
     try:
         job.wait_for_step(5)
         app = create_app(settings(run_dir))

@@ -14,9 +14,9 @@ from trainer_bridge.rundir.ckptmeta import read_meta
 
 pytestmark = pytest.mark.msrun
 
-# 640 samples: 10 steps an epoch on each of the 2 ranks, so the relaunch that trains "to the end"
+# 160 samples at the tests' batch: 10 steps an epoch on each of the 2 ranks, so the relaunch that trains "to the end"
 # (into the epoch after the next, to cross an epoch boundary) trains some 15 steps, not 55.
-SAMPLES = 640
+SAMPLES = 160
 
 
 def _stopped(hbs):
@@ -68,7 +68,7 @@ def test_flag_stops_every_rank_at_one_step_then_resume_ignores_the_served_flag(t
     # A relaunch whose resume point is past the epochs it asks for (1 step per epoch here,
     # 1 epoch, and the set is at stop_step >= 4) ends cleanly instead of Model.train's
     # "epoch must bigger than initial_epoch" (issue 17): it says so and reports finished.
-    past = start_job(run, epochs=1, samples=64)
+    past = start_job(run, epochs=1, samples=16)
     assert past.wait() == 0, past.logs()
     for r in range(2):
         log = past.worker_log(r)

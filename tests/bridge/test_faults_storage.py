@@ -36,7 +36,7 @@ pytestmark = [pytest.mark.msrun, pytest.mark.browser]
 SIZE = "2m"
 # Far more than the test needs: the job ends by a graceful stop, not by itself.
 EPOCHS = 1000
-SAMPLES = 2000
+SAMPLES = 500
 
 
 @pytest.fixture

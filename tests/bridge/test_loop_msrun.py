@@ -16,16 +16,16 @@ import numpy as np
 import pytest
 
 from tests.helpers.app import AUTH, make_app
-from tests.helpers.jobs import UNTIL_STOPPED, DemoJob, dump, write_flag
+from tests.helpers.jobs import BATCH, UNTIL_STOPPED, DemoJob, dump, write_flag
 from tests.helpers.spikes import replay
 from trainer_bridge.rundir import copies, runfiles
 from trainer_bridge.rundir.ckptmeta import read_meta
 
 pytestmark = pytest.mark.msrun
 
-# 640 samples: 10 steps an epoch, so the relaunch crosses an epoch boundary (the same batch
-# again one epoch later) within some 15 steps, not 55.
-SAMPLES, BATCH = 640, 32
+# 160 samples at the tests' batch: 10 steps an epoch, so the relaunch crosses an epoch boundary
+# (the same batch again one epoch later) within some 15 steps, not 55.
+SAMPLES = 160
 PER_EPOCH = SAMPLES // 2 // BATCH  # steps per epoch on each of the 2 ranks
 LOOP = ["--loop", "--no-shuffle"]
 

@@ -155,7 +155,7 @@ def test_a_wheel_installed_without_e_serves_reads_and_stops_a_real_job(
 ):
     bin_dir, env, cwd = fresh_venv
     run_dir = tmp_path / "run"
-    job = start_job(run_dir, epochs=200, samples=2000, step_delay=0.05, extra=["--ckpt-every", "10"])
+    job = start_job(run_dir, epochs=200, step_delay=0.05, extra=["--ckpt-every", "10"])
     job.wait_for_step(25)  # periodic sets from step 10 on (the newest 5 kept)
     served = serve(bin_dir, env, cwd, run_dir)
     assert "development server" not in "\n".join(served.lines)

@@ -25,6 +25,7 @@ import pytest
 
 from app.supervise import procs
 from tests.helpers.faults import measure
+from tests.helpers.jobs import BATCH, SAMPLES, UNTIL_STOPPED
 from tests.helpers.launch import wait_gone
 from tests.helpers.netns import LAUNCH_TIMEOUT_S, kill_tree, steps_logged
 from trainer_bridge.demo.__main__ import free_port
@@ -33,9 +34,8 @@ from trainer_bridge.rundir import attempts, ckptindex, runfiles
 
 pytestmark = [pytest.mark.msrun, pytest.mark.netns]
 
-# 2000 samples, 2 ranks, batch 32: 31 steps an epoch; sets every 10 steps. The job trains until the
+# 500 samples, 2 ranks, batch 8: 31 steps an epoch; sets every 10 steps. The job trains until the
 # stop ends it (a job that could finish first would race the stop).
-SAMPLES, UNTIL_STOPPED = 2000, 1000
 FAST = ["--backoff-s", "0.5", "--grace-s", "5"]
 
 
@@ -90,7 +90,7 @@ def test_a_rank_killed_on_node_1_ends_the_attempt_on_both_nodes_and_both_relaunc
     run_dir = tmp_path / "run"
     data = write_mnist(run_dir / "mnist", samples=SAMPLES)
     train = ["--run-dir", str(run_dir), "--data-dir", str(data), "--epochs", str(UNTIL_STOPPED), "--step-log"]
-    train += ["--step-delay", "0.05", "--ckpt-every", "10"]
+    train += ["--step-delay", "0.05", "--ckpt-every", "10", "--batch-size", str(BATCH)]
     logs = [tmp_path / f"node{n}.launch.log" for n in range(2)]
     first_port = free_port()
     sups = [

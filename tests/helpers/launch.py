@@ -16,12 +16,10 @@ from pathlib import Path
 import psutil
 
 from app.supervise import procs
-from tests.helpers.jobs import JOB_TIMEOUT_S, JobFailed, steps_logged
+from tests.helpers.jobs import BATCH, JOB_TIMEOUT_S, SAMPLES, JobFailed, steps_logged
 from trainer_bridge.demo.__main__ import TRAIN_SCRIPT, free_port, job_env, msrun_command
 from trainer_bridge.demo.mnist import write_mnist
 from trainer_bridge.rundir import attempts, runfiles
-
-BATCH = 32
 
 
 class LaunchJob:
@@ -33,17 +31,19 @@ class LaunchJob:
         train_args: list[str] | None = None,
         launch_args: list[str] | None = None,
         ranks: int = 2,
-        samples: int = 2000,
+        samples: int = SAMPLES,
         script: Path = TRAIN_SCRIPT,
         join: bool = True,
         env: dict | None = None,
+        batch: int = BATCH,
     ):
         self.run_dir = Path(run_dir)
         self.ranks = ranks
-        self.steps_per_epoch = max(1, -(-samples // ranks) // BATCH)
+        self.steps_per_epoch = max(1, -(-samples // ranks) // batch)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         data = write_mnist(self.run_dir / "mnist", samples=samples)
-        args = ["--run-dir", str(self.run_dir), "--data-dir", str(data), "--step-log", *(train_args or [])]
+        args = ["--run-dir", str(self.run_dir), "--data-dir", str(data), "--step-log"]
+        args += ["--batch-size", str(batch), *(train_args or [])]
         cmd = msrun_command(self.run_dir, ranks, args, free_port(), script)
         if not join:  # the supervisor must behave the same whatever --join says
             cmd = [a.replace("--join=True", "--join=False") for a in cmd]

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import psutil
 
+from tests.helpers.jobs import BATCH, SAMPLES
 from trainer_bridge.demo.__main__ import job_env
 from trainer_bridge.demo.mnist import write_mnist
 
@@ -224,9 +225,9 @@ def launch(nodes: TwoNodes, run_dirs: list, tmp_path, tag: str) -> list[subproce
     """Both launchers; node ``n`` trains in ``run_dirs[n]`` (the same path twice for a shared directory)."""
     procs = []
     for n, run_dir in enumerate(run_dirs):
-        data = write_mnist(run_dir / "mnist", samples=2000)
+        data = write_mnist(run_dir / "mnist", samples=SAMPLES)
         args = ["--run-dir", str(run_dir), "--data-dir", str(data), "--epochs", "50"]
-        args += ["--step-delay", "0.05", "--step-log"]
+        args += ["--batch-size", str(BATCH), "--step-delay", "0.05", "--step-log"]
         procs.append(nodes.msrun(n, run_dir, args, log_path=tmp_path / f"{tag}-node{n}.log"))
     return procs
 

@@ -293,8 +293,11 @@ def demo_script(
     from trainer_bridge.demo.mnist import write_mnist
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    data = write_mnist(run_dir / "mnist", samples=2000)
+    from tests.helpers.jobs import BATCH, SAMPLES
+
+    data = write_mnist(run_dir / "mnist", samples=SAMPLES)
     train = [str(script or TRAIN_SCRIPT), "--run-dir", str(run_dir), "--data-dir", str(data), "--step-log"]
+    train += ["--batch-size", str(BATCH)]
     args = ["--job-name", "rw-test", "--workers-per-node", "2", "--cpus-per-task", str(os.cpu_count() or 1)]
     args += ["--master-port", str(free_port()), "--run-dir", str(run_dir)]
     for key, value in opts.items():

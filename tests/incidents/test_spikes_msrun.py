@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 
 from tests.helpers.app import FAST_SETTINGS, TOKEN
-from tests.helpers.jobs import JOB_TIMEOUT_S
+from tests.helpers.jobs import DEMO_BATCH, JOB_TIMEOUT_S
 from trainer_bridge.demo.train import POISON_ENV
 from trainer_bridge.rundir import rollbacks, runfiles
 
@@ -46,6 +46,7 @@ def test_poisoned_inputs_are_alerted_marked_and_observed_and_nothing_stops(
         run_dir,
         epochs=1,
         samples=4000,
+        batch=DEMO_BATCH,  # the loss itself is judged here: the demo's batch, not the noisier tests' one
         step_delay=0.1,
         extra=["--ckpt-every", str(EVERY), "--ckpt-keep", "10", "--activation", "tanh"],
         env={POISON_ENV: str(K)},

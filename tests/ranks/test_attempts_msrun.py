@@ -37,7 +37,7 @@ from trainer_bridge.rundir import attempts, runfiles
 pytestmark = [pytest.mark.msrun, pytest.mark.browser]
 
 UI_TIMEOUT_MS = 120_000
-SAMPLES = 2000
+SAMPLES = 500
 
 
 def job(run, **kw) -> DemoJob:

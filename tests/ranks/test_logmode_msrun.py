@@ -60,7 +60,7 @@ def test_unmodified_script_is_shown_live_from_its_logs_and_a_killed_rank_dead_wi
         run,
         ranks=2,
         epochs=40,
-        samples=2000,
+        samples=500,
         step_delay=0.05,
         extra=["--no-bridge", "--monitors"],
         env={"GLOG_v": "2"},

@@ -83,7 +83,7 @@ def relaunch_trains_past_step_1(run, tmp_path, epochs: int = 2) -> list[int]:
         run,
         ranks=1,
         epochs=epochs,
-        samples=320,
+        samples=80,  # 10 steps an epoch at the tests' batch
         extra=NATIVE,
         env={"MS_ENABLE_GRACEFUL_EXIT": "1"},
     )
@@ -104,7 +104,7 @@ def test_one_onrequestexit_process_obeys_and_the_dashboard_completes_the_stop_fr
         run,
         ranks=1,
         epochs=200,
-        samples=320,
+        samples=80,  # 10 steps an epoch at the tests' batch
         step_delay=0.05,
         extra=NATIVE,
         env={"MS_ENABLE_GRACEFUL_EXIT": "1", "GLOG_v": "2"},
@@ -144,7 +144,7 @@ def test_one_onrequestexit_process_obeys_and_the_dashboard_completes_the_stop_fr
 def test_two_processes_that_ignore_the_flag_end_and_the_stop_is_reported_not_obeyed(tmp_path, start_server):
     run = tmp_path / "run"
     # CPU, 2 processes, no MS_ENABLE_GRACEFUL_EXIT: OnRequestExit never reads the flag.
-    job = DemoJob(run, ranks=2, epochs=3, samples=640, step_delay=0.05, extra=NATIVE, env={"GLOG_v": "2"})
+    job = DemoJob(run, ranks=2, epochs=3, samples=160, step_delay=0.05, extra=NATIVE, env={"GLOG_v": "2"})
     server = start_server(run, tmp_path / "dashboard.log", env={"RANKWATCH_TOKEN": TOKEN})
     with job:
         wait_for("both ranks training from their logs", lambda: training_rows(server, 2, 2), job)

@@ -29,7 +29,7 @@ from trainer_bridge.rundir import gaspfiles, runfiles
 
 pytestmark = pytest.mark.msrun
 
-# 2000 samples, 2 ranks, batch 32: 31 steps an epoch. Two epochs: a kill at step 25 leaves a
+# 500 samples, 2 ranks, batch 8 (LaunchJob's defaults): 31 steps an epoch. Two epochs: a kill at step 25 leaves a
 # relaunch some 35 steps to train (every step a relaunch trains costs the suite time).
 EPOCHS = 2
 TRAIN = ["--epochs", str(EPOCHS), "--step-delay", "0.05", "--ckpt-every", "10"]
@@ -445,13 +445,13 @@ def losses(job: LaunchJob, rank: int) -> dict[int, str]:
 def test_a_resume_from_the_dying_gasp_gives_the_losses_of_a_run_without_the_fault(tmp_path):
     """The proof: the replica saved while the survivor was blocked is its last finished step, exactly."""
     exact = ["--epochs", "2", "--step-delay", "0.05", "--no-shuffle", "--monitors"]
-    # 640 samples: 10 steps an epoch, 20 a run (not 62). The kill, at step 5, is in the first
+    # 160 samples: 10 steps an epoch, 20 a run (not 62). The kill, at step 5, is in the first
     # epoch, so the resumed run crosses an epoch boundary, as with 31-step epochs and a kill at 20.
     # The two jobs side by side: the losses do not depend on the pace, and most of a job's time is
     # MindSpore's start and end, waiting, which the two then share.
     with (
-        LaunchJob(tmp_path / "clean", exact, FAST, samples=640) as clean,
-        LaunchJob(tmp_path / "fault", exact, FAST, samples=640) as job,
+        LaunchJob(tmp_path / "clean", exact, FAST, samples=160) as clean,
+        LaunchJob(tmp_path / "fault", exact, FAST, samples=160) as job,
     ):
         job.wait_until(lambda: step(job, 1) >= 5, "rank 1 past global step 5")
         job.workers()[1].send_signal(signal.SIGKILL)

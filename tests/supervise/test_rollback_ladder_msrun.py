@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 
 from app.supervise import policy
+from tests.helpers.jobs import DEMO_DATA
 from tests.helpers.launch import LaunchJob, enforcing_dashboard, runs_row
 from trainer_bridge.rundir import rollbacks
 
@@ -32,7 +33,7 @@ FAST = ["--backoff-s", "0.5", "--grace-s", "5", "--max-rollbacks", "2"]
 def test_a_spike_that_comes_back_climbs_the_ladder_then_the_budget_ends_the_run(tmp_path):
     run, server = enforcing_dashboard(tmp_path, SKIP)
     try:
-        with LaunchJob(run, TRAIN, FAST, env={"RANKWATCH_DEMO_POISON_STEP": f"{K}:40"}) as job:
+        with LaunchJob(run, TRAIN, FAST, env={"RANKWATCH_DEMO_POISON_STEP": f"{K}:40"}, **DEMO_DATA) as job:
             assert job.wait() == policy.ROLLBACK_EXHAUSTED, job.output() + server.log()
     finally:
         server.stop()

@@ -17,6 +17,7 @@ import math
 import pytest
 
 from tests.helpers.faults import measure
+from tests.helpers.jobs import DEMO_DATA
 from tests.helpers.launch import LaunchJob, enforcing_dashboard
 from trainer_bridge.rundir import rollbacks, runfiles
 
@@ -48,7 +49,7 @@ def test_a_nan_from_step_k_is_rolled_back_to_the_last_healthy_set_and_the_bad_ba
     try:
         # A margin other than the default: the dashboard must name the set this supervisor takes.
         launch = [*FAST, "--rollback-margin", str(MARGIN)]
-        with LaunchJob(run, TRAIN, launch, env={"RANKWATCH_DEMO_POISON_STEP": f"{K}:5"}) as job:
+        with LaunchJob(run, TRAIN, launch, env={"RANKWATCH_DEMO_POISON_STEP": f"{K}:5"}, **DEMO_DATA) as job:
             seen = job.wait_until(
                 lambda: nonfinite_loss(job, 0) or nonfinite_loss(job, 1), "a non-finite loss in a heartbeat"
             )
