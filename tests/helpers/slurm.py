@@ -289,12 +289,11 @@ def demo_script(
     """
     import sys
 
+    from tests.helpers.jobs import BATCH, SAMPLES
     from trainer_bridge.demo.__main__ import TRAIN_SCRIPT
     from trainer_bridge.demo.mnist import write_mnist
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    from tests.helpers.jobs import BATCH, SAMPLES
-
     data = write_mnist(run_dir / "mnist", samples=SAMPLES)
     train = [str(script or TRAIN_SCRIPT), "--run-dir", str(run_dir), "--data-dir", str(data), "--step-log"]
     train += ["--batch-size", str(BATCH)]
