@@ -124,6 +124,10 @@ class RankEnds:
             self._probes.clear()
             return
         late = set(board.late(now, self.check_after_s, local_only=True))
+        # The silent rule's verdicts say whether the process still runs, so a "runs" probe taken
+        # before a rank crossed STALL_MIN_S or DEAD_AFTER_S is taken again as it crosses: else a rank
+        # SIGSTOPped just after its probe is announced "still runs" for up to PROCESS_CHECK_AFTER_S.
+        edges = (board.th.stall_min_s, board.th.dead_after_s)
         # Ranks shown from their logs: msrun's own words about their end count too (app.run.logmode).
         log_late = {r for r in board.late(now, self.check_after_s) if r in from_log}
         for r in set(self._probes) - late - log_late:
@@ -133,9 +137,13 @@ class RankEnds:
             hb = board.latest[r]
             pid, started = hb["pid"], hb.get("started_at")
             who, checked_at, why = self._probes.get(r, (None, None, None))
-            if who != (pid, started) or (
-                (why is None or isinstance(why, (Stopped, Unreaped)))
-                and now - checked_at >= self.check_after_s
+            if (
+                who != (pid, started)
+                or (
+                    (why is None or isinstance(why, (Stopped, Unreaped)))
+                    and now - checked_at >= self.check_after_s
+                )
+                or (why is None and _crossed(hb.get("time"), edges, checked_at, now))
             ):
                 why = self._probe(pid, started)
                 self._probes[r] = ((pid, started), now, why)
@@ -153,3 +161,10 @@ class RankEnds:
             said = logs.gone(r)
             self._probes[r] = ((None, None), now, said)
             board.set_probe(r, said, None, False)
+
+
+def _crossed(beat, edges, since: float, now: float) -> bool:
+    """Whether a heartbeat written at ``beat`` became ``edge`` old after ``since`` (for any edge)."""
+    if not isinstance(beat, (int, float)) or isinstance(beat, bool):
+        return False
+    return any(since < beat + e <= now for e in edges)

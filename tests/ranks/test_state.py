@@ -13,7 +13,7 @@ import pytest
 from app.config import from_env
 from app.ranks import charts
 from app.run import heartbeats as reader_module
-from app.run.heartbeats import probe_process, read_history_tail
+from app.run.heartbeats import Stopped, probe_process, read_history_tail
 from app.run.state import RunState
 from tests.helpers.app import FAST_SETTINGS
 from tests.helpers.heartbeats import gone_pid, heartbeat, process_started, write_heartbeat, write_job
@@ -200,6 +200,27 @@ def test_fresh_ranks_are_not_probed(run_dir):
     assert probed == []
     st.scan(now + FAST_SETTINGS["PROCESS_CHECK_AFTER_S"] + 0.1)
     assert probed == [os.getpid()]
+
+
+def test_a_rank_stopped_just_after_its_probe_is_never_announced_as_running(run_dir):
+    """The silent rule says whether the process runs: the probe behind it is taken as the rank crosses
+    STALL_MIN_S, not PROCESS_CHECK_AFTER_S earlier (CI: a SIGSTOP between the two read "still runs")."""
+    settings = {**from_env({}), **FAST_SETTINGS, "PROCESS_CHECK_AFTER_S": 2.0}
+    stopped = Stopped(f"process {os.getpid()} is stopped (SIGSTOP or a debugger)")
+    answers = [None]  # what the probe finds: running, until the test stops it
+
+    def probe(pid, started):
+        return answers[-1]
+
+    now = time.time()
+    beat(run_dir, 0, 1, seq=1, now=now, pid=os.getpid(), started_at=process_started())
+    st = RunState(run_dir, settings, probe=probe)
+    st.scan(now + 2.0)  # late: probed, it runs
+    answers.append(stopped)  # SIGSTOP now, 0.6 s before the rank crosses STALL_MIN_S (2.5 s)
+    st.scan(now + 2.6)  # within PROCESS_CHECK_AFTER_S of the last probe, yet past the edge
+    row = st.snapshot(now + 2.6)["ranks"][0]
+    assert row["health"] == "stalled"
+    assert row["reason"].startswith(f"process {os.getpid()} is stopped"), row["reason"]
 
 
 def test_history_is_seeded_from_both_segments_and_bounded(run_dir):
