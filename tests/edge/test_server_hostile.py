@@ -75,6 +75,31 @@ def request(url: str, path: str, method="GET", body=None, token=None, timeout=DE
         return e.code, json.loads(e.read() or b"null")
 
 
+def _tcp_hex(addr: tuple[str, int]) -> str:
+    """``addr`` as /proc/net/tcp writes it: the IPv4 address in host (little-endian) order, then the port."""
+    return f"{socket.inet_aton(addr[0])[::-1].hex().upper()}:{addr[1]:04X}"
+
+
+def wait_until_read_by_server(sock: socket.socket) -> None:
+    """Until the server has read every byte sent on ``sock`` (the kernel's queues, not a clock).
+
+    The client's send queue is empty once the server's end acknowledged the bytes, and the server's
+    receive queue once its process read them (``/proc/net/tcp``'s ``tx_queue:rx_queue``).
+    """
+    here, there = _tcp_hex(sock.getsockname()), _tcp_hex(sock.getpeername())
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline:
+        queues = {}
+        for line in open("/proc/net/tcp").read().splitlines()[1:]:
+            fields = line.split()
+            tx, rx = (int(q, 16) for q in fields[4].split(":"))
+            queues[(fields[1], fields[2])] = (tx, rx)
+        if queues.get((here, there), (1, 0))[0] == 0 and queues.get((there, here), (0, 1))[1] == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the server did not read what was sent on {sock.getsockname()}")
+
+
 def ws_upgrade(host: str, port: int) -> bytes:
     return (
         f"GET /socket.io/?EIO=4&transport=websocket HTTP/1.1\r\nHost: {host}:{port}\r\n"
@@ -181,6 +206,8 @@ def test_a_graceful_stop_ends_open_websockets_at_once_and_lets_a_request_in_flig
     poll.sendall(
         f"GET /socket.io/?EIO=4&transport=polling&sid={sid} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
     )
+    # In flight, not on its way: a connection that has sent no byte yet is closed at once by a stop.
+    wait_until_read_by_server(poll)
     try:
         live_server.proc.terminate()
         while ws.recv(65536):  # Engine.IO's open packet, then the end
