@@ -124,6 +124,30 @@ def recorded_abnormal(index: Index, spans: list[tuple[int, int]]) -> dict[str, s
     return out
 
 
+def left_behind(index: Index, lines: list[rollbacks.Line]) -> dict[str, str]:
+    """``{set id: why}`` for the sets a rollback went back past: the run's abandoned branch.
+
+    A ``relaunched`` line took the run back to its target step; every set newer than that step
+    saved before the line was written (the stop's own set among them) holds the weights of the
+    branch the spike was in. A crash or a restarted supervisor must not resume from one: that
+    would undo the rollback. The files' times and the line's come from the clocks of the hosts
+    that wrote them; the stop's set is written seconds before the line (MindSpore's exit lies
+    between), and the new branch's sets a MindSpore start after it.
+    """
+    out = {}
+    for line in lines:
+        if line.kind != "relaunched" or line.target_step is None:
+            continue
+        for s in index.sets:
+            if s.global_step is not None and s.global_step > line.target_step and s.mtime <= line.at:
+                out.setdefault(
+                    s.id,
+                    f"left behind by the rollback from the spike at global step {line.first_step} "
+                    f"to global step {line.target_step}",
+                )
+    return out
+
+
 def rollback_target(
     index: Index,
     run_dir: str,
@@ -138,7 +162,12 @@ def rollback_target(
 
     Healthy adds to the health evidence (``ckpthealth``: a MindSpore
     ``*_breakpoint.ckpt``, a save after a NaN loss, MindFormers' health file)
-    the sets saved at a step an earlier ``rollbacks.jsonl`` line shows abnormal.
+    the sets saved at a step an earlier ``rollbacks.jsonl`` line shows abnormal, and those an earlier
+    rollback left behind (``left_behind``).
     """
-    unhealthy = {**ckpthealth.unhealthy(run_dir, index), **recorded_abnormal(index, abnormal_spans(lines))}
+    unhealthy = {
+        **ckpthealth.unhealthy(run_dir, index),
+        **recorded_abnormal(index, abnormal_spans(lines)),
+        **left_behind(index, lines),
+    }
     return newest_healthy(index, unhealthy, before_step=first_step - margin, exclude=exclude, tensors=tensors)

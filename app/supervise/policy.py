@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from app.checkpoints import finite, target
-from trainer_bridge.rundir import ckpthealth, ckptindex, supervised
+from trainer_bridge.rundir import ckpthealth, ckptindex, rollbacks, supervised
 
 # The exit statuses of rankwatch launch (docs/cli.md, "launch").
 OK = 0
@@ -120,9 +120,11 @@ def choose_resume(run_dir: str, world_size: int, max_named: int = 5) -> ResumeCh
     or infinite (read from the files, up to ``SCAN_BUDGET_BYTES`` in all: past
     it a set is taken unread) are passed over and named. A set without a
     global step cannot be pinned (``RANKWATCH_RESUME_STEP``) and is passed
-    over too. A rollback's target is ``target.rollback_target``.
+    over too, and so are the sets a loss-spike rollback went back past (``target.left_behind``):
+    resumed after a crash or by a restarted supervisor, they would undo it. A rollback's target is
+    ``target.rollback_target``.
     """
     index = ckptindex.scan(run_dir, world_size=world_size)
-    return target.newest_healthy(
-        index, ckpthealth.unhealthy(run_dir, index), tensors=tensors(), max_named=max_named
-    )
+    lines, _ = rollbacks.read_lines(run_dir)
+    unhealthy = {**ckpthealth.unhealthy(run_dir, index), **target.left_behind(index, lines)}
+    return target.newest_healthy(index, unhealthy, tensors=tensors(), max_named=max_named)

@@ -326,6 +326,43 @@ def committed(run_dir: str, decision: Decision, attempt: int, say: Callable[[str
     _clear(run_dir, say)
 
 
+def restart(
+    run_dir: str,
+    world: int,
+    settings: Settings,
+    attempt: int,
+    say: Callable[[str], None],
+    decide_pending: bool = True,
+) -> tuple[int | None, dict]:
+    """Where a supervisor started again on a run with attempts goes on from: (exit status or None, env).
+
+    A rollback request still pending was asked while no supervisor could act on it (the last one
+    was killed after the stop, before its relaunch): it is decided now, as at the stop. Else the
+    newest healthy set, with the last rollback's skip carried (``carry``). ``decide_pending`` False
+    (one node of several: each would decide, and write, on its own): the request is left as it is.
+    """
+    req = pending(run_dir, 0.0, say) if decide_pending else None
+    if req is not None:
+        say("a loss-spike rollback was left undecided by an earlier supervisor: deciding it now")
+        d = decide(run_dir, world, req, settings, say)
+        if d.code is None:
+            confirm(run_dir, world, d, settings, req, say)
+        say(d.said)
+        if d.code is not None:
+            return d.code, {}
+        committed(run_dir, d, attempt, say)
+        return None, dict(d.env)
+    choice = policy.choose_resume(run_dir, world)
+    env = {}
+    if choice.global_step is not None:
+        env[runfiles.RESUME_STEP_ENV] = str(choice.global_step)
+        env.update(carry(run_dir, choice.global_step))
+        say(f"resuming from set {choice.set_id} (global step {choice.global_step})")
+    if choice.note:
+        say(choice.note)
+    return None, env
+
+
 def data_step(env: dict) -> int:
     """The global step the relaunched job's data (and step count) resumes at, by the bridge's rule."""
     resumed = env.get(runfiles.RESUME_STEP_ENV, "")

@@ -129,19 +129,22 @@ class Supervisor:
                 "supervisor records the attempt and neither kills nor relaunches"
             )
         env = {**os.environ, procs.MARK_ENV: self.mark}
-        if self._records() and runfiles.RESUME_STEP_ENV not in env:
-            # The run has attempts already (this supervisor was started again, after a kill or a stop):
-            # go on from the newest healthy set, as a relaunch would.
-            choice = policy.choose_resume(self.run_dir, self.opts.command.worker_num)
-            if choice.global_step is not None:
-                env[runfiles.RESUME_STEP_ENV] = str(choice.global_step)
-                env.update(rollback.carry(self.run_dir, choice.global_step))
-                self.say(f"resuming from set {choice.set_id} (global step {choice.global_step})")
-            if choice.note:
-                self.say(choice.note)
-        first_step = self._pinned_step(env)
-        several = self.nodes if not record_only else None
         number, port = max((r["attempt"] for r in self._records()), default=0) + 1, None
+        if number > 1 and runfiles.RESUME_STEP_ENV not in env:
+            # Started again (after a kill or a stop): go on as the last supervisor would have.
+            code, found = rollback.restart(
+                self.run_dir,
+                self.opts.command.worker_num,
+                self.opts.rollback,
+                number,
+                self.say,
+                not self.nodes,
+            )
+            if code is not None:
+                return code
+            env = rollback.environment(env, None) | found
+        first_step = rollback.data_step(env) + 1
+        several = self.nodes if not record_only else None
         while True:
             history = policy.History.of(self._records())
             env[procs.ATTEMPT_ENV] = str(number)
@@ -196,10 +199,6 @@ class Supervisor:
                 return code
             env = relaunch_env
             first_step = rollback.data_step(env) + 1
-
-    def _pinned_step(self, env: dict) -> int:
-        step = env.get(runfiles.RESUME_STEP_ENV, "")
-        return int(step) + 1 if step.isdigit() else 1
 
     def _records(self) -> list[dict]:
         try:

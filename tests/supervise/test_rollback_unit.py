@@ -158,11 +158,12 @@ def test_the_ladder_goes_one_rung_further_at_the_same_place_and_the_budget_ends_
 
 
 def test_a_spike_far_past_the_last_rollback_starts_at_rung_one(run_dir):
-    for step in (10, 20, 200):
+    for step in (10, 20):
         periodic(run_dir, step)
     s = rollback.Settings(cooldown_steps=50)
     d = rollback.decide(str(run_dir), 2, request(first_step=25, skip=10), s, Said())
     rollback.committed(str(run_dir), d, 2, Said())
+    periodic(run_dir, 200, mtime=time.time() + 10)  # saved by the relaunched attempt
     # 25 - 1 + 10 + 50 = 84 is the cooldown's end; a spike at 300 is a new place.
     d = rollback.decide(str(run_dir), 2, request(first_step=300, skip=10), s, Said())
     assert d.cause["rung"] == 1 and d.cause["skip_batches"] == 10 and d.resume["global_step"] == 200
@@ -224,3 +225,42 @@ def test_a_crash_relaunch_from_a_set_before_the_skipped_data_skips_it_again(run_
     }
     # A set past the skipped data (37) needs no skip; one older than the target is another story.
     assert rollback.carry(str(run_dir), 37) == {} and rollback.carry(str(run_dir), 10) == {}
+
+
+def test_a_restarted_supervisor_decides_the_rollback_left_pending_and_never_resumes_the_branch_it_left(
+    run_dir,
+):
+    """Issue 34's leftover: the supervisor that asked the stop was killed before its relaunch."""
+    for step in (10, 20, 30, 36):  # 36: the stop's own set, saved after the spike began at 32
+        periodic(run_dir, step)
+    rollbacks.write_request(run_dir, request(first_step=32, skip=10))
+    said = Said()
+    code, env = rollback.restart(str(run_dir), 2, rollback.Settings(), 3, said)
+    rolled = {runfiles.RESUME_STEP_ENV: "30", rollbacks.SKIP_FROM_ENV: "35", rollbacks.SKIP_BATCHES_ENV: "10"}
+    assert (code, env) == (None, rolled), said
+    assert said[0] == "a loss-spike rollback was left undecided by an earlier supervisor: deciding it now"
+    assert "rolling back to set " + sid(30) in said[1]
+    (line,) = rollbacks.read_lines(run_dir)[0]
+    assert (line.kind, line.target_step, line.attempt) == ("relaunched", 30, 3)
+    assert rollbacks.read_request(run_dir) == (None, None)
+
+    # Killed again before attempt 3 saved a set (or attempt 3 crashed): set 36 is the branch the
+    # rollback left, newest and healthy as it looks, and the skip is carried.
+    choice = policy.choose_resume(str(run_dir), 2)
+    assert choice.global_step == 30, choice.note
+    assert (
+        f"set {sid(36)}: unhealthy: left behind by the rollback from the spike at global step 32 to global step 30"
+    ) in choice.note
+    said = Said()
+    assert rollback.restart(str(run_dir), 2, rollback.Settings(), 4, said) == (None, rolled)
+    assert said[0] == f"resuming from set {sid(30)} (global step 30)"
+    # A later spike's target passes over the left branch too.
+    assert rollback.choose(str(run_dir), 2, request(first_step=50), rollback.Settings()).global_step == 30
+
+    # The new branch's own sets, saved after the rollback, are taken as they come.
+    periodic(run_dir, 46, mtime=line.at + 20)
+    assert policy.choose_resume(str(run_dir), 2).global_step == 46
+    assert rollback.restart(str(run_dir), 2, rollback.Settings(), 4, Said()) == (
+        None,
+        {runfiles.RESUME_STEP_ENV: "46"},
+    )
