@@ -30,17 +30,17 @@ $(VENV)/.installed: pyproject.toml
 demo: venv
 	$(VENV)/bin/rankwatch demo --run-dir $(RUN) --ranks $(RANKS) --port $(PORT)
 
-# Three workers (pytest-xdist) on 2 cores: most tests wait on msrun jobs (MindSpore's
-# start and end are mostly waiting), so a third keeps the cores busy. The same clone,
-# idle: 32 min 18 s with two workers, 24 min 47 s with three. (The tests' jobs train
-# batches of 8, tests/helpers/jobs.py; when they trained the demo's 32, three were
-# measured no faster than two.)
+# Four workers (pytest-xdist) on 2 cores: most tests wait on msrun jobs (MindSpore's
+# start and end are mostly waiting), so more workers than cores keep the cores busy.
+# Idle runs of the whole suite: 32 min 18 s with two workers, 24 min 47 s and 25 min 29 s
+# with three, 22 min 54 s with four (README, "The two commands"). (The tests' jobs train batches of 8, tests/helpers/jobs.py;
+# when they trained the demo's 32, three were measured no faster than two.)
 # --dist worksteal: a worker that runs out takes half of another's queue.
 # xdist's default (load) leaves each worker its queue, which at the end can
 # hold minutes of msrun jobs while the other worker idles.
 # Debug one test without it: .venv/bin/python -m pytest tests/x.py -k name
 test: venv
-	$(PY) -m pytest -ra --durations=40 -n 3 --dist worksteal
+	$(PY) -m pytest -ra --durations=40 -n 4 --dist worksteal
 
 test-fast: venv
 	$(PY) -m pytest -ra -m "$(FAST)"
