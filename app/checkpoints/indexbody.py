@@ -35,10 +35,11 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from app.checkpoints import target
 from app.checkpoints.resume import TTP_NOTE, bridge_default, ranks_text
 from app.checkpoints.retention import interrupted
 from app.push import CHECKPOINTS_DELTA_EVENT, CHECKPOINTS_EVENT, changed_fields
-from trainer_bridge.rundir import ckpthealth
+from trainer_bridge.rundir import ckpthealth, rollbacks
 from trainer_bridge.rundir.ckptindex import CheckpointFile, CheckpointSet, Index
 from trainer_bridge.rundir.ckptpaths import ORIGIN_TTP
 
@@ -62,6 +63,9 @@ class IndexView:
         self.now = time.time()
         self.verifier = verifier
         self.unhealthy = ckpthealth.unhealthy(run_dir, index, memo=health)
+        # The sets a loss-spike rollback went back past: rankwatch launch never resumes one
+        # (target.left_behind); the bridge alone does not know them, so its ★ may fall on one.
+        self.left = target.left_behind(index, rollbacks.read_lines(run_dir)[0]) if run_dir else {}
         self.default = bridge_default(index, self.unhealthy)
         self.deleting = interrupted(run_dir)
         self.series = _launch_series([s.layout for s in index.sets])
@@ -76,6 +80,11 @@ class IndexView:
         notes = _notes(s, self.default)
         if unhealthy:
             notes.append(f"unhealthy: {unhealthy}; the bridge does not resume from it")
+        if s.id in self.left:
+            notes.append(
+                f"{self.left[s.id]}: its weights are the spike's; rankwatch launch never resumes from it"
+                + ("; pin an older set to relaunch by hand" if self.default is s else "")
+            )
         if s.id in self.deleting:
             notes.append(
                 "being deleted by retention (interrupted): partial on purpose; the next retention run finishes it"
@@ -96,7 +105,10 @@ class IndexView:
             (
                 s
                 for s in sorted(index.sets, key=lambda s: -(s.global_step or 0))
-                if s.complete and s.global_step is not None and s.id not in self.unhealthy
+                if s.complete
+                and s.global_step is not None
+                and s.id not in self.unhealthy
+                and s.id not in self.left
             ),
             None,
         )

@@ -12,13 +12,16 @@ file and one step held twice agreed already, and are checked to stay so.
 
 from __future__ import annotations
 
+import os
 import time
 
 from app.checkpoints import finite, target
+from app.checkpoints.indexbody import IndexView
+from app.checkpoints.verify import Verifier
 from app.incidents import spikes
 from app.supervise import rollback
 from tests.helpers import ckptcraft
-from tests.helpers.checkpoints import bridge_id, nan_set, periodic, save_bridge_set, sid
+from tests.helpers.checkpoints import OLD, bridge_id, nan_set, periodic, save_bridge_set, sid
 from trainer_bridge.rundir import ckpthealth, ckptindex, rollbacks
 
 
@@ -122,3 +125,27 @@ def test_past_the_pages_read_budget_the_target_is_unverified_and_verdicts_are_re
     choice = target.rollback_target(index, str(run_dir), 30, 1, [], tensors=reader)
     assert choice.set_id == sid(10) and f"set {sid(20)}: not finite" in choice.note
     assert choice.unverified.endswith("bytes of tensors are past the 0 MiB this choice reads")
+
+
+def test_the_branch_a_rollback_left_is_passed_over_by_both_and_named_on_the_page(run_dir):
+    for step in (10, 20):
+        periodic(run_dir, step)
+    save_bridge_set(run_dir, 27)  # the stop's own set, after the spike began at 25
+    for p in run_dir.rglob("*.ckpt"):
+        os.utime(p, (OLD, OLD))
+    d = rollback.decide(str(run_dir), 2, request(25), rollback.Settings(), [].append)
+    rollback.committed(str(run_dir), d, 2, [].append)
+    assert d.resume["set"] == sid(20)
+    # A second spike, in the relaunched branch before it saved a set: never the stop's set.
+    page, _, supervisor, _ = both(run_dir, 40)
+    assert page == supervisor == sid(20)
+    view = IndexView(ckptindex.scan(run_dir, world_size=2), 2, str(run_dir), Verifier(None, None))
+    body = view.body()
+    stop = next(s for s in body["sets"] if s["id"] == bridge_id(27))
+    left = "left behind by the rollback from the spike at global step 25 to global step 20"
+    # The bridge alone does not know the branch: an unchanged relaunch by hand would take the set.
+    assert body["bridge_resume"] == bridge_id(27) and body["newest_healthy"] == sid(20)
+    assert (
+        f"{left}: its weights are the spike's; rankwatch launch never resumes from it; pin an older set"
+        in (" | ".join(stop["notes"]))
+    )
