@@ -32,9 +32,10 @@ demo: venv
 
 # Four workers (pytest-xdist) on 2 cores: most tests wait on msrun jobs (MindSpore's
 # start and end are mostly waiting), so more workers than cores keep the cores busy.
-# Idle runs of the whole suite: 32 min 18 s with two workers, 24 min 47 s and 25 min 29 s
-# with three, 22 min 54 s with four (README, "The two commands"). (The tests' jobs train batches of 8, tests/helpers/jobs.py;
-# when they trained the demo's 32, three were measured no faster than two.)
+# Idle runs of the whole suite: 32 min 18 s with two workers, 24 min 47 s and
+# 25 min 29 s with three, 22 min 54 s and 21 min 18 s with four (README, "The two
+# commands"). The tests' jobs train batches of 8 (tests/helpers/jobs.py); when they
+# trained the demo's 32, three workers were measured no faster than two.
 # --dist worksteal: a worker that runs out takes half of another's queue.
 # xdist's default (load) leaves each worker its queue, which at the end can
 # hold minutes of msrun jobs while the other worker idles.
