@@ -38,7 +38,7 @@ demo: venv
 # trained the demo's 32, three workers were measured no faster than two.
 # --dist worksteal: a worker that runs out takes half of another's queue.
 # xdist's default (load) leaves each worker its queue, which at the end can
-# hold minutes of msrun jobs while the other worker idles.
+# hold minutes of msrun jobs while the others idle.
 # Debug one test without it: .venv/bin/python -m pytest tests/x.py -k name
 test: venv
 	$(PY) -m pytest -ra --durations=40 -n 4 --dist worksteal

@@ -35,7 +35,7 @@ UNTIL_STOPPED = 1000
 # The tests' jobs train batches of 8 (the demo's default is 32): the same steps, files and
 # protocol at a third of the compute per step (measured: 0.143 s -> 0.052 s a step, 2 ranks
 # on the 2 shared cores, no step delay; a 30-step job's CPU 17.9 s -> 12.4 s, of which MindSpore's
-# start and end are about 10 s). That leaves the cores room for make test's third worker.
+# start and end are about 10 s). That leaves the cores room for make test's extra workers.
 # The loss is noisier at 8, so the tests that judge the loss itself (spikes, rollbacks) and the
 # benchmarks train at DEMO_BATCH.
 BATCH = 8

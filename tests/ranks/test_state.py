@@ -216,7 +216,7 @@ def test_a_rank_stopped_just_after_its_probe_is_never_announced_as_running(run_d
     beat(run_dir, 0, 1, seq=1, now=now, pid=os.getpid(), started_at=process_started())
     st = RunState(run_dir, settings, probe=probe)
     st.scan(now + 2.0)  # late: probed, it runs
-    answers.append(stopped)  # SIGSTOP now, 0.6 s before the rank crosses STALL_MIN_S (2.5 s)
+    answers.append(stopped)  # SIGSTOP now, before the rank crosses STALL_MIN_S (2.5 s)
     st.scan(now + 2.6)  # within PROCESS_CHECK_AFTER_S of the last probe, yet past the edge
     row = st.snapshot(now + 2.6)["ranks"][0]
     assert row["health"] == "stalled"
