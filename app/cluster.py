@@ -308,7 +308,7 @@ class Leader(redisbus.Guarded):
         self.token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.value: str | None = None  # what this process last wrote, while it leads
         self.leads = False
-        self.where = redisbus._safe_url(url)
+        self.where = redisbus.safe_url(url)
         self.taken_over: str | None = None  # the last stale lock this process replaced, and why
 
     def _new_value(self) -> str:

@@ -3,8 +3,10 @@
 Run where the master key is (the dashboard's ``RANKWATCH_REDIS_KEY`` or
 ``RANKWATCH_REDIS_KEY_FILE``); it writes one 0600 file per rank or host, each
 holding a key derived from the master for that rank or host only
-(``trainer_bridge.rundir.redisbus.hand_out``). Copy to each node only its own
-files. The master key itself is never written.
+(``trainer_bridge.rundir.redisbus.hand_out``), and with ``--launch`` the key
+the nodes' ``rankwatch launch`` sign their records in Redis with
+(``app/supervise/board.py``). Copy to each node only its own files. The
+master key itself is never written.
 """
 
 from __future__ import annotations
@@ -64,7 +66,14 @@ def write_key(path: Path, value: str) -> None:
     multiple=True,
     help="A host to write an agent key for: agent_{HOST}.key (repeatable).",
 )
-def redis_keys(out: Path, ranks: str, run_dir: Path | None, job: str, agents: tuple[str, ...]) -> None:
+@click.option(
+    "--launch",
+    is_flag=True,
+    help="Also write launch.key: for every node's rankwatch launch (RANKWATCH_LAUNCH_KEY_FILE).",
+)
+def redis_keys(
+    out: Path, ranks: str, run_dir: Path | None, job: str, agents: tuple[str, ...], launch: bool
+) -> None:
     """Write per-rank and per-host Redis keys derived from the master key (one 0600 file each)."""
     from app.config import from_env
     from trainer_bridge.rundir import redisbus
@@ -78,8 +87,8 @@ def redis_keys(out: Path, ranks: str, run_dir: Path | None, job: str, agents: tu
         raise click.UsageError(
             "the key given is a handed key, not the master: only the dashboard's key derives others"
         )
-    if ranks and not (job or run_dir):
-        raise click.UsageError("rank keys are bound to the job: give --run-dir or --job")
+    if (ranks or launch) and not (job or run_dir):
+        raise click.UsageError("rank and launch keys are bound to the job: give --run-dir or --job")
     out.mkdir(mode=0o700, parents=True, exist_ok=True)
     name = job or (redisbus.job_key(run_dir) if run_dir else "")
     written = 0
@@ -87,6 +96,9 @@ def redis_keys(out: Path, ranks: str, run_dir: Path | None, job: str, agents: tu
         write_key(
             out / f"rank_{rank}.key", redisbus.hand_out(master.encode(), redisbus.rank_label(name, rank))
         )
+        written += 1
+    if launch:
+        write_key(out / "launch.key", redisbus.hand_out(master.encode(), redisbus.launch_label(name)))
         written += 1
     for host in agents:
         if not host or "/" in host or host.startswith("."):

@@ -3,8 +3,9 @@
 Each node's supervisor wraps its own node's msrun; the node's rank and the
 node count come from that msrun line (``--node_rank``, ``--worker_num`` /
 ``--local_worker_num``). Node 0, where msrun's scheduler runs, leads. They
-coordinate through the run directory they already share, with two kinds of
-file in ``RUN/rankwatch/nodes/``, each written atomically (``runfiles``):
+coordinate through a board (``board.py``): the run directory they already
+share (``RUN/rankwatch/nodes/``, one file per record, each written
+atomically), or Redis with ``RANKWATCH_REDIS_URL``. Three kinds of record:
 
 * ``end_{N}_{k}.json``: node ``k`` ended attempt ``N`` (its cause, its
   timings, its last step), written once none of the node's processes is
@@ -28,7 +29,8 @@ file in ``RUN/rankwatch/nodes/``, each written atomically (``runfiles``):
   and no plan will come. Without it such a node waited ``PLAN_WAIT_S``
   (9 minutes) before it exited, and a scheduler's requeue waited with it.
 
-No protocol of its own beyond that: one writer per file, read until seen.
+No protocol of its own beyond that: one writer per record, read until seen.
+The nodes still share the run directory for the flag and the checkpoints.
 """
 
 from __future__ import annotations
@@ -40,14 +42,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from app.supervise import board as boards
 from app.supervise import policy, procs
 from app.supervise.cause import describe
 from app.supervise.command import Msrun, NotMsrun
-from trainer_bridge.rundir import launchguard, runfiles, safedirs, schema
+from trainer_bridge.rundir import launchguard, schema
 
-NODES_DIR = f"{runfiles.STATE_DIR}/nodes"
 END_NAME = re.compile(r"end_(\d{1,7})_(\d{1,6})\.json")
-MAX_FILES = 4 * schema.MAX_RANKS  # bounded scans of the directory
 # A peer's end that ends this node's attempt: failures, and a second Ctrl-C that ended one node at once.
 # A finish or a graceful stop ends every node by itself (the flag and the data are shared).
 REACT_TO = (*policy.FAILURES, "interrupted")
@@ -68,7 +69,12 @@ class Nodes:
     run_dir: str
     node: int
     count: int
+    board: boards.Board | None = None  # None: the run directory's (FileBoard)
     _lease_stop: threading.Event | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.board is None:
+            self.board = boards.FileBoard(self.run_dir)
 
     @property
     def leader(self) -> bool:
@@ -76,7 +82,8 @@ class Nodes:
 
     @classmethod
     def of(cls, cmd: Msrun, run_dir: str) -> Nodes | None:
-        """The node of a multi-node msrun line; None on one node. NotMsrun without a usable --node_rank."""
+        """The node of a multi-node msrun line; None on one node. NotMsrun without a usable --node_rank,
+        or with ``RANKWATCH_REDIS_URL`` and a key that cannot sign the nodes' records (``board.for_run``)."""
         if cmd.single_node:
             return None
         count = -(-cmd.worker_num // max(1, cmd.local_worker_num))
@@ -86,34 +93,31 @@ class Nodes:
                 f"with several nodes ({cmd.worker_num} workers, {cmd.local_worker_num} on each) rankwatch "
                 f"launch needs msrun's --node_rank, from 0 to {count - 1}: node 0 leads the relaunches"
             )
-        return cls(run_dir, node, count)
+        try:
+            board = boards.for_run(run_dir)
+        except ValueError as e:
+            raise NotMsrun(str(e)) from None
+        return cls(run_dir, node, count, board)
 
-    # ------------------------------------------------------------------ files
-
-    def _path(self, name: str):
-        return runfiles.state_dir(self.run_dir) / "nodes" / name
+    # ------------------------------------------------------------------ records
 
     def _write(self, name: str, body: dict) -> None:
-        safedirs.makedirs(self.run_dir, NODES_DIR)
-        runfiles.atomic_write_json(self._path(name), body, root=self.run_dir)
+        self.board.put(name, body)
 
     def _read(self, name: str) -> dict | None:
-        got = runfiles.read_json_or_none(self._path(name))
-        return got if isinstance(got, dict) else None
+        return self.board.get(name)
 
     def ends(self, attempt: int) -> dict[int, dict]:
-        """node -> its end record of ``attempt`` (this node's too), from one bounded scan."""
-        try:
-            entries, _ = safedirs.scan_regular(runfiles.state_dir(self.run_dir) / "nodes", MAX_FILES)
-        except OSError:
-            return {}
-        out = {}
-        for entry in entries:
-            m = END_NAME.fullmatch(entry.name)
+        """node -> its end record of ``attempt`` (this node's too), from one bounded listing."""
+        wanted = []
+        for name in self.board.names():
+            m = END_NAME.fullmatch(name)
             if m and int(m.group(1)) == attempt and int(m.group(2)) < self.count:
-                got = self._read(entry.name)
-                if got is not None and _valid(got):
-                    out[int(m.group(2))] = got
+                wanted.append(name)
+        out = {}
+        for name, got in self.board.read(wanted).items():
+            if _valid(got):
+                out[int(END_NAME.fullmatch(name).group(2))] = got
         return out
 
     # ------------------------------------------------------------------ every node
@@ -183,12 +187,9 @@ class Nodes:
 
     def _tidy(self, attempt: int) -> None:
         """The files of the attempt before: every node has followed that plan, since it ended this one."""
-        names = [f"plan_{attempt - 1}.json", *(f"end_{attempt - 1}_{k}.json" for k in range(self.count))]
-        for name in names:
-            try:
-                os.unlink(self._path(name))
-            except OSError:
-                pass
+        self.board.drop(
+            [f"plan_{attempt - 1}.json", *(f"end_{attempt - 1}_{k}.json" for k in range(self.count))]
+        )
 
     def start_lease(self) -> None:
         """On node 0: raise the counter in ``leader.json`` every ``LEASE_EVERY_S`` until ``stop_lease``."""
@@ -203,7 +204,7 @@ class Nodes:
                 try:
                     self._write(LEASE_NAME, body)
                 except OSError:
-                    pass  # a full or read-only disk: the other nodes fall back to PLAN_WAIT_S
+                    pass  # a full disk or Redis down: the other nodes fall back to PLAN_WAIT_S
                 if stop.wait(LEASE_EVERY_S):
                     return
 
@@ -234,7 +235,7 @@ class Nodes:
             now = time.monotonic()
             if now >= deadline:
                 return f"waited {PLAN_WAIT_S:g} s"
-            if now - checked >= LEASE_READ_S:  # every node reads the shared file system: once a second
+            if now - checked >= LEASE_READ_S:  # every node reads the board: once a second
                 checked, latest = now, self.leader_beat()
                 if latest != beat:
                     beat, heard = latest, now

@@ -176,18 +176,24 @@ class TwoNodes:
         local_workers: int,
         master_port: int,
         log_path: Path,
+        env: dict | None = None,
     ) -> subprocess.Popen:
-        """Node ``node``'s ``rankwatch launch`` around its msrun (one supervisor per node)."""
+        """Node ``node``'s ``rankwatch launch`` around its msrun (one supervisor per node); ``env`` is
+        added to the job's environment."""
         argv = self.msrun_argv(
             node, run_dir, train_args, local_workers=local_workers, master_port=master_port
         )
         launch = [sys.executable, "-m", "app.cli", "launch", "--run-dir", str(run_dir), *launch_args, "--"]
-        return self._start([*self.nodes[node].prefix(), *launch, *argv], log_path)
+        return self._start([*self.nodes[node].prefix(), *launch, *argv], log_path, env)
 
-    def _start(self, cmd: list[str], log_path: Path) -> subprocess.Popen:
+    def _start(self, cmd: list[str], log_path: Path, env: dict | None = None) -> subprocess.Popen:
         out = open(log_path, "ab")
         proc = subprocess.Popen(
-            cmd, env=job_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            cmd,
+            env={**job_env(), **(env or {})},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         out.close()
         self._procs.append(proc)

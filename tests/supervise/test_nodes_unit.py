@@ -1,7 +1,8 @@
 """``rankwatch launch`` on several nodes without MindSpore: the node's identity, the lock and the mark per
-node, the end files and node 0's plan (``app/supervise/nodes.py``), the launch guard's ended launch.
+node, the end records and node 0's plan (``app/supervise/nodes.py``), the launch guard's ended launch.
 
-The real two-node job is ``tests/cluster/test_launch_multinode.py``.
+The protocol's tests run on both boards (``app/supervise/board.py``): the run directory's files and a
+real ``redis-server``. The real two-node jobs are ``tests/cluster/test_launch_multinode.py``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 
 import pytest
 
+from app.supervise import board as boards
 from app.supervise import command, lock, nodes, policy, procs
 from tests.helpers.app import wait_for
 from trainer_bridge.rundir import launchguard, runfiles
@@ -36,6 +38,16 @@ def end(cause: str, fault_at: float | None, **more) -> dict:
 class Signals:
     count = 0
     wake = threading.Event()
+
+
+@pytest.fixture(params=["files", "redis"])
+def make(request, tmp_path):
+    """``make(node, count)``: a node of one run on the board of the test's parameter, each with its own
+    connection (as each node's supervisor has)."""
+    if request.param == "files":
+        return lambda node, count: nodes.Nodes(str(tmp_path), node, count)
+    url = request.getfixturevalue("redis_server").url
+    return lambda node, count: nodes.Nodes(str(tmp_path), node, count, boards.RedisBoard(url, "job1"))
 
 
 def test_the_node_comes_from_the_msrun_line_and_node_0_leads(tmp_path):
@@ -62,8 +74,8 @@ def test_one_supervisor_per_run_directory_and_node(tmp_path):
     assert len(marks) == 3 and procs.run_mark(str(tmp_path)) == procs.run_mark(str(tmp_path) + "/.")
 
 
-def test_a_failure_on_one_node_is_seen_by_the_others_and_the_first_failure_is_the_cause(tmp_path):
-    n0, n1, n2 = (nodes.Nodes(str(tmp_path), k, 3) for k in range(3))
+def test_a_failure_on_one_node_is_seen_by_the_others_and_the_first_failure_is_the_cause(make):
+    n0, n1, n2 = (make(k, 3) for k in range(3))
     assert n0.peer_failed(4)() is None
     n2.ended(4, end("finished", None))  # a finish ends no other node's attempt
     assert n0.peer_failed(4)() is None
@@ -82,7 +94,15 @@ def test_a_failure_on_one_node_is_seen_by_the_others_and_the_first_failure_is_th
     assert (
         nodes.gasp_words(None, n0.ends(4)) == "node 1: dying gasp: rank 0 saved its replica at global step 9"
     )
-    # Junk in the directory is ignored, never trusted.
+    # Junk on the board is ignored, never trusted.
+    n0.board.put("end_6_1.json", {"cause": {"kind": "crash"}, "node": 1, "fault_at": "x"})
+    n0.board.put("end_6_9.json", end("crash", 1.0, node=9))  # no such node
+    assert n0.ends(6) == {} and n1.peer_failed(6)() is None
+
+
+def test_junk_files_on_the_file_board_are_ignored(tmp_path):
+    n0, n1 = (nodes.Nodes(str(tmp_path), k, 3) for k in range(2))
+    n1.ended(4, end("crash", 1.0))  # makes the folder
     folder = runfiles.state_dir(tmp_path) / "nodes"
     (folder / "end_5_1.json").write_text(json.dumps({"cause": {"kind": "crash"}, "node": 1, "fault_at": "x"}))
     (folder / "end_5_2.json").write_text("{not json")
@@ -91,8 +111,8 @@ def test_a_failure_on_one_node_is_seen_by_the_others_and_the_first_failure_is_th
     assert n0.ends(5) == {} and n1.peer_failed(5)() is None
 
 
-def test_the_other_nodes_follow_node_0s_plan(tmp_path, monkeypatch):
-    leader, follower = nodes.Nodes(str(tmp_path), 0, 2), nodes.Nodes(str(tmp_path), 1, 2)
+def test_the_other_nodes_follow_node_0s_plan(make, monkeypatch):
+    leader, follower = make(0, 2), make(1, 2)
     monkeypatch.setenv("RANKWATCH_TEST_GONE", "1")
     monkeypatch.setenv("RANKWATCH_TEST_KEPT", "same")
     env = {k: v for k, v in os.environ.items() if k != "RANKWATCH_TEST_GONE"}
@@ -111,16 +131,15 @@ def test_the_other_nodes_follow_node_0s_plan(tmp_path, monkeypatch):
     # The end of the run: the same exit status on every node; the previous attempt's files are gone.
     leader.plan(2, policy.BUDGET, None, 3, None)
     assert follower.follow(2, {"kind": "peer"}, Signals(), said.append)["exit_code"] == policy.BUDGET
-    assert leader.ends(1) == {} and not (runfiles.state_dir(tmp_path) / "nodes" / "plan_1.json").exists()
+    assert leader.ends(1) == {} and leader.board.get("plan_1.json") is None
 
 
-def test_a_plan_that_never_comes_or_is_junk_ends_the_node_with_status_1(tmp_path, monkeypatch):
+def test_a_plan_that_never_comes_or_is_junk_ends_the_node_with_status_1(make, monkeypatch):
     monkeypatch.setattr(nodes, "PLAN_WAIT_S", 0.5)
-    follower = nodes.Nodes(str(tmp_path), 1, 2)
-    runfiles.atomic_write_json(
-        runfiles.state_dir(tmp_path) / "nodes" / "plan_1.json",
+    follower = make(1, 2)
+    follower.board.put(
+        "plan_1.json",
         {"attempt": 1, "action": "relaunch", "exit_code": 0, "next_attempt": 2, "master_port": 99999},
-        root=tmp_path,
     )
     said: list[str] = []
     plan = follower.follow(
@@ -131,14 +150,14 @@ def test_a_plan_that_never_comes_or_is_junk_ends_the_node_with_status_1(tmp_path
     assert said[-1] == "node 0 wrote no plan after attempt 1 (waited 0.5 s); ending this node"
 
 
-def test_a_node_stops_waiting_once_node_0s_supervisor_falls_silent(tmp_path, monkeypatch):
+def test_a_node_stops_waiting_once_node_0s_supervisor_falls_silent(make, monkeypatch):
     """Node 0's lease (``leader.json``) is a counter read on the follower's own clock: while it moves
     the follower waits on; once it stands still for LEADER_SILENT_S, no plan will come."""
     monkeypatch.setattr(nodes, "LEASE_EVERY_S", 0.05)
     monkeypatch.setattr(nodes, "LEADER_SILENT_S", 1.0)
     monkeypatch.setattr(nodes, "LEASE_READ_S", 0.1)
-    leader, follower = nodes.Nodes(str(tmp_path), 0, 2), nodes.Nodes(str(tmp_path), 1, 2)
-    nodes.Nodes(str(tmp_path), 1, 2).start_lease()  # only node 0 has one
+    leader, follower = make(0, 2), make(1, 2)
+    make(1, 2).start_lease()  # only node 0 has one
     assert follower.leader_beat() is None
     leader.start_lease()
     try:
@@ -162,11 +181,11 @@ def test_a_node_stops_waiting_once_node_0s_supervisor_falls_silent(tmp_path, mon
     )
 
 
-def test_a_plan_carries_only_rankwatchs_own_variables(tmp_path, monkeypatch):
+def test_a_plan_carries_only_rankwatchs_own_variables(make, monkeypatch):
     # The plan is a file in the run directory: whoever writes it must not choose LD_PRELOAD for every
     # node, nor unset PATH; the resume step still travels.
     monkeypatch.setenv("PATH", "/usr/bin")
-    follower = nodes.Nodes(str(tmp_path), 1, 2)
+    follower = make(1, 2)
     plan = {
         "action": "relaunch",
         "set": {"LD_PRELOAD": "/tmp/evil.so", runfiles.RESUME_STEP_ENV: "20", procs.MARK_ENV: "node0"},
@@ -175,7 +194,7 @@ def test_a_plan_carries_only_rankwatchs_own_variables(tmp_path, monkeypatch):
     mine = follower.environment(plan, "m1")
     assert "LD_PRELOAD" not in mine and mine["PATH"] == "/usr/bin"
     assert mine[runfiles.RESUME_STEP_ENV] == "20" and mine[procs.MARK_ENV] == "m1"
-    leader = nodes.Nodes(str(tmp_path), 0, 2)
+    leader = make(0, 2)
     leader.plan(1, policy.OK, {**os.environ, "LD_PRELOAD": "x.so", runfiles.RESUME_STEP_ENV: "30"}, 2, 4321)
     written = follower.wait_plan(1, Signals())
     assert written["set"] == {runfiles.RESUME_STEP_ENV: "30"} and "PATH" not in written["unset"]
@@ -189,11 +208,11 @@ def test_the_launch_guard_passes_over_the_ranks_of_a_launch_every_node_ended():
     assert len(launchguard.live_ranks([(1, beat)], own_launch=None, host="here", now=now, ended="new")) == 1
 
 
-def test_node_0_waits_for_every_node_boundedly_and_names_the_silent_one(tmp_path, monkeypatch):
+def test_node_0_waits_for_every_node_boundedly_and_names_the_silent_one(make, monkeypatch):
     monkeypatch.setattr(nodes, "END_WAIT_S", 0.5)
-    leader = nodes.Nodes(str(tmp_path), 0, 3)
+    leader = make(0, 3)
     leader.ended(1, end("crash", 1.0))
-    nodes.Nodes(str(tmp_path), 2, 3).ended(1, end("peer", 2.0))
+    make(2, 3).ended(1, end("peer", 2.0))
     said: list[str] = []
     assert sorted(leader.wait_ends(1, Signals(), said.append)) == [0, 2]
     assert said == [

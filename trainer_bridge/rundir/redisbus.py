@@ -138,6 +138,11 @@ def agent_label(host: str) -> str:
     return f"agent:{host}"
 
 
+def launch_label(job: str) -> str:
+    """The label every node's ``rankwatch launch`` of ``job`` signs its records with (app/supervise/board.py)."""
+    return f"launch:{job}"
+
+
 def derive(master: bytes, label: str) -> bytes:
     """The key of ``label`` (a role and an identity), derived from the master key (hex, as bytes)."""
     return hmac.digest(master, b"rankwatch/role-key\0" + label.encode(), "sha256").hex().encode()
@@ -257,14 +262,14 @@ class Guarded:
             result = fn(self._client)
         except (redis.RedisError, OSError) as e:
             first = self.error is None
-            self.error = f"redis at {_safe_url(self.url)} unreachable: {e}"
+            self.error = f"redis at {safe_url(self.url)} unreachable: {e}"
             self._down_until = self._clock() + RETRY_S
             self._client = None
             if first:
                 log.warning("rankwatch: %s (retrying every %g s)", self.error, RETRY_S)
             raise RedisUnavailable(self.error) from None
         if self.error is not None:
-            log.warning("rankwatch: redis at %s is back", _safe_url(self.url))
+            log.warning("rankwatch: redis at %s is back", safe_url(self.url))
             self.error = None
         return result
 
@@ -350,7 +355,7 @@ class Subscriber(Guarded):
                 "rankwatch: refused %s (%s is set): is something else writing to redis at %s?",
                 self.refused_last,
                 REDIS_KEY_ENV,
-                _safe_url(self.url),
+                safe_url(self.url),
             )
         return False
 
@@ -424,7 +429,7 @@ def _rank(raw) -> int | None:
     return rank if 0 <= rank < 1 << 31 else None
 
 
-def _safe_url(url: str) -> str:
+def safe_url(url: str) -> str:
     """The URL without its password, for logs and the page."""
     from urllib.parse import urlsplit, urlunsplit
 
