@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Protocol
 
 from trainer_bridge.rundir import redisbus, runfiles, safedirs, schema
@@ -49,6 +50,9 @@ LAUNCH_KEY_FILE_ENV = "RANKWATCH_LAUNCH_KEY_FILE"
 # (node 0's plan, its backoff), and a run abandoned in Redis does not stay there for ever.
 TTL_S = 7 * 24 * 3600
 PURPOSE = "nodes"
+# After a failed call, reads give nothing for this long without trying: the attempt loop polls the board
+# every 0.2 s and must not spend its connect timeout there each time. Writes always try.
+READ_RETRY_S = 2.0
 
 
 class Board(Protocol):
@@ -180,17 +184,23 @@ class RedisBoard:
         self.hash = f"rankwatch:{job}:nodes"
         self.where = f"Redis at {redisbus.safe_url(url)} ({self.hash})"
         self._client = None
+        self._down_until = 0.0
 
-    def _call(self, fn):
+    def _call(self, fn, read: bool = False):
         import redis
 
+        if read and time.monotonic() < self._down_until:
+            raise BoardUnavailable(f"{self.where} unreachable")
         try:
             if self._client is None:
                 self._client = redisbus.connect(self.url)
-            return fn(self._client)
+            got = fn(self._client)
         except (redis.RedisError, OSError) as e:
-            self._client = None  # a fresh connection at the next call: the supervisor polls on
+            self._client = None  # a fresh connection at the next call
+            self._down_until = time.monotonic() + READ_RETRY_S
             raise BoardUnavailable(f"{self.where} unreachable: {e}") from None
+        self._down_until = 0.0  # back (a write got through): reads try again at once
+        return got
 
     def put(self, name: str, body: dict) -> None:
         data = json.dumps(body, separators=(",", ":")).encode()
@@ -211,7 +221,7 @@ class RedisBoard:
 
     def names(self) -> list[str]:
         try:
-            got = self._call(lambda c: c.eval(_NAMES, 1, self.hash, MAX_NAMES, MAX_NAME))
+            got = self._call(lambda c: c.eval(_NAMES, 1, self.hash, MAX_NAMES, MAX_NAME), read=True)
         except BoardUnavailable:
             return []
         return [n.decode(errors="replace") for n in got if isinstance(n, bytes)]
@@ -221,7 +231,7 @@ class RedisBoard:
         if not names:
             return {}
         try:
-            got = self._call(lambda c: c.eval(_READ, 1, self.hash, MAX_RECORD, *names))
+            got = self._call(lambda c: c.eval(_READ, 1, self.hash, MAX_RECORD, *names), read=True)
         except BoardUnavailable:
             return {}
         out = {}

@@ -82,13 +82,19 @@ def test_junk_and_oversized_records_are_skipped_and_listing_is_bounded(redis_ser
     assert board.get("end_1_4.json") is None and raw.ttl(board.hash) > 0
 
 
-def test_redis_down_fails_writes_as_a_full_disk_would_and_reads_give_nothing(redis_server):
+def test_redis_down_fails_writes_as_a_full_disk_would_and_reads_give_nothing(redis_server, monkeypatch):
     board = boards.RedisBoard(redis_server.url, "job1")
     board.put("end_1_1.json", end())
     redis_server.stop()
     with pytest.raises(OSError, match="unreachable"):
         board.put("end_1_1.json", end())
+    # Within READ_RETRY_S of the failure, reads give nothing without a connection tried (the attempt
+    # loop's 0.2 s poll is not slowed by a connect timeout each time).
+    connects: list[str] = []
+    real = redisbus.connect
+    monkeypatch.setattr(redisbus, "connect", lambda url: connects.append(url) or real(url))
     assert board.get("end_1_1.json") is None and board.names() == [] and board.read(["end_1_1.json"]) == {}
+    assert connects == []
     said: list[str] = []
 
     class Outcome:
@@ -99,3 +105,7 @@ def test_redis_down_fails_writes_as_a_full_disk_would_and_reads_give_nothing(red
     assert said and said[0].startswith(
         "WARNING: this node's end of attempt 1 not written for the other nodes"
     )
+    # Redis back: the first write that gets through opens reads again at once.
+    redis_server.start()
+    board.put("end_1_1.json", end())
+    assert board.get("end_1_1.json") == end() and connects
