@@ -105,11 +105,10 @@ def _parse(data) -> dict | None:
 class FileBoard:
     """One file per record in ``RUN/rankwatch/nodes/`` (the nodes share the run directory)."""
 
-    where = "the run directory"
-
     def __init__(self, run_dir: str):
         self.run_dir = run_dir
         self.folder = runfiles.state_dir(run_dir) / "nodes"
+        self.where = f"the run directory ({self.folder})"
 
     def put(self, name: str, body: dict) -> None:
         safedirs.makedirs(self.run_dir, NODES_DIR)

@@ -191,6 +191,11 @@ class Nodes:
             [f"plan_{attempt - 1}.json", *(f"end_{attempt - 1}_{k}.json" for k in range(self.count))]
         )
 
+    def start(self, say) -> None:
+        """Say which node this is and where the nodes meet; on node 0, start the lease."""
+        say(f"node {self.node} of {self.count}; the nodes meet in {self.board.where}")
+        self.start_lease()
+
     def start_lease(self) -> None:
         """On node 0: raise the counter in ``leader.json`` every ``LEASE_EVERY_S`` until ``stop_lease``."""
         if not self.leader or self._lease_stop is not None:

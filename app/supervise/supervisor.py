@@ -236,7 +236,7 @@ class Supervisor:
     def _start_keeper(self) -> None:
         self.keeper, self._keeper_pipe = start_keeper(self.mark, self.opts.grace_s)
         if self.nodes:
-            self.nodes.start_lease()  # node 0's sign of life for the other nodes (a no-op on them)
+            self.nodes.start(self.say)  # where they meet; node 0's sign of life for the other nodes
 
     def _stop_keeper(self) -> None:
         stop_keeper(self.keeper, self._keeper_pipe)

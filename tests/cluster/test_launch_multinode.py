@@ -9,7 +9,9 @@ port, from that set (``app/supervise/nodes.py``). Then ``rankwatch stop``
 from the shell stops attempt 2 gracefully: both ranks save at one step, and
 neither supervisor relaunches (a stop is never a failure).
 One rank per node keeps the job small: the whole relaunch path runs, and
-the suite pays for two ranks, not four.
+the suite pays for two ranks, not four. The supervisors meet once in the run
+directory and once in a real ``redis-server`` in node 0's namespace
+(``RANKWATCH_REDIS_URL``, ``app/supervise/board.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from app.supervise import procs
 from tests.helpers.faults import measure
 from tests.helpers.jobs import BATCH, SAMPLES, UNTIL_STOPPED
 from tests.helpers.launch import wait_gone
-from tests.helpers.netns import LAUNCH_TIMEOUT_S, kill_tree, steps_logged
+from tests.helpers.netns import LAUNCH_TIMEOUT_S, TwoNodes, kill_tree, skip_reason, steps_logged
+from tests.helpers.redisserver import RedisServer
 from trainer_bridge.demo.__main__ import free_port
 from trainer_bridge.demo.mnist import write_mnist
 from trainer_bridge.rundir import attempts, ckptindex, runfiles
@@ -37,6 +40,16 @@ pytestmark = [pytest.mark.msrun, pytest.mark.netns]
 # 500 samples, 2 ranks, batch 8: 31 steps an epoch; sets every 10 steps. The job trains until the
 # stop ends it (a job that could finish first would race the stop).
 FAST = ["--backoff-s", "0.5", "--grace-s", "5"]
+
+
+@pytest.fixture
+def nodes():
+    """Two nodes, node 0 also reachable from here (a Redis server there, for this process's checks)."""
+    why = skip_reason()
+    if why:
+        pytest.skip(why)
+    with TwoNodes(uplink=True) as two:
+        yield two
 
 
 def node_procs(run_dir, node: int) -> list[psutil.Process]:
@@ -82,19 +95,38 @@ def trained_again(run_dir, rank: int) -> bool:
     return resumed is not None and (hb.get("global_step") or 0) >= resumed + 3
 
 
+def redis_fields(redis: RedisServer) -> set[str]:
+    import redis as client
+
+    got = client.Redis.from_url(redis.url).hkeys("rankwatch:two:nodes")
+    return {f.decode() for f in got}
+
+
 def output(logs) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}" for p in logs if p.exists())
 
 
-def test_a_rank_killed_on_node_1_ends_the_attempt_on_both_nodes_and_both_relaunch_together(nodes, tmp_path):
+@pytest.mark.parametrize("board", ["files", "redis"])
+def test_a_rank_killed_on_node_1_ends_the_attempt_on_both_nodes_and_both_relaunch_together(
+    nodes, tmp_path, board
+):
     run_dir = tmp_path / "run"
+    redis = env = None
+    if board == "redis":
+        node0 = nodes.nodes[0]
+        redis = RedisServer(
+            tmp_path, bind=(nodes.uplink_addr, node0.addr), prefix=["ip", "netns", "exec", node0.netns]
+        ).start()
+        env = {"RANKWATCH_REDIS_URL": f"redis://{node0.addr}:{redis.port}/0", "RANKWATCH_REDIS_JOB": "two"}
     data = write_mnist(run_dir / "mnist", samples=SAMPLES)
     train = ["--run-dir", str(run_dir), "--data-dir", str(data), "--epochs", str(UNTIL_STOPPED), "--step-log"]
     train += ["--step-delay", "0.05", "--ckpt-every", "10", "--batch-size", str(BATCH)]
     logs = [tmp_path / f"node{n}.launch.log" for n in range(2)]
     first_port = free_port()
     sups = [
-        nodes.supervised(n, run_dir, train, FAST, local_workers=1, master_port=first_port, log_path=logs[n])
+        nodes.supervised(
+            n, run_dir, train, FAST, local_workers=1, master_port=first_port, log_path=logs[n], env=env
+        )
         for n in range(2)
     ]
     try:
@@ -123,11 +155,20 @@ def test_a_rank_killed_on_node_1_ends_the_attempt_on_both_nodes_and_both_relaunc
         for n in range(2):
             for p in node_procs(run_dir, n):
                 p.kill()
+        if redis is not None:
+            met = redis_fields(redis)
+            redis.stop()
+    if board == "redis":
+        # They met in Redis alone: no record in the run directory, the last attempt's plan in the hash.
+        assert not (runfiles.state_dir(run_dir) / "nodes").exists()
+        assert "plan_2.json" in met and "end_2_1.json" in met, met
     said = [log.read_text(errors="replace") for log in logs]
     # The same new master port on both nodes' attempt 2 (node 0 chose it; node 1 followed the plan).
     assert ports(said[0])[1] == ports(said[1])[1] == first_port, said
     assert ports(said[0])[2] == ports(said[1])[2] != first_port, said
     assert "node 0's plan: attempt 2 on master port" in said[1]
+    where = "Redis at redis://" if board == "redis" else "the run directory"
+    assert all(f"node {n} of 2; the nodes meet in {where}" in said[n] for n in (0, 1)), said
     # One supervised line per attempt (node 0's), with both nodes' ends inside.
     lines = attempts.read_lines(run_dir, with_refused=True)[0]
     assert [r["attempt"] for r in lines if r["kind"] == "supervised"] == [1, 2], lines
