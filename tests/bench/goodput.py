@@ -26,7 +26,8 @@ building the cluster, compiling), measured on its own.
 
 ``--quick``: one kill and the hang on a shorter job (about 10 minutes in
 all on 2 cores). The full run: a kill every 2 to 4 minutes over 20 minutes
-of training, plus the hang.
+of training, plus the hang, then ``TAIL_S`` of training and a graceful stop
+(about 85 minutes in all).
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ from trainer_bridge.demo.__main__ import free_port
 from trainer_bridge.rundir import attempts, runfiles
 
 HANG_S = 10.0
+# The full run: the job is stopped gracefully (the flag) this long after the last fault's next first step,
+# so that each way's training ends where its faults do, not 12,400 steps later.
+TAIL_S = 60.0
 LLAMA3_MTBF_S = 3 * 3600.0  # Llama 3: 419 interruptions in 54 days, about one every 3 hours
 
 
@@ -163,6 +167,12 @@ def run_way(name: str, base: Path, plan, train: list[str], quick: bool) -> dict:
         attempt_start = fault["at"]
         fault["first_step_at"] = first_step_at(job, attempt_start)
         faults.append(fault)
+    if not quick:
+        while time.time() < faults[-1]["first_step_at"] + TAIL_S:
+            time.sleep(0.1)
+        runfiles.write_flag(
+            run_dir, True, request_id="bench-end", requested_at=time.time(), reason="bench end"
+        )
     code = job.proc.wait()
     t_end = time.time()
     time.sleep(2.0)
