@@ -31,12 +31,22 @@ def dashboard(redis_server, run_dir, tmp_path):
     stop_all(started)
 
 
+def _two_nodes(uplink: bool):
+    why = skip_reason()
+    if why:
+        pytest.skip(why)
+    with TwoNodes(uplink=uplink) as two:
+        yield two
+
+
 @pytest.fixture
 def nodes():
     """Two network namespaces on this machine (``tests/helpers/netns.py``), removed after the test;
     skips, with the reason, where they cannot be made."""
-    why = skip_reason()
-    if why:
-        pytest.skip(why)
-    with TwoNodes() as two:
-        yield two
+    yield from _two_nodes(uplink=False)
+
+
+@pytest.fixture
+def uplinked_nodes():
+    """The same, with node 0 also reachable from the test's process (a server there, checked from here)."""
+    yield from _two_nodes(uplink=True)

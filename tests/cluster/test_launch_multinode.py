@@ -29,7 +29,7 @@ from app.supervise import procs
 from tests.helpers.faults import measure
 from tests.helpers.jobs import BATCH, SAMPLES, UNTIL_STOPPED
 from tests.helpers.launch import wait_gone
-from tests.helpers.netns import LAUNCH_TIMEOUT_S, TwoNodes, kill_tree, skip_reason, steps_logged
+from tests.helpers.netns import LAUNCH_TIMEOUT_S, kill_tree, steps_logged
 from tests.helpers.redisserver import RedisServer
 from trainer_bridge.demo.__main__ import free_port
 from trainer_bridge.demo.mnist import write_mnist
@@ -43,13 +43,8 @@ FAST = ["--backoff-s", "0.5", "--grace-s", "5"]
 
 
 @pytest.fixture
-def nodes():
-    """Two nodes, node 0 also reachable from here (a Redis server there, for this process's checks)."""
-    why = skip_reason()
-    if why:
-        pytest.skip(why)
-    with TwoNodes(uplink=True) as two:
-        yield two
+def nodes(uplinked_nodes):
+    return uplinked_nodes
 
 
 def node_procs(run_dir, node: int) -> list[psutil.Process]:

@@ -28,11 +28,9 @@ from tests.helpers.jobs import dump
 from tests.helpers.netns import (
     LAUNCH_TIMEOUT_S,
     WORLD,
-    TwoNodes,
     kill_tree,
     launch,
     launcher_logs,
-    skip_reason,
     steps_logged,
 )
 from tests.helpers.redisserver import RedisServer
@@ -47,12 +45,8 @@ DEAD_AFTER_S = 30.0  # the default: node 1's agent finds its ranks dead sooner, 
 
 
 @pytest.fixture
-def nodes():
-    why = skip_reason()
-    if why:
-        pytest.skip(why)
-    with TwoNodes(uplink=True) as nodes:
-        yield nodes
+def nodes(uplinked_nodes):
+    return uplinked_nodes
 
 
 def node_of(rank: int) -> int:
