@@ -21,7 +21,9 @@ rank saves, from that thread, while the training thread stays blocked:
   ``_tmp`` directories, so a save cut short (a full disk) is never a set;
 * when not: the job is not pure data parallel, the training thread is not
   blocked (it might be inside an optimizer update), or the step moved while
-  saving. Then nothing is kept, and the answer says why.
+  saving or within a settling time after it (``SETTLE_MAX_S``: a blocked
+  thread stays blocked, a slow one finishes). Then nothing is kept, and the
+  answer says why.
 
 Each rank answers in ``RUN/rankwatch/gasp_rank_{r}.json`` (saved, with the
 step and the path, or why not), which the supervisor waits for.
@@ -46,6 +48,11 @@ log = logging.getLogger("trainer_bridge")
 # The training thread counts as blocked in a collective once its step has run this long (and
 # longer than a few of its usual steps): a step that still computes might be updating weights.
 BLOCKED_MIN_S = 1.0
+# After the save, the step must stay unfinished this long again (at most SETTLE_MAX_S, within the
+# supervisor's 5 s window): a thread blocked in a collective stays there until its timeout, one that
+# was only slow (a loaded machine) finishes its step and its save is dropped. A CI run under
+# stress-ng saved a replica mid-update once without this.
+SETTLE_MAX_S = 2.0
 
 
 class Gasp:
@@ -113,12 +120,14 @@ class Gasp:
         if mode != "data_parallel":
             return f"not pure data parallel (parallel_mode {mode}): one rank's replica is not the model"
         running = self.step_running_s()
-        if running is not None:
-            times = sorted(self.counters.step_times)
-            usual = times[len(times) // 2] if times else 0.0
-            if running < max(BLOCKED_MIN_S, 5 * usual):
-                return "busy"
+        if running is not None and running < self._blocked_after():
+            return "busy"
         return None
+
+    def _blocked_after(self) -> float:
+        times = sorted(self.counters.step_times)
+        usual = times[len(times) // 2] if times else 0.0
+        return max(BLOCKED_MIN_S, 5 * usual)
 
     def _save(self) -> None:
         c = self.counters
@@ -151,6 +160,14 @@ class Gasp:
             after = self.step_running_s()
             if c.global_step != step or (running is not None and (after is None or after < running)):
                 raise RuntimeError("the training thread finished a step while the replica was saved")
+            if running is not None:
+                time.sleep(min(SETTLE_MAX_S, self._blocked_after()))
+                later = self.step_running_s()
+                if c.global_step != step or later is None or later < after:
+                    raise RuntimeError(
+                        "the training thread finished its step just after the replica was saved: it was "
+                        "slow, not blocked in a collective, so the replica may be mid-update"
+                    )
             for r in range(self.world):
                 if r != self.rank:
                     dest = tmp / f"rank_{r}" / f"ttp_rank_{r}-{epoch}_{in_epoch}.ckpt"
