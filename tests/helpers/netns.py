@@ -24,7 +24,9 @@ a failure); ``skip_reason()`` says why a machine cannot do it (not root, no
 
 from __future__ import annotations
 
+import fcntl
 import os
+import random
 import re
 import shutil
 import signal
@@ -62,6 +64,18 @@ def skip_reason() -> str | None:
     return None
 
 
+UPLINK_LOCK = "/tmp/rankwatch-netns-uplink.lock"
+
+
+def _free_uplink() -> tuple[str, str]:
+    """(root side, node side) of a 10.78.X.0/30 that no device of the root namespace holds."""
+    held = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True).stdout
+    for x in random.sample(range(10, 250), 240):
+        if f"10.78.{x}." not in held:
+            return f"10.78.{x}.2", f"10.78.{x}.1"
+    raise RuntimeError("no free 10.78.X.0/30 for a test's uplink")
+
+
 def _run(*cmd: str) -> None:
     subprocess.run(cmd, check=True, capture_output=True, text=True)
 
@@ -93,8 +107,8 @@ class TwoNodes:
         ]
         self._veth = (f"rw{tag}a", f"rw{tag}b")
         self._uplink = (f"rw{tag}r", f"rw{tag}u") if uplink else None
-        self.root_addr = f"10.78.{subnet}.2" if uplink else None
-        self.uplink_addr = f"10.78.{subnet}.1" if uplink else None
+        self.root_addr: str | None = None  # the uplink's /30, chosen free on entry (``_free_uplink``)
+        self.uplink_addr: str | None = None
         self._procs: list[subprocess.Popen] = []
 
     def __enter__(self) -> TwoNodes:
@@ -113,7 +127,13 @@ class TwoNodes:
                 netns = self.nodes[0].netns
                 _run("ip", "link", "add", root_dev, "type", "veth", "peer", "name", node_dev)
                 _run("ip", "link", "set", node_dev, "netns", netns)
-                _run("ip", "addr", "add", f"{self.root_addr}/30", "dev", root_dev)
+                with open(UPLINK_LOCK, "a") as lock:
+                    # Several workers' uplinks share the root namespace: two on one /30 would route one
+                    # test's connections to the other's node (a refused connection). Chosen and added
+                    # under a lock, among the /30s no device here holds.
+                    fcntl.flock(lock, fcntl.LOCK_EX)
+                    self.root_addr, self.uplink_addr = _free_uplink()
+                    _run("ip", "addr", "add", f"{self.root_addr}/30", "dev", root_dev)
                 _run("ip", "link", "set", root_dev, "up")
                 _run("ip", "-n", netns, "addr", "add", f"{self.uplink_addr}/30", "dev", node_dev)
                 _run("ip", "-n", netns, "link", "set", node_dev, "up")
